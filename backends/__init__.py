@@ -1,0 +1,71 @@
+"""Backends execute plans. ``local`` keeps every rank in this process; ``torch_dist`` uses
+torch.distributed. A backend is a small, hashable object implementing ``Backend``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Backend", "default_backend"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What fshard needs from an executor of plans.
+
+    ``addressable`` names the shards whose data lives in this process; every
+    ``tensors`` argument and result below lists exactly those, in layout order.
+    """
+
+    name: str
+
+    @property
+    def rank(self) -> int | None:
+        """This process's global rank, or ``None`` when it holds every rank (local)."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks this backend spans (0 for local: any placement is allowed)."""
+        ...
+
+    def addressable(self, layout: Any) -> tuple[int, ...]:
+        """Indices into ``layout.shards`` of the shards held by this process."""
+        ...
+
+    def check_layout(self, layout: Any) -> None:
+        """Raises if ``layout`` places a shard on a rank this backend cannot reach."""
+        ...
+
+    def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Runs ``plan``: addressable shards of ``plan.src`` in, of ``plan.dst`` out.
+
+        ``like`` gives dtype (and device, where a shard's placement does not)."""
+        ...
+
+    def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
+        """Slices the global tensor into addressable shards (``src``: only that rank's is read)."""
+        ...
+
+    def assemble(self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None) -> torch.Tensor | None:
+        """The global tensor, on every rank (``dst=None``) or on rank ``dst`` (others ``None``)."""
+        ...
+
+    def exchange(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (a small picklable value), in rank order."""
+        ...
+
+
+def default_backend() -> Backend:
+    """``torch_dist`` on the WORLD group when torch.distributed is initialised, else ``local``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from fshard.backends.torch_dist import TorchDistBackend
+
+        return TorchDistBackend()
+    from fshard.backends.local import LOCAL
+
+    return LOCAL

@@ -1,0 +1,87 @@
+"""fshard: immutable sharded arrays for PyTorch, moved by pure functions and cached plans."""
+
+from fshard import backends as backends
+from fshard._array import Shard as Shard
+from fshard._array import ShardedArray as ShardedArray
+from fshard._config import config as config
+from fshard._creation import empty as empty
+from fshard._creation import empty_like as empty_like
+from fshard._creation import full as full
+from fshard._creation import full_like as full_like
+from fshard._creation import ones as ones
+from fshard._creation import ones_like as ones_like
+from fshard._creation import rand as rand
+from fshard._creation import rand_like as rand_like
+from fshard._creation import randn as randn
+from fshard._creation import randn_like as randn_like
+from fshard._creation import zeros as zeros
+from fshard._creation import zeros_like as zeros_like
+from fshard._errors import CheckpointError as CheckpointError
+from fshard._errors import CollectiveMismatchError as CollectiveMismatchError
+from fshard._errors import FShardError as FShardError
+from fshard._errors import LayoutError as LayoutError
+from fshard._errors import SpecError as SpecError
+from fshard._layout import Layout as Layout
+from fshard._layout import ShardMeta as ShardMeta
+from fshard._ops import allclose as allclose
+from fshard._ops import equal as equal
+from fshard._ops import from_local_shards_and_layout as from_local_shards_and_layout
+from fshard._ops import gather as gather
+from fshard._ops import map_local as map_local
+from fshard._ops import reshard as reshard
+from fshard._ops import shard as shard
+from fshard._placement import Placement as Placement
+from fshard._plan import Plan as Plan
+from fshard._plan import Transfer as Transfer
+from fshard._plan import plan as plan
+from fshard._specs import Chunk as Chunk
+from fshard._specs import Explicit as Explicit
+from fshard._specs import Mesh as Mesh
+from fshard._specs import Named as Named
+from fshard._specs import Replicated as Replicated
+from fshard._specs import Single as Single
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "Chunk",
+    "CollectiveMismatchError",
+    "Explicit",
+    "FShardError",
+    "Layout",
+    "LayoutError",
+    "Mesh",
+    "Named",
+    "Placement",
+    "Plan",
+    "Replicated",
+    "Shard",
+    "ShardMeta",
+    "ShardedArray",
+    "Single",
+    "SpecError",
+    "Transfer",
+    "allclose",
+    "backends",
+    "config",
+    "empty",
+    "empty_like",
+    "equal",
+    "from_local_shards_and_layout",
+    "full",
+    "full_like",
+    "gather",
+    "map_local",
+    "ones",
+    "ones_like",
+    "plan",
+    "rand",
+    "rand_like",
+    "randn",
+    "randn_like",
+    "reshard",
+    "shard",
+    "zeros",
+    "zeros_like",
+]

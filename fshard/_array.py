@@ -1,0 +1,209 @@
+"""``ShardedArray``: an immutable value of local shards plus global layout metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import optree.registry
+import torch
+import torch.utils._pytree as torch_pytree
+
+from fshard._errors import LayoutError
+from fshard._layout import Layout, ShardMeta
+
+__all__ = ["Shard", "ShardedArray"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Shard:
+    """One box of a global array (``meta``) and the tensor holding it (``data``)."""
+
+    meta: ShardMeta
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, torch.Tensor):
+            raise TypeError(f"Shard data must be a torch.Tensor, got {type(self.data).__name__}.")
+        if tuple(self.data.shape) != self.meta.sizes:
+            msg = f"Shard data has shape {tuple(self.data.shape)} but its box has sizes {self.meta.sizes}."
+            raise LayoutError(msg)
+
+
+class ShardedArray:
+    """A global array as local shards plus a ``Layout``; immutable, a pytree node.
+
+    Build one with ``fshard.shard``, a creation function or ``from_local_shards*``;
+    change it only by calling a function that returns a new array.
+
+    >>> import torch, fshard
+    >>> x = fshard.shard(torch.arange(6.0).reshape(2, 3), fshard.Chunk(1, [0, 1]))
+    >>> x.shape, x.size(-1), [s.data.shape for s in x.addressable_shards]
+    (torch.Size([2, 3]), 3, [torch.Size([2, 2]), torch.Size([2, 1])])
+    """
+
+    __slots__ = ("_backend", "_data", "_dtype", "_layout")
+    _layout: Layout
+    _data: tuple[torch.Tensor, ...]
+    _backend: Any
+    _dtype: torch.dtype
+
+    def __init__(
+        self, layout: Layout, data: Sequence[torch.Tensor], backend: Any, dtype: torch.dtype | None = None
+    ) -> None:
+        data = tuple(data)
+        index = backend.addressable(layout)
+        if len(data) != len(index):
+            msg = f"Expected {len(index)} addressable shard tensors for {layout!r}, got {len(data)}."
+            raise LayoutError(msg)
+        for i, t in zip(index, data):
+            _check_tensor(layout, i, t)
+        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "_data", data)
+        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "_dtype", data[0].dtype if data else (dtype or torch.get_default_dtype()))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        msg = f"ShardedArray is immutable: cannot set {name!r}; fshard functions return new arrays."
+        raise AttributeError(msg)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"ShardedArray is immutable: cannot delete {name!r}.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardedArray, (self._layout, self._data, self._backend, self._dtype))
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedArray(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"{len(self._layout.shards)} shards on ranks {list(self._layout.ranks)}, backend={self._backend.name})"
+        )
+
+    @property
+    def layout(self) -> Layout:
+        """The global layout metadata."""
+        return self._layout
+
+    @property
+    def backend(self) -> Any:
+        """The backend that holds the addressable shards."""
+        return self._backend
+
+    @property
+    def shape(self) -> torch.Size:
+        """Global shape."""
+        return torch.Size(self._layout.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return self._layout.ndim
+
+    def dim(self) -> int:
+        """Number of dimensions (torch spelling)."""
+        return self._layout.ndim
+
+    def size(self, dim: int | None = None) -> Any:
+        """The global shape, or its extent along ``dim`` (negative dims count from the end).
+
+        Raises:
+            IndexError: "Dimension out of range" for a ``dim`` outside ``[-ndim, ndim)``.
+        """
+        if dim is None:
+            return self.shape
+        n = self.ndim
+        if not -n <= dim < n:
+            msg = f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})"
+            raise IndexError(msg)
+        return self._layout.shape[dim]
+
+    def numel(self) -> int:
+        """Number of elements of the global array."""
+        return self._layout.numel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type (every shard has it)."""
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the first addressable shard (each shard sits on its placement's device)."""
+        return self._first().device
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the shards take part in autograd."""
+        return any(t.requires_grad for t in self._data)
+
+    @property
+    def addressable_shards(self) -> tuple[Shard, ...]:
+        """The shards held by this process: all of them (local) or this rank's (torch_dist)."""
+        idx = self._backend.addressable(self._layout)
+        return tuple(Shard(self._layout.shards[i], t) for i, t in zip(idx, self._data))
+
+    @property
+    def addressable_data(self) -> tuple[torch.Tensor, ...]:
+        """The tensors of ``addressable_shards``."""
+        return self._data
+
+    def local_tensor(self) -> torch.Tensor:
+        """The one addressable shard's tensor.
+
+        Raises:
+            NotImplementedError: "Only single local shard is supported." otherwise.
+        """
+        if len(self._data) != 1:
+            msg = (
+                f"Only single local shard is supported. This process holds {len(self._data)}; "
+                "use addressable_shards."
+            )
+            raise NotImplementedError(msg)
+        return self._data[0]
+
+    def _first(self) -> torch.Tensor:
+        """A tensor with this array's dtype: the first shard, or an empty stand-in."""
+        if self._data:
+            return self._data[0]
+        return torch.empty(0, dtype=self._dtype)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        msg = (
+            f"torch.{name} is not supported for ShardedArray: apply it to the shards with "
+            "fshard.map_local, or gather() first."
+        )
+        raise TypeError(msg)
+
+
+def _check_tensor(layout: Layout, i: int, t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        msg = f"Shard {i} of a ShardedArray must be a torch.Tensor, got {type(t).__name__}."
+        raise TypeError(msg)
+    if tuple(t.shape) != layout.shards[i].sizes:
+        msg = (
+            f"Shard {i} tensor has shape {tuple(t.shape)} but the layout gives it sizes "
+            f"{layout.shards[i].sizes}: a pytree transform must keep every shard's shape."
+        )
+        raise LayoutError(msg)
+
+
+def _flatten(x: ShardedArray) -> tuple[tuple[torch.Tensor, ...], tuple[Layout, Any, torch.dtype]]:
+    return x._data, (x._layout, x._backend, x._dtype)
+
+
+def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedArray:
+    return ShardedArray(aux[0], tuple(children), aux[1], aux[2])
+
+
+_GLOBAL = getattr(optree.registry, "__GLOBAL_NAMESPACE", "fshard")
+optree.register_pytree_node(ShardedArray, _flatten, lambda aux, ch: _unflatten(aux, ch), namespace=_GLOBAL)  # type: ignore[arg-type]
+torch_pytree.register_pytree_node(
+    ShardedArray,
+    lambda x: (list(x._data), (x._layout, x._backend, x._dtype)),
+    _unflatten,
+    serialized_type_name="fshard.ShardedArray",
+)

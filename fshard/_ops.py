@@ -1,0 +1,265 @@
+"""The functional API: pure functions from values to new values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fshard import _autograd
+from fshard._array import Shard, ShardedArray
+from fshard._errors import LayoutError, SpecError
+from fshard._layout import Layout, ShardMeta
+from fshard._specs import as_layout
+from fshard.backends import Backend, default_backend
+
+__all__ = [
+    "allclose", "equal", "from_local_shards_and_layout", "gather", "map_local", "reshard", "shard",
+]
+
+
+def resolve_backend(backend: Backend | None) -> Backend:
+    """``backend`` itself, or the default one (torch_dist when initialised, else local)."""
+    return default_backend() if backend is None else backend
+
+
+def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.layout != torch.strided:
+        raise SpecError(f"{what} has layout {tensor.layout}; only torch.strided tensors can be sharded.")
+    return tensor
+
+
+def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tuple[int, ...], torch.Tensor]:
+    """Agrees on ``src`` across ranks; returns the global shape and the tensor (a stand-in off src)."""
+    mine = backend.rank in (None, src)
+    info = (src, tuple(tensor.shape), tensor.dtype) if mine and tensor is not None else (src, None, None)
+    seen = backend.exchange(info)
+    if len({s for s, _, _ in seen}) != 1:
+        msg = f"src={src} on rank {backend.rank} does not match with src_rank on other ranks: {[s for s, _, _ in seen]}."
+        raise SpecError(msg)
+    owner = seen[src] if backend.rank is not None else info
+    if owner[1] is None:
+        raise SpecError(f"shard(..., src={src}) needs a tensor on rank {src}, got None.")
+    if mine:
+        return owner[1], _check_tensor(tensor, "shard() input")
+    return owner[1], torch.empty(0, dtype=owner[2])
+
+
+def shard(tensor: torch.Tensor | None, spec: Any, *, src: int | None = None, backend: Backend | None = None) -> ShardedArray:
+    """Splits a global tensor into a ``ShardedArray`` laid out by ``spec`` (a spec or a ``Layout``).
+
+    Args:
+        tensor: the global tensor. With ``src=None`` every rank passes it and slices
+            its own boxes (nothing is sent); with ``src=k`` only rank k's is read and
+            other ranks may pass ``None``.
+        spec: ``Chunk``, ``Named``, ``Replicated``, ``Single``, ``Explicit`` or a ``Layout``.
+        src: the rank whose tensor is the source, or ``None``.
+        backend: defaults to torch_dist when torch.distributed is initialised, else local.
+
+    Returns:
+        A new ``ShardedArray``; non-contiguous inputs are read correctly.
+
+    Raises:
+        SpecError: the spec does not fit ``tensor.shape``, or ranks disagree on ``src``.
+
+    >>> import torch, fshard
+    >>> x = fshard.shard(torch.arange(10.0), fshard.Chunk(0, [0, 1, 2, 3]))
+    >>> [tuple(s.data.tolist()) for s in x.addressable_shards]
+    [(0.0, 1.0, 2.0), (3.0, 4.0, 5.0), (6.0, 7.0, 8.0), (9.0,)]
+    """
+    backend = resolve_backend(backend)
+    if src is None:
+        full = _check_tensor(tensor, "shard() input")
+        shape: tuple[int, ...] = tuple(full.shape)
+    else:
+        shape, full = _source(tensor, src, backend)
+    layout = as_layout(spec, shape)
+    backend.check_layout(layout)
+    return ShardedArray(layout, _autograd.scatter(full, layout, backend, src), backend, full.dtype)
+
+
+def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | None:
+    """The global tensor: on every rank (``dst=None``) or on rank ``dst`` (others get ``None``).
+
+    Each distinct box is read from one replica; uneven and empty shards need no padding.
+
+    >>> import torch, fshard
+    >>> x = fshard.shard(torch.arange(6).reshape(2, 3), fshard.Chunk(1, [0, 1, 2, 3]))
+    >>> fshard.gather(x).tolist()
+    [[0, 1, 2], [3, 4, 5]]
+    """
+    _check_array(array, "gather()")
+    return _autograd.assemble(array.layout, array.backend, array._data, array._first(), dst)
+
+
+def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
+    """The same global values in a new layout; only elements whose owner changes are sent.
+
+    >>> import torch, fshard
+    >>> x = fshard.shard(torch.arange(8.0).reshape(2, 4), fshard.Chunk(0, [0, 1]))
+    >>> y = fshard.reshard(x, fshard.Chunk(1, [0, 1]))
+    >>> [s.data.tolist() for s in y.addressable_shards]
+    [[[0.0, 1.0], [4.0, 5.0]], [[2.0, 3.0], [6.0, 7.0]]]
+    """
+    _check_array(array, "reshard()")
+    layout = as_layout(spec, array.shape)
+    if layout == array.layout:
+        return array
+    array.backend.check_layout(layout)
+    data = _autograd.move(array.layout, layout, array.backend, array._data, array._first())
+    return ShardedArray(layout, data, array.backend, array.dtype)
+
+
+def map_local(fn: Callable[..., torch.Tensor], *arrays: ShardedArray, out_spec: Any = None) -> ShardedArray:
+    """Applies ``fn`` to corresponding local shards of arrays that share a layout.
+
+    A shape-preserving ``fn`` keeps the layout. If ``fn`` resizes only dims that no
+    shard splits, the new global shape is inferred. Resizing a split dim needs
+    ``out_spec`` (a spec or ``Layout``) describing the result.
+
+    >>> import torch, fshard
+    >>> x = fshard.shard(torch.ones(4, 2), fshard.Chunk(0, [0, 1]))
+    >>> y = fshard.map_local(lambda t: torch.cat([t, 2 * t], dim=1), x)
+    >>> tuple(y.shape), fshard.gather(y)[0].tolist()
+    ((4, 4), [1.0, 1.0, 2.0, 2.0])
+
+    Raises:
+        SpecError: layouts differ, or ``fn`` resized a split dim without ``out_spec``.
+    """
+    if not arrays:
+        raise TypeError("map_local() needs at least one ShardedArray.")
+    first = arrays[0]
+    for k, a in enumerate(arrays):
+        _check_array(a, f"map_local() argument {k}")
+        if a.layout != first.layout:
+            msg = (
+                f"map_local() arguments 0 and {k} have different layouts; "
+                f"reshard argument {k} first: fshard.reshard(x, other.layout)."
+            )
+            raise SpecError(msg)
+    outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
+    for t in outs:
+        _check_tensor(t, "map_local() fn result")
+    layout = _infer_layout(first.layout, first.backend.addressable(first.layout), outs, out_spec)
+    return ShardedArray(layout, outs, first.backend, outs[0].dtype if outs else first.dtype)
+
+
+def _infer_layout(layout: Layout, index: Sequence[int], outs: Sequence[torch.Tensor], out_spec: Any) -> Layout:
+    sizes = {i: tuple(t.shape) for i, t in zip(index, outs)}
+    if out_spec is None and all(sizes[i] == layout.shards[i].sizes for i in index):
+        return layout
+    shape = list(layout.shape)
+    ndim = len(outs[0].shape) if outs else layout.ndim
+    if any(len(s) != layout.ndim for s in sizes.values()) or ndim != layout.ndim:
+        if out_spec is None or not isinstance(out_spec, Layout):
+            msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."
+            raise SpecError(msg)
+    else:
+        for d in range(layout.ndim):
+            split = any(layout.shards[i].sizes[d] != layout.shape[d] for i in range(len(layout.shards)))
+            new = {sizes[i][d] for i in index}
+            old = {layout.shards[i].sizes[d] for i in index}
+            if new == old:
+                continue
+            if split and out_spec is None:
+                msg = (
+                    f"map_local() fn changed dim {d}, which the layout splits, from sizes "
+                    f"{sorted(old)} to {sorted(new)}; pass out_spec= for the result."
+                )
+                raise SpecError(msg)
+            if not split and len(new) == 1:
+                shape[d] = new.pop()
+    if out_spec is None:
+        target = Layout(tuple(shape), tuple(_resize(s, layout.shape, shape) for s in layout.shards))
+    else:
+        target = out_spec if isinstance(out_spec, Layout) else as_layout(out_spec, shape)
+    for i in index:
+        if sizes[i] != target.shards[i].sizes:
+            msg = f"map_local() result shard {i} has shape {sizes[i]} but out_spec gives it {target.shards[i].sizes}."
+            raise SpecError(msg)
+    return target
+
+
+def _resize(meta: ShardMeta, old: Sequence[int], new: Sequence[int]) -> ShardMeta:
+    """``meta`` with every dim it spans whole stretched (or shrunk) to the new extent."""
+    sizes = tuple(n if o == 0 and s == m else s for n, m, o, s in zip(new, old, meta.offsets, meta.sizes))
+    return ShardMeta(meta.offsets, sizes, meta.placement)
+
+
+def _aligned(a: ShardedArray, b: ShardedArray, what: str) -> tuple[ShardedArray, ShardedArray] | None:
+    _check_array(a, what)
+    _check_array(b, what)
+    if a.shape != b.shape:
+        return None
+    return a, reshard(b, a.layout)
+
+
+def equal(a: ShardedArray, b: ShardedArray) -> bool:
+    """True when both arrays have the same shape and values (collective).
+
+    If the layouts differ, ``b`` is resharded to ``a``'s layout first.
+
+    >>> import torch, fshard
+    >>> t = torch.arange(6.0)
+    >>> fshard.equal(fshard.shard(t, fshard.Chunk(0, [0, 1])), fshard.shard(t, fshard.Replicated([0, 1])))
+    True
+    """
+    pair = _aligned(a, b, "equal()")
+    ok = pair is not None and all(torch.equal(x, y) for x, y in zip(pair[0]._data, pair[1]._data))
+    return all(a.backend.exchange(ok))
+
+
+def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> bool:
+    """``torch.allclose`` over whole arrays (collective); ``b`` is resharded to ``a``'s layout.
+
+    >>> import torch, fshard
+    >>> x = fshard.shard(torch.ones(4), fshard.Chunk(0, [0, 1]))
+    >>> fshard.allclose(x, fshard.map_local(lambda t: t + 1e-9, x))
+    True
+    """
+    pair = _aligned(a, b, "allclose()")
+    ok = pair is not None and all(
+        torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan) for x, y in zip(pair[0]._data, pair[1]._data)
+    )
+    return all(a.backend.exchange(ok))
+
+
+def from_local_shards_and_layout(shards: Sequence[Shard], layout: Layout, *, backend: Backend | None = None) -> ShardedArray:
+    """Wraps this process's shards, checked against ``layout``; no communication.
+
+    >>> import torch, fshard
+    >>> lay = fshard.Chunk(0, [0, 1]).layout((4,))
+    >>> parts = [fshard.Shard(m, torch.full(m.sizes, float(m.placement.rank))) for m in lay.shards]
+    >>> fshard.gather(fshard.from_local_shards_and_layout(parts, lay)).tolist()
+    [0.0, 0.0, 1.0, 1.0]
+
+    Raises:
+        LayoutError: a shard is missing, extra, or its tensor does not fit its box.
+    """
+    backend = resolve_backend(backend)
+    if not isinstance(layout, Layout):
+        raise SpecError(f"from_local_shards_and_layout() needs a Layout, got {type(layout).__name__}.")
+    backend.check_layout(layout)
+    by_meta = {}
+    for s in shards:
+        if not isinstance(s, Shard):
+            raise TypeError(f"Expected fshard.Shard values, got {type(s).__name__}.")
+        by_meta[s.meta] = s.data
+    want = [layout.shards[i] for i in backend.addressable(layout)]
+    missing = [m for m in want if m not in by_meta]
+    extra = [m for m in by_meta if m not in set(want)]
+    if missing or extra:
+        msg = f"Local shards do not match the layout on this process: missing {missing}, unexpected {extra}."
+        raise LayoutError(msg)
+    data = [by_meta[m] for m in want]
+    if len({(t.dtype, t.requires_grad) for t in data}) > 1:
+        raise LayoutError("Local shards differ in dtype or requires_grad; make them agree.")
+    return ShardedArray(layout, data, backend)
+
+
+def _check_array(x: Any, what: str) -> None:
+    if not isinstance(x, ShardedArray):
+        raise TypeError(f"{what} takes a ShardedArray, got {type(x).__name__}.")

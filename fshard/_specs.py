@@ -1,0 +1,248 @@
+"""Sharding specs: shape-agnostic descriptions that resolve to a ``Layout``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any, Union
+
+import numpy as np
+
+from fshard._errors import SpecError
+from fshard._layout import Layout, ShardMeta, check_shape
+from fshard._placement import Placement, PlacementLike, as_placement
+
+__all__ = ["Chunk", "Explicit", "Mesh", "Named", "Replicated", "Single", "Spec", "SpecLike", "as_layout"]
+
+
+def _placements(values: Sequence[PlacementLike] | PlacementLike, what: str) -> tuple[Placement, ...]:
+    if isinstance(values, (str, int, Placement)):
+        values = [values]
+    out = tuple(as_placement(v) for v in values)
+    if not out:
+        raise SpecError(f"{what} needs at least one placement, got none.")
+    return out
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        msg = f"Invalid sharding dim: {dim} for a {ndim}-D array (valid: {-ndim} to {ndim - 1})."
+        raise SpecError(msg)
+    return dim % ndim
+
+
+def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """ChunkShardingSpec's split of ``n`` into ``k``: offsets ``i * ceil(n/k)``, trailing shards short or empty."""
+    step = -(-n // k) if k else 0
+    return [(i * step, max(0, min(n, (i + 1) * step) - i * step)) for i in range(k)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chunk:
+    """Split ``dim`` into ``len(placements)`` chunks, exactly like torch's ``ChunkShardingSpec``.
+
+    >>> [s.sizes for s in Chunk(0, [0, 1, 2, 3]).layout((10, 20)).shards]
+    [(3, 20), (3, 20), (3, 20), (1, 20)]
+    """
+
+    dim: int
+    placements: tuple[Placement, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, str):
+            msg = f"ChunkShardingSpec does not support named dimension {self.dim!r}: give an int dim."
+            raise NotImplementedError(msg)
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise SpecError(f"Chunk dim must be an int, got {self.dim!r}.")
+        object.__setattr__(self, "placements", _placements(self.placements, "Chunk"))
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        shape = check_shape(shape)
+        dim = _normalize_dim(self.dim, len(shape))
+        shards = []
+        for p, (off, size) in zip(self.placements, chunk_bounds(shape[dim], len(self.placements))):
+            offsets = tuple(off if k == dim else 0 for k in range(len(shape)))
+            sizes = tuple(size if k == dim else s for k, s in enumerate(shape))
+            shards.append(ShardMeta(offsets, sizes, p))
+        return Layout(shape, tuple(shards))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replicated:
+    """Every placement holds the whole array.
+
+    >>> Replicated([0, 1]).layout((3,)).is_fully_replicated
+    True
+    """
+
+    placements: tuple[Placement, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placements", _placements(self.placements, "Replicated"))
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        shape = check_shape(shape)
+        return Layout(shape, tuple(ShardMeta((0,) * len(shape), shape, p) for p in self.placements))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Single:
+    """One placement holds the whole array.
+
+    >>> Single("rank:2/cpu").layout((2, 2)).ranks
+    (2,)
+    """
+
+    placement: Placement
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", as_placement(self.placement))
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        return Replicated((self.placement,)).layout(shape)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Explicit:
+    """The given boxes (torch's ``EnumerableShardingSpec``), validated against the shape.
+
+    >>> spec = Explicit([((0,), (3,), 0), ((3,), (1,), 1)])
+    >>> spec.layout((4,)).shards[1].sizes
+    (1,)
+    """
+
+    shards: tuple[ShardMeta, ...]
+
+    def __post_init__(self) -> None:
+        shards = tuple(s if isinstance(s, ShardMeta) else ShardMeta(*s) for s in self.shards)
+        object.__setattr__(self, "shards", shards)
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        return Layout(check_shape(shape), self.shards)
+
+
+_DEFAULT_AXES = ("x", "y", "z")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mesh:
+    """An n-D grid of placements with named axes, like ``jax.sharding.Mesh``.
+
+    >>> Mesh((2, 2)).axis_names
+    ('x', 'y')
+    """
+
+    shape: tuple[int, ...]
+    ranks: tuple[Placement, ...] | None = None
+    axis_names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        shape = check_shape(self.shape, "Mesh shape")
+        size = math.prod(shape)
+        ranks = range(size) if self.ranks is None else np.asarray(self.ranks, dtype=object).ravel().tolist()
+        placements = tuple(as_placement(r) for r in ranks)
+        if len(placements) != size:
+            msg = f"Mesh of shape {shape} needs {size} placements, got {len(placements)}."
+            raise SpecError(msg)
+        if len(set(placements)) != size:
+            raise SpecError(f"Mesh placements must be distinct, got {[str(p) for p in placements]}.")
+        names = self.axis_names
+        if names is None:
+            names = _DEFAULT_AXES[: len(shape)] + tuple(f"axis{i}" for i in range(3, len(shape)))
+        names = tuple(names)
+        if len(names) != len(shape) or len(set(names)) != len(names):
+            msg = f"Mesh of shape {shape} needs {len(shape)} distinct axis names, got {names}."
+            raise SpecError(msg)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "ranks", placements)
+        object.__setattr__(self, "axis_names", names)
+
+    def axis(self, name: str) -> int:
+        """Index of the mesh axis called ``name``."""
+        assert self.axis_names is not None
+        if name not in self.axis_names:
+            raise SpecError(f"Mesh has no axis {name!r}; its axes are {self.axis_names}.")
+        return self.axis_names.index(name)
+
+
+PartitionEntry = Union[str, tuple[str, ...], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Named:
+    """JAX ``NamedSharding``: per array dim, the mesh axes (or ``None``) that split it.
+
+    A tuple of axes splits a dim over their product, the first axis outermost;
+    each split follows ``torch.chunk`` (DTensor's rule), so sizes need not divide.
+    Mesh axes that no dim uses hold replicas.
+
+    >>> spec = Named(Mesh((2, 2)), ("x", "y"))
+    >>> [(s.offsets, s.sizes) for s in spec.layout((4, 4)).shards][:2]
+    [((0, 0), (2, 2)), ((0, 2), (2, 2))]
+    """
+
+    mesh: Mesh
+    partition: tuple[PartitionEntry, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise SpecError(f"Named needs a Mesh, got {type(self.mesh).__name__}.")
+        parts = tuple(p if p is None or isinstance(p, str) else tuple(p) for p in self.partition)
+        used = [a for p in parts if p is not None for a in ((p,) if isinstance(p, str) else p)]
+        for a in used:
+            self.mesh.axis(a)
+        if len(set(used)) != len(used):
+            raise SpecError(f"Partition {parts} uses a mesh axis twice; each axis may split one dim.")
+        object.__setattr__(self, "partition", parts)
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        shape = check_shape(shape)
+        if len(self.partition) > len(shape):
+            msg = f"Partition {self.partition} has {len(self.partition)} entries for a {len(shape)}-D array."
+            raise SpecError(msg)
+        parts = self.partition + (None,) * (len(shape) - len(self.partition))
+        axes = [() if p is None else ((p,) if isinstance(p, str) else p) for p in parts]
+        mesh = self.mesh
+        assert mesh.ranks is not None
+        shards = []
+        for coord, place in zip(itertools.product(*map(range, mesh.shape)), mesh.ranks):
+            bounds = [_split(n, [(mesh.shape[mesh.axis(a)], coord[mesh.axis(a)]) for a in ax]) for n, ax in zip(shape, axes)]
+            shards.append(ShardMeta(tuple(b[0] for b in bounds), tuple(b[1] for b in bounds), place))
+        return Layout(shape, tuple(shards))
+
+
+def _split(n: int, splits: list[tuple[int, int]]) -> tuple[int, int]:
+    """Offset and size after splitting ``[0, n)`` by each (parts, index) in turn (DTensor's rule)."""
+    offset, size = 0, n
+    for parts, index in splits:
+        step = -(-size // parts)
+        start = step * index
+        if start >= size:
+            offset, size = offset + size, 0
+        else:
+            offset, size = offset + start, min(size, start + step) - start
+    return offset, size
+
+
+Spec = Union[Chunk, Named, Replicated, Single, Explicit]
+SpecLike = Union[Spec, Layout]
+
+
+def as_layout(spec: Any, shape: Sequence[int]) -> Layout:
+    """Resolves a spec (or a ``Layout``, which must match ``shape``) for an array of ``shape``."""
+    shape = check_shape(shape)
+    if isinstance(spec, Layout):
+        if spec.shape != shape:
+            raise SpecError(f"Layout has shape {spec.shape} but the array has shape {shape}.")
+        return spec
+    if not hasattr(spec, "layout"):
+        msg = f"Expected a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got {spec!r}."
+        raise SpecError(msg)
+    return spec.layout(shape)
