@@ -16,6 +16,8 @@ from fshard._creation import randn as randn
 from fshard._creation import randn_like as randn_like
 from fshard._creation import zeros as zeros
 from fshard._creation import zeros_like as zeros_like
+from fshard._dist_ops import from_local_shards as from_local_shards
+from fshard._dist_ops import from_local_tensor as from_local_tensor
 from fshard._errors import CheckpointError as CheckpointError
 from fshard._errors import CollectiveMismatchError as CollectiveMismatchError
 from fshard._errors import FShardError as FShardError
@@ -68,7 +70,9 @@ __all__ = [
     "empty",
     "empty_like",
     "equal",
+    "from_local_shards",
     "from_local_shards_and_layout",
+    "from_local_tensor",
     "full",
     "full_like",
     "gather",

@@ -60,6 +60,9 @@ class ShardedArray:
             raise LayoutError(msg)
         for i, t in zip(index, data):
             _check_tensor(layout, i, t)
+        if len({t.dtype for t in data}) > 1:
+            msg = f"Shard tensors have different dtypes {[t.dtype for t in data]}: give every shard one dtype."
+            raise LayoutError(msg)
         object.__setattr__(self, "_layout", layout)
         object.__setattr__(self, "_data", data)
         object.__setattr__(self, "_backend", backend)

@@ -59,13 +59,14 @@ class _Scatter(torch.autograd.Function):
 class _Assemble(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, layout: Layout, backend: Any, dst: int | None, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        ctx.layout, ctx.backend, ctx.dst = layout, backend, dst
+        ctx.layout, ctx.backend, ctx.dst, ctx.like = layout, backend, dst, like
         out = backend.assemble(layout, tensors, like, dst)
         return out if out is not None else like.new_empty((0,))
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        full = grad if ctx.dst is None or ctx.backend.rank in (None, ctx.dst) else None
+        # Off rank dst the gradient is a stand-in that only gives the dtype.
+        full = grad if ctx.dst is None or ctx.backend.rank in (None, ctx.dst) else ctx.like.new_empty((0,))
         shards = ctx.backend.scatter(full, ctx.layout, ctx.dst)
         return (None, None, None, None, *shards)
 

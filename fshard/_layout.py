@@ -189,11 +189,11 @@ class Layout:
 
         >>> from fshard import Chunk
         >>> print(Chunk(0, [0, 1]).layout((4, 6)).visualize(width=12))
-        +----------+
-        |    r0    |
-        +----------+
-        |    r1    |
-        +----------+
+        +-----------+
+        |    r0     |
+        +-----------+
+        |    r1     |
+        +-----------+
         """
         from fshard._visualize import visualize
 

@@ -35,17 +35,19 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
 def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tuple[int, ...], torch.Tensor]:
     """Agrees on ``src`` across ranks; returns the global shape and the tensor (a stand-in off src)."""
     mine = backend.rank in (None, src)
-    info = (src, tuple(tensor.shape), tensor.dtype) if mine and tensor is not None else (src, None, None)
+    info = (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad) if mine and tensor is not None else (src, None, None, False)
     seen = backend.exchange(info)
-    if len({s for s, _, _ in seen}) != 1:
-        msg = f"src={src} on rank {backend.rank} does not match with src_rank on other ranks: {[s for s, _, _ in seen]}."
+    if len({s[0] for s in seen}) != 1:
+        msg = f"src={src} on rank {backend.rank} does not match with src_rank on other ranks: {[s[0] for s in seen]}."
         raise SpecError(msg)
-    owner = seen[src] if backend.rank is not None else info
+    # Entries follow group order, not global ranks: the owner is the one that sent a shape.
+    owner = next((s for s in seen if s[1] is not None), info)
     if owner[1] is None:
         raise SpecError(f"shard(..., src={src}) needs a tensor on rank {src}, got None.")
     if mine:
         return owner[1], _check_tensor(tensor, "shard() input")
-    return owner[1], torch.empty(0, dtype=owner[2])
+    # The stand-in requires grad like the source, so every rank's shards join autograd alike.
+    return owner[1], torch.empty(0, dtype=owner[2], requires_grad=owner[3])
 
 
 def shard(tensor: torch.Tensor | None, spec: Any, *, src: int | None = None, backend: Backend | None = None) -> ShardedArray:
@@ -148,39 +150,55 @@ def map_local(fn: Callable[..., torch.Tensor], *arrays: ShardedArray, out_spec: 
 
 
 def _infer_layout(layout: Layout, index: Sequence[int], outs: Sequence[torch.Tensor], out_spec: Any) -> Layout:
+    """The layout of ``map_local``'s result, from the result shards' shapes (and ``out_spec``)."""
     sizes = {i: tuple(t.shape) for i, t in zip(index, outs)}
     if out_spec is None and all(sizes[i] == layout.shards[i].sizes for i in index):
         return layout
-    shape = list(layout.shape)
-    ndim = len(outs[0].shape) if outs else layout.ndim
-    if any(len(s) != layout.ndim for s in sizes.values()) or ndim != layout.ndim:
-        if out_spec is None or not isinstance(out_spec, Layout):
+    if isinstance(out_spec, Layout):
+        target = out_spec
+    else:
+        if any(len(s) != layout.ndim for s in sizes.values()):
             msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."
             raise SpecError(msg)
-    else:
-        for d in range(layout.ndim):
-            split = any(layout.shards[i].sizes[d] != layout.shape[d] for i in range(len(layout.shards)))
-            new = {sizes[i][d] for i in index}
-            old = {layout.shards[i].sizes[d] for i in index}
-            if new == old:
-                continue
-            if split and out_spec is None:
-                msg = (
-                    f"map_local() fn changed dim {d}, which the layout splits, from sizes "
-                    f"{sorted(old)} to {sorted(new)}; pass out_spec= for the result."
-                )
-                raise SpecError(msg)
-            if not split and len(new) == 1:
-                shape[d] = new.pop()
-    if out_spec is None:
-        target = Layout(tuple(shape), tuple(_resize(s, layout.shape, shape) for s in layout.shards))
-    else:
-        target = out_spec if isinstance(out_spec, Layout) else as_layout(out_spec, shape)
+        shape = tuple(_new_extent(layout, sizes, d, out_spec is not None) for d in range(layout.ndim))
+        if out_spec is None:
+            target = Layout(shape, tuple(_resize(s, layout.shape, shape) for s in layout.shards))
+        else:
+            target = as_layout(out_spec, shape)
     for i in index:
-        if sizes[i] != target.shards[i].sizes:
-            msg = f"map_local() result shard {i} has shape {sizes[i]} but out_spec gives it {target.shards[i].sizes}."
+        if i >= len(target.shards) or sizes[i] != target.shards[i].sizes:
+            want = target.shards[i].sizes if i < len(target.shards) else "no shard"
+            msg = f"map_local() result shard {i} has shape {sizes[i]} but out_spec gives it {want}."
             raise SpecError(msg)
     return target
+
+
+def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int, allow_split: bool) -> int:
+    """The result's extent along ``d``: the sum of the new sizes of the distinct intervals
+    that tile the dim (one interval when no shard splits it)."""
+    new: dict[tuple[int, int], set[int]] = {}
+    for i, s in sizes.items():
+        m = layout.shards[i]
+        new.setdefault((m.offsets[d], m.sizes[d]), set()).add(s[d])
+    if all(k[1] == n for k, v in new.items() for n in v):
+        return layout.shape[d]
+    split = any(m.sizes[d] != layout.shape[d] for m in layout.shards)
+    olds = sorted(k for k in new if k[1] > 0)
+    if split and not allow_split:
+        msg = (
+            f"map_local() fn changed dim {d}, which the layout splits, from sizes {[k[1] for k in olds]} "
+            f"to {[sorted(new[k]) for k in olds]}; pass out_spec= for the result."
+        )
+        raise SpecError(msg)
+    covered = sum(k[1] for k in olds)
+    tiles = all(a[0] + a[1] == b[0] for a, b in zip(olds, olds[1:])) and olds and olds[0][0] == 0
+    if any(len(new[k]) > 1 for k in olds) or not tiles or covered != layout.shape[d]:
+        msg = (
+            f"map_local() cannot infer the new extent of dim {d} from the shards held here "
+            f"(new sizes per interval: { {k: sorted(v) for k, v in new.items()} }); pass out_spec=Layout(...)."
+        )
+        raise SpecError(msg)
+    return sum(next(iter(new[k])) for k in olds)
 
 
 def _resize(meta: ShardMeta, old: Sequence[int], new: Sequence[int]) -> ShardMeta:

@@ -57,7 +57,7 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _unit(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Uniform in [0, 1) with as many random bits as ``dtype`` can hold exactly."""
-    mant = torch.finfo(dtype).nmant + 1
+    mant = 1 - round(math.log2(torch.finfo(dtype).eps))  # significand bits: 24 for float32
     return _shr(bits, 64 - mant).to(_work_dtype(dtype)) * (2.0**-mant)
 
 

@@ -1,0 +1,164 @@
+"""Gloo process groups on this machine: ``launch`` runs a function on N fresh processes.
+
+``torch.distributed`` is imported inside the functions that start a group, so importing
+fshard never pulls in process-group code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["free_port", "init_gloo", "launch", "serve"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_gloo(rank: int, world: int, port: int, timeout: float = 120.0) -> None:
+    """Joins a Gloo group of ``world`` processes rendezvousing on ``127.0.0.1:port``.
+
+    Each process gets an equal share of the CPU cores for torch's intra-op threads.
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+def _run(rank: int, world: int, port: int, timeout: float, conn: Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    import torch.distributed as dist
+
+    try:
+        init_gloo(rank, world, port, timeout)
+        conn.send((True, fn(*args)))
+    except BaseException:  # report every failure to the parent, which re-raises it
+        conn.send((False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """Runs ``fn(*args)`` on ``world`` new Gloo processes on 127.0.0.1; returns their results.
+
+    ``fn`` must be picklable (a module-level function) and so must its results.
+    Every process is stopped before this returns.
+
+    Args:
+        fn: called once per process after ``torch.distributed`` is initialised.
+        world: number of processes (ranks 0 .. world - 1).
+        *args: passed to ``fn`` on every rank.
+        timeout: seconds for the whole run.
+
+    Returns:
+        The results in rank order.
+
+    Raises:
+        RuntimeError: a rank raised; the message holds that rank's traceback.
+        TimeoutError: the ranks did not all finish within ``timeout`` seconds.
+
+    >>> from fshard._launch import launch
+    >>> launch(abs, 1, -3)
+    [3]
+    """
+    if world < 1:
+        raise ValueError(f"launch() needs world >= 1, got {world}.")
+    ctx = mp.get_context("spawn")
+    port, procs, conns = free_port(), [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_run, args=(rank, world, port, timeout, child, fn, args), daemon=True)
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    try:
+        return _collect(conns, fn, timeout)
+    finally:
+        stop(procs)
+
+
+def _collect(conns: list[Connection], fn: Callable[..., Any], timeout: float) -> list[Any]:
+    results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < len(conns):
+        pending = [c for r, c in enumerate(conns) if r not in results]
+        ready = wait(pending, max(0.0, deadline - time.monotonic()))
+        if not ready:
+            missing = [r for r in range(len(conns)) if r not in results]
+            raise TimeoutError(f"launch({_name(fn)}) timed out after {timeout} s; ranks {missing} did not finish.")
+        for c in ready:
+            rank = conns.index(c)
+            try:
+                results[rank] = c.recv()
+            except EOFError:
+                results[rank] = (False, f"rank {rank} exited without a result (killed or crashed).")
+            if not results[rank][0]:
+                raise RuntimeError(f"launch({_name(fn)}) failed on rank {rank}:\n{results[rank][1]}")
+    return [results[r][1] for r in range(len(conns))]
+
+
+def stop(procs: list[Any], grace: float = 5.0) -> None:
+    """Stops processes: waits up to ``grace`` seconds, then terminates, then kills."""
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def serve(rank: int, world: int, port: int, conn: Connection) -> None:
+    """A pool worker: joins the group, then runs ``(module, qualname, path, args, kwargs)`` jobs.
+
+    Replies ``("ready", rank)`` once the group is up, then ``(True, result)`` or
+    ``(False, traceback)`` per job; ``None`` stops it.
+    """
+    init_gloo(rank, world, port)
+    conn.send(("ready", rank))
+    while (job := conn.recv()) is not None:
+        try:
+            reply: tuple[bool, Any] = (True, _resolve(*job[:3])(*job[3], **job[4]))
+        except BaseException:  # reported to the parent, which re-raises it in the test
+            reply = (False, traceback.format_exc())
+        try:
+            conn.send(reply)
+        except Exception:  # an unpicklable result
+            conn.send((False, traceback.format_exc()))
+
+
+def _resolve(module: str, qualname: str, path: str | None) -> Callable[..., Any]:
+    import importlib
+    import sys
+
+    if module not in sys.modules and path and os.path.dirname(path) not in sys.path:
+        sys.path.insert(0, os.path.dirname(path))
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

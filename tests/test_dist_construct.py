@@ -1,0 +1,153 @@
+"""from_local_shards / from_local_tensor: one metadata exchange, the same error on every rank."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fshard
+from fshard._dist_ops import Piece, Report, check_pieces
+
+RANKS = [0, 1, 2, 3]
+SHAPE = (10, 20)
+X = torch.arange(200.0).reshape(SHAPE)
+
+
+def _rows(lo, n, rank, x=X):
+    meta = fshard.ShardMeta((lo, 0), (n, x.shape[1]), rank)
+    return fshard.Shard(meta, x[lo : lo + n].clone())
+
+
+def _valid():
+    rank = dist.get_rank()
+    # Rank r holds rows [3r, 3r + 3) (rank 3: one row) and, on ranks 0 and 1, nothing else.
+    a = fshard.from_local_shards([_rows(3 * rank, 3 if rank < 3 else 1, rank)], SHAPE)
+    assert a.layout == fshard.Chunk(0, RANKS).layout(SHAPE)
+    assert torch.equal(fshard.gather(a), X)
+    # Several shards per rank, and a rank with none.
+    mine = [_rows(r0, 1, rank) for r0 in range(10) if r0 % 3 == rank]
+    b = fshard.from_local_shards(mine, list(SHAPE))
+    assert len(b.addressable_shards) == len(mine)
+    assert torch.equal(fshard.gather(b), X)
+    assert fshard.equal(a, b)
+    return [s.placement.rank for s in b.layout.shards]
+
+
+@pytest.mark.multiprocess
+def test_from_local_shards_valid(dist_pool):
+    got = dist_pool.run(_valid)
+    assert got == [[0, 0, 0, 0, 1, 1, 1, 2, 2, 2]] * 4
+
+
+def _invalid(case):
+    rank = dist.get_rank()
+    shards, shape = [_rows(3 * rank, 3 if rank < 3 else 1, rank)], SHAPE
+    if case == "overlap":
+        shards = [_rows(2 * rank, 3 if rank < 3 else 4, rank)]
+    elif case == "gap":
+        shards = [_rows(2 * rank, 2, rank)]
+    elif case == "different-global-size":
+        shape = (10, 30) if rank == 0 else SHAPE
+    elif case == "wrong-global-size":
+        shape = (12, 20)
+    elif case == "dtype" and rank == 1:
+        shards = [fshard.Shard(shards[0].meta, shards[0].data.double())]
+    elif case == "requires_grad" and rank == 2:
+        shards = [fshard.Shard(shards[0].meta, shards[0].data.requires_grad_())]
+    elif case == "other-rank" and rank == 1:
+        shards = [_rows(3, 3, 2)]
+    elif case == "not-a-shard" and rank == 3:
+        shards = [X[9:]]
+    with pytest.raises((fshard.LayoutError, TypeError)) as info:
+        fshard.from_local_shards(shards, shape)
+    return type(info.value).__name__, str(info.value)
+
+
+INVALID = {
+    "overlap": r"Shards 0 \[offsets \(0, 0\), sizes \(3, 20\)\] on rank:0/cpu and 1 \[offsets \(2, 0\), sizes \(3, 20\)\] on rank:1/cpu overlap",
+    "gap": "do not cover element (8, 0)",
+    "different-global-size": "global size does not match across ranks: rank 0 (10, 30), rank 1 (10, 20)",
+    "wrong-global-size": "do not cover element (10, 0)",
+    "dtype": "dtype property need to be the same on all ranks! Found dtype=torch.float32 on rank 0",
+    "requires_grad": "requires_grad property need to be the same on all ranks! Found requires_grad=False on rank 0",
+    "other-rank": "rank 1: shard [offsets (3, 0), sizes (3, 20)] on rank:2/cpu names rank 2, but rank 1 passed it",
+    "not-a-shard": "rank 3: item 0 is a Tensor, not an fshard.Shard",
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_from_local_shards_invalid_raises_the_same_error_on_every_rank(dist_pool, case):
+    errors = dist_pool.run(_invalid, case)
+    assert len(set(errors)) == 1, errors
+    kind, message = errors[0]
+    assert kind == ("TypeError" if case == "not-a-shard" else "LayoutError")
+    pattern = INVALID[case] if case == "overlap" else re.escape(INVALID[case])
+    assert re.search(pattern, message), message
+
+
+def _from_local_tensor():
+    rank = dist.get_rank()
+    a = fshard.from_local_tensor(torch.full((rank + 1, 3), float(rank)))
+    assert tuple(a.shape) == (10, 3)
+    assert [s.offsets for s in a.layout.shards] == [(0, 0), (1, 0), (3, 0), (6, 0)]
+    expected = torch.cat([torch.full((r + 1, 3), float(r)) for r in RANKS])
+    assert torch.equal(fshard.gather(a), expected)
+    b = fshard.from_local_tensor(torch.full((2, rank), float(rank)), dim=-1)  # rank 0's block is empty
+    assert tuple(b.shape) == (2, 6)
+    with pytest.raises(fshard.SpecError, match="blocks may differ only in dim 0"):
+        fshard.from_local_tensor(torch.zeros(2, 3 + (rank == 2)))
+    with pytest.raises(fshard.SpecError, match="Invalid sharding dim"):
+        fshard.from_local_tensor(torch.zeros(2, 3), dim=2)
+
+
+@pytest.mark.multiprocess
+def test_from_local_tensor(dist_pool):
+    dist_pool.run(_from_local_tensor)
+
+
+# -- single process: the checks themselves, and the local backend ---------------------------
+
+
+def _piece(rank, lo, **props):
+    base = {"dtype": torch.float32, "device": "cpu", "requires_grad": False, "pinned": False, "layout": "torch.strided"}
+    return Piece(fshard.ShardMeta((lo,), (2,), rank), **(base | props))
+
+
+def test_pin_memory_mismatch_across_ranks_names_both():
+    reports = [Report(0, (4,), (_piece(0, 0),), ()), Report(1, (4,), (_piece(1, 2, pinned=True),), ())]
+    with pytest.raises(fshard.LayoutError, match="pinned property need to be the same on all ranks") as info:
+        check_pieces(reports)
+    assert "pinned=False on rank 0" in str(info.value)
+    assert "pinned=True on rank 1" in str(info.value)
+
+
+def test_device_type_mismatch_across_ranks():
+    reports = [Report(0, (4,), (_piece(0, 0),), ()), Report(1, (4,), (_piece(1, 2, device="cuda:1"),), ())]
+    with pytest.raises(fshard.LayoutError, match="device_type property need to be the same"):
+        check_pieces(reports)
+
+
+def test_check_pieces_returns_the_layout():
+    reports = [Report(0, (4,), (_piece(0, 0),), ()), Report(1, (4,), (_piece(1, 2),), ())]
+    assert check_pieces(reports) == fshard.Chunk(0, [0, 1]).layout((4,))
+
+
+def test_from_local_shards_on_the_local_backend_takes_every_rank():
+    parts = [_rows(5 * r, 5, r) for r in (0, 1)]
+    a = fshard.from_local_shards(parts, SHAPE)
+    assert torch.equal(fshard.gather(a), X)
+    with pytest.raises(fshard.LayoutError, match="overlap"):
+        fshard.from_local_shards([*parts, _rows(3, 4, 2)], SHAPE)
+    with pytest.raises(TypeError, match="not an fshard.Shard"):
+        fshard.from_local_shards([X], SHAPE)
+    with pytest.raises(fshard.LayoutError, match="dtype property"):
+        fshard.from_local_shards([parts[0], fshard.Shard(parts[1].meta, parts[1].data.half())], SHAPE)
+
+
+def test_from_local_shards_empty_array_keeps_its_dtype():
+    a = fshard.from_local_shards([fshard.Shard(fshard.ShardMeta((0,), (0,), 0), torch.zeros(0, dtype=torch.int8))], (0,))
+    assert a.dtype == torch.int8
