@@ -49,6 +49,18 @@ class TorchDistBackend:
 
     Two backends are equal when they name the same group. ``counters`` (shared by all
     backends of a group) count the elements this process sent and the collectives it ran.
+
+    >>> import torch, fshard
+    >>> from fshard.backends.torch_dist import TorchDistBackend
+    >>> backend = TorchDistBackend()  # torch.distributed is initialised (e.g. by torchrun)
+    >>> x = fshard.shard(torch.arange(6.0), fshard.Chunk(0, backend.ranks), backend=backend)
+    >>> fshard.gather(fshard.reshard(x, fshard.Chunk(0, backend.ranks[::-1]))).tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    >>> backend == fshard.backends.default_backend()
+    True
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
     """
 
     group: Any = None

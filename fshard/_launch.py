@@ -16,7 +16,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["free_port", "init_gloo", "launch", "serve"]
+__all__ = ["free_port", "init_group", "launch", "serve"]
 
 
 def free_port() -> int:
@@ -26,26 +26,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_gloo(rank: int, world: int, port: int, timeout: float = 120.0) -> None:
-    """Joins a Gloo group of ``world`` processes rendezvousing on ``127.0.0.1:port``.
+def init_group(rank: int, world: int, port: int, timeout: float = 120.0, backend: str = "gloo") -> None:
+    """Joins a group of ``world`` processes rendezvousing on ``127.0.0.1:port``.
 
-    Each process gets an equal share of the CPU cores for torch's intra-op threads.
+    Each process gets an equal share of the CPU cores for torch's intra-op threads;
+    with ``backend="nccl"`` rank ``r`` uses GPU ``r % torch.cuda.device_count()``.
     """
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=timeout),
     )
 
 
-def _run(rank: int, world: int, port: int, timeout: float, conn: Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _run(rank: int, world: int, port: int, conn: Connection, job: tuple[Any, ...]) -> None:
     import torch.distributed as dist
 
+    fn, args, timeout, backend = job
     try:
-        init_gloo(rank, world, port, timeout)
+        init_group(rank, world, port, timeout, backend)
         conn.send((True, fn(*args)))
     except BaseException:  # report every failure to the parent, which re-raises it
         conn.send((False, traceback.format_exc()))
@@ -55,8 +59,8 @@ def _run(rank: int, world: int, port: int, timeout: float, conn: Connection, fn:
         conn.close()
 
 
-def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
-    """Runs ``fn(*args)`` on ``world`` new Gloo processes on 127.0.0.1; returns their results.
+def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, backend: str = "gloo") -> list[Any]:
+    """Runs ``fn(*args)`` on ``world`` new processes on 127.0.0.1; returns their results.
 
     ``fn`` must be picklable (a module-level function) and so must its results.
     Every process is stopped before this returns.
@@ -66,6 +70,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120)
         world: number of processes (ranks 0 .. world - 1).
         *args: passed to ``fn`` on every rank.
         timeout: seconds for the whole run.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
 
     Returns:
         The results in rank order.
@@ -84,15 +89,18 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120)
     port, procs, conns = free_port(), [], []
     for rank in range(world):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_run, args=(rank, world, port, timeout, child, fn, args), daemon=True)
+        p = ctx.Process(target=_run, args=(rank, world, port, child, (fn, args, timeout, backend)), daemon=True)
         p.start()
         child.close()
         procs.append(p)
         conns.append(parent)
     try:
-        return _collect(conns, fn, timeout)
-    finally:
-        stop(procs)
+        results = _collect(conns, fn, timeout)
+    except BaseException:
+        stop(procs, grace=0.0)  # ranks still running may be stuck in a collective
+        raise
+    stop(procs)
+    return results
 
 
 def _collect(conns: list[Connection], fn: Callable[..., Any], timeout: float) -> list[Any]:
@@ -139,7 +147,7 @@ def serve(rank: int, world: int, port: int, conn: Connection) -> None:
     Replies ``("ready", rank)`` once the group is up, then ``(True, result)`` or
     ``(False, traceback)`` per job; ``None`` stops it.
     """
-    init_gloo(rank, world, port)
+    init_group(rank, world, port)
     conn.send(("ready", rank))
     while (job := conn.recv()) is not None:
         try:

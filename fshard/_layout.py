@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -11,7 +13,7 @@ import numpy as np
 
 from fshard import _boxes
 from fshard._errors import LayoutError
-from fshard._placement import Placement, PlacementLike, as_placement
+from fshard._placement import Placement, as_placement
 
 __all__ = ["Layout", "ShardMeta", "check_shape"]
 
@@ -19,6 +21,9 @@ __all__ = ["Layout", "ShardMeta", "check_shape"]
 def check_shape(shape: Iterable[Any], what: str = "shape") -> tuple[int, ...]:
     """Returns ``shape`` as a tuple of non-negative ints, or raises ``TypeError``/``LayoutError``."""
     out = tuple(shape)
+    # Fast path: plain ints (bool is a subclass, so ``type(...) is int`` excludes it).
+    if all(type(s) is int for s in out) and (not out or min(out) >= 0):
+        return out
     for s in out:
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
             msg = f"{what} must hold ints, got {s!r} ({type(s).__name__}) in {out!r}."
@@ -82,27 +87,23 @@ class Layout:
     _lo: np.ndarray = dataclasses.field(init=False, repr=False)
     _sz: np.ndarray = dataclasses.field(init=False, repr=False)
     _rank: np.ndarray = dataclasses.field(init=False, repr=False)
+    _devices: tuple[str, ...] = dataclasses.field(init=False, repr=False)
     _hash: int = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = check_shape(self.shape)
-        shards = tuple(s if isinstance(s, ShardMeta) else ShardMeta(*s) for s in self.shards)
+        shards = _as_metas(self.shards)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "shards", shards)
-        _check_ndims(shape, shards)
-        d = len(shape)
-        flat = np.array([s.offsets + s.sizes for s in shards], np.int64).reshape(len(shards), 2 * d)
-        lo, sz = flat[:, :d], flat[:, d:]
-        for arr in (lo, sz):
+        lo, sz, rank, devices = _columns(shape, shards)
+        for arr in (lo, sz, rank):
             arr.setflags(write=False)
-        rank = np.array([s.placement.rank for s in shards], np.int64)
-        rank.setflags(write=False)
         object.__setattr__(self, "_lo", lo)
         object.__setattr__(self, "_sz", sz)
         object.__setattr__(self, "_rank", rank)
-        _validate(shape, shards, lo, sz)
-        devices = tuple(s.placement.device for s in shards)
-        object.__setattr__(self, "_hash", hash((shape, flat.tobytes(), rank.tobytes(), devices)))
+        object.__setattr__(self, "_devices", devices)
+        _validate(shape, shards, lo, sz, rank, devices)
+        object.__setattr__(self, "_hash", hash((shape, lo.tobytes(), sz.tobytes(), rank.tobytes(), devices)))
 
     # Value semantics: compare by content, hash once, rebuild (and revalidate) on unpickle.
     def __eq__(self, other: object) -> bool:
@@ -110,7 +111,15 @@ class Layout:
             return True
         if not isinstance(other, Layout):
             return NotImplemented
-        return self._hash == other._hash and self.shape == other.shape and self.shards == other.shards
+        # The arrays hold the same facts as ``shards``, and compare far faster.
+        return (
+            self._hash == other._hash
+            and self.shape == other.shape
+            and np.array_equal(self._lo, other._lo)
+            and np.array_equal(self._sz, other._sz)
+            and np.array_equal(self._rank, other._rank)
+            and self._devices == other._devices
+        )
 
     def __hash__(self) -> int:
         return self._hash
@@ -219,54 +228,122 @@ def _indices_by_rank(layout: Layout) -> dict[int, tuple[int, ...]]:
     return {r: tuple(v) for r, v in out.items()}
 
 
-def _check_ndims(shape: tuple[int, ...], shards: tuple[ShardMeta, ...]) -> None:
+def _as_metas(shards: Iterable[Any]) -> tuple[ShardMeta, ...]:
+    shards = tuple(shards)
+    if set(map(type, shards)) <= {ShardMeta}:  # the common case, without a Python-level loop
+        return shards
+    return tuple(s if isinstance(s, ShardMeta) else ShardMeta(*s) for s in shards)
+
+
+_OFFSETS, _SIZES, _PLACEMENT = (operator.attrgetter(a) for a in ("offsets", "sizes", "placement"))
+_RANK, _DEVICE = operator.attrgetter("rank"), operator.attrgetter("device")
+
+
+def _columns(
+    shape: tuple[int, ...], shards: tuple[ShardMeta, ...]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...]]:
+    """Offsets, sizes and ranks as int64 arrays, and the devices; checks every shard has ``len(shape)`` dims.
+
+    Built with ``map``/``fromiter`` over the shards: a Python loop per shard would
+    dominate validating 100,000 shards.
+    """
+    n, d = len(shards), len(shape)
+    offsets = list(map(_OFFSETS, shards))
+    if set(map(len, offsets)) - {d}:
+        _check_ndims(shape, shards, np.fromiter(map(len, offsets), np.int64, count=n))
+    lo = np.fromiter(itertools.chain.from_iterable(offsets), np.int64, count=n * d).reshape(n, d)
+    sizes = itertools.chain.from_iterable(map(_SIZES, shards))
+    sz = np.fromiter(sizes, np.int64, count=n * d).reshape(n, d)
+    placements = list(map(_PLACEMENT, shards))
+    rank = np.fromiter(map(_RANK, placements), np.int64, count=n)
+    return lo, sz, rank, tuple(map(_DEVICE, placements))
+
+
+def _check_ndims(shape: tuple[int, ...], shards: tuple[ShardMeta, ...], ndims: np.ndarray) -> None:
     d = len(shape)
-    for i, s in enumerate(shards):
-        if len(s.offsets) != d:
-            msg = (
-                f"Shard {i} {s._box()} has {len(s.offsets)} dims but shape {shape} has {d}: "
-                "give every shard one offset and one size per dimension."
-            )
-            raise LayoutError(msg)
-
-
-def _validate(shape: tuple[int, ...], shards: tuple[ShardMeta, ...], lo: np.ndarray, sz: np.ndarray) -> None:
-    bounds = np.array(shape, np.int64)
-    nonempty = np.flatnonzero((sz > 0).all(axis=1)) if len(shape) else np.arange(len(shards))
-    hi = lo + sz
-    out = nonempty[(hi[nonempty] > bounds).any(axis=1)]
-    if out.size:
-        i = int(out[0])
-        dim = int(np.flatnonzero(hi[i] > bounds)[0])
+    bad = np.flatnonzero(ndims != d)
+    if bad.size:
+        i = int(bad[0])
         msg = (
-            f"Shard {i} {shards[i]._box()} extends past shape {shape} in dim {dim} "
-            f"({lo[i, dim]} + {sz[i, dim]} > {shape[dim]}): shrink the shard or grow the shape."
+            f"Shard {i} {shards[i]._box()} has {ndims[i]} dims but shape {shape} has {d}: "
+            "give every shard one offset and one size per dimension."
         )
         raise LayoutError(msg)
-    _check_no_duplicates(shards)
-    rows = np.concatenate([lo[nonempty], sz[nonempty]], axis=1)
-    first, _ = _boxes.unique_rows(rows)
-    ulo, uhi = lo[nonempty[first]], hi[nonempty[first]]
-    want = _boxes.corner_sums(np.zeros((1, len(shape)), np.int64), bounds[None], bounds)
-    if any(s == 0 for s in shape):
-        want = {}
+
+
+def _validate(
+    shape: tuple[int, ...], shards: tuple[ShardMeta, ...], lo: np.ndarray, sz: np.ndarray,
+    rank: np.ndarray, devices: tuple[str, ...],
+) -> None:
+    bounds = np.array(shape, np.int64)
+    hi = lo + sz
+    nonempty = _boxes.rows_all(sz > 0)
+    _check_bounds(shape, shards, lo, sz, hi, bounds, nonempty)
+    boxes = _distinct_boxes(shards, lo, sz, np.c_[rank, _codes(devices)], nonempty)
+    ulo, uhi = lo[boxes], hi[boxes]
+    want = {} if 0 in shape else _boxes.corner_sums(np.zeros((1, len(shape)), np.int64), bounds[None], bounds)
     got = _boxes.corner_sums(ulo, uhi, bounds)
     if got != want:
-        _explain(shape, shards, lo, hi, nonempty, ulo, uhi, got, want)
+        _explain(shape, shards, lo, hi, np.flatnonzero(nonempty), ulo, uhi, got, want)
 
 
-def _check_no_duplicates(shards: tuple[ShardMeta, ...]) -> None:
-    if len(set(shards)) == len(shards):
+def _check_bounds(shape, shards, lo, sz, hi, bounds, nonempty) -> None:
+    """Raises naming the first non-empty shard that extends past ``shape``."""
+    past = _boxes.rows_any(hi > bounds) & nonempty
+    if not past.any():
         return
-    seen: dict[ShardMeta, int] = {}
-    for i, s in enumerate(shards):
-        if s in seen:
-            msg = (
-                f"Shards {seen[s]} and {i} are the same box {s._box()}: a replica must sit on "
-                "another placement; drop the duplicate."
-            )
-            raise LayoutError(msg)
-        seen[s] = i
+    i = int(np.flatnonzero(past)[0])
+    dim = int(np.flatnonzero(hi[i] > bounds)[0])
+    msg = (
+        f"Shard {i} {shards[i]._box()} extends past shape {shape} in dim {dim} "
+        f"({lo[i, dim]} + {sz[i, dim]} > {shape[dim]}): shrink the shard or grow the shape."
+    )
+    raise LayoutError(msg)
+
+
+def _distinct_boxes(
+    shards: tuple[ShardMeta, ...], lo: np.ndarray, sz: np.ndarray, owner: np.ndarray, nonempty: np.ndarray
+) -> np.ndarray:
+    """Index of the first shard of each distinct non-empty box; raises if two shards are equal.
+
+    One sort by (box, owner) finds both: equal neighbours are duplicate shards, and
+    runs of one box are its replicas.
+    """
+    box, who = _boxes.row_keys(np.c_[lo, sz]), _boxes.row_keys(owner)
+    width = int(who.max()) + 1 if who is not None and len(who) else 1
+    if box is None or who is None or (int(box.max(initial=0)) + 1) * width > 2**63 - 1:
+        _check_no_duplicates(shards, np.c_[lo, sz, owner])
+        first, _ = _boxes.unique_rows(np.c_[lo, sz])
+        return first[nonempty[first]]
+    key = box * width + who
+    order = np.argsort(key)
+    srt = key[order]
+    if (srt[1:] == srt[:-1]).any():
+        _check_no_duplicates(shards, np.c_[lo, sz, owner])
+    runs = np.flatnonzero(np.r_[True, box[order[1:]] != box[order[:-1]]])
+    first = np.minimum.reduceat(order, runs) if len(order) else order
+    return first[nonempty[first]]
+
+
+def _codes(devices: tuple[str, ...]) -> np.ndarray:
+    """A small int per distinct device string."""
+    index = {name: k for k, name in enumerate(set(devices))}
+    if len(index) == 1:
+        return np.zeros(len(devices), np.int64)
+    return np.fromiter(map(index.__getitem__, devices), np.int64, count=len(devices))
+
+
+def _check_no_duplicates(shards: tuple[ShardMeta, ...], rows: np.ndarray) -> None:
+    """Raises if two shards are equal (same box and placement); ``rows`` encodes each shard."""
+    first, inverse = _boxes.unique_rows(rows)
+    if len(first) == len(shards):
+        return
+    i = int(np.flatnonzero(first[inverse] != np.arange(len(shards)))[0])
+    msg = (
+        f"Shards {int(first[inverse[i]])} and {i} are the same box {shards[i]._box()}: a replica must sit on "
+        "another placement; drop the duplicate."
+    )
+    raise LayoutError(msg)
 
 
 def _explain(shape, shards, lo, hi, nonempty, ulo, uhi, got, want) -> None:  # noqa: ANN001

@@ -82,14 +82,17 @@ class Plan:
     @property
     def numel(self) -> np.ndarray:
         """Elements moved by each transfer."""
-        return np.prod(self.size, axis=1, dtype=np.int64)
+        return _boxes.rows_prod(self.size)
 
     @functools.cached_property
     def _crossing(self) -> np.ndarray:
-        """Transfers that cross ranks, each distinct (source, box, receiving rank) once."""
+        """Transfers that cross ranks, each distinct (source, box, receiving rank) once.
+
+        The boxes cut from one source shard are identical or disjoint, so the low
+        corner names the box: no need to compare sizes.
+        """
         cross = np.flatnonzero(self.src_rank != self.dst_rank)
-        rows = np.c_[self.src_shard[cross], self.dst_rank[cross], self.lo[cross], self.size[cross]]
-        first, _ = _boxes.unique_rows(rows)
+        first, _ = _boxes.unique_rows(np.c_[self.src_shard[cross], self.dst_rank[cross], self.lo[cross]])
         return cross[first]
 
     @property
@@ -154,93 +157,155 @@ def plan(src: Layout, dst: Layout) -> Plan:
     return _build(src, dst)
 
 
-def _nonempty(layout: Layout) -> np.ndarray:
-    if not layout.ndim:
-        return np.arange(len(layout.shards))
-    return np.flatnonzero((layout._sz > 0).all(axis=1))
-
-
 def _groups(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Distinct non-empty boxes: (shard index of each box's first copy, shard indices, box of each)."""
-    idx = _nonempty(layout)
+    idx = np.flatnonzero(_boxes.rows_all(layout._sz > 0))
     first, inverse = _boxes.unique_rows(np.c_[layout._lo[idx], layout._sz[idx]])
     return idx[first], idx, inverse
 
 
 def _build(src: Layout, dst: Layout) -> Plan:
-    d = src.ndim
     s_first, s_idx, s_box = _groups(src)
     d_first, d_idx, d_box = _groups(dst)
     slo, shi = src._lo[s_first], src._lo[s_first] + src._sz[s_first]
     dlo, dhi = dst._lo[d_first], dst._lo[d_first] + dst._sz[d_first]
-    pu, pv = _boxes.intersect_pairs(slo, shi, dlo, dhi)  # (src box u, dst box v) that touch
-    ilo, ihi = np.maximum(slo[pu], dlo[pv]), np.minimum(shi[pu], dhi[pv])
-    # Expand each pair to every destination shard that holds box v.
-    d_order = np.argsort(d_box, kind="stable")
-    d_start = np.searchsorted(d_box[d_order], np.arange(len(d_first)))
-    d_count = np.bincount(d_box, minlength=len(d_first))
-    rep = d_count[pv]
-    row_pair = np.repeat(np.arange(len(pu)), rep)
-    within = np.arange(row_pair.size) - np.repeat(np.cumsum(rep) - rep, rep)
-    dst_shard = d_idx[d_order[d_start[pv][row_pair] + within]]
-    u = pu[row_pair]
-    src_shard = _choose_sources(src, dst, s_idx, s_box, len(s_first), u, dst_shard, ihi[row_pair] - ilo[row_pair])
-    lo, size = ilo[row_pair], (ihi - ilo)[row_pair]
-    order = np.lexsort((dst_shard, src_shard, dst._rank[dst_shard], src._rank[src_shard]))
-    numel = np.prod(size, axis=1, dtype=np.int64) if d else np.ones(len(u), np.int64)
-    minimum = _min_elements(src, dst, u, dst_shard, lo, size, numel, s_idx, s_box)
-    arrays = [src_shard[order], dst_shard[order], lo[order].reshape(-1, d), size[order].reshape(-1, d)]
+    pu, pv = _boxes.intersect_pairs(slo, shi, dlo, dhi)  # (src box u, dst box v) that share elements
+    ilo = np.maximum(slo[pu], dlo[pv])
+    isz = np.minimum(shi[pu], dhi[pv]) - ilo
+    pair, dst_shard = _to_replicas(pv, d_idx, d_box, len(d_first))
+    u, lo, size = pu[pair], ilo[pair], isz[pair]
+    src_shard = _choose_sources(src, dst, _Replicas(s_idx, s_box, len(s_first)), u, dst_shard, size)
+    numel = _boxes.rows_prod(size)
+    minimum = _min_elements(src, dst, u, pair, dst_shard, numel, s_idx, s_box)
+    order = _transfer_order(src, dst, src_shard, dst_shard)
+    arrays = [src_shard[order], dst_shard[order], lo[order], size[order]]
     for a in arrays:
         a.setflags(write=False)
     return Plan(src, dst, *arrays, min_elements_sent=minimum)
 
 
+def _to_replicas(pv: np.ndarray, d_idx: np.ndarray, d_box: np.ndarray, n_boxes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expands each pair to every destination shard holding its box: (pair of each row, dst shard)."""
+    d_order = np.argsort(d_box, kind="stable")
+    count = np.bincount(d_box, minlength=n_boxes)
+    start = np.cumsum(count) - count
+    rep = count[pv]
+    pair = np.repeat(np.arange(len(pv)), rep)
+    within = np.arange(pair.size) - np.repeat(np.cumsum(rep) - rep, rep)
+    return pair, d_idx[d_order[start[pv][pair] + within]]
+
+
+def _transfer_order(src: Layout, dst: Layout, src_shard: np.ndarray, dst_shard: np.ndarray) -> np.ndarray:
+    """Rows sorted by (source rank, destination rank, source shard, destination shard)."""
+    s_rank, d_rank, width = _rank_codes(src, dst)
+    ranks = s_rank[src_shard] * width + d_rank[dst_shard]
+    shards = src_shard * max(len(dst.shards), 1) + dst_shard
+    return np.lexsort((shards, ranks))
+
+
+def _rank_codes(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray, int]:
+    """Ranks of both layouts as small ints (order kept) and their bound, safe to multiply."""
+    width = int(max(src._rank.max(initial=0), dst._rank.max(initial=0))) + 1
+    if width <= 1 << 24:
+        return src._rank, dst._rank, width
+    ranks, inverse = np.unique(np.r_[src._rank, dst._rank], return_inverse=True)
+    return inverse[: len(src._rank)], inverse[len(src._rank) :], len(ranks)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Replicas:
+    """The source shards of each distinct source box, lowest shard index first."""
+
+    shard: np.ndarray  # shard indices of non-empty source shards, ascending
+    box: np.ndarray  # distinct box of each
+    n_boxes: int
+
+    @functools.cached_property
+    def by_box(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shards sorted by box, start of each box's run, run length)."""
+        order = np.argsort(self.box, kind="stable")
+        count = np.bincount(self.box, minlength=self.n_boxes)
+        return self.shard[order], np.cumsum(count) - count, count
+
+
 def _choose_sources(
-    src: Layout, dst: Layout, s_idx: np.ndarray, s_box: np.ndarray, n_boxes: int,
-    u: np.ndarray, dst_shard: np.ndarray, size: np.ndarray,
+    src: Layout, dst: Layout, reps: _Replicas, u: np.ndarray, dst_shard: np.ndarray, size: np.ndarray
 ) -> np.ndarray:
     """Picks the source shard of each row: a copy on the receiving rank (same device first),
     else the replica whose rank has sent the least so far."""
-    replicas: list[list[int]] = [[] for _ in range(n_boxes)]
-    for shard, box in zip(s_idx.tolist(), s_box.tolist()):
-        replicas[box].append(shard)
-    only = np.array([r[0] for r in replicas], np.int64) if n_boxes else np.zeros(0, np.int64)
-    out = only[u] if len(u) else np.zeros(0, np.int64)
-    multi = np.array([len(r) > 1 for r in replicas], bool)
-    rows = np.flatnonzero(multi[u]) if n_boxes else np.zeros(0, np.int64)
+    shards, start, count = reps.by_box
+    out = shards[start[u]]
+    rows = np.flatnonzero(count[u] > 1)
     if not rows.size:
         return out
-    s_rank, s_dev = src._rank, [s.placement.device for s in src.shards]
-    d_rank = dst._rank
-    load: dict[int, int] = {}
-    numel = np.prod(size[rows], axis=1, dtype=np.int64).tolist() if size.shape[1] else [1] * len(rows)
-    chosen: dict[tuple[int, int, tuple[int, ...]], int] = {}
-    for k, row in enumerate(rows.tolist()):
-        cands = replicas[int(u[row])]
-        target = int(d_rank[dst_shard[row]])
-        local = [c for c in cands if s_rank[c] == target]
-        if local:
-            device = dst.shards[int(dst_shard[row])].placement.device
-            out[row] = next((c for c in local if s_dev[c] == device), local[0])
-            continue
-        key = (int(u[row]), target, tuple(size[row].tolist()))
-        if key not in chosen:
-            chosen[key] = min(cands, key=lambda c: (load.get(int(s_rank[c]), 0), int(s_rank[c]), c))
-            load[int(s_rank[chosen[key]])] = load.get(int(s_rank[chosen[key]]), 0) + numel[k]
-        out[row] = chosen[key]
+    local = _local_replica(src, dst, reps, u[rows], dst_shard[rows])
+    out[rows] = local
+    remote = rows[local < 0]
+    if remote.size:
+        out[remote] = _balance(src, dst, reps, u[remote], dst_shard[remote], size[remote])
     return out
 
 
+def _local_replica(src: Layout, dst: Layout, reps: _Replicas, u: np.ndarray, dst_shard: np.ndarray) -> np.ndarray:
+    """Per row, the replica of box ``u`` on the receiving rank (same device first), or -1."""
+    s_rank, d_rank, width = _rank_codes(src, dst)
+    names = {name: k for k, name in enumerate(sorted(set(src._devices) | set(dst._devices)))}
+    s_dev = np.array([names[src._devices[i]] for i in reps.shard.tolist()], np.int64).reshape(-1)
+    d_dev = np.array([names[dst._devices[j]] for j in dst_shard.tolist()], np.int64).reshape(-1)
+    held = reps.box * width + s_rank[reps.shard]  # (box, rank) of every replica
+    want = u * width + d_rank[dst_shard]
+    # A placement holds a box at most once, so (box, rank, device) finds at most one shard.
+    exact = _lookup(held * len(names) + s_dev, want * len(names) + d_dev, reps.shard)
+    anywhere = _lookup(held, want, reps.shard)  # lowest shard index on that rank
+    return np.where(exact >= 0, exact, anywhere)
+
+
+def _lookup(keys: np.ndarray, queries: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``values`` at the first position (in a stable sort) of each query among ``keys``, or -1."""
+    order = np.argsort(keys, kind="stable")
+    srt = keys[order]
+    pos = np.minimum(np.searchsorted(srt, queries), len(srt) - 1)
+    return np.where(srt[pos] == queries, values[order[pos]], -1)
+
+
+def _balance(
+    src: Layout, dst: Layout, reps: _Replicas, u: np.ndarray, dst_shard: np.ndarray, size: np.ndarray
+) -> np.ndarray:
+    """Greedy: each (box, receiving rank, piece size), in row order, from the least-loaded replica."""
+    target = dst._rank[dst_shard]
+    first, inverse = _boxes.unique_rows(np.c_[u, target, size])
+    shards, start, count = reps.by_box
+    s_rank = src._rank.tolist()
+    numel = _boxes.rows_prod(size)
+    load: dict[int, int] = {}
+    chosen = np.empty(len(first), np.int64)
+    for g in np.argsort(first).tolist():
+        row = int(first[g])
+        cands = shards[start[u[row]] : start[u[row]] + count[u[row]]].tolist()
+        best = min(cands, key=lambda c: (load.get(s_rank[c], 0), s_rank[c], c))
+        load[s_rank[best]] = load.get(s_rank[best], 0) + int(numel[row])
+        chosen[g] = best
+    return chosen[inverse]
+
+
 def _min_elements(
-    src: Layout, dst: Layout, u: np.ndarray, dst_shard: np.ndarray, lo: np.ndarray,
-    size: np.ndarray, numel: np.ndarray, s_idx: np.ndarray, s_box: np.ndarray,
+    src: Layout,
+    dst: Layout,
+    u: np.ndarray,
+    pair: np.ndarray,
+    dst_shard: np.ndarray,
+    numel: np.ndarray,
+    s_idx: np.ndarray,
+    s_box: np.ndarray,
 ) -> int:
     """Pairs (element, receiving rank) where the rank holds no copy of the element in ``src``."""
     if not len(u):
         return 0
-    width = int(max(src._rank.max(initial=0), dst._rank.max(initial=0))) + 1
-    held = s_box * width + src._rank[s_idx]
-    rank = dst._rank[dst_shard]
-    first, _ = _boxes.unique_rows(np.c_[u, rank, lo, size])  # a rank needs each piece once
-    missing = first[~np.isin(u[first] * width + rank[first], held)]
+    s_rank, d_rank, width = _rank_codes(src, dst)
+    rank = d_rank[dst_shard]
+    first, _ = _boxes.unique_rows(np.c_[pair, rank])  # a rank needs each piece once
+    held = np.sort(s_box * width + s_rank[s_idx])
+    want = u[first] * width + rank[first]
+    pos = np.minimum(np.searchsorted(held, want), len(held) - 1)
+    missing = first[held[pos] != want]
     return int(numel[missing].sum())
