@@ -144,7 +144,9 @@ class TorchDistBackend:
         stand-in that gives the dtype.
         """
         if full is None:
-            raise SpecError(f"scatter(src={src}) needs a tensor on every rank (off src, an empty stand-in of the dtype).")
+            raise SpecError(
+                f"scatter(src={src}) needs a tensor on every rank (off src, an empty stand-in of the dtype)."
+            )
         if src is None:
             return self._slice(full, layout)
         self._require_member(f"scatter(src={src})")
@@ -153,10 +155,14 @@ class TorchDistBackend:
         source = Layout(layout.shape, (ShardMeta((0,) * layout.ndim, layout.shape, Placement(src)),))
         index = self.addressable(layout)
         out = {j: new_shard(layout, j, like) for j in index}
-        self._move(f"scatter(src={src})", plan(source, layout), (like,) if self.rank == src else (), out, dtype, direct=True)
+        self._move(
+            f"scatter(src={src})", plan(source, layout), (like,) if self.rank == src else (), out, dtype, direct=True
+        )
         return tuple(out[j] for j in index)
 
-    def assemble(self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None) -> torch.Tensor | None:
+    def assemble(
+        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
+    ) -> torch.Tensor | None:
         """The global tensor on every rank of the group (``dst=None``) or on rank ``dst`` only.
 
         Boxes that are contiguous ranges of the result (dim-0 chunks) are received
@@ -171,7 +177,9 @@ class TorchDistBackend:
         p = plan(layout, target)
         out = {}
         if self.rank in receivers:
-            out[target.indices_on(self.rank)[0]] = torch.empty(layout.shape, dtype=like.dtype, device=self._out_device(layout, like))
+            out[target.indices_on(self.rank)[0]] = torch.empty(
+                layout.shape, dtype=like.dtype, device=self._out_device(layout, like)
+            )
         self._move(f"assemble(dst={dst})", p, tensors, out, like.dtype, direct=_all_contiguous(p))
         return next(iter(out.values()), None)
 
@@ -222,7 +230,16 @@ class TorchDistBackend:
         if self.member and current().check_collectives:
             _check_same(self.group, self.ranks, op, layouts, dtype)
 
-    def _move(self, op: str, p: Plan, tensors: Sequence[torch.Tensor], out: dict[int, torch.Tensor], dtype: torch.dtype, *, direct: bool) -> None:
+    def _move(
+        self,
+        op: str,
+        p: Plan,
+        tensors: Sequence[torch.Tensor],
+        out: dict[int, torch.Tensor],
+        dtype: torch.dtype,
+        *,
+        direct: bool,
+    ) -> None:
         self._require_member(op)
         self._check(op, (p.src, p.dst), dtype)
         src = dict(zip(self.addressable(p.src), tensors))
@@ -339,7 +356,9 @@ def _fan_out(p: Plan, sched: _Schedule, k: int, got: torch.Tensor, out: dict, *,
             _region(p, row, "dst", out).copy_(got)
 
 
-def _alltoall(p: Plan, sched: _Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any) -> None:
+def _alltoall(
+    p: Plan, sched: _Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any
+) -> None:
     """Packs every box per peer into one buffer and runs a single ``all_to_all_single``."""
     order = dist.get_process_group_ranks(group or dist.group.WORLD)
     numel = p.numel
@@ -355,7 +374,11 @@ def _alltoall(p: Plan, sched: _Schedule, src: dict, out: dict, dtype: torch.dtyp
     recvbuf = torch.empty(sum(recv_n.values()), dtype=dtype, device=wire)
     item = recvbuf.element_size()
     dist.all_to_all_single(
-        _bytes(recvbuf), _bytes(sendbuf), [recv_n[r] * item for r in order], [send_n[r] * item for r in order], group=group
+        _bytes(recvbuf),
+        _bytes(sendbuf),
+        [recv_n[r] * item for r in order],
+        [send_n[r] * item for r in order],
+        group=group,
     )
     at = 0
     for _, rows in sched.recv:
@@ -383,12 +406,18 @@ def _describe(op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None) -
     return f"{op} [{parts}]" + (f" dtype {dtype}" if dtype is not None else "")
 
 
-def _check_same(group: Any, ranks: tuple[int, ...], op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None) -> None:
+def _check_same(
+    group: Any, ranks: tuple[int, ...], op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None
+) -> None:
     """All-gathers an 8-byte digest of the call; on a mismatch every rank raises the same error."""
     h = hashlib.blake2b(op.encode() + str(dtype).encode(), digest_size=8)
     for x in layouts:
         h.update(_layout_digest(x))
-    wire = torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend(group)) == "nccl" else torch.device("cpu")
+    wire = (
+        torch.device("cuda", torch.cuda.current_device())
+        if str(dist.get_backend(group)) == "nccl"
+        else torch.device("cpu")
+    )
     mine = torch.tensor([int.from_bytes(h.digest(), "little", signed=True)], dtype=torch.int64, device=wire)
     seen = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(seen, mine, group=group)

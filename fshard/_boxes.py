@@ -122,25 +122,28 @@ def corner_sums(lo: np.ndarray, hi: np.ndarray, bounds: np.ndarray) -> dict[tupl
     {(0,): 1, (5,): -1}
     """
     n, d = lo.shape
-    points = np.concatenate([np.where(np.array(e, bool), hi, lo) for e in itertools.product((0, 1), repeat=d)])
-    parity = np.array([sum(e) % 2 for e in itertools.product((0, 1), repeat=d)], np.int64)
-    sign = np.repeat(1 - 2 * parity, n)
+    corners = list(itertools.product((0, 1), repeat=d))
+    points = np.concatenate([np.where(np.array(e, bool), hi, lo) for e in corners])
+    sign = np.repeat(np.array([1 - 2 * (sum(e) % 2) for e in corners], np.int64), n)
     radix = [int(b) + 1 for b in bounds]
-    if _product(radix) > _INT64_LIMIT or not points.size:
+    if _product(radix) > _INT64_LIMIT or not points.size:  # also d == 0
         return _sparse_sums(points, sign)
-    keys = np.ravel_multi_index(tuple(points.T), radix) if d else np.zeros(len(points), np.int64)
-    if _product(radix) <= max(4 * len(keys), 1 << 16):
-        # Few possible corners (a dense grid of shards): count them directly, no sort.
-        sums = np.rint(np.bincount(keys, weights=sign, minlength=_product(radix))).astype(np.int64)
-        where = np.flatnonzero(sums)
-        values = sums[where]
-    else:
-        uniq, inverse = np.unique(keys, return_inverse=True)
-        sums = np.bincount(inverse.ravel(), weights=sign, minlength=len(uniq))
-        nz = np.flatnonzero(sums)
-        where, values = uniq[nz], np.rint(sums[nz]).astype(np.int64)
-    coords = np.stack(np.unravel_index(where, radix), axis=1) if d else np.zeros((len(where), 0), np.int64)
+    where, values = _sum_by_key(np.asarray(np.ravel_multi_index(tuple(points.T), radix)), sign, _product(radix))
+    coords = np.stack(np.unravel_index(where, radix), axis=1)
     return {tuple(p): int(s) for p, s in zip(coords.tolist(), values.tolist())}
+
+
+def _sum_by_key(keys: np.ndarray, sign: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """The keys whose signs do not cancel, and their sums."""
+    if n_keys <= max(4 * len(keys), 1 << 16):
+        # Few possible corners (a dense grid of shards): count them directly, no sort.
+        sums = np.rint(np.bincount(keys, weights=sign, minlength=n_keys)).astype(np.int64)
+        where = np.flatnonzero(sums)
+        return where, sums[where]
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    sums = np.rint(np.bincount(inverse.ravel(), weights=sign, minlength=len(uniq))).astype(np.int64)
+    nz = np.flatnonzero(sums)
+    return uniq[nz], sums[nz]
 
 
 def _sparse_sums(points: np.ndarray, sign: np.ndarray) -> dict[tuple[int, ...], int]:

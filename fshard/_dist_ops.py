@@ -59,7 +59,9 @@ def _describe(shards: Any, shape: Any, rank: int | None) -> Report:
     """This rank's report; bad local input becomes a problem to raise on every rank."""
     problems, pieces = [], []
     try:
-        gshape: tuple[int, ...] | None = check_shape(tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else (shape,))
+        gshape: tuple[int, ...] | None = check_shape(
+            tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else (shape,)
+        )
     except (TypeError, ValueError) as exc:
         gshape, problems = None, [f"bad global shape {shape!r}: {exc}"]
     for k, s in enumerate(shards):
@@ -69,9 +71,13 @@ def _describe(shards: Any, shape: Any, rank: int | None) -> Report:
         t, p = s.data, s.meta.placement
         pieces.append(Piece(s.meta, t.dtype, str(t.device), t.requires_grad, _pinned(t), str(t.layout)))
         if rank is not None and p.rank != rank:
-            problems.append(f"shard {s.meta._box()} names rank {p.rank}, but rank {rank} passed it: a rank passes only its own shards")
+            problems.append(
+                f"shard {s.meta._box()} names rank {p.rank}, but rank {rank} passed it: a rank passes only its own shards"
+            )
         if torch.device(p.device) != t.device:
-            problems.append(f"shard {s.meta._box()} has its tensor on {t.device}, not on its placement's device {p.device}")
+            problems.append(
+                f"shard {s.meta._box()} has its tensor on {t.device}, not on its placement's device {p.device}"
+            )
     return Report(rank, gshape, tuple(pieces), tuple(problems))
 
 

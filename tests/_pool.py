@@ -87,7 +87,9 @@ class Pool:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
         if replies is None:
             self.restart()
-            msg = f"{name} (test {test}) did not finish on every rank within {timeout or self.timeout} s; pool restarted."
+            msg = (
+                f"{name} (test {test}) did not finish on every rank within {timeout or self.timeout} s; pool restarted."
+            )
             raise TimeoutError(msg)
         failed = [
             (k, "no reply: still waiting (in a collective that a failed rank never joined?)" if r is None else r[1])

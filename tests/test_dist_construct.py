@@ -149,5 +149,7 @@ def test_from_local_shards_on_the_local_backend_takes_every_rank():
 
 
 def test_from_local_shards_empty_array_keeps_its_dtype():
-    a = fshard.from_local_shards([fshard.Shard(fshard.ShardMeta((0,), (0,), 0), torch.zeros(0, dtype=torch.int8))], (0,))
+    a = fshard.from_local_shards(
+        [fshard.Shard(fshard.ShardMeta((0,), (0,), 0), torch.zeros(0, dtype=torch.int8))], (0,)
+    )
     assert a.dtype == torch.int8

@@ -15,7 +15,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpus = pytest.mark.skipif(
     GPUS < 2,
-    reason=f"needs 2 GPUs (torch.cuda.device_count() is {GPUS})" if GPUS else "needs CUDA (torch.cuda.is_available() is False)",
+    reason=f"needs 2 GPUs (torch.cuda.device_count() is {GPUS})"
+    if GPUS
+    else "needs CUDA (torch.cuda.is_available() is False)",
 )
 
 X = torch.arange(120.0).reshape(10, 12)
@@ -49,8 +51,10 @@ def _nccl_job(world):
     assert fshard.equal(a, c)
     old = fshard.config(check_collectives=True)
     try:
-        assert torch.equal(fshard.gather(fshard.rand(fshard.Chunk(0, on_gpu), 10, 12, seed=1)).cpu(),
-                           fshard.gather(fshard.rand(fshard.Chunk(0, [0]), 10, 12, seed=1)).cpu())
+        assert torch.equal(
+            fshard.gather(fshard.rand(fshard.Chunk(0, on_gpu), 10, 12, seed=1)).cpu(),
+            fshard.gather(fshard.rand(fshard.Chunk(0, [0]), 10, 12, seed=1)).cpu(),
+        )
     finally:
         fshard.config(check_collectives=old.check_collectives)
     return sent

@@ -78,7 +78,11 @@ def test_shard_from_one_rank_sends_only_needed_boxes(dist_pool, name):
     single = fshard.Single(2).layout(SHAPE)
     assert sum(sent) == sent[2] == fshard.plan(single, layout).min_elements_sent
     # Each rank other than 2 receives each distinct box it holds, once.
-    assert sent[2] == sum(int(torch.Size(n).numel()) for r, _, n in {(s.placement.rank, s.offsets, s.sizes) for s in layout.shards} if r != 2)
+    assert sent[2] == sum(
+        int(torch.Size(n).numel())
+        for r, _, n in {(s.placement.rank, s.offsets, s.sizes) for s in layout.shards}
+        if r != 2
+    )
 
 
 def _gather(layout, dst):
@@ -202,14 +206,18 @@ def _random_is_layout_invariant(seed):
         for spec in (fshard.Chunk(0, RANKS), fshard.Named(fshard.Mesh((2, 2)), ("x", "y")), fshard.Replicated([3])):
             assert torch.equal(fshard.gather(make(spec, 24, 12, seed=seed)), reference)
         x = make(fshard.Chunk(0, RANKS), 24, 12, seed=seed)
-        assert torch.equal(fshard.gather(fshard.rand_like(x, seed=seed)), fshard.gather(fshard.rand(spec, 24, 12, seed=seed)))
+        assert torch.equal(
+            fshard.gather(fshard.rand_like(x, seed=seed)), fshard.gather(fshard.rand(spec, 24, 12, seed=seed))
+        )
         out.append(float(reference.sum()))
     return out
 
 
 def test_rand_across_processes_equals_local(dist_pool):
     got = dist_pool.run(_random_is_layout_invariant, 11)
-    local = [float(fshard.gather(m(fshard.Chunk(0, [0, 1]), 24, 12, seed=11)).sum()) for m in (fshard.rand, fshard.randn)]
+    local = [
+        float(fshard.gather(m(fshard.Chunk(0, [0, 1]), 24, 12, seed=11)).sum()) for m in (fshard.rand, fshard.randn)
+    ]
     assert got == [local] * 4
 
 

@@ -40,7 +40,9 @@ def layouts(draw, shape):
         partition = draw(st.lists(axes, min_size=len(shape), max_size=len(shape)).filter(_no_axis_twice))
         return fshard.Named(mesh, tuple(partition)).layout(shape)
     if kind == "replicated":
-        return fshard.Replicated(draw(st.lists(st.sampled_from(RANKS), min_size=1, max_size=4, unique=True))).layout(shape)
+        return fshard.Replicated(draw(st.lists(st.sampled_from(RANKS), min_size=1, max_size=4, unique=True))).layout(
+            shape
+        )
     boxes = _guillotine(draw, [0] * len(shape), list(shape), 3)
     metas = []
     for offsets, sizes in boxes:
