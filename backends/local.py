@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -21,6 +22,7 @@ __all__ = ["LOCAL", "POOL_LIMIT_BYTES", "Counters", "LocalBackend", "box_slices"
 POOL_LIMIT_BYTES = 1 << 30
 # Smaller blocks come back from malloc's free lists without page faults anyway.
 _POOL_MIN_BYTES = 1 << 20
+_ALIGN = 64
 # Plain element types, which a byte buffer can be viewed as (not quantized ones, say).
 _POOL_DTYPES = frozenset({
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -74,6 +76,16 @@ class _Pool:
     here, and the next output of the same byte size reuses it, already mapped. Like
     torch's CUDA caching allocator, memory stays reserved after its arrays die, up to
     ``POOL_LIMIT_BYTES``; ``empty_cache()`` hands it back.
+
+    >>> pool = _Pool()
+    >>> a = pool.empty((1024, 1024), torch.float32)
+    >>> address = a.data_ptr()
+    >>> del a  # its block goes back to the pool...
+    >>> b = pool.empty((512, 2048), torch.float32)
+    >>> b.data_ptr() == address  # ...and the next output of 4 MiB reuses it
+    True
+    >>> pool.empty((1024, 1024), torch.float32).data_ptr() != address  # b is alive: not shared
+    True
     """
 
     def __init__(self) -> None:
@@ -83,12 +95,13 @@ class _Pool:
 
     def empty(self, sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor (recycled memory where possible)."""
-        nbytes = int(np.prod(sizes, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(sizes) * dtype.itemsize
         if nbytes < _POOL_MIN_BYTES or dtype not in _POOL_DTYPES:
             return torch.empty(sizes, dtype=dtype)
         block = self._take(nbytes)
-        view = block[:]  # the object torch holds; its death returns ``block`` to the pool
-        weakref.finalize(view, self._give, block)
+        start = -block.ctypes.data % _ALIGN  # torch's own allocator aligns to 64 bytes; numpy's to 16
+        view = block[start : start + nbytes]  # the object torch holds; its death returns ``block``
+        weakref.finalize(view, self._give, block, nbytes)
         return torch.from_numpy(view).view(dtype).view(tuple(sizes))
 
     def _take(self, nbytes: int) -> np.ndarray:
@@ -97,13 +110,13 @@ class _Pool:
             if blocks:
                 self._cached -= nbytes
                 return blocks.pop()
-        return np.empty(nbytes, np.uint8)
+        return np.empty(nbytes + _ALIGN, np.uint8)
 
-    def _give(self, block: np.ndarray) -> None:
+    def _give(self, block: np.ndarray, nbytes: int) -> None:
         with self._lock:
-            if self._cached + block.nbytes <= POOL_LIMIT_BYTES:
-                self._free.setdefault(block.nbytes, []).append(block)
-                self._cached += block.nbytes
+            if self._cached + nbytes <= POOL_LIMIT_BYTES:
+                self._free.setdefault(nbytes, []).append(block)
+                self._cached += nbytes
 
     def clear(self) -> None:
         """Drops every cached block."""

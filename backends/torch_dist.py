@@ -8,7 +8,15 @@ computes the same cached ``Plan`` as every other rank and reads its own part of 
   rank holds it twice) and exchanged: ``execute`` packs all boxes for one peer into
   one contiguous buffer and runs a single ``all_to_all_single`` with split sizes (no
   padding); ``scatter`` and ``assemble`` post one ``isend``/``irecv`` per box, straight
-  from and into the tensors where a box is a contiguous range of them.
+  from and into the tensors where a box is a contiguous range of them. ``execute``
+  does the same when every received box is a contiguous range of its shard and the
+  boxes are few and large (chunk -> replicated, dim 0 -> dim 1 of big arrays):
+  nothing is staged on arrival.
+
+The local copies run while the messages are in flight. Boxes that already lie back to
+back in one tensor are sent (or received) in place rather than packed; buffers that
+must be staged come from the local backend's cache of mapped CPU memory, so they do
+not pay a page fault per 4 KiB on every call.
 
 Placements name global ranks; a sub-group maps them to group ranks. The wire device
 follows the group: CUDA for an NCCL group, CPU otherwise.
@@ -19,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,12 +41,21 @@ from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._layout import Layout, ShardMeta
 from fshard._placement import Placement
 from fshard._plan import Plan, plan
-from fshard.backends.local import Counters, box_slices, copy_plan, new_shard, shard_device
+
+from .local import _POOL, Counters, box_slices, copy_plan, new_shard, shard_device
 
 __all__ = ["TorchDistBackend"]
 
 _COUNTERS: dict[int, Counters] = {}
 _WARM: set[int] = set()
+# ``execute`` sends box by box (nothing staged on arrival) when every received box lands
+# in place, there are at most this many boxes per pair of ranks on average, and they
+# average at least ``_DIRECT_MIN_BYTES``: below that, one all_to_all_single has less
+# latency than the separate messages save in copying (Gloo on loopback).
+_DIRECT_PIECES_PER_PAIR = 4
+_DIRECT_MIN_BYTES = 1 << 20
+# ``exchange`` sends pickles up to this many bytes in one round (larger: a second round).
+_EXCHANGE_INLINE = 1016
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -123,17 +141,19 @@ class TorchDistBackend:
             if (self.member and r not in ranks) or (not self.member and r == self.rank):
                 msg = (
                     f"Global rank {r} does not exist in input process group (global ranks {list(ranks)}): "
-                    f"placements name global ranks; place shards on the group's ranks or use a group that holds rank {r}."
+                    "placements name global ranks; place shards on the group's ranks "
+                    f"or use a group that holds rank {r}."
                 )
                 raise SpecError(msg)
         for i in self.addressable(layout):
             shard_device(layout, i)
 
     def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Runs ``plan`` with one ``all_to_all_single`` of packed per-peer buffers."""
+        """Runs ``plan``: one ``all_to_all_single`` of packed per-peer buffers, or, when every
+        received box lands in place and the boxes are few and large, one message per box."""
         index = self.addressable(plan.dst)
         out = {j: new_shard(plan.dst, j, like) for j in index}
-        self._move("execute", plan, tensors, out, like.dtype, direct=False)
+        self._move("reshard", plan, tensors, out, like.dtype, direct=_direct(plan, like.element_size()))
         return tuple(out[j] for j in index)
 
     def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
@@ -149,14 +169,14 @@ class TorchDistBackend:
             )
         if src is None:
             return self._slice(full, layout)
-        self._require_member(f"scatter(src={src})")
+        self._require_member(f"shard(src={src})")
         self._check_rank(src, "src")
         like, dtype = full, full.dtype
-        source = Layout(layout.shape, (ShardMeta((0,) * layout.ndim, layout.shape, Placement(src)),))
+        source = _whole(layout.shape, (src,))
         index = self.addressable(layout)
         out = {j: new_shard(layout, j, like) for j in index}
         self._move(
-            f"scatter(src={src})", plan(source, layout), (like,) if self.rank == src else (), out, dtype, direct=True
+            f"shard(src={src})", plan(source, layout), (like,) if self.rank == src else (), out, dtype, direct=True
         )
         return tuple(out[j] for j in index)
 
@@ -168,27 +188,23 @@ class TorchDistBackend:
         Boxes that are contiguous ranges of the result (dim-0 chunks) are received
         straight into it; other boxes are staged once in one receive buffer.
         """
-        self._require_member(f"assemble(dst={dst})")
+        self._require_member(f"gather(dst={dst})")
         if dst is not None:
             self._check_rank(dst, "dst")
         receivers = self.ranks if dst is None else (dst,)
-        zero = (0,) * layout.ndim
-        target = Layout(layout.shape, tuple(ShardMeta(zero, layout.shape, Placement(r)) for r in receivers))
+        target = _whole(layout.shape, receivers)
         p = plan(layout, target)
         out = {}
         if self.rank in receivers:
-            out[target.indices_on(self.rank)[0]] = torch.empty(
-                layout.shape, dtype=like.dtype, device=self._out_device(layout, like)
-            )
-        self._move(f"assemble(dst={dst})", p, tensors, out, like.dtype, direct=_all_contiguous(p))
+            out[target.indices_on(self.rank)[0]] = _empty(layout.shape, like.dtype, self._out_device(layout, like))
+        self._move(f"gather(dst={dst})", p, tensors, out, like.dtype, direct=_all_contiguous(p))
         return next(iter(out.values()), None)
 
     def exchange(self, obj: Any) -> list[Any]:
         """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""
         self._require_member("exchange")
         self._check("exchange", ())
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        out = _gather_objects(obj, self.group, self.world_size, self._wire)
         self.counters.collectives += 1
         return out
 
@@ -202,7 +218,7 @@ class TorchDistBackend:
         return torch.device("cpu")
 
     def _slice(self, full: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
-        self._check("scatter(src=None)", (layout,))
+        self._check("shard(src=None)", (layout,))
         out = []
         for i in self.addressable(layout):
             s = layout.shards[i]
@@ -215,7 +231,10 @@ class TorchDistBackend:
 
     def _check_rank(self, rank: int, what: str) -> None:
         if rank not in self.ranks:
-            msg = f"{what}={rank}: Global rank {rank} does not exist in input process group (global ranks {list(self.ranks)})."
+            msg = (
+                f"{what}={rank}: Global rank {rank} does not exist in input process group "
+                f"(global ranks {list(self.ranks)})."
+            )
             raise SpecError(msg)
 
     def _require_member(self, op: str) -> None:
@@ -228,7 +247,7 @@ class TorchDistBackend:
 
     def _check(self, op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None = None) -> None:
         if self.member and current().check_collectives:
-            _check_same(self.group, self.ranks, op, layouts, dtype)
+            _check_same(self.group, self.ranks, self._wire, op, layouts, dtype)
 
     def _move(
         self,
@@ -244,19 +263,24 @@ class TorchDistBackend:
         self._check(op, (p.src, p.dst), dtype)
         src = dict(zip(self.addressable(p.src), tensors))
         sched = _schedule(p, self.rank, self.ranks)
-        copy_plan(p, src, out, sched.local)
-        if p.elements_sent == 0:
+        if p.elements_sent == 0:  # every rank reads this from the same plan: no collective anywhere
+            copy_plan(p, src, out, sched.local)
             return
         wire = self._wire
         if wire.type == "cuda" and id(self.group) not in _WARM:
             dist.all_reduce(torch.zeros(1, device=wire), group=self.group)  # NCCL: create the communicator before P2P
             _WARM.add(id(self.group))
-        if direct or not _has_alltoall(str(dist.get_backend(self.group))):
-            _p2p(p, sched, src, out, dtype, wire, self.group)
-        else:
-            _alltoall(p, sched, src, out, dtype, wire, self.group)
+        transport = _p2p if direct or not _has_alltoall(str(dist.get_backend(self.group))) else _alltoall
+        transport(p, sched, src, out, dtype, wire, self.group, lambda: copy_plan(p, src, out, sched.local))
         self.counters.elements_sent += sched.sent
         self.counters.collectives += 1
+
+
+@functools.lru_cache(maxsize=256)
+def _whole(shape: tuple[int, ...], ranks: tuple[int, ...]) -> Layout:
+    """The whole array once on each of ``ranks`` (the layout ``shard(src=)`` and ``gather`` move from or to)."""
+    zero = (0,) * len(shape)
+    return Layout(tuple(shape), tuple(ShardMeta(zero, tuple(shape), Placement(r)) for r in ranks))
 
 
 # -- schedules: this rank's part of a plan (pure, cached) ---------------------------------
@@ -285,12 +309,26 @@ def _schedule(p: Plan, me: int, order: tuple[int, ...]) -> _Schedule:
     cross = np.flatnonzero(sr != dr)
     first, inverse = unique_rows(np.c_[p.src_shard[cross], dr[cross], p.lo[cross], p.size[cross]])
     pieces = np.sort(cross[first])  # unique_rows keeps the earliest row of each group
-    numel = p.numel
-    send = tuple((r, pieces[(sr[pieces] == me) & (dr[pieces] == r)]) for r in order if r != me)
-    recv = tuple((r, pieces[(dr[pieces] == me) & (sr[pieces] == r)]) for r in order if r != me)
-    fanout = {int(cross[first[g]]): cross[inverse == g] for g in np.unique(inverse[dr[cross] == me])}
-    sent = int(sum(numel[rows].sum() for _, rows in send))
-    return _Schedule(local, tuple(s for s in send if s[1].size), tuple(r for r in recv if r[1].size), fanout, sent)
+    position = np.zeros(int(max(sr.max(initial=0), dr.max(initial=0), max(order))) + 1, np.int64)
+    position[list(order)] = np.arange(len(order))
+    send = _by_peer(pieces[sr[pieces] == me], dr, position)
+    recv = _by_peer(pieces[dr[pieces] == me], sr, position)
+    mine = cross[dr[cross] == me]
+    fanout = {int(rows[0]): rows for rows in _split_by(mine, inverse[dr[cross] == me])}
+    sent = int(sum(p.numel[rows].sum() for _, rows in send))
+    return _Schedule(local, send, recv, fanout, sent)
+
+
+def _split_by(rows: np.ndarray, key: np.ndarray) -> list[np.ndarray]:
+    """``rows`` grouped by ``key`` (groups in key order, rows kept in order within a group)."""
+    o = np.argsort(key, kind="stable")
+    k = key[o]
+    return np.split(rows[o], np.flatnonzero(k[1:] != k[:-1]) + 1) if rows.size else []
+
+
+def _by_peer(rows: np.ndarray, peer: np.ndarray, position: np.ndarray) -> tuple[tuple[int, np.ndarray], ...]:
+    """``rows`` grouped by their peer rank, peers in group-rank order."""
+    return tuple((int(peer[g[0]]), g) for g in _split_by(rows, position[peer[rows]]))
 
 
 @functools.lru_cache(maxsize=512)
@@ -305,6 +343,17 @@ def _all_contiguous(p: Plan) -> bool:
     lead = np.argmax(big, axis=1)
     after = np.arange(p.dst.ndim)[None, :] > lead[:, None]
     return bool((((size == shape) | ~after).all(axis=1) | ~big.any(axis=1)).all())
+
+
+@functools.lru_cache(maxsize=512)
+def _direct(p: Plan, itemsize: int) -> bool:
+    """Whether ``execute`` sends box by box: every received box lands in place, and the
+    boxes are few and large. Every rank computes the same answer from the same plan."""
+    pieces = p._crossing.size
+    if not pieces or p.elements_sent * itemsize < _DIRECT_MIN_BYTES * pieces:
+        return False
+    ranks = int(np.unique(np.r_[p.src._rank, p.dst._rank]).size)
+    return pieces <= _DIRECT_PIECES_PER_PAIR * ranks * ranks and _all_contiguous(p)
 
 
 def _has_alltoall(backend_name: str) -> bool:
@@ -325,25 +374,46 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _p2p(p: Plan, sched: _Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any) -> None:
-    """One message per box; sent from and received into the tensors where the box is contiguous."""
+def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised contiguous tensor; on the CPU from memory that is already mapped."""
+    if device.type == "cpu":
+        return _POOL.empty(tuple(shape), dtype)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def _p2p(
+    p: Plan,
+    sched: _Schedule,
+    src: dict,
+    out: dict,
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    local: Any,
+) -> None:
+    """One message per box; sent from and received into the tensors where the box is contiguous.
+
+    ``local()`` (this rank's own copies) runs while the messages are in flight.
+    """
     ops, staged = [], []
-    for peer, rows in sched.send:
-        for tag, k in enumerate(rows.tolist()):
-            box = _region(p, k, "src", src)
-            if not (box.is_contiguous() and box.device == wire):
-                box = box.to(wire, memory_format=torch.contiguous_format, copy=True)
-            ops.append(dist.P2POp(dist.isend, _bytes(box), peer, group, tag))
     for peer, rows in sched.recv:
         for tag, k in enumerate(rows.tolist()):
             box = _region(p, k, "dst", out)
             if not (box.is_contiguous() and box.device == wire):
-                staged.append((k, box, buf := torch.empty(box.shape, dtype=dtype, device=wire)))
+                staged.append((k, box, buf := _empty(box.shape, dtype, wire)))
                 box = buf
             else:
                 staged.append((k, None, box))
             ops.append(dist.P2POp(dist.irecv, _bytes(box), peer, group, tag))
-    for work in dist.batch_isend_irecv(ops) if ops else ():
+    for peer, rows in sched.send:
+        for tag, k in enumerate(rows.tolist()):
+            box = _region(p, k, "src", src)
+            if not (box.is_contiguous() and box.device == wire):
+                box = _empty(box.shape, dtype, wire).copy_(box)
+            ops.append(dist.P2POp(dist.isend, _bytes(box), peer, group, tag))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    local()
+    for work in works:
         work.wait()
     for k, target, got in staged:
         _fan_out(p, sched, k, got, out, skip_first=target is None)
@@ -356,36 +426,114 @@ def _fan_out(p: Plan, sched: _Schedule, k: int, got: torch.Tensor, out: dict, *,
             _region(p, row, "dst", out).copy_(got)
 
 
+def _in_place(p: Plan, rows: list[int], side: str, tensors: dict, wire: torch.device) -> torch.Tensor | None:
+    """One flat view over the boxes of ``rows`` when they lie back to back, in order, in one
+    contiguous tensor on the wire device (so they need no packing), else ``None``."""
+    shard = p.src_shard if side == "src" else p.dst_shard
+    if not rows or len({int(shard[k]) for k in rows}) != 1:
+        return None
+    base = tensors[int(shard[rows[0]])]
+    if base.device != wire or not base.is_contiguous():
+        return None
+    boxes = [_region(p, k, side, tensors) for k in rows]
+    start = at = boxes[0].storage_offset()
+    for box in boxes:
+        if not box.is_contiguous() or box.storage_offset() != at:
+            return None
+        at += box.numel()
+    offset = start - base.storage_offset()
+    return base.reshape(-1)[offset : offset + at - start]
+
+
 def _alltoall(
-    p: Plan, sched: _Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any
+    p: Plan,
+    sched: _Schedule,
+    src: dict,
+    out: dict,
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    local: Any,
 ) -> None:
-    """Packs every box per peer into one buffer and runs a single ``all_to_all_single``."""
+    """Packs every box per peer into one buffer and runs a single ``all_to_all_single``.
+
+    Boxes already back to back in one tensor are sent or received in place; ``local()``
+    (this rank's own copies) runs while the collective is in flight.
+    """
     order = dist.get_process_group_ranks(group or dist.group.WORLD)
     numel = p.numel
     send_n = dict.fromkeys(order, 0) | {r: int(numel[rows].sum()) for r, rows in sched.send}
     recv_n = dict.fromkeys(order, 0) | {r: int(numel[rows].sum()) for r, rows in sched.recv}
-    sendbuf = torch.empty(sum(send_n.values()), dtype=dtype, device=wire)
-    at = 0
-    for _, rows in sched.send:
-        for k in rows.tolist():
+    send_rows = [k for _, rows in sched.send for k in rows.tolist()]
+    recv_rows = [k for _, rows in sched.recv for k in rows.tolist()]
+    sendbuf = _in_place(p, send_rows, "src", src, wire)
+    if sendbuf is None:
+        sendbuf = _empty((sum(send_n.values()),), dtype, wire)
+        at = 0
+        for k in send_rows:
             box = _region(p, k, "src", src)
             sendbuf[at : at + box.numel()].view(box.shape).copy_(box)
             at += box.numel()
-    recvbuf = torch.empty(sum(recv_n.values()), dtype=dtype, device=wire)
+    first = [int(sched.fanout[k][0]) for k in recv_rows]
+    recvbuf = _in_place(p, first, "dst", out, wire)
+    staged = recvbuf is None
+    if staged:
+        recvbuf = _empty((sum(recv_n.values()),), dtype, wire)
     item = recvbuf.element_size()
-    dist.all_to_all_single(
+    work = dist.all_to_all_single(
         _bytes(recvbuf),
         _bytes(sendbuf),
         [recv_n[r] * item for r in order],
         [send_n[r] * item for r in order],
         group=group,
+        async_op=True,
     )
+    local()
+    work.wait()
     at = 0
-    for _, rows in sched.recv:
-        for k in rows.tolist():
-            n = int(numel[k])
-            _fan_out(p, sched, k, recvbuf[at : at + n].view(tuple(p.size[k].tolist())), out, skip_first=False)
-            at += n
+    for k in recv_rows:
+        n = int(numel[k])
+        _fan_out(p, sched, k, recvbuf[at : at + n].view(tuple(p.size[k].tolist())), out, skip_first=not staged)
+        at += n
+
+
+def _gather_objects(obj: Any, group: Any, n: int, wire: torch.device) -> list[Any]:
+    """``all_gather_object`` in one round where every pickle is small (metadata).
+
+    Each rank sends a fixed-size record: its pickle's length and, when it fits, the
+    pickle itself. Only if some rank's pickle is larger (every rank sees the lengths)
+    does a second round carry the pickles, padded to the longest.
+    """
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    record = np.zeros(8 + _EXCHANGE_INLINE, np.uint8)
+    record[:8] = np.frombuffer(np.int64(len(data)).tobytes(), np.uint8)
+    if len(data) <= _EXCHANGE_INLINE:
+        record[8 : 8 + len(data)] = np.frombuffer(data, np.uint8)
+    got = _all_gather_bytes(record, group, n, wire)
+    sizes = got[:, :8].copy().view(np.int64).ravel().tolist()
+    if max(sizes) <= _EXCHANGE_INLINE:
+        return [pickle.loads(got[i, 8 : 8 + k].tobytes()) for i, k in enumerate(sizes)]
+    padded = np.zeros(max(sizes), np.uint8)
+    padded[: len(data)] = np.frombuffer(data, np.uint8)
+    rows = _all_gather_bytes(padded, group, n, wire)
+    return [pickle.loads(rows[i, :k].tobytes()) for i, k in enumerate(sizes)]
+
+
+def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -> np.ndarray:
+    """Every rank's ``row`` (equal lengths), as an ``n x len`` array in group order.
+
+    Through ``all_to_all_single`` where the backend has it: every message goes out at
+    once, one step, where a ring all-gather takes n - 1 steps in turn (small messages
+    are all latency: about 2 ms against 4 ms for 4 Gloo processes on 2 cores, and
+    ``all_gather_object``, which gathers the sizes first, takes 8 ms).
+    """
+    mine = torch.from_numpy(row).to(wire)
+    out = torch.empty(n * row.size, dtype=torch.uint8, device=wire)
+    if _has_alltoall(str(dist.get_backend(group))):
+        dist.all_to_all_single(out, mine.repeat(n), group=group)
+    else:
+        dist.all_gather_into_tensor(out, mine, group=group)
+    return out.cpu().numpy().reshape(n, row.size)
 
 
 # -- check mode -------------------------------------------------------------------------
@@ -401,23 +549,28 @@ def _layout_digest(layout: Layout) -> bytes:
     return h.digest()
 
 
+def _short(layout: Layout, most: int = 6) -> str:
+    """``shape (8, 12): [0:4, 0:12]@0 [4:8, 0:12]@1``: each box as slices and its rank."""
+    boxes = [
+        "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(s.offsets, s.sizes)) + f"]@{s.placement.rank}"
+        for s in layout.shards[:most]
+    ]
+    more = f" ... {len(layout.shards) - most} more" if len(layout.shards) > most else ""
+    return f"shape {layout.shape}: {' '.join(boxes)}{more}"
+
+
 def _describe(op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None) -> str:
-    parts = " -> ".join(repr(x) for x in layouts)
-    return f"{op} [{parts}]" + (f" dtype {dtype}" if dtype is not None else "")
+    parts = " -> ".join(_short(x) for x in layouts)
+    return f"{op}({parts})" + (f" on {dtype}" if dtype is not None else "")
 
 
 def _check_same(
-    group: Any, ranks: tuple[int, ...], op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None
+    group: Any, ranks: tuple[int, ...], wire: torch.device, op: str, layouts: tuple[Layout, ...], dtype: Any
 ) -> None:
     """All-gathers an 8-byte digest of the call; on a mismatch every rank raises the same error."""
     h = hashlib.blake2b(op.encode() + str(dtype).encode(), digest_size=8)
     for x in layouts:
         h.update(_layout_digest(x))
-    wire = (
-        torch.device("cuda", torch.cuda.current_device())
-        if str(dist.get_backend(group)) == "nccl"
-        else torch.device("cpu")
-    )
     mine = torch.tensor([int.from_bytes(h.digest(), "little", signed=True)], dtype=torch.int64, device=wire)
     seen = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(seen, mine, group=group)

@@ -3,6 +3,9 @@
 from fshard import backends as backends
 from fshard._array import Shard as Shard
 from fshard._array import ShardedArray as ShardedArray
+from fshard._checkpoint import checkpoint_info as checkpoint_info
+from fshard._checkpoint import load as load
+from fshard._checkpoint import save as save
 from fshard._config import config as config
 from fshard._creation import empty as empty
 from fshard._creation import empty_like as empty_like
@@ -23,8 +26,14 @@ from fshard._errors import CollectiveMismatchError as CollectiveMismatchError
 from fshard._errors import FShardError as FShardError
 from fshard._errors import LayoutError as LayoutError
 from fshard._errors import SpecError as SpecError
+from fshard._interop import from_dtensor as from_dtensor
+from fshard._interop import from_sharded_tensor as from_sharded_tensor
+from fshard._interop import to_dtensor as to_dtensor
+from fshard._interop import to_sharded_tensor as to_sharded_tensor
 from fshard._layout import Layout as Layout
 from fshard._layout import ShardMeta as ShardMeta
+from fshard._modules import load_state_dict as load_state_dict
+from fshard._modules import shard_params as shard_params
 from fshard._ops import allclose as allclose
 from fshard._ops import equal as equal
 from fshard._ops import from_local_shards_and_layout as from_local_shards_and_layout
@@ -66,16 +75,21 @@ __all__ = [
     "Transfer",
     "allclose",
     "backends",
+    "checkpoint_info",
     "config",
     "empty",
     "empty_like",
     "equal",
+    "from_dtensor",
     "from_local_shards",
     "from_local_shards_and_layout",
     "from_local_tensor",
+    "from_sharded_tensor",
     "full",
     "full_like",
     "gather",
+    "load",
+    "load_state_dict",
     "map_local",
     "ones",
     "ones_like",
@@ -85,7 +99,11 @@ __all__ = [
     "randn",
     "randn_like",
     "reshard",
+    "save",
     "shard",
+    "shard_params",
+    "to_dtensor",
+    "to_sharded_tensor",
     "zeros",
     "zeros_like",
 ]

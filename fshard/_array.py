@@ -199,7 +199,15 @@ def _flatten(x: ShardedArray) -> tuple[tuple[torch.Tensor, ...], tuple[Layout, A
 
 
 def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedArray:
-    return ShardedArray(aux[0], tuple(children), aux[1], aux[2])
+    children = tuple(children)
+    if all(isinstance(c, torch.Tensor) for c in children):
+        return ShardedArray(aux[0], children, aux[1], aux[2])
+    # Tree utilities also rebuild nodes around other leaves (torch.func's in_dims trees hold
+    # ints and None): such a node is a container of those leaves, unchecked, as JAX asks.
+    node = object.__new__(ShardedArray)
+    for name, value in zip(("_layout", "_data", "_backend", "_dtype"), (aux[0], children, aux[1], aux[2])):
+        object.__setattr__(node, name, value)
+    return node
 
 
 _GLOBAL = getattr(optree.registry, "__GLOBAL_NAMESPACE", "fshard")
@@ -207,6 +215,6 @@ optree.register_pytree_node(ShardedArray, _flatten, lambda aux, ch: _unflatten(a
 torch_pytree.register_pytree_node(
     ShardedArray,
     lambda x: (list(x._data), (x._layout, x._backend, x._dtype)),
-    _unflatten,
+    lambda children, aux: _unflatten(aux, children),  # torch passes (children, context)
     serialized_type_name="fshard.ShardedArray",
 )

@@ -6,72 +6,151 @@ the backward of each runs the opposite movement on the gradients:
 - ``Assemble`` (shards into a global tensor): backward slices the gradient.
 
 A replicated value is one value: its copies carry equal gradients, and a backward
-reads one copy rather than summing them (JAX and DTensor do the same).
+reads one copy rather than summing them (JAX and DTensor do the same). The forward
+and the backward of each function are themselves movements, so gradients of any
+order work, and each function also has a forward-mode rule (``jvp``) and a batching
+rule (``vmap``: the batch becomes a leading dim that no shard splits), which is what
+``torch.func`` transforms need. docs/autograd.md states the semantics op by op.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from fshard._layout import Layout
+from fshard._layout import Layout, ShardMeta
 from fshard._plan import plan
 
 __all__ = ["assemble", "move", "scatter"]
 
 
-def _zeros_for(layout: Layout, backend: Any, grads: tuple[Any, ...], like: torch.Tensor) -> list[torch.Tensor]:
+def _stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor that only carries a dtype and a device to the backend."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def _dense(layout: Layout, backend: Any, grads: Sequence[Any], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``grads`` with every missing (``None``) entry replaced by zeros of its shard's size."""
     idx = backend.addressable(layout)
-    return [
-        g if g is not None else torch.zeros(layout.shards[i].sizes, dtype=like.dtype, device=like.device)
+    return tuple(
+        torch.zeros(layout.shards[i].sizes, dtype=like.dtype, device=like.device) if g is None else g
         for i, g in zip(idx, grads)
-    ]
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _batched(layout: Layout, n: int) -> Layout:
+    """``layout`` with a leading dim of size ``n`` that every shard spans whole."""
+    shards = tuple(ShardMeta((0, *s.offsets), (n, *s.sizes), s.placement) for s in layout.shards)
+    return Layout((n, *layout.shape), shards)
+
+
+def _lead(t: torch.Tensor, dim: int | None, n: int) -> torch.Tensor:
+    """``t`` with its batch dim first (an unbatched ``t`` is broadcast along a new one)."""
+    return t.expand(n, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
+def _holds_result(backend: Any, dst: int | None) -> bool:
+    """Whether this process receives the result of a gather to ``dst``."""
+    return dst is None or backend.rank in (None, dst)
 
 
 class _Move(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, src: Layout, dst: Layout, backend: Any, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        ctx.layouts, ctx.backend, ctx.like = (src, dst), backend, like
+    def forward(src: Layout, dst: Layout, backend: Any, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
         return backend.execute(plan(src, dst), tensors, like)
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        src, dst, backend, like = inputs[:4]
+        ctx.args = (src, dst, backend, like.dtype, like.device)
+
+    @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        src, dst = ctx.layouts
-        g = _zeros_for(dst, ctx.backend, grads, ctx.like)
-        back = ctx.backend.execute(plan(dst, src), g, g[0] if g else ctx.like)
-        return (None, None, None, None, *back)
+        src, dst, backend, dtype, device = ctx.args
+        like = _stand_in(dtype, device)
+        return (None, None, None, None, *move(dst, src, backend, _dense(dst, backend, grads, like), like))
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        src, dst, backend, dtype, device = ctx.args
+        like = _stand_in(dtype, device)
+        return move(src, dst, backend, _dense(src, backend, tangents[4:], like), like)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], src: Layout, dst: Layout, backend: Any, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        n = info.batch_size
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
+        out = move(_batched(src, n), _batched(dst, n), backend, lead, _stand_in(like.dtype, like.device))
+        return out, (0,) * len(out)
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
-        ctx.layout, ctx.backend, ctx.src, ctx.like = layout, backend, src, full
+    def forward(layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
         return backend.scatter(full, layout, src)
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        layout, backend, src, full = inputs
+        ctx.args = (layout, backend, src, full.dtype, full.device)
+
+    @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        g = _zeros_for(ctx.layout, ctx.backend, grads, ctx.like)
-        full = ctx.backend.assemble(ctx.layout, g, ctx.like, ctx.src)
-        return None, None, None, full
+        layout, backend, src, dtype, device = ctx.args
+        like = _stand_in(dtype, device)
+        return None, None, None, assemble(layout, backend, _dense(layout, backend, grads, like), like, src)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        layout, backend, src, dtype, device = ctx.args
+        full = tangents[3] if tangents[3] is not None else _stand_in(dtype, device)
+        return scatter(full, layout, backend, src)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
+        n = info.batch_size
+        out = scatter(_lead(full, in_dims[3], n), _batched(layout, n), backend, src)
+        return out, (0,) * len(out)
 
 
 class _Assemble(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, layout: Layout, backend: Any, dst: int | None, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        ctx.layout, ctx.backend, ctx.dst, ctx.like = layout, backend, dst, like
+    def forward(layout: Layout, backend: Any, dst: int | None, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
         out = backend.assemble(layout, tensors, like, dst)
+        # Off rank dst the result is an empty stand-in: the backward still needs a node here.
         return out if out is not None else like.new_empty((0,))
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        layout, backend, dst, like = inputs[:4]
+        ctx.args = (layout, backend, dst, like.dtype, like.device)
+
+    @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
+        layout, backend, dst, dtype, device = ctx.args
         # Off rank dst the gradient is a stand-in that only gives the dtype.
-        full = grad if ctx.dst is None or ctx.backend.rank in (None, ctx.dst) else ctx.like.new_empty((0,))
-        shards = ctx.backend.scatter(full, ctx.layout, ctx.dst)
-        return (None, None, None, None, *shards)
+        full = grad if _holds_result(backend, dst) else _stand_in(grad.dtype, grad.device)
+        return (None, None, None, None, *scatter(full, layout, backend, dst))
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        layout, backend, dst, dtype, device = ctx.args
+        like = _stand_in(dtype, device)
+        return _Assemble.apply(layout, backend, dst, like, *_dense(layout, backend, tangents[4:], like))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], layout: Layout, backend: Any, dst: int | None, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        n = info.batch_size
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
+        out = _Assemble.apply(_batched(layout, n), backend, dst, _stand_in(like.dtype, like.device), *lead)
+        return (out, 0) if _holds_result(backend, dst) else (out.new_empty((n, 0)), 0)
 
 
-def move(src: Layout, dst: Layout, backend: Any, tensors: tuple[torch.Tensor, ...], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def move(src: Layout, dst: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The addressable shards of ``dst`` filled from those of ``src`` (differentiable)."""
     return tuple(_Move.apply(src, dst, backend, like, *tensors))
 
@@ -81,9 +160,10 @@ def scatter(full: torch.Tensor, layout: Layout, backend: Any, src: int | None) -
     return tuple(_Scatter.apply(layout, backend, src, full))
 
 
-def assemble(layout: Layout, backend: Any, tensors: tuple[torch.Tensor, ...], like: torch.Tensor, dst: int | None) -> torch.Tensor | None:
-    """The global tensor from the addressable shards of ``layout`` (differentiable)."""
+def assemble(layout: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None) -> torch.Tensor | None:
+    """The global tensor from the addressable shards of ``layout`` (differentiable).
+
+    ``None`` on a process other than rank ``dst`` (torch_dist).
+    """
     out = _Assemble.apply(layout, backend, dst, like, *tensors)
-    if dst is not None and backend.rank not in (None, dst):
-        return None
-    return out
+    return out if _holds_result(backend, dst) else None

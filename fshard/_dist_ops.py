@@ -72,7 +72,8 @@ def _describe(shards: Any, shape: Any, rank: int | None) -> Report:
         pieces.append(Piece(s.meta, t.dtype, str(t.device), t.requires_grad, _pinned(t), str(t.layout)))
         if rank is not None and p.rank != rank:
             problems.append(
-                f"shard {s.meta._box()} names rank {p.rank}, but rank {rank} passed it: a rank passes only its own shards"
+                f"shard {s.meta._box()} names rank {p.rank}, but rank {rank} passed it: "
+                "a rank passes only its own shards"
             )
         if torch.device(p.device) != t.device:
             problems.append(
@@ -102,7 +103,10 @@ def check_pieces(reports: Sequence[Report]) -> Layout:
     shapes = {r.shape for r in reports}
     if len(shapes) > 1:
         given = ", ".join(f"rank {r.rank} {r.shape}" for r in reports)
-        msg = f"from_local_shards(): global size does not match across ranks: {given}; every rank must pass the same shape."
+        msg = (
+            f"from_local_shards(): global size does not match across ranks: {given}; "
+            "every rank must pass the same shape."
+        )
         raise LayoutError(msg)
     pieces = [(r.rank, p) for r in reports for p in r.pieces]
     _check_properties(pieces)
@@ -158,8 +162,8 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
     >>> fshard.gather(fshard.from_local_shards(parts, (4, 3)))[:, 0].tolist()
     [0, 0, 1, 1]
     """
-    backend = _backend(group)
-    reports = backend.exchange(_describe(list(shards), shape, backend.rank))
+    backend, shards = _backend(group), list(shards)
+    reports = backend.exchange(_describe(shards, shape, backend.rank))
     bad = [_at(r.rank, p) for r in reports for p in r.problems if "not an fshard.Shard" in p]
     if bad:
         raise TypeError(f"from_local_shards() takes fshard.Shard values: {'; '.join(bad)}.")
@@ -199,7 +203,8 @@ def from_local_tensor(tensor: torch.Tensor, dim: int = 0, *, group: Any = None) 
         given = ", ".join(f"rank {s[0]} {s[1]}" for s in seen)
         raise SpecError(f"from_local_tensor(): ranks passed tensors with different numbers of dims: {given}.")
     if not -tensor.ndim <= dim < tensor.ndim:
-        msg = f"Invalid sharding dim: {dim} for {tensor.ndim}-D local tensors (valid: {-tensor.ndim} to {tensor.ndim - 1})."
+        valid = f"valid: {-tensor.ndim} to {tensor.ndim - 1}"
+        msg = f"Invalid sharding dim: {dim} for {tensor.ndim}-D local tensors ({valid})."
         raise SpecError(msg)
     dim %= tensor.ndim
     _check_blocks(seen, dim)

@@ -115,10 +115,9 @@ def _collect(conns: list[Connection], fn: Callable[..., Any], timeout: float) ->
         if not ready:
             missing = [r for r in range(len(conns)) if r not in results]
             raise TimeoutError(f"launch({_name(fn)}) timed out after {timeout} s; ranks {missing} did not finish.")
-        for c in ready:
-            rank = conns.index(c)
+        for rank in [r for r, c in enumerate(conns) if c in ready]:
             try:
-                results[rank] = c.recv()
+                results[rank] = conns[rank].recv()
             except EOFError:
                 results[rank] = (False, f"rank {rank} exited without a result (killed or crashed).")
             if not results[rank][0]:

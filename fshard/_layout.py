@@ -102,7 +102,10 @@ class Layout:
         object.__setattr__(self, "_sz", sz)
         object.__setattr__(self, "_rank", rank)
         object.__setattr__(self, "_devices", devices)
-        _validate(shape, shards, lo, sz, rank, devices)
+        if len(shards) <= _MEMO_SHARDS:
+            _validate_memo(shape, shards)
+        else:
+            _validate(shape, shards, lo, sz, rank, devices)
         object.__setattr__(self, "_hash", hash((shape, lo.tobytes(), sz.tobytes(), rank.tobytes(), devices)))
 
     # Value semantics: compare by content, hash once, rebuild (and revalidate) on unpickle.
@@ -115,9 +118,9 @@ class Layout:
         return (
             self._hash == other._hash
             and self.shape == other.shape
-            and np.array_equal(self._lo, other._lo)
-            and np.array_equal(self._sz, other._sz)
-            and np.array_equal(self._rank, other._rank)
+            and len(self.shards) == len(other.shards)
+            and all(a.tobytes() == b.tobytes() for a, b in ((self._lo, other._lo), (self._sz, other._sz)))
+            and self._rank.tobytes() == other._rank.tobytes()
             and self._devices == other._devices
         )
 
@@ -271,6 +274,16 @@ def _check_ndims(shape: tuple[int, ...], shards: tuple[ShardMeta, ...], ndims: n
         raise LayoutError(msg)
 
 
+# Layouts up to this many shards are validated once per distinct value: a spec resolves
+# to the same small layout on every call, and numpy's per-call overhead dominates there.
+_MEMO_SHARDS = 64
+
+
+@functools.lru_cache(maxsize=1024)
+def _validate_memo(shape: tuple[int, ...], shards: tuple[ShardMeta, ...]) -> None:
+    _validate(shape, shards, *_columns(shape, shards))
+
+
 def _validate(
     shape: tuple[int, ...], shards: tuple[ShardMeta, ...], lo: np.ndarray, sz: np.ndarray,
     rank: np.ndarray, devices: tuple[str, ...],
@@ -279,12 +292,20 @@ def _validate(
     hi = lo + sz
     nonempty = _boxes.rows_all(sz > 0)
     _check_bounds(shape, shards, lo, sz, hi, bounds, nonempty)
-    boxes = _distinct_boxes(shards, lo, sz, np.c_[rank, _codes(devices)], nonempty)
+    boxes = _distinct_boxes(shards, lo, sz, np.stack([rank, _codes(devices)], axis=1), nonempty)
     ulo, uhi = lo[boxes], hi[boxes]
-    want = {} if 0 in shape else _boxes.corner_sums(np.zeros((1, len(shape)), np.int64), bounds[None], bounds)
+    want = _shape_corners(shape)
     got = _boxes.corner_sums(ulo, uhi, bounds)
     if got != want:
         _explain(shape, shards, lo, hi, np.flatnonzero(nonempty), ulo, uhi, got, want)
+
+
+def _shape_corners(shape: tuple[int, ...]) -> dict[tuple[int, ...], int]:
+    """``corner_sums`` of the one box that is the whole shape (none if it is empty)."""
+    if 0 in shape:
+        return {}
+    corners = itertools.product((0, 1), repeat=len(shape))
+    return {tuple(n if e else 0 for n, e in zip(shape, c)): 1 - 2 * (sum(c) % 2) for c in corners}
 
 
 def _check_bounds(shape, shards, lo, sz, hi, bounds, nonempty) -> None:
@@ -304,12 +325,16 @@ def _check_bounds(shape, shards, lo, sz, hi, bounds, nonempty) -> None:
 def _distinct_boxes(
     shards: tuple[ShardMeta, ...], lo: np.ndarray, sz: np.ndarray, owner: np.ndarray, nonempty: np.ndarray
 ) -> np.ndarray:
-    """Index of the first shard of each distinct non-empty box; raises if two shards are equal.
+    """Index of the first shard of each distinct non-empty box; raises if two non-empty shards are equal.
+
+    Equal empty shards hold nothing and are allowed (``Chunk`` of a size-0 dim over a
+    repeated placement makes them, as torch's ``ChunkShardingSpec`` does).
 
     One sort by (box, owner) finds both: equal neighbours are duplicate shards, and
     runs of one box are its replicas.
     """
-    box, who = _boxes.row_keys(np.c_[lo, sz]), _boxes.row_keys(owner)
+    owner = np.c_[owner, np.where(nonempty, -1, np.arange(len(shards)))]
+    box, who = _boxes.row_keys(np.concatenate([lo, sz], axis=1)), _boxes.row_keys(owner)
     width = int(who.max()) + 1 if who is not None and len(who) else 1
     if box is None or who is None or (int(box.max(initial=0)) + 1) * width > 2**63 - 1:
         _check_no_duplicates(shards, np.c_[lo, sz, owner])
@@ -320,7 +345,7 @@ def _distinct_boxes(
     srt = key[order]
     if (srt[1:] == srt[:-1]).any():
         _check_no_duplicates(shards, np.c_[lo, sz, owner])
-    runs = np.flatnonzero(np.r_[True, box[order[1:]] != box[order[:-1]]])
+    runs = np.flatnonzero(np.concatenate([[True], box[order[1:]] != box[order[:-1]]]))
     first = np.minimum.reduceat(order, runs) if len(order) else order
     return first[nonempty[first]]
 

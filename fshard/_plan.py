@@ -95,7 +95,7 @@ class Plan:
         first, _ = _boxes.unique_rows(np.c_[self.src_shard[cross], self.dst_rank[cross], self.lo[cross]])
         return cross[first]
 
-    @property
+    @functools.cached_property
     def elements_sent(self) -> int:
         """Elements that cross between different ranks."""
         return int(self.numel[self._crossing].sum())

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fshard
+import fshard._layout
 from fshard import _boxes
 from fshard._layout import Layout, ShardMeta
 
@@ -176,6 +177,14 @@ def candidate_layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[ShardMeta]
     return shape, shards
 
 
+@pytest.fixture(params=["memo", "direct"])
+def validation_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validates small layouts through the memo, and again directly (the path of large ones)."""
+    if request.param == "direct":
+        monkeypatch.setattr(fshard._layout, "_MEMO_SHARDS", 0)
+
+
+@pytest.mark.usefixtures("validation_path")
 @given(candidate_layouts())
 def test_validation_matches_brute_force(case: tuple[tuple[int, ...], list[ShardMeta]]) -> None:
     shape, shards = case

@@ -9,6 +9,7 @@ processes, so one broken test cannot leave data in flight for the next.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import multiprocessing as mp
 import os
@@ -52,19 +53,17 @@ class Pool:
             self.close()
             raise RuntimeError(f"The Gloo worker pool did not start: {replies}")
 
-    def close(self) -> None:
-        """Stops every worker."""
+    def close(self, grace: float = 2.0) -> None:
+        """Stops every worker (terminating those still busy after ``grace`` seconds)."""
         for c in self._conns:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 c.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        stop(self._procs, grace=2.0)
+        stop(self._procs, grace=grace)
         self._procs, self._conns = [], []
 
     def restart(self) -> None:
         """Replaces every worker with a fresh process (after a hang or a crash)."""
-        self.close()
+        self.close(grace=0.0)
         self.start()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
@@ -113,11 +112,10 @@ class Pool:
             ready = wait(pending, max(0.0, deadline - time.monotonic()))
             if not ready:
                 return replies if any(r is not None and r[0] is False for r in replies) else None
-            for c in ready:
-                k = self._conns.index(c)
+            for k in [k for k, c in enumerate(self._conns) if c in ready]:
                 got.add(k)
                 try:
-                    replies[k] = c.recv()
+                    replies[k] = self._conns[k].recv()
                 except EOFError:
                     replies[k] = (False, f"worker {k} died while running {what}")
                 if replies[k][0] is False:

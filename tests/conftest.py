@@ -15,7 +15,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # -- multi-process tests -----------------------------------------------------------------
 
 import pytest  # noqa: E402
-
 from _pool import Pool  # noqa: E402
 
 

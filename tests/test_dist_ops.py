@@ -256,3 +256,22 @@ def _autograd_through_every_movement():
 
 def test_autograd_through_every_movement(dist_pool):
     dist_pool.run(_autograd_through_every_movement)
+
+
+def _reshard_without_alltoall(src, dst):
+    """The batched isend/irecv transport, used where a group's backend lacks all_to_all_single."""
+    from fshard.backends import torch_dist
+
+    has = torch_dist._has_alltoall
+    torch_dist._has_alltoall = lambda name: False
+    try:
+        return _reshard(src, dst, torch.float32)
+    finally:
+        torch_dist._has_alltoall = has
+
+
+@pytest.mark.parametrize(("src", "dst"), PAIRS[:4], ids=[f"{a}->{b}" for a, b in PAIRS[:4]])
+def test_reshard_over_point_to_point_sends_the_minimum(dist_pool, src, dst):
+    a, b = LAYOUTS[src], LAYOUTS[dst]
+    out = dist_pool.run(_reshard_without_alltoall, a, b)
+    assert sum(s for s, _ in out) == fshard.plan(a, b).min_elements_sent

@@ -20,7 +20,7 @@ def _guillotine(draw, lo, hi, depth):
     """Boxes that tile ``[lo, hi)``: cut a random dim at a random point, recursively."""
     dims = [d for d in range(len(lo)) if hi[d] - lo[d] > 1]
     if depth == 0 or not dims or not draw(st.booleans()):
-        return [(tuple(lo), tuple(h - l for l, h in zip(lo, hi)))]
+        return [(tuple(lo), tuple(b - a for a, b in zip(lo, hi)))]
     d = draw(st.sampled_from(dims))
     cut = draw(st.integers(lo[d] + 1, hi[d] - 1))
     left_hi, right_lo = list(hi), list(lo)

@@ -1,0 +1,1 @@
+"""Testing helpers for code that uses fshard: hypothesis strategies in ``fshard.testing.strategies``."""

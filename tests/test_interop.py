@@ -1,0 +1,174 @@
+"""ShardedTensor and DTensor interop on 4 Gloo processes, checked against torch's own gather/full_tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fshard
+
+ALL = [0, 1, 2, 3]
+X = torch.randn(10, 12, generator=torch.Generator().manual_seed(1))
+ODD = torch.arange(35.0).reshape(7, 5)  # sizes that the mesh does not divide
+
+
+def _torch_gather(st) -> torch.Tensor | None:
+    out = torch.empty(st.size(), dtype=st.dtype) if dist.get_rank() == 0 else None
+    st.gather(dst=0, out=out)
+    return out
+
+
+SHARDED_TENSOR_LAYOUTS = {
+    "rows": fshard.Chunk(0, ALL),
+    "cols-with-empty": fshard.Chunk(1, [3, 2, 1, 0, 0, 1, 2, 3, 0, 1, 2, 3, 0]),
+    "boxes": fshard.Explicit([((0, 0), (7, 5), 3), ((0, 5), (7, 7), 1), ((7, 0), (3, 12), 0)]),
+}
+
+
+def _to_and_from_sharded_tensor(name: str) -> tuple[bool, bool, bool]:
+    x = fshard.shard(X, SHARDED_TENSOR_LAYOUTS[name])
+    st = fshard.to_sharded_tensor(x)
+    full = _torch_gather(st)
+    matches_torch = full is None or torch.equal(full, X)
+    same_metadata = fshard.Layout.from_torch_metadata(st.metadata()) == x.layout
+    back = fshard.from_sharded_tensor(st)
+    values = fshard.gather(back)
+    return matches_torch, same_metadata, back.layout == x.layout and torch.equal(values, X)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", sorted(SHARDED_TENSOR_LAYOUTS))
+def test_to_sharded_tensor_and_back(dist_pool, name):
+    assert dist_pool.run(_to_and_from_sharded_tensor, name) == [(True, True, True)] * 4
+
+
+def _from_torch_sharded_tensor() -> tuple[bool, bool]:
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    st = sharded_tensor.empty(ChunkShardingSpec(1, [f"rank:{r}/cpu" for r in (2, 0, 3, 1)]), *X.shape)
+    for s in st.local_shards():
+        o, n = s.metadata.shard_offsets, s.metadata.shard_sizes
+        s.tensor.copy_(X[o[0] : o[0] + n[0], o[1] : o[1] + n[1]])
+    x = fshard.from_sharded_tensor(st)
+    full, ours = _torch_gather(st), fshard.gather(x)  # collectives: every rank calls both
+    return x.layout == fshard.Chunk(1, [2, 0, 3, 1]).layout(X.shape), full is None or torch.equal(full, ours)
+
+
+@pytest.mark.multiprocess
+def test_from_a_sharded_tensor_built_by_torch(dist_pool):
+    assert dist_pool.run(_from_torch_sharded_tensor) == [(True, True)] * 4
+
+
+def _replicas_refused() -> str:
+    x = fshard.shard(X, fshard.Replicated(ALL))
+    try:
+        fshard.to_sharded_tensor(x)
+    except fshard.SpecError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_sharded_tensor_cannot_hold_replicas(dist_pool):
+    assert all("ShardedTensor cannot hold replicas" in m and "reshard" in m for m in dist_pool.run(_replicas_refused))
+
+
+MESH = fshard.Mesh((2, 2))
+DTENSOR_CASES = {
+    "grid": (("x", "y"), "(Shard(dim=0), Shard(dim=1))"),
+    "rows-over-both-axes": ((("x", "y"), None), "(Shard(dim=0), Shard(dim=0))"),
+    "cols-and-replicas": ((None, "y"), "(Replicate(), Shard(dim=1))"),
+    "transposed-axes": (("y", "x"), "(Shard(dim=1), Shard(dim=0))"),
+    "replicated": ((None, None), "(Replicate(), Replicate())"),
+}
+
+
+def _to_and_from_dtensor(partition, with_device_mesh: bool) -> list[object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y")) if with_device_mesh else MESH
+    out: list[object] = []
+    for full in (X, ODD):
+        x = fshard.shard(full, fshard.Named(MESH, partition))
+        dt = fshard.to_dtensor(x, mesh)
+        out.append(str(dt.placements))
+        out.append(torch.equal(dt.full_tensor(), full) and torch.equal(dt.to_local(), x.local_tensor()))
+        back = fshard.from_dtensor(dt)
+        values = fshard.gather(back)
+        out.append(back.layout == x.layout and torch.equal(values, full))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("with_device_mesh", [False, True], ids=["fshard-mesh", "device-mesh"])
+@pytest.mark.parametrize("case", sorted(DTENSOR_CASES))
+def test_to_dtensor_and_back(dist_pool, case, with_device_mesh):
+    partition, placements = DTENSOR_CASES[case]
+    for result in dist_pool.run(_to_and_from_dtensor, partition, with_device_mesh):
+        assert result == [placements, True, True] * 2
+
+
+def _from_torch_dtensor() -> list[bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = []
+    for placements in ([Shard(1), Replicate()], [Shard(0), Shard(0)], [Replicate(), Shard(1)]):
+        for full in (X, ODD):
+            dt = distribute_tensor(full, mesh, placements)
+            x = fshard.from_dtensor(dt)
+            values, expected = fshard.gather(x), dt.full_tensor()
+            out.append(torch.equal(values, expected) and torch.equal(x.local_tensor(), dt.to_local()))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_from_a_dtensor_built_by_torch(dist_pool):
+    assert all(all(r) for r in dist_pool.run(_from_torch_dtensor))
+
+
+def _dtensor_errors() -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    messages = []
+    partial = DTensor.from_local(torch.ones(2, 3), mesh, [Partial(), Shard(0)], run_check=False)
+    boxes = fshard.shard(
+        X, fshard.Explicit([((0, 0), (7, 5), 3), ((0, 5), (7, 7), 1), ((7, 0), (3, 12), 0), ((7, 0), (3, 12), 2)])
+    )
+    two_per_rank = fshard.shard(X, fshard.Chunk(0, [0, 1, 2, 3, 0, 1, 2, 3]))
+    for attempt in (
+        lambda: fshard.from_dtensor(partial),
+        lambda: fshard.to_dtensor(boxes, MESH),
+        lambda: fshard.to_dtensor(two_per_rank, MESH),
+        lambda: fshard.to_dtensor(fshard.shard(X, fshard.Chunk(0, ALL)), "mesh"),
+    ):
+        try:
+            attempt()
+            messages.append("no error")
+        except fshard.SpecError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.multiprocess
+def test_what_dtensor_cannot_express_raises_naming_why(dist_pool):
+    partial, boxes, two, not_a_mesh = dist_pool.run(_dtensor_errors)[0]
+    assert "Partial" in partial
+    assert "dt.redistribute(dt.device_mesh, [Replicate(), Shard(dim=0)])" in partial
+    assert "DTensor cannot express" in boxes
+    assert "one box per mesh position" in boxes
+    assert "fshard.reshard" in boxes
+    assert "DTensor cannot express" in two
+    assert "needs an fshard.Mesh or a torch DeviceMesh, got str" in not_a_mesh
+
+
+@pytest.mark.parametrize("convert", [fshard.to_sharded_tensor, lambda x: fshard.to_dtensor(x, MESH)], ids=["st", "dt"])
+def test_local_arrays_are_refused_with_the_fix(convert):
+    x = fshard.shard(X, fshard.Chunk(0, ALL))
+    with pytest.raises(fshard.SpecError, match=r"needs an array on the torch_dist backend.*got one on 'local'"):
+        convert(x)
