@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import fshard
-from fshard import _checkpoint
+from fshard._checkpoint import _reader, _write
 
 SHAPE = (10, 12)
 ALL = [0, 1, 2, 3]
@@ -181,9 +181,9 @@ def test_load_reads_only_overlapping_ranges_without_verify(tmp_path, monkeypatch
     x = fshard.shard(_data((40, 10)), fshard.Chunk(0, ALL))
     fshard.save(tmp_path, x)
     read, whole = [], []
-    part, full = _checkpoint._Reader.part, _checkpoint._Reader.whole
-    monkeypatch.setattr(_checkpoint._Reader, "part", lambda self, *a: read.append(t := part(self, *a)) or t)
-    monkeypatch.setattr(_checkpoint._Reader, "whole", lambda self, *a: whole.append(t := full(self, *a)) or t)
+    part, full = _reader._Reader.part, _reader._Reader.whole
+    monkeypatch.setattr(_reader._Reader, "part", lambda self, *a: read.append(t := part(self, *a)) or t)
+    monkeypatch.setattr(_reader._Reader, "whole", lambda self, *a: whole.append(t := full(self, *a)) or t)
     target = fshard.Explicit([((5, 0), (12, 10), 0), ((0, 0), (5, 10), 1), ((17, 0), (23, 10), 1)])
     assert _same(fshard.load(tmp_path, specs=target, verify=False), x)
     assert sum(t.numel() for t in read) == 400
@@ -306,7 +306,7 @@ def _crash_on_call(monkeypatch, target, name, at):
 
 @pytest.mark.parametrize(
     ("target", "name", "at"),
-    [(_checkpoint, "save_file", 3), (_checkpoint, "_fsync", 2), (_checkpoint.os, "replace", 1)],
+    [(_write, "save_file", 3), (_write, "_fsync", 2), (_write.os, "replace", 1)],
     ids=["writing-files", "after-a-file", "renaming-index"],
 )
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(saved, monkeypatch, target, name, at):
@@ -334,7 +334,7 @@ def test_leftovers_of_a_killed_save_are_ignored_then_removed(saved):
 
 
 def test_a_first_save_that_crashes_leaves_no_checkpoint(tmp_path, monkeypatch):
-    _crash_on_call(monkeypatch, _checkpoint, "save_file", 1)
+    _crash_on_call(monkeypatch, _write, "save_file", 1)
     with pytest.raises(Crash):
         fshard.save(tmp_path / "ck", {"t": torch.ones(2)})
     monkeypatch.undo()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import fshard
-from fshard import _checkpoint
+from fshard._checkpoint import _reader, _write
 from fshard.backends.local import LOCAL
 from fshard.backends.torch_dist import TorchDistBackend
 
@@ -94,13 +94,13 @@ def test_load_on_a_smaller_group(dist_pool, tmp_path, ranks):
 
 def _load_counting_reads(path: str) -> tuple[int, int, bool]:
     read = []
-    part = _checkpoint._Reader.part
-    _checkpoint._Reader.part = lambda self, *a: read.append(t := part(self, *a)) or t  # type: ignore[method-assign]
+    part = _reader._Reader.part
+    _reader._Reader.part = lambda self, *a: read.append(t := part(self, *a)) or t  # type: ignore[method-assign]
     try:
         spec = fshard.Chunk(1, [2, 3, 0, 1])
         out = fshard.load(path, specs={"x": spec, "w": None, "step": None}, verify=False)
     finally:
-        _checkpoint._Reader.part = part  # type: ignore[method-assign]
+        _reader._Reader.part = part  # type: ignore[method-assign]
     mine = sum(s.data.numel() for s in out["x"].addressable_shards)
     return sum(t.numel() for t in read) - W.numel(), mine, _same(fshard.gather(out["x"]), X)
 
@@ -138,19 +138,19 @@ def test_damage_seen_by_one_rank_raises_on_every_rank(dist_pool, tmp_path):
 
 
 def _save_crashing_on_rank_one(path: str) -> str:
-    real = _checkpoint.save_file
+    real = _write.save_file
 
     def crash(*args, **kwargs):
         raise OSError("disk full (injected)")
 
     if dist.get_rank() == 1:
-        _checkpoint.save_file = crash
+        _write.save_file = crash
     try:
         fshard.save(path, {"x": fshard.shard(X + 1, fshard.Chunk(0, ALL)), "w": W, "step": 12})
     except (OSError, fshard.CheckpointError) as exc:
         return f"{type(exc).__name__}: {exc}"
     finally:
-        _checkpoint.save_file = real
+        _write.save_file = real
     return "saved"
 
 

@@ -1,0 +1,22 @@
+"""Checkpoints: a pytree of arrays, tensors and scalars as safetensors files plus one JSON index.
+
+On disk (format 1, described for other readers in docs/checkpoints.md)::
+
+    path/index.json                              written last, atomically: the commit point
+    path/data.<id>/rank-00003.safetensors        the boxes rank 3 wrote
+
+Each distinct box is written once, by the replica that balances bytes across
+ranks. ``load`` reads, per target shard on this process, only the byte ranges of
+the saved boxes that overlap it (a whole saved box when it verifies hashes). No
+pickle is written or read.
+"""
+
+from fshard._checkpoint._format import FORMAT as FORMAT
+from fshard._checkpoint._format import INDEX as INDEX
+from fshard._checkpoint._format import PROGRESS_MIN_BYTES as PROGRESS_MIN_BYTES
+from fshard._checkpoint._format import VERSION as VERSION
+from fshard._checkpoint._info import checkpoint_info as checkpoint_info
+from fshard._checkpoint._load import load as load
+from fshard._checkpoint._save import save as save
+
+__all__ = ["FORMAT", "INDEX", "PROGRESS_MIN_BYTES", "VERSION", "checkpoint_info", "load", "save"]

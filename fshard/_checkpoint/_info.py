@@ -1,0 +1,54 @@
+"""``fshard.checkpoint_info``: what a checkpoint holds, from its index alone."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fshard._checkpoint._format import VERSION, _human, _read_index, _Saved, _saved_leaves
+
+__all__ = ["checkpoint_info"]
+
+
+def checkpoint_info(path: str | os.PathLike[str]) -> str:
+    """A description of what a checkpoint holds: tree, shapes, dtypes, files and layout pictures.
+
+    Reads only ``index.json``.
+
+    Raises:
+        CheckpointError: ``path`` holds no readable index.
+
+    >>> import tempfile, torch, fshard
+    >>> x = fshard.shard(torch.zeros(4, 6), fshard.Chunk(0, [0, 1]))
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     fshard.save(d, {"w": x, "lr": 0.1})
+    ...     print(fshard.checkpoint_info(d).split("\\n", 1)[1])
+    ['w']: array float32 (4, 6), 2 boxes written
+      +-----------------------+
+      |          r0           |
+      +-----------------------+
+      |          r1           |
+      +-----------------------+
+    ['lr']: float = 0.1
+    files: rank-00000.safetensors (...), rank-00001.safetensors (...)
+    """
+    root = Path(path)
+    index = _read_index(root)
+    saved = _saved_leaves(root, index)
+    total = sum(f["bytes"] for f in index["files"].values())
+    files = len(index["files"])
+    lines = [f"fshard checkpoint {root} (format {VERSION}): {len(saved)} leaves, {_human(total)} in {files} files"]
+    for s in saved:
+        lines.extend(_describe_leaf(s))
+    lines.append("files: " + ", ".join(f"{k} ({_human(v['bytes'])})" for k, v in index["files"].items()))
+    return "\n".join(lines)
+
+
+def _describe_leaf(s: _Saved) -> list[str]:
+    if s.kind == "scalar":
+        return [f"{s.where}: {type(s.value).__name__} = {s.value!r}"]
+    dtype = str(s.dtype).removeprefix("torch.")
+    head = f"{s.where}: {s.kind} {dtype} {s.shape}, {len(s.boxes)} box{'es' if len(s.boxes) != 1 else ''} written"
+    if s.layout is None:
+        return [head]
+    return [head, *("  " + line for line in s.layout.visualize(width=24).splitlines())]

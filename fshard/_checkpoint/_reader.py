@@ -1,0 +1,106 @@
+"""Reading saved boxes: files opened on first use, byte-range reads, per-box sha256 checks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from fshard._checkpoint._format import _CODES, _hashing, _Saved, _sha256
+from fshard._errors import CheckpointError, LayoutError
+from fshard._layout import Layout, ShardMeta
+from fshard._placement import Placement
+
+
+class _Reader:
+    """Opens checkpoint files on first use; reads, checks and verifies boxes."""
+
+    def __init__(self, data: Path, files: dict[str, Any], verify: bool, stack: contextlib.ExitStack) -> None:
+        self.data, self.files, self.verify, self.stack = data, files, verify, stack
+        self.open: dict[str, Any] = {}
+        self.pool = stack.enter_context(_hashing()) if verify else None
+        self.pending: list[tuple[Future[str], dict[str, Any], _Saved]] = []
+
+    def _handle(self, box: dict[str, Any], saved: _Saved) -> Any:
+        name = box["file"]
+        if name not in self.open:
+            path = self.data / name
+            tensor = box["tensor"]
+            if not path.is_file():
+                msg = f"Checkpoint file {path} is missing (it holds tensor {tensor!r} of leaf {saved.where})."
+                raise CheckpointError(msg)
+            size, want = path.stat().st_size, self.files[name]["bytes"]
+            if size != want:
+                msg = (
+                    f"Checkpoint file {path} has {size} bytes, index.json records {want}: it was truncated or "
+                    f"replaced (needed for tensor {tensor!r} of leaf {saved.where})."
+                )
+                raise CheckpointError(msg)
+            try:
+                self.open[name] = self.stack.enter_context(safe_open(str(path), framework="pt"))
+            except SafetensorError as exc:
+                raise CheckpointError(f"Checkpoint file {path} is not a readable safetensors file: {exc}.") from exc
+        return self.open[name]
+
+    def _slice(self, box: dict[str, Any], saved: _Saved) -> Any:
+        path, name = self.data / box["file"], box["tensor"]
+        try:
+            part = self._handle(box, saved).get_slice(name)
+            code, shape = part.get_dtype(), tuple(part.get_shape())
+        except SafetensorError as exc:
+            msg = f"Checkpoint file {path} has no readable tensor {name!r} (leaf {saved.where}): {exc}."
+            raise CheckpointError(msg) from exc
+        assert saved.dtype is not None
+        if code != _CODES[saved.dtype] or shape != tuple(box["sizes"]):
+            msg = (
+                f"Checkpoint file {path}: tensor {name!r} is {code} of shape {shape}, index.json records "
+                f"{_CODES[saved.dtype]} of shape {tuple(box['sizes'])}: the file does not belong to this index."
+            )
+            raise CheckpointError(msg)
+        return part
+
+    def whole(self, box: dict[str, Any], saved: _Saved) -> torch.Tensor:
+        """The whole saved box; its sha256 is checked against the index in a thread (see ``check``)."""
+        self._slice(box, saved)
+        t = self.open[box["file"]].get_tensor(box["tensor"])
+        assert self.pool is not None
+        self.pending.append((self.pool.submit(_sha256, t), box, saved))
+        return t
+
+    def check(self) -> None:
+        """Waits for the hashes of every box read so far; raises for the first that does not match."""
+        for future, box, saved in self.pending:
+            if future.result() != box["sha256"]:
+                msg = (
+                    f"Checkpoint file {self.data / box['file']}: tensor {box['tensor']!r} (leaf {saved.where}) does "
+                    "not match the sha256 in index.json: the file was modified or corrupted. Restore it, or re-save."
+                )
+                raise CheckpointError(msg)
+        self.pending.clear()
+
+    def part(self, box: dict[str, Any], saved: _Saved, index: tuple[slice, ...]) -> torch.Tensor:
+        """Only the elements of ``index`` (relative to the saved box)."""
+        part = self._slice(box, saved)
+        try:
+            return part[index] if index else self.open[box["file"]].get_tensor(box["tensor"])
+        except SafetensorError as exc:
+            msg = f"Checkpoint file {self.data / box['file']}: reading tensor {box['tensor']!r} failed: {exc}."
+            raise CheckpointError(msg) from exc
+
+
+def _slices(lo: Sequence[int], size: Sequence[int], origin: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(a - o, a - o + n) for a, n, o in zip(lo, size, origin))
+
+
+def _source_layout(saved: _Saved) -> Layout:
+    """The written boxes as a layout (box k on "rank" k), so ``plan`` finds the overlaps."""
+    shards = tuple(ShardMeta(tuple(b["offsets"]), tuple(b["sizes"]), Placement(k)) for k, b in enumerate(saved.boxes))
+    try:
+        return Layout(saved.shape, shards)
+    except LayoutError as exc:
+        raise CheckpointError(f"index.json boxes of leaf {saved.where} do not tile shape {saved.shape}: {exc}") from exc

@@ -1,0 +1,158 @@
+"""``fshard.save``: a pytree of arrays, tensors and scalars to safetensors files plus ``index.json``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fshard._array import ShardedArray
+from fshard._checkpoint._collective import _agree
+from fshard._checkpoint._format import _CODES, _DTYPES, _SCALARS, FORMAT, INDEX, VERSION
+from fshard._checkpoint._tree import _flatten
+from fshard._checkpoint._write import _assign, _Box, _commit, _committed, _write_files
+from fshard._errors import SpecError
+from fshard.backends import Backend, default_backend
+
+__all__ = ["save"]
+
+
+def _check_leaf(path: str, leaf: Any) -> None:
+    where = path or "the root"
+    if isinstance(leaf, ShardedArray):
+        dtype = leaf.dtype
+    elif type(leaf) in (torch.Tensor, torch.nn.Parameter):
+        dtype = leaf.dtype
+        if leaf.layout != torch.strided:
+            raise TypeError(f"Tensor at {where} has layout {leaf.layout}; checkpoints take strided tensors.")
+    elif isinstance(leaf, torch.Tensor):
+        msg = (
+            f"{type(leaf).__name__} at {where} is a tensor subclass; convert it to a ShardedArray first "
+            "(fshard.from_dtensor, fshard.from_sharded_tensor) or pass a plain tensor."
+        )
+        raise TypeError(msg)
+    elif isinstance(leaf, _SCALARS):
+        return
+    else:
+        msg = (
+            f"{type(leaf).__name__} at {where} cannot be saved: leaves are ShardedArrays, tensors, "
+            "bool, int, float, str or None."
+        )
+        raise TypeError(msg)
+    if dtype not in _CODES:
+        raise TypeError(f"Leaf at {where} has dtype {dtype}; checkpoints store {sorted(_DTYPES)}.")
+
+
+def _save_backend(leaves: Sequence[tuple[str, Any]]) -> Backend:
+    backends = {leaf.backend for _, leaf in leaves if isinstance(leaf, ShardedArray)}
+    if len(backends) == 1:
+        return backends.pop()
+    if any(b.rank is None for b in backends):
+        msg = f"The tree holds arrays on different backends {sorted(b.name for b in backends)}; save them separately."
+        raise SpecError(msg)
+    return default_backend()
+
+
+def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = None) -> None:
+    """Writes a pytree of ``ShardedArray``s, tensors and scalars to the directory ``path`` (collective).
+
+    Each rank writes one safetensors file with the boxes it owns; a replicated
+    box is written once, by the replica that balances bytes across ranks (the
+    choice depends only on the layouts, so ranks agree without talking). When
+    every rank is done, the first rank writes ``index.json`` atomically. Saving
+    over a checkpoint writes a new data directory and swaps the index last: a
+    crash at any point leaves the previous checkpoint loadable.
+
+    Args:
+        path: the checkpoint directory (created; an existing checkpoint there is replaced).
+        tree: dicts (str or int keys), lists and tuples of ``ShardedArray``s, plain
+            tensors (written by one rank), and ``bool``/``int``/``float``/``str``/``None``.
+        progress: show a progress bar (``None``: on a terminal, above ``PROGRESS_MIN_BYTES``).
+
+    Raises:
+        TypeError: a leaf or container that cannot be saved (named by its path).
+        CheckpointError: ``path`` is a file or a foreign directory, or another rank failed
+            (a rank that fails re-raises its own error; the others raise this, naming it).
+
+    >>> import tempfile, torch, fshard
+    >>> x = fshard.shard(torch.arange(12.0).reshape(3, 4), fshard.Chunk(0, [0, 1, 2]))
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     fshard.save(d, {"x": x, "step": 7})
+    ...     tree = fshard.load(d, specs={"x": fshard.Chunk(1, [0, 1]), "step": None})
+    >>> fshard.gather(tree["x"]).equal(fshard.gather(x)), tree["step"]
+    (True, 7)
+    """
+    root = Path(path)
+    leaves: list[tuple[str, Any]] = []
+    structure = _flatten(tree, "", leaves)
+    for p, leaf in leaves:
+        _check_leaf(p, leaf)
+    backend = _save_backend(leaves)
+    seen = backend.exchange((backend.rank, uuid.uuid4().hex))
+    ranks, token = [r for r, _ in seen], seen[0][1]
+    leader = backend.rank is None or backend.rank == ranks[0]
+    holders = ranks if backend.rank is not None else _local_holders(leaves)
+    boxes = _assign(leaves, holders)
+    data = root / f"data.{token}"
+    try:
+        write = lambda: _write_files(root, data, leaves, boxes, backend, progress)  # noqa: E731
+        files = {k: v for w in _agree(backend, "fshard.save", write, share=True) for k, v in w.items()}
+        commit = lambda: _commit(root, _index(structure, leaves, boxes, files, data.name), token)  # noqa: E731
+        _agree(backend, "fshard.save (index)", commit if leader else lambda: None)
+    except BaseException:
+        if leader and not _committed(root, data.name):
+            shutil.rmtree(data, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                (root / f"{INDEX}.{token}.tmp").unlink(missing_ok=True)
+        raise
+
+
+def _local_holders(leaves: Sequence[tuple[str, Any]]) -> list[int]:
+    ranks = sorted({r for _, leaf in leaves if isinstance(leaf, ShardedArray) for r in leaf.layout.ranks})
+    return ranks or [0]
+
+
+def _index(
+    structure: dict[str, Any],
+    leaves: Sequence[tuple[str, Any]],
+    boxes: Sequence[_Box],
+    files: dict[str, Any],
+    data: str,
+) -> dict[str, Any]:
+    hashes = {n: h for f in files.values() for n, h in f["sha256"].items()}
+    by_leaf: dict[int, list[_Box]] = {}
+    for b in boxes:
+        by_leaf.setdefault(b.leaf, []).append(b)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "data": data,
+        "files": {k: {"rank": v["rank"], "bytes": v["bytes"]} for k, v in sorted(files.items())},
+        "tree": structure,
+        "leaves": [_leaf_record(p, leaf, by_leaf.get(i, []), hashes) for i, (p, leaf) in enumerate(leaves)],
+    }
+
+
+def _leaf_record(path: str, leaf: Any, boxes: Sequence[_Box], hashes: dict[str, str]) -> dict[str, Any]:
+    if not isinstance(leaf, (ShardedArray, torch.Tensor)):
+        value = repr(leaf) if isinstance(leaf, float) else leaf
+        return {"path": path, "kind": "scalar", "type": type(leaf).__name__, "value": value}
+    record: dict[str, Any] = {
+        "path": path,
+        "kind": "array" if isinstance(leaf, ShardedArray) else "tensor",
+        "dtype": str(leaf.dtype).removeprefix("torch."),
+        "shape": list(leaf.shape),
+    }
+    if isinstance(leaf, ShardedArray):
+        record["layout"] = leaf.layout.to_dict()
+    record["boxes"] = [
+        {"offsets": list(b.offsets), "sizes": list(b.sizes), "file": b.file, "tensor": b.name, "sha256": hashes[b.name]}
+        for b in boxes
+    ]
+    return record

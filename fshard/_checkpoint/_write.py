@@ -1,0 +1,181 @@
+"""Writing: one writer per distinct box, each rank's safetensors file, and the atomic index commit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from fshard._array import ShardedArray
+from fshard._checkpoint._collective import _progress
+from fshard._checkpoint._format import (
+    _DATA_RE,
+    _TMP_RE,
+    FORMAT,
+    INDEX,
+    _box_text,
+    _file_name,
+    _fsync,
+    _hashing,
+    _sha256,
+)
+from fshard._errors import CheckpointError
+from fshard._layout import Layout
+from fshard.backends import Backend
+
+
+@dataclasses.dataclass(frozen=True)
+class _Box:
+    """One box written once: its leaf, extent, writer (rank and shard index) and tensor name."""
+
+    leaf: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int
+    shard: int | None
+    name: str
+
+    @property
+    def file(self) -> str:
+        return _file_name(self.rank)
+
+
+def _distinct(layout: Layout) -> dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]]:
+    """Each distinct non-empty box of ``layout`` and the shards (replicas) holding it, in layout order."""
+    out: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for i, s in enumerate(layout.shards):
+        if s.numel:
+            out.setdefault((s.offsets, s.sizes), []).append(i)
+    return out
+
+
+def _assign(leaves: Sequence[tuple[str, Any]], holders: Sequence[int]) -> list[_Box]:
+    """Chooses one writer per distinct box: largest boxes first, each to its least-loaded replica.
+
+    A pure function of the layouts, shapes and dtypes, so every rank computes the
+    same answer without communication. Plain tensors may go to any of ``holders``.
+    """
+    items = []
+    for li, (_, leaf) in enumerate(leaves):
+        if isinstance(leaf, ShardedArray):
+            shards = leaf.layout.shards
+            for k, (box, idx) in enumerate(_distinct(leaf.layout).items()):
+                items.append((li, k, box, leaf.dtype.itemsize, [(shards[i].placement.rank, i) for i in idx]))
+        elif isinstance(leaf, torch.Tensor) and leaf.numel():
+            box = ((0,) * leaf.ndim, tuple(leaf.shape))
+            items.append((li, 0, box, leaf.dtype.itemsize, [(r, None) for r in holders]))
+    load: dict[int, int] = {}
+    boxes = []
+    for li, _, (lo, sz), item, who in sorted(items, key=lambda t: (-math.prod(t[2][1]) * t[3], t[0], t[1])):
+        rank, shard = min(who, key=lambda c: (load.get(c[0], 0), c[0], c[1] or 0))
+        load[rank] = load.get(rank, 0) + math.prod(sz) * item
+        boxes.append(_Box(li, lo, sz, rank, shard, f"{leaves[li][0]}@{_box_text(lo, sz)}"))
+    return sorted(boxes, key=lambda b: (b.leaf, b.offsets))
+
+
+def _held(leaves: Sequence[tuple[str, Any]], backend: Backend) -> list[dict[int | None, torch.Tensor]]:
+    """Per leaf, the tensors this process would write, by shard index (``None`` for a plain tensor)."""
+    out: list[dict[int | None, torch.Tensor]] = []
+    for _, leaf in leaves:
+        if isinstance(leaf, ShardedArray):
+            out.append(dict(zip(backend.addressable(leaf.layout), leaf.addressable_data)))
+        else:
+            out.append({None: leaf} if isinstance(leaf, torch.Tensor) else {})
+    return out
+
+
+def _box_data(box: _Box, held: dict[int | None, torch.Tensor], backend: Backend) -> torch.Tensor | None:
+    """This process's tensor for ``box`` if it is the box's writer, else ``None``."""
+    if box.shard is None and backend.rank not in (None, box.rank):
+        return None
+    t = held.get(box.shard)
+    return None if t is None else t.detach().to("cpu").contiguous()
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every one whose memory overlaps an earlier one copied (safetensors refuses overlap)."""
+    out, end = dict(tensors), -1
+    for lo, hi, name in sorted((t.data_ptr(), t.data_ptr() + t.nbytes, n) for n, t in tensors.items() if t.nbytes):
+        if lo < end:
+            out[name] = tensors[name].clone()
+        else:
+            end = hi
+    return out
+
+
+def _check_root(root: Path) -> None:
+    """Refuses to write into a path that holds something other than an fshard checkpoint."""
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"Checkpoint path {root} exists and is not a directory: save to a directory path.")
+    if root.is_dir() and not (root / INDEX).exists():
+        foreign = sorted(p.name for p in root.iterdir() if not (_DATA_RE.match(p.name) or _TMP_RE.match(p.name)))
+        if foreign:
+            msg = (
+                f"Checkpoint path {root} is a non-empty directory without {INDEX} (it holds {foreign[:3]}): "
+                "save to a new or empty directory, or to an existing fshard checkpoint to replace it."
+            )
+            raise CheckpointError(msg)
+
+
+def _write_files(
+    root: Path, data: Path, leaves: Sequence[tuple[str, Any]], boxes: Sequence[_Box], backend: Backend, progress: Any
+) -> dict[str, dict[str, Any]]:
+    """Writes this process's files (fsynced); returns, per file, its rank, size and tensor hashes."""
+    _check_root(root)
+    per_file: dict[int, dict[str, torch.Tensor]] = {}
+    held = _held(leaves, backend)
+    for box in boxes:
+        t = _box_data(box, held[box.leaf], backend)
+        if t is not None:
+            per_file.setdefault(box.rank, {})[box.name] = t
+    data.mkdir(parents=True, exist_ok=True)
+    written = {}
+    total = sum(t.nbytes for d in per_file.values() for t in d.values())
+    with _progress("fshard.save", total, progress, backend) as bar, _hashing() as pool:
+        files = sorted(per_file.items())
+        hashes = [{n: pool.submit(_sha256, t) for n, t in tensors.items()} for _, tensors in files]
+        synced = []
+        for (rank, tensors), digests in zip(files, hashes):
+            target = data / _file_name(rank)
+            save_file(_unshared(tensors), str(target), metadata={"format": FORMAT, "rank": str(rank)})
+            synced.append(pool.submit(_fsync, target))  # flushes while the next file is written
+            sha = {n: f.result() for n, f in digests.items()}
+            written[target.name] = {"rank": rank, "bytes": target.stat().st_size, "sha256": sha}
+            bar.update(sum(t.nbytes for t in tensors.values()))
+        for f in synced:
+            f.result()
+    _fsync(data, directory=True)  # the files' directory entries, before an index can name them
+    return written
+
+
+def _commit(root: Path, index: dict[str, Any], token: str) -> None:
+    """Writes ``index.json`` atomically (temporary file, fsync, rename), then drops older data."""
+    tmp = root / f"{INDEX}.{token}.tmp"
+    _fsync(root, directory=True)  # the data directory's entry, before the index that names it
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / INDEX)
+    _fsync(root, directory=True)
+    for p in root.iterdir():
+        if _DATA_RE.match(p.name) and p.name != index["data"]:
+            shutil.rmtree(p, ignore_errors=True)
+        elif _TMP_RE.match(p.name):
+            p.unlink(missing_ok=True)
+
+
+def _committed(root: Path, data: str) -> bool:
+    """Whether the index on disk names the data directory ``data``."""
+    try:
+        return json.loads((root / INDEX).read_text(encoding="utf-8")).get("data") == data
+    except (OSError, ValueError, AttributeError):
+        return False
