@@ -49,7 +49,9 @@ class Backend(Protocol):
         """Slices the global tensor into addressable shards (``src``: only that rank's is read)."""
         ...
 
-    def assemble(self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None) -> torch.Tensor | None:
+    def assemble(
+        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
+    ) -> torch.Tensor | None:
         """The global tensor, on every rank (``dst=None``) or on rank ``dst`` (others ``None``)."""
         ...
 

@@ -18,7 +18,7 @@ SHAPE = (96, 64)
 def specs(world: int) -> dict[str, Any]:
     """The demo's layouts for ``world`` ranks: chunks, a mesh grid, uneven boxes, replicas."""
     ranks = list(range(world))
-    a = max(d for d in range(1, int(math.isqrt(world)) + 1) if world % d == 0)
+    a = max(d for d in range(1, math.isqrt(world) + 1) if world % d == 0)
     mesh = fshard.Mesh((a, world // a))
     return {
         "chunk rows": fshard.Chunk(0, ranks),

@@ -61,13 +61,13 @@ def _unit(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _shr(bits, 64 - mant).to(_work_dtype(dtype)) * (2.0**-mant)
 
 
-def box_uniform(seed: int, shape, lo, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # noqa: ANN001
+def box_uniform(seed: int, shape, lo, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Uniform [0, 1) values of the box ``[lo, lo + size)`` of a global array of ``shape``."""
     idx = _indices(tuple(shape), tuple(lo), tuple(size), device)
     return _unit(_bits(seed, 0, idx), dtype).to(dtype)
 
 
-def box_normal(seed: int, shape, lo, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # noqa: ANN001
+def box_normal(seed: int, shape, lo, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Standard normal values of the box (Box-Muller on two independent uniform streams)."""
     idx = _indices(tuple(shape), tuple(lo), tuple(size), device)
     work = torch.float64 if dtype == torch.float64 else torch.float32

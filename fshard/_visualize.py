@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,7 +50,7 @@ def _label(layout: Layout, i: int) -> str:
 def _positions(cuts: list[int], extent: int, width: int, label: int) -> list[int]:
     """Canvas coordinates of each cut: proportional to size, wide enough for the labels."""
     out, x = [0], 0
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         span = max(label + 2, round((b - a) / max(extent, 1) * width), 2)
         x += span
         out.append(x)

@@ -47,7 +47,9 @@ def placements(world: int = 4, devices: Sequence[str] = ("cpu",)) -> st.SearchSt
     return st.builds(Placement, st.integers(0, world - 1), st.sampled_from(tuple(devices)))
 
 
-def shapes(min_dims: int = 0, max_dims: int = 3, min_side: int = 0, max_side: int = 6) -> st.SearchStrategy[tuple[int, ...]]:
+def shapes(
+    min_dims: int = 0, max_dims: int = 3, min_side: int = 0, max_side: int = 6
+) -> st.SearchStrategy[tuple[int, ...]]:
     """Global array shapes; sides of 0 are allowed unless ``min_side`` > 0."""
     return st.lists(st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
 
@@ -100,7 +102,13 @@ def _split(draw: st.DrawFn, lo: list[int], hi: list[int], depth: int) -> list[tu
 
 @st.composite
 def guillotine_layouts(
-    draw: st.DrawFn, shape: tuple[int, ...], world: int = 4, *, max_replicas: int = 3, empty: bool = True, depth: int = 4
+    draw: st.DrawFn,
+    shape: tuple[int, ...],
+    world: int = 4,
+    *,
+    max_replicas: int = 3,
+    empty: bool = True,
+    depth: int = 4,
 ) -> Layout:
     """Random guillotine partitions of ``shape``: each box on 1 to ``max_replicas`` ranks, plus empty shards.
 
