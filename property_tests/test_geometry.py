@@ -14,6 +14,7 @@ import fshard
 import fshard._layout
 from fshard import _boxes
 from fshard._layout import Layout, ShardMeta
+from fshard.testing.strategies import guillotine_layouts as layouts
 
 # -- strategies ------------------------------------------------------------------------
 
@@ -28,36 +29,6 @@ def box_sets(draw: st.DrawFn, d: int, n_max: int = 10) -> tuple[np.ndarray, np.n
     ext = st.one_of(st.integers(0, 2), st.integers(0, scale))
     size = np.array(draw(st.lists(st.lists(ext, min_size=d, max_size=d), min_size=n, max_size=n)), np.int64)
     return lo.reshape(n, d), (lo + size).reshape(n, d)
-
-
-def _split(draw: st.DrawFn, lo: list[int], hi: list[int], depth: int) -> list[tuple[list[int], list[int]]]:
-    """A guillotine partition of [lo, hi): cut along a random dim, recurse on both halves."""
-    cuttable = [k for k in range(len(lo)) if hi[k] - lo[k] > 1]
-    if not cuttable or depth == 0 or not draw(st.booleans()):
-        return [(lo, hi)]
-    k = draw(st.sampled_from(cuttable))
-    at = draw(st.integers(lo[k] + 1, hi[k] - 1))
-    left_hi, right_lo = list(hi), list(lo)
-    left_hi[k], right_lo[k] = at, at
-    return _split(draw, lo, left_hi, depth - 1) + _split(draw, right_lo, hi, depth - 1)
-
-
-@st.composite
-def layouts(draw: st.DrawFn, shape: tuple[int, ...], world: int = 4) -> Layout:
-    """Valid layouts of ``shape``: guillotine boxes, each on 1-3 placements, plus empty shards."""
-    shards = []
-    for lo, hi in _split(draw, [0] * len(shape), list(shape), depth=4):
-        ranks = draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=3, unique=True))
-        size = tuple(b - a for a, b in zip(lo, hi))
-        shards += [ShardMeta(tuple(lo), size, r) for r in ranks]
-    for _ in range(draw(st.integers(0, 2)) if shape else 0):
-        offsets = tuple(draw(st.integers(0, 2 * s + 1)) for s in shape)
-        sizes = (0, *(draw(st.sampled_from([0, 1])) for _ in shape[1:]))
-        empty = ShardMeta(offsets, sizes, draw(st.integers(0, world - 1)))
-        if empty not in shards:
-            shards.append(empty)
-    order = draw(st.permutations(range(len(shards))))
-    return Layout(shape, tuple(shards[i] for i in order))
 
 
 shapes = st.lists(st.integers(1, 5), min_size=0, max_size=3).map(tuple)
@@ -76,8 +47,9 @@ def brute_pairs(lo_a: np.ndarray, hi_a: np.ndarray, lo_b: np.ndarray, hi_b: np.n
 
 
 def brute_valid(shape: tuple[int, ...], shards: list[ShardMeta]) -> bool:
-    """The layout invariants, checked element by element."""
-    if len(set(shards)) != len(shards):
+    """The layout invariants, checked element by element (equal empty shards hold nothing and are allowed)."""
+    nonempty = [s for s in shards if s.numel]
+    if len(set(nonempty)) != len(nonempty):
         return False
     boxes = {(s.offsets, s.sizes) for s in shards if all(z > 0 for z in s.sizes)}
     cover = np.zeros(shape, np.int64)
