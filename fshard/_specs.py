@@ -28,7 +28,8 @@ def _placements(values: Sequence[PlacementLike] | PlacementLike, what: str) -> t
 
 def _normalize_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
-        msg = f"Invalid sharding dim: {dim} for a {ndim}-D array (valid: {-ndim} to {ndim - 1})."
+        valid = f"valid: {-ndim} to {ndim - 1}" if ndim else "it has no dim to split; use Replicated or Single"
+        msg = f"Invalid sharding dim: {dim} for a {ndim}-D array ({valid})."
         raise SpecError(msg)
     return dim % ndim
 
@@ -193,7 +194,7 @@ class Named:
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
             raise SpecError(f"Named needs a Mesh, got {type(self.mesh).__name__}.")
-        parts = tuple(p if p is None or isinstance(p, str) else tuple(p) for p in self.partition)
+        parts = tuple(_entry(p) for p in self.partition)
         used = [a for p in parts if p is not None for a in ((p,) if isinstance(p, str) else p)]
         for a in used:
             self.mesh.axis(a)
@@ -216,6 +217,15 @@ class Named:
             bounds = [_split(n, [(mesh.shape[mesh.axis(a)], coord[mesh.axis(a)]) for a in ax]) for n, ax in zip(shape, axes)]
             shards.append(ShardMeta(tuple(b[0] for b in bounds), tuple(b[1] for b in bounds), place))
         return Layout(shape, tuple(shards))
+
+
+def _entry(p: Any) -> PartitionEntry:
+    """One partition entry as ``None``, an axis name or a tuple of names."""
+    if p is None or isinstance(p, str):
+        return p
+    if isinstance(p, (tuple, list)) and all(isinstance(a, str) for a in p):
+        return tuple(p)
+    raise SpecError(f"Partition entry {p!r} must be a mesh axis name, a tuple of axis names, or None.")
 
 
 def _split(n: int, splits: list[tuple[int, int]]) -> tuple[int, int]:
