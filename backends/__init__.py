@@ -19,7 +19,10 @@ class Backend(Protocol):
     ``tensors`` argument and result below lists exactly those, in layout order.
     """
 
-    name: str
+    @property
+    def name(self) -> str:
+        """A short name: ``"local"`` or ``"torch_dist"``."""
+        ...
 
     @property
     def rank(self) -> int | None:

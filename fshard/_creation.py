@@ -17,8 +17,18 @@ from fshard._specs import as_layout
 from fshard.backends import Backend
 
 __all__ = [
-    "empty", "empty_like", "full", "full_like", "ones", "ones_like", "rand", "rand_like",
-    "randn", "randn_like", "zeros", "zeros_like",
+    "empty",
+    "empty_like",
+    "full",
+    "full_like",
+    "ones",
+    "ones_like",
+    "rand",
+    "rand_like",
+    "randn",
+    "randn_like",
+    "zeros",
+    "zeros_like",
 ]
 
 Fill = Callable[[ShardMeta, torch.dtype, torch.device], torch.Tensor]
@@ -39,7 +49,9 @@ def _on_device(layout: Layout, device: Any) -> Layout:
     return Layout(layout.shape, shards)
 
 
-def _create(spec: Any, shape: tuple[Any, ...], fill: Fill, dtype: Any, device: Any, requires_grad: bool, backend: Backend | None) -> ShardedArray:
+def _create(
+    spec: Any, shape: tuple[Any, ...], fill: Fill, dtype: Any, device: Any, requires_grad: bool, backend: Backend | None
+) -> ShardedArray:
     backend = resolve_backend(backend)
     layout = _on_device(as_layout(spec, parse_shape(shape)), device)
     backend.check_layout(layout)
@@ -56,7 +68,14 @@ def _const(make: Callable[..., torch.Tensor], *args: Any) -> Fill:
     return lambda m, dtype, device: make(m.sizes, *args, dtype=dtype, device=device)
 
 
-def zeros(spec: Any, *shape: Any, dtype: torch.dtype | None = None, device: Any = None, requires_grad: bool = False, backend: Backend | None = None) -> ShardedArray:
+def zeros(
+    spec: Any,
+    *shape: Any,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    backend: Backend | None = None,
+) -> ShardedArray:
     """A sharded array of zeros.
 
     ``shape`` is ints, a list or a tuple; ``device`` (optional) moves every
@@ -69,7 +88,14 @@ def zeros(spec: Any, *shape: Any, dtype: torch.dtype | None = None, device: Any 
     return _create(spec, shape, _const(torch.zeros), dtype, device, requires_grad, backend)
 
 
-def ones(spec: Any, *shape: Any, dtype: torch.dtype | None = None, device: Any = None, requires_grad: bool = False, backend: Backend | None = None) -> ShardedArray:
+def ones(
+    spec: Any,
+    *shape: Any,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    backend: Backend | None = None,
+) -> ShardedArray:
     """A sharded array of ones.
 
     >>> import fshard
@@ -79,7 +105,14 @@ def ones(spec: Any, *shape: Any, dtype: torch.dtype | None = None, device: Any =
     return _create(spec, shape, _const(torch.ones), dtype, device, requires_grad, backend)
 
 
-def empty(spec: Any, *shape: Any, dtype: torch.dtype | None = None, device: Any = None, requires_grad: bool = False, backend: Backend | None = None) -> ShardedArray:
+def empty(
+    spec: Any,
+    *shape: Any,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    backend: Backend | None = None,
+) -> ShardedArray:
     """A sharded array with uninitialised values.
 
     >>> import fshard
@@ -89,7 +122,15 @@ def empty(spec: Any, *shape: Any, dtype: torch.dtype | None = None, device: Any 
     return _create(spec, shape, _const(torch.empty), dtype, device, requires_grad, backend)
 
 
-def full(spec: Any, *shape: Any, fill_value: Any, dtype: torch.dtype | None = None, device: Any = None, requires_grad: bool = False, backend: Backend | None = None) -> ShardedArray:
+def full(
+    spec: Any,
+    *shape: Any,
+    fill_value: Any,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    backend: Backend | None = None,
+) -> ShardedArray:
     """A sharded array filled with ``fill_value``.
 
     >>> import torch, fshard
@@ -100,7 +141,15 @@ def full(spec: Any, *shape: Any, fill_value: Any, dtype: torch.dtype | None = No
     return _create(spec, shape, _const(torch.full, fill_value), dtype, device, requires_grad, backend)
 
 
-def rand(spec: Any, *shape: Any, seed: int | None = None, dtype: torch.dtype | None = None, device: Any = None, requires_grad: bool = False, backend: Backend | None = None) -> ShardedArray:
+def rand(
+    spec: Any,
+    *shape: Any,
+    seed: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    backend: Backend | None = None,
+) -> ShardedArray:
     """Uniform [0, 1) values that depend on ``seed`` and the global index only.
 
     ``gather(rand(spec, shape, seed=s))`` is bit-identical for every spec and
@@ -119,7 +168,15 @@ def rand(spec: Any, *shape: Any, seed: int | None = None, dtype: torch.dtype | N
     return _create(spec, shape, fill, dtype, device, requires_grad, backend)
 
 
-def randn(spec: Any, *shape: Any, seed: int | None = None, dtype: torch.dtype | None = None, device: Any = None, requires_grad: bool = False, backend: Backend | None = None) -> ShardedArray:
+def randn(
+    spec: Any,
+    *shape: Any,
+    seed: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    backend: Backend | None = None,
+) -> ShardedArray:
     """Standard normal values that depend on ``seed`` and the global index only (see ``rand``).
 
     >>> import torch, fshard
@@ -133,8 +190,17 @@ def randn(spec: Any, *shape: Any, seed: int | None = None, dtype: torch.dtype | 
     return _create(spec, shape, fill, dtype, device, requires_grad, backend)
 
 
-def _like(maker: Callable[..., ShardedArray], array: ShardedArray, dtype: Any, requires_grad: bool, **kw: Any) -> ShardedArray:
-    return maker(array.layout, array.layout.shape, dtype=dtype or array.dtype, requires_grad=requires_grad, backend=array.backend, **kw)
+def _like(
+    maker: Callable[..., ShardedArray], array: ShardedArray, dtype: Any, requires_grad: bool, **kw: Any
+) -> ShardedArray:
+    return maker(
+        array.layout,
+        array.layout.shape,
+        dtype=dtype or array.dtype,
+        requires_grad=requires_grad,
+        backend=array.backend,
+        **kw,
+    )
 
 
 def zeros_like(array: ShardedArray, *, dtype: torch.dtype | None = None, requires_grad: bool = False) -> ShardedArray:
@@ -168,7 +234,9 @@ def empty_like(array: ShardedArray, *, dtype: torch.dtype | None = None, require
     return _like(empty, array, dtype, requires_grad)
 
 
-def full_like(array: ShardedArray, fill_value: Any, *, dtype: torch.dtype | None = None, requires_grad: bool = False) -> ShardedArray:
+def full_like(
+    array: ShardedArray, fill_value: Any, *, dtype: torch.dtype | None = None, requires_grad: bool = False
+) -> ShardedArray:
     """``fill_value`` in ``array``'s layout.
 
     >>> import fshard
@@ -178,7 +246,9 @@ def full_like(array: ShardedArray, fill_value: Any, *, dtype: torch.dtype | None
     return _like(full, array, dtype, requires_grad, fill_value=fill_value)
 
 
-def rand_like(array: ShardedArray, *, seed: int | None = None, dtype: torch.dtype | None = None, requires_grad: bool = False) -> ShardedArray:
+def rand_like(
+    array: ShardedArray, *, seed: int | None = None, dtype: torch.dtype | None = None, requires_grad: bool = False
+) -> ShardedArray:
     """Layout-invariant uniform values in ``array``'s layout (see ``rand``).
 
     >>> import fshard
@@ -189,7 +259,9 @@ def rand_like(array: ShardedArray, *, seed: int | None = None, dtype: torch.dtyp
     return _like(rand, array, dtype, requires_grad, seed=seed)
 
 
-def randn_like(array: ShardedArray, *, seed: int | None = None, dtype: torch.dtype | None = None, requires_grad: bool = False) -> ShardedArray:
+def randn_like(
+    array: ShardedArray, *, seed: int | None = None, dtype: torch.dtype | None = None, requires_grad: bool = False
+) -> ShardedArray:
     """Layout-invariant normal values in ``array``'s layout (see ``randn``).
 
     >>> import fshard

@@ -7,15 +7,15 @@ import functools
 import itertools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
 from fshard import _boxes
 from fshard._errors import LayoutError
-from fshard._placement import Placement, as_placement
+from fshard._placement import Placement, PlacementLike, as_placement
 
-__all__ = ["Layout", "ShardMeta", "check_shape"]
+__all__ = ["Layout", "ShardMeta", "ShardMetaLike", "as_metas", "check_shape"]
 
 
 def check_shape(shape: Iterable[Any], what: str = "shape") -> tuple[int, ...]:
@@ -33,7 +33,7 @@ def check_shape(shape: Iterable[Any], what: str = "shape") -> tuple[int, ...]:
     return tuple(int(s) for s in out)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class ShardMeta:
     """One box of the global array, ``[offsets, offsets + sizes)``, and its owner.
 
@@ -45,15 +45,15 @@ class ShardMeta:
     sizes: tuple[int, ...]
     placement: Placement
 
-    def __post_init__(self) -> None:
-        offsets = check_shape(self.offsets, "ShardMeta offsets")
-        sizes = check_shape(self.sizes, "ShardMeta sizes")
+    def __init__(self, offsets: Iterable[int], sizes: Iterable[int], placement: PlacementLike) -> None:
+        offsets = check_shape(offsets, "ShardMeta offsets")
+        sizes = check_shape(sizes, "ShardMeta sizes")
         if len(offsets) != len(sizes):
             msg = f"ShardMeta offsets {offsets} and sizes {sizes} have different lengths."
             raise LayoutError(msg)
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "sizes", sizes)
-        object.__setattr__(self, "placement", as_placement(self.placement))
+        object.__setattr__(self, "placement", as_placement(placement))
 
     @property
     def numel(self) -> int:
@@ -64,7 +64,10 @@ class ShardMeta:
         return f"[offsets {self.offsets}, sizes {self.sizes}] on {self.placement}"
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+ShardMetaLike = Union[ShardMeta, tuple[Iterable[int], Iterable[int], PlacementLike]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False, init=False)
 class Layout:
     """The global shape and the shards that cover it, validated at construction.
 
@@ -90,9 +93,9 @@ class Layout:
     _devices: tuple[str, ...] = dataclasses.field(init=False, repr=False)
     _hash: int = dataclasses.field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        shape = check_shape(self.shape)
-        shards = _as_metas(self.shards)
+    def __init__(self, shape: Iterable[int], shards: Iterable[ShardMetaLike]) -> None:
+        shape = check_shape(shape)
+        shards = as_metas(shards)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "shards", shards)
         lo, sz, rank, devices = _columns(shape, shards)
@@ -168,8 +171,7 @@ class Layout:
         return {
             "shape": list(self.shape),
             "shards": [
-                {"offsets": list(s.offsets), "sizes": list(s.sizes), "placement": str(s.placement)}
-                for s in self.shards
+                {"offsets": list(s.offsets), "sizes": list(s.sizes), "placement": str(s.placement)} for s in self.shards
             ],
         }
 
@@ -231,10 +233,11 @@ def _indices_by_rank(layout: Layout) -> dict[int, tuple[int, ...]]:
     return {r: tuple(v) for r, v in out.items()}
 
 
-def _as_metas(shards: Iterable[Any]) -> tuple[ShardMeta, ...]:
+def as_metas(shards: Iterable[ShardMetaLike]) -> tuple[ShardMeta, ...]:
+    """``shards`` as a tuple of ``ShardMeta``; ``(offsets, sizes, placement)`` tuples are converted."""
     shards = tuple(shards)
     if set(map(type, shards)) <= {ShardMeta}:  # the common case, without a Python-level loop
-        return shards
+        return shards  # type: ignore[return-value]
     return tuple(s if isinstance(s, ShardMeta) else ShardMeta(*s) for s in shards)
 
 
@@ -285,8 +288,12 @@ def _validate_memo(shape: tuple[int, ...], shards: tuple[ShardMeta, ...]) -> Non
 
 
 def _validate(
-    shape: tuple[int, ...], shards: tuple[ShardMeta, ...], lo: np.ndarray, sz: np.ndarray,
-    rank: np.ndarray, devices: tuple[str, ...],
+    shape: tuple[int, ...],
+    shards: tuple[ShardMeta, ...],
+    lo: np.ndarray,
+    sz: np.ndarray,
+    rank: np.ndarray,
+    devices: tuple[str, ...],
 ) -> None:
     bounds = np.array(shape, np.int64)
     hi = lo + sz
@@ -371,7 +378,7 @@ def _check_no_duplicates(shards: tuple[ShardMeta, ...], rows: np.ndarray) -> Non
     raise LayoutError(msg)
 
 
-def _explain(shape, shards, lo, hi, nonempty, ulo, uhi, got, want) -> None:  # noqa: ANN001
+def _explain(shape, shards, lo, hi, nonempty, ulo, uhi, got, want) -> None:
     """Finds an element covered twice or not at all and raises naming the shards."""
     bounds = np.array(shape, np.int64)
     bad = [p for p in set(got) | set(want) if got.get(p, 0) != want.get(p, 0)]
@@ -393,7 +400,9 @@ def _explain(shape, shards, lo, hi, nonempty, ulo, uhi, got, want) -> None:  # n
                 raise LayoutError(msg)
             owners = nonempty[_boxes.count_containing(lo[nonempty], hi[nonempty], q)]
             a = int(owners[0])
-            b = next(int(j) for j in owners if shards[j].offsets != shards[a].offsets or shards[j].sizes != shards[a].sizes)
+            b = next(
+                int(j) for j in owners if shards[j].offsets != shards[a].offsets or shards[j].sizes != shards[a].sizes
+            )
             msg = (
                 f"Shards {a} {shards[a]._box()} and {b} {shards[b]._box()} overlap at element "
                 f"{point} without being identical: boxes must be disjoint, or identical to be replicas."

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -15,7 +16,13 @@ from fshard._specs import as_layout
 from fshard.backends import Backend, default_backend
 
 __all__ = [
-    "allclose", "equal", "from_local_shards_and_layout", "gather", "map_local", "reshard", "shard",
+    "allclose",
+    "equal",
+    "from_local_shards_and_layout",
+    "gather",
+    "map_local",
+    "reshard",
+    "shard",
 ]
 
 
@@ -35,7 +42,11 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
 def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tuple[int, ...], torch.Tensor]:
     """Agrees on ``src`` across ranks; returns the global shape and the tensor (a stand-in off src)."""
     mine = backend.rank in (None, src)
-    info = (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad) if mine and tensor is not None else (src, None, None, False)
+    info = (
+        (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+        if mine and tensor is not None
+        else (src, None, None, False)
+    )
     seen = backend.exchange(info)
     if len({s[0] for s in seen}) != 1:
         msg = f"src={src} on rank {backend.rank} does not match with src_rank on other ranks: {[s[0] for s in seen]}."
@@ -50,7 +61,9 @@ def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tu
     return owner[1], torch.empty(0, dtype=owner[2], requires_grad=owner[3])
 
 
-def shard(tensor: torch.Tensor | None, spec: Any, *, src: int | None = None, backend: Backend | None = None) -> ShardedArray:
+def shard(
+    tensor: torch.Tensor | None, spec: Any, *, src: int | None = None, backend: Backend | None = None
+) -> ShardedArray:
     """Splits a global tensor into a ``ShardedArray`` laid out by ``spec`` (a spec or a ``Layout``).
 
     Args:
@@ -83,6 +96,10 @@ def shard(tensor: torch.Tensor | None, spec: Any, *, src: int | None = None, bac
     return ShardedArray(layout, _autograd.scatter(full, layout, backend, src), backend, full.dtype)
 
 
+@overload
+def gather(array: ShardedArray, *, dst: None = None) -> torch.Tensor: ...
+@overload
+def gather(array: ShardedArray, *, dst: int) -> torch.Tensor | None: ...
 def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | None:
     """The global tensor: on every rank (``dst=None``) or on rank ``dst`` (others get ``None``).
 
@@ -191,7 +208,7 @@ def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int, allow
         )
         raise SpecError(msg)
     covered = sum(k[1] for k in olds)
-    tiles = all(a[0] + a[1] == b[0] for a, b in zip(olds, olds[1:])) and olds and olds[0][0] == 0
+    tiles = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(olds)) and olds and olds[0][0] == 0
     if any(len(new[k]) > 1 for k in olds) or not tiles or covered != layout.shape[d]:
         msg = (
             f"map_local() cannot infer the new extent of dim {d} from the shards held here "
@@ -245,7 +262,9 @@ def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float =
     return all(a.backend.exchange(ok))
 
 
-def from_local_shards_and_layout(shards: Sequence[Shard], layout: Layout, *, backend: Backend | None = None) -> ShardedArray:
+def from_local_shards_and_layout(
+    shards: Sequence[Shard], layout: Layout, *, backend: Backend | None = None
+) -> ShardedArray:
     """Wraps this process's shards, checked against ``layout``; no communication.
 
     >>> import torch, fshard

@@ -5,19 +5,28 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
 import numpy as np
 
 from fshard._errors import SpecError
-from fshard._layout import Layout, ShardMeta, check_shape
+from fshard._layout import Layout, ShardMeta, ShardMetaLike, as_metas, check_shape
 from fshard._placement import Placement, PlacementLike, as_placement
 
 __all__ = ["Chunk", "Explicit", "Mesh", "Named", "Replicated", "Single", "Spec", "SpecLike", "as_layout"]
 
 
-def _placements(values: Sequence[PlacementLike] | PlacementLike, what: str) -> tuple[Placement, ...]:
+Placements = Union[Iterable[PlacementLike], PlacementLike]
+
+
+def _set(obj: object, **fields: Any) -> None:
+    """Sets the fields of a frozen value once, in its ``__init__``."""
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)
+
+
+def _placements(values: Placements, what: str) -> tuple[Placement, ...]:
     if isinstance(values, (str, int, Placement)):
         values = [values]
     out = tuple(as_placement(v) for v in values)
@@ -40,7 +49,7 @@ def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
     return [(i * step, max(0, min(n, (i + 1) * step) - i * step)) for i in range(k)]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Chunk:
     """Split ``dim`` into ``len(placements)`` chunks, exactly like torch's ``ChunkShardingSpec``.
 
@@ -51,13 +60,13 @@ class Chunk:
     dim: int
     placements: tuple[Placement, ...]
 
-    def __post_init__(self) -> None:
-        if isinstance(self.dim, str):
-            msg = f"ChunkShardingSpec does not support named dimension {self.dim!r}: give an int dim."
+    def __init__(self, dim: int, placements: Placements) -> None:
+        if isinstance(dim, str):
+            msg = f"ChunkShardingSpec does not support named dimension {dim!r}: give an int dim."
             raise NotImplementedError(msg)
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise SpecError(f"Chunk dim must be an int, got {self.dim!r}.")
-        object.__setattr__(self, "placements", _placements(self.placements, "Chunk"))
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise SpecError(f"Chunk dim must be an int, got {dim!r}.")
+        _set(self, dim=dim, placements=_placements(placements, "Chunk"))
 
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec."""
@@ -71,7 +80,7 @@ class Chunk:
         return Layout(shape, tuple(shards))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Replicated:
     """Every placement holds the whole array.
 
@@ -81,8 +90,8 @@ class Replicated:
 
     placements: tuple[Placement, ...]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "placements", _placements(self.placements, "Replicated"))
+    def __init__(self, placements: Placements) -> None:
+        _set(self, placements=_placements(placements, "Replicated"))
 
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec."""
@@ -90,7 +99,7 @@ class Replicated:
         return Layout(shape, tuple(ShardMeta((0,) * len(shape), shape, p) for p in self.placements))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Single:
     """One placement holds the whole array.
 
@@ -100,15 +109,15 @@ class Single:
 
     placement: Placement
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "placement", as_placement(self.placement))
+    def __init__(self, placement: PlacementLike) -> None:
+        _set(self, placement=as_placement(placement))
 
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec."""
         return Replicated((self.placement,)).layout(shape)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Explicit:
     """The given boxes (torch's ``EnumerableShardingSpec``), validated against the shape.
 
@@ -119,9 +128,8 @@ class Explicit:
 
     shards: tuple[ShardMeta, ...]
 
-    def __post_init__(self) -> None:
-        shards = tuple(s if isinstance(s, ShardMeta) else ShardMeta(*s) for s in self.shards)
-        object.__setattr__(self, "shards", shards)
+    def __init__(self, shards: Iterable[ShardMetaLike]) -> None:
+        _set(self, shards=as_metas(shards))
 
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec."""
@@ -131,42 +139,46 @@ class Explicit:
 _DEFAULT_AXES = ("x", "y", "z")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Mesh:
     """An n-D grid of placements with named axes, like ``jax.sharding.Mesh``.
 
+    Args:
+        shape: the grid's extent along each axis.
+        ranks: the placements in row-major grid order, flat or nested like the grid
+            (default: ranks ``0 .. prod(shape) - 1`` on cpu).
+        axis_names: one distinct name per axis (default ``("x", "y", "z", "axis3", ...)``).
+
     >>> Mesh((2, 2)).axis_names
     ('x', 'y')
+    >>> Mesh((2,), ranks=["rank:0/cuda:0", "rank:1/cuda:1"]).ranks[1]
+    Placement(rank=1, device='cuda:1')
     """
 
     shape: tuple[int, ...]
-    ranks: tuple[Placement, ...] | None = None
-    axis_names: tuple[str, ...] | None = None
+    ranks: tuple[Placement, ...]
+    axis_names: tuple[str, ...]
 
-    def __post_init__(self) -> None:
-        shape = check_shape(self.shape, "Mesh shape")
+    def __init__(self, shape: Iterable[int], ranks: Any = None, axis_names: Iterable[str] | None = None) -> None:
+        shape = check_shape(shape, "Mesh shape")
         size = math.prod(shape)
-        ranks = range(size) if self.ranks is None else np.asarray(self.ranks, dtype=object).ravel().tolist()
-        placements = tuple(as_placement(r) for r in ranks)
+        flat = range(size) if ranks is None else np.asarray(ranks, dtype=object).ravel().tolist()
+        placements = tuple(as_placement(r) for r in flat)
         if len(placements) != size:
             msg = f"Mesh of shape {shape} needs {size} placements, got {len(placements)}."
             raise SpecError(msg)
         if len(set(placements)) != size:
             raise SpecError(f"Mesh placements must be distinct, got {[str(p) for p in placements]}.")
-        names = self.axis_names
-        if names is None:
-            names = _DEFAULT_AXES[: len(shape)] + tuple(f"axis{i}" for i in range(3, len(shape)))
-        names = tuple(names)
+        if axis_names is None:
+            axis_names = _DEFAULT_AXES[: len(shape)] + tuple(f"axis{i}" for i in range(3, len(shape)))
+        names = tuple(axis_names)
         if len(names) != len(shape) or len(set(names)) != len(names):
             msg = f"Mesh of shape {shape} needs {len(shape)} distinct axis names, got {names}."
             raise SpecError(msg)
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "ranks", placements)
-        object.__setattr__(self, "axis_names", names)
+        _set(self, shape=shape, ranks=placements, axis_names=names)
 
     def axis(self, name: str) -> int:
         """Index of the mesh axis called ``name``."""
-        assert self.axis_names is not None
         if name not in self.axis_names:
             raise SpecError(f"Mesh has no axis {name!r}; its axes are {self.axis_names}.")
         return self.axis_names.index(name)
@@ -175,7 +187,7 @@ class Mesh:
 PartitionEntry = Union[str, tuple[str, ...], None]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Named:
     """JAX ``NamedSharding``: per array dim, the mesh axes (or ``None``) that split it.
 
@@ -191,16 +203,16 @@ class Named:
     mesh: Mesh
     partition: tuple[PartitionEntry, ...]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.mesh, Mesh):
-            raise SpecError(f"Named needs a Mesh, got {type(self.mesh).__name__}.")
-        parts = tuple(_entry(p) for p in self.partition)
+    def __init__(self, mesh: Mesh, partition: Iterable[Any]) -> None:
+        if not isinstance(mesh, Mesh):
+            raise SpecError(f"Named needs a Mesh, got {type(mesh).__name__}.")
+        parts = tuple(_entry(p) for p in partition)
         used = [a for p in parts if p is not None for a in ((p,) if isinstance(p, str) else p)]
         for a in used:
-            self.mesh.axis(a)
+            mesh.axis(a)
         if len(set(used)) != len(used):
             raise SpecError(f"Partition {parts} uses a mesh axis twice; each axis may split one dim.")
-        object.__setattr__(self, "partition", parts)
+        _set(self, mesh=mesh, partition=parts)
 
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec."""
@@ -211,10 +223,11 @@ class Named:
         parts = self.partition + (None,) * (len(shape) - len(self.partition))
         axes = [() if p is None else ((p,) if isinstance(p, str) else p) for p in parts]
         mesh = self.mesh
-        assert mesh.ranks is not None
         shards = []
         for coord, place in zip(itertools.product(*map(range, mesh.shape)), mesh.ranks):
-            bounds = [_split(n, [(mesh.shape[mesh.axis(a)], coord[mesh.axis(a)]) for a in ax]) for n, ax in zip(shape, axes)]
+            bounds = [
+                _split(n, [(mesh.shape[mesh.axis(a)], coord[mesh.axis(a)]) for a in ax]) for n, ax in zip(shape, axes)
+            ]
             shards.append(ShardMeta(tuple(b[0] for b in bounds), tuple(b[1] for b in bounds), place))
         return Layout(shape, tuple(shards))
 
