@@ -159,10 +159,7 @@ class ShardedArray:
             NotImplementedError: "Only single local shard is supported." otherwise.
         """
         if len(self._data) != 1:
-            msg = (
-                f"Only single local shard is supported. This process holds {len(self._data)}; "
-                "use addressable_shards."
-            )
+            msg = f"Only single local shard is supported. This process holds {len(self._data)}; use addressable_shards."
             raise NotImplementedError(msg)
         return self._data[0]
 
