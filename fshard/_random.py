@@ -31,9 +31,15 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _key(seed: int, stream: int) -> int:
-    """A 64-bit key for (seed, stream), mixed on the CPU."""
-    t = torch.tensor([(seed * 2 + stream) & 0x7FFFFFFFFFFFFFFF], dtype=torch.int64)
-    return int(_mix(_mix(t))[0])
+    """A 64-bit key for (seed, stream), mixed on the CPU.
+
+    The seed is hashed before the stream joins it, so no two (seed, stream) pairs are
+    related: with a key of ``2 * seed + stream``, randn's angle stream of seed s would
+    be rand's stream of seed s + 1.
+    """
+    bits = seed & 0xFFFFFFFFFFFFFFFF  # the seed's two's-complement bit pattern
+    t = torch.tensor([bits - (1 << 64) if bits >> 63 else bits], dtype=torch.int64)
+    return int(_mix(_mix(t) ^ stream)[0])
 
 
 def _indices(shape: tuple[int, ...], lo: tuple[int, ...], size: tuple[int, ...], device: torch.device) -> torch.Tensor:
