@@ -242,15 +242,17 @@ def _entry(p: Any) -> PartitionEntry:
 
 
 def _split(n: int, splits: list[tuple[int, int]]) -> tuple[int, int]:
-    """Offset and size after splitting ``[0, n)`` by each (parts, index) in turn (DTensor's rule)."""
+    """Offset and size after splitting ``[0, n)`` by each (parts, index) in turn (DTensor's rule).
+
+    An empty part sits at offset ``n``, the end of the dim, where DTensor puts it.
+    """
     offset, size = 0, n
     for parts, index in splits:
         step = -(-size // parts)
         start = step * index
         if start >= size:
-            offset, size = offset + size, 0
-        else:
-            offset, size = offset + start, min(size, start + step) - start
+            return n, 0
+        offset, size = offset + start, min(size, start + step) - start
     return offset, size
 
 
