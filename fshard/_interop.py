@@ -53,7 +53,9 @@ def to_sharded_tensor(array: ShardedArray) -> Any:
 
     Its metadata is ``array.layout.to_torch_metadata(...)``, its process group the
     array's. ShardedTensor cannot hold replicas: reshard to a layout without
-    replicated boxes first.
+    replicated boxes first. It also checks empty boxes against the shape, so an
+    empty box past the end (``Chunk`` of 2 rows over 4 ranks puts one at row 3,
+    as ``ChunkShardingSpec`` does) moves to the end of the dim it is empty in.
 
     Raises:
         SpecError: the array is not on the torch_dist backend, or its layout has replicas.
@@ -80,10 +82,23 @@ def to_sharded_tensor(array: ShardedArray) -> Any:
             "reshard to a layout where each box has one owner (fshard.reshard(x, fshard.Chunk(...))) first."
         )
         raise SpecError(msg)
-    meta = layout.to_torch_metadata(array.dtype, array.requires_grad)
+    meta = _in_bounds(layout).to_torch_metadata(array.dtype, array.requires_grad)
     mine = backend.addressable(layout)
     local = [TorchShard(t.contiguous(), meta.shards_metadata[i]) for i, t in zip(mine, array.addressable_data)]
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=backend.group)
+
+
+def _in_bounds(layout: Layout) -> Layout:
+    """``layout`` with each empty box at the end of its empty dims and inside the shape in the others."""
+    if all(s.numel for s in layout.shards):
+        return layout
+    shards = [s if s.numel else _moved(s, layout.shape) for s in layout.shards]
+    return Layout(layout.shape, shards)
+
+
+def _moved(s: ShardMeta, shape: tuple[int, ...]) -> ShardMeta:
+    offsets = tuple(n if z == 0 else min(o, n - z) for o, z, n in zip(s.offsets, s.sizes, shape))
+    return ShardMeta(offsets, s.sizes, s.placement)
 
 
 def from_sharded_tensor(st: Any) -> ShardedArray:
