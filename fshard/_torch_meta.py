@@ -15,11 +15,11 @@ __all__ = ["from_torch_metadata", "to_torch_metadata"]
 
 def to_torch_metadata(layout: Layout, dtype: Any = None, requires_grad: bool = False) -> Any:
     """``layout`` as torch's ``ShardedTensorMetadata`` with the given tensor properties."""
+    from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor.metadata import (
         ShardedTensorMetadata,
         TensorProperties,
     )
-    from torch.distributed._shard.metadata import ShardMetadata
 
     shards = [ShardMetadata(list(s.offsets), list(s.sizes), str(s.placement)) for s in layout.shards]
     props = TensorProperties(dtype=dtype or torch.float32, requires_grad=requires_grad)

@@ -345,7 +345,8 @@ CASES = [
     pytest.param(
         lambda: Layout.from_torch_metadata(_torch_metadata_with_worker_name()),
         LayoutError,
-        "Placement worker0/cuda:1 names no rank (an RPC worker name or a bare device); fshard needs 'rank:<int>/<device>'.",
+        "Placement worker0/cuda:1 names no rank (an RPC worker name or a bare device); "
+        "fshard needs 'rank:<int>/<device>'.",
         id="layout-from-torch-metadata-worker-name",
     ),
     # -- specs against shapes
