@@ -16,7 +16,9 @@ computes the same cached ``Plan`` as every other rank and reads its own part of 
 The local copies run while the messages are in flight. Boxes that already lie back to
 back in one tensor are sent (or received) in place rather than packed; buffers that
 must be staged come from the local backend's cache of mapped CPU memory, so they do
-not pay a page fault per 4 KiB on every call.
+not pay a page fault per 4 KiB on every call. A rank's share of a plan (its peers,
+split sizes, the slices of every box, which boxes need no packing) is computed once
+per cached plan, so a repeated call does no index arithmetic.
 
 Placements name global ranks; a sub-group maps them to group ranks. The wire device
 follows the group: CUDA for an NCCL group, CPU otherwise.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fshard._boxes import unique_rows
+from fshard._boxes import rows_prod, unique_rows
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._layout import Layout, ShardMeta
@@ -286,13 +289,22 @@ def _whole(shape: tuple[int, ...], ranks: tuple[int, ...]) -> Layout:
 # -- schedules: this rank's part of a plan (pure, cached) ---------------------------------
 
 
+_Index = tuple[int, tuple[slice, ...]]  # a box as (shard, slices into that shard's tensor)
+_Span = tuple[int, int, int]  # boxes back to back in one shard: (shard, first element, end)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Schedule:
-    """One rank's share of a plan.
+    """One rank's share of a plan, with every index it needs computed once.
 
     ``send``/``recv``: per peer in group order, the plan rows of the distinct boxes
     exchanged with it, in plan order (so sender and receiver agree); ``fanout`` maps a
     received row to every row writing the same box into a shard on this rank.
+    ``at_src``/``at_dst`` give each sent row's box in its source shard and each received
+    (or fanned-out) row's box in its destination shard. ``send_split``/``recv_split``
+    count elements per rank of the group; ``send_span``/``recv_span`` say where the sent
+    boxes (and the first destination of each received box) lie back to back in one
+    shard, so that they need no packing when that shard is a contiguous tensor.
     """
 
     local: np.ndarray
@@ -300,6 +312,12 @@ class _Schedule:
     recv: tuple[tuple[int, np.ndarray], ...]
     fanout: dict[int, np.ndarray]
     sent: int
+    at_src: dict[int, _Index]
+    at_dst: dict[int, _Index]
+    send_split: tuple[int, ...]
+    recv_split: tuple[int, ...]
+    send_span: _Span | None
+    recv_span: _Span | None
 
 
 @functools.lru_cache(maxsize=512)
@@ -315,8 +333,73 @@ def _schedule(p: Plan, me: int, order: tuple[int, ...]) -> _Schedule:
     recv = _by_peer(pieces[dr[pieces] == me], sr, position)
     mine = cross[dr[cross] == me]
     fanout = {int(rows[0]): rows for rows in _split_by(mine, inverse[dr[cross] == me])}
-    sent = int(sum(p.numel[rows].sum() for _, rows in send))
-    return _Schedule(local, send, recv, fanout, sent)
+    numel = p.numel
+    send_rows = np.concatenate([rows for _, rows in send]) if send else np.zeros(0, np.int64)
+    first_dst = np.array([fanout[k][0] for _, rows in recv for k in rows.tolist()], np.int64)
+    return _Schedule(
+        local=local,
+        send=send,
+        recv=recv,
+        fanout=fanout,
+        sent=int(sum(numel[rows].sum() for _, rows in send)),
+        at_src=_indices(p, send_rows, "src"),
+        at_dst=_indices(p, mine, "dst"),
+        send_split=_split(send, numel, position, len(order)),
+        recv_split=_split(recv, numel, position, len(order)),
+        send_span=_span(p, send_rows, "src"),
+        recv_span=_span(p, first_dst, "dst"),
+    )
+
+
+def _side(p: Plan, side: str) -> tuple[Layout, np.ndarray]:
+    return (p.src, p.src_shard) if side == "src" else (p.dst, p.dst_shard)
+
+
+def _indices(p: Plan, rows: np.ndarray, side: str) -> dict[int, _Index]:
+    """Each row's box as (shard, slices into that shard's tensor)."""
+    layout, shard = _side(p, side)
+    start = p.lo[rows] - layout._lo[shard[rows]]
+    stop = start + p.size[rows]
+    return {
+        k: (j, tuple(slice(a, b) for a, b in zip(lo, hi)))
+        for k, j, lo, hi in zip(rows.tolist(), shard[rows].tolist(), start.tolist(), stop.tolist())
+    }
+
+
+def _split(by_peer: tuple[tuple[int, np.ndarray], ...], numel: np.ndarray, position: np.ndarray,
+           n: int) -> tuple[int, ...]:  # fmt: skip
+    """Elements exchanged with each rank, in group order."""
+    out = [0] * n
+    for peer, rows in by_peer:
+        out[int(position[peer])] = int(numel[rows].sum())
+    return tuple(out)
+
+
+def _span(p: Plan, rows: np.ndarray, side: str) -> _Span | None:
+    """(shard, first element, end) when the boxes of ``rows``, in order, are non-empty ranges
+    that follow each other in one shard stored contiguously (C order), else ``None``."""
+    layout, shard = _side(p, side)
+    if not rows.size or np.unique(shard[rows]).size != 1:
+        return None
+    j = int(shard[rows[0]])
+    sizes, size, lo = layout._sz[j], p.size[rows], p.lo[rows] - layout._lo[j]
+    if not (size > 0).all():
+        return None
+    if not sizes.size:  # a 0-d array: one box, its single element
+        return (j, 0, 1) if rows.size == 1 else None
+    # A range in C order: every extent before some dim is 1, every extent after it is whole.
+    big = size > 1
+    lead = np.argmax(big, axis=1)
+    after = np.arange(size.shape[1])[None, :] > lead[:, None]
+    if not (((size == sizes[None, :]) | ~after).all(axis=1) | ~big.any(axis=1)).all():
+        return None
+    strides = np.ones(len(sizes), np.int64)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+    starts, counts = lo @ strides, rows_prod(size)
+    if (starts[1:] != starts[:-1] + counts[:-1]).any():
+        return None
+    return j, int(starts[0]), int(starts[-1] + counts[-1])
 
 
 def _split_by(rows: np.ndarray, key: np.ndarray) -> list[np.ndarray]:
@@ -363,11 +446,9 @@ def _has_alltoall(backend_name: str) -> bool:
 # -- transports -------------------------------------------------------------------------
 
 
-def _region(p: Plan, k: int, side: str, tensors: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The view of row ``k``'s box inside its source (``side="src"``) or destination shard."""
-    layout, shard = (p.src, p.src_shard) if side == "src" else (p.dst, p.dst_shard)
-    j = int(shard[k])
-    return tensors[j][box_slices(p.lo[k].tolist(), p.size[k].tolist(), layout._lo[j].tolist())]
+def _view(tensors: dict[int, torch.Tensor], at: _Index) -> torch.Tensor:
+    """The box ``at`` = (shard, slices) as a view of that shard's tensor."""
+    return tensors[at[0]][at[1]]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -398,7 +479,7 @@ def _p2p(
     ops, staged = [], []
     for peer, rows in sched.recv:
         for tag, k in enumerate(rows.tolist()):
-            box = _region(p, k, "dst", out)
+            box = _view(out, sched.at_dst[k])
             if not (box.is_contiguous() and box.device == wire):
                 staged.append((k, box, buf := _empty(box.shape, dtype, wire)))
                 box = buf
@@ -407,7 +488,7 @@ def _p2p(
             ops.append(dist.P2POp(dist.irecv, _bytes(box), peer, group, tag))
     for peer, rows in sched.send:
         for tag, k in enumerate(rows.tolist()):
-            box = _region(p, k, "src", src)
+            box = _view(src, sched.at_src[k])
             if not (box.is_contiguous() and box.device == wire):
                 box = _empty(box.shape, dtype, wire).copy_(box)
             ops.append(dist.P2POp(dist.isend, _bytes(box), peer, group, tag))
@@ -416,33 +497,25 @@ def _p2p(
     for work in works:
         work.wait()
     for k, target, got in staged:
-        _fan_out(p, sched, k, got, out, skip_first=target is None)
+        _fan_out(sched, k, got, out, skip_first=target is None)
 
 
-def _fan_out(p: Plan, sched: _Schedule, k: int, got: torch.Tensor, out: dict, *, skip_first: bool) -> None:
+def _fan_out(sched: _Schedule, k: int, got: torch.Tensor, out: dict, *, skip_first: bool) -> None:
     """Copies a received box into every destination row that wants it (one per replica shard)."""
     for n, row in enumerate(sched.fanout[k].tolist()):
         if not (skip_first and n == 0):
-            _region(p, row, "dst", out).copy_(got)
+            _view(out, sched.at_dst[row]).copy_(got)
 
 
-def _in_place(p: Plan, rows: list[int], side: str, tensors: dict, wire: torch.device) -> torch.Tensor | None:
-    """One flat view over the boxes of ``rows`` when they lie back to back, in order, in one
-    contiguous tensor on the wire device (so they need no packing), else ``None``."""
-    shard = p.src_shard if side == "src" else p.dst_shard
-    if not rows or len({int(shard[k]) for k in rows}) != 1:
+def _in_place(span: _Span | None, tensors: dict, wire: torch.device) -> torch.Tensor | None:
+    """One flat view over boxes that lie back to back in one shard (``span``), when that
+    shard's tensor is contiguous and on the wire device (so they need no packing)."""
+    if span is None:
         return None
-    base = tensors[int(shard[rows[0]])]
+    base = tensors[span[0]]
     if base.device != wire or not base.is_contiguous():
         return None
-    boxes = [_region(p, k, side, tensors) for k in rows]
-    start = at = boxes[0].storage_offset()
-    for box in boxes:
-        if not box.is_contiguous() or box.storage_offset() != at:
-            return None
-        at += box.numel()
-    offset = start - base.storage_offset()
-    return base.reshape(-1)[offset : offset + at - start]
+    return base.reshape(-1)[span[1] : span[2]]
 
 
 def _alltoall(
@@ -460,41 +533,38 @@ def _alltoall(
     Boxes already back to back in one tensor are sent or received in place; ``local()``
     (this rank's own copies) runs while the collective is in flight.
     """
-    order = dist.get_process_group_ranks(group or dist.group.WORLD)
-    numel = p.numel
-    send_n = dict.fromkeys(order, 0) | {r: int(numel[rows].sum()) for r, rows in sched.send}
-    recv_n = dict.fromkeys(order, 0) | {r: int(numel[rows].sum()) for r, rows in sched.recv}
-    send_rows = [k for _, rows in sched.send for k in rows.tolist()]
-    recv_rows = [k for _, rows in sched.recv for k in rows.tolist()]
-    sendbuf = _in_place(p, send_rows, "src", src, wire)
+    sendbuf = _in_place(sched.send_span, src, wire)
     if sendbuf is None:
-        sendbuf = _empty((sum(send_n.values()),), dtype, wire)
+        sendbuf = _empty((sum(sched.send_split),), dtype, wire)
         at = 0
-        for k in send_rows:
-            box = _region(p, k, "src", src)
-            sendbuf[at : at + box.numel()].view(box.shape).copy_(box)
-            at += box.numel()
-    first = [int(sched.fanout[k][0]) for k in recv_rows]
-    recvbuf = _in_place(p, first, "dst", out, wire)
+        for _, rows in sched.send:
+            for k in rows.tolist():
+                box = _view(src, sched.at_src[k])
+                sendbuf[at : at + box.numel()].view(box.shape).copy_(box)
+                at += box.numel()
+    recvbuf = _in_place(sched.recv_span, out, wire)
     staged = recvbuf is None
     if staged:
-        recvbuf = _empty((sum(recv_n.values()),), dtype, wire)
+        recvbuf = _empty((sum(sched.recv_split),), dtype, wire)
     item = recvbuf.element_size()
     work = dist.all_to_all_single(
         _bytes(recvbuf),
         _bytes(sendbuf),
-        [recv_n[r] * item for r in order],
-        [send_n[r] * item for r in order],
+        [n * item for n in sched.recv_split],
+        [n * item for n in sched.send_split],
         group=group,
         async_op=True,
     )
+    assert work is not None  # async_op=True always returns a Work
     local()
     work.wait()
     at = 0
-    for k in recv_rows:
-        n = int(numel[k])
-        _fan_out(p, sched, k, recvbuf[at : at + n].view(tuple(p.size[k].tolist())), out, skip_first=not staged)
-        at += n
+    for _, rows in sched.recv:
+        for k in rows.tolist():
+            shape = tuple(s.stop - s.start for s in sched.at_dst[k][1])
+            n = math.prod(shape)
+            _fan_out(sched, k, recvbuf[at : at + n].view(shape), out, skip_first=not staged)
+            at += n
 
 
 def _gather_objects(obj: Any, group: Any, n: int, wire: torch.device) -> list[Any]:

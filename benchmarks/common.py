@@ -9,7 +9,19 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-__all__ = ["Case", "Row", "Settings", "Timed", "interleaved", "median"]
+__all__ = ["Case", "Progress", "Row", "Settings", "Timed", "interleaved", "median"]
+
+
+class Progress(Protocol):
+    """Where a case that runs several steps at once (a multi-process batch) reports them."""
+
+    def start(self, label: str) -> None:
+        """A step named ``label`` begins."""
+        ...
+
+    def done(self) -> None:
+        """The current step has finished."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +35,9 @@ class Settings:
         slow_budget_s: a function slower than 1 s per call gets fewer repetitions
             (at least 3), about this many seconds in all.
         skip_over_s: a peer estimated to take longer than this per call is not run.
+        world: processes of the multi-process cases.
+        sizes: tensor sizes in MiB of the data-movement cases (``None``: each module's default).
+        progress: where batched cases report their steps (not saved with the results).
     """
 
     quick: bool = False
@@ -30,6 +45,13 @@ class Settings:
     peers: bool = True
     slow_budget_s: float = 20.0
     skip_over_s: float = 30.0
+    world: int = 4
+    sizes: tuple[float, ...] | None = None
+    progress: Progress | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict of the settings (``progress`` left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "progress"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +60,9 @@ class Row:
 
     ``ratio`` compares with the case's reference implementation (``ratio_to`` names
     it); ``target`` states the goal and ``ok`` whether it was met (``None``: no goal).
+    Data-movement cases also give ``series`` (the case without its size, one plot
+    panel), ``size_mib``, the bytes sent against the minimum, the peak extra memory and
+    whether the result was checked correct (``None`` where a field does not apply).
     """
 
     group: str
@@ -51,6 +76,12 @@ class Row:
     ok: bool | None = None
     note: str = ""
     samples: tuple[float, ...] = ()
+    series: str = ""
+    size_mib: float | None = None
+    sent_bytes: int | None = None
+    min_bytes: int | None = None
+    peak_mib: float | None = None
+    verified: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field."""

@@ -54,15 +54,15 @@ class ReshardCase:
     """One layout pair at one size (float32, square)."""
 
     pair: str
-    mib: int
+    mib: float
     group: str = GROUP
 
     @property
     def name(self) -> str:
-        return f"reshard {self.pair}, {self.mib} MiB float32"
+        return f"reshard {self.pair}, {self.mib:g} MiB float32"
 
     def run(self, settings: Settings) -> list[Row]:
-        side = int((self.mib * 2**20 // 4) ** 0.5)
+        side = max(1, int((self.mib * 2**20 // 4) ** 0.5))
         src_spec, dst_spec = SPECS[self.pair]
         x = fshard.shard(torch.rand(side, side), src_spec)
         dst = dst_spec.layout((side, side))
@@ -76,19 +76,20 @@ class ReshardCase:
         samples = interleaved(fns, settings)
         floor = median(samples["copy_ floor"])
         note = f"{moved / 2**20:.0f} MiB copied in {len(pairs)} boxes"
+        series = {"series": f"reshard {self.pair}", "size_mib": float(self.mib)}
         rows = [Row(GROUP, self.name, "copy_ floor", floor, len(samples["copy_ floor"]), note=note,
-                    samples=tuple(samples["copy_ floor"]))]  # fmt: skip
+                    samples=tuple(samples["copy_ floor"]), **series)]  # fmt: skip
         for impl in ("fshard reshard", "fshard reshard, fresh memory"):
             seconds = median(samples[impl])
             headline = impl == "fshard reshard" and self.mib >= 256
             rows.append(Row(GROUP, self.name, impl, seconds, len(samples[impl]), seconds / floor, "x copy_",
                             "<= 1.3x copy_" if headline else "", seconds / floor <= 1.3 if headline else None,
-                            samples=tuple(samples[impl])))  # fmt: skip
+                            samples=tuple(samples[impl]), **series))  # fmt: skip
         empty_cache()
         return rows
 
 
 def cases(settings: Settings) -> list[Any]:
-    """16 MiB and 256 MiB (4 and 64 MiB with ``quick``) for each layout pair."""
-    sizes = [4, 64] if settings.quick else [16, 256]
+    """``settings.sizes`` MiB (default 16 and 256; 4 and 64 with ``quick``) for each layout pair."""
+    sizes = settings.sizes or ((4, 64) if settings.quick else (16, 256))
     return [ReshardCase(pair, mib) for mib in sizes for pair in SPECS]

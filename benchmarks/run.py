@@ -1,40 +1,65 @@
-"""``python -m fshard bench``: runs every case, prints a table, writes JSON to ``bench-results/``."""
+"""``python -m fshard bench``: runs every case, prints a table, writes JSON, a text table and a plot.
+
+Files go to ``--out`` (default ``bench-results/``): ``bench-<time>.json`` (every row
+with its samples, the machine and the settings), ``bench-<time>.txt`` (the tables),
+``bench-<time>.md`` (the tables in Markdown, for the docs) and ``bench-<time>.png``
+(time against size of each data-movement case). ``--plot PATH``
+writes the plot there too, e.g. ``--plot docs/performance.png``. ``--render FILE``
+prints and plots a saved JSON file again without running anything.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
 import importlib
 import importlib.util
 import json
-import os
-import platform
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report
 from benchmarks.common import Case, Row, Settings
 
-__all__ = ["CASE_MODULES", "collect", "machine", "main", "render"]
+__all__ = ["CASE_MODULES", "collect", "main", "parse", "run_cases"]
 
 # Each module has ``cases(settings) -> list[Case]``; add a module here to add its cases.
-CASE_MODULES = ("benchmarks.planner", "benchmarks.local")
+CASE_MODULES = ("benchmarks.planner", "benchmarks.local", "benchmarks.dist")
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line of ``python -m fshard bench``."""
-    parser = argparse.ArgumentParser(prog="python -m fshard bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smaller sizes: a fast check that everything runs")
-    parser.add_argument("--reps", type=int, default=15, help="repetitions per measurement (median reported)")
-    parser.add_argument("--no-peers", action="store_true", help="time fshard only, not torch's implementations")
-    parser.add_argument("--only", action="append", default=[], help="run cases whose group or name contains this")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for the JSON results")
+    description = "Runs every benchmark case; prints the tables; writes JSON, the tables as text and a plot."
+    parser = argparse.ArgumentParser(prog="python -m fshard bench", description=description)
+    add = parser.add_argument
+    add("--quick", action="store_true", help="smaller sizes (torch_dist: 1 MiB, 5 rounds): a check that all runs")
+    add("--reps", type=int, default=15, help="repetitions per measurement, median reported (15)")
+    add("--world", type=int, default=4, help="processes of the torch_dist cases (4)")
+    add("--sizes", type=float, nargs="+", default=None, metavar="MIB",
+        help="tensor sizes of the local and torch_dist cases (16 256; smaller with --quick)")  # fmt: skip
+    add("--no-peers", action="store_true", help="skip torch's implementations (time fshard and floors)")
+    add("--only", action="append", default=[], metavar="TEXT",
+        help="run the cases whose group, name or key contains TEXT (repeatable)")  # fmt: skip
+    add("--out", type=Path, default=Path("bench-results"), help="folder for the results")
+    add("--plot", type=Path, action="append", default=[], metavar="PNG",
+        help="also write the plot here, e.g. docs/performance.png (repeatable)")  # fmt: skip
+    add("--render", type=Path, default=None, metavar="JSON", help="print and plot a saved results file instead")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be at least 1, got {args.reps}")
+    if args.world < 2:
+        parser.error(f"--world must be at least 2, got {args.world}")
+    if args.sizes is not None and min(args.sizes) <= 0:
+        parser.error(f"--sizes must be positive MiB, got {args.sizes}")
     return args
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The ``Settings`` that the parsed command line asks for."""
+    sizes = tuple(float(s) for s in args.sizes) if args.sizes else None
+    return Settings(quick=args.quick, reps=args.reps, peers=not args.no_peers, world=args.world, sizes=sizes)
 
 
 def collect(settings: Settings, only: Sequence[str] = ()) -> list[Case]:
@@ -43,114 +68,96 @@ def collect(settings: Settings, only: Sequence[str] = ()) -> list[Case]:
     for name in CASE_MODULES:
         out += importlib.import_module(name).cases(settings)
     if only:
-        out = [c for c in out if any(s in c.group or s in c.name for s in only)]
+        out = [c for c in out if any(s in f"{c.group} {c.name} {getattr(c, 'key', '')}" for s in only)]
     return out
 
 
-def machine() -> dict[str, Any]:
-    """Where the numbers come from."""
-    import numpy
-    import torch
+class _Bar:
+    """One tqdm bar over all cases; a batch that runs several cases at once moves it per case."""
 
-    model = platform.processor() or platform.machine()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "machine": platform.machine(),
-        "system": platform.system(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="case", file=sys.stderr, dynamic_ncols=True)
+
+    def start(self, label: str) -> None:
+        self.bar.set_description(label[:60])
+
+    def done(self) -> None:
+        self.bar.update(1)
+
+    def reach(self, n: int) -> None:
+        """At least ``n`` cases are done."""
+        if self.bar.n < n:
+            self.bar.update(n - self.bar.n)
 
 
 def run_cases(cases: Sequence[Case], settings: Settings) -> list[Row]:
-    """Runs the cases with a progress bar; one failing case is reported, not fatal."""
-    from tqdm import tqdm
+    """Runs the cases under one progress bar; one failing case is reported, not fatal."""
+    import dataclasses
 
+    bar = _Bar(len(cases))
+    settings = dataclasses.replace(settings, progress=bar)
     rows: list[Row] = []
-    bar = tqdm(cases, unit="case", file=sys.stderr, dynamic_ncols=True)
-    for case in bar:
-        bar.set_description(case.name[:60])
-        try:
-            rows += case.run(settings)
-        except Exception as exc:  # a broken case must not hide the others
-            rows.append(Row(case.group, case.name, "error", None, note=f"{type(exc).__name__}: {exc}"))
+    try:
+        for k, case in enumerate(cases):
+            if bar.bar.n <= k:
+                bar.start(case.name)
+            try:
+                rows += case.run(settings)
+            except Exception as exc:  # a broken case must not hide the others
+                rows.append(Row(case.group, case.name, "error", None, note=f"{type(exc).__name__}: {exc}"))
+            bar.reach(k + 1)
+    finally:
+        bar.bar.close()
     return rows
 
 
-def _time(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} µs"
-
-
-def render(rows: Sequence[Row], info: dict[str, Any]) -> None:
-    """Prints one rich table per group."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(160, Console().width))
-    console.print(f"[bold]fshard bench[/] on {info['cpu']} ({info['cores']} cores), torch {info['torch']}")
-    for group in dict.fromkeys(r.group for r in rows):
-        table = Table(title=group, title_justify="left", show_lines=False)
-        for col, kw in (("case", {"max_width": 38}), ("implementation", {"no_wrap": True}),
-                        ("median", {"justify": "right", "no_wrap": True}), ("reps", {"justify": "right"}),
-                        ("ratio", {"justify": "right", "no_wrap": True}), ("target", {"no_wrap": True}),
-                        ("note", {"overflow": "fold"})):  # fmt: skip
-            table.add_column(col, **kw)
-        last: Row | None = None
-        for r in (r for r in rows if r.group == group):
-            same = last is not None and r.case == last.case
-            if last is not None and not same:
-                table.add_section()
-            ratio = f"{r.ratio:.2f} {r.ratio_to}" if r.ratio is not None else ""
-            target = f"{r.target} {'✓' if r.ok else '✗'}" if r.ok is not None else r.target
-            note = "" if same and last is not None and r.note == last.note else r.note
-            table.add_row("" if same else r.case, r.impl, _time(r.seconds), str(r.reps or ""), ratio, target, note)
-            last = r
-        console.print(table)
-
-
-def save(rows: Sequence[Row], info: dict[str, Any], settings: Settings, folder: Path) -> Path:
-    """Writes the rows and the machine description as JSON; returns the file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = folder / f"bench-{stamp}.json"
-    data = {"machine": info, "settings": dataclasses.asdict(settings), "rows": [r.to_dict() for r in rows]}
-    path.write_text(json.dumps(data, indent=1))
-    return path
+def _missing() -> list[str]:
+    return [m for m in ("rich", "tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmarks; returns 0, or 1 if a case failed with an error."""
+    """Runs the benchmarks; returns 0, 1 if a case failed or a result was wrong, 2 if nothing ran."""
     args = parse(argv)
-    missing = [m for m in ("rich", "tqdm") if importlib.util.find_spec(m) is None]
+    missing = _missing()
     if missing:
         print(f"The benchmarks need {', '.join(missing)}: pip install -e '.[bench]'", file=sys.stderr)
         return 2
-    settings = Settings(quick=args.quick, reps=args.reps, peers=not args.no_peers)
+    if args.render is not None:
+        return _render_saved(args.render, args.plot)
+    settings = settings_of(args)
     cases = collect(settings, args.only)
     if not cases:
         print(f"No benchmark case matches {args.only}.", file=sys.stderr)
         return 2
-    info = machine()
+    info = report.machine()
+    start = time.perf_counter()
     rows = run_cases(cases, settings)
-    render(rows, info)
-    path = save(rows, info, settings, args.out)
-    print(f"results: {path}")
-    return 1 if any(r.impl == "error" for r in rows) else 0
+    wall = time.perf_counter() - start
+    info["load_after"] = report.load()
+    report.render(rows, info)
+    base = args.out / f"bench-{report.stamp()}"
+    path = report.save(rows, info, settings, base.with_suffix(".json"), wall)
+    base.with_suffix(".txt").write_text(report.table_text(rows, info))
+    base.with_suffix(".md").write_text(report.markdown(rows))
+    plots = report.plot(rows, [base.with_suffix(".png"), *args.plot], _title(info))
+    print(f"wall time {wall:.0f} s; results: {path} (tables .txt and .md" + (", plot .png)" if plots else ")"))
+    return 1 if any(r.impl == "error" or r.verified is False for r in rows) else 0
+
+
+def _title(info: dict[str, Any]) -> str:
+    return f"fshard bench on {info['cpu']} ({info['cores']} cores), torch {info['torch']}"
+
+
+def _render_saved(path: Path, plots: Sequence[Path]) -> int:
+    info = json.loads(path.read_text())["machine"]
+    rows = report.load_rows(path)
+    report.render(rows, info)
+    print(report.markdown(rows))
+    for written in report.plot(rows, plots, _title(info)):
+        print(f"plot: {written}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,500 @@
+"""Inside the ranks: the inputs, floors, peers and fshard calls of each distributed scenario.
+
+``build(key, mib, env)`` is collective (every rank calls it) and returns what this rank
+times: one ``Impl`` per implementation, with how to check its result. See
+``benchmarks/dist.py`` for what each implementation is and how it is measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["ITEMSIZE", "Built", "Env", "Impl", "build"]
+
+ITEMSIZE = 4  # float32
+
+
+def _side(mib: float) -> int:
+    """The side of a square float32 matrix of ``mib`` MiB."""
+    return max(1, math.isqrt(int(mib * 2**20) // ITEMSIZE))
+
+
+def _grid(world: int) -> tuple[int, int]:
+    """The most square 2-D mesh of ``world`` ranks."""
+    a = max(d for d in range(1, math.isqrt(world) + 1) if world % d == 0)
+    return a, world // a
+
+
+def _box(t: Any, meta: Any) -> Any:
+    """The view of global tensor ``t`` that a shard's box covers."""
+    return t[tuple(slice(o, o + n) for o, n in zip(meta.offsets, meta.sizes))]
+
+
+def _explicit(shape: tuple[int, int], ranks: list[int]) -> list[Any]:
+    """Arbitrary boxes: two row bands split into columns of growing width (1 : 2 : 3 ...)."""
+    from fshard._demo import _uneven
+
+    return _uneven(shape, ranks)
+
+
+def _even(layout: Any) -> bool:
+    """One shard per rank, all the same size (what ``dist.gather``/``scatter`` can move)."""
+    return len({s.sizes for s in layout.shards}) == 1 and len(layout.ranks) == len(layout.shards)
+
+
+def _ready(result: Any) -> Any:
+    """Waits for DTensor's asynchronous collectives, so that the timed call includes them."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    out = result._local_tensor if isinstance(result, DTensor) else result
+    return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
+
+
+@dataclasses.dataclass
+class Impl:
+    """One implementation: ``fn(state)`` is timed.
+
+    ``setup()`` makes a fresh ``state`` before every call, untimed (ShardedTensor's
+    ``reshard`` changes its input). ``buffers()`` allocates what the call writes into
+    once, before timing (the floor's buffers, ``gather(out=...)``). ``check(result)``
+    compares the first result with the plain tensor.
+    """
+
+    fn: Callable[[Any], Any]
+    setup: Callable[[], Any] | None = None
+    buffers: Callable[[], Any] | None = None
+    check: Callable[[Any], bool] | None = None
+
+
+@dataclasses.dataclass
+class Built:
+    """A scenario ready to run on this rank."""
+
+    members: tuple[int, ...]
+    group: Any
+    impls: dict[str, Impl] = dataclasses.field(default_factory=dict)
+    unsupported: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
+    min_elements: int = 0
+    floor_elements: int = 0
+    floor_op: str = ""
+    p2p_op: str = "isend/irecv straight into the output"
+    fshard_once: Callable[[], int] = lambda: 0  # one fshard call; returns the elements this rank sent
+
+
+class Env:
+    """What every scenario of one run shares on one rank (created collectively, once)."""
+
+    def __init__(self, world: int, peers: bool) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.world, self.peers, self.rank = world, peers, dist.get_rank()
+        self.ranks = list(range(world))
+        self.group3 = dist.new_group([0, 1, 2]) if world >= 3 else None
+        self.mesh1 = self.mesh2 = None
+        if peers:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.mesh1 = DeviceMesh("cpu", list(range(world)))
+            self.mesh2 = DeviceMesh("cpu", torch.arange(world).view(*_grid(world)))
+
+
+def _equal_to(expected: Any) -> Callable[[Any], bool]:
+    import torch
+
+    return lambda got: bool(torch.equal(_ready(got), expected))
+
+
+def _shards_of(full: Any) -> Callable[[Any], bool]:
+    """Checks a ShardedArray's local shards against the global tensor."""
+    import torch
+
+    return lambda arr: all(torch.equal(s.data, _box(full, s.meta)) for s in arr.addressable_shards)
+
+
+def _counted(fn: Callable[[], Any], backend: Any) -> Callable[[], int]:
+    def once() -> int:
+        before = backend.counters.elements_sent
+        fn()
+        return backend.counters.elements_sent - before
+
+    return once
+
+
+def _splits(p: Any, rank: int, ranks: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Elements this rank sends to and receives from each rank of ``ranks`` under plan ``p``."""
+    traffic = p.traffic()
+    n = traffic.shape[0]
+    send = [int(traffic[rank, r]) if max(rank, r) < n else 0 for r in ranks]
+    recv = [int(traffic[r, rank]) if max(rank, r) < n else 0 for r in ranks]
+    return send, recv
+
+
+def _alltoall_floor(p: Any, rank: int, ranks: Sequence[int], full: Any) -> Impl:
+    """``all_to_all_single`` with the plan's split sizes, on buffers filled before timing."""
+    import torch
+    import torch.distributed as dist
+
+    send, recv = _splits(p, rank, ranks)
+
+    def buffers() -> tuple[Any, Any]:
+        return full.reshape(-1)[: sum(send)].clone(), torch.empty(sum(recv), dtype=full.dtype)
+
+    def fn(state: tuple[Any, Any]) -> Any:
+        dist.all_to_all_single(state[1], state[0], recv, send)
+        return state[1]
+
+    return Impl(fn, buffers=buffers)
+
+
+def _p2p_exchange_floor(p: Any, rank: int, ranks: Sequence[int], full: Any) -> Impl:
+    """The same split sizes as ``_alltoall_floor``, one ``isend``/``irecv`` per peer."""
+    import torch
+    import torch.distributed as dist
+
+    send, recv = _splits(p, rank, ranks)
+    send_at, recv_at = [0, *itertools.accumulate(send)], [0, *itertools.accumulate(recv)]
+
+    def buffers() -> tuple[Any, Any]:
+        return full.reshape(-1)[: sum(send)].clone(), torch.empty(sum(recv), dtype=full.dtype)
+
+    def fn(state: tuple[Any, Any]) -> Any:
+        sendbuf, recvbuf = state
+        ops = [dist.P2POp(dist.irecv, recvbuf[recv_at[k] : recv_at[k + 1]], r)
+               for k, r in enumerate(ranks) if recv[k]]  # fmt: skip
+        ops += [dist.P2POp(dist.isend, sendbuf[send_at[k] : send_at[k + 1]], r)
+                for k, r in enumerate(ranks) if send[k]]  # fmt: skip
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        return recvbuf
+
+    return Impl(fn, buffers=buffers)
+
+
+def _p2p_gather_floor(array: Any, receivers: Sequence[int], rank: int, full: Any, group: Any) -> Impl:
+    """Every piece sent once to each receiver straight into its output (``batch_isend_irecv``);
+    a receiver copies its own pieces in while the messages fly."""
+    import torch
+    import torch.distributed as dist
+
+    shards = array.layout.shards
+    mine = {s.meta: s.data for s in array.addressable_shards}
+
+    def buffers() -> Any:
+        return torch.empty(full.shape, dtype=full.dtype) if rank in receivers else None
+
+    def fn(out: Any) -> Any:
+        ops = []
+        for m in shards:
+            for dst in receivers:
+                if m.placement.rank == rank != dst:
+                    ops.append(dist.P2POp(dist.isend, mine[m], dst, group))
+                elif dst == rank != m.placement.rank:
+                    ops.append(dist.P2POp(dist.irecv, _box(out, m), m.placement.rank, group))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if rank in receivers:
+            for m, t in mine.items():
+                _box(out, m).copy_(t)
+        for w in works:
+            w.wait()
+        return out
+
+    return Impl(fn, buffers=buffers, check=_equal_to(full) if rank in receivers else None)
+
+
+def _p2p_scatter_floor(layout: Any, rank: int, full: Any) -> Impl:
+    """Rank 0 sends each other rank its pieces straight from ``full`` and copies its own."""
+    import torch
+    import torch.distributed as dist
+
+    mine = [s for s in layout.shards if s.placement.rank == rank]
+
+    def buffers() -> Any:
+        return [torch.empty(s.sizes, dtype=full.dtype) for s in mine]
+
+    def fn(out: Any) -> Any:
+        ops = []
+        if rank == 0:
+            ops = [dist.P2POp(dist.isend, _box(full, s).contiguous(), s.placement.rank)
+                   for s in layout.shards if s.placement.rank != 0]  # fmt: skip
+        else:
+            ops = [dist.P2POp(dist.irecv, t, 0) for t in out]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if rank == 0:
+            for s, t in zip(mine, out):
+                t.copy_(_box(full, s))
+        for w in works:
+            w.wait()
+        return out
+
+    check = lambda out: all(_equal_to(_box(full, s))(t) for s, t in zip(mine, out))  # noqa: E731
+    return Impl(fn, buffers=buffers, check=check)
+
+
+def _copies(p: Any, array: Any, rank: int) -> Impl:
+    """The memory copies of this rank's part of plan ``p`` that no message does: its local
+    boxes, and the boxes it sends or receives that are not contiguous in their shard
+    (Gloo moves contiguous buffers only, so those are packed or unpacked). No
+    communication: next to the floor, it shows what a reshard costs beyond the wire."""
+    import torch
+
+    src = dict(zip(array.layout.indices_on(rank), (s.data for s in array.addressable_shards)))
+    dst = {j: torch.empty(p.dst.shards[j].sizes, dtype=array.dtype) for j in p.dst.indices_on(rank)}
+    pairs = []
+    for k in range(len(p)):
+        sr, dr, i, j = int(p.src_rank[k]), int(p.dst_rank[k]), int(p.src_shard[k]), int(p.dst_shard[k])
+        lo, size = p.lo[k].tolist(), p.size[k].tolist()
+        read = src[i][_slices(lo, size, p.src.shards[i].offsets)] if sr == rank else None
+        write = dst[j][_slices(lo, size, p.dst.shards[j].offsets)] if dr == rank else None
+        if read is not None and write is not None:
+            pairs.append((write, read))
+        elif read is not None and not read.is_contiguous():
+            pairs.append((torch.empty(size, dtype=array.dtype), read))
+        elif write is not None and not write.is_contiguous():
+            pairs.append((write, torch.empty(size, dtype=array.dtype)))
+
+    def fn(_: Any) -> int:
+        for a, b in pairs:
+            a.copy_(b)
+        return len(pairs)
+
+    return Impl(fn)
+
+
+def _slices(lo: Sequence[int], size: Sequence[int], origin: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(a - o, a - o + n) for a, n, o in zip(lo, size, origin))
+
+
+def _st_spec(dim: int, ranks: Sequence[int]) -> Any:
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    return ChunkShardingSpec(dim=dim, placements=[f"rank:{r}/cpu" for r in ranks])
+
+
+def _sharded_tensor(array: Any, group: Any = None) -> Any:
+    """A ShardedTensor over the same local tensors as a chunked fshard array (collective)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    local = [
+        Shard(s.data, ShardMetadata(list(s.meta.offsets), list(s.meta.sizes), f"rank:{s.meta.placement.rank}/cpu"))
+        for s in array.addressable_shards
+    ]
+    return ShardedTensor._init_from_local_shards(local, *array.shape, process_group=group)
+
+
+def _fresh_copies(st: Any) -> Callable[[], Any]:
+    """New ShardedTensors like ``st`` on the same local tensors, without communication."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    shards, meta, spec, group = list(st.local_shards()), st.metadata(), st._sharding_spec, st._process_group
+
+    def fresh() -> Any:
+        out = ShardedTensor._init_from_local_shards_and_global_metadata(
+            list(shards), copy.deepcopy(meta), process_group=group
+        )
+        out._sharding_spec = copy.deepcopy(spec)
+        return out
+
+    return fresh
+
+
+# -- inside the ranks: the scenarios --------------------------------------------------------
+
+
+def build(key: str, mib: float, env: Env) -> Built:
+    """Prepares scenario ``key`` at ``mib`` MiB on this rank (collective: every rank calls it)."""
+    side = _side(mib)
+    full = _full(side)
+    if key.startswith("gather"):
+        return _build_gather(key, full, env)
+    if key == "shard-src0":
+        return _build_shard(full, env)
+    return _build_reshard(key, full, env)
+
+
+def _full(side: int) -> Any:
+    import torch
+
+    return torch.arange(side * side, dtype=torch.float32).view(side, side)
+
+
+def _build_gather(key: str, full: Any, env: Env) -> Built:
+    import torch
+    import torch.distributed as dist
+
+    import fshard
+    from fshard.backends.torch_dist import TorchDistBackend
+
+    rank, shape = env.rank, tuple(full.shape)
+    if key == "gather-uneven":
+        members, group, spec = (0, 1, 2), env.group3, fshard.Chunk(0, [0, 0, 1, 1, 2])
+    else:
+        members, group, spec = tuple(env.ranks), None, fshard.Chunk(0, env.ranks)
+    out = Built(members, group)
+    if rank not in members:
+        return out
+    backend = TorchDistBackend(group)
+    x = fshard.shard(full, spec, backend=backend)
+    dst = None if key == "gather-all" else 0
+    receivers = members if dst is None else (dst,)
+    target = fshard.Replicated(list(members)) if dst is None else fshard.Single(dst)
+    p = fshard.plan(x.layout, target.layout(shape))
+    out.min_elements, out.floor_elements = p.min_elements_sent, int(p.traffic().sum())
+    local = x.addressable_shards[0].data
+    check = _equal_to(full) if rank in receivers else None
+
+    def whole() -> Any:
+        return torch.empty(shape, dtype=full.dtype) if rank in receivers else None
+
+    p2p = _p2p_gather_floor(x, receivers, rank, full, group)
+    if not _even(x.layout):
+        out.impls["floor"], out.floor_op = p2p, "batch_isend_irecv (uneven pieces)"
+    elif dst is None:
+        gather_all = lambda o: (dist.all_gather_into_tensor(o, local, group=group), o)[1]  # noqa: E731
+        out.impls["floor"] = Impl(gather_all, buffers=whole, check=check)
+        out.impls["floor p2p"], out.floor_op = p2p, "all_gather_into_tensor"
+    else:
+        gather_one = lambda o: (dist.gather(local, list(o.chunk(len(members))) if o is not None else None,  # noqa: E731
+                                            dst=dst, group=group), o)[1]  # fmt: skip
+        out.impls["floor"] = Impl(gather_one, buffers=whole, check=check)
+        out.impls["floor p2p"], out.floor_op = p2p, "gather"
+    out.impls["fshard"] = Impl(lambda _: fshard.gather(x, dst=dst), check=check)
+    out.fshard_once = _counted(lambda: fshard.gather(x, dst=dst), backend)
+    if not env.peers:
+        return out
+    if dst is None:
+        out.unsupported["ShardedTensor"] = "gathers to one rank only"
+        from torch.distributed.tensor import DTensor, Shard
+
+        d = DTensor.from_local(local, env.mesh1, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+        out.impls["DTensor"] = Impl(lambda _: _ready(d.full_tensor()), check=check)
+        return out
+    st = _sharded_tensor(x, group)
+    out.impls["ShardedTensor"] = Impl(lambda o: (st.gather(dst, o), o)[1], buffers=whole, check=check)
+    out.unsupported["DTensor"] = (
+        "a rank holding two chunks is no DTensor placement"
+        if key == "gather-uneven"
+        else "no gather to one rank (full_tensor gathers to all)"
+    )
+    return out
+
+
+def _build_shard(full: Any, env: Env) -> Built:
+    import torch
+    import torch.distributed as dist
+
+    import fshard
+    from fshard.backends.torch_dist import TorchDistBackend
+
+    rank, ranks, shape = env.rank, env.ranks, tuple(full.shape)
+    layout = fshard.Chunk(0, ranks).layout(shape)
+    p = fshard.plan(fshard.Single(0).layout(shape), layout)
+    out = Built(tuple(ranks), None, min_elements=p.min_elements_sent, floor_elements=int(p.traffic().sum()))
+    (mine,) = layout.indices_on(rank)
+    expected = _box(full, layout.shards[mine])
+    p2p = _p2p_scatter_floor(layout, rank, full)
+    if _even(layout):
+        parts = list(full.chunk(len(ranks))) if rank == 0 else None
+
+        def piece() -> Any:
+            return torch.empty(layout.shards[mine].sizes, dtype=full.dtype)
+
+        scatter = lambda o: (dist.scatter(o, parts, src=0), o)[1]  # noqa: E731
+        out.impls["floor"] = Impl(scatter, buffers=piece, check=_equal_to(expected))
+        out.impls["floor p2p"], out.floor_op = p2p, "scatter"
+    else:
+        out.impls["floor"], out.floor_op = p2p, "batch_isend_irecv (uneven pieces)"
+    source = full if rank == 0 else None  # the other ranks need not hold the tensor
+
+    def once() -> Any:
+        return fshard.shard(source, fshard.Chunk(0, ranks), src=0)
+
+    out.impls["fshard"] = Impl(lambda _: once(), check=_shards_of(full))
+    out.fshard_once = _counted(once, TorchDistBackend())
+    if env.peers:
+        from torch.distributed._shard.api import _shard_tensor
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        spec, first_shard = _st_spec(0, ranks), lambda st: st.local_shards()[0].tensor
+        out.impls["ShardedTensor"] = Impl(lambda _: _shard_tensor(full, spec, src_rank=0),
+                                          check=lambda st: _equal_to(expected)(first_shard(st)))  # fmt: skip
+        out.impls["DTensor"] = Impl(lambda _: _ready(distribute_tensor(full, env.mesh1, [Shard(0)], src_data_rank=0)),
+                                    check=_equal_to(expected))  # fmt: skip
+        out.notes["ShardedTensor"] = out.notes["DTensor"] = "needs the whole tensor on every rank"
+    return out
+
+
+def _build_reshard(key: str, full: Any, env: Env) -> Built:
+    import torch
+    import torch.distributed as dist
+
+    import fshard
+
+    rank, ranks, shape = env.rank, env.ranks, tuple(full.shape)
+    mesh = fshard.Mesh(_grid(env.world))
+    src_spec, dst_spec = {
+        "dim0-dim1": (fshard.Chunk(0, ranks), fshard.Chunk(1, ranks)),
+        "grid-rows": (fshard.Named(mesh, ("x", "y")), fshard.Named(mesh, (("x", "y"), None))),
+        "repl-chunk": (fshard.Replicated(ranks), fshard.Chunk(0, ranks)),
+        "chunk-repl": (fshard.Chunk(0, ranks), fshard.Replicated(ranks)),
+        "explicit-chunk": (fshard.Explicit(_explicit(shape, ranks)), fshard.Chunk(0, ranks)),
+    }[key]
+    x = fshard.shard(full, src_spec)
+    dst = dst_spec.layout(shape)
+    p = fshard.plan(x.layout, dst)
+    out = Built(tuple(ranks), None, min_elements=p.min_elements_sent, floor_elements=int(p.traffic().sum()))
+    local = x.addressable_shards[0].data
+    expected = _box(full, dst.shards[dst.indices_on(rank)[0]])
+    if key == "repl-chunk":
+        out.impls["floor"] = Impl(lambda o: o.copy_(expected), buffers=lambda: torch.empty_like(expected))
+        out.floor_op = "copy_ of the local slice (no messages)"
+    elif key == "chunk-repl" and not _even(x.layout):
+        out.impls["floor"] = _p2p_gather_floor(x, tuple(ranks), rank, full, None)
+        out.floor_op = "batch_isend_irecv (uneven pieces)"
+    elif key == "chunk-repl":
+        gather_all = lambda o: (dist.all_gather_into_tensor(o, local), o)[1]  # noqa: E731
+        out.impls["floor"] = Impl(gather_all, buffers=lambda: torch.empty_like(full), check=_equal_to(full))
+        out.impls["floor p2p"] = _p2p_gather_floor(x, tuple(ranks), rank, full, None)
+        out.floor_op = "all_gather_into_tensor"
+    else:
+        out.impls["floor"] = _alltoall_floor(p, rank, ranks, full)
+        out.impls["floor p2p"] = _p2p_exchange_floor(p, rank, ranks, full)
+        out.floor_op, out.p2p_op = "all_to_all_single, the plan's splits", "isend/irecv, one per peer"
+    out.impls["fshard"] = Impl(lambda _: fshard.reshard(x, dst_spec), check=_shards_of(full))
+    out.impls["copies"] = _copies(p, x, rank)
+    out.fshard_once = _counted(lambda: fshard.reshard(x, dst_spec), x.backend)
+    if not env.peers:
+        return out
+    if key == "dim0-dim1" and not (_even(x.layout) and _even(dst)):
+        out.unsupported["ShardedTensor"] = "reshard needs equal chunks on Gloo (it scatters them)"
+    elif key == "dim0-dim1":
+        new_spec = _st_spec(1, ranks)
+        out.impls["ShardedTensor"] = Impl(lambda st: st.reshard(new_spec), setup=_fresh_copies(_sharded_tensor(x)),
+                                          check=lambda st: _equal_to(expected)(st.local_tensor()))  # fmt: skip
+    else:
+        out.unsupported["ShardedTensor"] = "reshard handles ChunkShardingSpec -> ChunkShardingSpec only"
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    dtensors = {
+        "dim0-dim1": (env.mesh1, [Shard(0)], [Shard(1)]),
+        "grid-rows": (env.mesh2, [Shard(0), Shard(1)], [Shard(0), Shard(0)]),
+        "repl-chunk": (env.mesh1, [Replicate()], [Shard(0)]),
+        "chunk-repl": (env.mesh1, [Shard(0)], [Replicate()]),
+    }
+    if key not in dtensors:
+        out.unsupported["DTensor"] = "arbitrary boxes are no DTensor placement"
+        return out
+    device_mesh, before, after = dtensors[key]
+    d = DTensor.from_local(local, device_mesh, before, run_check=False, shape=full.shape, stride=full.stride())
+    out.impls["DTensor"] = Impl(lambda _: _ready(d.redistribute(device_mesh, after)), check=_equal_to(expected))
+    if key in ("dim0-dim1", "grid-rows"):
+        out.notes["DTensor"] = "on CPU meshes DTensor all-gathers, then keeps its chunk"
+    return out

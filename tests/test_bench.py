@@ -1,0 +1,305 @@
+"""The plumbing of ``python -m fshard bench``: command line, case list, results, table, JSON, plot.
+
+No timing is asserted here. One tiny real run launches 2 Gloo processes and checks that
+the distributed cases verify their results and count the minimal bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # ``benchmarks`` is a folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import dist, report, run  # noqa: E402
+from benchmarks.common import Row, Settings  # noqa: E402
+
+ISSUE_CASES = {
+    "gather-one": "gather",
+    "gather-uneven": "gather",
+    "gather-all": "gather",
+    "dim0-dim1": "reshard",
+    "grid-rows": "reshard",
+    "repl-chunk": "reshard",
+    "chunk-repl": "reshard",
+    "explicit-chunk": "reshard",
+    "shard-src0": "shard",
+}
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    args = run.parse([])
+    settings = run.settings_of(args)
+    assert (args.reps, args.world, args.sizes, args.only, args.plot, args.quick) == (15, 4, None, [], [], False)
+    assert (settings.reps, settings.world, settings.sizes, settings.peers) == (15, 4, None, True)
+
+
+def test_flags() -> None:
+    argv = ["--quick", "--reps", "3", "--world", "3", "--sizes", "1", "2.5", "--no-peers",
+            "--only", "gather", "--only", "dim0", "--plot", "a.png", "--out", "o"]  # fmt: skip
+    args = run.parse(argv)
+    settings = run.settings_of(args)
+    assert settings == Settings(quick=True, reps=3, peers=False, world=3, sizes=(1.0, 2.5))
+    assert (args.only, args.plot, args.out) == (["gather", "dim0"], [Path("a.png")], Path("o"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--reps", "0"], "--reps must be at least 1, got 0"),
+        (["--world", "1"], "--world must be at least 2, got 1"),
+        (["--sizes", "16", "0"], "--sizes must be positive MiB, got [16.0, 0.0]"),
+        (["--reps", "x"], "invalid int value: 'x'"),
+    ],
+    ids=["reps", "world", "sizes", "not-a-number"],
+)
+def test_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run.parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_settings_json_leaves_progress_out() -> None:
+    settings = Settings(sizes=(1.0,), progress=_Recorder())
+    assert settings.to_dict() == {**Settings(sizes=(1.0,)).to_dict()}
+    assert "progress" not in json.dumps(settings.to_dict())
+
+
+# -- the case list --------------------------------------------------------------------------
+
+
+def test_every_issue_case_at_both_default_sizes() -> None:
+    assert {s.key: s.kind for s in dist.SCENARIOS} == ISSUE_CASES
+    cases = dist.cases(Settings())
+    assert {(c.key, c.mib) for c in cases} == {(k, mib) for k in ISSUE_CASES for mib in (16.0, 256.0)}
+    assert all(c.group.startswith("torch_dist: 4 Gloo processes") for c in cases)
+
+
+def test_targets() -> None:
+    assert {s.key: s.target for s in dist.SCENARIOS} == {
+        k: (1.25 if kind == "reshard" else 1.15) for k, kind in ISSUE_CASES.items()
+    }
+
+
+def test_sizes_world_and_quick() -> None:
+    assert {c.mib for c in dist.cases(Settings(quick=True))} == {1.0}
+    assert {c.mib for c in dist.cases(Settings(sizes=(2.0, 8.0)))} == {2.0, 8.0}
+    assert "gather-uneven" not in {c.key for c in dist.cases(Settings(world=2))}
+    assert dist.cases(Settings(quick=True, reps=15))[0].batch.reps == 5
+    assert dist.cases(Settings(reps=20))[0].batch.reps == 20
+
+
+def test_collect_has_every_module_and_filters() -> None:
+    assert run.CASE_MODULES[:3] == ("benchmarks.planner", "benchmarks.local", "benchmarks.dist")
+    everything = run.collect(Settings(quick=True))
+    assert {c.group.split(":")[0] for c in everything} >= {"planner", "local backend", "torch_dist"}
+    only = run.collect(Settings(quick=True), ["dim0-dim1"])  # a scenario key
+    assert [(c.group.split(":")[0], c.name) for c in only] == [("torch_dist", "reshard dim 0 -> dim 1, 1 MiB")]
+    assert run.collect(Settings(quick=True), ["no such case"]) == []
+
+
+def test_batch_runs_only_the_cases_still_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[tuple[str, float]]] = []
+
+    def fake_run(todo: Any, world: int, reps: int, peers: bool, progress: Any = None) -> list[dict[str, Any]]:
+        calls.append(list(todo))
+        return [_result(key, mib) for key, mib in todo]
+
+    monkeypatch.setattr(dist, "run", fake_run)
+    kept = [c for c in dist.cases(Settings(sizes=(1.0,))) if c.key in ("grid-rows", "shard-src0")]
+    rows = [r for c in kept for r in c.run(Settings())]
+    assert calls == [[("grid-rows", 1.0), ("shard-src0", 1.0)]]  # one launch, the dropped cases left out
+    assert {r.case for r in rows} == {"reshard 2-D grid -> rows, 1 MiB", "shard(src=0), dim-0 chunks, 1 MiB"}
+
+
+# -- combining the ranks' results -----------------------------------------------------------
+
+
+def _part(rank_times: dict[str, list[float]], sent: int, checks: dict[str, bool | None]) -> dict[str, Any]:
+    return {
+        "key": "dim0-dim1",
+        "mib": 1.0,
+        "members": (0, 1),
+        "samples": rank_times,
+        "checks": checks,
+        "sent": sent,
+        "memory": dict.fromkeys(rank_times, 2.0),
+        "min_elements": 10,
+        "floor_elements": 10,
+        "unsupported": {"ShardedTensor": "no"},
+        "notes": {},
+        "floor_op": "all_to_all_single",
+        "p2p_op": "isend/irecv",
+    }
+
+
+def test_combine_takes_the_slowest_rank_per_round_then_the_median() -> None:
+    a = _part({"floor": [1.0, 2.0, 3.0], "floor p2p": [2.0, 2.0, 2.0], "fshard": [1.0, 5.0, 2.0]}, 4,
+              {"floor": None, "floor p2p": None, "fshard": True})  # fmt: skip
+    b = _part({"floor": [2.0, 1.0, 1.0], "floor p2p": [2.0, 2.0, 2.0], "fshard": [3.0, 1.0, 1.0]}, 6,
+              {"floor": None, "floor p2p": None, "fshard": True})  # fmt: skip
+    res = dist.combine([a, None, b])  # None: a rank outside the case's group
+    assert res["impls"]["floor"]["samples_s"] == [2.0, 2.0, 3.0]
+    assert res["impls"]["fshard"]["samples_s"] == [3.0, 5.0, 2.0]
+    assert (res["floor_s"], res["impls"]["fshard"]["ratio"]) == (2.0, 1.5)  # floor: the faster of the two floors
+    assert (res["fshard_bytes"], res["min_bytes"], res["bytes_ok"]) == (40, 40, True)
+    assert res["ratio_ok"] is False  # 1.5 > 1.25
+    assert res["impls"]["fshard"]["verified"] is True
+    assert res["impls"]["floor"]["verified"] is None
+
+
+def test_combine_flags_wrong_results_and_extra_bytes() -> None:
+    times = {"floor": [1.0], "fshard": [1.0]}
+    res = dist.combine(
+        [_part(times, 5, {"floor": None, "fshard": True}), _part(times, 6, {"floor": None, "fshard": False})]
+    )
+    assert (res["bytes_ok"], res["impls"]["fshard"]["verified"], res["ratio_ok"]) == (False, False, True)
+    fshard_row = next(r for r in dist.result_rows(res, "g") if r.impl == "fshard")
+    assert (fshard_row.ok, fshard_row.verified, fshard_row.sent_bytes, fshard_row.min_bytes) == (False, False, 44, 40)
+
+
+def _result(key: str, mib: float, fshard_s: float = 2.0) -> dict[str, Any]:
+    times = {"floor": [1.0], "fshard": [fshard_s], "DTensor": [3.0]}
+    checks = {"floor": None, "fshard": True, "DTensor": True}
+    part = {**_part(times, 10, checks), "key": key, "mib": mib}
+    return dist.combine([part])
+
+
+def test_result_rows() -> None:
+    rows = dist.result_rows(_result("grid-rows", 16.0, fshard_s=1.2), "group")
+    assert [r.impl for r in rows] == ["floor", "fshard", "ShardedTensor", "DTensor"]
+    floor, fshard, st, dt = rows
+    assert {r.case for r in rows} == {"reshard 2-D grid -> rows, 16 MiB"}
+    assert {(r.series, r.size_mib) for r in rows} == {("reshard 2-D grid -> rows", 16.0)}
+    assert (fshard.ratio, fshard.target, fshard.ok, fshard.sent_bytes) == (1.2, "<= 1.25x floor", True, 40)
+    assert (st.seconds, st.note) == (None, "N/A: no")
+    assert (dt.ratio, dt.ok, dt.verified) == (3.0, True, True)
+    assert floor.note == "all_to_all_single"
+
+
+# -- table, JSON, plot ------------------------------------------------------------------------
+
+
+def _rows() -> list[Row]:
+    rows = dist.result_rows(_result("dim0-dim1", 16.0), "torch_dist: test")
+    rows += dist.result_rows(_result("dim0-dim1", 256.0, fshard_s=1.1), "torch_dist: test")
+    rows.append(Row("planner", "validate grid", "fshard Layout()", 0.05, 15, target="< 0.1 s", ok=True))
+    rows.append(Row("planner", "broken", "error", None, note="ValueError: boom"))
+    return rows
+
+
+INFO = {"cpu": "Test CPU", "cores": 2, "memory_gib": 4.0, "torch": "2.x", "python": "3.x", "load_before": "0.0"}
+
+
+def test_table_text() -> None:
+    pytest.importorskip("rich")
+    text = report.table_text(_rows(), INFO)
+    assert "fshard bench on Test CPU (2 cores, 4.0 GiB)" in text
+    assert "MiB sent / min" in text  # the torch_dist group has bytes...
+    assert "0.0 / 0.0 ✓" in text
+    assert "reshard dim 0 -> dim 1, 256 MiB" in text
+    assert "<= 1.25x floor ✗" in text  # 2.0x at 16 MiB
+    planner = text[text.index("planner") :]
+    assert "MiB sent" not in planner  # ...the planner group does not
+    assert "ValueError: boom" in planner
+
+
+def test_markdown() -> None:
+    rows = _rows()
+    big = rows[4]  # the 256 MiB case: floor, fshard, ShardedTensor, DTensor
+    copies = Row(big.group, big.case, "copies", 0.5, 1, 0.5, "x floor", series=big.series, size_mib=big.size_mib)
+    rows.insert(6, copies)
+    dist_table, planner_table = report.markdown(rows).split("**planner**")
+    lines = dist_table.splitlines()
+    assert lines[0] == "**torch_dist: test**"
+    head = "| case | MiB | floor ms | fshard ms | copies ms | ShardedTensor ms | DTensor ms | sent / min MiB |"
+    assert lines[2].startswith(head)  # copies right after fshard, as in the case that has it
+    assert lines[4].startswith("| reshard dim 0 -> dim 1 | 16 | 1000.00 (1.00x) | 2000.00 (2.00x) |  | N/A |")
+    assert lines[4].endswith("| 0.0 / 0.0 ✓ | 2 | <= 1.25x floor ✗ | ✓ |")
+    assert lines[5].startswith("| reshard dim 0 -> dim 1 | 256 | 1000.00 (1.00x) | 1100.00 (1.10x) | 500.00 (0.50x) |")
+    assert "| validate grid | fshard Layout() | 50.00 ms |  | < 0.1 s ✓ |  |" in planner_table
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    rows = _rows()
+    path = report.save(rows, INFO, Settings(sizes=(16.0,)), tmp_path / "sub" / "b.json", 12.5)
+    data = json.loads(path.read_text())
+    assert (data["wall_s"], data["settings"]["sizes"], data["machine"]["cpu"]) == (12.5, [16.0], "Test CPU")
+    assert report.load_rows(path) == rows
+
+
+def test_plot_series_and_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    series = report.plot_series(_rows())
+    assert list(series) == [("torch_dist: test", "reshard dim 0 -> dim 1")]
+    assert series[("torch_dist: test", "reshard dim 0 -> dim 1")]["fshard"] == [(16.0, 2.0), (256.0, 1.1)]
+    paths = [tmp_path / "a.png", tmp_path / "docs" / "b.png"]
+    assert report.plot(_rows(), paths, "title") == paths
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
+    assert report.plot([r for r in _rows() if r.group == "planner"], paths) == []  # no sizes: nothing to plot
+
+
+def test_render_saved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("rich")
+    path = report.save(_rows(), INFO, Settings(), tmp_path / "b.json", 1.0)
+    assert run.main(["--render", str(path), "--plot", str(tmp_path / "p.png")]) == 0
+    assert "reshard dim 0 -> dim 1, 16 MiB" in capsys.readouterr().out
+    assert (tmp_path / "p.png").exists()
+
+
+# -- running cases --------------------------------------------------------------------------
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def start(self, label: str) -> None:
+        self.events.append(f"start {label}")
+
+    def done(self) -> None:
+        self.events.append("done")
+
+
+class _Fake:
+    group = "fake"
+
+    def __init__(self, name: str, fail: bool = False) -> None:
+        self.name, self.fail = name, fail
+
+    def run(self, settings: Settings) -> list[Row]:
+        if self.fail:
+            raise ValueError("boom")
+        assert settings.progress is not None
+        return [Row(self.group, self.name, "fshard", 1.0, 1)]
+
+
+def test_run_cases_reports_a_failing_case_and_goes_on() -> None:
+    rows = run.run_cases([_Fake("a"), _Fake("b", fail=True), _Fake("c")], Settings())
+    assert [(r.case, r.impl, r.note) for r in rows] == [("a", "fshard", ""), ("b", "error", "ValueError: boom"),
+                                                         ("c", "fshard", "")]  # fmt: skip
+
+
+def test_tiny_real_run() -> None:
+    """Two Gloo processes, two cases at 16 KiB: results verified, bytes sent == minimum."""
+    progress = _Recorder()
+    todo = [("dim0-dim1", 1 / 64), ("gather-one", 1 / 64)]
+    results = dist.run(todo, world=2, reps=1, peers=False, progress=progress)
+    assert [(r["key"], r["mib"]) for r in results] == todo
+    for res in results:
+        assert res["bytes_ok"], (res["fshard_bytes"], res["min_bytes"])
+        assert res["min_bytes"] > 0
+        assert res["impls"]["fshard"]["verified"] is True
+        assert len(res["impls"]["fshard"]["samples_s"]) == 1
+    assert progress.events == ["start reshard dim 0 -> dim 1, 0.015625 MiB", "done",
+                               "start gather to rank 0, even chunks, 0.015625 MiB", "done"]  # fmt: skip
