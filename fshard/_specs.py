@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -270,4 +271,15 @@ def as_layout(spec: Any, shape: Sequence[int]) -> Layout:
     if not hasattr(spec, "layout"):
         msg = f"Expected a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got {spec!r}."
         raise SpecError(msg)
+    try:
+        return _resolved(spec, shape)
+    except TypeError as exc:  # an unhashable spec of the user's: resolve it each time
+        if "unhashable" not in str(exc):
+            raise
+        return spec.layout(shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolved(spec: Any, shape: tuple[int, ...]) -> Layout:
+    """``spec.layout(shape)``, remembered: specs are values, and a loop reshards to the same spec."""
     return spec.layout(shape)

@@ -387,3 +387,24 @@ def test_as_layout_of_something_else():
     msg = "Expected a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got 'rows'."
     with pytest.raises(SpecError, match=re.escape(msg)):
         as_layout("rows", (4,))
+
+
+class _RowsOf2:
+    """A user-defined spec: rows in blocks of 2 on ranks 0, 1, ...; unhashable (``__eq__`` without ``__hash__``)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _RowsOf2)
+
+    def layout(self, shape: tuple[int, ...]) -> Layout:
+        starts = range(0, shape[0], 2)
+        return Layout(shape, [((r, 0), (min(2, shape[0] - r), shape[1]), k) for k, r in enumerate(starts)])
+
+
+def test_any_object_with_a_layout_method_is_a_spec_even_unhashable():
+    assert _RowsOf2.__hash__ is None
+    assert _boxes(as_layout(_RowsOf2(), (5, 3))) == [((0, 0), (2, 3), 0), ((2, 0), (2, 3), 1), ((4, 0), (1, 3), 2)]
+
+
+def test_resolving_a_spec_twice_gives_the_same_layout_value():
+    spec = Named(Mesh((2, 2)), ("x", None))
+    assert as_layout(spec, (4, 4)) is as_layout(Named(Mesh((2, 2)), ("x", None)), (4, 4))
