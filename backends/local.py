@@ -24,10 +24,22 @@ POOL_LIMIT_BYTES = 1 << 30
 _POOL_MIN_BYTES = 1 << 20
 _ALIGN = 64
 # Plain element types, which a byte buffer can be viewed as (not quantized ones, say).
-_POOL_DTYPES = frozenset({
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-})
+_POOL_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
 
 
 @dataclasses.dataclass
@@ -237,7 +249,8 @@ class LocalBackend:
             out[box_slices(lo[i].tolist(), sz[i].tolist(), [0] * layout.ndim)].copy_(tensors[i])
         if dst is not None:
             self.counters.elements_sent += sum(
-                layout.shards[i].numel for i in np.flatnonzero(nonempty)[first].tolist()
+                layout.shards[i].numel
+                for i in np.flatnonzero(nonempty)[first].tolist()
                 if layout.shards[i].placement.rank != dst
             )
         return out
