@@ -81,7 +81,8 @@ class _Move(torch.autograd.Function):
         return move(src, dst, backend, _dense(src, backend, tangents[4:], like), like)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], src: Layout, dst: Layout, backend: Any, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        src, dst, backend, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
         out = move(_batched(src, n), _batched(dst, n), backend, lead, _stand_in(like.dtype, like.device))
@@ -111,7 +112,8 @@ class _Scatter(torch.autograd.Function):
         return scatter(full, layout, backend, src)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        layout, backend, src, full = args
         n = info.batch_size
         out = scatter(_lead(full, in_dims[3], n), _batched(layout, n), backend, src)
         return out, (0,) * len(out)
@@ -130,8 +132,9 @@ class _Assemble(torch.autograd.Function):
         ctx.args = (layout, backend, dst, like.dtype, like.device)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:
-        layout, backend, dst, dtype, device = ctx.args
+    def backward(ctx: Any, *grads: Any) -> Any:
+        layout, backend, dst = ctx.args[:3]
+        grad = grads[0]
         # Off rank dst the gradient is a stand-in that only gives the dtype.
         full = grad if _holds_result(backend, dst) else _stand_in(grad.dtype, grad.device)
         return (None, None, None, None, *scatter(full, layout, backend, dst))
@@ -143,14 +146,17 @@ class _Assemble(torch.autograd.Function):
         return _Assemble.apply(layout, backend, dst, like, *_dense(layout, backend, tangents[4:], like))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], layout: Layout, backend: Any, dst: int | None, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        layout, backend, dst, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
         out = _Assemble.apply(_batched(layout, n), backend, dst, _stand_in(like.dtype, like.device), *lead)
         return (out, 0) if _holds_result(backend, dst) else (out.new_empty((n, 0)), 0)
 
 
-def move(src: Layout, dst: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def move(
+    src: Layout, dst: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """The addressable shards of ``dst`` filled from those of ``src`` (differentiable)."""
     return tuple(_Move.apply(src, dst, backend, like, *tensors))
 
@@ -160,7 +166,9 @@ def scatter(full: torch.Tensor, layout: Layout, backend: Any, src: int | None) -
     return tuple(_Scatter.apply(layout, backend, src, full))
 
 
-def assemble(layout: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None) -> torch.Tensor | None:
+def assemble(
+    layout: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
+) -> torch.Tensor | None:
     """The global tensor from the addressable shards of ``layout`` (differentiable).
 
     ``None`` on a process other than rank ``dst`` (torch_dist).

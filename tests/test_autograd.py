@@ -1,11 +1,14 @@
-"""Gradients through shard, gather, reshard, map_local and the creation functions (local backend).
+"""Gradients through shard, gather, reshard, map_local and the creation functions, on both backends.
 
-Each op is checked two ways on random layouts (chunks, named meshes with replicas,
-random box partitions with empty shards): against finite differences with
-``torch.autograd.gradcheck`` in double precision, and against the same function on
-the unsharded tensor. Checked functions go from global tensors to global tensors
-(shard -> ops -> gather): a replicated value is one value, so its copies are never
-exposed to the check one by one (see docs/autograd.md).
+Each op is checked two ways on random layouts from ``fshard.testing.strategies``
+(chunks, named meshes with replicas, random box partitions with empty shards):
+against finite differences with ``torch.autograd.gradcheck`` in double precision,
+and against the same function on the unsharded tensor. Checked functions go from
+global tensors to global tensors (shard -> ops -> gather): a replicated value is one
+value, so its copies are never exposed to the check one by one (see docs/autograd.md).
+
+The last section runs a set of these checks on the pool of 4 Gloo processes, and
+counts what the backward passes send.
 """
 
 from __future__ import annotations
@@ -14,77 +17,31 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+import torch.distributed as dist
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import fshard
 from fshard._layout import Layout, ShardMeta
 from fshard.backends.local import LOCAL
+from fshard.backends.torch_dist import TorchDistBackend
+from fshard.testing import strategies as fst
 
 # -- strategies ----------------------------------------------------------------------------
 
 WORLD = 4
-shapes = st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple)
-ranks = st.integers(0, WORLD - 1)
-
-
-def _guillotine(draw: st.DrawFn, lo: list[int], hi: list[int], depth: int) -> list[tuple[list[int], list[int]]]:
-    """Boxes tiling ``[lo, hi)``: cut along a random dim, recurse on both halves."""
-    cuttable = [k for k in range(len(lo)) if hi[k] - lo[k] > 1]
-    if not cuttable or depth == 0 or not draw(st.booleans()):
-        return [(lo, hi)]
-    k = draw(st.sampled_from(cuttable))
-    at = draw(st.integers(lo[k] + 1, hi[k] - 1))
-    left_hi, right_lo = list(hi), list(lo)
-    left_hi[k], right_lo[k] = at, at
-    return _guillotine(draw, lo, left_hi, depth - 1) + _guillotine(draw, right_lo, hi, depth - 1)
-
-
-@st.composite
-def box_layouts(draw: st.DrawFn, shape: tuple[int, ...]) -> Layout:
-    """A random partition of ``shape``, each box on 1-3 ranks, plus an empty shard or two."""
-    shards = []
-    for lo, hi in _guillotine(draw, [0] * len(shape), list(shape), depth=3):
-        sizes = tuple(b - a for a, b in zip(lo, hi))
-        shards += [ShardMeta(tuple(lo), sizes, r) for r in draw(st.lists(ranks, min_size=1, max_size=3, unique=True))]
-    for _ in range(draw(st.integers(0, 2))):
-        empty = ShardMeta(tuple(draw(st.integers(0, n)) for n in shape), (0, *shape[1:]), draw(ranks))
-        if empty not in shards:
-            shards.append(empty)
-    order = draw(st.permutations(range(len(shards))))
-    return Layout(shape, tuple(shards[i] for i in order))
-
-
-@st.composite
-def named_layouts(draw: st.DrawFn, shape: tuple[int, ...]) -> Layout:
-    """A 2 x 2 mesh; each axis splits one dim or none (unused axes hold replicas)."""
-    parts: list[object] = [None] * len(shape)
-    for axis in ("x", "y"):
-        d = draw(st.integers(-1, len(shape) - 1))
-        if d >= 0:
-            parts[d] = axis if parts[d] is None else (parts[d], axis)
-    return fshard.Named(fshard.Mesh((2, 2)), tuple(parts)).layout(shape)
-
-
-def layouts(shape: tuple[int, ...]) -> st.SearchStrategy[Layout]:
-    """Layouts of ``shape`` over ranks 0-3: every spec kind, replicas and empty shards included."""
-    dims = st.integers(-len(shape), len(shape) - 1)
-    chunk = st.builds(fshard.Chunk, dims, st.lists(ranks, min_size=1, max_size=6))
-    whole = st.one_of(
-        st.builds(fshard.Replicated, st.lists(ranks, min_size=1, max_size=4, unique=True)),
-        st.builds(fshard.Single, ranks),
-    )
-    specs = st.one_of(chunk, whole).map(lambda s: s.layout(shape))
-    return st.one_of(specs, named_layouts(shape), box_layouts(shape))
+SHAPES = fst.shapes(min_dims=1, max_dims=3, max_side=5)
+ranks = RANKS = st.integers(0, WORLD - 1)
 
 
 @st.composite
 def cases(draw: st.DrawFn, n_layouts: int = 1) -> tuple[torch.Tensor, tuple[Layout, ...]]:
-    """A random double tensor and ``n_layouts`` random layouts of its shape."""
-    shape = draw(shapes)
+    """A random double tensor and ``n_layouts`` random layouts of its shape (every kind of spec,
+    replicas and empty shards included; ``fshard.testing.strategies``)."""
+    shape = draw(SHAPES)
     seed = draw(st.integers(0, 2**16))
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return x, tuple(draw(layouts(shape)) for _ in range(n_layouts))
+    return x, tuple(draw(fst.layouts(shape, WORLD)) for _ in range(n_layouts))
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -152,7 +109,9 @@ def test_reshard_chain(case) -> None:
 def test_shard_from_and_gather_to_one_rank(case, data) -> None:
     x, (a,) = case
     src, dst = data.draw(ranks), data.draw(ranks)
-    grads_agree(lambda t: fshard.gather(fshard.map_local(torch.tanh, fshard.shard(t, a, src=src)), dst=dst), torch.tanh, x)
+    grads_agree(
+        lambda t: fshard.gather(fshard.map_local(torch.tanh, fshard.shard(t, a, src=src)), dst=dst), torch.tanh, x
+    )
 
 
 @given(cases(2))
@@ -184,7 +143,7 @@ def test_map_local_resizing_an_unsplit_dim(case) -> None:
 def test_map_local_with_out_spec(case) -> None:
     x, (a, _) = case
     rows = fshard.Chunk(0, [1, 2, 0]).layout(x.shape)
-    out = fshard.Chunk(0, [1, 2, 0]).layout((x.shape[0], 2 * x[0].numel()))
+    out = fshard.Chunk(0, [1, 2, 0]).layout((x.shape[0], 2 * math.prod(x.shape[1:])))
 
     def f(t: torch.Tensor) -> torch.Tensor:
         y = fshard.reshard(fshard.shard(t, a), rows)
@@ -210,7 +169,9 @@ def test_gradients_of_gradients(case) -> None:
 def test_exhaustive_gradcheck_on_uneven_replicated_layouts() -> None:
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     a = fshard.Named(fshard.Mesh((2, 2)), ("x", None)).layout((5, 3))
-    b = fshard.Explicit([((0, 0), (4, 2), 3), ((0, 2), (4, 1), 1), ((4, 0), (1, 3), 0), ((4, 0), (1, 3), 2)]).layout((5, 3))
+    b = fshard.Explicit([((0, 0), (4, 2), 3), ((0, 2), (4, 1), 1), ((4, 0), (1, 3), 0), ((4, 0), (1, 3), 2)]).layout(
+        (5, 3)
+    )
 
     def f(t: torch.Tensor) -> torch.Tensor:
         return fshard.gather(fshard.map_local(torch.sinh, fshard.reshard(fshard.shard(t, a), b)))
@@ -255,7 +216,8 @@ def test_creation_leaves_receive_the_reference_gradient(name) -> None:
     """Every shard is a leaf; every copy of a replicated box gets the whole gradient of its box."""
     spec = fshard.Named(fshard.Mesh((2, 2)), (None, "y"))  # columns split, rows replicated
     x = CREATORS[name](spec, (3, 5), dtype=torch.float64, requires_grad=True)
-    assert x.requires_grad and all(t.is_leaf for t in x.addressable_data)
+    assert x.requires_grad
+    assert all(t.is_leaf for t in x.addressable_data)
     w = torch.arange(15.0, dtype=torch.float64).reshape(3, 5)
     full = fshard.gather(fshard.reshard(x, fshard.Chunk(0, [3, 1])))
     (full * w).sum().backward()
@@ -292,7 +254,8 @@ def test_requires_grad_carries_over() -> None:
     assert y.requires_grad
     assert fshard.reshard(y, b).requires_grad
     assert fshard.map_local(torch.sin, y).requires_grad
-    assert fshard.gather(y).requires_grad and fshard.gather(y, dst=1).requires_grad
+    assert fshard.gather(y).requires_grad
+    assert fshard.gather(y, dst=1).requires_grad
     with torch.no_grad():
         assert not fshard.reshard(y, b).requires_grad
         assert not fshard.gather(y).requires_grad
@@ -302,7 +265,8 @@ def test_detach_is_map_local() -> None:
     x = torch.randn(6, 4, requires_grad=True)
     y = fshard.shard(x, fshard.Chunk(1, [0, 1, 2]))
     z = fshard.map_local(torch.Tensor.detach, y)
-    assert not z.requires_grad and z.layout == y.layout
+    assert not z.requires_grad
+    assert z.layout == y.layout
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(y.addressable_data, z.addressable_data))
     fresh = leaf(y)
     assert all(t.is_leaf and t.requires_grad for t in fresh.addressable_data)
@@ -314,7 +278,8 @@ def test_detach_is_map_local() -> None:
 def test_integer_arrays_move_without_autograd() -> None:
     x = fshard.shard(torch.arange(12).reshape(3, 4), fshard.Chunk(0, [0, 1]))
     y = fshard.reshard(x, fshard.Chunk(1, [1, 0]))
-    assert not y.requires_grad and torch.equal(fshard.gather(y), torch.arange(12).reshape(3, 4))
+    assert not y.requires_grad
+    assert torch.equal(fshard.gather(y), torch.arange(12).reshape(3, 4))
 
 
 def test_backward_of_a_reshard_runs_the_reverse_plan() -> None:
@@ -336,3 +301,142 @@ def test_unused_outputs_get_zero_gradients() -> None:
     y = fshard.reshard(fshard.shard(x, fshard.Chunk(0, [0, 1])), fshard.Chunk(1, [0, 1]))
     y.addressable_data[0].sum().backward()  # only the first column block is used
     assert torch.equal(x.grad, torch.cat([torch.ones(4, 2), torch.zeros(4, 2)], 1))
+
+
+def test_backward_of_gather_to_one_rank_scatters_the_gradient() -> None:
+    x = torch.arange(12.0).reshape(4, 3).requires_grad_()
+    y = fshard.shard(x, fshard.Named(fshard.Mesh((2, 2)), (None, "y")))
+    full = fshard.gather(y, dst=3)
+    (full * full).sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
+# -- over the Gloo pool: 4 processes, one rank each ---------------------------------------------
+
+
+def inside(layout: Layout) -> bool:
+    """Whether every box, empty ones included, lies inside the shape."""
+    return all(o + n <= d for m in layout.shards for o, n, d in zip(m.offsets, m.sizes, layout.shape))
+
+
+# Shrinking restarts the pool after every failing attempt: report the first failure as drawn.
+POOL = settings(deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+POOL_PAIRS = SHAPES.flatmap(lambda s: st.tuples(fst.layouts(s, WORLD), fst.layouts(s, WORLD))).filter(
+    lambda pair: inside(pair[0]) and inside(pair[1])
+)
+
+
+def covering(layout: Layout) -> Layout:
+    """``layout`` plus an empty shard on every rank that holds none.
+
+    Under torch_dist a rank takes part in an array's backward through its shards, so the
+    arrays on a differentiated path keep a shard, possibly empty, on every rank (see
+    docs/autograd.md).
+    """
+    missing = [r for r in range(WORLD) if r not in layout.ranks]
+    empty = tuple(ShardMeta((0,) * layout.ndim, (0, *layout.shape[1:]), r) for r in missing)
+    return Layout(layout.shape, layout.shards + empty)
+
+
+def _gradcheck_over_processes(a: Layout, b: Layout, seed: int) -> bool:
+    torch.manual_seed(seed)  # every rank draws the same probes
+    x = torch.randn(a.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return fshard.gather(fshard.map_local(torch.sin, fshard.reshard(fshard.shard(t, a), b)))
+
+    x.requires_grad_()
+    assert torch.autograd.gradcheck(f, (x,), fast_mode=True, check_forward_ad=True)
+    out = f(x)
+    torch.testing.assert_close(out, torch.sin(x))
+    (g,) = torch.autograd.grad(out, x, torch.cos(x).detach())
+    torch.testing.assert_close(g, torch.cos(x).detach() ** 2)
+    return True
+
+
+@pytest.mark.multiprocess
+@settings(POOL, max_examples=10)
+@given(POOL_PAIRS, st.integers(0, 2**16))
+def test_gradcheck_over_gloo(dist_pool, pair: tuple[Layout, Layout], seed: int) -> None:
+    a, b = covering(pair[0]), covering(pair[1])
+    assert dist_pool.run(_gradcheck_over_processes, a, b, seed) == [True] * WORLD
+
+
+def _shard_from_one_rank(a: Layout, b: Layout, src: int, seed: int) -> float | None:
+    """The largest gradient error on rank ``src``; every rank runs ``backward()`` (see docs/autograd.md)."""
+    x = torch.randn(a.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    mine = x.clone().requires_grad_() if dist.get_rank() == src else None
+    y = fshard.reshard(fshard.shard(mine, a, src=src), b)
+    (fshard.gather(fshard.map_local(torch.sin, y)) * x).sum().backward()
+    if mine is None:
+        return None
+    return float((mine.grad - torch.cos(x) * x).abs().max()) if x.numel() else 0.0
+
+
+@pytest.mark.multiprocess
+@settings(POOL, max_examples=8)
+@given(POOL_PAIRS, RANKS, st.integers(0, 2**16))
+def test_shard_from_one_rank_over_gloo(dist_pool, pair: tuple[Layout, Layout], src: int, seed: int) -> None:
+    a, b = covering(pair[0]), covering(pair[1])
+    out = dist_pool.run(_shard_from_one_rank, a, b, src, seed)
+    assert out[src] < 1e-12
+    assert [v for r, v in enumerate(out) if r != src] == [None] * (WORLD - 1)
+
+
+def _sent(fn):
+    """``fn()`` and the elements this rank sent meanwhile."""
+    counters = TorchDistBackend().counters
+    before = counters.elements_sent
+    out = fn()
+    return out, counters.elements_sent - before
+
+
+def _reshard_traffic(a: Layout, b: Layout) -> tuple[int, int]:
+    x = torch.arange(float(math.prod(a.shape))).reshape(a.shape)
+    arr = leaf(fshard.shard(x, a))
+    y, forward = _sent(lambda: fshard.reshard(arr, b))
+    cot = [torch.ones_like(t) for t in y.addressable_data]
+    grads, backward = _sent(lambda: torch.autograd.grad(y.addressable_data, arr.addressable_data, cot))
+    assert all(torch.equal(g, torch.ones_like(g)) for g in grads)  # one copy read, never a sum of copies
+    return forward, backward
+
+
+TRAFFIC = {
+    "rows -> columns": (fshard.Chunk(0, [0, 1, 2, 3]), fshard.Chunk(1, [3, 2, 1, 0])),
+    "grid -> rows": (fshard.Named(fshard.Mesh((2, 2)), ("x", "y")), fshard.Chunk(0, [0, 1, 2, 3])),
+    "rows -> replicated": (fshard.Chunk(0, [0, 1, 2, 3]), fshard.Replicated([0, 1, 2, 3])),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", sorted(TRAFFIC))
+def test_backward_of_a_reshard_sends_the_reverse_plan_over_gloo(dist_pool, name: str) -> None:
+    a, b = (s.layout((8, 6)) for s in TRAFFIC[name])
+    sent = dist_pool.run(_reshard_traffic, a, b)
+    assert sum(f for f, _ in sent) == fshard.plan(a, b).elements_sent
+    assert sum(k for _, k in sent) == fshard.plan(b, a).elements_sent == fshard.plan(b, a).min_elements_sent
+
+
+def _gather_backward_per_rank(spec) -> tuple[list, int, int]:
+    rank = dist.get_rank()
+    arr = leaf(fshard.zeros(spec, 4, 2, dtype=torch.float64))
+    full, forward = _sent(lambda: fshard.gather(arr))
+    loss = (full * (rank + 1)).sum()  # a different cotangent on every rank
+    grads, backward = _sent(lambda: torch.autograd.grad(loss, arr.addressable_data))
+    return [g.tolist() for g in grads], forward, backward
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("spec", [fshard.Chunk(0, [0, 1, 2, 3]), fshard.Named(fshard.Mesh((2, 2)), ("x", None))])
+def test_backward_of_gather_slices_each_ranks_own_gradient(dist_pool, spec) -> None:
+    """The gathered tensor is one value: each rank's shards get slices of that rank's own
+    gradient of it (nothing is sent, nothing is summed over ranks)."""
+    out = dist_pool.run(_gather_backward_per_rank, spec)
+    layout = spec.layout((4, 2))
+    for rank, (grads, _, backward) in enumerate(out):
+        mine = [m for m in layout.shards if m.placement.rank == rank]
+        assert grads == [torch.full(m.sizes, rank + 1.0).tolist() for m in mine]
+        assert backward == 0
+    assert (
+        sum(f for _, f, _ in out) == fshard.plan(layout, fshard.Replicated([0, 1, 2, 3]).layout((4, 2))).elements_sent
+    )
