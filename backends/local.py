@@ -184,6 +184,13 @@ def _slice(start: int, size: int) -> slice:
     return slice(start, start + size)
 
 
+def held(layout: Any, rank: int | None = None) -> int:
+    """Elements held, summed over ranks (or on ``rank`` only): a box held twice by a rank counts once."""
+    keep = rows_all(layout._sz > 0) & (True if rank is None else layout._rank == rank)
+    first, _ = unique_rows(np.c_[layout._lo, layout._sz, layout._rank][keep])
+    return int(np.prod(layout._sz[keep][first], axis=1).sum())
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalBackend:
     """All ranks in one process: transfers are slice copies; nothing is sent anywhere.
@@ -222,7 +229,7 @@ class LocalBackend:
         return tuple(out[j] for j in range(len(out)))
 
     def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
-        """Copies each shard's box out of ``full``."""
+        """Copies each shard's box out of ``full`` (from rank ``src``: counts what other ranks receive)."""
         assert full is not None
         out = []
         for i, s in enumerate(layout.shards):
@@ -230,6 +237,8 @@ class LocalBackend:
             if t.numel():  # an empty shard may sit past the end, where the slice would clip
                 t.copy_(full[box_slices(s.offsets, s.sizes, (0,) * len(s.offsets))])
             out.append(t)
+        if src is not None:
+            self.counters.elements_sent += held(layout) - held(layout, src)
         return tuple(out)
 
     def assemble(
@@ -247,12 +256,11 @@ class LocalBackend:
         first, _ = unique_rows(np.c_[lo, sz][nonempty])
         for i in np.flatnonzero(nonempty)[first].tolist():
             out[box_slices(lo[i].tolist(), sz[i].tolist(), [0] * layout.ndim)].copy_(tensors[i])
-        if dst is not None:
-            self.counters.elements_sent += sum(
-                layout.shards[i].numel
-                for i in np.flatnonzero(nonempty)[first].tolist()
-                if layout.shards[i].placement.rank != dst
-            )
+        # What each receiving rank lacks: rank dst, or every rank of the layout.
+        if dst is None:
+            self.counters.elements_sent += len(layout.ranks) * layout.numel - held(layout)
+        else:
+            self.counters.elements_sent += layout.numel - held(layout, dst)
         return out
 
     def exchange(self, obj: Any) -> list[Any]:
