@@ -157,6 +157,18 @@ def new_shard(layout: Any, i: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(layout.shards[i].sizes, dtype=like.dtype, device=device)
 
 
+def slice_shards(full: torch.Tensor, layout: Any, index: Iterable[int]) -> tuple[torch.Tensor, ...]:
+    """New tensors holding the boxes of shards ``index`` of ``layout``, copied out of ``full``."""
+    out = []
+    for i in index:
+        s = layout.shards[i]
+        t = new_shard(layout, i, full)
+        if t.numel():  # an empty shard may sit past the end, where the slice would clip
+            t.copy_(full[box_slices(s.offsets, s.sizes, (0,) * len(s.offsets))])
+        out.append(t)
+    return tuple(out)
+
+
 def copy_plan(plan: Any, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor], rows: Iterable[int]) -> None:
     """Runs the transfers ``rows`` of ``plan`` between shard tensors held in this process."""
     moves = _moves(plan)
@@ -231,12 +243,7 @@ class LocalBackend:
     def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
         """Copies each shard's box out of ``full`` (from rank ``src``: counts what other ranks receive)."""
         assert full is not None
-        out = []
-        for i, s in enumerate(layout.shards):
-            t = new_shard(layout, i, full)
-            if t.numel():  # an empty shard may sit past the end, where the slice would clip
-                t.copy_(full[box_slices(s.offsets, s.sizes, (0,) * len(s.offsets))])
-            out.append(t)
+        out = slice_shards(full, layout, range(len(layout.shards)))
         if src is not None:
             self.counters.elements_sent += held(layout) - held(layout, src)
         return tuple(out)

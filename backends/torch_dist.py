@@ -45,7 +45,7 @@ from fshard._layout import Layout, ShardMeta
 from fshard._placement import Placement
 from fshard._plan import Plan, plan
 
-from .local import _POOL, Counters, box_slices, copy_plan, new_shard, shard_device
+from .local import _POOL, Counters, copy_plan, new_shard, shard_device, slice_shards
 
 __all__ = ["TorchDistBackend"]
 
@@ -206,8 +206,9 @@ class TorchDistBackend:
     def exchange(self, obj: Any) -> list[Any]:
         """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""
         self._require_member("exchange")
-        self._check("exchange", ())
-        out = _gather_objects(obj, self.group, self.world_size, self._wire)
+        with _outside_transforms():
+            self._check("exchange", ())
+            out = _gather_objects(obj, self.group, self.world_size, self._wire)
         self.counters.collectives += 1
         return out
 
@@ -222,11 +223,7 @@ class TorchDistBackend:
 
     def _slice(self, full: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
         self._check("shard(src=None)", (layout,))
-        out = []
-        for i in self.addressable(layout):
-            s = layout.shards[i]
-            out.append(new_shard(layout, i, full).copy_(full[box_slices(s.offsets, s.sizes, (0,) * layout.ndim)]))
-        return tuple(out)
+        return slice_shards(full, layout, self.addressable(layout))
 
     def _out_device(self, layout: Layout, like: torch.Tensor) -> torch.device:
         mine = self.addressable(layout)
@@ -565,6 +562,15 @@ def _alltoall(
             n = math.prod(shape)
             _fan_out(sched, k, recvbuf[at : at + n].view(shape), out, skip_first=not staged)
             at += n
+
+
+def _outside_transforms() -> Any:
+    """A context in which torch.func transforms do not wrap new tensors.
+
+    ``exchange`` moves metadata, never differentiated values; inside ``torch.func.grad``
+    its wire tensors would otherwise be wrapped, and a collective cannot read a wrapper.
+    """
+    return torch._C._DisableFuncTorch()
 
 
 def _gather_objects(obj: Any, group: Any, n: int, wire: torch.device) -> list[Any]:

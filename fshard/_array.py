@@ -14,7 +14,7 @@ import torch.utils._pytree as torch_pytree
 from fshard._errors import LayoutError
 from fshard._layout import Layout, ShardMeta
 
-__all__ = ["Shard", "ShardedArray"]
+__all__ = ["Shard", "ShardedArray", "empty_link"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -38,20 +38,34 @@ class ShardedArray:
     Build one with ``fshard.shard``, a creation function or ``from_local_shards*``;
     change it only by calling a function that returns a new array.
 
+    As a pytree, its leaves are the addressable shards' tensors. A process that holds
+    no shard of it (under torch_dist) has one leaf instead: a 0-element tensor of its
+    dtype that carries its autograd history, so that the process still takes part in
+    every collective of a backward pass through the array.
+
     >>> import torch, fshard
     >>> x = fshard.shard(torch.arange(6.0).reshape(2, 3), fshard.Chunk(1, [0, 1]))
     >>> x.shape, x.size(-1), [s.data.shape for s in x.addressable_shards]
     (torch.Size([2, 3]), 3, [torch.Size([2, 2]), torch.Size([2, 1])])
     """
 
-    __slots__ = ("_backend", "_data", "_dtype", "_layout")
+    __slots__ = ("_backend", "_data", "_dtype", "_layout", "_link")
     _layout: Layout
     _data: tuple[torch.Tensor, ...]
     _backend: Any
     _dtype: torch.dtype
+    # On a process that holds no shard of the array: a 0-element tensor that carries the
+    # dtype and the autograd history, so that this process joins every backward
+    # collective of the array (``None`` where there are shards, which carry both).
+    _link: torch.Tensor | None
 
     def __init__(
-        self, layout: Layout, data: Sequence[torch.Tensor], backend: Any, dtype: torch.dtype | None = None
+        self,
+        layout: Layout,
+        data: Sequence[torch.Tensor],
+        backend: Any,
+        dtype: torch.dtype | None = None,
+        link: torch.Tensor | None = None,
     ) -> None:
         data = tuple(data)
         index = backend.addressable(layout)
@@ -67,6 +81,9 @@ class ShardedArray:
         object.__setattr__(self, "_data", data)
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_dtype", data[0].dtype if data else (dtype or torch.get_default_dtype()))
+        if not data and link is None:
+            link = empty_link(self._dtype)
+        object.__setattr__(self, "_link", None if data else link)
 
     def __setattr__(self, name: str, value: Any) -> None:
         msg = f"ShardedArray is immutable: cannot set {name!r}; fshard functions return new arrays."
@@ -138,7 +155,9 @@ class ShardedArray:
 
     @property
     def requires_grad(self) -> bool:
-        """Whether the shards take part in autograd."""
+        """Whether the shards take part in autograd (on every process, including one without shards)."""
+        if self._link is not None:
+            return self._link.requires_grad
         return any(t.requires_grad for t in self._data)
 
     @property
@@ -164,10 +183,8 @@ class ShardedArray:
         return self._data[0]
 
     def _first(self) -> torch.Tensor:
-        """A tensor with this array's dtype: the first shard, or an empty stand-in."""
-        if self._data:
-            return self._data[0]
-        return torch.empty(0, dtype=self._dtype)
+        """A tensor with this array's dtype: the first shard, or the 0-element link."""
+        return self._link if self._link is not None else self._data[0]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -177,6 +194,11 @@ class ShardedArray:
             "fshard.map_local, or gather() first."
         )
         raise TypeError(msg)
+
+
+def empty_link(dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+    """The link of an array built from nothing on a process without shards (a leaf)."""
+    return torch.empty(0, dtype=dtype, requires_grad=requires_grad and (dtype.is_floating_point or dtype.is_complex))
 
 
 def _check_tensor(layout: Layout, i: int, t: Any) -> None:
@@ -191,19 +213,32 @@ def _check_tensor(layout: Layout, i: int, t: Any) -> None:
         raise LayoutError(msg)
 
 
+def _children(x: ShardedArray) -> tuple[torch.Tensor, ...]:
+    """The pytree children: the addressable shards, or the link on a process that holds none."""
+    return x._data if x._link is None else (x._link,)
+
+
 def _flatten(x: ShardedArray) -> tuple[tuple[torch.Tensor, ...], tuple[Layout, Any, torch.dtype]]:
-    return x._data, (x._layout, x._backend, x._dtype)
+    return _children(x), (x._layout, x._backend, x._dtype)
 
 
 def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedArray:
     children = tuple(children)
+    layout, backend, dtype = aux
     if all(isinstance(c, torch.Tensor) for c in children):
-        return ShardedArray(aux[0], children, aux[1], aux[2])
+        if backend.addressable(layout) or len(children) != 1:
+            return ShardedArray(layout, children, backend, dtype)
+        (link,) = children
+        if link.numel():
+            msg = f"A ShardedArray with no shard here has one 0-element leaf, got one of shape {tuple(link.shape)}."
+            raise LayoutError(msg)
+        return ShardedArray(layout, (), backend, dtype, link)
     # Tree utilities also rebuild nodes around other leaves (torch.func's in_dims trees hold
     # ints and None): such a node is a container of those leaves, unchecked, as JAX asks.
     node = object.__new__(ShardedArray)
-    for name, value in zip(("_layout", "_data", "_backend", "_dtype"), (aux[0], children, aux[1], aux[2])):
+    for name, value in zip(("_layout", "_data", "_backend", "_dtype"), (layout, children, backend, dtype)):
         object.__setattr__(node, name, value)
+    object.__setattr__(node, "_link", None)
     return node
 
 
@@ -211,7 +246,7 @@ _GLOBAL = getattr(optree.registry, "__GLOBAL_NAMESPACE", "fshard")
 optree.register_pytree_node(ShardedArray, _flatten, lambda aux, ch: _unflatten(aux, ch), namespace=_GLOBAL)  # type: ignore[arg-type]
 torch_pytree.register_pytree_node(
     ShardedArray,
-    lambda x: (list(x._data), (x._layout, x._backend, x._dtype)),
+    lambda x: (list(_children(x)), (x._layout, x._backend, x._dtype)),
     lambda children, aux: _unflatten(aux, children),  # torch passes (children, context)
     serialized_type_name="fshard.ShardedArray",
 )

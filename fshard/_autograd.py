@@ -11,6 +11,11 @@ and the backward of each function are themselves movements, so gradients of any
 order work, and each function also has a forward-mode rule (``jvp``) and a batching
 rule (``vmap``: the batch becomes a leading dim that no shard splits), which is what
 ``torch.func`` transforms need. docs/autograd.md states the semantics op by op.
+
+Each movement also takes and returns a 0-element "link" tensor. On a process that
+holds no shard of an array (torch_dist), the link is the array's one pytree leaf and
+carries its autograd history and batching, so that the process runs the same backward
+and batched collectives as the processes that hold shards.
 """
 
 from __future__ import annotations
@@ -53,6 +58,33 @@ def _lead(t: torch.Tensor, dim: int | None, n: int) -> torch.Tensor:
     return t.expand(n, *t.shape) if dim is None else t.movedim(dim, 0)
 
 
+def _link_of(like: torch.Tensor) -> torch.Tensor:
+    """A new 0-element output: autograd makes it require grad when any input does."""
+    return like.new_empty((0,))
+
+
+def _carrier(grads: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-element slice of the incoming gradients (or tangents), for a backward's own movement.
+
+    It passes on what the gradients carry besides values: their batching under
+    ``torch.func.vmap`` (so a process without shards runs the batched collective too)
+    and their history (for gradients of gradients).
+    """
+    g = next((g for g in grads if g is not None), None)
+    return _stand_in(dtype, device) if g is None else g.reshape(-1)[:0]
+
+
+def _link_grad(ctx: Any, k: int, carrier: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of input ``k`` (``like``) when it is a 0-element link with history.
+
+    A process without shards reaches the backward collectives through it; a real
+    shard passed as ``like`` gets its gradient through its own slot instead.
+    """
+    if not ctx.needs_input_grad[k] or ctx.like_shape.numel():
+        return None
+    return carrier.reshape(ctx.like_shape)
+
+
 def _holds_result(backend: Any, dst: int | None) -> bool:
     """Whether this process receives the result of a gather to ``dst``."""
     return dst is None or backend.rank in (None, dst)
@@ -61,38 +93,41 @@ def _holds_result(backend: Any, dst: int | None) -> bool:
 class _Move(torch.autograd.Function):
     @staticmethod
     def forward(src: Layout, dst: Layout, backend: Any, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        return backend.execute(plan(src, dst), tensors, like)
+        return (*backend.execute(plan(src, dst), tensors, like), _link_of(like))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         src, dst, backend, like = inputs[:4]
         ctx.args = (src, dst, backend, like.dtype, like.device)
+        ctx.like_shape = like.shape
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         src, dst, backend, dtype, device = ctx.args
-        like = _stand_in(dtype, device)
-        return (None, None, None, None, *move(dst, src, backend, _dense(dst, backend, grads, like), like))
+        like = _carrier(grads, dtype, device)
+        back, _ = move(dst, src, backend, _dense(dst, backend, grads[:-1], like), like)
+        return (None, None, None, _link_grad(ctx, 3, like), *back)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         src, dst, backend, dtype, device = ctx.args
-        like = _stand_in(dtype, device)
-        return move(src, dst, backend, _dense(src, backend, tangents[4:], like), like)
+        like = _carrier(tangents[3:], dtype, device)
+        out, link = move(src, dst, backend, _dense(src, backend, tangents[4:], like), like)
+        return (*out, link)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
         src, dst, backend, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-        out = move(_batched(src, n), _batched(dst, n), backend, lead, _stand_in(like.dtype, like.device))
-        return out, (0,) * len(out)
+        out, link = move(_batched(src, n), _batched(dst, n), backend, lead, _stand_in(like.dtype, like.device))
+        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
-        return backend.scatter(full, layout, src)
+        return (*backend.scatter(full, layout, src), _link_of(full))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -102,21 +137,22 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, src, dtype, device = ctx.args
-        like = _stand_in(dtype, device)
-        return None, None, None, assemble(layout, backend, _dense(layout, backend, grads, like), like, src)
+        like = _carrier(grads, dtype, device)
+        return None, None, None, assemble(layout, backend, _dense(layout, backend, grads[:-1], like), like, src)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         layout, backend, src, dtype, device = ctx.args
         full = tangents[3] if tangents[3] is not None else _stand_in(dtype, device)
-        return scatter(full, layout, backend, src)
+        out, link = scatter(full, layout, backend, src)
+        return (*out, link)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
         layout, backend, src, full = args
         n = info.batch_size
-        out = scatter(_lead(full, in_dims[3], n), _batched(layout, n), backend, src)
-        return out, (0,) * len(out)
+        out, link = scatter(_lead(full, in_dims[3], n), _batched(layout, n), backend, src)
+        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
 class _Assemble(torch.autograd.Function):
@@ -130,19 +166,19 @@ class _Assemble(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         layout, backend, dst, like = inputs[:4]
         ctx.args = (layout, backend, dst, like.dtype, like.device)
+        ctx.like_shape = like.shape
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, dst = ctx.args[:3]
-        grad = grads[0]
-        # Off rank dst the gradient is a stand-in that only gives the dtype.
-        full = grad if _holds_result(backend, dst) else _stand_in(grad.dtype, grad.device)
-        return (None, None, None, None, *scatter(full, layout, backend, dst))
+        # Off rank dst the gradient is that of the 0-element stand-in: it only gives the dtype.
+        shards, _ = scatter(grads[0], layout, backend, dst)
+        return (None, None, None, _link_grad(ctx, 3, _carrier(grads, *ctx.args[3:])), *shards)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         layout, backend, dst, dtype, device = ctx.args
-        like = _stand_in(dtype, device)
+        like = _carrier(tangents[3:], dtype, device)
         return _Assemble.apply(layout, backend, dst, like, *_dense(layout, backend, tangents[4:], like))
 
     @staticmethod
@@ -156,14 +192,22 @@ class _Assemble(torch.autograd.Function):
 
 def move(
     src: Layout, dst: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """The addressable shards of ``dst`` filled from those of ``src`` (differentiable)."""
-    return tuple(_Move.apply(src, dst, backend, like, *tensors))
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The addressable shards of ``dst`` filled from those of ``src`` (differentiable), and the link.
+
+    The link is a 0-element tensor that carries the autograd history on a process
+    that holds no shard of ``dst`` (see ``ShardedArray``); ``like`` is the source's.
+    """
+    *out, link = _Move.apply(src, dst, backend, like, *tensors)
+    return tuple(out), link
 
 
-def scatter(full: torch.Tensor, layout: Layout, backend: Any, src: int | None) -> tuple[torch.Tensor, ...]:
-    """The addressable shards of ``layout`` sliced from ``full`` (differentiable)."""
-    return tuple(_Scatter.apply(layout, backend, src, full))
+def scatter(
+    full: torch.Tensor, layout: Layout, backend: Any, src: int | None
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The addressable shards of ``layout`` sliced from ``full`` (differentiable), and the link."""
+    *out, link = _Scatter.apply(layout, backend, src, full)
+    return tuple(out), link
 
 
 def assemble(

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from fshard import _random
-from fshard._array import ShardedArray
+from fshard._array import ShardedArray, empty_link
 from fshard._layout import Layout, ShardMeta, check_shape
 from fshard._ops import resolve_backend
 from fshard._placement import Placement
@@ -61,7 +61,7 @@ def _create(
         meta = layout.shards[i]
         t = fill(meta, dtype, torch.device(meta.placement.device))
         data.append(t.requires_grad_(requires_grad) if requires_grad else t)
-    return ShardedArray(layout, data, backend, dtype)
+    return ShardedArray(layout, data, backend, dtype, None if data else empty_link(dtype, requires_grad))
 
 
 def _const(make: Callable[..., torch.Tensor], *args: Any) -> Fill:

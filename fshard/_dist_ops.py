@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fshard._array import Shard, ShardedArray
+from fshard._array import Shard, ShardedArray, empty_link
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, check_shape
 from fshard._placement import Placement
@@ -173,8 +173,9 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
     mine = [s.data for s in shards]
     if len(mine) != len(index):  # pragma: no cover - the layout is built from these shards
         raise LayoutError(f"Expected {len(index)} local shards, got {len(mine)}.")
-    dtype = next((p.dtype for r in reports for p in r.pieces), None)
-    return ShardedArray(layout, mine, backend, dtype)
+    dtype = next((p.dtype for r in reports for p in r.pieces), torch.get_default_dtype())
+    grad = any(p.requires_grad for r in reports for p in r.pieces)
+    return ShardedArray(layout, mine, backend, dtype, None if mine else empty_link(dtype, grad))
 
 
 def from_local_tensor(tensor: torch.Tensor, dim: int = 0, *, group: Any = None) -> ShardedArray:

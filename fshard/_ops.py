@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, overload
@@ -93,7 +94,8 @@ def shard(
         shape, full = _source(tensor, src, backend)
     layout = as_layout(spec, shape)
     backend.check_layout(layout)
-    return ShardedArray(layout, _autograd.scatter(full, layout, backend, src), backend, full.dtype)
+    data, link = _autograd.scatter(full, layout, backend, src)
+    return ShardedArray(layout, data, backend, full.dtype, link)
 
 
 @overload
@@ -128,8 +130,8 @@ def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
     if layout == array.layout:
         return array
     array.backend.check_layout(layout)
-    data = _autograd.move(array.layout, layout, array.backend, array._data, array._first())
-    return ShardedArray(layout, data, array.backend, array.dtype)
+    data, link = _autograd.move(array.layout, layout, array.backend, array._data, array._first())
+    return ShardedArray(layout, data, array.backend, array.dtype, link)
 
 
 def map_local(fn: Callable[..., torch.Tensor], *arrays: ShardedArray, out_spec: Any = None) -> ShardedArray:
@@ -163,7 +165,11 @@ def map_local(fn: Callable[..., torch.Tensor], *arrays: ShardedArray, out_spec: 
     for t in outs:
         _check_tensor(t, "map_local() fn result")
     layout = _infer_layout(first.layout, first.backend.addressable(first.layout), outs, out_spec)
-    return ShardedArray(layout, outs, first.backend, outs[0].dtype if outs else first.dtype)
+    if outs:
+        return ShardedArray(layout, outs, first.backend, outs[0].dtype)
+    # No shard here: the result's link joins every argument's, so backward reaches them all.
+    link = functools.reduce(torch.add, (a._first() for a in arrays)).to(first.dtype)
+    return ShardedArray(layout, outs, first.backend, first.dtype, link)
 
 
 def _infer_layout(layout: Layout, index: Sequence[int], outs: Sequence[torch.Tensor], out_spec: Any) -> Layout:

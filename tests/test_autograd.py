@@ -287,8 +287,7 @@ def test_backward_of_a_reshard_runs_the_reverse_plan() -> None:
     shape = (8, 6)
     a = fshard.Named(fshard.Mesh((2, 2)), ("x", None)).layout(shape)
     b = fshard.Chunk(1, [3, 2, 1, 0]).layout(shape)
-    x = torch.randn(shape, requires_grad=True)
-    y = fshard.reshard(fshard.shard(x, a), b)
+    y = fshard.reshard(leaf(fshard.shard(torch.randn(shape), a)), b)
     counters = LOCAL.counters
     before = counters.elements_sent
     parts = sum((t * (k + 1)).sum() for k, t in enumerate(y.addressable_data))
@@ -326,18 +325,6 @@ POOL_PAIRS = SHAPES.flatmap(lambda s: st.tuples(fst.layouts(s, WORLD), fst.layou
 )
 
 
-def covering(layout: Layout) -> Layout:
-    """``layout`` plus an empty shard on every rank that holds none.
-
-    Under torch_dist a rank takes part in an array's backward through its shards, so the
-    arrays on a differentiated path keep a shard, possibly empty, on every rank (see
-    docs/autograd.md).
-    """
-    missing = [r for r in range(WORLD) if r not in layout.ranks]
-    empty = tuple(ShardMeta((0,) * layout.ndim, (0, *layout.shape[1:]), r) for r in missing)
-    return Layout(layout.shape, layout.shards + empty)
-
-
 def _gradcheck_over_processes(a: Layout, b: Layout, seed: int) -> bool:
     torch.manual_seed(seed)  # every rank draws the same probes
     x = torch.randn(a.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
@@ -358,8 +345,7 @@ def _gradcheck_over_processes(a: Layout, b: Layout, seed: int) -> bool:
 @settings(POOL, max_examples=10)
 @given(POOL_PAIRS, st.integers(0, 2**16))
 def test_gradcheck_over_gloo(dist_pool, pair: tuple[Layout, Layout], seed: int) -> None:
-    a, b = covering(pair[0]), covering(pair[1])
-    assert dist_pool.run(_gradcheck_over_processes, a, b, seed) == [True] * WORLD
+    assert dist_pool.run(_gradcheck_over_processes, *pair, seed) == [True] * WORLD
 
 
 def _shard_from_one_rank(a: Layout, b: Layout, src: int, seed: int) -> float | None:
@@ -377,7 +363,7 @@ def _shard_from_one_rank(a: Layout, b: Layout, src: int, seed: int) -> float | N
 @settings(POOL, max_examples=8)
 @given(POOL_PAIRS, RANKS, st.integers(0, 2**16))
 def test_shard_from_one_rank_over_gloo(dist_pool, pair: tuple[Layout, Layout], src: int, seed: int) -> None:
-    a, b = covering(pair[0]), covering(pair[1])
+    a, b = pair
     out = dist_pool.run(_shard_from_one_rank, a, b, src, seed)
     assert out[src] < 1e-12
     assert [v for r, v in enumerate(out) if r != src] == [None] * (WORLD - 1)
@@ -399,6 +385,31 @@ def _reshard_traffic(a: Layout, b: Layout) -> tuple[int, int]:
     grads, backward = _sent(lambda: torch.autograd.grad(y.addressable_data, arr.addressable_data, cot))
     assert all(torch.equal(g, torch.ones_like(g)) for g in grads)  # one copy read, never a sum of copies
     return forward, backward
+
+
+def _backward_without_shards(a: fshard.Layout, b: fshard.Layout) -> bool:
+    """Ranks that hold no shard of ``a`` or of ``b`` run the backward collectives with the others."""
+    x = torch.arange(float(math.prod(a.shape)), dtype=torch.float64).reshape(a.shape).requires_grad_()
+    y = fshard.reshard(fshard.shard(x, a), b)
+    assert y.requires_grad  # on every rank, with or without shards
+    loss = (fshard.gather(fshard.map_local(torch.sin, y)) * x.detach()).sum()
+    (g,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(g, torch.cos(x.detach()) * x.detach())
+    return True
+
+
+NO_SHARDS = {
+    "one rank -> two ranks": (fshard.Single(0), fshard.Chunk(0, [1, 2])),
+    "two ranks -> one rank": (fshard.Chunk(1, [3, 1]), fshard.Single(2)),
+    "one rank -> another": (fshard.Single(3), fshard.Single(0)),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", sorted(NO_SHARDS))
+def test_ranks_without_shards_join_the_backward_over_gloo(dist_pool, name: str) -> None:
+    a, b = (s.layout((6, 4)) for s in NO_SHARDS[name])
+    assert dist_pool.run(_backward_without_shards, a, b) == [True] * WORLD
 
 
 TRAFFIC = {

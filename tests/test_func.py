@@ -349,6 +349,9 @@ POOL_PAIRS = {
     "rows -> columns": (fshard.Chunk(0, [0, 1, 2, 3]), fshard.Chunk(1, [3, 2, 1, 0])),
     "grid with replicas -> uneven rows": (GRID, fshard.Chunk(0, [2, 0, 1, 3, 3])),
     "replicated -> grid": (fshard.Replicated([0, 1, 2, 3]), fshard.Named(fshard.Mesh((2, 2)), ("y", "x"))),
+    # Ranks that hold no shard of an array still take part in its backward.
+    "one rank -> two ranks": (fshard.Single(0), fshard.Chunk(0, [1, 2])),
+    "two ranks -> one rank": (fshard.Chunk(1, [3, 1]), fshard.Single(2)),
 }
 
 
@@ -381,3 +384,26 @@ def _transforms_over_processes(a_spec, b_spec) -> bool:
 @pytest.mark.parametrize("name", sorted(POOL_PAIRS))
 def test_torch_func_transforms_over_gloo(dist_pool, name: str) -> None:
     assert dist_pool.run(_transforms_over_processes, *POOL_PAIRS[name]) == [True] * 4
+
+
+def _exchange_inside_transforms() -> bool:
+    """Functions that exchange metadata between ranks work inside grad, vjp and jvp."""
+    x, t = double((4, 3), 30), double((4, 3), 31)
+    rows = fshard.Chunk(0, [0, 1, 2, 3])
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        a = fshard.shard(v, rows)
+        assert fshard.equal(a, a)
+        assert fshard.allclose(a, fshard.reshard(a, fshard.Chunk(1, [3, 2, 1])))
+        b = fshard.from_local_shards(list(a.addressable_shards), v.shape)
+        return fshard.gather(fshard.map_local(torch.sin, b))
+
+    torch.testing.assert_close(grad(lambda v: f(v).sum())(x), torch.cos(x))
+    torch.testing.assert_close(vjp(f, x)[1](t)[0], torch.cos(x) * t)
+    torch.testing.assert_close(jvp(f, (x,), (t,))[1], torch.cos(x) * t)
+    return True
+
+
+@pytest.mark.multiprocess
+def test_metadata_exchanges_inside_transforms_over_gloo(dist_pool) -> None:
+    assert dist_pool.run(_exchange_inside_transforms) == [True] * 4

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fshard._array import ShardedArray
+from fshard._array import ShardedArray, empty_link
 from fshard._checkpoint._collective import _agree, _progress
 from fshard._checkpoint._format import _read_index, _Saved, _saved_leaves
 from fshard._checkpoint._reader import _Reader, _slices, _source_layout
@@ -132,7 +132,8 @@ def _read_leaf(saved: _Saved, target: _Target, reader: _Reader, bar: Any) -> Any
     data = [t.requires_grad_() if target.requires_grad else t for t in data]
     if target.kind == "tensor":
         return data[0]
-    return ShardedArray(layout, data, target.backend, saved.dtype)
+    link = None if data else empty_link(saved.dtype, target.requires_grad)
+    return ShardedArray(layout, data, target.backend, saved.dtype, link)
 
 
 def _new(layout: Layout, i: int, dtype: torch.dtype, target: _Target) -> torch.Tensor:
