@@ -26,7 +26,7 @@ from benchmarks.common import Case, Row, Settings
 __all__ = ["CASE_MODULES", "collect", "main", "parse", "run_cases"]
 
 # Each module has ``cases(settings) -> list[Case]``; add a module here to add its cases.
-CASE_MODULES = ("benchmarks.planner", "benchmarks.local", "benchmarks.dist")
+CASE_MODULES = ("benchmarks.planner", "benchmarks.local", "benchmarks.autograd", "benchmarks.dist")
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

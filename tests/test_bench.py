@@ -99,9 +99,14 @@ def test_sizes_world_and_quick() -> None:
 
 
 def test_collect_has_every_module_and_filters() -> None:
-    assert run.CASE_MODULES[:3] == ("benchmarks.planner", "benchmarks.local", "benchmarks.dist")
+    assert run.CASE_MODULES == ("benchmarks.planner", "benchmarks.local", "benchmarks.autograd", "benchmarks.dist")
     everything = run.collect(Settings(quick=True))
-    assert {c.group.split(":")[0] for c in everything} >= {"planner", "local backend", "torch_dist"}
+    assert {c.group.split(":")[0].split(",")[0] for c in everything} >= {
+        "planner",
+        "local backend",
+        "autograd",
+        "torch_dist",
+    }
     only = run.collect(Settings(quick=True), ["dim0-dim1"])  # a scenario key
     assert [(c.group.split(":")[0], c.name) for c in only] == [("torch_dist", "reshard dim 0 -> dim 1, 1 MiB")]
     assert run.collect(Settings(quick=True), ["no such case"]) == []
