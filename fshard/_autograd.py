@@ -71,7 +71,7 @@ def _carrier(grads: Sequence[Any], dtype: torch.dtype, device: torch.device) -> 
     and their history (for gradients of gradients).
     """
     g = next((g for g in grads if g is not None), None)
-    return _stand_in(dtype, device) if g is None else g.reshape(-1)[:0]
+    return _stand_in(dtype, device) if g is None else g.unsqueeze(0)[:0].reshape(0)  # a view: nothing is copied
 
 
 def _link_grad(ctx: Any, k: int, carrier: torch.Tensor) -> torch.Tensor | None:
