@@ -81,9 +81,14 @@ class ShardedArray:
         object.__setattr__(self, "_data", data)
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_dtype", data[0].dtype if data else (dtype or torch.get_default_dtype()))
-        if not data and link is None:
+        if data:
+            link = None
+        elif link is None:
             link = empty_link(self._dtype)
-        object.__setattr__(self, "_link", None if data else link)
+        elif link.numel():
+            msg = f"A ShardedArray with no shard here has a 0-element link, got one of shape {tuple(link.shape)}."
+            raise LayoutError(msg)
+        object.__setattr__(self, "_link", link)
 
     def __setattr__(self, name: str, value: Any) -> None:
         msg = f"ShardedArray is immutable: cannot set {name!r}; fshard functions return new arrays."
@@ -228,11 +233,7 @@ def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedAr
     if all(isinstance(c, torch.Tensor) for c in children):
         if backend.addressable(layout) or len(children) != 1:
             return ShardedArray(layout, children, backend, dtype)
-        (link,) = children
-        if link.numel():
-            msg = f"A ShardedArray with no shard here has one 0-element leaf, got one of shape {tuple(link.shape)}."
-            raise LayoutError(msg)
-        return ShardedArray(layout, (), backend, dtype, link)
+        return ShardedArray(layout, (), backend, dtype, children[0])
     # Tree utilities also rebuild nodes around other leaves (torch.func's in_dims trees hold
     # ints and None): such a node is a container of those leaves, unchecked, as JAX asks.
     node = object.__new__(ShardedArray)

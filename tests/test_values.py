@@ -595,3 +595,28 @@ def test_torch_functions_point_at_map_local(rows, name, call):
     )
     with pytest.raises(TypeError, match=re.escape(msg)):
         call(rows)
+
+
+def test_an_array_without_shards_here_keeps_a_0_element_link() -> None:
+    class NoShardsHere:
+        """A backend stand-in for a process that holds no shard of any layout."""
+
+        name = "none-here"
+
+        def addressable(self, layout: Layout) -> tuple[int, ...]:
+            return ()
+
+    backend = NoShardsHere()
+    layout = Chunk(0, [0, 1]).layout((4,))
+    x = fshard.ShardedArray(layout, (), backend, torch.float64)
+    assert x.dtype == torch.float64
+    assert not x.requires_grad
+    (leaf,) = optree.tree_leaves(x)
+    assert leaf.shape == (0,)
+    linked = fshard.ShardedArray(layout, (), backend, torch.float64, torch.zeros(0, requires_grad=True))
+    assert linked.requires_grad
+    rebuilt = optree.tree_map(lambda t: t * 2, linked)
+    assert rebuilt.requires_grad
+    assert rebuilt.addressable_data == ()
+    with pytest.raises(LayoutError, match=re.escape("has a 0-element link, got one of shape (3,)")):
+        optree.tree_map(lambda t: torch.ones(3), x)
