@@ -29,13 +29,10 @@ It exits with status 1 if a check fails.
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import fshard
@@ -215,34 +212,11 @@ def report(result: dict[str, Any]) -> str:
     )
 
 
-def _job() -> dict[str, Any]:
-    return check(range(dist.get_world_size()))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the check on the local backend, on spawned Gloo processes, or under torchrun."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="local backend: simulated ranks")
-    parser.add_argument("--world", type=int, default=0, help="spawn this many Gloo processes instead")
-    args = parser.parse_args(argv)
-    if "RANK" in os.environ and not dist.is_initialized():  # started by torchrun
-        dist.init_process_group("gloo")
-        try:
-            results = [_job()]
-        finally:
-            dist.destroy_process_group()
-        show = results if int(os.environ["RANK"]) == 0 else []
-    elif args.world:
-        from fshard._launch import launch
+    """Runs the check on the local backend, on spawned Gloo processes (``--world N``), or under torchrun."""
+    from fshard._launch import check_main
 
-        results = launch(_job, args.world)
-        show = results[:1]
-    else:
-        results = [check(range(n)) for n in args.ranks]
-        show = results
-    for r in show:
-        print(report(r))
-    return 0 if all(r["ok"] for r in results) else 1
+    return check_main(check, report, argv, __doc__)
 
 
 if __name__ == "__main__":

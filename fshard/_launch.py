@@ -12,11 +12,11 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["free_port", "init_group", "launch", "serve"]
+__all__ = ["check_main", "free_port", "init_group", "launch", "serve"]
 
 
 def free_port() -> int:
@@ -172,3 +172,42 @@ def _resolve(module: str, qualname: str, path: str | None) -> Callable[..., Any]
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def check_main(
+    check: Callable[[range], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+    argv: Sequence[str] | None = None,
+    description: str | None = None,
+) -> int:
+    """The command line of a self-checking example: ``check(ranks)`` returns a result with ``"ok"``.
+
+    It runs on the local backend once per ``--ranks`` count (default 1, 2 and 4), on
+    ``--world N`` spawned Gloo processes, or, under torchrun, on the processes torchrun
+    started; prints ``report`` of each result (rank 0's across processes) and returns 0
+    when every check passed, else 1.
+    """
+    import argparse
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="local backend: simulated ranks")
+    parser.add_argument("--world", type=int, default=0, help="spawn this many Gloo processes instead")
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ and not dist.is_initialized():  # started by torchrun
+        dist.init_process_group("gloo")
+        try:
+            results = [check(range(dist.get_world_size()))]
+        finally:
+            dist.destroy_process_group()
+        show = results if int(os.environ["RANK"]) == 0 else []
+    elif args.world:
+        results = launch(check, args.world, range(args.world))
+        show = results[:1]
+    else:
+        results = [check(range(n)) for n in args.ranks]
+        show = results
+    for r in show:
+        print(report(r))
+    return 0 if all(r["ok"] for r in results) else 1
