@@ -196,6 +196,7 @@ def _slice(start: int, size: int) -> slice:
     return slice(start, start + size)
 
 
+@functools.lru_cache(maxsize=256)
 def held(layout: Any, rank: int | None = None) -> int:
     """Elements held, summed over ranks (or on ``rank`` only): a box held twice by a rank counts once."""
     keep = rows_all(layout._sz > 0) & (True if rank is None else layout._rank == rank)
