@@ -49,6 +49,7 @@ from fshard._specs import Chunk as Chunk
 from fshard._specs import Explicit as Explicit
 from fshard._specs import Mesh as Mesh
 from fshard._specs import Named as Named
+from fshard._specs import Partial as Partial
 from fshard._specs import Replicated as Replicated
 from fshard._specs import Single as Single
 
@@ -64,6 +65,7 @@ __all__ = [
     "LayoutError",
     "Mesh",
     "Named",
+    "Partial",
     "Placement",
     "Plan",
     "Replicated",

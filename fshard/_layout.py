@@ -15,7 +15,10 @@ from fshard import _boxes
 from fshard._errors import LayoutError
 from fshard._placement import Placement, PlacementLike, as_placement
 
-__all__ = ["Layout", "ShardMeta", "ShardMetaLike", "as_metas", "check_shape"]
+__all__ = ["REDUCE_OPS", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "check_shape", "with_partial"]
+
+# The pending reductions a layout may carry: its copies of a box are summands (or operands).
+REDUCE_OPS = ("sum", "max", "min")
 
 
 def check_shape(shape: Iterable[Any], what: str = "shape") -> tuple[int, ...]:
@@ -75,6 +78,10 @@ class Layout:
     (identical boxes on different placements are replicas) and cover every element.
     Validation is exact and takes O(n 2^d log n) for n shards in d dims.
 
+    With ``partial="sum"`` (or ``"max"``, ``"min"``) the copies of a box are not
+    replicas but **summands** (operands) of a pending reduction: the array's value
+    is their elementwise sum (max, min). ``fshard.Partial(spec)`` resolves to one.
+
     >>> lay = Layout((4, 6), [ShardMeta((0, 0), (2, 6), 0), ShardMeta((2, 0), (2, 6), 1)])
     >>> lay.ranks, lay.numel
     ((0, 1), 24)
@@ -87,17 +94,22 @@ class Layout:
 
     shape: tuple[int, ...]
     shards: tuple[ShardMeta, ...]
+    partial: str | None
     _lo: np.ndarray = dataclasses.field(init=False, repr=False)
     _sz: np.ndarray = dataclasses.field(init=False, repr=False)
     _rank: np.ndarray = dataclasses.field(init=False, repr=False)
     _devices: tuple[str, ...] = dataclasses.field(init=False, repr=False)
     _hash: int = dataclasses.field(init=False, repr=False)
 
-    def __init__(self, shape: Iterable[int], shards: Iterable[ShardMetaLike]) -> None:
+    def __init__(self, shape: Iterable[int], shards: Iterable[ShardMetaLike], partial: str | None = None) -> None:
         shape = check_shape(shape)
         shards = as_metas(shards)
+        if partial is not None and partial not in REDUCE_OPS:
+            msg = f"Layout partial={partial!r} is not a reduction; use None or one of {list(REDUCE_OPS)}."
+            raise LayoutError(msg)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "shards", shards)
+        object.__setattr__(self, "partial", partial)
         lo, sz, rank, devices = _columns(shape, shards)
         for arr in (lo, sz, rank):
             arr.setflags(write=False)
@@ -109,7 +121,7 @@ class Layout:
             _validate_memo(shape, shards)
         else:
             _validate(shape, shards, lo, sz, rank, devices)
-        object.__setattr__(self, "_hash", hash((shape, lo.tobytes(), sz.tobytes(), rank.tobytes(), devices)))
+        object.__setattr__(self, "_hash", hash((shape, lo.tobytes(), sz.tobytes(), rank.tobytes(), devices, partial)))
 
     # Value semantics: compare by content, hash once, rebuild (and revalidate) on unpickle.
     def __eq__(self, other: object) -> bool:
@@ -125,18 +137,20 @@ class Layout:
             and all(a.tobytes() == b.tobytes() for a, b in ((self._lo, other._lo), (self._sz, other._sz)))
             and self._rank.tobytes() == other._rank.tobytes()
             and self._devices == other._devices
+            and self.partial == other.partial
         )
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Layout, (self.shape, self.shards))
+        return (Layout, (self.shape, self.shards, self.partial))
 
     def __repr__(self) -> str:
+        pending = f", partial={self.partial!r}" if self.partial else ""
         if len(self.shards) > 8:
-            return f"Layout(shape={self.shape}, {len(self.shards)} shards on ranks {_span(self.ranks)})"
-        return f"Layout(shape={self.shape}, shards={self.shards!r})"
+            return f"Layout(shape={self.shape}, {len(self.shards)} shards on ranks {_span(self.ranks)}{pending})"
+        return f"Layout(shape={self.shape}, shards={self.shards!r}{pending})"
 
     @property
     def ndim(self) -> int:
@@ -168,19 +182,22 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe description; ``Layout.from_dict`` rebuilds an equal layout."""
-        return {
+        out: dict[str, Any] = {
             "shape": list(self.shape),
             "shards": [
                 {"offsets": list(s.offsets), "sizes": list(s.sizes), "placement": str(s.placement)} for s in self.shards
             ],
         }
+        if self.partial is not None:
+            out["partial"] = self.partial
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Layout:
         """Inverse of ``to_dict``."""
         try:
             shards = [ShardMeta(s["offsets"], s["sizes"], s["placement"]) for s in data["shards"]]
-            return cls(tuple(data["shape"]), tuple(shards))
+            return cls(tuple(data["shape"]), tuple(shards), data.get("partial"))
         except (KeyError, TypeError) as exc:
             msg = f"Not a layout dict (want keys 'shape' and 'shards'): {exc!r}"
             raise LayoutError(msg) from exc
@@ -211,7 +228,18 @@ class Layout:
         """
         from fshard._visualize import visualize
 
-        return visualize(self, width)
+        text = visualize(self, width)
+        if self.partial is not None:
+            text += f"\n(pending {self.partial}: each element is the {self.partial} of its copies)"
+        return text
+
+
+@functools.lru_cache(maxsize=1024)
+def with_partial(layout: Layout, partial: str | None) -> Layout:
+    """``layout`` with its copies read as summands of ``partial`` (``None``: as replicas)."""
+    if layout.partial == partial:
+        return layout
+    return Layout(layout.shape, layout.shards, partial)
 
 
 def _span(ranks: Sequence[int]) -> str:

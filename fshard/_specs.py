@@ -12,10 +12,21 @@ from typing import Any, Union
 import numpy as np
 
 from fshard._errors import SpecError
-from fshard._layout import Layout, ShardMeta, ShardMetaLike, as_metas, check_shape
+from fshard._layout import REDUCE_OPS, Layout, ShardMeta, ShardMetaLike, as_metas, check_shape, with_partial
 from fshard._placement import Placement, PlacementLike, as_placement
 
-__all__ = ["Chunk", "Explicit", "Mesh", "Named", "Replicated", "Single", "Spec", "SpecLike", "as_layout"]
+__all__ = [
+    "Chunk",
+    "Explicit",
+    "Mesh",
+    "Named",
+    "Partial",
+    "Replicated",
+    "Single",
+    "Spec",
+    "SpecLike",
+    "as_layout",
+]
 
 
 Placements = Union[Iterable[PlacementLike], PlacementLike]
@@ -257,7 +268,42 @@ def _split(n: int, splits: list[tuple[int, int]]) -> tuple[int, int]:
     return offset, size
 
 
-Spec = Union[Chunk, Named, Replicated, Single, Explicit]
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Partial:
+    """A pending reduction: the copies that ``spec`` would replicate are summands.
+
+    The array's value is the elementwise ``op`` (``"sum"``, ``"max"`` or ``"min"``) of
+    its copies of each box. ``Partial(Replicated(R))`` holds a full-shape partial
+    result on every rank of ``R`` (a row-parallel matmul's output);
+    ``Partial(Named(mesh, ("x", None)))`` splits rows over ``x`` and sums over the
+    mesh axes that no dim uses. ``gather`` and ``reshard`` to a non-partial spec
+    carry out the reduction with the fewest elements sent.
+
+    >>> import torch, fshard
+    >>> p = fshard.shard(torch.ones(2, 3), Partial(Replicated([0, 1])))
+    >>> p.layout.partial, fshard.gather(p).tolist()
+    ('sum', [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]])
+    """
+
+    spec: Any
+    op: str
+
+    def __init__(self, spec: Any, op: str = "sum") -> None:
+        if isinstance(spec, Partial) or (isinstance(spec, Layout) and spec.partial is not None):
+            raise SpecError(f"Partial() takes a non-partial spec, got {spec!r}: pending reductions do not nest.")
+        if not hasattr(spec, "layout") and not isinstance(spec, Layout):
+            msg = f"Partial() takes a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got {spec!r}."
+            raise SpecError(msg)
+        if op not in REDUCE_OPS:
+            raise SpecError(f"Partial op={op!r} is not a reduction; use one of {list(REDUCE_OPS)}.")
+        _set(self, spec=spec, op=op)
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec (its ``partial`` is ``op``)."""
+        return with_partial(as_layout(self.spec, shape), self.op)
+
+
+Spec = Union[Chunk, Named, Replicated, Single, Explicit, Partial]
 SpecLike = Union[Spec, Layout]
 
 
@@ -269,7 +315,7 @@ def as_layout(spec: Any, shape: Sequence[int]) -> Layout:
             raise SpecError(f"Layout has shape {spec.shape} but the array has shape {shape}.")
         return spec
     if not hasattr(spec, "layout"):
-        msg = f"Expected a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got {spec!r}."
+        msg = f"Expected a spec (Chunk, Named, Replicated, Single, Explicit, Partial) or a Layout, got {spec!r}."
         raise SpecError(msg)
     try:
         return _resolved(spec, shape)
