@@ -384,7 +384,7 @@ def test_as_layout_with_a_layout_of_another_shape():
 
 
 def test_as_layout_of_something_else():
-    msg = "Expected a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got 'rows'."
+    msg = "Expected a spec (Chunk, Named, Replicated, Single, Explicit, Partial) or a Layout, got 'rows'."
     with pytest.raises(SpecError, match=re.escape(msg)):
         as_layout("rows", (4,))
 
