@@ -353,7 +353,7 @@ CASES = [
     pytest.param(
         lambda: fshard.shard(torch.ones(3), "rows"),
         SpecError,
-        "Expected a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got 'rows'.",
+        "Expected a spec (Chunk, Named, Replicated, Single, Explicit, Partial) or a Layout, got 'rows'.",
         id="spec-not-a-spec",
     ),
     pytest.param(
