@@ -101,10 +101,9 @@ class ShardedArray:
         return (ShardedArray, (self._layout, self._data, self._backend, self._dtype))
 
     def __repr__(self) -> str:
-        return (
-            f"ShardedArray(shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"{len(self._layout.shards)} shards on ranks {list(self._layout.ranks)}, backend={self._backend.name})"
-        )
+        from fshard._repr import array_repr
+
+        return array_repr(self)
 
     @property
     def layout(self) -> Layout:
