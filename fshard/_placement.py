@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Union
+import sys
+from typing import Any, Union
 
 import torch
 
@@ -74,14 +75,39 @@ PlacementLike = Union[Placement, str, int]
 
 
 def as_placement(value: PlacementLike) -> Placement:
-    """Converts a ``Placement``, a seed string or a plain int (rank on cpu) to a ``Placement``."""
+    """Converts a ``Placement``, a seed string, a plain int (rank on cpu) or torch's
+    ``_remote_device`` (what ``ChunkShardingSpec`` turns its strings into) to a ``Placement``.
+
+    >>> from torch.distributed.remote_device import _remote_device
+    >>> as_placement(_remote_device("rank:1/cuda:1"))
+    Placement(rank=1, device='cuda:1')
+    """
     if isinstance(value, Placement):
         return value
     if isinstance(value, str):
         return Placement.parse(value)
     if isinstance(value, int) and not isinstance(value, bool):
         return Placement(value)
+    if _is_remote_device(value):
+        return _from_remote_device(value)
     raise SpecError(
         f"Cannot read {value!r} ({type(value).__name__}) as a placement: "
         "give a Placement, a string like 'rank:0/cuda:0', or an int rank."
     )
+
+
+def _is_remote_device(value: Any) -> bool:
+    # One can only exist once its module is loaded: fshard never imports torch.distributed for it.
+    module = sys.modules.get("torch.distributed.remote_device")
+    return module is not None and isinstance(value, module._remote_device)
+
+
+def _from_remote_device(remote: Any) -> Placement:
+    rank = remote.rank()
+    if rank is None:
+        msg = (
+            f"Placement {remote} (a torch _remote_device) names an RPC worker, not a rank: fshard has no RPC; "
+            f"write it as 'rank:<int>/{remote.device()}'."
+        )
+        raise SpecError(msg)
+    return Placement(rank, str(remote.device()))

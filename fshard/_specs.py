@@ -14,6 +14,13 @@ import numpy as np
 from fshard._errors import SpecError
 from fshard._layout import REDUCE_OPS, Layout, ShardMeta, ShardMetaLike, as_metas, check_shape, with_partial
 from fshard._placement import Placement, PlacementLike, as_placement
+from fshard._torch_meta import (
+    from_torch_spec,
+    is_shard_metadata,
+    is_torch_spec,
+    layout_of_torch_spec,
+    shard_meta_from_torch,
+)
 
 __all__ = [
     "Chunk",
@@ -133,6 +140,8 @@ class Single:
 class Explicit:
     """The given boxes (torch's ``EnumerableShardingSpec``), validated against the shape.
 
+    Each box is a ``ShardMeta``, an ``(offsets, sizes, placement)`` tuple or torch's ``ShardMetadata``.
+
     >>> spec = Explicit([((0,), (3,), 0), ((3,), (1,), 1)])
     >>> spec.layout((4,)).shards[1].sizes
     (1,)
@@ -140,12 +149,30 @@ class Explicit:
 
     shards: tuple[ShardMeta, ...]
 
-    def __init__(self, shards: Iterable[ShardMetaLike]) -> None:
-        _set(self, shards=as_metas(shards))
+    def __init__(self, shards: Iterable[Any]) -> None:
+        if is_torch_spec(shards):
+            msg = f"Explicit() takes a list of boxes, got torch's {type(shards).__name__}: pass its .shards."
+            raise SpecError(msg)
+        _set(self, shards=as_metas(_box(s, k) for k, s in enumerate(shards)))
 
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec."""
         return Layout(check_shape(shape), self.shards)
+
+
+def _box(shard: Any, k: int) -> ShardMetaLike:
+    """One box given to ``Explicit``: torch's ``ShardMetadata`` converted, anything else checked."""
+    if isinstance(shard, ShardMeta):
+        return shard
+    if is_shard_metadata(shard):
+        return shard_meta_from_torch(shard)
+    if isinstance(shard, (tuple, list)) and len(shard) == 3:
+        return tuple(shard)  # type: ignore[return-value]
+    msg = (
+        f"Explicit() box {k} is {shard!r} ({type(shard).__name__}): give a ShardMeta, an "
+        "(offsets, sizes, placement) tuple, or torch's ShardMetadata."
+    )
+    raise SpecError(msg)
 
 
 _DEFAULT_AXES = ("x", "y", "z")
@@ -308,12 +335,26 @@ SpecLike = Union[Spec, Layout]
 
 
 def as_layout(spec: Any, shape: Sequence[int]) -> Layout:
-    """Resolves a spec (or a ``Layout``, which must match ``shape``) for an array of ``shape``."""
+    """Resolves a spec (or a ``Layout``, which must match ``shape``) for an array of ``shape``.
+
+    torch's ``ChunkShardingSpec`` and ``EnumerableShardingSpec`` are read as ``Chunk`` and
+    ``Explicit``, so every function that takes a spec takes them too.
+
+    >>> from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    >>> as_layout(ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"]), (3, 2)) == Chunk(
+    ...     0, [0, 1]
+    ... ).layout((3, 2))
+    True
+    """
     shape = check_shape(shape)
     if isinstance(spec, Layout):
         if spec.shape != shape:
             raise SpecError(f"Layout has shape {spec.shape} but the array has shape {shape}.")
         return spec
+    if is_torch_spec(spec):
+        spec = from_torch_spec(spec)
+        if not hasattr(spec, "layout"):  # another ShardingSpec subclass: torch lays it out
+            return layout_of_torch_spec(spec, shape)
     if not hasattr(spec, "layout"):
         msg = f"Expected a spec (Chunk, Named, Replicated, Single, Explicit, Partial) or a Layout, got {spec!r}."
         raise SpecError(msg)
