@@ -71,7 +71,8 @@ def row_keys(rows: np.ndarray) -> np.ndarray | None:
     if n == 0 or m == 0:
         return np.zeros(n, np.int64)
     low = rows.min(axis=0)
-    radix = (rows.max(axis=0) - low + 1).tolist()
+    # In Python ints: ``max - min + 1`` overflows int64 for coordinates near 2**63.
+    radix = [top - bottom + 1 for top, bottom in zip(rows.max(axis=0).tolist(), low.tolist())]
     if _product(radix) > _INT64_LIMIT:
         return None
     strides = np.cumprod([1, *radix[:0:-1]], dtype=np.int64)[::-1]

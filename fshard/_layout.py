@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
@@ -15,17 +16,31 @@ from fshard import _boxes
 from fshard._errors import LayoutError
 from fshard._placement import Placement, PlacementLike, as_placement
 
-__all__ = ["REDUCE_OPS", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "check_shape", "with_partial"]
+__all__ = [
+    "MAX_EXTENT",
+    "REDUCE_OPS",
+    "Layout",
+    "ShardMeta",
+    "ShardMetaLike",
+    "as_metas",
+    "check_shape",
+    "with_partial",
+]
 
 # The pending reductions a layout may carry: its copies of a box are summands (or operands).
 REDUCE_OPS = ("sum", "max", "min")
 
 
+# Every extent, offset and size is at most this (int64): layouts are validated in exact
+# integer arithmetic up to it, and ``numel`` is an exact Python int beyond it.
+MAX_EXTENT = 2**63 - 1
+
+
 def check_shape(shape: Iterable[Any], what: str = "shape") -> tuple[int, ...]:
-    """Returns ``shape`` as a tuple of non-negative ints, or raises ``TypeError``/``LayoutError``."""
+    """Returns ``shape`` as a tuple of ints in ``[0, MAX_EXTENT]``, or raises ``TypeError``/``LayoutError``."""
     out = tuple(shape)
     # Fast path: plain ints (bool is a subclass, so ``type(...) is int`` excludes it).
-    if all(type(s) is int for s in out) and (not out or min(out) >= 0):
+    if all(type(s) is int for s in out) and (not out or (min(out) >= 0 and max(out) <= MAX_EXTENT)):
         return out
     for s in out:
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
@@ -33,6 +48,9 @@ def check_shape(shape: Iterable[Any], what: str = "shape") -> tuple[int, ...]:
             raise TypeError(msg)
         if s < 0:
             raise LayoutError(f"{what} must be non-negative, got {out!r}.")
+        if s > MAX_EXTENT:
+            msg = f"{what} {out!r} holds {s}, past the largest supported extent 2**63 - 1 (int64)."
+            raise LayoutError(msg)
     return tuple(int(s) for s in out)
 
 
@@ -60,8 +78,8 @@ class ShardMeta:
 
     @property
     def numel(self) -> int:
-        """Number of elements in the box."""
-        return int(np.prod(self.sizes, dtype=np.int64)) if self.sizes else 1
+        """Number of elements in the box (an exact int, however large)."""
+        return math.prod(self.sizes)
 
     def _box(self) -> str:
         return f"[offsets {self.offsets}, sizes {self.sizes}] on {self.placement}"
@@ -147,10 +165,10 @@ class Layout:
         return (Layout, (self.shape, self.shards, self.partial))
 
     def __repr__(self) -> str:
-        pending = f", partial={self.partial!r}" if self.partial else ""
-        if len(self.shards) > 8:
-            return f"Layout(shape={self.shape}, {len(self.shards)} shards on ranks {_span(self.ranks)}{pending})"
-        return f"Layout(shape={self.shape}, shards={self.shards!r}{pending})"
+        """``Layout(shape=..., shards=[(offsets, sizes, placement), ...])``, which rebuilds it; large ones summarised."""
+        from fshard._repr import layout_repr
+
+        return layout_repr(self)
 
     @property
     def ndim(self) -> int:
@@ -159,8 +177,8 @@ class Layout:
 
     @property
     def numel(self) -> int:
-        """Number of elements of the global array."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        """Number of elements of the global array (an exact int, however large)."""
+        return math.prod(self.shape)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -324,9 +342,10 @@ def _validate(
     devices: tuple[str, ...],
 ) -> None:
     bounds = np.array(shape, np.int64)
-    hi = lo + sz
     nonempty = _boxes.rows_all(sz > 0)
-    _check_bounds(shape, shards, lo, sz, hi, bounds, nonempty)
+    _check_bounds(shape, shards, lo, sz, bounds, nonempty)
+    # Inside the shape, so no sum overflows; an empty box keeps hi = lo (it covers nothing either way).
+    hi = lo + np.where(nonempty[:, None], sz, 0)
     boxes = _distinct_boxes(shards, lo, sz, np.stack([rank, _codes(devices)], axis=1), nonempty)
     ulo, uhi = lo[boxes], hi[boxes]
     want = _shape_corners(shape)
@@ -343,13 +362,16 @@ def _shape_corners(shape: tuple[int, ...]) -> dict[tuple[int, ...], int]:
     return {tuple(n if e else 0 for n, e in zip(shape, c)): 1 - 2 * (sum(c) % 2) for c in corners}
 
 
-def _check_bounds(shape, shards, lo, sz, hi, bounds, nonempty) -> None:
-    """Raises naming the first non-empty shard that extends past ``shape``."""
-    past = _boxes.rows_any(hi > bounds) & nonempty
+def _check_bounds(shape, shards, lo, sz, bounds, nonempty) -> None:
+    """Raises naming the first non-empty shard that extends past ``shape``.
+
+    ``lo > bounds - sz`` is ``lo + sz > bounds`` without the int64 overflow of the sum.
+    """
+    past = _boxes.rows_any(lo > bounds - sz) & nonempty
     if not past.any():
         return
     i = int(np.flatnonzero(past)[0])
-    dim = int(np.flatnonzero(hi[i] > bounds)[0])
+    dim = int(np.flatnonzero(lo[i] > bounds - sz[i])[0])
     msg = (
         f"Shard {i} {shards[i]._box()} extends past shape {shape} in dim {dim} "
         f"({lo[i, dim]} + {sz[i, dim]} > {shape[dim]}): shrink the shard or grow the shape."
@@ -420,10 +442,10 @@ def _explain(shape, shards, lo, hi, nonempty, ulo, uhi, got, want) -> None:
                 continue
             point = tuple(int(v) for v in q)
             if not len(covering):
-                covered = int(np.prod(uhi - ulo, axis=1).sum()) if len(ulo) else 0
+                covered = sum(math.prod(r) for r in (uhi - ulo).tolist())
                 msg = (
                     f"Shards do not cover element {point} of shape {shape} (the distinct boxes "
-                    f"hold {covered} of {int(np.prod(shape))} elements): add a shard that covers it."
+                    f"hold {covered} of {math.prod(shape)} elements): add a shard that covers it."
                 )
                 raise LayoutError(msg)
             owners = nonempty[_boxes.count_containing(lo[nonempty], hi[nonempty], q)]
