@@ -165,10 +165,10 @@ class Layout:
         return (Layout, (self.shape, self.shards, self.partial))
 
     def __repr__(self) -> str:
-        """``Layout(shape=..., shards=[(offsets, sizes, placement), ...])``, which rebuilds it; large ones summarised."""
-        from fshard._repr import layout_repr
-
-        return layout_repr(self)
+        pending = f", partial={self.partial!r}" if self.partial else ""
+        if len(self.shards) > 8:
+            return f"Layout(shape={self.shape}, {len(self.shards)} shards on ranks {_span(self.ranks)}{pending})"
+        return f"Layout(shape={self.shape}, shards={self.shards!r}{pending})"
 
     @property
     def ndim(self) -> int:
