@@ -165,10 +165,10 @@ class Layout:
         return (Layout, (self.shape, self.shards, self.partial))
 
     def __repr__(self) -> str:
-        pending = f", partial={self.partial!r}" if self.partial else ""
-        if len(self.shards) > 8:
-            return f"Layout(shape={self.shape}, {len(self.shards)} shards on ranks {_span(self.ranks)}{pending})"
-        return f"Layout(shape={self.shape}, shards={self.shards!r}{pending})"
+        """``Layout(shape=..., shards=[(offsets, sizes, placement), ...])``, which rebuilds it; large ones summarised."""
+        from fshard._repr import layout_repr
+
+        return layout_repr(self)
 
     @property
     def ndim(self) -> int:
@@ -233,20 +233,41 @@ class Layout:
 
         return from_torch_metadata(metadata)
 
-    def visualize(self, width: int = 60) -> str:
-        """A text picture of a 1-D or 2-D layout: which ranks hold which box.
+    def visualize(self, width: int = 60, *, color: bool | str = False) -> str:
+        """A picture of the layout, to scale: which ranks hold which box.
+
+        Widths and heights are proportional to the boxes' extents (like
+        ``jax.debug.visualize_array_sharding``); an N-D layout is drawn over the dims
+        its boxes split (a summary where they split more than two), an empty one as a
+        line. A partial layout adds a line saying which reduction is pending.
+
+        Args:
+            width: the picture's width at most, in characters (at least 4).
+            color: ``False`` (plain text, the default); ``True``: each box in its lowest
+                rank's colour, as ANSI codes; ``"auto"``: colour only when standard output
+                is a terminal. Colour needs ``rich`` (the ``bench`` extra); without it
+                the text is plain.
+
+        Rows of 3, 3, 3 and 1 make bands of 2, 2, 2 and 1 lines:
 
         >>> from fshard import Chunk
-        >>> print(Chunk(0, [0, 1]).layout((4, 6)).visualize(width=12))
-        +-----------+
-        |    r0     |
-        +-----------+
-        |    r1     |
-        +-----------+
+        >>> print(Chunk(0, [0, 1, 2, 3]).layout((10, 20)).visualize(width=40))
+        +---------------------------------------+
+        |                  r0                   |
+        |                                       |
+        +---------------------------------------+
+        |                  r1                   |
+        |                                       |
+        +---------------------------------------+
+        |                  r2                   |
+        |                                       |
+        +---------------------------------------+
+        |                  r3                   |
+        +---------------------------------------+
         """
         from fshard._visualize import visualize
 
-        text = visualize(self, width)
+        text = visualize(self, width, color)  # type: ignore[arg-type]
         if self.partial is not None:
             text += f"\n(pending {self.partial}: each element is the {self.partial} of its copies)"
         return text
