@@ -16,7 +16,19 @@ import torch
 from fshard._boxes import rows_all, unique_rows
 from fshard._errors import SpecError
 
-__all__ = ["LOCAL", "POOL_LIMIT_BYTES", "Counters", "LocalBackend", "box_slices", "empty_cache"]
+__all__ = [
+    "LOCAL",
+    "POOL_LIMIT_BYTES",
+    "Counters",
+    "LocalBackend",
+    "accumulate",
+    "box_slices",
+    "combine_into",
+    "empty_cache",
+    "identity",
+    "needs_fill",
+    "reduce_plan",
+]
 
 # Memory of dead CPU output shards kept for reuse, at most this many bytes (see ``_Pool``).
 POOL_LIMIT_BYTES = 1 << 30
@@ -196,6 +208,71 @@ def _slice(start: int, size: int) -> slice:
     return slice(start, start + size)
 
 
+def identity(op: str, dtype: torch.dtype) -> float | int | bool:
+    """The value that ``op`` leaves unchanged: what a destination region no contribution reaches holds."""
+    if op == "sum":
+        return False if dtype == torch.bool else 0
+    if dtype == torch.bool:
+        return op == "min"
+    if dtype.is_floating_point:
+        return -math.inf if op == "max" else math.inf
+    if dtype.is_complex:
+        msg = f"A pending {op} cannot reduce complex values ({dtype}): only 'sum' can; reshard to a real dtype first."
+        raise SpecError(msg)
+    info = torch.iinfo(dtype)
+    return info.min if op == "max" else info.max
+
+
+def accumulate(op: str, into: torch.Tensor, value: torch.Tensor) -> None:
+    """``into = op(into, value)``, in place."""
+    if op == "sum":
+        into.add_(value)
+    elif op == "max":
+        torch.maximum(into, value, out=into)
+    else:
+        torch.minimum(into, value, out=into)
+
+
+@functools.lru_cache(maxsize=32)
+def needs_fill(plan: Any) -> frozenset[int]:
+    """Destination shards of a reduce phase with elements that no contribution reaches."""
+    first, _ = unique_rows(np.c_[plan.dst_shard, plan.lo])
+    covered = np.zeros(len(plan.dst.shards), np.int64)
+    np.add.at(covered, plan.dst_shard[first], plan.numel[first])
+    size = plan.dst._sz.prod(axis=1) if plan.dst.ndim else np.ones(len(plan.dst.shards), np.int64)
+    return frozenset(np.flatnonzero(covered < size).tolist())
+
+
+def reduce_plan(
+    plan: Any,
+    src: dict[int, torch.Tensor],
+    dst: dict[int, torch.Tensor],
+    rows: Iterable[int],
+    done: set[Any] | None = None,
+) -> None:
+    """Runs the contributions ``rows`` of a reduce phase, in plan order: the first contribution to a
+    region of a destination shard is copied, later ones are combined with ``plan.op``.
+
+    ``done`` names the regions written so far (to share with contributions received later).
+    """
+    moves, done = _moves(plan), set() if done is None else done
+    for k in rows:
+        i, j, read, write = moves[k]
+        combine_into(plan, j, write, src[i][read], dst, done)
+
+
+def combine_into(
+    plan: Any, j: int, write: tuple[slice, ...], value: torch.Tensor, dst: dict[int, torch.Tensor], done: set[Any]
+) -> None:
+    """Writes ``value`` into region ``write`` of destination shard ``j``: a copy the first time, else ``plan.op``."""
+    key = (j, tuple((w.start, w.stop) for w in write))
+    if key in done or j in needs_fill(plan):
+        accumulate(plan.op, dst[j][write], value)
+    else:
+        dst[j][write].copy_(value)
+        done.add(key)
+
+
 @functools.lru_cache(maxsize=256)
 def held(layout: Any, rank: int | None = None) -> int:
     """Elements held, summed over ranks (or on ``rank`` only): a box held twice by a rank counts once."""
@@ -235,11 +312,19 @@ class LocalBackend:
             _device(p)
 
     def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Copies each transfer's box out of its source shard into a new destination shard."""
-        out = {j: new_shard(plan.dst, j, like) for j in range(len(plan.dst.shards))}
-        copy_plan(plan, dict(enumerate(tensors)), out, range(len(plan)))
-        self.counters.elements_sent += plan.elements_sent
-        return tuple(out[j] for j in range(len(out)))
+        """Copies each transfer's box out of its source shard into a new destination shard
+        (combining the contributions of a reduce phase), phase by phase."""
+        for p in plan.phases:
+            out = {j: new_shard(p.dst, j, like) for j in range(len(p.dst.shards))}
+            if p.op is None:
+                copy_plan(p, dict(enumerate(tensors)), out, range(len(p)))
+            else:
+                for j in needs_fill(p):
+                    out[j].fill_(identity(p.op, like.dtype))
+                reduce_plan(p, dict(enumerate(tensors)), out, range(len(p)))
+            self.counters.elements_sent += p.elements_sent
+            tensors = tuple(out[j] for j in range(len(out)))
+        return tuple(tensors)
 
     def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
         """Copies each shard's box out of ``full`` (from rank ``src``: counts what other ranks receive)."""

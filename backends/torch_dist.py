@@ -45,7 +45,8 @@ from fshard._layout import Layout, ShardMeta
 from fshard._placement import Placement
 from fshard._plan import Plan, plan
 
-from .local import _POOL, Counters, copy_plan, new_shard, shard_device, slice_shards
+from .dist_reduce import collective_kind, reduce_schedule, run_collective, run_reduce
+from .local import _POOL, Counters, copy_plan, identity, needs_fill, new_shard, reduce_plan, shard_device, slice_shards
 
 __all__ = ["TorchDistBackend"]
 
@@ -152,12 +153,22 @@ class TorchDistBackend:
             shard_device(layout, i)
 
     def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Runs ``plan``: one ``all_to_all_single`` of packed per-peer buffers, or, when every
-        received box lands in place and the boxes are few and large, one message per box."""
-        index = self.addressable(plan.dst)
-        out = {j: new_shard(plan.dst, j, like) for j in index}
-        self._move("reshard", plan, tensors, out, like.dtype, direct=_direct(plan, like.element_size()))
-        return tuple(out[j] for j in index)
+        """Runs ``plan``, phase by phase: one ``all_to_all_single`` of packed per-peer buffers, or,
+        when every received box lands in place and the boxes are few and large, one message per
+        box; a reduce phase combines contributions (``all_reduce``/``reduce_scatter_tensor``
+        where the layouts are theirs)."""
+        kind = collective_kind(plan, self.ranks) if plan.src.partial is not None and self.member else None
+        if kind is not None and _on_wire(plan, self._wire):
+            return self._collective(kind, plan, tensors, like)
+        for p in plan.phases:
+            index = self.addressable(p.dst)
+            out = {j: new_shard(p.dst, j, like) for j in index}
+            if p.op is None:
+                self._move("reshard", p, tensors, out, like.dtype, direct=_direct(p, like.element_size()))
+            else:
+                self._reduce("reshard", p, tensors, out, like.dtype)
+            tensors = tuple(out[j] for j in index)
+        return tuple(tensors)
 
     def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
         """This rank's boxes of ``full``: sliced locally (``src=None``) or sent from rank ``src``.
@@ -214,6 +225,41 @@ class TorchDistBackend:
 
     # -- internals ---------------------------------------------------------------------
 
+    def _collective(
+        self, kind: str, p: Plan, tensors: Sequence[torch.Tensor], like: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        self._check(f"reshard:{kind}", (p.src, p.dst), like.dtype)
+        (j,) = self.addressable(p.dst)
+        out = _empty(p.dst.shards[j].sizes, like.dtype, self._wire)
+        run_collective(kind, p, tensors[0].to(self._wire), out, self.group)
+        self.counters.elements_sent += int(p.traffic()[self.rank].sum())
+        self.counters.collectives += 1
+        return (out.to(shard_device(p.dst, j)),)
+
+    def _reduce(
+        self, op: str, p: Plan, tensors: Sequence[torch.Tensor], out: dict[int, torch.Tensor], dtype: torch.dtype
+    ) -> None:
+        self._require_member(op)
+        self._check(op, (p.src, p.dst), dtype)
+        src = dict(zip(self.addressable(p.src), tensors))
+        sched = reduce_schedule(p, self.rank, self.ranks)
+        if p.elements_sent == 0:  # every rank reads this from the same plan: no collective anywhere
+            for j in needs_fill(p):
+                if j in out:
+                    out[j].fill_(identity(str(p.op), dtype))
+            reduce_plan(p, src, out, sched.local.tolist())
+            return
+        self._warm()
+        run_reduce(p, sched, src, out, dtype, self._wire, self.group, _empty)
+        self.counters.elements_sent += sched.sent
+        self.counters.collectives += 1
+
+    def _warm(self) -> None:
+        wire = self._wire
+        if wire.type == "cuda" and id(self.group) not in _WARM:
+            dist.all_reduce(torch.zeros(1, device=wire), group=self.group)  # NCCL: create the communicator before P2P
+            _WARM.add(id(self.group))
+
     @property
     def _wire(self) -> torch.device:
         name = str(dist.get_backend(self.group))
@@ -267,13 +313,16 @@ class TorchDistBackend:
             copy_plan(p, src, out, sched.local)
             return
         wire = self._wire
-        if wire.type == "cuda" and id(self.group) not in _WARM:
-            dist.all_reduce(torch.zeros(1, device=wire), group=self.group)  # NCCL: create the communicator before P2P
-            _WARM.add(id(self.group))
+        self._warm()
         transport = _p2p if direct or not _has_alltoall(str(dist.get_backend(self.group))) else _alltoall
         transport(p, sched, src, out, dtype, wire, self.group, lambda: copy_plan(p, src, out, sched.local))
         self.counters.elements_sent += sched.sent
         self.counters.collectives += 1
+
+
+def _on_wire(p: Plan, wire: torch.device) -> bool:
+    """Whether every shard of both layouts is placed on the wire's device type (as every rank sees)."""
+    return all(torch.device(d).type == wire.type for d in (*p.src._devices, *p.dst._devices))
 
 
 @functools.lru_cache(maxsize=256)
@@ -452,6 +501,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+def _contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be viewed as bytes in place: contiguous, and unit-strided even with one
+    element (torch calls a one-element view with any stride contiguous)."""
+    return t.is_contiguous() and (t.numel() != 1 or t.reshape(-1).stride(0) == 1)
+
+
 def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised contiguous tensor; on the CPU from memory that is already mapped."""
     if device.type == "cpu":
@@ -477,7 +532,7 @@ def _p2p(
     for peer, rows in sched.recv:
         for tag, k in enumerate(rows.tolist()):
             box = _view(out, sched.at_dst[k])
-            if not (box.is_contiguous() and box.device == wire):
+            if not (_contiguous(box) and box.device == wire):
                 staged.append((k, box, buf := _empty(box.shape, dtype, wire)))
                 box = buf
             else:
@@ -486,7 +541,7 @@ def _p2p(
     for peer, rows in sched.send:
         for tag, k in enumerate(rows.tolist()):
             box = _view(src, sched.at_src[k])
-            if not (box.is_contiguous() and box.device == wire):
+            if not (_contiguous(box) and box.device == wire):
                 box = _empty(box.shape, dtype, wire).copy_(box)
             ops.append(dist.P2POp(dist.isend, _bytes(box), peer, group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
@@ -510,7 +565,7 @@ def _in_place(span: _Span | None, tensors: dict, wire: torch.device) -> torch.Te
     if span is None:
         return None
     base = tensors[span[0]]
-    if base.device != wire or not base.is_contiguous():
+    if base.device != wire or not _contiguous(base):
         return None
     return base.reshape(-1)[span[1] : span[2]]
 
@@ -618,7 +673,7 @@ def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -
 @functools.lru_cache(maxsize=1024)
 def _layout_digest(layout: Layout) -> bytes:
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr(layout.shape).encode())
+    h.update(repr((layout.shape, layout.partial)).encode())
     for a in (layout._lo, layout._sz, layout._rank):
         h.update(np.ascontiguousarray(a, np.int64).tobytes())
     h.update("|".join(s.placement.device for s in layout.shards).encode())

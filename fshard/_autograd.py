@@ -6,7 +6,10 @@ the backward of each runs the opposite movement on the gradients:
 - ``Assemble`` (shards into a global tensor): backward slices the gradient.
 
 A replicated value is one value: its copies carry equal gradients, and a backward
-reads one copy rather than summing them (JAX and DTensor do the same). The forward
+reads one copy rather than summing them (JAX and DTensor do the same). The copies of
+a pending sum (``Layout.partial``) are summands: the gradient of each is the gradient
+of their sum, so the backward of a move between layouts with pending sums is the
+opposite move with every copy read as a replica (a reduction's backward broadcasts). The forward
 and the backward of each function are themselves movements, so gradients of any
 order work, and each function also has a forward-mode rule (``jvp``) and a batching
 rule (``vmap``: the batch becomes a leading dim that no shard splits), which is what
@@ -26,7 +29,8 @@ from typing import Any
 
 import torch
 
-from fshard._layout import Layout, ShardMeta
+from fshard._errors import SpecError
+from fshard._layout import Layout, ShardMeta, with_partial
 from fshard._plan import plan
 
 __all__ = ["assemble", "move", "scatter"]
@@ -50,7 +54,23 @@ def _dense(layout: Layout, backend: Any, grads: Sequence[Any], like: torch.Tenso
 def _batched(layout: Layout, n: int) -> Layout:
     """``layout`` with a leading dim of size ``n`` that every shard spans whole."""
     shards = tuple(ShardMeta((0, *s.offsets), (n, *s.sizes), s.placement) for s in layout.shards)
-    return Layout((n, *layout.shape), shards)
+    return Layout((n, *layout.shape), shards, layout.partial)
+
+
+def _linear(src: Layout, dst: Layout, what: str) -> tuple[Layout, Layout]:
+    """The layouts of the opposite (or same) move of gradients: copies read as replicas.
+
+    Raises:
+        SpecError: for a pending max or min, whose derivative this move cannot give.
+    """
+    for x in (src, dst):
+        if x.partial in ("max", "min"):
+            msg = (
+                f"The {what} of a pending {x.partial} is not supported: a max/min reduction is not linear. "
+                "Reduce it with fshard.gather or reshard outside the differentiated function, or use a sum."
+            )
+            raise SpecError(msg)
+    return with_partial(src, None), with_partial(dst, None)
 
 
 def _lead(t: torch.Tensor, dim: int | None, n: int) -> torch.Tensor:
@@ -105,13 +125,15 @@ class _Move(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         src, dst, backend, dtype, device = ctx.args
         like = _carrier(grads, dtype, device)
-        back, _ = move(dst, src, backend, _dense(dst, backend, grads[:-1], like), like)
+        to, frm = _linear(src, dst, "gradient")
+        back, _ = move(frm, to, backend, _dense(dst, backend, grads[:-1], like), like)
         return (None, None, None, _link_grad(ctx, 3, like), *back)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         src, dst, backend, dtype, device = ctx.args
         like = _carrier(tangents[3:], dtype, device)
+        _linear(src, dst, "forward derivative")
         out, link = move(src, dst, backend, _dense(src, backend, tangents[4:], like), like)
         return (*out, link)
 

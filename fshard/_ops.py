@@ -12,8 +12,9 @@ import torch
 from fshard import _autograd
 from fshard._array import Shard, ShardedArray
 from fshard._errors import LayoutError, SpecError
-from fshard._layout import Layout, ShardMeta
-from fshard._specs import as_layout
+from fshard._layout import Layout, ShardMeta, with_partial
+from fshard._placement import Placement
+from fshard._specs import Replicated, as_layout
 from fshard.backends import Backend, default_backend
 
 __all__ = [
@@ -78,6 +79,9 @@ def shard(
     Returns:
         A new ``ShardedArray``; non-contiguous inputs are read correctly.
 
+    With a ``Partial`` spec the array's value is still ``tensor``: one copy of each
+    element holds it and the others hold the identity (0 for a sum).
+
     Raises:
         SpecError: the spec does not fit ``tensor.shape``, or ranks disagree on ``src``.
 
@@ -92,10 +96,28 @@ def shard(
         shape: tuple[int, ...] = tuple(full.shape)
     else:
         shape, full = _source(tensor, src, backend)
-    layout = as_layout(spec, shape)
-    backend.check_layout(layout)
+    target = as_layout(spec, shape)
+    backend.check_layout(target)
+    # A pending reduction: slice into copies that all hold the value, then keep one of each.
+    layout = target if target.partial is None else with_partial(target, None) if src is None else _on(target, src)
     data, link = _autograd.scatter(full, layout, backend, src)
-    return ShardedArray(layout, data, backend, full.dtype, link)
+    out = ShardedArray(layout, data, backend, full.dtype, link)
+    return out if layout is target else reshard(out, target)
+
+
+def _on(layout: Layout, rank: int) -> Layout:
+    """The whole array once, on ``rank`` (on the device of its first shard in ``layout``)."""
+    held = layout.indices_on(rank)
+    device = layout.shards[held[0] if held else 0].placement.device
+    return Replicated([Placement(rank, device)]).layout(layout.shape)
+
+
+def _reduced(layout: Layout, dst: int | None) -> Layout:
+    """Where ``gather`` reduces a pending reduction: a copy on every rank of ``layout`` (or on ``dst``)."""
+    if dst is not None:
+        return _on(layout, dst)
+    firsts = [layout.shards[layout.indices_on(r)[0]].placement for r in layout.ranks]
+    return Replicated(firsts).layout(layout.shape)
 
 
 @overload
@@ -106,6 +128,8 @@ def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | Non
     """The global tensor: on every rank (``dst=None``) or on rank ``dst`` (others get ``None``).
 
     Each distinct box is read from one replica; uneven and empty shards need no padding.
+    A pending reduction (``Partial``) is carried out first, with the fewest elements
+    sent: a reduce-scatter then an all-gather (``dst=None``), or a reduce to ``dst``.
 
     >>> import torch, fshard
     >>> x = fshard.shard(torch.arange(6).reshape(2, 3), fshard.Chunk(1, [0, 1, 2, 3]))
@@ -113,11 +137,18 @@ def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | Non
     [[0, 1, 2], [3, 4, 5]]
     """
     _check_array(array, "gather()")
+    if array.layout.partial is not None:
+        array = reshard(array, _reduced(array.layout, dst))
     return _autograd.assemble(array.layout, array.backend, array._data, array._first(), dst)
 
 
 def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
     """The same global values in a new layout; only elements whose owner changes are sent.
+
+    From a pending reduction (``Partial``) to a non-partial spec, the copies are
+    reduced: a reduce-scatter (each element's summands reach its owner once,
+    combined on each sending rank), followed by an all-gather for replicated
+    targets. To a ``Partial`` spec, one copy of each element keeps the value.
 
     >>> import torch, fshard
     >>> x = fshard.shard(torch.arange(8.0).reshape(2, 4), fshard.Chunk(0, [0, 1]))

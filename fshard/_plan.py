@@ -12,7 +12,7 @@ from fshard import _boxes
 from fshard._errors import SpecError
 from fshard._layout import Layout
 
-__all__ = ["Box", "Plan", "Transfer", "plan"]
+__all__ = ["Box", "Plan", "Transfer", "chain", "plan"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -22,6 +22,10 @@ class Transfer:
     """Copy ``box`` (global coordinates) from a source shard to a destination shard.
 
     ``src_box`` and ``dst_box`` name the same global box, seen from either side.
+    ``op`` is set in a reduce phase: the destination box receives the ``op`` of the
+    transfers aimed at it rather than a copy. ``phase`` numbers the phase of a plan
+    in two phases (reduce, then copy to the replicas); shard indices refer to that
+    phase's layouts (``plan.phases[phase].src`` and ``.dst``).
     """
 
     src_rank: int
@@ -29,6 +33,8 @@ class Transfer:
     dst_rank: int
     dst_shard: int
     box: Box
+    op: str | None = None
+    phase: int = 0
 
     @property
     def src_box(self) -> Box:
@@ -55,6 +61,12 @@ class Plan:
     destination shard; an element crosses between ranks only when the receiving
     rank holds no copy of it, and then once, so ``elements_sent == min_elements_sent``.
 
+    Between layouts with pending reductions (``Layout.partial``) a plan has ``op``
+    set (a reduce phase: transfers into one box are combined) or is a chain of
+    ``phases`` (reduce-scatter, then copies to the replicas); ``elements_sent``,
+    ``traffic()`` and ``transfers`` cover every phase, and ``min_elements_sent`` is
+    the lower bound derived in ``fshard._reduce.lower_bound``.
+
     >>> from fshard import Chunk
     >>> p = plan(Chunk(0, [0, 1]).layout((4,)), Chunk(0, [1, 0]).layout((4,)))
     >>> p.elements_sent, p.min_elements_sent, len(p)
@@ -68,6 +80,13 @@ class Plan:
     lo: np.ndarray = dataclasses.field(repr=False)
     size: np.ndarray = dataclasses.field(repr=False)
     min_elements_sent: int = 0
+    op: str | None = None
+    steps: tuple[Plan, ...] = ()
+
+    @property
+    def phases(self) -> tuple[Plan, ...]:
+        """The single-phase plans to run in turn: ``(self,)``, or the two phases of a reduction."""
+        return self.steps or (self,)
 
     @property
     def src_rank(self) -> np.ndarray:
@@ -92,12 +111,16 @@ class Plan:
         corner names the box: no need to compare sizes.
         """
         cross = np.flatnonzero(self.src_rank != self.dst_rank)
-        first, _ = _boxes.unique_rows(np.c_[self.src_shard[cross], self.dst_rank[cross], self.lo[cross]])
+        # A reduce phase combines one rank's contributions to a box before sending them.
+        sender = self.src_rank if self.op is not None else self.src_shard
+        first, _ = _boxes.unique_rows(np.c_[sender[cross], self.dst_rank[cross], self.lo[cross]])
         return cross[first]
 
     @functools.cached_property
     def elements_sent(self) -> int:
-        """Elements that cross between different ranks."""
+        """Elements that cross between different ranks (every phase)."""
+        if self.steps:
+            return sum(p.elements_sent for p in self.steps)
         return int(self.numel[self._crossing].sum())
 
     def bytes_sent(self, itemsize: int) -> int:
@@ -105,26 +128,30 @@ class Plan:
         return self.elements_sent * int(itemsize)
 
     def traffic(self) -> np.ndarray:
-        """A world x world matrix: elements sent from rank i (row) to rank j (column)."""
+        """A world x world matrix: elements sent from rank i (row) to rank j (column), every phase."""
         world = int(max(self.src._rank.max(initial=-1), self.dst._rank.max(initial=-1))) + 1
         out = np.zeros((world, world), np.int64)
-        cross = self._crossing
-        np.add.at(out, (self.src_rank[cross], self.dst_rank[cross]), self.numel[cross])
+        for p in self.phases:
+            cross = p._crossing
+            np.add.at(out, (p.src_rank[cross], p.dst_rank[cross]), p.numel[cross])
         return out
 
     @functools.cached_property
     def transfers(self) -> tuple[Transfer, ...]:
-        """The transfers as ``Transfer`` values."""
+        """The transfers as ``Transfer`` values (of every phase, in turn)."""
+        return tuple(t for k, p in enumerate(self.phases) for t in p._transfers(k))
+
+    def _transfers(self, phase: int) -> tuple[Transfer, ...]:
         sr, dr = self.src_rank.tolist(), self.dst_rank.tolist()
         return tuple(
-            Transfer(sr[k], s, dr[k], d, (tuple(lo), tuple(sz)))
+            Transfer(sr[k], s, dr[k], d, (tuple(lo), tuple(sz)), self.op, phase)
             for k, (s, d, lo, sz) in enumerate(
                 zip(self.src_shard.tolist(), self.dst_shard.tolist(), self.lo.tolist(), self.size.tolist())
             )
         )
 
     def __len__(self) -> int:
-        return int(self.src_shard.shape[0])
+        return sum(int(p.src_shard.shape[0]) for p in self.phases)
 
     def __iter__(self) -> Any:
         return iter(self.transfers)
@@ -133,10 +160,20 @@ class Plan:
         return self.transfers[k]
 
     def __repr__(self) -> str:
+        kind = f"{len(self.steps)} phases, " if self.steps else (f"reduce {self.op}, " if self.op else "")
         return (
-            f"Plan({len(self)} transfers, {self.elements_sent} elements sent "
+            f"Plan({kind}{len(self)} transfers, {self.elements_sent} elements sent "
             f"(minimum {self.min_elements_sent}), shape {self.src.shape})"
         )
+
+
+def chain(src: Layout, dst: Layout, steps: tuple[Plan, ...], min_elements_sent: int) -> Plan:
+    """A plan that runs ``steps`` in turn (each a single-phase plan; the first from ``src``, the last to ``dst``)."""
+    empty = np.zeros(0, np.int64)
+    box = np.zeros((0, len(src.shape)), np.int64)
+    for a in (empty, box):
+        a.setflags(write=False)
+    return Plan(src, dst, empty, empty, box, box, min_elements_sent=min_elements_sent, steps=steps)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -145,7 +182,8 @@ def plan(src: Layout, dst: Layout) -> Plan:
 
     Local copies are used wherever the receiving rank already holds an element;
     otherwise the element is sent once per receiving rank, from a replica chosen
-    to balance the senders.
+    to balance the senders. Pending reductions (``Layout.partial``) are planned by
+    ``fshard._reduce``: reduce-scatter, then copies to the replicas.
 
     Raises:
         SpecError: if the layouts have different shapes.
@@ -154,6 +192,10 @@ def plan(src: Layout, dst: Layout) -> Plan:
         raise SpecError(f"plan() takes two Layouts, got {type(src).__name__} and {type(dst).__name__}.")
     if src.shape != dst.shape:
         raise SpecError(f"Cannot plan between shapes {src.shape} and {dst.shape}: shapes must match.")
+    if src.partial is not None or dst.partial is not None:
+        from fshard import _reduce
+
+        return _reduce.build(src, dst)  # type: ignore[return-value]
     return _build(src, dst)
 
 

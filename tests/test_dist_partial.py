@@ -1,0 +1,156 @@
+"""Pending reductions (``Partial``) under torch_dist on 4 Gloo processes.
+
+Each rank holds its own summands; every test checks the reduced values against the
+plain sum (max, min) and the elements this rank sent against the plan's accounting,
+whose total meets the lower bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fshard
+from fshard.backends.torch_dist import TorchDistBackend
+
+pytestmark = pytest.mark.multiprocess
+
+R = [0, 1, 2, 3]
+SHAPE = (8, 6)
+
+
+def _summand(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(SHAPE, generator=g, dtype=torch.float64)
+
+
+def _reduced(op: str) -> torch.Tensor:
+    stack = torch.stack([_summand(r) for r in R])
+    return {"sum": stack.sum(0), "max": stack.amax(0), "min": stack.amin(0)}[op]
+
+
+def _partial(op: str, inner=None) -> fshard.ShardedArray:
+    """Every rank's summand of the whole array (or of its boxes under ``inner``)."""
+    layout = fshard.Partial(inner or fshard.Replicated(R), op).layout(SHAPE)
+    mine = _summand(dist.get_rank())
+    shards = [
+        fshard.Shard(m, mine[tuple(slice(o, o + n) for o, n in zip(m.offsets, m.sizes))])
+        for m in layout.shards_on(dist.get_rank())
+    ]
+    return fshard.from_local_shards_and_layout(shards, layout)
+
+
+def _sent(fn, *args):
+    c = TorchDistBackend().counters
+    before = c.elements_sent
+    out = fn(*args)
+    return out, c.elements_sent - before
+
+
+TARGETS = {
+    "chunk-rows": fshard.Chunk(0, R),
+    "chunk-cols": fshard.Chunk(1, R),
+    "replicated": fshard.Replicated(R),
+    "single": fshard.Single(2),
+    "grid": fshard.Named(fshard.Mesh((2, 2)), ("x", "y")),
+    "rows+replicas": fshard.Named(fshard.Mesh((2, 2)), ("x", None)),
+    "partial-rows": fshard.Partial(fshard.Chunk(0, R)),
+    "partial-pairs": fshard.Partial(fshard.Named(fshard.Mesh((2, 2)), ("x", None))),
+}
+
+
+def _reshard_from_partial(op: str, name: str, inner_name: str | None):
+    inner = None if inner_name is None else TARGETS[inner_name]
+    p = _partial(op, inner)
+    spec = TARGETS[name]
+    if isinstance(spec, fshard.Partial):
+        spec = fshard.Partial(spec.spec, op)
+    y, sent = _sent(fshard.reshard, p, spec)
+    full = fshard.gather(y)
+    reference = _partial_reference(op, inner)
+    plan = fshard.plan(p.layout, y.layout)
+    return torch.allclose(full, reference, rtol=1e-12, atol=1e-12), sent, plan.elements_sent, plan.min_elements_sent
+
+
+def _partial_reference(op: str, inner) -> torch.Tensor:
+    """The value of ``_partial(op, inner)``, reduced in plain torch."""
+    layout = fshard.Partial(inner or fshard.Replicated(R), op).layout(SHAPE)
+    ident = {"sum": 0.0, "max": -torch.inf, "min": torch.inf}[op]
+    parts = []
+    for r in R:
+        t = torch.full(SHAPE, ident, dtype=torch.float64)
+        for m in layout.shards_on(r):
+            box = tuple(slice(o, o + n) for o, n in zip(m.offsets, m.sizes))
+            t[box] = _summand(r)[box]
+        parts.append(t)
+    stack = torch.stack(parts)
+    return {"sum": stack.sum(0), "max": stack.amax(0), "min": stack.amin(0)}[op]
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_reshard_from_replicated_summands(dist_pool, op, name):
+    results = dist_pool.run(_reshard_from_partial, op, name, None)
+    assert all(ok for ok, *_ in results), results
+    sent, planned, minimum = sum(r[1] for r in results), results[0][2], results[0][3]
+    assert sent == planned == minimum
+
+
+@pytest.mark.parametrize("inner", ["rows+replicas", "chunk-rows"])
+@pytest.mark.parametrize("name", ["chunk-cols", "replicated", "partial-rows"])
+def test_reshard_from_other_partial_layouts(dist_pool, inner, name):
+    results = dist_pool.run(_reshard_from_partial, "sum", name, inner)
+    assert all(ok for ok, *_ in results), results
+    assert sum(r[1] for r in results) == results[0][2] == results[0][3]
+
+
+def test_all_reduce_bound_is_exact(dist_pool):
+    """Partial(Replicated) of N elements on n ranks: (n-1)N to Chunk, 2(n-1)N to Replicated."""
+    results = dist_pool.run(_reshard_from_partial, "sum", "replicated", None)
+    n, numel = len(R), SHAPE[0] * SHAPE[1]
+    assert sum(r[1] for r in results) == 2 * (n - 1) * numel
+    results = dist_pool.run(_reshard_from_partial, "sum", "chunk-rows", None)
+    assert sum(r[1] for r in results) == (n - 1) * numel
+
+
+def _gather_partial(dst):
+    p = _partial("sum")
+    out = fshard.gather(p, dst=dst)
+    if out is None:
+        return None
+    return torch.allclose(out, _reduced("sum"), rtol=1e-12, atol=1e-12)
+
+
+def test_gather_reduces(dist_pool):
+    assert dist_pool.run(_gather_partial, None) == [True] * 4
+    assert dist_pool.run(_gather_partial, 1) == [None, True, None, None]
+
+
+def _shard_into_partial(src):
+    x = torch.arange(48.0).reshape(SHAPE)
+    a = fshard.shard(x if src in (None, dist.get_rank()) else None, fshard.Partial(fshard.Replicated(R)), src=src)
+    held = [s.data for s in a.addressable_shards]
+    return torch.equal(fshard.gather(a), x), float(held[0].abs().sum()) if held else None
+
+
+def test_shard_into_partial_keeps_one_summand(dist_pool):
+    for src in (None, 2):
+        results = dist_pool.run(_shard_into_partial, src)
+        assert all(ok for ok, _ in results)
+        # One rank holds the value, the others zeros.
+        assert sorted(total > 0 for _, total in results) == [False, False, False, True]
+
+
+def _backward_of_reduction():
+    mine = _summand(dist.get_rank()).requires_grad_(True)
+    layout = fshard.Partial(fshard.Replicated(R)).layout(SHAPE)
+    p = fshard.from_local_shards_and_layout([fshard.Shard(layout.shards_on(dist.get_rank())[0], mine)], layout)
+    y = fshard.reshard(p, fshard.Chunk(0, R))
+    w = torch.arange(48.0, dtype=torch.float64).reshape(SHAPE)
+    (fshard.gather(y) * w).sum().backward()
+    return torch.equal(mine.grad, w)
+
+
+def test_gradient_of_a_reduction_reaches_every_summand(dist_pool):
+    assert dist_pool.run(_backward_of_reduction) == [True] * 4
