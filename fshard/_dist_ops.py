@@ -16,6 +16,7 @@ from fshard._array import Shard, ShardedArray, empty_link
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, check_shape
 from fshard._placement import Placement
+from fshard._specs import as_layout
 from fshard.backends import Backend, default_backend
 
 __all__ = ["check_pieces", "from_local_shards", "from_local_tensor"]
@@ -178,22 +179,44 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
     return ShardedArray(layout, mine, backend, dtype, None if mine else empty_link(dtype, grad))
 
 
-def from_local_tensor(tensor: torch.Tensor, dim: int = 0, *, group: Any = None) -> ShardedArray:
-    """Builds an array whose rank ``i`` block along ``dim`` is rank ``i``'s ``tensor``.
+def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: Any = None) -> ShardedArray:
+    """Builds an array from each rank's local tensor: a block along ``dim``, or its shard of a spec.
 
-    Blocks are stacked in group-rank order; their sizes along ``dim`` may differ
-    (and be zero); other dims, dtype and requires_grad must agree across ranks.
-    On the local backend the one tensor is the whole array, on rank 0.
+    With an int ``dim``, rank ``i``'s tensor is block ``i`` along ``dim``: blocks
+    are stacked in group-rank order; their sizes along ``dim`` may differ (and be
+    zero); other dims, dtype and requires_grad must agree across ranks (sizes are
+    exchanged once). On the local backend the one tensor is the whole array, on rank 0.
+
+    With a spec and the global ``shape`` (torch's
+    ``ShardedTensor._init_from_local_tensor(tensor, spec, shape)``; torch's
+    ``ChunkShardingSpec`` and ``EnumerableShardingSpec`` work too), each rank's
+    tensor is its shard of ``spec.layout(shape)``, whatever the order of the
+    placements. A rank that holds several shards (every shard, on the local
+    backend) passes a list of tensors in layout order; one that holds none
+    passes ``None`` or an empty list. Tensor properties are exchanged once, so
+    every rank raises the same error.
 
     >>> import torch, fshard
     >>> x = fshard.from_local_tensor(torch.ones(3, 2), dim=1)
     >>> x.shape, x.layout.ranks
     (torch.Size([3, 2]), (0,))
+    >>> spec = fshard.Chunk(0, [1, 0])  # on the local backend: every rank's tensor, in layout order
+    >>> y = fshard.from_local_tensor([torch.zeros(2, 2), torch.ones(1, 2)], spec, (3, 2))
+    >>> fshard.gather(y)[:, 0].tolist(), [s.placement.rank for s in y.layout.shards]
+    ([0.0, 0.0, 1.0], [1, 0])
 
     Raises:
-        SpecError: ``dim`` is out of range, or blocks disagree off ``dim`` or in dtype.
+        SpecError: ``dim`` is out of range, blocks disagree off ``dim`` or in dtype, a
+            spec's shards do not cover the entire tensor, or a local tensor is not
+            contiguous ("not a contiguous Tensor").
+        LayoutError: a local tensor does not have its shard's sizes, or a rank passes
+            more or fewer tensors than it holds shards.
         TypeError: ``tensor`` is not a ``torch.Tensor``.
     """
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        return _from_local_tensor_and_spec(tensor, dim, shape, _backend(group))
+    if shape is not None:
+        raise TypeError(f"from_local_tensor(tensor, dim={dim}) takes no shape; shape goes with a spec.")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"from_local_tensor() takes a torch.Tensor, got {type(tensor).__name__}.")
     backend = _backend(group)
@@ -210,13 +233,69 @@ def from_local_tensor(tensor: torch.Tensor, dim: int = 0, *, group: Any = None) 
     dim %= tensor.ndim
     _check_blocks(seen, dim)
     offsets, metas = 0, []
-    for rank, shape, *_, device in seen:
-        box_offsets = tuple(offsets if k == dim else 0 for k in range(len(shape)))
-        metas.append(ShardMeta(box_offsets, shape, Placement(rank, device)))
-        offsets += shape[dim]
+    for rank, shape_r, *_, device in seen:
+        box_offsets = tuple(offsets if k == dim else 0 for k in range(len(shape_r)))
+        metas.append(ShardMeta(box_offsets, shape_r, Placement(rank, device)))
+        offsets += shape_r[dim]
     gshape = tuple(offsets if k == dim else s for k, s in enumerate(tensor.shape))
     layout = Layout(gshape, tuple(metas))
     return ShardedArray(layout, (tensor,), backend)
+
+
+def _from_local_tensor_and_spec(tensor: Any, spec: Any, shape: Any, backend: Backend) -> ShardedArray:
+    """``from_local_tensor(tensor, spec, shape)``: this rank's tensors are its shards of the spec's layout."""
+    if shape is None:
+        raise TypeError("from_local_tensor(tensor, spec, shape) needs the global shape with a spec.")
+    gshape = check_shape(tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else (shape,))
+    try:
+        layout = as_layout(spec, gshape)
+    except LayoutError as exc:
+        msg = f"from_local_tensor(): the spec's shards do not cover the entire tensor of shape {gshape}: {exc}"
+        raise SpecError(msg) from exc
+    backend.check_layout(layout)
+    tensors = _local_tensors(tensor)
+    index = backend.addressable(layout)
+    problems = _local_problems(tensors, layout, index)
+    props = {(t.dtype, t.requires_grad) for t in tensors}
+    seen = backend.exchange((backend.rank, tuple(problems), props))
+    problems = [_at(r, p) for r, ps, _ in seen for p in ps]
+    if problems:
+        raise LayoutError("from_local_tensor(): " + "; ".join(problems) + ".")
+    every = {p for *_, ps in seen for p in ps}
+    if len(every) > 1:
+        given = ", ".join(f"rank {r}: {sorted(map(str, ps))}" for r, _, ps in seen if ps)
+        msg = f"from_local_tensor(): local tensors differ in (dtype, requires_grad): {given}; make them agree."
+        raise SpecError(msg)
+    dtype = next(iter(every))[0] if every else torch.get_default_dtype()
+    grad = bool(every) and next(iter(every))[1]
+    return ShardedArray(layout, tensors, backend, dtype, None if tensors else empty_link(dtype, grad))
+
+
+def _local_tensors(tensor: Any) -> tuple[torch.Tensor, ...]:
+    if tensor is None:
+        return ()
+    items = (tensor,) if isinstance(tensor, torch.Tensor) else tuple(tensor)
+    for k, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"from_local_tensor() takes torch.Tensors, got {type(t).__name__} (item {k}).")
+    return items
+
+
+def _local_problems(tensors: Sequence[torch.Tensor], layout: Layout, index: Sequence[int]) -> list[str]:
+    """What is wrong with this rank's tensors as its shards ``index`` of ``layout``."""
+    if len(tensors) != len(index):
+        return [
+            f"passed {len(tensors)} local tensor(s) but holds {len(index)} shard(s) of {layout!r}: "
+            "pass one tensor per shard, in layout order"
+        ]
+    problems = []
+    for i, t in zip(index, tensors):
+        meta = layout.shards[i]
+        if tuple(t.shape) != meta.sizes:
+            problems.append(f"local tensor of shape {tuple(t.shape)} is not the size of shard {i} {meta._box()}")
+        elif not t.is_contiguous():
+            problems.append(f"local_tensor is not a contiguous Tensor (shard {i}): pass tensor.contiguous()")
+    return problems
 
 
 def _check_blocks(seen: Sequence[tuple[Any, ...]], dim: int) -> None:

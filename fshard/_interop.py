@@ -16,11 +16,19 @@ import torch
 from fshard._array import Shard, ShardedArray
 from fshard._errors import SpecError
 from fshard._layout import Layout, ShardMeta
-from fshard._ops import from_local_shards_and_layout
+from fshard._ops import from_local_shards_and_layout, reshard
 from fshard._placement import Placement
 from fshard._specs import Mesh, Named
+from fshard._torch_meta import is_sharded_tensor
 
-__all__ = ["from_dtensor", "from_sharded_tensor", "to_dtensor", "to_sharded_tensor"]
+__all__ = [
+    "from_dtensor",
+    "from_sharded_tensor",
+    "from_torch_value",
+    "shard_sharded_tensor",
+    "to_dtensor",
+    "to_sharded_tensor",
+]
 
 
 def _dist_backend(array: ShardedArray, what: str) -> Any:
@@ -58,7 +66,8 @@ def to_sharded_tensor(array: ShardedArray) -> Any:
     as ``ChunkShardingSpec`` does) moves to the end of the dim it is empty in.
 
     Raises:
-        SpecError: the array is not on the torch_dist backend, or its layout has replicas.
+        SpecError: the array is not on the torch_dist backend, its layout has replicas,
+            or it holds a pending reduction (``fshard.Partial``).
 
     >>> import torch, torch.distributed as dist, fshard
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -73,6 +82,7 @@ def to_sharded_tensor(array: ShardedArray) -> Any:
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torch.distributed._shard.sharded_tensor.shard import Shard as TorchShard
 
+    _check_not_partial(array, "to_sharded_tensor()", "which a ShardedTensor cannot hold")
     backend = _dist_backend(array, "to_sharded_tensor()")
     layout = array.layout
     boxes = [(s.offsets, s.sizes) for s in layout.shards if s.numel]
@@ -86,6 +96,15 @@ def to_sharded_tensor(array: ShardedArray) -> Any:
     mine = backend.addressable(layout)
     local = [TorchShard(t.contiguous(), meta.shards_metadata[i]) for i, t in zip(mine, array.addressable_data)]
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=backend.group)
+
+
+def _check_not_partial(array: ShardedArray, what: str, why: str) -> None:
+    if array.layout.partial is not None:
+        msg = (
+            f"{what} got an array with a pending {array.layout.partial} (fshard.Partial), {why}: reshard it to a "
+            "non-partial spec first, e.g. fshard.reshard(x, fshard.Chunk(0, ranks))."
+        )
+        raise SpecError(msg)
 
 
 def _in_bounds(layout: Layout) -> Layout:
@@ -120,6 +139,27 @@ def from_sharded_tensor(st: Any) -> ShardedArray:
     layout = Layout.from_torch_metadata(st.metadata())
     shards = [Shard(_shard_meta(s.metadata), s.tensor) for s in st.local_shards()]
     return from_local_shards_and_layout(shards, layout, backend=_torch_dist_backend(st._process_group))
+
+
+def shard_sharded_tensor(st: Any, spec: Any, *, src: int | None = None, backend: Any = None) -> ShardedArray:
+    """``fshard.shard`` of a ``ShardedTensor``: it is already sharded, so it is converted, then resharded.
+
+    Raises:
+        SpecError: ``src`` or ``backend`` is given: a ShardedTensor's data already lives
+            on its process group's ranks; the message gives the conversion to use.
+    """
+    if src is not None or backend is not None:
+        msg = (
+            "shard() got a torch ShardedTensor together with src= or backend=: its data already lives on its "
+            "process group's ranks. Convert it instead: fshard.reshard(fshard.from_sharded_tensor(st), spec)."
+        )
+        raise SpecError(msg)
+    return reshard(from_sharded_tensor(st), spec)
+
+
+def from_torch_value(value: Any) -> Any:
+    """A ``ShardedTensor`` as a ``ShardedArray`` (``from_sharded_tensor``); anything else as it is."""
+    return from_sharded_tensor(value) if is_sharded_tensor(value) else value
 
 
 def _shard_meta(meta: Any) -> ShardMeta:
@@ -199,8 +239,9 @@ def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
     creates sub-groups); later calls reuse it.
 
     Raises:
-        SpecError: the array is not on the torch_dist backend, or DTensor cannot
-            express its layout on the mesh (arbitrary boxes, several boxes per rank).
+        SpecError: the array is not on the torch_dist backend, holds a pending reduction
+            (``fshard.Partial``), or DTensor cannot express its layout on the mesh
+            (arbitrary boxes, several boxes per rank).
 
     >>> import torch, torch.distributed as dist, fshard
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -211,6 +252,7 @@ def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
     ((Replicate(),), [0.0, 1.0, 2.0, 3.0])
     >>> dist.destroy_process_group()
     """
+    _check_not_partial(array, "to_dtensor()", "which to_dtensor() does not convert")
     backend = _dist_backend(array, "to_dtensor()")
     from torch.distributed.tensor import DTensor
 

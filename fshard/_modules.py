@@ -8,32 +8,41 @@ from typing import Any
 import torch
 
 from fshard._array import ShardedArray
-from fshard._ops import gather, shard
+from fshard._ops import gather, reshard, shard
+from fshard._torch_meta import is_sharded_tensor
 from fshard.backends import Backend
 
-__all__ = ["load_state_dict", "shard_params"]
+__all__ = ["load_state_dict", "shard_params", "sharded_attributes"]
 
 
 def shard_params(
     module_or_state_dict: torch.nn.Module | Mapping[str, Any],
-    spec_fn: Callable[[str, torch.Tensor], Any],
+    spec_fn: Callable[[str, Any], Any] | None = None,
     *,
     backend: Backend | None = None,
 ) -> dict[str, Any]:
-    """Each entry of a state dict sharded by ``spec_fn(name, tensor)``, or kept whole where it returns ``None``.
+    """Each entry of a state dict sharded by ``spec_fn(name, value)``, or kept as it is where it returns ``None``.
 
     Pure: the module is not changed and the result shares no memory with it
     (tensors kept whole are copied). Every rank passes the full tensors and
     slices its own boxes, so nothing is sent (``fshard.shard`` with ``src=None``).
-    Entries that are not tensors are kept as they are.
+
+    Sharded entries are read too: a module's ``ShardedArray`` and torch
+    ``ShardedTensor`` attributes (which ``state_dict()`` leaves out) join the
+    dict under their dotted names, and every ``ShardedTensor`` (attribute or
+    state-dict entry) becomes a ``ShardedArray`` (``fshard.from_sharded_tensor``).
+    ``spec_fn`` sees that array; a spec reshards it, ``None`` keeps its layout. So
+    ``shard_params(torch_state_dict)`` converts a torch state dict in one call.
+    Entries that are neither tensors nor arrays are kept as they are.
 
     Args:
-        module_or_state_dict: a module (its ``state_dict()`` is read) or a mapping of names to tensors.
-        spec_fn: called with each name and tensor; returns a spec, a ``Layout`` or ``None``.
+        module_or_state_dict: a module (its ``state_dict()`` is read) or a mapping of names to values.
+        spec_fn: called with each name and tensor (or array); returns a spec, a ``Layout``
+            or ``None``. Default: ``None`` for every entry.
         backend: for the new arrays (default: torch_dist when initialised, else local).
 
     Returns:
-        A dict in state-dict order: ``ShardedArray`` or tensor per name.
+        A dict in state-dict order (sharded attributes last): ``ShardedArray`` or tensor per name.
 
     >>> import torch, fshard
     >>> model = torch.nn.Linear(4, 3)
@@ -43,37 +52,66 @@ def shard_params(
     >>> [tuple(s.data.shape) for s in params["weight"].addressable_shards]
     [(2, 4), (1, 4)]
     """
+    spec_of = _keep if spec_fn is None else spec_fn
+    return {name: _entry(name, value, spec_of, backend) for name, value in _state(module_or_state_dict).items()}
+
+
+def _keep(name: str, value: Any) -> None:
+    return None
+
+
+def _state(module_or_state_dict: Any) -> Mapping[str, Any]:
     if isinstance(module_or_state_dict, torch.nn.Module):
-        state: Mapping[str, Any] = module_or_state_dict.state_dict()
-    elif isinstance(module_or_state_dict, Mapping):
-        state = module_or_state_dict
-    else:
-        kind = type(module_or_state_dict).__name__
-        msg = f"shard_params() takes a torch.nn.Module or a mapping of names to tensors, got {kind}."
-        raise TypeError(msg)
+        return {**module_or_state_dict.state_dict(), **sharded_attributes(module_or_state_dict)}
+    if isinstance(module_or_state_dict, Mapping):
+        return module_or_state_dict
+    kind = type(module_or_state_dict).__name__
+    msg = f"shard_params() takes a torch.nn.Module or a mapping of names to tensors, got {kind}."
+    raise TypeError(msg)
+
+
+def _entry(name: str, value: Any, spec_fn: Callable[[str, Any], Any], backend: Backend | None) -> Any:
+    if is_sharded_tensor(value):
+        from fshard._interop import from_sharded_tensor
+
+        value = from_sharded_tensor(value)
+    if isinstance(value, ShardedArray):
+        spec = spec_fn(name, value)
+        return value if spec is None else reshard(value, spec)
+    if not isinstance(value, torch.Tensor):
+        return value
+    tensor = value.detach()
+    spec = spec_fn(name, tensor)
+    return tensor.clone() if spec is None else shard(tensor, spec, backend=backend)
+
+
+def sharded_attributes(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's ``ShardedArray`` and ``ShardedTensor`` attributes by dotted name (torch's
+    ``state_dict_hook`` adds the latter to a state dict the same way)."""
     out: dict[str, Any] = {}
-    for name, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            out[name] = value
-            continue
-        tensor = value.detach()
-        spec = spec_fn(name, tensor)
-        out[name] = tensor.clone() if spec is None else shard(tensor, spec, backend=backend)
+    for prefix, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if isinstance(value, ShardedArray) or is_sharded_tensor(value):
+                out[f"{prefix}.{attr}" if prefix else attr] = value
     return out
 
 
 def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict: bool = True) -> Any:
     """Loads a flat tree of names to ``ShardedArray``s and tensors into ``module`` (collective).
 
-    Each array is gathered to a full tensor on every rank, then the whole dict
-    goes to ``module.load_state_dict`` (so a process briefly holds a second full
-    copy of the parameters). This is how a checkpoint saved on any world size
-    goes back into a module: ``load`` it (or ``shard_params`` a fresh module as
-    ``like=``), then call this.
+    Parameters and buffers: each array is gathered to a full tensor on every rank,
+    then the dict goes to ``module.load_state_dict`` (so a process briefly holds a
+    second full copy of them). Sharded attributes (names that ``shard_params``
+    read from a module's ``ShardedArray`` or ``ShardedTensor`` attributes, or
+    attributes that are ``None`` in a fresh module) are set to the loaded arrays,
+    still sharded; one that held a ``ShardedTensor`` gets one back
+    (``fshard.to_sharded_tensor``). This is how a checkpoint saved on any world
+    size goes back into a module: ``load`` it (or ``shard_params`` a fresh module
+    as ``like=``), then call this.
 
     Args:
         module: changed in place, as ``torch.nn.Module.load_state_dict`` does.
-        tree: names as in ``module.state_dict()``.
+        tree: names as in ``module.state_dict()``, plus its sharded attributes.
         strict: as in ``torch.nn.Module.load_state_dict``.
 
     Returns:
@@ -97,5 +135,30 @@ def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict:
     """
     if not isinstance(tree, Mapping):
         raise TypeError(f"load_state_dict() takes a mapping of names to arrays or tensors, got {type(tree).__name__}.")
-    full = {name: gather(v) if isinstance(v, ShardedArray) else v for name, v in tree.items()}
+    known = module.state_dict().keys()
+    rest = {}
+    for name, value in tree.items():
+        if name in known or not _set_sharded_attribute(module, name, value):
+            rest[name] = value
+    full = {name: gather(v) if isinstance(v, ShardedArray) else v for name, v in rest.items()}
     return module.load_state_dict(full, strict=strict)
+
+
+def _set_sharded_attribute(module: torch.nn.Module, name: str, value: Any) -> bool:
+    """Sets ``module.<name>`` to ``value`` if it names a sharded attribute (or one that is ``None``)."""
+    path, _, attr = name.rpartition(".")
+    try:
+        owner = module.get_submodule(path)
+    except AttributeError:
+        return False
+    if attr not in vars(owner) or not isinstance(value, ShardedArray):
+        return False
+    old = vars(owner)[attr]
+    if is_sharded_tensor(old):
+        from fshard._interop import to_sharded_tensor
+
+        value = to_sharded_tensor(value)
+    elif old is not None and not isinstance(old, ShardedArray):
+        return False
+    setattr(owner, attr, value)
+    return True

@@ -22,6 +22,7 @@ __all__ = [
     "from_torch_metadata",
     "from_torch_spec",
     "is_shard_metadata",
+    "is_sharded_tensor",
     "is_torch_spec",
     "layout_of_torch_spec",
     "shard_meta_from_torch",
@@ -36,6 +37,12 @@ def _torch_class(module: str, name: str) -> type | None:
 def is_shard_metadata(value: Any) -> bool:
     """True for torch's ``ShardMetadata`` (without importing torch.distributed)."""
     cls = _torch_class("torch.distributed._shard.metadata", "ShardMetadata")
+    return cls is not None and isinstance(value, cls)
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    """True for torch's ``ShardedTensor`` (without importing torch.distributed)."""
+    cls = _torch_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
     return cls is not None and isinstance(value, cls)
 
 
