@@ -13,6 +13,7 @@ Every rank runs the same lines with the same arguments (SPMD); only rank 0 print
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -43,7 +44,7 @@ def main() -> dict[str, object]:
     # 1. Shard rows over every rank: each rank keeps its own block, nothing is sent.
     rows = fshard.shard(x, fshard.Chunk(0, ranks))
     say(rows)
-    say(rows.layout.visualize(width=36))
+    say(rows.layout.visualize(width=36, color="auto"))  # colours per rank on a terminal with rich
 
     # 2. Reshard to columns: only the elements whose owner changes move.
     cols = fshard.reshard(rows, fshard.Chunk(1, ranks))
@@ -67,6 +68,8 @@ def main() -> dict[str, object]:
 
 
 if __name__ == "__main__":
+    # No options: --help says what the script does, anything else is an error, not a traceback.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     result = main()
     if not result["ok"]:
         raise SystemExit(1)

@@ -177,10 +177,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--phase", choices=["save", "resume"], help="under torchrun: the phase to run")
     parser.add_argument("--dir", help="checkpoint directory (default: a temporary one)")
     args = parser.parse_args(argv)
+    if args.dir is not None and os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        parser.error(f"--dir {args.dir} is a file; give a directory for the checkpoint")
     if "RANK" in os.environ and not dist.is_initialized():
         if args.phase is None or args.dir is None:
             parser.error("under torchrun, pass --phase save|resume and --dir")
         return _torchrun(args.phase, args.dir)
+    if args.phase is not None:
+        parser.error("--phase runs one phase under torchrun; without torchrun the script runs both")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.dir or os.path.join(tmp, "ckpt")
         if args.world:

@@ -67,11 +67,11 @@ def run(world: int, backend: Any = None) -> dict[str, Any]:
     return {"rows": rows, "ok": ok and mapped, "mapped": mapped}
 
 
-def report(title: str, result: dict[str, Any], world: int) -> str:
-    """The layout pictures and the reshard table as text."""
+def report(title: str, result: dict[str, Any], world: int, color: bool | str = False) -> str:
+    """The layout pictures and the reshard table as text (``color``: see ``Layout.visualize``)."""
     lines = [f"== {title} =="]
     for name, s in specs(world).items():
-        lines += [f"-- {name}", s.layout(SHAPE).visualize(width=48)]
+        lines += [f"-- {name}", s.layout(SHAPE).visualize(width=48, color=color)]
     lines.append(f"{'source':<16} {'target':<16} {'sent':>7} {'minimum':>7} {'ms':>8}  equal")
     for src, dst, sent, minimum, ms, same in result["rows"]:
         lines.append(f"{src:<16} {dst:<16} {sent:>7} {minimum:>7} {ms:>8.2f}  {'yes' if same else 'NO'}")
@@ -84,23 +84,31 @@ def _dist_job(world: int) -> dict[str, Any]:
     return run(world)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m fshard demo``; exits non-zero if any check fails."""
-    parser = argparse.ArgumentParser(prog="python -m fshard demo", description=__doc__)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m fshard demo") -> int:
+    """Entry point of ``fshard demo``; exits non-zero if any check fails."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--world", type=int, default=4, help="ranks (local backend and Gloo processes)")
     parser.add_argument("--local-only", action="store_true", help="skip the Gloo processes")
+    parser.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="colour the layout pictures per rank: on a terminal (auto, needs rich), always, never",
+    )
     args = parser.parse_args(argv)
     if args.world < 1:
         parser.error(f"--world must be at least 1, got {args.world}")
+    color = {"auto": "auto", "always": True, "never": False}[args.color]
     local = run(args.world)
-    print(report(f"local backend, {args.world} ranks in this process", local, args.world))
+    print(report(f"local backend, {args.world} ranks in this process", local, args.world, color))
     ok = local["ok"]
     if not args.local_only:
         from fshard._launch import launch
 
         results = launch(_dist_job, args.world, args.world)
         print()
-        print(report(f"torch_dist backend, {args.world} Gloo processes on 127.0.0.1", results[0], args.world))
+        title = f"torch_dist backend, {args.world} Gloo processes on 127.0.0.1"
+        print(report(title, results[0], args.world, color))
         ok &= all(r["ok"] for r in results)
         ok &= [r[:4] for r in results[0]["rows"]] == [r[:4] for r in local["rows"]]
     print("\nverdict:", "OK" if ok else "FAILED")

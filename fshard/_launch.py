@@ -195,6 +195,10 @@ def check_main(
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="local backend: simulated ranks")
     parser.add_argument("--world", type=int, default=0, help="spawn this many Gloo processes instead")
     args = parser.parse_args(argv)
+    if min(args.ranks) < 1:
+        parser.error(f"--ranks must all be at least 1, got {args.ranks}")
+    if args.world < 0:
+        parser.error(f"--world must be at least 1 (or 0: no processes), got {args.world}")
     if "RANK" in os.environ and not dist.is_initialized():  # started by torchrun
         dist.init_process_group("gloo")
         try:
