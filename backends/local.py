@@ -15,6 +15,7 @@ import torch
 
 from fshard._boxes import rows_all, unique_rows
 from fshard._errors import SpecError
+from fshard._log import log_move
 
 __all__ = [
     "LOCAL",
@@ -314,6 +315,7 @@ class LocalBackend:
     def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Copies each transfer's box out of its source shard into a new destination shard
         (combining the contributions of a reduce phase), phase by phase."""
+        log_move("local", plan, like.element_size())
         for p in plan.phases:
             out = {j: new_shard(p.dst, j, like) for j in range(len(p.dst.shards))}
             if p.op is None:

@@ -42,6 +42,7 @@ from fshard._boxes import rows_prod, unique_rows
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._layout import Layout, ShardMeta
+from fshard._log import log_move
 from fshard._placement import Placement
 from fshard._plan import Plan, plan
 
@@ -157,6 +158,7 @@ class TorchDistBackend:
         when every received box lands in place and the boxes are few and large, one message per
         box; a reduce phase combines contributions (``all_reduce``/``reduce_scatter_tensor``
         where the layouts are theirs)."""
+        log_move("torch_dist", plan, like.element_size(), self.rank)
         kind = collective_kind(plan, self.ranks) if plan.src.partial is not None and self.member else None
         if kind is not None and _on_wire(plan, self._wire):
             return self._collective(kind, plan, tensors, like)
