@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 import fshard
 from fshard._checkpoint import _reader, _write
+from fshard._checkpoint._format import _index_digest
 
 SHAPE = (10, 12)
 ALL = [0, 1, 2, 3]
@@ -248,9 +249,10 @@ def test_a_file_from_elsewhere_is_caught(saved):
         (lambda root: (root / "index.json").write_text("{"), "is not valid JSON"),
         (lambda root: _edit_index(root, version=99), "format version 99"),
         (lambda root: _edit_index(root, data="../elsewhere"), "names data directory"),
-        (lambda root: _edit_index(root, leaves=[]), "malformed"),
+        (lambda root: _edit_index(root, leaves=[]), r"malformed: tree\.dict\[0\]\[1\]\.leaf names a leaf"),
+        (lambda root: _edit_index(root, redigest=False, leaves=[]), "does not match its digest"),
     ],
-    ids=["no-index", "bad-json", "version", "data-dir", "leaves"],
+    ids=["no-index", "bad-json", "version", "data-dir", "leaves", "leaves-without-digest"],
 )
 def test_a_damaged_index_is_caught(saved, edit, message):
     root, _ = saved
@@ -259,9 +261,12 @@ def test_a_damaged_index_is_caught(saved, edit, message):
         fshard.load(root)
 
 
-def _edit_index(root: Path, **changes) -> None:
-    index = json.loads((root / "index.json").read_text())
-    (root / "index.json").write_text(json.dumps(index | changes))
+def _edit_index(root: Path, redigest: bool = True, **changes) -> None:
+    """Changes top-level keys of the index; ``redigest`` updates its digest, as a deliberate writer would."""
+    index = json.loads((root / "index.json").read_text()) | changes
+    if redigest:
+        index["digest"] = _index_digest(index)
+    (root / "index.json").write_text(json.dumps(index))
 
 
 @pytest.mark.parametrize(
@@ -389,7 +394,7 @@ def test_load_takes_like_or_specs_not_both(saved):
 def test_checkpoint_info_shows_tree_shapes_dtypes_and_layouts(saved):
     root, _ = saved
     text = fshard.checkpoint_info(root)
-    assert f"fshard checkpoint {root} (format 1): 2 leaves" in text
+    assert f"fshard checkpoint {root} (format 2): 2 leaves" in text
     assert "['x']: array float32 (10, 12), 4 boxes written" in text
     assert "['step']: int = 3" in text
     assert re.search(r"\|\s+r3\s+\|", text)

@@ -17,18 +17,26 @@ def _agree(backend: Backend, what: str, fn: Callable[[], Any], *, share: bool = 
 
     Returns ``fn``'s result, or with ``share`` every rank's result (one exchange either way).
     """
+    out, shared = _agree_on(backend, what, fn, (lambda o: o) if share else (lambda o: None))
+    return shared if share else out
+
+
+def _agree_on(
+    backend: Backend, what: str, fn: Callable[[], Any], summary: Callable[[Any], Any]
+) -> tuple[Any, list[Any]]:
+    """Like ``_agree``; returns ``fn``'s result here and every rank's ``summary`` of its result (rank order)."""
     try:
         out, error = fn(), None
     except Exception as exc:
         out, error = None, exc
     problem = None if error is None else f"{type(error).__name__}: {error}"
-    seen = backend.exchange((backend.rank, problem, out if share else None))
+    seen = backend.exchange((backend.rank, problem, None if error is not None else summary(out)))
     if error is not None:
         raise error
     failed = [(r, msg) for r, msg, _ in seen if msg is not None]
     if failed:
         raise CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
-    return [o for _, _, o in seen] if share else out
+    return out, [s for _, _, s in seen]
 
 
 class _NoBar:

@@ -15,17 +15,28 @@ from typing import Any
 
 import torch
 
-from fshard._checkpoint._tree import _leaf_indices
-from fshard._errors import CheckpointError, FShardError
+from fshard._errors import CheckpointError
 from fshard._layout import Layout
 
-__all__ = ["FORMAT", "VERSION", "INDEX", "PROGRESS_MIN_BYTES"]
+__all__ = ["FORMAT", "INDEX", "MAX_DEPTH", "PROGRESS_MIN_BYTES", "VERSION"]
 
 
 FORMAT = "fshard-checkpoint"
 
 
-VERSION = 1
+VERSION = 2
+
+
+# Format versions this fshard reads: 1 is 2 without the index digest.
+_READS = (1, 2)
+
+
+# The top-level keys of an index (format 2 adds "digest").
+_KEYS = {"format", "version", "data", "files", "tree", "leaves"}
+
+
+# Trees nest at most this deep (save refuses deeper ones, load reads no deeper ones).
+MAX_DEPTH = 100
 
 
 INDEX = "index.json"
@@ -67,8 +78,23 @@ def _box_text(offsets: Sequence[int], sizes: Sequence[int]) -> str:
     return ",".join(f"{o}:{o + n}" for o, n in zip(offsets, sizes))
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides. ``contiguous()`` keeps any stride on a dim of size 1, so a
+    one-element view such as ``torch.arange(4.0)[::2][:1]`` (stride 2) needs a copy to be seen as bytes."""
+    t = t.contiguous()
+    want, step = [], 1
+    for n in reversed(t.shape):
+        want.append(step)
+        step *= n
+    return (
+        t
+        if t.stride() == tuple(reversed(want))
+        else torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+    )
+
+
 def _bytes_of(t: torch.Tensor) -> Any:
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return _dense(t).reshape(-1).view(torch.uint8).numpy()
 
 
 def _sha256(t: torch.Tensor) -> str:
@@ -95,7 +121,7 @@ def _fsync(path: Path, directory: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Saved:
-    """One leaf of the index, checked."""
+    """One leaf of the index, checked: a scalar's value, or a tensor's dtype, shape, layout and boxes."""
 
     path: str
     kind: str
@@ -104,57 +130,65 @@ class _Saved:
     layout: Layout | None = None
     boxes: tuple[dict[str, Any], ...] = ()
     value: Any = None
+    source: Layout | None = None  # the written boxes as a layout, box k on "rank" k
 
     @property
     def where(self) -> str:
         return self.path or "the root"
 
 
-def _read_index(root: Path) -> dict[str, Any]:
+def _index_digest(index: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of ``index`` without its ``digest``: sorted keys, no spaces, ASCII."""
+    body = {k: v for k, v in index.items() if k != "digest"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _read_index(root: Path) -> tuple[dict[str, Any], str]:
+    """``index.json`` with its top level and digest checked, and the SHA-256 of its bytes as read.
+
+    The leaves are checked by ``_schema.saved_leaves``.
+    """
     where = root / INDEX
     if not where.is_file():
         hint = " (an interrupted save leaves no index)" if root.is_dir() else ""
         raise CheckpointError(f"{where} does not exist{hint}: {root} is not an fshard checkpoint.")
     try:
-        index = json.loads(where.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{where} is not valid JSON ({exc}); the checkpoint index is damaged.") from exc
+        raw = where.read_bytes()
+        index = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, huge ints
+        raise CheckpointError(f"{where} is not valid JSON ({exc}); the checkpoint index is damaged.") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{where} is not an fshard checkpoint index (no 'format': {FORMAT!r}).")
-    if index.get("version") != VERSION:
-        msg = f"{where} has format version {index.get('version')!r}; this fshard reads {VERSION}: upgrade fshard."
+    version = index.get("version")
+    if type(version) is not int or version not in _READS:
+        msg = f"{where} has format version {version!r}; this fshard reads {list(_READS)}: upgrade fshard."
         raise CheckpointError(msg)
-    if not _DATA_RE.match(str(index.get("data"))):
-        raise CheckpointError(f"{where} names data directory {index.get('data')!r}, not 'data.<32 hex digits>'.")
-    return index
+    keys = _KEYS | ({"digest"} if version >= 2 else set())
+    if set(index) != keys:
+        msg = (
+            f"{where} is malformed: its top-level keys are {sorted(index)}, format {version} has {sorted(keys)}. "
+            "The checkpoint index is damaged: restore it or re-save."
+        )
+        raise CheckpointError(msg)
+    if version >= 2:
+        _check_digest(where, index)
+    if type(index["data"]) is not str or not _DATA_RE.match(index["data"]):
+        raise CheckpointError(f"{where} names data directory {index['data']!r}, not 'data.<32 hex digits>'.")
+    return index, hashlib.sha256(raw).hexdigest()
 
 
-def _saved_leaves(root: Path, index: dict[str, Any]) -> list[_Saved]:
+def _check_digest(where: Path, index: dict[str, Any]) -> None:
     try:
-        out = [_parse_leaf(r, index["files"]) for r in index["leaves"]]
-        if sorted(_leaf_indices(index["tree"])) != list(range(len(out))):
-            raise CheckpointError("its tree does not name each leaf exactly once")
-    except (KeyError, TypeError, ValueError, AttributeError, FShardError) as exc:
-        raise CheckpointError(f"{root / INDEX} is malformed: {exc!r}. The checkpoint index is damaged.") from exc
-    return out
-
-
-def _parse_leaf(record: dict[str, Any], files: dict[str, Any]) -> _Saved:
-    kind, path = record["kind"], str(record["path"])
-    if kind == "scalar":
-        types = {"bool": bool, "int": int, "float": float, "str": str, "NoneType": type(None)}
-        value = float(record["value"]) if record["type"] == "float" else record["value"]
-        if not isinstance(value, types[record["type"]]):
-            raise CheckpointError(f"scalar {path} holds {value!r}, not a {record['type']}")
-        return _Saved(path, kind, value=value)
-    if kind not in ("array", "tensor") or record["dtype"] not in _DTYPES:
-        raise CheckpointError(f"leaf {path} has kind {kind!r} and dtype {record.get('dtype')!r}")
-    shape = tuple(int(s) for s in record["shape"])
-    layout = Layout.from_dict(record["layout"]) if kind == "array" else None
-    for b in record["boxes"]:
-        if b["file"] not in files or not _FILE_RE.match(b["file"]) or len(b["sha256"]) != 64:
-            raise CheckpointError(f"leaf {path} has a box in unknown file {b['file']!r}")
-    return _Saved(path, kind, _DTYPES[record["dtype"]], shape, layout, tuple(record["boxes"]))
+        digest = _index_digest(index)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{where} cannot be put in canonical form ({exc}); the index is damaged.") from None
+    if index["digest"] != digest:
+        msg = (
+            f"{where} does not match its digest (recorded {str(index['digest'])[:16]}..., content "
+            f"{digest[:16]}...): the index was edited or damaged after the save. Restore it, or re-save."
+        )
+        raise CheckpointError(msg)
 
 
 def _human(n: int) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fshard._checkpoint._format import VERSION, _human, _read_index, _Saved, _saved_leaves
+from fshard._checkpoint._format import _human, _read_index, _Saved
+from fshard._checkpoint._schema import saved_leaves
 
 __all__ = ["checkpoint_info"]
 
@@ -16,7 +17,8 @@ def checkpoint_info(path: str | os.PathLike[str]) -> str:
     Reads only ``index.json``.
 
     Raises:
-        CheckpointError: ``path`` holds no readable index.
+        CheckpointError: ``path`` holds no index, or one that is damaged, edited or
+            malformed (naming the field), as ``load`` would.
 
     >>> import tempfile, torch, fshard
     >>> x = fshard.shard(torch.zeros(4, 6), fshard.Chunk(0, [0, 1]))
@@ -33,11 +35,13 @@ def checkpoint_info(path: str | os.PathLike[str]) -> str:
     files: rank-00000.safetensors (...), rank-00001.safetensors (...)
     """
     root = Path(path)
-    index = _read_index(root)
-    saved = _saved_leaves(root, index)
+    index, _ = _read_index(root)
+    saved = saved_leaves(root, index)
     total = sum(f["bytes"] for f in index["files"].values())
     files = len(index["files"])
-    lines = [f"fshard checkpoint {root} (format {VERSION}): {len(saved)} leaves, {_human(total)} in {files} files"]
+    lines = [
+        f"fshard checkpoint {root} (format {index['version']}): {len(saved)} leaves, {_human(total)} in {files} files"
+    ]
     for s in saved:
         lines.extend(_describe_leaf(s))
     lines.append("files: " + ", ".join(f"{k} ({_human(v['bytes'])})" for k, v in index["files"].items()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
 import os
 from pathlib import Path
@@ -12,9 +13,10 @@ from typing import Any
 import torch
 
 from fshard._array import ShardedArray, empty_link
-from fshard._checkpoint._collective import _agree, _progress
-from fshard._checkpoint._format import _read_index, _Saved, _saved_leaves
-from fshard._checkpoint._reader import _Reader, _slices, _source_layout
+from fshard._checkpoint._collective import _agree_on, _progress
+from fshard._checkpoint._format import INDEX, _read_index, _Saved
+from fshard._checkpoint._reader import _Reader, _slices
+from fshard._checkpoint._schema import saved_leaves
 from fshard._checkpoint._tree import _match, _unflatten
 from fshard._errors import CheckpointError, SpecError
 from fshard._layout import Layout, ShardMeta
@@ -61,6 +63,7 @@ def _target_like(saved: _Saved, like: Any) -> _Target:
         )
         raise _mismatch(saved, what, "give the saved shape and dtype, and convert after loading")
     if isinstance(like, ShardedArray):
+        _check_not_partial(saved, like.layout)
         return _Target("array", like.layout, like.backend, requires_grad=like.requires_grad)
     return _Target("tensor", device=like.device, requires_grad=like.requires_grad)
 
@@ -72,8 +75,18 @@ def _target_spec(saved: _Saved, spec: Any, backend: Backend | None) -> _Target:
         return _Target("tensor")
     b = default_backend() if backend is None else backend
     layout = as_layout(spec, saved.shape)
+    _check_not_partial(saved, layout)
     b.check_layout(layout)
     return _Target("array", layout, b)
+
+
+def _check_not_partial(saved: _Saved, layout: Layout) -> None:
+    if layout.partial is not None:
+        msg = (
+            f"Leaf {saved.where}: the target layout has a pending {layout.partial} (partial={layout.partial!r}), "
+            "but a checkpoint holds values, not summands: load into the spec without Partial(...)."
+        )
+        raise SpecError(msg)
 
 
 def _target_saved(saved: _Saved, backend: Backend | None) -> _Target:
@@ -95,7 +108,8 @@ def _fill(saved: _Saved, layout: Layout, out: dict[int, torch.Tensor], reader: _
     """Writes the saved values into the shards ``out`` (indices into ``layout``), reading only overlaps."""
     if not out or layout.numel == 0:
         return
-    p = plan(_source_layout(saved), layout)
+    assert saved.source is not None
+    p = plan(saved.source, layout)
     rows: dict[int, list[int]] = {}
     for k, j in enumerate(p.dst_shard.tolist()):
         if j in out:
@@ -212,12 +226,52 @@ def load(
     if like is not None and specs is not None:
         raise TypeError("load() takes like= or specs=, not both.")
     root = Path(path)
-    index = _read_index(root)
-    saved = _saved_leaves(root, index)
+    coord = _coordinator(like) or backend or default_backend()
+    attempt = lambda: _attempt(root, like, specs, verify, backend, progress, coord)  # noqa: E731
+    for _ in range(_ATTEMPTS):
+        tree, seen = _agree_on(coord, "fshard.load", attempt, lambda out: out[:2])
+        if len(set(seen)) == 1 and not seen[0][1]:
+            return tree[2]
+    msg = (
+        f"Checkpoint {root} changed during load {_ATTEMPTS} times in a row: another process is saving to it. "
+        "Load again once that save has finished."
+    )
+    raise CheckpointError(msg)
+
+
+# Loads that meet a concurrent save start over (on every rank) at most this many times in all.
+_ATTEMPTS = 3
+
+
+def _coordinator(like: Any) -> Backend | None:
+    """The backend of the first array in ``like``: the group that loads together."""
+    if isinstance(like, ShardedArray):
+        return like.backend
+    children = like.values() if isinstance(like, dict) else like if isinstance(like, (list, tuple)) else ()
+    return next((b for b in map(_coordinator, children) if b is not None), None)
+
+
+def _attempt(
+    root: Path, like: Any, specs: Any, verify: bool, backend: Backend | None, progress: Any, coord: Backend
+) -> tuple[str, bool, Any]:
+    """(fingerprint of the index read, whether the checkpoint changed under this read, the tree or None)."""
+    index, fingerprint = _read_index(root)
+    saved = saved_leaves(root, index)
     targets = _targets(saved, index["tree"], like, specs, backend)
-    coord = next((t.backend for t in targets if t.kind == "array"), None) or (backend or default_backend())
-    values = _agree(coord, "fshard.load", lambda: _read_all(root, index, saved, targets, verify, progress, coord))
-    return _unflatten(index["tree"], values)
+    try:
+        values = _read_all(root, index, saved, targets, verify, progress, coord)
+    except CheckpointError:
+        if _fingerprint(root) != fingerprint:  # a save replaced the index, then deleted files this read needed
+            return fingerprint, True, None
+        raise
+    return fingerprint, False, _unflatten(index["tree"], values)
+
+
+def _fingerprint(root: Path) -> str | None:
+    try:
+        return hashlib.sha256((root / INDEX).read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def _read_all(

@@ -12,9 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fshard._checkpoint._format import _CODES, _hashing, _Saved, _sha256
-from fshard._errors import CheckpointError, LayoutError
-from fshard._layout import Layout, ShardMeta
-from fshard._placement import Placement
+from fshard._errors import CheckpointError
 
 
 class _Reader:
@@ -31,20 +29,23 @@ class _Reader:
         if name not in self.open:
             path = self.data / name
             tensor = box["tensor"]
-            if not path.is_file():
-                msg = f"Checkpoint file {path} is missing (it holds tensor {tensor!r} of leaf {saved.where})."
-                raise CheckpointError(msg)
-            size, want = path.stat().st_size, self.files[name]["bytes"]
-            if size != want:
-                msg = (
-                    f"Checkpoint file {path} has {size} bytes, index.json records {want}: it was truncated or "
-                    f"replaced (needed for tensor {tensor!r} of leaf {saved.where})."
-                )
-                raise CheckpointError(msg)
             try:
-                self.open[name] = self.stack.enter_context(safe_open(str(path), framework="pt"))
-            except SafetensorError as exc:
-                raise CheckpointError(f"Checkpoint file {path} is not a readable safetensors file: {exc}.") from exc
+                size = path.stat().st_size
+                want = self.files[name]["bytes"]
+                if size != want:
+                    msg = (
+                        f"Checkpoint file {path} has {size} bytes, index.json records {want}: it was truncated or "
+                        f"replaced (needed for tensor {tensor!r} of leaf {saved.where})."
+                    )
+                    raise CheckpointError(msg)
+                handle = safe_open(str(path), framework="pt")
+            except FileNotFoundError:
+                msg = f"Checkpoint file {path} is missing (it holds tensor {tensor!r} of leaf {saved.where})."
+                raise CheckpointError(msg) from None
+            except (OSError, SafetensorError) as exc:
+                raise CheckpointError(f"Checkpoint file {path} is not a readable safetensors file: {exc}.") from None
+            # An open file stays readable if a later save deletes it (POSIX): a load sees one checkpoint.
+            self.open[name] = self.stack.enter_context(handle)
         return self.open[name]
 
     def _slice(self, box: dict[str, Any], saved: _Saved) -> Any:
@@ -52,7 +53,7 @@ class _Reader:
         try:
             part = self._handle(box, saved).get_slice(name)
             code, shape = part.get_dtype(), tuple(part.get_shape())
-        except SafetensorError as exc:
+        except (SafetensorError, OSError) as exc:
             msg = f"Checkpoint file {path} has no readable tensor {name!r} (leaf {saved.where}): {exc}."
             raise CheckpointError(msg) from exc
         assert saved.dtype is not None
@@ -67,7 +68,11 @@ class _Reader:
     def whole(self, box: dict[str, Any], saved: _Saved) -> torch.Tensor:
         """The whole saved box; its sha256 is checked against the index in a thread (see ``check``)."""
         self._slice(box, saved)
-        t = self.open[box["file"]].get_tensor(box["tensor"])
+        try:
+            t = self.open[box["file"]].get_tensor(box["tensor"])
+        except (SafetensorError, OSError) as exc:
+            msg = f"Checkpoint file {self.data / box['file']}: reading tensor {box['tensor']!r} failed: {exc}."
+            raise CheckpointError(msg) from None
         assert self.pool is not None
         self.pending.append((self.pool.submit(_sha256, t), box, saved))
         return t
@@ -88,19 +93,10 @@ class _Reader:
         part = self._slice(box, saved)
         try:
             return part[index] if index else self.open[box["file"]].get_tensor(box["tensor"])
-        except SafetensorError as exc:
+        except (SafetensorError, OSError) as exc:
             msg = f"Checkpoint file {self.data / box['file']}: reading tensor {box['tensor']!r} failed: {exc}."
             raise CheckpointError(msg) from exc
 
 
 def _slices(lo: Sequence[int], size: Sequence[int], origin: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(a - o, a - o + n) for a, n, o in zip(lo, size, origin))
-
-
-def _source_layout(saved: _Saved) -> Layout:
-    """The written boxes as a layout (box k on "rank" k), so ``plan`` finds the overlaps."""
-    shards = tuple(ShardMeta(tuple(b["offsets"]), tuple(b["sizes"]), Placement(k)) for k, b in enumerate(saved.boxes))
-    try:
-        return Layout(saved.shape, shards)
-    except LayoutError as exc:
-        raise CheckpointError(f"index.json boxes of leaf {saved.where} do not tile shape {saved.shape}: {exc}") from exc

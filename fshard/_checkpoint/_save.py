@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,40 +12,15 @@ from typing import Any
 import torch
 
 from fshard._array import ShardedArray
-from fshard._checkpoint._collective import _agree
-from fshard._checkpoint._format import _CODES, _DTYPES, _SCALARS, FORMAT, INDEX, VERSION
+from fshard._checkpoint._agreement import _check_same, _prepare
+from fshard._checkpoint._collective import _agree, _agree_on
+from fshard._checkpoint._format import FORMAT, INDEX, VERSION, _index_digest
 from fshard._checkpoint._tree import _flatten
 from fshard._checkpoint._write import _assign, _Box, _commit, _committed, _write_files
 from fshard._errors import SpecError
 from fshard.backends import Backend, default_backend
 
 __all__ = ["save"]
-
-
-def _check_leaf(path: str, leaf: Any) -> None:
-    where = path or "the root"
-    if isinstance(leaf, ShardedArray):
-        dtype = leaf.dtype
-    elif type(leaf) in (torch.Tensor, torch.nn.Parameter):
-        dtype = leaf.dtype
-        if leaf.layout != torch.strided:
-            raise TypeError(f"Tensor at {where} has layout {leaf.layout}; checkpoints take strided tensors.")
-    elif isinstance(leaf, torch.Tensor):
-        msg = (
-            f"{type(leaf).__name__} at {where} is a tensor subclass; convert it to a ShardedArray first "
-            "(fshard.from_dtensor, fshard.from_sharded_tensor) or pass a plain tensor."
-        )
-        raise TypeError(msg)
-    elif isinstance(leaf, _SCALARS):
-        return
-    else:
-        msg = (
-            f"{type(leaf).__name__} at {where} cannot be saved: leaves are ShardedArrays, tensors, "
-            "bool, int, float, str or None."
-        )
-        raise TypeError(msg)
-    if dtype not in _CODES:
-        raise TypeError(f"Leaf at {where} has dtype {dtype}; checkpoints store {sorted(_DTYPES)}.")
 
 
 def _save_backend(leaves: Sequence[tuple[str, Any]]) -> Backend:
@@ -69,16 +43,25 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
     over a checkpoint writes a new data directory and swaps the index last: a
     crash at any point leaves the previous checkpoint loadable.
 
+    Before anything is written the ranks compare what they were given: the same
+    ``path``, the same tree, and for every plain tensor and scalar the same value
+    (tensors by SHA-256). A difference raises ``CheckpointError`` on every rank,
+    naming the leaf and the ranks, and leaves the previous checkpoint as it was.
+
     Args:
         path: the checkpoint directory (created; an existing checkpoint there is replaced).
-        tree: dicts (str or int keys), lists and tuples of ``ShardedArray``s, plain
-            tensors (written by one rank), and ``bool``/``int``/``float``/``str``/``None``.
+            Every rank must pass the same directory.
+        tree: dicts (str or int keys), lists and tuples (nested at most ``MAX_DEPTH``
+            levels) of ``ShardedArray``s, plain tensors (one value that every rank
+            holds, written by one rank), and ``bool``/``int``/``float``/``str``/``None``.
         progress: show a progress bar (``None``: on a terminal, above ``PROGRESS_MIN_BYTES``).
 
     Raises:
         TypeError: a leaf or container that cannot be saved (named by its path).
-        CheckpointError: ``path`` is a file or a foreign directory, or another rank failed
-            (a rank that fails re-raises its own error; the others raise this, naming it).
+        SpecError: an array with a pending reduction (``Partial``): reshard it first.
+        CheckpointError: ``path`` is a file or a foreign directory; ranks gave different
+            paths, trees, plain tensors or scalars; or another rank failed (a rank that
+            fails re-raises its own error; the others raise this, naming it).
 
     >>> import tempfile, torch, fshard
     >>> x = fshard.shard(torch.arange(12.0).reshape(3, 4), fshard.Chunk(0, [0, 1, 2]))
@@ -90,18 +73,21 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
     """
     root = Path(path)
     leaves: list[tuple[str, Any]] = []
-    structure = _flatten(tree, "", leaves)
-    for p, leaf in leaves:
-        _check_leaf(p, leaf)
-    backend = _save_backend(leaves)
-    seen = backend.exchange((backend.rank, uuid.uuid4().hex))
-    ranks, token = [r for r, _ in seen], seen[0][1]
+    try:
+        structure, backend, failure = _flatten(tree, "", leaves), _save_backend(leaves), None
+    except (TypeError, SpecError) as exc:  # reported through the first exchange, so no rank waits
+        structure, backend, failure = {}, default_backend(), exc
+    prepare = lambda: _prepare(root, structure, leaves, backend, failure)  # noqa: E731
+    (_, summaries, known), seen = _agree_on(backend, "fshard.save", prepare, lambda out: out[0])
+    _check_same(backend, seen, summaries, leaves)
+    ranks, token = [f.rank for f in seen], seen[0].token
     leader = backend.rank is None or backend.rank == ranks[0]
     holders = ranks if backend.rank is not None else _local_holders(leaves)
     boxes = _assign(leaves, holders)
+    known_box = {b.name: known[b.leaf] for b in boxes if b.shard is None and b.leaf in known}
     data = root / f"data.{token}"
     try:
-        write = lambda: _write_files(root, data, leaves, boxes, backend, progress)  # noqa: E731
+        write = lambda: _write_files(root, data, leaves, boxes, backend, progress, known_box)  # noqa: E731
         files = {k: v for w in _agree(backend, "fshard.save", write, share=True) for k, v in w.items()}
         commit = lambda: _commit(root, _index(structure, leaves, boxes, files, data.name), token)  # noqa: E731
         _agree(backend, "fshard.save (index)", commit if leader else lambda: None)
@@ -129,7 +115,7 @@ def _index(
     by_leaf: dict[int, list[_Box]] = {}
     for b in boxes:
         by_leaf.setdefault(b.leaf, []).append(b)
-    return {
+    index = {
         "format": FORMAT,
         "version": VERSION,
         "data": data,
@@ -137,6 +123,7 @@ def _index(
         "tree": structure,
         "leaves": [_leaf_record(p, leaf, by_leaf.get(i, []), hashes) for i, (p, leaf) in enumerate(leaves)],
     }
+    return {**index, "digest": _index_digest(index)}
 
 
 def _leaf_record(path: str, leaf: Any, boxes: Sequence[_Box], hashes: dict[str, str]) -> dict[str, Any]:

@@ -6,20 +6,27 @@ import collections
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from fshard._checkpoint._format import MAX_DEPTH
 from fshard._errors import CheckpointError
 
 
-def _flatten(tree: Any, path: str, leaves: list[tuple[str, Any]]) -> dict[str, Any]:
+def _flatten(tree: Any, path: str, leaves: list[tuple[str, Any]], depth: int = 0) -> dict[str, Any]:
     """The JSON structure of ``tree`` (dicts, lists, tuples); appends ``(path, leaf)`` pairs."""
+    if depth > MAX_DEPTH:
+        msg = (
+            f"The tree nests deeper than {MAX_DEPTH} levels at {path[:200]}...: checkpoints hold trees of at most "
+            f"{MAX_DEPTH} levels (does a container hold itself?)."
+        )
+        raise TypeError(msg)
     if type(tree) in (dict, collections.OrderedDict):
         for k in tree:
             if isinstance(k, bool) or not isinstance(k, (str, int)):
                 msg = f"Dict key {k!r} at {path or 'the root'} is a {type(k).__name__}; use str or int keys."
                 raise TypeError(msg)
-        return {"dict": [[k, _flatten(v, f"{path}[{k!r}]", leaves)] for k, v in tree.items()]}
+        return {"dict": [[k, _flatten(v, f"{path}[{k!r}]", leaves, depth + 1)] for k, v in tree.items()]}
     if type(tree) in (list, tuple):
         kind = type(tree).__name__
-        return {kind: [_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(tree)]}
+        return {kind: [_flatten(v, f"{path}[{i}]", leaves, depth + 1) for i, v in enumerate(tree)]}
     if isinstance(tree, (dict, list, tuple)):
         msg = (
             f"{type(tree).__name__} at {path or 'the root'} is not a plain dict, list or tuple; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -18,6 +19,7 @@ from fshard._array import ShardedArray
 from fshard._checkpoint._collective import _progress
 from fshard._checkpoint._format import (
     _DATA_RE,
+    _FILE_RE,
     _TMP_RE,
     FORMAT,
     INDEX,
@@ -116,7 +118,7 @@ def _check_root(root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"Checkpoint path {root} exists and is not a directory: save to a directory path.")
     if root.is_dir() and not (root / INDEX).exists():
-        foreign = sorted(p.name for p in root.iterdir() if not (_DATA_RE.match(p.name) or _TMP_RE.match(p.name)))
+        foreign = sorted(p.name for p in root.iterdir() if not (_ours(p) or _TMP_RE.match(p.name)))
         if foreign:
             msg = (
                 f"Checkpoint path {root} is a non-empty directory without {INDEX} (it holds {foreign[:3]}): "
@@ -126,9 +128,18 @@ def _check_root(root: Path) -> None:
 
 
 def _write_files(
-    root: Path, data: Path, leaves: Sequence[tuple[str, Any]], boxes: Sequence[_Box], backend: Backend, progress: Any
+    root: Path,
+    data: Path,
+    leaves: Sequence[tuple[str, Any]],
+    boxes: Sequence[_Box],
+    backend: Backend,
+    progress: Any,
+    known: dict[str, str],
 ) -> dict[str, dict[str, Any]]:
-    """Writes this process's files (fsynced); returns, per file, its rank, size and tensor hashes."""
+    """Writes this process's files (fsynced); returns, per file, its rank, size and tensor hashes.
+
+    ``known``: SHA-256 of tensors already hashed (by name), not hashed again.
+    """
     _check_root(root)
     per_file: dict[int, dict[str, torch.Tensor]] = {}
     held = _held(leaves, backend)
@@ -141,13 +152,13 @@ def _write_files(
     total = sum(t.nbytes for d in per_file.values() for t in d.values())
     with _progress("fshard.save", total, progress, backend) as bar, _hashing() as pool:
         files = sorted(per_file.items())
-        hashes = [{n: pool.submit(_sha256, t) for n, t in tensors.items()} for _, tensors in files]
+        hashes = [{n: pool.submit(_sha256, t) for n, t in tensors.items() if n not in known} for _, tensors in files]
         synced = []
         for (rank, tensors), digests in zip(files, hashes):
             target = data / _file_name(rank)
             save_file(_unshared(tensors), str(target), metadata={"format": FORMAT, "rank": str(rank)})
             synced.append(pool.submit(_fsync, target))  # flushes while the next file is written
-            sha = {n: f.result() for n, f in digests.items()}
+            sha = {n: digests[n].result() if n in digests else known[n] for n in tensors}
             written[target.name] = {"rank": rank, "bytes": target.stat().st_size, "sha256": sha}
             bar.update(sum(t.nbytes for t in tensors.values()))
         for f in synced:
@@ -166,11 +177,26 @@ def _commit(root: Path, index: dict[str, Any], token: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, root / INDEX)
     _fsync(root, directory=True)
+    # The commit is done: what follows only tidies up, and a failure there fails nothing.
     for p in root.iterdir():
-        if _DATA_RE.match(p.name) and p.name != index["data"]:
+        if p.name != index["data"] and _ours(p):
             shutil.rmtree(p, ignore_errors=True)
-        elif _TMP_RE.match(p.name):
-            p.unlink(missing_ok=True)
+        elif _TMP_RE.match(p.name) and p.is_file():
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def _ours(p: Path) -> bool:
+    """Whether ``p`` is a data directory a save wrote: ``data.<32 hex>`` holding only ``rank-N.safetensors`` files.
+
+    Anything else, even with such a name, is left alone: save never deletes what it did not write.
+    """
+    if not _DATA_RE.match(p.name) or p.is_symlink() or not p.is_dir():
+        return False
+    try:
+        return all(_FILE_RE.match(f.name) and f.is_file() and not f.is_symlink() for f in p.iterdir())
+    except OSError:
+        return False
 
 
 def _committed(root: Path, data: str) -> bool:
