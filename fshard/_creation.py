@@ -14,6 +14,7 @@ from fshard._layout import Layout, ShardMeta, check_shape
 from fshard._ops import resolve_backend
 from fshard._placement import Placement
 from fshard._specs import as_layout
+from fshard._torch_meta import is_sharded_tensor
 from fshard.backends import Backend
 
 __all__ = [
@@ -193,6 +194,10 @@ def randn(
 def _like(
     maker: Callable[..., ShardedArray], array: ShardedArray, dtype: Any, requires_grad: bool, **kw: Any
 ) -> ShardedArray:
+    if is_sharded_tensor(array):  # torch's ShardedTensor: its layout and process group
+        from fshard._interop import from_sharded_tensor
+
+        array = from_sharded_tensor(array)
     return maker(
         array.layout,
         array.layout.shape,
