@@ -241,3 +241,66 @@ def assemble(
     """
     out = _Assemble.apply(layout, backend, dst, like, *tensors)
     return out if _holds_result(backend, dst) else None
+
+
+class _Regroup(torch.autograd.Function):
+    """Identity forward; backward reads the copies of ``layout``'s boxes in another way.
+
+    ``mode="sum"``: the gradients of a box's copies are summed and the total given to
+    every copy (a replicated argument used by computations that differ per copy: its
+    gradient is the sum of its uses). ``mode="share"``: each copy's gradient is divided
+    by the number of copies (a replicated result computed once per copy: together they
+    count once).
+    """
+
+    @staticmethod
+    def forward(layout: Layout, backend: Any, mode: str, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        return (*(t.view_as(t) for t in tensors), _link_of(like))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        layout, backend, mode, like = inputs[:4]
+        ctx.args = (layout, backend, mode, like.dtype, like.device)
+        ctx.like_shape = like.shape
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        layout, backend, mode, dtype, device = ctx.args
+        like = _carrier(grads, dtype, device)
+        dense = _dense(layout, backend, grads[:-1], like)
+        if mode == "sum":
+            back, _ = move(with_partial(layout, "sum"), layout, backend, dense, like)
+        else:
+            back = tuple(g / n for g, n in zip(dense, _copies(layout, backend)))
+        return (None, None, None, _link_grad(ctx, 3, like), *back)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        layout, backend, mode, like, *tensors = args
+        n = info.batch_size
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
+        *out, link = _Regroup.apply(_batched(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
+        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _copy_counts(layout: Layout) -> tuple[int, ...]:
+    """Per shard, how many shards hold its box (1 for an empty one)."""
+    count: dict[tuple[Any, ...], int] = {}
+    for s in layout.shards:
+        count[(s.offsets, s.sizes)] = count.get((s.offsets, s.sizes), 0) + 1
+    return tuple(count[(s.offsets, s.sizes)] if 0 not in s.sizes else 1 for s in layout.shards)
+
+
+def _copies(layout: Layout, backend: Any) -> tuple[int, ...]:
+    counts = _copy_counts(layout)
+    return tuple(counts[i] for i in backend.addressable(layout))
+
+
+def regroup(
+    layout: Layout, backend: Any, mode: str, tensors: Sequence[torch.Tensor], like: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``tensors`` unchanged, with a backward that sums (``"sum"``) or shares (``"share"``) the
+    gradients of each box's copies; and the link."""
+    *out, link = _Regroup.apply(layout, backend, mode, like, *tensors)
+    return tuple(out), link

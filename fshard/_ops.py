@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
+import optree
 import torch
 
 from fshard import _autograd
@@ -17,12 +18,15 @@ from fshard._placement import Placement
 from fshard._specs import Replicated, as_layout
 from fshard.backends import Backend, default_backend
 
+from fshard._shard_map import map_local  # noqa: E402  (re-exported: the public map_local)
+
 __all__ = [
     "allclose",
     "equal",
     "from_local_shards_and_layout",
     "gather",
     "map_local",
+    "map_same",
     "reshard",
     "shard",
 ]
@@ -165,42 +169,31 @@ def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
     return ShardedArray(layout, data, array.backend, array.dtype, link)
 
 
-def map_local(fn: Callable[..., torch.Tensor], *arrays: ShardedArray, out_spec: Any = None) -> ShardedArray:
-    """Applies ``fn`` to corresponding local shards of arrays that share a layout.
+def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: str | None) -> Any:
+    """``map_local`` of arrays that share a layout (``pending``: the result is a pending sum).
 
-    A shape-preserving ``fn`` keeps the layout. If ``fn`` resizes only dims that no
-    shard splits, the new global shape is inferred. Resizing a split dim needs
-    ``out_spec`` (a spec or ``Layout``) describing the result.
-
-    >>> import torch, fshard
-    >>> x = fshard.shard(torch.ones(4, 2), fshard.Chunk(0, [0, 1]))
-    >>> y = fshard.map_local(lambda t: torch.cat([t, 2 * t], dim=1), x)
-    >>> tuple(y.shape), fshard.gather(y)[0].tolist()
-    ((4, 4), [1.0, 1.0, 2.0, 2.0])
-
-    Raises:
-        SpecError: layouts differ, or ``fn`` resized a split dim without ``out_spec``.
+    Each result leaf's layout is inferred from its shards: the arguments' layout, with
+    dims that no shard splits resized to the new extent.
     """
-    if not arrays:
-        raise TypeError("map_local() needs at least one ShardedArray.")
     first = arrays[0]
-    for k, a in enumerate(arrays):
-        _check_array(a, f"map_local() argument {k}")
-        if a.layout != first.layout:
-            msg = (
-                f"map_local() arguments 0 and {k} have different layouts; "
-                f"reshard argument {k} first: fshard.reshard(x, other.layout)."
-            )
-            raise SpecError(msg)
     outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
-    for t in outs:
-        _check_tensor(t, "map_local() fn result")
-    layout = _infer_layout(first.layout, first.backend.addressable(first.layout), outs, out_spec)
-    if outs:
-        return ShardedArray(layout, outs, first.backend, outs[0].dtype)
-    # No shard here: the result's link joins every argument's, so backward reaches them all.
-    link = functools.reduce(torch.add, (a._first() for a in arrays)).to(first.dtype)
-    return ShardedArray(layout, outs, first.backend, first.dtype, link)
+    if not outs:
+        # No shard here: the result's link joins every argument's, so backward reaches them all.
+        link = functools.reduce(torch.add, (a._first() for a in arrays)).to(first.dtype)
+        return ShardedArray(with_partial(first.layout, pending), (), first.backend, first.dtype, link)
+    flat = [optree.tree_flatten(o) for o in outs]
+    tree = flat[0][1]
+    if any(spec != tree for _, spec in flat):
+        raise SpecError(f"map_local() fn returned different structures on different shards: {tree} and others.")
+    index = first.backend.addressable(first.layout)
+    results = []
+    for n in range(tree.num_leaves):
+        leaf = tuple(f[0][n] for f in flat)
+        for t in leaf:
+            _check_tensor(t, "map_local() fn result")
+        layout = with_partial(_infer_layout(with_partial(first.layout, None), index, leaf, None), pending)
+        results.append(ShardedArray(layout, leaf, first.backend, leaf[0].dtype))
+    return optree.tree_unflatten(tree, results)
 
 
 def _infer_layout(layout: Layout, index: Sequence[int], outs: Sequence[torch.Tensor], out_spec: Any) -> Layout:

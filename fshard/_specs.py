@@ -307,9 +307,11 @@ class Partial:
     carry out the reduction with the fewest elements sent.
 
     >>> import torch, fshard
-    >>> p = fshard.shard(torch.ones(2, 3), Partial(Replicated([0, 1])))
+    >>> lay = Partial(Replicated([0, 1])).layout((3,))
+    >>> parts = [fshard.Shard(m, torch.full((3,), m.placement.rank + 1.0)) for m in lay.shards]
+    >>> p = fshard.from_local_shards_and_layout(parts, lay)  # rank 0 holds 1s, rank 1 holds 2s
     >>> p.layout.partial, fshard.gather(p).tolist()
-    ('sum', [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]])
+    ('sum', [3.0, 3.0, 3.0])
     """
 
     spec: Any

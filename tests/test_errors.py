@@ -427,8 +427,8 @@ CASES = [
     pytest.param(
         lambda: fshard.map_local(torch.add, ROWS, COLS),
         SpecError,
-        "map_local() arguments 0 and 1 have different layouts; reshard argument 1 first: "
-        "fshard.reshard(x, other.layout).",
+        "map_local() arguments 0 and 1 have different layouts; pass out_spec= for the result (the arrays then "
+        "pair placement by placement), or reshard argument 1 first: fshard.reshard(x, other.layout).",
         id="map-local-different-layouts",
     ),
     pytest.param(
@@ -452,9 +452,10 @@ CASES = [
         id="map-local-inconsistent-unsplit-dim",
     ),
     pytest.param(
-        lambda: fshard.map_local(lambda t: t[:1], ROWS, out_spec=Chunk(0, [0, 1])),
+        lambda: fshard.map_local(lambda t: t[:1], ROWS, out_spec=ROWS.layout),
         SpecError,
-        "map_local() result shard 0 has shape (1, 20) but out_spec gives it (2, 20).",
+        "map_local() result 0 on placement rank:0/cpu has shape (1, 20) but out_spec gives that block sizes (3, 20) "
+        "(global shape (10, 20)).",
         id="map-local-out-spec-disagrees",
     ),
     pytest.param(
