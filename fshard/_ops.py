@@ -15,10 +15,9 @@ from fshard._array import Shard, ShardedArray
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, with_partial
 from fshard._placement import Placement
+from fshard._shard_map import map_local  # the public map_local, re-exported here
 from fshard._specs import Replicated, as_layout
 from fshard.backends import Backend, default_backend
-
-from fshard._shard_map import map_local  # noqa: E402  (re-exported: the public map_local)
 
 __all__ = [
     "allclose",

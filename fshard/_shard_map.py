@@ -145,7 +145,10 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
 
                 arrays.append((k, shard(a, spec, backend=backend)))
             else:
-                msg = f"shard_map() argument {k} is a {type(a).__name__}: give a ShardedArray or a tensor, or in_spec None."
+                msg = (
+                    f"shard_map() argument {k} is a {type(a).__name__}: give a ShardedArray or a tensor, "
+                    "or in_spec None."
+                )
                 raise SpecError(msg)
         if not arrays:
             raise SpecError("shard_map() needs at least one array or tensor argument with a spec.")
@@ -331,7 +334,7 @@ def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
     """One spec per result leaf: ``out_specs`` broadcast (a single spec) or matched to the results' tree."""
     if _is_spec(out_specs):
         return [out_specs] * (tree.num_leaves if tree is not None else 1)
-    flat, spec_tree = optree.tree_flatten(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+    flat, _ = optree.tree_flatten(out_specs, is_leaf=_is_spec, none_is_leaf=True)
     if tree is not None and tree.num_leaves != len(flat):
         msg = f"{what} out_specs has {len(flat)} specs but fn returned {tree.num_leaves} tensors ({tree})."
         raise SpecError(msg)
@@ -341,10 +344,7 @@ def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
 def _all_shapes(backend: Any, leaves: list[dict[Slot, torch.Tensor]]) -> list[dict[Slot, tuple[int, ...]]]:
     """Every slot's block shape per leaf: this process's, and on a multi-process backend every rank's."""
     mine = [{(str(p), k): tuple(t.shape) for (p, k), t in blocks.items()} for blocks in leaves]
-    if backend.rank is None:
-        seen = [mine]
-    else:
-        seen = backend.exchange(mine)
+    seen = [mine] if backend.rank is None else backend.exchange(mine)
     n = max(len(s) for s in seen)
     out: list[dict[Slot, tuple[int, ...]]] = [{} for _ in range(n)]
     for per_rank in seen:
@@ -361,10 +361,7 @@ def _out_layout(
     where they were exchanged) and against the slots where ``fn`` ran."""
     if spec is None:
         raise SpecError(f"{what} needs an out_spec for result {n}.")
-    if isinstance(spec, Layout):
-        layout = spec
-    else:
-        layout = as_layout(spec, _infer_shape(spec, shapes, what, n))
+    layout = spec if isinstance(spec, Layout) else as_layout(spec, _infer_shape(spec, shapes, what, n))
     placed = set(_slot_index(layout).values())
     if placed != slots:
         extra, lost = sorted(placed - slots, key=str), sorted(slots - placed, key=str)
