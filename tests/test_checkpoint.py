@@ -6,6 +6,8 @@ import collections
 import json
 import os
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -437,3 +439,99 @@ def test_shard_params_takes_a_state_dict_and_refuses_other_things():
     assert out["w"].layout == fshard.Chunk(0, [0, 1]).layout((4, 2))
     with pytest.raises(TypeError, match=r"takes a torch\.nn\.Module or a mapping"):
         fshard.shard_params([torch.ones(1)], lambda name, t: None)
+
+
+# -- what a save must not write, delete or get wrong ------------------------------------------
+
+
+def test_one_element_boxes_with_any_stride_are_saved(tmp_path):
+    t = torch.arange(4.0)[::2][:1]  # one element, stride 2: contiguous() keeps the stride
+    x = fshard.from_local_shards_and_layout(
+        [fshard.Shard(fshard.ShardMeta((0,), (1,), 0), t)], fshard.Single(0).layout((1,))
+    )
+    fshard.save(tmp_path, {"t": t, "x": x, "m": torch.arange(6.0).reshape(3, 2)[1:2, :1]})
+    out = fshard.load(tmp_path)
+    assert out["t"].tolist() == [0.0]
+    assert fshard.gather(out["x"]).tolist() == [0.0]
+    assert out["m"].tolist() == [[2.0]]
+
+
+def test_a_partial_array_is_refused_before_writing_and_cannot_be_a_load_target(saved):
+    root, x = saved
+    p = fshard.shard(torch.ones(2, 3), fshard.Partial(fshard.Replicated([0, 1])))
+    message = r"at \['opt'\]\['p'\] has a pending sum .*Reshard it to a non-partial spec first"
+    with pytest.raises(fshard.SpecError, match=message):
+        fshard.save(root, {"x": x, "opt": {"p": p}})
+    with pytest.raises(fshard.SpecError, match=message):
+        fshard.save(root.parent / "new", {"opt": {"p": p}})
+    assert not (root.parent / "new").exists()
+    assert fshard.load(root)["step"] == 3  # the previous checkpoint is untouched
+    partial = fshard.Partial(fshard.Chunk(0, [0, 1]))
+    with pytest.raises(fshard.SpecError, match=r"Leaf \['x'\]: the target layout has a pending sum"):
+        fshard.load(root, specs={"x": partial, "step": None})
+    with pytest.raises(fshard.SpecError, match=r"load into the spec without Partial"):
+        fshard.load(root, like={"x": fshard.zeros(partial, *SHAPE), "step": 0})
+
+
+def test_save_never_deletes_a_data_directory_it_did_not_write(saved):
+    root, x = saved
+    mine = root / ("data." + "a" * 32)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    fshard.save(root, {"x": x, "step": 4})
+    assert (mine / "notes.txt").read_text() == "keep me"
+    assert fshard.load(root)["step"] == 4
+    fresh = root.parent / "fresh"
+    fresh.mkdir()
+    (fresh / ("data." + "b" * 32)).mkdir()
+    (fresh / ("data." + "b" * 32) / "notes.txt").write_text("mine")
+    with pytest.raises(fshard.CheckpointError, match=r"non-empty directory without index.json .*data\.b{32}"):
+        fshard.save(fresh, {"x": x})
+
+
+def test_trees_deeper_than_the_limit_are_refused(tmp_path):
+    deep: list = [1]
+    for _ in range(fshard._checkpoint.MAX_DEPTH):
+        deep = [deep]
+    with pytest.raises(TypeError, match=r"nests deeper than 100 levels at \[0\]\[0\]"):
+        fshard.save(tmp_path / "ck", deep)
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(TypeError, match=r"does a container hold itself"):
+        fshard.save(tmp_path / "ck", {"loop": loop})
+    assert not (tmp_path / "ck").exists()
+    fshard.save(tmp_path / "ck", deep[0])  # 100 levels: saved and loaded
+    assert fshard.load(tmp_path / "ck") == deep[0]
+
+
+def _save_forever(root: Path, stop: threading.Event, count: list[int]) -> None:
+    k = 0
+    while not stop.is_set():
+        k += 1
+        x = fshard.shard(torch.full((64, 32), float(k)), fshard.Chunk(0, ALL))
+        fshard.save(root, {"x": x, "k": k})
+        count.append(k)
+
+
+def test_a_load_during_saves_sees_one_whole_checkpoint(tmp_path):
+    fshard.save(tmp_path, {"x": fshard.shard(torch.zeros(64, 32), fshard.Chunk(0, ALL)), "k": 0})
+    stop, saves = threading.Event(), []
+    writer = threading.Thread(target=_save_forever, args=(tmp_path, stop, saves))
+    writer.start()
+    seen, refused = set(), []
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline or len(saves) < 5:
+            try:
+                out = fshard.load(tmp_path, specs={"x": fshard.Chunk(1, [0, 1]), "k": None})
+            except fshard.CheckpointError as exc:  # only when saves replace the index 3 times during one load
+                refused.append(str(exc))
+                continue
+            assert torch.equal(fshard.gather(out["x"]), torch.full((64, 32), float(out["k"])))
+            seen.add(out["k"])
+    finally:
+        stop.set()
+        writer.join()
+    assert len(seen) > 1  # the loads really overlapped saves
+    assert all("changed during load 3 times in a row" in m for m in refused)
+    assert len(refused) <= len(seen)

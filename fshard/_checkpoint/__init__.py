@@ -13,10 +13,11 @@ pickle is written or read.
 
 from fshard._checkpoint._format import FORMAT as FORMAT
 from fshard._checkpoint._format import INDEX as INDEX
+from fshard._checkpoint._format import MAX_DEPTH as MAX_DEPTH
 from fshard._checkpoint._format import PROGRESS_MIN_BYTES as PROGRESS_MIN_BYTES
 from fshard._checkpoint._format import VERSION as VERSION
 from fshard._checkpoint._info import checkpoint_info as checkpoint_info
 from fshard._checkpoint._load import load as load
 from fshard._checkpoint._save import save as save
 
-__all__ = ["FORMAT", "INDEX", "PROGRESS_MIN_BYTES", "VERSION", "checkpoint_info", "load", "save"]
+__all__ = ["FORMAT", "INDEX", "MAX_DEPTH", "PROGRESS_MIN_BYTES", "VERSION", "checkpoint_info", "load", "save"]

@@ -113,12 +113,15 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_root(root: Path) -> None:
-    """Refuses to write into a path that holds something other than an fshard checkpoint."""
+def _check_root(root: Path, own: str) -> None:
+    """Refuses to write into a path that holds something other than an fshard checkpoint.
+
+    ``own`` is this save's data directory, which other ranks may be writing already.
+    """
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"Checkpoint path {root} exists and is not a directory: save to a directory path.")
     if root.is_dir() and not (root / INDEX).exists():
-        foreign = sorted(p.name for p in root.iterdir() if not (_ours(p) or _TMP_RE.match(p.name)))
+        foreign = sorted(p.name for p in root.iterdir() if not (p.name == own or _ours(p) or _TMP_RE.match(p.name)))
         if foreign:
             msg = (
                 f"Checkpoint path {root} is a non-empty directory without {INDEX} (it holds {foreign[:3]}): "
@@ -140,7 +143,7 @@ def _write_files(
 
     ``known``: SHA-256 of tensors already hashed (by name), not hashed again.
     """
-    _check_root(root)
+    _check_root(root, data.name)
     per_file: dict[int, dict[str, torch.Tensor]] = {}
     held = _held(leaves, backend)
     for box in boxes:
