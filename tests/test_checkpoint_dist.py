@@ -175,3 +175,83 @@ def test_a_local_checkpoint_loads_on_four_ranks(dist_pool, tmp_path):
     path = str(tmp_path / "ck")
     fshard.save(path, {"x": fshard.shard(X, fshard.Chunk(1, [0, 1, 2, 3, 4, 5])), "w": W, "step": 11})
     assert dist_pool.run(_load_local_checkpoint, path) == [True] * 4
+
+
+# -- ranks that disagree: every rank raises before anything is written -------------------------
+
+
+def _save_expecting_error(path_by_rank: list[str], tree_kind: str) -> str:
+    rank = dist.get_rank()
+    trees = {
+        "same": {"x": fshard.shard(X, SAVED["rows"]), "step": 12},
+        "opt-state": {"x": fshard.shard(X, SAVED["rows"]), "opt": {"m": torch.full((3,), float(rank))}, "step": 12},
+        "scalar": {"x": fshard.shard(X, SAVED["rows"]), "step": 12 + (rank == 2)},
+        "partial": {"x": fshard.shard(X, fshard.Partial(fshard.Replicated(ALL))), "step": 12},
+    }
+    try:
+        fshard.save(path_by_rank[rank], trees[tree_kind])
+    except (fshard.CheckpointError, fshard.SpecError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def _old_checkpoint_intact(path: Path) -> None:
+    out = fshard.load(path, backend=LOCAL)
+    assert _same(fshard.gather(out["x"]), X)
+    assert out["step"] == 11
+    assert sorted(p.name.split(".")[0] for p in path.iterdir()) == ["data", "index"]
+
+
+def test_different_paths_on_different_ranks_raise_everywhere_and_keep_the_old_checkpoint(dist_pool, tmp_path):
+    path = tmp_path / "ck"
+    dist_pool.run(_save, str(path), "rows")
+    paths = [str(path)] + [str(tmp_path / f"ck-{r}") for r in (1, 2, 3)]  # a timestamp taken on each rank
+    errors = dist_pool.run(_save_expecting_error, paths, "same")
+    assert len(set(errors)) == 1
+    assert errors[0].startswith("CheckpointError: fshard.save was given different paths on different ranks")
+    assert f"rank 0: {path}, rank 1: {tmp_path / 'ck-1'}" in errors[0]
+    assert "broadcast_object_list" in errors[0]
+    _old_checkpoint_intact(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_per_rank_plain_tensors_raise_everywhere_naming_the_leaf_and_the_fix(dist_pool, tmp_path):
+    path = tmp_path / "ck"
+    dist_pool.run(_save, str(path), "rows")
+    errors = dist_pool.run(_save_expecting_error, [str(path)] * 4, "opt-state")
+    assert len(set(errors)) == 1
+    assert errors[0].startswith("CheckpointError: Plain tensor at ['opt']['m'] differs between ranks (rank 0 has ")
+    assert "fshard.from_local_tensor(t.unsqueeze(0))" in errors[0]
+    _old_checkpoint_intact(path)
+
+
+def test_per_rank_scalars_raise_everywhere(dist_pool, tmp_path):
+    path = tmp_path / "ck"
+    dist_pool.run(_save, str(path), "rows")
+    errors = dist_pool.run(_save_expecting_error, [str(path)] * 4, "scalar")
+    assert len(set(errors)) == 1
+    assert "Leaf at ['step'] differs between ranks (rank 0 has int 12, rank 2 has int 13)" in errors[0]
+    _old_checkpoint_intact(path)
+
+
+def test_a_partial_array_raises_the_same_spec_error_on_every_rank(dist_pool, tmp_path):
+    path = tmp_path / "ck"
+    dist_pool.run(_save, str(path), "rows")
+    errors = dist_pool.run(_save_expecting_error, [str(path)] * 4, "partial")
+    assert len(set(errors)) == 1
+    assert errors[0].startswith("SpecError: ShardedArray at ['x'] has a pending sum")
+    assert "Reshard it to a non-partial spec first" in errors[0]
+    _old_checkpoint_intact(path)
+
+
+def _save_per_rank_state_as_arrays(path: str) -> list[float]:
+    rank = dist.get_rank()
+    m = torch.full((3,), float(rank))
+    fshard.save(path, {"opt": {"m": fshard.from_local_tensor(m.unsqueeze(0))}})
+    out = fshard.load(path, specs={"opt": {"m": fshard.Chunk(0, ALL)}})
+    return out["opt"]["m"].local_tensor()[0].tolist()
+
+
+def test_per_rank_state_wrapped_as_arrays_round_trips(dist_pool, tmp_path):
+    rows = dist_pool.run(_save_per_rank_state_as_arrays, str(tmp_path / "ck"))
+    assert rows == [[float(r)] * 3 for r in ALL]
