@@ -3,9 +3,38 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from typing import Any
 
-__all__ = ["Config", "config", "current"]
+__all__ = ["Config", "config", "current", "parse_bool_env"]
+
+# Spellings the environment variables accept, case-insensitively (an empty value is unset).
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_bool_env(name: str, value: str | None, default: bool = False) -> bool:
+    """Reads a boolean environment variable strictly.
+
+    Args:
+        name: the variable's name, for the message.
+        value: its value (``None`` or blank: unset, giving ``default``).
+        default: the value when unset.
+
+    Raises:
+        ValueError: ``value`` is none of 1/0/true/false/yes/no/on/off (any case).
+
+    >>> parse_bool_env("FSHARD_CHECK", "Off"), parse_bool_env("FSHARD_CHECK", None)
+    (False, False)
+    """
+    if value is None or not value.strip():
+        return default
+    word = value.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    msg = f"{name}={value!r} is not a boolean: use one of {'/'.join(_TRUE + _FALSE)} (any case), or unset it."
+    raise ValueError(msg)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -16,13 +45,43 @@ class Config:
         check_collectives: before each collective, ranks compare a hash of
             (operation, plan) and raise ``CollectiveMismatchError`` on a mismatch
             instead of hanging (one extra small all-gather per collective).
-            Defaults to the ``FSHARD_CHECK`` environment variable.
+            Defaults to the ``FSHARD_CHECK`` environment variable (1/0, true/false,
+            yes/no or on/off in any case; unset or empty is off; anything else
+            makes ``import fshard`` raise ``ValueError``).
+        check_timeout: seconds that check mode lets ranks take to arrive at a
+            collective before it reports the ranks still missing; a positive,
+            finite number (default 60).
+
+    Raises:
+        TypeError: a setting of the wrong type (``check_collectives`` takes only a
+            real ``bool``: the string ``"false"`` is refused, not read as true).
+        ValueError: ``check_timeout`` is not positive and finite.
     """
 
     check_collectives: bool = False
+    check_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if type(self.check_collectives) is not bool:
+            value = self.check_collectives
+            msg = (
+                f"fshard setting check_collectives={value!r} is a {type(value).__name__}: give True or False "
+                "(strings are not read as booleans)."
+            )
+            raise TypeError(msg)
+        _check_seconds("check_timeout", self.check_timeout)
+        object.__setattr__(self, "check_timeout", float(self.check_timeout))
 
 
-_current = Config(check_collectives=os.environ.get("FSHARD_CHECK", "0") not in ("", "0", "false", "False"))
+def _check_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        msg = f"fshard setting {name}={value!r} is a {type(value).__name__}: give a number of seconds, such as 60.0."
+        raise TypeError(msg)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"fshard setting {name}={value!r}: give a positive, finite number of seconds, such as 60.0.")
+
+
+_current = Config(check_collectives=parse_bool_env("FSHARD_CHECK", os.environ.get("FSHARD_CHECK")))
 
 
 def current() -> Config:
@@ -30,13 +89,18 @@ def current() -> Config:
     return _current
 
 
-def config(**changes: bool) -> Config:
+def config(**changes: Any) -> Config:
     """Changes settings for this process and returns the previous ones.
 
+    Raises:
+        TypeError: an unknown setting, or a value of the wrong type.
+        ValueError: a value out of range (a ``check_timeout`` that is not positive).
+
     >>> import fshard
-    >>> old = fshard.config(check_collectives=True)
-    >>> fshard.config(**dataclasses.asdict(old)).check_collectives
-    True
+    >>> old = fshard.config(check_collectives=True, check_timeout=5.0)
+    >>> now = fshard.config(**dataclasses.asdict(old))
+    >>> now.check_collectives, now.check_timeout
+    (True, 5.0)
     """
     global _current
     unknown = set(changes) - {f.name for f in dataclasses.fields(Config)}
