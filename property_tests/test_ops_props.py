@@ -279,8 +279,8 @@ def test_strategy_arrays_are_valid(x: fshard.ShardedArray) -> None:
         assert s.data.dtype == x.dtype
         if s.meta.numel:
             assert torch.equal(s.data, full[tuple(slice(o, o + z) for o, z in zip(s.meta.offsets, s.meta.sizes))])
-    if x.dtype != torch.bool:
-        assert bool(((full >= -8) & (full < 8)).all())
+    if x.dtype.is_floating_point:
+        assert bool(torch.isfinite(full).all())
     assert x.layout.ranks == () or max(x.layout.ranks) < 4
 
 

@@ -1,16 +1,16 @@
-"""Hypothesis strategies for placements, specs, layouts and sharded arrays.
+"""Hypothesis strategies for placements, specs, layouts, dtypes and sharded arrays.
 
+They need hypothesis, which the ``test`` extra installs (``pip install 'fshard[test]'``).
 Use them to property-test your own sharded code the way fshard tests itself:
 
 >>> from hypothesis import given
 >>> import fshard
 >>> from fshard.testing import strategies as fst
->>> @given(fst.layout_pairs(fst.shapes()))
-... def test_reshard_round_trip(pair):
-...     a, b = pair
-...     x = torch.arange(float(a.numel)).reshape(a.shape)
-...     assert torch.equal(fshard.gather(fshard.reshard(fshard.shard(x, a), b)), x)
->>> test_reshard_round_trip()
+>>> @given(fst.arrays_and_layouts(fst.shapes(max_dims=2)))
+... def test_reshard_keeps_values(pair):
+...     x, layout = pair
+...     assert fshard.equal(fshard.reshard(x, layout), x)
+>>> test_reshard_keeps_values()
 
 Every strategy takes ``world`` (ranks are drawn from ``range(world)``) and produces
 valid values only; shrinking goes towards fewer dims, fewer shards and rank 0.
@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, Union
 
+import numpy as np
 import torch
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from fshard._array import ShardedArray
 from fshard._layout import Layout, ShardMeta
@@ -31,7 +34,9 @@ from fshard._specs import Chunk, Explicit, Mesh, Named, Replicated, Single
 
 __all__ = [
     "arrays",
+    "arrays_and_layouts",
     "chunk_specs",
+    "dtypes",
     "guillotine_layouts",
     "layout_pairs",
     "layouts",
@@ -39,6 +44,7 @@ __all__ = [
     "placements",
     "shapes",
     "specs",
+    "values",
 ]
 
 
@@ -159,25 +165,112 @@ def layout_pairs(
 
 
 _DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.bfloat16, torch.bool)
+# The numpy dtype that draws each torch dtype's values (bfloat16 through float32, then rounded).
+_NUMPY = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.bfloat16: np.float32,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+
+DtypeLike = Union[torch.dtype, st.SearchStrategy[torch.dtype], None]
+
+
+def dtypes(include: Sequence[torch.dtype] = _DTYPES) -> st.SearchStrategy[torch.dtype]:
+    """Torch dtypes from ``include`` (default: float32, float64, int64, int32, bfloat16, bool).
+
+    Raises:
+        ValueError: ``include`` is empty or holds a dtype the array strategies cannot fill.
+    """
+    include = tuple(include)
+    unknown = [d for d in include if d not in _NUMPY]
+    if not include or unknown:
+        msg = f"dtypes() takes a non-empty list of {sorted(map(str, _NUMPY))}, got {list(include)}."
+        raise ValueError(msg)
+    return st.sampled_from(include)
+
+
+def values(dtype: torch.dtype) -> st.SearchStrategy[Any]:
+    """Python scalars for ``dtype``: finite floats (and complex numbers) of any magnitude it
+    holds, -0.0 and subnormals included; integers over its range; booleans."""
+    kind = _NUMPY[dtype]
+    if dtype == torch.bool:
+        return st.booleans()
+    bits = np.dtype(kind).itemsize * 8
+    if dtype.is_complex:
+        top = float(torch.finfo(dtype).max)
+        return st.complex_numbers(max_magnitude=top, allow_nan=False, allow_infinity=False, width=bits)
+    if dtype.is_floating_point:
+        top = float(torch.finfo(dtype).max)
+        return st.floats(-top, top, allow_nan=False, width=bits)
+    info = np.iinfo(kind)
+    return st.integers(int(info.min), int(info.max))
+
+
+def _tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype, elements: Any) -> torch.Tensor:
+    kind = _NUMPY[dtype]
+    data = draw(hnp.arrays(kind, shape, elements=elements if elements is not None else values(dtype)))
+    # np.array copies into a fresh, writable, C-ordered array; a 0-D draw comes back a numpy scalar.
+    return torch.from_numpy(np.array(data, dtype=kind).reshape(shape)).to(dtype)
+
+
+def _dtype(draw: st.DrawFn, dtype: DtypeLike) -> torch.dtype:
+    if dtype is None:
+        return draw(dtypes())
+    if isinstance(dtype, st.SearchStrategy):
+        return draw(dtype)
+    if dtype not in _NUMPY:
+        raise ValueError(f"arrays() cannot fill dtype {dtype}; use one of {sorted(map(str, _NUMPY))}.")
+    return dtype
+
+
+def _shape(draw: st.DrawFn, shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]] | None) -> tuple[int, ...]:
+    return draw(shapes() if shape is None else shape if isinstance(shape, st.SearchStrategy) else st.just(tuple(shape)))
 
 
 @st.composite
 def arrays(
     draw: st.DrawFn,
     shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: DtypeLike = None,
     world: int = 4,
+    *,
+    elements: st.SearchStrategy[Any] | None = None,
 ) -> ShardedArray:
     """``ShardedArray`` values on the local backend with random layouts, dtypes and contents.
 
-    Contents are drawn as small integers so every dtype holds them exactly.
+    Args:
+        shape: a shape, a strategy of shapes, or ``None`` for ``shapes()``.
+        dtype: a torch dtype, a strategy of them (``dtypes()``), or ``None`` for ``dtypes()``.
+        world: ranks are drawn from ``range(world)``.
+        elements: a strategy of the values (default ``values(dtype)``: finite floats of every
+            magnitude the dtype holds, integers over its range, booleans).
     """
     from fshard._ops import shard
 
-    s = draw(shapes() if shape is None else shape if isinstance(shape, st.SearchStrategy) else st.just(tuple(shape)))
+    s = _shape(draw, shape)
     layout = draw(layouts(s, world))
-    dt = dtype if dtype is not None else draw(st.sampled_from(_DTYPES))
-    seed = draw(st.integers(0, 2**31 - 1))
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randint(-8, 8, s, generator=g)
-    return shard(values.to(dt), layout)
+    return shard(_tensor(draw, s, _dtype(draw, dtype), elements), layout)
+
+
+@st.composite
+def arrays_and_layouts(
+    draw: st.DrawFn,
+    shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]] | None = None,
+    dtype: DtypeLike = None,
+    world: int = 4,
+    *,
+    elements: st.SearchStrategy[Any] | None = None,
+) -> tuple[ShardedArray, Layout]:
+    """An array (as ``arrays``) and a second layout of its shape: the input and target of a reshard."""
+    s = _shape(draw, shape)
+    x = draw(arrays(st.just(s), dtype, world, elements=elements))
+    return x, draw(layouts(s, world))
