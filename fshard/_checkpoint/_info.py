@@ -24,13 +24,9 @@ def checkpoint_info(path: str | os.PathLike[str]) -> str:
     >>> x = fshard.shard(torch.zeros(4, 6), fshard.Chunk(0, [0, 1]))
     >>> with tempfile.TemporaryDirectory() as d:
     ...     fshard.save(d, {"w": x, "lr": 0.1})
-    ...     print(fshard.checkpoint_info(d).split("\\n", 1)[1])
+    ...     info = fshard.checkpoint_info(d)
+    >>> print("\\n".join(line for line in info.splitlines()[1:] if not line.startswith("  ")))  # without the pictures
     ['w']: array float32 (4, 6), 2 boxes written
-      +-----------------------+
-      |          r0           |
-      +-----------------------+
-      |          r1           |
-      +-----------------------+
     ['lr']: float = 0.1
     files: rank-00000.safetensors (...), rank-00001.safetensors (...)
     """

@@ -211,9 +211,18 @@ def load(
     Returns:
         The saved tree (dicts, lists, tuples) with arrays in the target layouts.
 
+    A load during a save to the same path returns the old or the new checkpoint,
+    whole: when the save deletes files this load still needed, it starts over
+    from the new index (on every rank together; under ``torch_dist`` also when
+    ranks read different indexes).
+
     Raises:
-        CheckpointError: a missing index or file, a truncated or tampered file,
-            or a tree, shape or dtype that does not match; naming file and tensor.
+        CheckpointError: a missing index or file, an index that was edited (it no
+            longer matches its digest) or is malformed (naming the field), a
+            truncated or tampered file, a tree, shape or dtype that does not
+            match (naming file and tensor), or "changed during load" when saves
+            replaced the checkpoint three times during one load.
+        SpecError: a target layout with a pending reduction (``Partial``).
 
     >>> import tempfile, torch, fshard
     >>> x = fshard.shard(torch.arange(8), fshard.Chunk(0, [0, 1, 2, 3]))
