@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import numpy as np
 
@@ -225,7 +225,7 @@ def paint(picture: Picture, color: ColorMode) -> str:
         from rich.text import Text
     except ImportError:
         return picture.text
-    system = _color_system(Console()) if color == "auto" else "256"
+    system: Any = _color_system(Console()) if color == "auto" else "256"
     if system is None:
         return picture.text
     text = Text("\n".join(picture.lines))

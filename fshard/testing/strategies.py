@@ -207,10 +207,10 @@ def values(dtype: torch.dtype) -> st.SearchStrategy[Any]:
     bits = np.dtype(kind).itemsize * 8
     if dtype.is_complex:
         top = float(torch.finfo(dtype).max)
-        return st.complex_numbers(max_magnitude=top, allow_nan=False, allow_infinity=False, width=bits)
+        return st.complex_numbers(max_magnitude=top, allow_nan=False, allow_infinity=False, width=bits)  # type: ignore[arg-type]
     if dtype.is_floating_point:
         top = float(torch.finfo(dtype).max)
-        return st.floats(-top, top, allow_nan=False, width=bits)
+        return st.floats(-top, top, allow_nan=False, width=bits)  # type: ignore[arg-type]
     info = np.iinfo(kind)
     return st.integers(int(info.min), int(info.max))
 
