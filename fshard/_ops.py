@@ -10,7 +10,7 @@ from typing import Any, overload
 import optree
 import torch
 
-from fshard import _autograd
+from fshard import _autograd, _operators  # noqa: F401  (_operators adds ShardedArray's operators)
 from fshard._array import Shard, ShardedArray
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, with_partial
