@@ -12,11 +12,15 @@ implementation of the same data movement:
   Gloo that is often faster than the collective, and the faster of the two is the
   floor every ratio divides by. Pieces of unequal size go by ``batch_isend_irecv``
   only (``dist.gather`` would pad them). Where nothing crosses ranks, the floor is a
-  ``copy_`` of the local slice into a buffer allocated before timing.
+  ``copy_`` of the local slice into a buffer allocated before timing. Pending
+  reductions (``Partial``, ``benchmarks/dist_partial.py``) divide by the collective that
+  reduces the same bytes, ``all_reduce`` or ``reduce_scatter_tensor``.
 - **fshard**: ``gather``, ``reshard`` or ``shard(src=0)`` on the ``torch_dist`` backend.
 - **copies** (reshards only, a diagnostic): the memory copies of fshard's plan that no
   message makes, timed alone: local boxes, and boxes that are not contiguous in their
   shard (Gloo moves contiguous buffers, so they are packed or unpacked).
+- **all_to_all** (collective reductions, a diagnostic): the bound's bytes sent by
+  ``all_to_all_single`` per phase of fshard's plan, without the sums.
 - **ShardedTensor** (``torch.distributed._shard``): ``gather(dst, out)``,
   ``reshard(ChunkShardingSpec)`` (chunk -> chunk only) and ``_shard_tensor(src_rank=0)``.
 - **DTensor**: ``full_tensor()``, ``redistribute`` and ``distribute_tensor(src_data_rank=0)``
@@ -28,7 +32,9 @@ tensor), then the rounds are interleaved (floor, fshard, ShardedTensor, DTensor,
 round's time is the slowest rank's, and the table shows the median over rounds.
 
 Bytes sent: fshard's ``backend.counters.elements_sent`` over one call, summed over
-ranks, against ``plan.min_elements_sent`` of the same movement (both x 4 bytes).
+ranks, against ``plan.min_elements_sent`` of the same movement (both x 4 bytes); for
+``Partial(Replicated)`` against the stated bounds, (n - 1)·N to ``Chunk(0)`` and
+2(n - 1)·N to ``Replicated``. A peer's row notes fshard's time over the peer's.
 
 Peak extra memory: the growth of each process's resident set over one call, the
 largest over ranks (``benchmarks/dist_rank.py``). It counts the result and every
@@ -57,8 +63,9 @@ __all__ = ["SCENARIOS", "DistCase", "Scenario", "cases", "combine", "jobs", "res
 GROUP = "torch_dist"
 GATHER_TARGET = 1.15
 RESHARD_TARGET = 1.25
-IMPLS = ("floor", "floor p2p", "fshard", "copies", "ShardedTensor", "DTensor")
+IMPLS = ("floor", "floor p2p", "fshard", "copies", "all_to_all", "ShardedTensor", "DTensor")
 FLOORS = ("floor", "floor p2p")
+DIAGNOSTICS = ("copies", "all_to_all")
 PEERS = ("ShardedTensor", "DTensor")
 SIZES = (16.0, 256.0)
 QUICK_SIZES = (1.0,)
@@ -72,12 +79,13 @@ class Scenario:
 
     key: str
     title: str
-    kind: str  # "gather", "reshard" or "shard": which ratio target applies
+    kind: str  # "gather", "reshard", "shard" or "reduce": which ratio target applies
     world_min: int = 2
 
     @property
     def target(self) -> float:
-        """The largest fshard / floor ratio that meets the goal (scatter counts as a gather)."""
+        """The largest fshard / floor ratio that meets the goal (a scatter or a collective
+        reduction counts as a gather)."""
         return RESHARD_TARGET if self.kind == "reshard" else GATHER_TARGET
 
 
@@ -91,6 +99,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("chunk-repl", "reshard chunk -> replicated", "reshard"),
     Scenario("explicit-chunk", "reshard explicit -> chunk", "reshard"),
     Scenario("shard-src0", "shard(src=0), dim-0 chunks", "shard"),
+    Scenario("partial-repl", "Partial(Replicated) -> Replicated", "reduce"),
+    Scenario("partial-chunk", "Partial(Replicated) -> Chunk(0)", "reduce"),
+    Scenario("partial-rows-cols", "Partial(rows, sum over y) -> Chunk(1)", "reshard"),
 )
 BY_KEY = {s.key: s for s in SCENARIOS}
 
@@ -210,10 +221,11 @@ def result_rows(res: dict[str, Any], group: str) -> list[Row]:
         elif name == "fshard":
             target, sent = f"<= {res['target']:.2f}x floor", res["fshard_bytes"]
             ok = res["ratio_ok"] and res["bytes_ok"] and r["verified"] is not False
-        elif name == "copies":
-            note = "fshard's copies alone, no messages"
+        elif name in DIAGNOSTICS:
+            note = note or "fshard's copies alone, no messages"
         else:
             target, ok = "fshard faster", fshard_s < r["median_s"]
+            note = "; ".join(n for n in (note, f"fshard / {name} = {fshard_s / r['median_s']:.2f}x") if n)
         rows.append(Row(group, case, name, r["median_s"], len(r["samples_s"]), r["ratio"], "x floor", target, ok,
                         note, tuple(r["samples_s"]), sent_bytes=sent, peak_mib=r["peak_extra_mib"],
                         verified=r["verified"], **common))  # fmt: skip

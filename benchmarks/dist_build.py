@@ -312,6 +312,10 @@ def _fresh_copies(st: Any) -> Callable[[], Any]:
 def build(key: str, mib: float, env: Env) -> Built:
     """Prepares scenario ``key`` at ``mib`` MiB on this rank (collective: every rank calls it)."""
     side = _side(mib)
+    if key.startswith("partial"):
+        from benchmarks.dist_partial import build_partial
+
+        return build_partial(key, side, env)
     full = _full(side)
     if key.startswith("gather"):
         return _build_gather(key, full, env)

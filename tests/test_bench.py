@@ -30,6 +30,9 @@ ISSUE_CASES = {
     "chunk-repl": "reshard",
     "explicit-chunk": "reshard",
     "shard-src0": "shard",
+    "partial-repl": "reduce",
+    "partial-chunk": "reduce",
+    "partial-rows-cols": "reshard",
 }
 
 
@@ -188,7 +191,17 @@ def test_result_rows() -> None:
     assert (fshard.ratio, fshard.target, fshard.ok, fshard.sent_bytes) == (1.2, "<= 1.25x floor", True, 40)
     assert (st.seconds, st.note) == (None, "N/A: no")
     assert (dt.ratio, dt.ok, dt.verified) == (3.0, True, True)
+    assert dt.note == "fshard / DTensor = 0.40x"
     assert floor.note == "all_to_all_single"
+
+
+def test_a_diagnostic_row_has_no_target() -> None:
+    times = {"floor": [1.0], "fshard": [1.1], "all_to_all": [0.5]}
+    part = {**_part(times, 10, dict.fromkeys(times)), "key": "partial-chunk", "notes": {"all_to_all": "no sums"}}
+    rows = {r.impl: r for r in dist.result_rows(dist.combine([part]), "g")}
+    assert (rows["all_to_all"].ratio, rows["all_to_all"].target, rows["all_to_all"].ok) == (0.5, "", None)
+    assert rows["all_to_all"].note == "no sums"
+    assert (rows["fshard"].target, rows["fshard"].ok) == ("<= 1.15x floor", True)  # a reduction's target
 
 
 # -- table, JSON, plot ------------------------------------------------------------------------
@@ -296,9 +309,9 @@ def test_run_cases_reports_a_failing_case_and_goes_on() -> None:
 
 
 def test_tiny_real_run() -> None:
-    """Two Gloo processes, two cases at 16 KiB: results verified, bytes sent == minimum."""
+    """Two Gloo processes, four cases at 16 KiB: results verified, bytes sent == minimum."""
     progress = _Recorder()
-    todo = [("dim0-dim1", 1 / 64), ("gather-one", 1 / 64)]
+    todo = [("dim0-dim1", 1 / 64), ("gather-one", 1 / 64), ("partial-repl", 1 / 64), ("partial-rows-cols", 1 / 64)]
     results = dist.run(todo, world=2, reps=1, peers=False, progress=progress)
     assert [(r["key"], r["mib"]) for r in results] == todo
     for res in results:
@@ -306,5 +319,13 @@ def test_tiny_real_run() -> None:
         assert res["min_bytes"] > 0
         assert res["impls"]["fshard"]["verified"] is True
         assert len(res["impls"]["fshard"]["samples_s"]) == 1
-    assert progress.events == ["start reshard dim 0 -> dim 1, 0.015625 MiB", "done",
-                               "start gather to rank 0, even chunks, 0.015625 MiB", "done"]  # fmt: skip
+    numel = 64 * 64  # 16 KiB of float32
+    assert results[2]["min_bytes"] == 2 * (2 - 1) * numel * 4  # the all-reduce's stated bound, 2(n-1)N
+    assert results[2]["impls"]["floor"]["verified"] is True  # dist.all_reduce gave the same sum
+    assert "all_to_all" in results[2]["impls"]
+    assert "dist.all_reduce" in results[2]["notes"]["fshard"]
+    assert "packed all_to_all" in results[3]["notes"]["fshard"]
+    assert progress.events[:4] == ["start reshard dim 0 -> dim 1, 0.015625 MiB", "done",
+                                   "start gather to rank 0, even chunks, 0.015625 MiB", "done"]  # fmt: skip
+    assert progress.events[4:] == ["start Partial(Replicated) -> Replicated, 0.015625 MiB", "done",
+                                   "start Partial(rows, sum over y) -> Chunk(1), 0.015625 MiB", "done"]  # fmt: skip
