@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fshard import _varying
 from fshard._errors import SpecError
 from fshard._layout import Layout, ShardMeta, with_partial
 from fshard._plan import plan
@@ -179,36 +180,42 @@ class _Scatter(torch.autograd.Function):
 
 class _Assemble(torch.autograd.Function):
     @staticmethod
-    def forward(layout: Layout, backend: Any, dst: int | None, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+    def forward(
+        layout: Layout, backend: Any, dst: int | None, parts: Any, like: torch.Tensor, *tensors: torch.Tensor
+    ) -> Any:
         out = backend.assemble(layout, tensors, like, dst)
         # Off rank dst the result is an empty stand-in: the backward still needs a node here.
         return out if out is not None else like.new_empty((0,))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        layout, backend, dst, like = inputs[:4]
+        layout, backend, dst, parts, like = inputs[:5]
         ctx.args = (layout, backend, dst, like.dtype, like.device)
+        ctx.parts = parts
         ctx.like_shape = like.shape
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, dst = ctx.args[:3]
+        grad = grads[0]
+        if ctx.parts is not None:  # uses inside per-shard functions: their parts summed over ranks
+            grad = ctx.parts.total(grad, backend)
         # Off rank dst the gradient is that of the 0-element stand-in: it only gives the dtype.
-        shards, _ = scatter(grads[0], layout, backend, dst)
-        return (None, None, None, _link_grad(ctx, 3, _carrier(grads, *ctx.args[3:])), *shards)
+        shards, _ = scatter(grad, layout, backend, dst)
+        return (None, None, None, None, _link_grad(ctx, 4, _carrier(grads, *ctx.args[3:])), *shards)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         layout, backend, dst, dtype, device = ctx.args
-        like = _carrier(tangents[3:], dtype, device)
-        return _Assemble.apply(layout, backend, dst, like, *_dense(layout, backend, tangents[4:], like))
+        like = _carrier(tangents[4:], dtype, device)
+        return _Assemble.apply(layout, backend, dst, None, like, *_dense(layout, backend, tangents[5:], like))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
-        layout, backend, dst, like, *tensors = args
+        layout, backend, dst, parts, like, *tensors = args
         n = info.batch_size
-        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-        out = _Assemble.apply(_batched(layout, n), backend, dst, _stand_in(like.dtype, like.device), *lead)
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[5:]))
+        out = _Assemble.apply(_batched(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
         return (out, 0) if _holds_result(backend, dst) else (out.new_empty((n, 0)), 0)
 
 
@@ -237,9 +244,17 @@ def assemble(
 ) -> torch.Tensor | None:
     """The global tensor from the addressable shards of ``layout`` (differentiable).
 
-    ``None`` on a process other than rank ``dst`` (torch_dist).
+    ``None`` on a process other than rank ``dst`` (torch_dist). On a multi-process
+    backend, the result of a gather to every rank is marked so that its uses inside
+    per-shard functions add up over the ranks in its gradient (``fshard._varying``).
     """
-    out = _Assemble.apply(layout, backend, dst, like, *tensors)
+    parts = None
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (like, *tensors))
+    if dst is None and backend.rank is not None and needs_grad:
+        parts = _varying.Parts()
+    out = _Assemble.apply(layout, backend, dst, parts, like, *tensors)
+    if parts is not None:
+        _varying.register(out, parts)
     return out if _holds_result(backend, dst) else None
 
 

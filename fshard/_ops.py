@@ -10,7 +10,7 @@ from typing import Any, overload
 import optree
 import torch
 
-from fshard import _autograd, _operators  # noqa: F401  (_operators adds ShardedArray's operators)
+from fshard import _autograd, _operators, _varying  # noqa: F401  (_operators adds ShardedArray's operators)
 from fshard._array import Shard, ShardedArray
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, with_partial
@@ -175,7 +175,8 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     dims that no shard splits resized to the new extent.
     """
     first = arrays[0]
-    outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
+    with _varying.per_shard(first.backend):
+        outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
     if not outs:
         # No shard here: the result's link joins every argument's, so backward reaches them all.
         link = functools.reduce(torch.add, (a._first() for a in arrays)).to(first.dtype)

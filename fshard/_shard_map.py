@@ -22,7 +22,7 @@ from typing import Any
 import optree
 import torch
 
-from fshard import _autograd
+from fshard import _autograd, _varying
 from fshard._array import ShardedArray
 from fshard._errors import SpecError
 from fshard._layout import Layout, with_partial
@@ -272,10 +272,11 @@ def _run(
     slot_of = _slot_index(first)
     by_index = [dict(zip(backend.addressable(a.layout), a._data)) for a in inputs]
     results = []
-    for i in held:
-        p, k = slot_of[i]
-        blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
-        results.append(((p, k), fn(*blocks)))
+    with _varying.per_shard(backend):
+        for i in held:
+            p, k = slot_of[i]
+            blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
+            results.append(((p, k), fn(*blocks)))
     leaves, spec_tree = _flatten_results(results, what)
     specs = _leaf_specs(out_specs, spec_tree, what)
     if spec_tree is None:  # no slot here: the structure comes from the specs

@@ -154,3 +154,46 @@ def _backward_of_reduction():
 
 def test_gradient_of_a_reduction_reaches_every_summand(dist_pool):
     assert dist_pool.run(_backward_of_reduction) == [True] * 4
+
+
+# -- one semantics: the gradient of a replicated value is the sum of its uses ---------------
+
+
+def _replicated_bias_grad(outside: float, world: int | None = None):
+    """``bf = gather(b)`` used inside map_local over row chunks (and ``outside`` times outside it)."""
+    ranks = R if world is None else list(range(world))
+    backend = fshard.backends.local.LOCAL if world is not None else None
+    x = torch.arange(24.0, dtype=torch.float64).reshape(8, 3)
+
+    def loss(params):
+        bf = fshard.gather(params["b"])
+        rows = fshard.shard(x, fshard.Chunk(0, ranks), backend=params["b"].backend)
+        y = fshard.map_local(lambda t: t + bf, rows)
+        return fshard.gather(y).sum() + outside * bf.sum()
+
+    b = fshard.shard(torch.zeros(3, dtype=torch.float64), fshard.Replicated(ranks), backend=backend)
+    grads = torch.func.grad(loss)({"b": b})
+    return [s.data.tolist() for s in grads["b"].addressable_shards]
+
+
+@pytest.mark.parametrize("outside", [0.0, 3.0])
+def test_gradient_of_a_gathered_replica_sums_its_uses_over_ranks(dist_pool, outside):
+    want = [8.0 + outside] * 3  # 8 rows use each element once; the outside use counts once
+    results = dist_pool.run(_replicated_bias_grad, outside)
+    assert results == [[want]] * 4
+    assert _replicated_bias_grad(outside, world=4) == [want] * 4  # the local backend agrees
+
+
+def _replicated_bias_backward():
+    """The same with ``.backward()`` on a leaf tensor each rank holds."""
+    x = torch.arange(24.0, dtype=torch.float64).reshape(8, 3)
+    leaf = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    b = fshard.shard(leaf, fshard.Replicated(R))
+    bf = fshard.gather(b)
+    y = fshard.map_local(lambda t: t + bf, fshard.shard(x, fshard.Chunk(0, R)))
+    fshard.gather(y).sum().backward()
+    return leaf.grad.tolist()
+
+
+def test_backward_of_a_gathered_replica_sums_its_uses_over_ranks(dist_pool):
+    assert dist_pool.run(_replicated_bias_backward) == [[8.0] * 3] * 4
