@@ -212,7 +212,7 @@ class _Assemble(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
-        layout, backend, dst, parts, like, *tensors = args
+        layout, backend, dst, _parts, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[5:]))
         out = _Assemble.apply(_batched(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
