@@ -53,6 +53,8 @@ from fshard._specs import Named as Named
 from fshard._specs import Partial as Partial
 from fshard._specs import Replicated as Replicated
 from fshard._specs import Single as Single
+from fshard._tree import clip_grad_norm as clip_grad_norm
+from fshard._tree import global_norm as global_norm
 
 __version__ = "0.1.0"
 
@@ -79,6 +81,7 @@ __all__ = [
     "allclose",
     "backends",
     "checkpoint_info",
+    "clip_grad_norm",
     "config",
     "empty",
     "empty_like",
@@ -91,6 +94,7 @@ __all__ = [
     "full",
     "full_like",
     "gather",
+    "global_norm",
     "load",
     "load_state_dict",
     "map_local",
