@@ -1,0 +1,246 @@
+"""Computing on sharded values (DESIGN 3b) on the local backend: Partial, shard_map, map_local over
+aligned layouts, operators, sum, gradients of replicas, and the replica-aware tree helpers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import fshard
+from fshard import Chunk, Mesh, Named, Partial, Replicated, Single, SpecError
+
+R = [0, 1, 2, 3]
+X = torch.arange(48, dtype=torch.float64).reshape(8, 6) / 7
+Y = torch.linspace(-2, 2, 48, dtype=torch.float64).reshape(8, 6)
+GRID = Named(Mesh((2, 2)), ("x", "y"))
+ROWS_PAIRS = Named(Mesh((2, 2)), ("x", None))
+
+
+def _summands(op: str = "sum", inner=None, shape=(8, 6)) -> tuple[fshard.ShardedArray, list[torch.Tensor]]:
+    layout = Partial(inner or Replicated(R), op).layout(shape)
+    parts = [torch.randn(shape, generator=torch.Generator().manual_seed(k), dtype=torch.float64) for k in R]
+    shards = [
+        fshard.Shard(m, parts[m.placement.rank][tuple(slice(o, o + n) for o, n in zip(m.offsets, m.sizes))])
+        for m in layout.shards
+    ]
+    return fshard.from_local_shards_and_layout(shards, layout), parts
+
+
+# -- Partial ----------------------------------------------------------------------------------
+
+
+def test_partial_layout_is_a_value():
+    lay = Partial(Replicated(R)).layout((2, 3))
+    assert lay.partial == "sum" and lay != Replicated(R).layout((2, 3))
+    assert fshard.Layout.from_dict(lay.to_dict()) == lay and "partial='sum'" in repr(lay)
+    assert "pending sum" in lay.visualize()
+    with pytest.raises(SpecError, match="pending reductions do not nest"):
+        Partial(Partial(Replicated(R)))
+    with pytest.raises(SpecError, match=re.escape("Partial op='mean' is not a reduction")):
+        Partial(Replicated(R), "mean")
+    with pytest.raises(fshard.LayoutError, match="is not a reduction"):
+        fshard.Layout((2,), [((0,), (2,), 0)], partial="avg")
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+@pytest.mark.parametrize("target", [Chunk(0, R), Chunk(1, R), Replicated(R), Single(3), GRID, ROWS_PAIRS])
+def test_reshard_reduces_with_the_fewest_elements(op, target):
+    p, parts = _summands(op)
+    want = {"sum": sum(parts), "max": torch.stack(parts).amax(0), "min": torch.stack(parts).amin(0)}[op]
+    backend = p.backend
+    backend.counters.reset()
+    y = fshard.reshard(p, target)
+    plan = fshard.plan(p.layout, y.layout)
+    assert backend.counters.elements_sent == plan.elements_sent == plan.min_elements_sent
+    assert y.layout.partial is None
+    assert torch.allclose(fshard.gather(y), want, rtol=0, atol=1e-12)
+
+
+def test_all_reduce_and_reduce_scatter_bounds():
+    n, numel = len(R), 48
+    p, _ = _summands()
+    assert fshard.plan(p.layout, Chunk(0, R).layout((8, 6))).elements_sent == (n - 1) * numel
+    both = fshard.plan(p.layout, Replicated(R).layout((8, 6)))
+    assert both.elements_sent == 2 * (n - 1) * numel and len(both.phases) == 2
+    assert both.phases[0].op == "sum" and both.phases[1].op is None
+    assert both.traffic().sum() == both.elements_sent
+
+
+def test_partial_to_partial_and_value_to_partial():
+    p, parts = _summands(inner=ROWS_PAIRS)
+    q = fshard.reshard(p, Partial(Chunk(0, R)))
+    plan = fshard.plan(p.layout, q.layout)
+    assert plan.elements_sent == plan.min_elements_sent
+    assert torch.allclose(fshard.gather(q), fshard.gather(p))
+    v = fshard.shard(X, Partial(Replicated(R)))  # the value is X: one copy holds it, the others 0
+    assert torch.equal(fshard.gather(v), X) and fshard.plan(Replicated(R).layout(X.shape), v.layout).elements_sent == 0
+    assert sorted(float(s.data.abs().sum()) > 0 for s in v.addressable_shards) == [False, False, False, True]
+
+
+def test_gradient_of_a_reduction_is_the_gradient_of_the_value_on_each_summand():
+    p, parts = _summands()
+
+    def loss(params):
+        return (fshard.gather(fshard.reshard(params["p"], Chunk(1, R))) * Y).sum()
+
+    grads = torch.func.grad(loss)({"p": p})
+    assert all(torch.equal(s.data, Y) for s in grads["p"].addressable_shards)
+    with pytest.raises(SpecError, match="gradient of a pending max is not supported"):
+        torch.func.grad(lambda t: fshard.gather(t).sum())(_summands("max")[0])
+
+
+# -- map_local and shard_map ----------------------------------------------------------------
+
+
+def test_map_local_refuses_pending_sums_unless_linear():
+    p, parts = _summands()
+    with pytest.raises(SpecError, match=re.escape("map_local() argument 0 is a pending sum (Partial)")):
+        fshard.map_local(torch.sin, p)
+    doubled = fshard.map_local(lambda t: 2 * t, p, linear=True)
+    assert doubled.layout.partial == "sum" and torch.allclose(fshard.gather(doubled), 2 * sum(parts))
+    with pytest.raises(SpecError, match="linear=True applies to pending sums only"):
+        fshard.map_local(torch.neg, _summands("max")[0], linear=True)
+
+
+def test_map_local_over_aligned_layouts_with_pytree_results():
+    rows = fshard.shard(X, Chunk(0, R))
+    sums = fshard.shard(X.sum(1), Chunk(0, R))  # another shape, the same placements
+    out = fshard.map_local(lambda t, s: (t / s[:, None], s * 2), rows, sums, out_spec=(Chunk(0, R), Chunk(0, R)))
+    assert torch.allclose(fshard.gather(out[0]), X / X.sum(1, keepdim=True))
+    assert torch.equal(fshard.gather(out[1]), 2 * X.sum(1))
+    with pytest.raises(SpecError, match="does not align with argument 0"):
+        fshard.map_local(torch.add, rows, fshard.shard(X, Chunk(0, [0, 0, 1, 1])), out_spec=Chunk(0, R))
+
+
+def test_shard_map_row_and_column_parallel_matmul_with_gradients():
+    w = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    row = fshard.shard_map(lambda a, b: a @ b, (Chunk(1, R), Chunk(0, R)), Partial(Replicated(R)))
+    col = fshard.shard_map(lambda a, b: a @ b, (Replicated(R), Chunk(1, R)), Chunk(1, R))
+
+    def loss(params, fn):
+        return (fshard.gather(fn(params["x"], params["w"])) ** 2).sum()
+
+    xt, wt = X.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    (xt @ wt).pow(2).sum().backward()
+    for fn in (row, col):
+        assert torch.allclose(fshard.gather(fn(X, w)), X @ w)
+        params = {"x": fshard.shard(X, Replicated(R)), "w": fshard.shard(w, Replicated(R))}
+        grads = torch.func.grad(loss)(params, fn)
+        # Every replica of each gradient holds the total: the sum of the uses on all ranks.
+        assert all(torch.allclose(s.data, xt.grad) for s in grads["x"].addressable_shards)
+        assert all(torch.allclose(s.data, wt.grad) for s in grads["w"].addressable_shards)
+
+
+def test_shard_map_errors_name_the_argument():
+    with pytest.raises(
+        SpecError, match=re.escape("shard_map() argument 1: its spec gives placement rank:0/cpu 2 blocks")
+    ):
+        fshard.shard_map(torch.add, (Chunk(0, R), Chunk(0, [0, 0, 1, 2])), Chunk(0, R))(X, X)
+    with pytest.raises(SpecError, match=re.escape("shard_map() got 1 arguments but in_specs has 2 entries")):
+        fshard.shard_map(torch.neg, (Chunk(0, R), Chunk(0, R)), Chunk(0, R))(X)
+    with pytest.raises(SpecError, match="no block on"):
+        fshard.shard_map(torch.neg, Chunk(0, R), Chunk(0, [0, 1]))(X)
+
+
+# -- operators and sum ----------------------------------------------------------------------
+
+
+OPS = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "pow": lambda a, b: a**2,
+    "neg": lambda a, b: -a,
+    "radd": lambda a, b: 1.5 + a,
+    "rsub": lambda a, b: 1 - a,
+    "rdiv": lambda a, b: 2 / b,
+    "lt": lambda a, b: a < b,
+    "eq": lambda a, b: a == b,
+    "ge": lambda a, b: a >= 0.5,
+}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+@pytest.mark.parametrize("spec", [Chunk(0, R), GRID, Replicated([0, 1])])
+def test_operators_match_torch(name, spec):
+    a, b = fshard.shard(X, spec), fshard.shard(Y, spec)
+    assert torch.equal(fshard.gather(OPS[name](a, b)), OPS[name](X, Y))
+
+
+def test_operators_refuse_what_is_not_linear_in_a_pending_sum():
+    p = fshard.shard(X, Chunk(1, R)).sum(1)
+    x = fshard.shard(X.sum(1), fshard.Layout(p.layout.shape, p.layout.shards))  # p's boxes, not pending
+    assert torch.allclose(fshard.gather(p * 2 - p / 4 + (-p)), 0.75 * X.sum(1))
+    assert torch.allclose(fshard.gather(p * x), X.sum(1) ** 2)
+    for bad in (lambda: p + 1, lambda: p * p, lambda: p**2, lambda: p < 0, lambda: 1 / p, lambda: x / p):
+        with pytest.raises(SpecError, match="Reshard it to a non-partial spec first"):
+            bad()
+    with pytest.raises(SpecError, match="different layouts"):
+        _ = fshard.shard(X, Chunk(0, R)) + fshard.shard(X, Chunk(1, R))
+    with pytest.raises(TypeError, match="truth value of a ShardedArray is ambiguous"):
+        bool(fshard.shard(X, Chunk(0, R)))
+
+
+@pytest.mark.parametrize("spec", [Chunk(0, R), Chunk(1, R), Replicated(R), GRID, ROWS_PAIRS, Chunk(0, [0, 0, 1, 1])])
+@pytest.mark.parametrize("dim", [None, 0, 1, (0, 1), -1])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_sum_counts_every_element_once(spec, dim, keepdim):
+    a = fshard.shard(X, spec)
+    got = a.sum(keepdim=keepdim) if dim is None else a.sum(dim, keepdim=keepdim)
+    want = X.sum(dim=(0, 1) if dim is None else dim, keepdim=keepdim)
+    assert torch.allclose(fshard.gather(got), want)
+    dims = (0, 1) if dim is None else dim if isinstance(dim, tuple) else (dim % 2,)
+    split = any(s.sizes[d] != X.shape[d] for s in a.layout.shards if 0 not in s.sizes for d in dims)
+    assert (got.layout.partial == "sum") == split
+
+
+def test_gradient_through_sum_of_replicas_reaches_every_copy():
+    def loss(params):
+        return fshard.gather((params["w"] * params["w"]).sum(0)).sum()
+
+    for spec in (Replicated(R), ROWS_PAIRS):
+        grads = torch.func.grad(loss)({"w": fshard.shard(X, spec)})
+        for s in grads["w"].addressable_shards:
+            box = tuple(slice(o, o + n) for o, n in zip(s.meta.offsets, s.meta.sizes))
+            assert torch.allclose(s.data, 2 * X[box])
+
+
+# -- tree helpers -----------------------------------------------------------------------------
+
+
+def test_global_norm_counts_replicas_once_and_reduces_pending_sums():
+    tree = {
+        "w": fshard.shard(X, Replicated(R)),
+        "b": fshard.shard(Y, GRID),
+        "p": fshard.shard(X, Chunk(1, R)).sum(1),
+        "t": torch.ones(3, dtype=torch.float64),
+    }
+    want = (X.pow(2).sum() + Y.pow(2).sum() + X.sum(1).pow(2).sum() + 3).sqrt()
+    assert torch.allclose(fshard.global_norm(tree), want)
+    clipped, norm = fshard.clip_grad_norm(tree, max_norm=1.0)
+    assert torch.allclose(norm, want) and torch.allclose(
+        fshard.global_norm(clipped), torch.tensor(1.0, dtype=torch.float64)
+    )
+    same, _ = fshard.clip_grad_norm(tree, max_norm=1e9)
+    assert torch.equal(fshard.gather(same["w"]), X)
+
+
+def test_torch_optim_over_the_leaves_of_a_tree_of_arrays():
+    """The shard tensors are the optimizer's parameters; replicas get equal gradients and stay equal."""
+    params = {"w": fshard.shard(X.clone(), Replicated([0, 1])), "b": fshard.shard(Y.clone(), Chunk(0, R))}
+    leaves = [t.requires_grad_(True) for t in _leaves(params)]
+    opt = torch.optim.SGD(leaves, lr=0.1)
+    loss = (fshard.gather(params["w"]) * fshard.gather(params["b"])).sum()
+    loss.backward()
+    opt.step()
+    w0, w1 = (s.data for s in params["w"].addressable_shards)
+    assert torch.allclose(w0, X - 0.1 * Y) and torch.equal(w0, w1)
+
+
+def _leaves(tree):
+    import optree
+
+    return optree.tree_leaves(tree)
