@@ -33,8 +33,10 @@ def _summands(op: str = "sum", inner=None, shape=(8, 6)) -> tuple[fshard.Sharded
 
 def test_partial_layout_is_a_value():
     lay = Partial(Replicated(R)).layout((2, 3))
-    assert lay.partial == "sum" and lay != Replicated(R).layout((2, 3))
-    assert fshard.Layout.from_dict(lay.to_dict()) == lay and "partial='sum'" in repr(lay)
+    assert lay.partial == "sum"
+    assert lay != Replicated(R).layout((2, 3))
+    assert fshard.Layout.from_dict(lay.to_dict()) == lay
+    assert "partial='sum'" in repr(lay)
     assert "pending sum" in lay.visualize()
     with pytest.raises(SpecError, match="pending reductions do not nest"):
         Partial(Partial(Replicated(R)))
@@ -63,24 +65,27 @@ def test_all_reduce_and_reduce_scatter_bounds():
     p, _ = _summands()
     assert fshard.plan(p.layout, Chunk(0, R).layout((8, 6))).elements_sent == (n - 1) * numel
     both = fshard.plan(p.layout, Replicated(R).layout((8, 6)))
-    assert both.elements_sent == 2 * (n - 1) * numel and len(both.phases) == 2
-    assert both.phases[0].op == "sum" and both.phases[1].op is None
+    assert both.elements_sent == 2 * (n - 1) * numel
+    assert len(both.phases) == 2
+    assert both.phases[0].op == "sum"
+    assert both.phases[1].op is None
     assert both.traffic().sum() == both.elements_sent
 
 
 def test_partial_to_partial_and_value_to_partial():
-    p, parts = _summands(inner=ROWS_PAIRS)
+    p, _parts = _summands(inner=ROWS_PAIRS)
     q = fshard.reshard(p, Partial(Chunk(0, R)))
     plan = fshard.plan(p.layout, q.layout)
     assert plan.elements_sent == plan.min_elements_sent
     assert torch.allclose(fshard.gather(q), fshard.gather(p))
     v = fshard.shard(X, Partial(Replicated(R)))  # the value is X: one copy holds it, the others 0
-    assert torch.equal(fshard.gather(v), X) and fshard.plan(Replicated(R).layout(X.shape), v.layout).elements_sent == 0
+    assert torch.equal(fshard.gather(v), X)
+    assert fshard.plan(Replicated(R).layout(X.shape), v.layout).elements_sent == 0
     assert sorted(float(s.data.abs().sum()) > 0 for s in v.addressable_shards) == [False, False, False, True]
 
 
 def test_gradient_of_a_reduction_is_the_gradient_of_the_value_on_each_summand():
-    p, parts = _summands()
+    p, _parts = _summands()
 
     def loss(params):
         return (fshard.gather(fshard.reshard(params["p"], Chunk(1, R))) * Y).sum()
@@ -99,7 +104,8 @@ def test_map_local_refuses_pending_sums_unless_linear():
     with pytest.raises(SpecError, match=re.escape("map_local() argument 0 is a pending sum (Partial)")):
         fshard.map_local(torch.sin, p)
     doubled = fshard.map_local(lambda t: 2 * t, p, linear=True)
-    assert doubled.layout.partial == "sum" and torch.allclose(fshard.gather(doubled), 2 * sum(parts))
+    assert doubled.layout.partial == "sum"
+    assert torch.allclose(fshard.gather(doubled), 2 * sum(parts))
     with pytest.raises(SpecError, match="linear=True applies to pending sums only"):
         fshard.map_local(torch.neg, _summands("max")[0], linear=True)
 
@@ -221,9 +227,8 @@ def test_global_norm_counts_replicas_once_and_reduces_pending_sums():
     want = (X.pow(2).sum() + Y.pow(2).sum() + X.sum(1).pow(2).sum() + 3).sqrt()
     assert torch.allclose(fshard.global_norm(tree), want)
     clipped, norm = fshard.clip_grad_norm(tree, max_norm=1.0)
-    assert torch.allclose(norm, want) and torch.allclose(
-        fshard.global_norm(clipped), torch.tensor(1.0, dtype=torch.float64)
-    )
+    assert torch.allclose(norm, want)
+    assert torch.allclose(fshard.global_norm(clipped), torch.tensor(1.0, dtype=torch.float64))
     same, _ = fshard.clip_grad_norm(tree, max_norm=1e9)
     assert torch.equal(fshard.gather(same["w"]), X)
 
@@ -237,7 +242,8 @@ def test_torch_optim_over_the_leaves_of_a_tree_of_arrays():
     loss.backward()
     opt.step()
     w0, w1 = (s.data for s in params["w"].addressable_shards)
-    assert torch.allclose(w0, X - 0.1 * Y) and torch.equal(w0, w1)
+    assert torch.allclose(w0, X - 0.1 * Y)
+    assert torch.equal(w0, w1)
 
 
 def _leaves(tree):
