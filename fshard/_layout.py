@@ -281,12 +281,6 @@ def with_partial(layout: Layout, partial: str | None) -> Layout:
     return Layout(layout.shape, layout.shards, partial)
 
 
-def _span(ranks: Sequence[int]) -> str:
-    if ranks and list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))
-
-
 @functools.lru_cache(maxsize=256)
 def _ranks(layout: Layout) -> tuple[int, ...]:
     return tuple(int(r) for r in np.unique(layout._rank))
