@@ -1,18 +1,22 @@
 """A tensor-parallel MLP training step, checked against the unsharded model.
 
 The model is ``Linear(d_in, hidden) -> GELU -> Linear(hidden, d_out)`` split the way
-Megatron-LM splits a transformer's MLP block:
+Megatron-LM splits a transformer's MLP block. Each layer is one ``fshard.shard_map``:
+a function of per-rank blocks, with the layouts of its arguments and results given as
+specs, so no layout is built by hand:
 
 - the first layer is **column-parallel**: its weight (hidden x d_in) and bias are split
-  by output feature, so each rank computes its slice of the hidden activations from
-  the whole input with ``map_local``; nothing moves;
+  by output feature (``Chunk(0)``) and the input is replicated, so each rank computes
+  its columns of the hidden activations (``Chunk(1)``) from the whole input; nothing
+  moves;
 - the second layer is **row-parallel**: its weight (d_out x hidden) is split by input
-  feature, so each rank turns its hidden slice into a partial output. The partials are
-  summed by a ``reshard`` that hands each rank the partials of its batch rows (a
-  reduce-scatter) and a local sum;
-- the second bias is replicated. It is broadcast in its replicated layout and moved to
-  the batch rows by a ``reshard``: nothing is sent forward, and the backward of that
-  reshard brings every rank's rows of the gradient to every copy, which sums them.
+  feature (``Chunk(1)``), like the hidden activations' columns, so each rank's product
+  is a full-shape summand of the output: a ``Partial(Replicated(ranks))`` array. A
+  ``reshard`` to batch rows (``Chunk(0)``) reduces it with a reduce-scatter;
+- the second bias is replicated and added to each rank's batch rows by a third
+  ``shard_map``. Each copy is used on other rows, and its gradient is the sum of
+  those uses: every copy holds the whole gradient. ``gather`` then gives every rank
+  the output, and every rank computes the same loss.
 
 ``torch.func.grad_and_value`` differentiates the loss with respect to the dict of
 sharded parameters, and an SGD step updates them with ``map_local``. The script
@@ -29,7 +33,7 @@ It exits with status 1 if a check fails.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -80,78 +84,56 @@ def shard_model(net: torch.nn.Module, ranks: Sequence[int], backend: Any = None)
     return fshard.shard_params(net, lambda name, t: spec[name], backend=backend)
 
 
-# -- layouts of the intermediate values, derived from the parameters' layouts -------------------
-
-
-def columns_like(layout: fshard.Layout, rows: int) -> fshard.Layout:
-    """A ``(rows, n)`` layout whose shard k holds the columns that shard k of ``layout`` holds along dim 0."""
-    shards = tuple(fshard.ShardMeta((0, m.offsets[0]), (rows, m.sizes[0]), m.placement) for m in layout.shards)
-    return fshard.Layout((rows, layout.shape[0]), shards)
-
-
-def one_per_shard(layout: fshard.Layout, shape: tuple[int, ...]) -> fshard.Layout:
-    """A ``(k, *shape)`` layout: entry k (one partial result) on the placement of shard k of ``layout``."""
-    zero = (0,) * len(shape)
-    shards = tuple(fshard.ShardMeta((k, *zero), (1, *shape), m.placement) for k, m in enumerate(layout.shards))
-    return fshard.Layout((len(shards), *shape), shards)
-
-
-def broadcast_like(layout: fshard.Layout, shape: tuple[int, ...]) -> fshard.Layout:
-    """The whole of ``shape`` on the placement of every shard of the replicated ``layout``."""
-    zero = (0,) * len(shape)
-    return fshard.Layout(shape, tuple(fshard.ShardMeta(zero, shape, m.placement) for m in layout.shards))
-
-
-def zip_shards(
-    fn: Callable[..., torch.Tensor], out: fshard.Layout, *arrays: fshard.ShardedArray
-) -> fshard.ShardedArray:
-    """``fn`` on the k-th shards of arrays whose shard k sit on one rank; the results laid out by ``out``.
-
-    ``map_local`` pairs the shards of arrays that share a layout. Here the operands
-    have different shapes but shards that line up, so the results are wrapped with
-    ``from_local_shards_and_layout``, which takes the tensors as they are: gradients
-    flow through it unchanged.
-    """
-    first = arrays[0]
-    owners = [m.placement for m in first.layout.shards]
-    if any([m.placement for m in a.layout.shards] != owners for a in arrays[1:]):
-        raise ValueError("zip_shards() needs arrays whose k-th shards sit on one placement, for every k.")
-    index = first.backend.addressable(first.layout)
-    results = [fn(*ts) for ts in zip(*(a.addressable_data for a in arrays))]
-    shards = [fshard.Shard(out.shards[k], t) for k, t in zip(index, results)]
-    return fshard.from_local_shards_and_layout(shards, out, backend=first.backend)
-
-
 # -- the model -------------------------------------------------------------------------------------
 
 
+def placements(w: fshard.ShardedArray) -> list[fshard.Placement]:
+    """The placements of a weight chunked over the ranks, in chunk order (devices included)."""
+    return [m.placement for m in w.layout.shards]
+
+
 def column_parallel(x: torch.Tensor, w: fshard.ShardedArray, b: fshard.ShardedArray) -> fshard.ShardedArray:
-    """``gelu(x @ w.T + b)`` with ``w`` split by rows: the result is split by columns alike."""
-    n = x.shape[0]
-    cols = columns_like(w.layout, n)
-    xw = fshard.map_local(lambda t: x @ t.T, w, out_spec=cols)
-    bias = fshard.map_local(lambda t: t.expand(n, -1), b, out_spec=cols)
-    return fshard.map_local(lambda u, v: F.gelu(u + v), xw, bias)
+    """``gelu(x @ w.T + b)`` with ``w`` and ``b`` split by output feature: the result is split by columns alike.
+
+    ``x`` is the same on every rank; ``shard_map`` lays it out replicated, which slices
+    nothing and sends nothing.
+    """
+    ranks = placements(w)
+    layer = fshard.shard_map(
+        lambda xb, wb, bb: F.gelu(xb @ wb.T + bb),
+        in_specs=(fshard.Replicated(ranks), fshard.Chunk(0, ranks), fshard.Chunk(0, ranks)),
+        out_specs=fshard.Chunk(1, ranks),
+    )
+    return layer(x, w, b)
 
 
 def row_parallel(h: fshard.ShardedArray, w: fshard.ShardedArray, b: fshard.ShardedArray) -> fshard.ShardedArray:
-    """``h @ w.T + b`` with ``h`` split by columns and ``w`` by columns alike; the result is split by rows.
+    """``h @ w.T + b`` with ``h`` split by columns and ``w`` by columns alike; the result is split by batch rows.
 
-    Returns a ``(1, n, d_out)`` array whose batch rows are split over the ranks.
+    Each rank's product is a full-shape summand of the output, a ``Partial`` array; the
+    ``reshard`` to batch rows reduces it (a reduce-scatter), and the replicated bias is
+    added to each rank's rows.
     """
-    n, d_out = h.shape[0], w.shape[0]
-    partial = zip_shards(lambda u, v: (u @ v.T).unsqueeze(0), one_per_shard(h.layout, (n, d_out)), h, w)
-    by_rows = fshard.Chunk(1, [m.placement for m in h.layout.shards])
-    summed = fshard.map_local(lambda t: t.sum(0, keepdim=True), fshard.reshard(partial, by_rows))
-    bias = fshard.map_local(lambda t: t.expand(1, n, -1), b, out_spec=broadcast_like(b.layout, (1, n, d_out)))
-    return fshard.map_local(torch.add, summed, fshard.reshard(bias, summed.layout))
+    ranks = placements(w)
+    partial = fshard.shard_map(
+        lambda hb, wb: hb @ wb.T,
+        in_specs=(fshard.Chunk(1, ranks), fshard.Chunk(1, ranks)),
+        out_specs=fshard.Partial(fshard.Replicated(ranks)),
+    )(h, w)
+    rows = fshard.reshard(partial, fshard.Chunk(0, ranks))
+    add_bias = fshard.shard_map(
+        torch.add,
+        in_specs=(fshard.Chunk(0, ranks), fshard.Replicated(ranks)),
+        out_specs=fshard.Chunk(0, ranks),
+    )
+    return add_bias(rows, b)
 
 
 def loss_fn(params: dict[str, fshard.ShardedArray], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean squared error of the tensor-parallel MLP: the same value on every rank."""
     h = column_parallel(x, params["0.weight"], params["0.bias"])
     out = row_parallel(h, params["2.weight"], params["2.bias"])
-    return F.mse_loss(fshard.gather(out)[0], y)
+    return F.mse_loss(fshard.gather(out), y)
 
 
 def sgd(params: dict[str, fshard.ShardedArray], grads: dict[str, fshard.ShardedArray]) -> dict[str, Any]:
