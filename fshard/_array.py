@@ -11,6 +11,7 @@ import optree.registry
 import torch
 import torch.utils._pytree as torch_pytree
 
+from fshard._compile import batched_layout
 from fshard._errors import LayoutError
 from fshard._layout import Layout, ShardMeta
 
@@ -230,6 +231,7 @@ def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedAr
     children = tuple(children)
     layout, backend, dtype = aux
     if all(isinstance(c, torch.Tensor) for c in children):
+        layout = batched_layout(layout, children, backend.addressable(layout)) or layout
         if backend.addressable(layout) or len(children) != 1:
             return ShardedArray(layout, children, backend, dtype)
         return ShardedArray(layout, (), backend, dtype, children[0])

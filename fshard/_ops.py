@@ -12,11 +12,13 @@ import torch
 
 from fshard import _autograd, _operators, _varying  # noqa: F401  (_operators adds ShardedArray's operators)
 from fshard._array import Shard, ShardedArray
+from fshard._compile import opaque
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, with_partial
 from fshard._placement import Placement
 from fshard._shard_map import map_local  # the public map_local, re-exported here
 from fshard._specs import Replicated, as_layout
+from fshard._torch_meta import is_sharded_tensor
 from fshard.backends import Backend, default_backend
 
 __all__ = [
@@ -66,6 +68,7 @@ def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tu
     return owner[1], torch.empty(0, dtype=owner[2], requires_grad=owner[3])
 
 
+@opaque
 def shard(
     tensor: torch.Tensor | None, spec: Any, *, src: int | None = None, backend: Backend | None = None
 ) -> ShardedArray:
@@ -93,6 +96,10 @@ def shard(
     >>> [tuple(s.data.tolist()) for s in x.addressable_shards]
     [(0.0, 1.0, 2.0), (3.0, 4.0, 5.0), (6.0, 7.0, 8.0), (9.0,)]
     """
+    if is_sharded_tensor(tensor):  # already sharded: converted, then resharded
+        from fshard._interop import shard_sharded_tensor
+
+        return shard_sharded_tensor(tensor, spec, src=src, backend=backend)
     backend = resolve_backend(backend)
     if src is None:
         full = _check_tensor(tensor, "shard() input")
@@ -127,6 +134,7 @@ def _reduced(layout: Layout, dst: int | None) -> Layout:
 def gather(array: ShardedArray, *, dst: None = None) -> torch.Tensor: ...
 @overload
 def gather(array: ShardedArray, *, dst: int) -> torch.Tensor | None: ...
+@opaque
 def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | None:
     """The global tensor: on every rank (``dst=None``) or on rank ``dst`` (others get ``None``).
 
@@ -145,6 +153,7 @@ def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | Non
     return _autograd.assemble(array.layout, array.backend, array._data, array._first(), dst)
 
 
+@opaque
 def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
     """The same global values in a new layout; only elements whose owner changes are sent.
 

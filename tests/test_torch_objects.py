@@ -252,9 +252,5 @@ def _shard_of_a_sharded_tensor() -> str:
 
 
 @pool
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs fshard/_ops.py shard() to hand a ShardedTensor to fshard._interop.shard_sharded_tensor",
-)
 def test_shard_of_a_sharded_tensor_converts_it(dist_pool) -> None:
     assert dist_pool.run(_shard_of_a_sharded_tensor) == ["ok"] * 4

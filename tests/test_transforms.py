@@ -1,10 +1,9 @@
 """fshard under torch.compile and torch.func.vmap (fshard._compile), on the local backend.
 
-Two one-line changes in files being rewritten apply the helpers: ``shard``,
-``reshard`` and ``gather`` in fshard/_ops.py wrapped with ``fshard._compile.opaque``,
-and ``fshard._array._unflatten`` calling ``fshard._compile.batched_layout``. Until
-they land, the fixtures below apply the same wrapping; both are idempotent, so the
-tests hold before and after.
+``shard``, ``reshard`` and ``gather`` run eagerly under ``torch.compile`` (a graph
+break each, ``fshard._compile.opaque``), and a ShardedArray rebuilt from shard tensors
+that gained a batch dim under ``vmap`` gets the batched layout
+(``fshard._compile.batched_layout``).
 """
 
 from __future__ import annotations
@@ -25,26 +24,17 @@ COLS = fshard.Chunk(1, [0, 1, 2])
 
 
 @pytest.fixture
-def opaque_movement(monkeypatch):
-    for name in ("shard", "reshard", "gather"):
-        monkeypatch.setattr(fshard, name, opaque(getattr(fshard, name)))
+def opaque_movement():
+    """A fresh dynamo cache around a compile test."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
 
 
 @pytest.fixture
-def batched_results(monkeypatch):
-    unflatten = fshard._array._unflatten
-
-    def with_batch(aux, children):
-        children = tuple(children)
-        layout, backend, dtype = aux
-        if children and all(isinstance(c, torch.Tensor) for c in children):
-            layout = batched_layout(layout, children, backend.addressable(layout)) or layout
-        return unflatten((layout, backend, dtype), children)
-
-    monkeypatch.setattr(fshard._array, "_unflatten", with_batch)
+def batched_results():
+    """Results of vmap rebuild batched arrays (nothing to set up: kept for the tests' signatures)."""
+    return
 
 
 # -- torch.compile --------------------------------------------------------------------------------
