@@ -20,7 +20,8 @@ implementation of the same data movement:
   message makes, timed alone: local boxes, and boxes that are not contiguous in their
   shard (Gloo moves contiguous buffers, so they are packed or unpacked).
 - **all_to_all** (collective reductions, a diagnostic): the bound's bytes sent by
-  ``all_to_all_single`` per phase of fshard's plan, without the sums.
+  ``all_to_all_single`` per phase of fshard's plan, without the sums; **fshard packed**
+  (the reduce-scatter, a diagnostic): fshard's packed path on the same bytes.
 - **ShardedTensor** (``torch.distributed._shard``): ``gather(dst, out)``,
   ``reshard(ChunkShardingSpec)`` (chunk -> chunk only) and ``_shard_tensor(src_rank=0)``.
 - **DTensor**: ``full_tensor()``, ``redistribute`` and ``distribute_tensor(src_data_rank=0)``
@@ -63,9 +64,9 @@ __all__ = ["SCENARIOS", "DistCase", "Scenario", "cases", "combine", "jobs", "res
 GROUP = "torch_dist"
 GATHER_TARGET = 1.15
 RESHARD_TARGET = 1.25
-IMPLS = ("floor", "floor p2p", "fshard", "copies", "all_to_all", "ShardedTensor", "DTensor")
+IMPLS = ("floor", "floor p2p", "fshard", "fshard packed", "copies", "all_to_all", "ShardedTensor", "DTensor")
 FLOORS = ("floor", "floor p2p")
-DIAGNOSTICS = ("copies", "all_to_all")
+DIAGNOSTICS = ("fshard packed", "copies", "all_to_all")
 PEERS = ("ShardedTensor", "DTensor")
 SIZES = (16.0, 256.0)
 QUICK_SIZES = (1.0,)

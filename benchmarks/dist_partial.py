@@ -15,7 +15,9 @@ Every rank holds a summand; the result is their sum, reduced by ``fshard.reshard
 
 For the two collective cases, **all_to_all** (a diagnostic, not a floor) sends the
 bound's bytes as the packed path would, one ``all_to_all_single`` per phase of the plan,
-with no arithmetic. DTensor runs ``from_local(t, mesh, [Partial()]).redistribute`` to
+with no arithmetic. For the reduce-scatter, **fshard packed** (a diagnostic) reshards
+to ``Chunk(0)`` over the ranks rotated by one: the same bytes, in a layout that no
+collective has, so fshard's packed path runs. DTensor runs ``from_local(t, mesh, [Partial()]).redistribute`` to
 ``Replicate()``, ``Shard(0)``, or, on the 2-D mesh, ``[Shard(0), Partial()]`` to
 ``[Shard(1), Shard(1)]``. Summands are small integers, so every sum is exact in float32
 whatever the order of the additions, and results are compared with ``torch.equal``.
@@ -93,6 +95,10 @@ def build_partial(key: str, side: int, env: Env) -> Built:
     if key != "partial-rows-cols":
         out.impls["all_to_all"] = _phases_alltoall(p, rank, ranks, summand)
         out.notes["all_to_all"] = "the bound's bytes by all_to_all_single per phase, no sums (a diagnostic)"
+    if key == "partial-chunk":
+        rotated = fshard.Chunk(0, ranks[1:] + ranks[:1])
+        out.impls["fshard packed"] = Impl(lambda _: fshard.reshard(x, rotated), check=_shards_of(expected))
+        out.notes["fshard packed"] = "reshard to Chunk(0) over rotated ranks: the packed path, same bytes"
     if env.peers:
         out.unsupported["ShardedTensor"] = "no pending reductions"
         out.impls["DTensor"] = _dtensor(key, env, summand, x, mine)
