@@ -147,8 +147,8 @@ def _phases_alltoall(p: Any, rank: int, ranks: list[int], summand: Any) -> Impl:
     splits = [_splits(phase, rank, ranks) for phase in p.phases]
     flat = summand.reshape(-1)
 
-    def buffers() -> list[tuple[Any, Any]]:
-        return [(flat[: sum(send)].clone(), torch.empty(sum(recv))) for send, recv in splits]
+    def buffers() -> list[tuple[Any, Any]]:  # the sends read the summand in place: it is not written
+        return [(flat[: sum(send)], torch.empty(sum(recv))) for send, recv in splits]
 
     def fn(bufs: list[tuple[Any, Any]]) -> Any:
         for (send, recv), (sendbuf, recvbuf) in zip(splits, bufs):
