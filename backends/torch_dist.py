@@ -46,7 +46,7 @@ from fshard._log import log_move
 from fshard._placement import Placement
 from fshard._plan import Plan, plan
 
-from .dist_reduce import collective_kind, reduce_schedule, run_collective, run_reduce
+from .dist_reduce import all_to_all, collective_kind, reduce_schedule, run_collective, run_reduce
 from .local import _POOL, Counters, copy_plan, identity, needs_fill, new_shard, reduce_plan, shard_device, slice_shards
 
 __all__ = ["TorchDistBackend"]
@@ -159,7 +159,8 @@ class TorchDistBackend:
         box; a reduce phase combines contributions (``all_reduce``/``reduce_scatter_tensor``
         where the layouts are theirs)."""
         log_move("torch_dist", plan, like.element_size(), self.rank)
-        kind = collective_kind(plan, self.ranks) if plan.src.partial is not None and self.member else None
+        nccl = self._wire.type == "cuda"
+        kind = collective_kind(plan, self.ranks, nccl) if plan.src.partial is not None and self.member else None
         if kind is not None and _on_wire(plan, self._wire):
             return self._collective(kind, plan, tensors, like)
         for p in plan.phases:
@@ -600,16 +601,7 @@ def _alltoall(
     staged = recvbuf is None
     if staged:
         recvbuf = _empty((sum(sched.recv_split),), dtype, wire)
-    item = recvbuf.element_size()
-    work = dist.all_to_all_single(
-        _bytes(recvbuf),
-        _bytes(sendbuf),
-        [n * item for n in sched.recv_split],
-        [n * item for n in sched.send_split],
-        group=group,
-        async_op=True,
-    )
-    assert work is not None  # async_op=True always returns a Work
+    work = all_to_all(recvbuf, sendbuf, sched.recv_split, sched.send_split, group)
     local()
     work.wait()
     at = 0

@@ -567,8 +567,10 @@ CASES = [
     pytest.param(
         lambda: _unflatten_with(ROWS, lambda t: t[:, :2]),
         LayoutError,
-        "Shard 0 tensor has shape (3, 2) but the layout gives it sizes (3, 20): "
-        "a pytree transform must keep every shard's shape.",
+        "Shard 0 tensor has shape (3, 2) but the layout gives it sizes (3, 20): a pytree transform must keep "
+        "every shard's shape, or (torch.func.vmap) add one leading batch dim to all of them. With vmap's out_dims "
+        "other than 0, return the shard tensors (optree.tree_leaves(result)) or fshard.gather(result) from the "
+        "vmapped function instead of the array.",
         id="array-unflatten-wrong-shape",
     ),
     # -- the local backend
