@@ -146,8 +146,10 @@ def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keep
     if layout.partial not in (None, "sum"):
         raise _refuse("sum()", self)
     dims = _dims(dim, layout.ndim)
-    nonempty = [s for s in layout.shards if 0 not in s.sizes]
-    split = any(s.sizes[d] != layout.shape[d] for s in nonempty for d in dims)
+    # A shard is split along the summed dims if it does not span them whole and its sum is
+    # not empty: an empty shard whose projection holds elements would be a replica of zeros.
+    kept = [s for s in layout.shards if 0 not in _project(s.sizes, dims, keepdim, True)]
+    split = any(s.sizes[d] != layout.shape[d] for s in kept for d in dims)
     if not split and layout.partial is None:
         from fshard._ops import map_local
 

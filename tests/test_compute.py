@@ -250,3 +250,11 @@ def _leaves(tree):
     import optree
 
     return optree.tree_leaves(tree)
+
+
+def test_sum_with_an_empty_shard_is_a_pending_sum_not_a_replica_of_zeros():
+    x = fshard.shard(torch.arange(1.0, 5.0, dtype=torch.float64).reshape(1, 4), Chunk(0, [0, 1]))
+    total = x.sum()
+    assert total.layout.partial == "sum"
+    assert [float(s.data) for s in total.addressable_shards] == [10.0]  # the empty shard adds nothing
+    assert float(fshard.gather(total)) == 10.0
