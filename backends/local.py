@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fshard._boxes import rows_all, unique_rows
+from fshard._boxes import rows_all, rows_prod, unique_rows
 from fshard._errors import SpecError
 from fshard._log import log_move
 
@@ -240,8 +240,7 @@ def needs_fill(plan: Any) -> frozenset[int]:
     first, _ = unique_rows(np.c_[plan.dst_shard, plan.lo])
     covered = np.zeros(len(plan.dst.shards), np.int64)
     np.add.at(covered, plan.dst_shard[first], plan.numel[first])
-    size = plan.dst._sz.prod(axis=1) if plan.dst.ndim else np.ones(len(plan.dst.shards), np.int64)
-    return frozenset(np.flatnonzero(covered < size).tolist())
+    return frozenset(np.flatnonzero(covered < rows_prod(plan.dst._sz)).tolist())
 
 
 def reduce_plan(

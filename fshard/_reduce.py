@@ -27,6 +27,7 @@ import numpy as np
 
 from fshard import _boxes
 from fshard._layout import Layout, ShardMeta, with_partial
+from fshard._plan import Plan, _groups, chain, plan
 from fshard._specs import chunk_bounds
 
 __all__ = ["build", "lower_bound"]
@@ -44,16 +45,15 @@ class _Boxes:
 
 @functools.lru_cache(maxsize=256)
 def _boxes_of(layout: Layout) -> _Boxes:
-    idx = np.flatnonzero(_boxes.rows_all(layout._sz > 0))
-    first, inverse = _boxes.unique_rows(np.c_[layout._lo[idx], layout._sz[idx]])
+    first, idx, inverse = _groups(layout)
     copies: list[list[int]] = [[] for _ in range(len(first))]
     for i, b in zip(idx.tolist(), inverse.tolist()):
         copies[b].append(i)
     rank = layout._rank.tolist()
-    lo = layout._lo[idx[first]]
+    lo = layout._lo[first]
     return _Boxes(
         lo,
-        lo + layout._sz[idx[first]],
+        lo + layout._sz[first],
         tuple(tuple(c) for c in copies),
         tuple(frozenset(rank[i] for i in c) for c in copies),
     )
@@ -94,9 +94,8 @@ def lower_bound(src: Layout, dst: Layout) -> int:
     return total
 
 
-def build(src: Layout, dst: Layout) -> object:
+def build(src: Layout, dst: Layout) -> Plan:
     """The plan from ``src`` to ``dst`` when either carries a pending reduction."""
-    from fshard._plan import chain
 
     if src.partial is None:
         return _make_partial(src, dst)
@@ -108,13 +107,14 @@ def build(src: Layout, dst: Layout) -> object:
     return chain(src, dst, (_reduce_to(src, owners), _make_partial(owners, dst)), lower_bound(src, dst))
 
 
-def _phase(src: Layout, dst: Layout, rows: list[tuple[int, int, list[int], list[int]]], op: str | None) -> object:
+def _phase(
+    src: Layout, dst: Layout, rows: list[tuple[int, int, list[int], list[int]]], op: str | None, bound: int = 0
+) -> Plan:
     """A reduce phase from rows (source shard, destination shard, lo, size), in canonical order.
 
     Contributions to one destination region come from its own rank first, then by
     rank: both backends reduce in that order.
     """
-    from fshard._plan import Plan
 
     d = len(src.shape)
     if rows:
@@ -131,20 +131,19 @@ def _phase(src: Layout, dst: Layout, rows: list[tuple[int, int, list[int], list[
     arrays = [s_shard[order], d_shard[order], lo[order], size[order]]
     for a in arrays:
         a.setflags(write=False)
-    return Plan(src, dst, *arrays, op=op)
+    return Plan(src, dst, *arrays, min_elements_sent=bound, op=op)
 
 
-def _reduce(src: Layout, dst: Layout) -> object:
+def _reduce(src: Layout, dst: Layout) -> Plan:
     """Partial ``src`` to non-partial ``dst``: reduce at one owner per element, then copy to the replicas."""
-    from fshard._plan import chain, plan
 
     if all(len(r) == 1 for r in _boxes_of(dst).ranks):  # each element has one owner already
-        return _with_bound(_reduce_to(src, dst), lower_bound(src, dst))
+        return _reduce_to(src, dst, lower_bound(src, dst))
     owners = _owners(src, dst)
     return chain(src, dst, (_reduce_to(src, owners), plan(owners, dst)), lower_bound(src, dst))
 
 
-def _reduce_to(src: Layout, dst: Layout) -> object:
+def _reduce_to(src: Layout, dst: Layout, bound: int = 0) -> Plan:
     """One reduce phase: every summand of a region to every copy of it in ``dst`` (one rank per box)."""
     s, d, u, v, lo, size = _regions(src, dst)
     rows = [
@@ -153,7 +152,7 @@ def _reduce_to(src: Layout, dst: Layout) -> object:
         for i in s.copies[a]
         for j in d.copies[b]
     ]
-    return _phase(src, dst, rows, src.partial)
+    return _phase(src, dst, rows, src.partial, bound)
 
 
 def _owners(src: Layout, dst: Layout) -> Layout:
@@ -185,7 +184,7 @@ def _owners(src: Layout, dst: Layout) -> Layout:
     return Layout(dst.shape, tuple(shards))
 
 
-def _regroup(src: Layout, dst: Layout) -> object:
+def _regroup(src: Layout, dst: Layout) -> Plan:
     """Partial to partial, same op: a summand stays where its rank holds a destination copy."""
     s, d, u, v, lo, size = _regions(src, dst)
     rows = []
@@ -196,12 +195,11 @@ def _regroup(src: Layout, dst: Layout) -> object:
             r = int(src._rank[i])
             j = _same_device(src, dst, i, by_rank[r]) if r in by_rank else by_rank[ranks[(k + r) % len(ranks)]][0]
             rows.append((i, j, lo[k].tolist(), size[k].tolist()))
-    return _with_bound(_phase(src, dst, rows, dst.partial), lower_bound(src, dst))
+    return _phase(src, dst, rows, dst.partial, lower_bound(src, dst))
 
 
-def _make_partial(src: Layout, dst: Layout) -> object:
+def _make_partial(src: Layout, dst: Layout) -> Plan:
     """A value to a partial layout: one destination copy per element holds it, from a local replica if any."""
-    from fshard._plan import plan
 
     full = plan(src, with_partial(dst, None))
     s_rank, d_rank = full.src_rank, full.dst_rank
@@ -219,7 +217,7 @@ def _make_partial(src: Layout, dst: Layout) -> object:
             full.size[keep].tolist(),
         )
     ]
-    return _with_bound(_phase(src, dst, rows, dst.partial), lower_bound(src, dst))
+    return _phase(src, dst, rows, dst.partial, lower_bound(src, dst))
 
 
 @functools.lru_cache(maxsize=256)
@@ -241,7 +239,3 @@ def _copies_by_rank(layout: Layout, copies: tuple[int, ...]) -> dict[int, list[i
 def _same_device(src: Layout, dst: Layout, i: int, candidates: list[int]) -> int:
     device = src.shards[i].placement.device
     return next((j for j in candidates if dst.shards[j].placement.device == device), candidates[0])
-
-
-def _with_bound(p: object, bound: int) -> object:
-    return dataclasses.replace(p, min_elements_sent=bound)  # type: ignore[type-var]

@@ -423,7 +423,7 @@ def _wrap(
     slots = _slot_index(layout)
     data = tuple(blocks[slots[i]] for i in backend.addressable(layout))
     if not data:
-        return ShardedArray(layout, (), backend, dtype, link if link is not None else None)
+        return ShardedArray(layout, (), backend, dtype, link)
     out = ShardedArray(layout, data, backend)
     # A replicated result's copies were computed once each: together they count once.
     return _regrouped(out, "share")
