@@ -93,8 +93,8 @@ def same_array(a: fshard.ShardedArray, b: fshard.ShardedArray) -> None:
 
 
 def wrong_shape(t: torch.Tensor) -> torch.Tensor:
-    """A tensor whose shape differs from ``t``'s."""
-    return torch.zeros((t.shape[0] + 1, *t.shape[1:]) if t.dim() else (1,), dtype=t.dtype)
+    """A tensor whose shape differs from ``t``'s, and is no vmap batch of it (that adds exactly one leading dim)."""
+    return torch.zeros((t.shape[0] + 1, *t.shape[1:]) if t.dim() else (1, 1), dtype=t.dtype)
 
 
 # -- layouts -------------------------------------------------------------------------------
@@ -182,8 +182,10 @@ def test_metadata_without_ranks_raises_layout_error(placement: str) -> None:
 
 
 def test_non_metadata_raises_layout_error() -> None:
-    with pytest.raises(fshard.LayoutError, match="Expected a torch ShardedTensorMetadata, got list"):
-        fshard.Layout.from_torch_metadata([ShardMetadata([0], [4], "rank:0/cpu")])
+    with pytest.raises(fshard.LayoutError, match="Expected a torch ShardedTensorMetadata, got str"):
+        fshard.Layout.from_torch_metadata("rows")
+    # A list of ShardMetadata is metadata too: its shape is where the boxes end.
+    assert fshard.Layout.from_torch_metadata([ShardMetadata([0], [4], "rank:0/cpu")]) == fshard.Single(0).layout((4,))
 
 
 # -- specs ---------------------------------------------------------------------------------

@@ -570,7 +570,8 @@ def test_tree_map_over_a_dict_of_arrays(rows, tree_map):
 def test_unflatten_with_wrong_shapes_raises(rows):
     msg = (
         "Shard 0 tensor has shape (1, 20) but the layout gives it sizes (3, 20): "
-        "a pytree transform must keep every shard's shape."
+        "a pytree transform must keep every shard's shape, or (torch.func.vmap) add one leading batch dim "
+        "to all of them."
     )
     leaves, treespec = optree.tree_flatten(rows)
     with pytest.raises(LayoutError, match=re.escape(msg)):
