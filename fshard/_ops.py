@@ -11,10 +11,11 @@ import optree
 import torch
 
 from fshard import _autograd, _operators, _varying  # noqa: F401  (_operators adds ShardedArray's operators)
-from fshard._array import Shard, ShardedArray
+from fshard._array import Shard, ShardedArray, empty_link
 from fshard._compile import opaque
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, with_partial
+from fshard._outcome import agree, holds_nothing_somewhere
 from fshard._placement import Placement
 from fshard._shard_map import map_local  # the public map_local, re-exported here
 from fshard._specs import Replicated, as_layout
@@ -181,55 +182,99 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     """``map_local`` of arrays that share a layout (``pending``: the result is a pending sum).
 
     Each result leaf's layout is inferred from its shards: the arguments' layout, with
-    dims that no shard splits resized to the new extent.
+    dims that no shard splits resized to the new extent. Where some process holds no
+    shard, the processes share what ``fn`` returned (structure, dtypes, shapes), so
+    that one learns them too, and an error ``fn`` raised anywhere is raised everywhere.
     """
     first = arrays[0]
-    with _varying.per_shard(first.backend):
-        outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
-    if not outs:
-        # No shard here: the result's link joins every argument's, so backward reaches them all.
+    backend, base = first.backend, with_partial(first.layout, None)
+    index = backend.addressable(first.layout)
+
+    usage = _varying.Usage()
+
+    def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+        with _varying.per_shard(backend, usage):
+            outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
+        return _result_leaves(outs)
+
+    if holds_nothing_somewhere(backend, first.layout):
+        (tree, leaves), seen = agree(backend, compute, lambda r: (_describe(r, index), usage.keys))
+        tree, metas = _merge_descriptions([d for d, _ in seen])
+        used = set().union(*(keys for _, keys in seen))
+    else:
+        tree, leaves = compute()
+        metas = [(leaf[0].dtype, {i: tuple(t.shape) for i, t in zip(index, leaf)}) for leaf in leaves]
+        used = set()
+    if tree is None:
+        # No shard anywhere: the result's link joins every argument's, so backward reaches them all.
         link = functools.reduce(torch.add, (a._first() for a in arrays)).to(first.dtype)
-        return ShardedArray(with_partial(first.layout, pending), (), first.backend, first.dtype, link)
+        return ShardedArray(with_partial(first.layout, pending), (), backend, first.dtype, link)
+    results = []
+    for n, (dtype, sizes) in enumerate(metas):
+        layout = with_partial(_infer_layout(base, sizes), pending)
+        if leaves:
+            results.append(ShardedArray(layout, leaves[n], backend, dtype))
+        else:  # no shard here: the link joins every argument's and what fn used elsewhere
+            link = functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype)
+            results.append(ShardedArray(layout, (), backend, dtype, _varying.join(link, used)))
+    return optree.tree_unflatten(tree, results)
+
+
+def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+    """The results' tree structure (``None`` when there is none here) and each leaf's shards."""
+    if not outs:
+        return None, []
     flat = [optree.tree_flatten(o) for o in outs]
     tree = flat[0][1]
     if any(spec != tree for _, spec in flat):
         raise SpecError(f"map_local() fn returned different structures on different shards: {tree} and others.")
-    index = first.backend.addressable(first.layout)
-    results = []
-    for n in range(tree.num_leaves):
-        leaf = tuple(f[0][n] for f in flat)
+    leaves = [tuple(f[0][n] for f in flat) for n in range(tree.num_leaves)]
+    for leaf in leaves:
         for t in leaf:
             _check_tensor(t, "map_local() fn result")
-        layout = with_partial(_infer_layout(with_partial(first.layout, None), index, leaf, None), pending)
-        results.append(ShardedArray(layout, leaf, first.backend, leaf[0].dtype))
-    return optree.tree_unflatten(tree, results)
+        if len({t.dtype for t in leaf}) > 1:
+            raise SpecError(
+                f"map_local() fn returned dtypes {sorted({str(t.dtype) for t in leaf})} on different shards."
+            )
+    return tree, leaves
 
 
-def _infer_layout(layout: Layout, index: Sequence[int], outs: Sequence[torch.Tensor], out_spec: Any) -> Layout:
-    """The layout of ``map_local``'s result, from the result shards' shapes (and ``out_spec``)."""
-    sizes = {i: tuple(t.shape) for i, t in zip(index, outs)}
-    if out_spec is None and all(sizes[i] == layout.shards[i].sizes for i in index):
+def _describe(result: tuple[Any, list[tuple[torch.Tensor, ...]]], index: Sequence[int]) -> Any:
+    tree, leaves = result
+    if tree is None:
+        return None
+    return tree, [(leaf[0].dtype, {i: tuple(t.shape) for i, t in zip(index, leaf)}) for leaf in leaves]
+
+
+def _merge_descriptions(seen: Sequence[Any]) -> tuple[Any, list[tuple[torch.dtype, dict[int, tuple[int, ...]]]]]:
+    """One tree, and per leaf one dtype and every shard's shape, from every process's description."""
+    held = [d for d in seen if d is not None]
+    if not held:
+        return None, []
+    tree = held[0][0]
+    if any(d[0] != tree for d in held):
+        raise SpecError(f"map_local() fn returned different structures on different ranks: {tree} and others.")
+    metas = []
+    for n in range(tree.num_leaves):
+        dtypes = {d[1][n][0] for d in held}
+        if len(dtypes) > 1:
+            raise SpecError(f"map_local() fn returned dtypes {sorted(map(str, dtypes))} on different ranks.")
+        metas.append((dtypes.pop(), {i: s for d in held for i, s in d[1][n][1].items()}))
+    return tree, metas
+
+
+def _infer_layout(layout: Layout, sizes: dict[int, tuple[int, ...]]) -> Layout:
+    """The layout of ``map_local``'s result, from the shapes of the result shards known here."""
+    if all(s == layout.shards[i].sizes for i, s in sizes.items()):
         return layout
-    if isinstance(out_spec, Layout):
-        target = out_spec
-    else:
-        if any(len(s) != layout.ndim for s in sizes.values()):
-            msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."
-            raise SpecError(msg)
-        shape = tuple(_new_extent(layout, sizes, d, out_spec is not None) for d in range(layout.ndim))
-        if out_spec is None:
-            target = Layout(shape, tuple(_resize(s, layout.shape, shape) for s in layout.shards))
-        else:
-            target = as_layout(out_spec, shape)
-    for i in index:
-        if i >= len(target.shards) or sizes[i] != target.shards[i].sizes:
-            want = target.shards[i].sizes if i < len(target.shards) else "no shard"
-            msg = f"map_local() result shard {i} has shape {sizes[i]} but out_spec gives it {want}."
-            raise SpecError(msg)
-    return target
+    if any(len(s) != layout.ndim for s in sizes.values()):
+        msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."
+        raise SpecError(msg)
+    shape = tuple(_new_extent(layout, sizes, d) for d in range(layout.ndim))
+    return Layout(shape, tuple(_resize(s, layout.shape, shape) for s in layout.shards))
 
 
-def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int, allow_split: bool) -> int:
+def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int) -> int:
     """The result's extent along ``d``: the sum of the new sizes of the distinct intervals
     that tile the dim (one interval when no shard splits it)."""
     new: dict[tuple[int, int], set[int]] = {}
@@ -240,7 +285,7 @@ def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int, allow
         return layout.shape[d]
     split = any(m.sizes[d] != layout.shape[d] for m in layout.shards)
     olds = sorted(k for k in new if k[1] > 0)
-    if split and not allow_split:
+    if split:
         msg = (
             f"map_local() fn changed dim {d}, which the layout splits, from sizes {[k[1] for k in olds]} "
             f"to {[sorted(new[k]) for k in olds]}; pass out_spec= for the result."
@@ -304,7 +349,11 @@ def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float =
 def from_local_shards_and_layout(
     shards: Sequence[Shard], layout: Layout, *, backend: Backend | None = None
 ) -> ShardedArray:
-    """Wraps this process's shards, checked against ``layout``; no communication.
+    """Wraps this process's shards, checked against ``layout``.
+
+    No communication, unless some process of the group holds no shard of ``layout``:
+    then the processes share their shards' dtype and ``requires_grad`` (one small
+    collective), so that one's array has them too.
 
     >>> import torch, fshard
     >>> lay = fshard.Chunk(0, [0, 1]).layout((4,))
@@ -313,27 +362,73 @@ def from_local_shards_and_layout(
     [0.0, 0.0, 1.0, 1.0]
 
     Raises:
-        LayoutError: a shard is missing, extra, or its tensor does not fit its box.
+        LayoutError: a shard is missing, extra or given twice, its tensor does not fit its
+            box or is not on its placement's device, or the shards differ in dtype or
+            ``requires_grad``.
+        SpecError: a shard's tensor is not strided (sparse, say).
     """
     backend = resolve_backend(backend)
     if not isinstance(layout, Layout):
         raise SpecError(f"from_local_shards_and_layout() needs a Layout, got {type(layout).__name__}.")
     backend.check_layout(layout)
-    by_meta = {}
+    if not holds_nothing_somewhere(backend, layout):
+        return ShardedArray(layout, _own_shards(shards, layout, backend), backend)
+    # A process without shards learns the dtype from the others; a bad shard anywhere raises everywhere.
+    data, seen = agree(backend, lambda: _own_shards(shards, layout, backend), _kind)
+    kinds = {k for k in seen if k is not None}
+    if len(kinds) > 1:
+        msg = (
+            "from_local_shards_and_layout(): the ranks' shards differ in (dtype, requires_grad): "
+            f"{sorted(kinds, key=str)}; make them agree."
+        )
+        raise LayoutError(msg)
+    if data or not kinds:
+        return ShardedArray(layout, data, backend)
+    dtype, requires_grad = kinds.pop()
+    return ShardedArray(layout, (), backend, dtype, empty_link(dtype, requires_grad))
+
+
+def _kind(data: Sequence[torch.Tensor]) -> tuple[torch.dtype, bool] | None:
+    return (data[0].dtype, data[0].requires_grad) if data else None
+
+
+def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Tensor]:
+    """The tensors of this process's shards of ``layout``, in layout order, checked."""
+    shards = list(shards) if isinstance(shards, (list, tuple)) else _listed(shards)
+    by_meta: dict[ShardMeta, torch.Tensor] = {}
     for s in shards:
         if not isinstance(s, Shard):
             raise TypeError(f"Expected fshard.Shard values, got {type(s).__name__}.")
-        by_meta[s.meta] = s.data
-    want = [layout.shards[i] for i in backend.addressable(layout)]
+        if s.meta in by_meta:
+            raise LayoutError(f"from_local_shards_and_layout() got shard {s.meta} twice; pass each shard once.")
+        by_meta[s.meta] = _check_tensor(s.data, f"The tensor of shard {s.meta}")
+    index = backend.addressable(layout)
+    want = [layout.shards[i] for i in index]
     missing = [m for m in want if m not in by_meta]
     extra = [m for m in by_meta if m not in set(want)]
     if missing or extra:
         msg = f"Local shards do not match the layout on this process: missing {missing}, unexpected {extra}."
         raise LayoutError(msg)
     data = [by_meta[m] for m in want]
+    for i, t in zip(index, data):
+        device = torch.device(layout.shards[i].placement.device)
+        if t.device.type != device.type or device.index not in (None, t.device.index):
+            msg = (
+                f"The tensor of shard {layout.shards[i]} is on {t.device}, not on its placement's device "
+                f"{device}; move it there first."
+            )
+            raise LayoutError(msg)
     if len({(t.dtype, t.requires_grad) for t in data}) > 1:
         raise LayoutError("Local shards differ in dtype or requires_grad; make them agree.")
-    return ShardedArray(layout, data, backend)
+    return data
+
+
+def _listed(shards: Any) -> list[Any]:
+    try:
+        return list(shards)
+    except TypeError:
+        msg = f"from_local_shards_and_layout() takes a sequence of fshard.Shard, got {type(shards).__name__}."
+        raise TypeError(msg) from None
 
 
 def _check_array(x: Any, what: str) -> None:

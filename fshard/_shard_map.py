@@ -26,6 +26,7 @@ from fshard import _autograd, _varying
 from fshard._array import ShardedArray
 from fshard._errors import SpecError
 from fshard._layout import Layout, with_partial
+from fshard._outcome import agree, holds_nothing_somewhere
 from fshard._placement import Placement
 from fshard._specs import Explicit, Partial, as_layout
 
@@ -271,26 +272,88 @@ def _run(
     held = backend.addressable(first)
     slot_of = _slot_index(first)
     by_index = [dict(zip(backend.addressable(a.layout), a._data)) for a in inputs]
-    results = []
-    with _varying.per_shard(backend):
-        for i in held:
-            p, k = slot_of[i]
-            blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
-            results.append(((p, k), fn(*blocks)))
-    leaves, spec_tree = _flatten_results(results, what)
+
+    usage = _varying.Usage()
+
+    def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
+        results = []
+        with _varying.per_shard(backend, usage):
+            for i in held:
+                p, k = slot_of[i]
+                blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
+                results.append(((p, k), fn(*blocks)))
+        return _flatten_results(results, what)
+
+    # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where
+    # it holds none): they share what fn returned, or the error it raised.
+    inferred = not all(isinstance(s, Layout) for s in _leaf_specs(out_specs, None, what))
+    if backend.rank is not None and (inferred or holds_nothing_somewhere(backend, first)):
+        (leaves, spec_tree), seen = agree(backend, compute, lambda r: (_describe_blocks(r), usage.keys))
+        spec_tree, shapes, dtypes = _merge_blocks([d for d, _ in seen], spec_tree, what)
+        used = set().union(*(keys for _, keys in seen))
+    else:
+        leaves, spec_tree = compute()
+        shapes = [{s: tuple(t.shape) for s, t in blocks.items()} for blocks in leaves]
+        dtypes = [_dtype(blocks) for blocks in leaves]
+        used = set()
     specs = _leaf_specs(out_specs, spec_tree, what)
-    if spec_tree is None:  # no slot here: the structure comes from the specs
+    if spec_tree is None:  # no slot anywhere: the structure comes from the specs
         spec_tree = _spec_structure(out_specs)
+    if not leaves:
         leaves = [{} for _ in specs]
-    shapes = _all_shapes(backend, leaves) if any(not isinstance(s, Layout) for s in specs) else None
-    links = functools.reduce(torch.add, (a._first() for a in inputs)).to(arrays[0].dtype) if not held else None
     slots = set(_slot_index(first).values())
     outs = []
     for n, (spec, blocks) in enumerate(zip(specs, leaves)):
-        known = shapes[n] if shapes is not None and n < len(shapes) else {s: tuple(t.shape) for s, t in blocks.items()}
-        layout = _out_layout(spec, known, slots, pending, what, n)
-        outs.append(_wrap(layout, backend, blocks, links, arrays[0].dtype))
+        dtype = dtypes[n] if n < len(dtypes) else arrays[0].dtype
+        link = (
+            None if held else _varying.join(functools.reduce(torch.add, (a._first() for a in inputs)).to(dtype), used)
+        )
+        layout = _out_layout(spec, shapes[n] if n < len(shapes) else {}, slots, pending, what, n)
+        outs.append(_wrap(layout, backend, blocks, link, dtype))
     return optree.tree_unflatten(spec_tree, outs)
+
+
+def _no_block_link(inputs: Sequence[ShardedArray], dtype: torch.dtype, used: set[int]) -> torch.Tensor:
+    """A result's link where fn ran on no block: it joins every argument's link and the gathered
+    tensors fn used on other ranks, so backward reaches what it reaches there."""
+    return _varying.join(functools.reduce(torch.add, (a._first() for a in inputs)).to(dtype), used)
+
+
+def _describe_blocks(result: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
+    """What this process's fn returned, as plain data: the tree, and per leaf a dtype and block shapes."""
+    leaves, tree = result
+    if tree is None:
+        return None
+    return tree, [(_dtype(b), {(str(p), k): tuple(t.shape) for (p, k), t in b.items()}) for b in leaves]
+
+
+def _dtype(blocks: dict[Slot, torch.Tensor]) -> torch.dtype:
+    return next(iter(blocks.values())).dtype
+
+
+def _merge_blocks(
+    seen: Sequence[Any], tree: Any, what: str
+) -> tuple[Any, list[dict[Slot, tuple[int, ...]]], list[torch.dtype]]:
+    """The results' tree, every slot's block shape per leaf, and each leaf's dtype, from every process."""
+    held = [d for d in seen if d is not None]
+    if not held:
+        return tree, [], []
+    tree = held[0][0]
+    if any(d[0] != tree for d in held):
+        raise SpecError(
+            f"{what} fn returned {tree} on some ranks and {next(d[0] for d in held if d[0] != tree)} on others."
+        )
+    shapes: list[dict[Slot, tuple[int, ...]]] = [{} for _ in range(tree.num_leaves)]
+    dtypes = []
+    for n in range(tree.num_leaves):
+        kinds = {d[1][n][0] for d in held}
+        if len(kinds) > 1:
+            raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks.")
+        dtypes.append(kinds.pop())
+        for d in held:
+            for (p, k), shape in d[1][n][1].items():
+                shapes[n][(Placement.parse(p), k)] = shape
+    return tree, shapes, dtypes
 
 
 def _spec_structure(out_specs: Any) -> Any:
@@ -340,19 +403,6 @@ def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
         msg = f"{what} out_specs has {len(flat)} specs but fn returned {tree.num_leaves} tensors ({tree})."
         raise SpecError(msg)
     return flat
-
-
-def _all_shapes(backend: Any, leaves: list[dict[Slot, torch.Tensor]]) -> list[dict[Slot, tuple[int, ...]]]:
-    """Every slot's block shape per leaf: this process's, and on a multi-process backend every rank's."""
-    mine = [{(str(p), k): tuple(t.shape) for (p, k), t in blocks.items()} for blocks in leaves]
-    seen = [mine] if backend.rank is None else backend.exchange(mine)
-    n = max(len(s) for s in seen)
-    out: list[dict[Slot, tuple[int, ...]]] = [{} for _ in range(n)]
-    for per_rank in seen:
-        for leaf, shapes in enumerate(per_rank):
-            for (p, k), shape in shapes.items():
-                out[leaf][(Placement.parse(p), k)] = shape
-    return out
 
 
 def _out_layout(

@@ -16,11 +16,17 @@ process holds every shard and one ``bf``); here, fshard sums it:
 This is JAX's rule for ``shard_map`` (an invariant value used where values vary per
 device is broadcast, and the transpose of that broadcast is a sum), applied to the
 tensors that fshard produced.
+
+The sum is a collective in the gather's backward, so every rank's backward must reach
+that gather. A rank that holds no shard runs no per-shard function; its result then
+joins (``join``) the gathered tensors that the other ranks' functions used, which it
+learns from them (``Usage``: each gathered tensor has a key, the same on every rank).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -29,7 +35,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Parts", "per_shard", "register"]
+__all__ = ["Parts", "Usage", "join", "per_shard", "register"]
 
 
 class Parts:
@@ -65,14 +71,47 @@ class Parts:
 
 _LIVE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _PARTS: dict[int, Parts] = {}
+_KEYS: dict[int, int] = {}
+_BY_KEY: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_COUNT = itertools.count()
 
 
 def register(t: torch.Tensor, parts: Parts) -> None:
-    """Marks ``t`` (a gather's result on every rank) as a tensor whose per-shard uses are parts."""
-    key = id(t)
+    """Marks ``t`` (a gather's result on every rank) as a tensor whose per-shard uses are parts.
+
+    Gathers to every rank run on every rank in one order, so the n-th registered tensor
+    has key n on each of them.
+    """
+    key, n = id(t), next(_COUNT)
     _LIVE[key] = t
     _PARTS[key] = parts
-    weakref.finalize(t, _PARTS.pop, key, None)
+    _KEYS[key] = n
+    _BY_KEY[n] = t
+    weakref.finalize(t, _forget, key)
+
+
+def _forget(key: int) -> None:
+    _PARTS.pop(key, None)
+    _KEYS.pop(key, None)
+
+
+class Usage:
+    """The keys of the gathered tensors that per-shard functions used."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys: set[int] = set()
+
+
+def join(link: torch.Tensor, keys: set[int]) -> torch.Tensor:
+    """``link`` (0 elements) joined to the gathered tensors of ``keys`` still alive here, so that
+    a backward from it reaches their gathers' backward (and its collective) as on the other ranks."""
+    for n in sorted(keys):
+        t = _BY_KEY.get(n)
+        if t is not None:
+            link = link + t.reshape(-1)[:0].to(link.dtype)
+    return link
 
 
 class _SetAside(torch.autograd.Function):
@@ -95,9 +134,10 @@ class _SetAside(torch.autograd.Function):
 class _PerShard(TorchFunctionMode):
     """Replaces gathered tensors by set-aside views in every torch call (one view per tensor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, usage: Usage | None) -> None:
         super().__init__()
         self.views: dict[int, torch.Tensor] = {}
+        self.usage = usage
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -112,15 +152,17 @@ class _PerShard(TorchFunctionMode):
             return x
         if key not in self.views:  # this mode is off while it handles a call: apply() is not intercepted
             self.views[key] = _SetAside.apply(_PARTS[key], x)
+            if self.usage is not None:
+                self.usage.keys.add(_KEYS[key])
         return self.views[key]
 
 
 @contextlib.contextmanager
-def per_shard(backend: Any) -> Iterator[None]:
+def per_shard(backend: Any, usage: Usage | None = None) -> Iterator[None]:
     """The context of a per-shard function: on a multi-process backend with gathered tensors
-    alive, their uses become parts of their gradients."""
+    alive, their uses become parts of their gradients (and their keys are added to ``usage``)."""
     if backend.rank is None or not _LIVE:
         yield
         return
-    with _PerShard():
+    with _PerShard(usage):
         yield

@@ -255,6 +255,12 @@ KNOWN = {
     "no-shard-here-map-resizes": ((((2, 1), 0), *TINY[1:]), (("shard", 0, Single(0)), ("map_shape", 3, "cat", 1))),
     # a comparison (a dtype change) of an array that some ranks hold no shard of.
     "no-shard-here-comparison": ((((2,), 0), *TINY[1:]), (("shard", 0, Single(0)), ("binop", 3, (0.5,), "<"))),
+    # a gathered value used per shard of an array that some ranks hold no shard of: their
+    # backward must still reach the gather's (a collective), as on the rank that used it.
+    "no-shard-here-gathered-use": (
+        (((4, 3), 1226), ((3, 1), 2898), ((1,), 1324)),
+        (("bias", 1, 2, "rows", (2,)), ("closure", 3, 3, "scalar")),
+    ),
     # the sum of all elements when one box is non-empty and another is empty.
     "sum-with-an-empty-shard": ((((1, 4), 0), *TINY[1:]), (("shard", 0, Chunk(0, [0, 1])), ("sum", 3, None))),
 }

@@ -1,0 +1,60 @@
+"""Outcomes of per-block functions that every process must share.
+
+``map_local`` and ``shard_map`` run a user function on the blocks a process holds.
+A process that holds no block of the arguments cannot know the result's dtype or
+shape, and a function that raises on one process only would leave the others
+waiting in the next collective. Where either can happen, every process runs
+``agree``: it exchanges a description of what its function returned (or the error
+it raised), so all processes learn the same metadata or all raise.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fshard._layout import Layout
+
+__all__ = ["agree", "holds_nothing_somewhere"]
+
+T = TypeVar("T")
+
+
+def holds_nothing_somewhere(backend: Any, layout: Layout) -> bool:
+    """Whether some process of a multi-process ``backend`` holds no shard of ``layout``.
+
+    Every process computes the same answer from the layout alone, so it can decide
+    whether all of them join an exchange.
+    """
+    return backend.rank is not None and len(layout.ranks) < backend.world_size
+
+
+def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) -> tuple[T, list[Any]]:
+    """``compute()`` here, and every process's ``describe`` of its result, in rank order.
+
+    A collective on a multi-process ``backend``: if ``compute`` or ``describe`` raised
+    on any process, every process raises, its own error where it had one, else that
+    of the lowest rank that failed (with a note naming that rank).
+    """
+    try:
+        result = compute()
+        mine = ("ok", describe(result))
+    except Exception as exc:
+        backend.exchange(("error", _portable(exc)))
+        raise
+    seen = backend.exchange(mine)
+    for rank, (kind, value) in zip(backend.ranks, seen):
+        if kind == "error":
+            value.add_note(f"(raised on rank {rank}; this rank's function returned)")
+            raise value
+    return result, [value for _, value in seen]
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` if it survives pickling (the exchange pickles it), else a ``RuntimeError`` naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc

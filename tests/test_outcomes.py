@@ -1,0 +1,116 @@
+"""Results of per-shard functions on processes that hold no shard, and errors that one
+process hits: on 4 Gloo processes every rank learns the result's dtype and shape, or
+every rank raises; on the local backend the same programs give the same answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fshard
+from fshard import LayoutError, SpecError
+
+ON_TWO = fshard.Chunk(0, [1, 2])  # ranks 0 and 3 hold nothing
+
+
+def _x() -> fshard.ShardedArray:
+    return fshard.shard(torch.arange(8.0).reshape(4, 2), ON_TWO)
+
+
+def _dtype_and_shape() -> list[object]:
+    x = _x()
+    y = fshard.map_local(lambda t: t > 2, x)
+    z = fshard.map_local(lambda t: torch.cat([t, t], 1).to(torch.float16), x)
+    w = fshard.shard_map(lambda t: t.sum(1, keepdim=True).int(), ON_TWO, ON_TWO)(x)
+    return [(a.dtype, a.shape, fshard.gather(a).tolist()) for a in (y, z, w)]
+
+
+def _fn_fails_on_rank(bad: int):
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        if (dist.is_initialized() and dist.get_rank() == bad) or (not dist.is_initialized() and t[0, 0] == 4):
+            raise ValueError("fn refused this block")
+        return t + 1
+
+    try:
+        fshard.map_local(fn, _x())
+    except ValueError as exc:
+        return type(exc).__name__, str(exc), exc.__notes__ if hasattr(exc, "__notes__") else []
+    return None
+
+
+def _shards_of(layout: fshard.Layout, rank: int | None, dtype: torch.dtype) -> list[fshard.Shard]:
+    metas = layout.shards if rank is None else layout.shards_on(rank)
+    return [fshard.Shard(m, torch.ones(m.sizes, dtype=dtype)) for m in metas]
+
+
+def _wrap_no_shard_here() -> tuple[torch.dtype, bool]:
+    layout = ON_TWO.layout((4, 2))
+    shards = _shards_of(layout, dist.get_rank(), torch.float64)
+    for s in shards:
+        s.data.requires_grad_(True)
+    a = fshard.from_local_shards_and_layout(shards, layout)
+    return a.dtype, a.requires_grad
+
+
+def _bad_shard_on_one_rank() -> str:
+    layout = ON_TWO.layout((4, 2))
+    shards = _shards_of(layout, dist.get_rank(), torch.float32)
+    if dist.get_rank() == 2:
+        shards = shards + shards  # the same shard twice
+    try:
+        fshard.from_local_shards_and_layout(shards, layout)
+    except LayoutError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def test_local_results_of_dtype_and_shape_changes():
+    assert _dtype_and_shape() == [
+        (torch.bool, (4, 2), [[False, False], [False, True], [True, True], [True, True]]),
+        (torch.float16, (4, 4), [[0, 1, 0, 1], [2, 3, 2, 3], [4, 5, 4, 5], [6, 7, 6, 7]]),
+        (torch.int32, (4, 1), [[1], [5], [9], [13]]),
+    ]
+
+
+@pytest.mark.multiprocess
+def test_ranks_without_shards_learn_dtype_and_shape(dist_pool):
+    want = _dtype_and_shape()
+    assert dist_pool.run(_dtype_and_shape, timeout=30) == [want] * 4
+
+
+@pytest.mark.multiprocess
+def test_fn_error_on_one_rank_raises_on_every_rank(dist_pool):
+    """Rank 2 holds the block fn refuses; the ranks without a block raise its error too."""
+    got = dist_pool.run(_fn_fails_on_rank, 2, timeout=30)
+    local = _fn_fails_on_rank(2)
+    assert local is not None
+    assert local[:2] == ("ValueError", "fn refused this block")
+    assert [g[:2] for g in got] == [local[:2]] * 4
+    assert got[2][2] == []
+    assert got[0][2] == ["(raised on rank 2; this rank's function returned)"]
+
+
+@pytest.mark.multiprocess
+def test_from_local_shards_and_layout_on_a_rank_without_shards(dist_pool):
+    assert dist_pool.run(_wrap_no_shard_here, timeout=30) == [(torch.float64, True)] * 4
+
+
+@pytest.mark.multiprocess
+def test_bad_shard_on_one_rank_raises_on_every_rank(dist_pool):
+    assert dist_pool.run(_bad_shard_on_one_rank, timeout=30) == ["LayoutError"] * 4
+
+
+def test_from_local_shards_and_layout_rejects_duplicates_sparse_and_wrong_device():
+    layout = fshard.Chunk(0, [0, 1]).layout((4,))
+    shards = _shards_of(layout, None, torch.float32)
+    with pytest.raises(LayoutError, match="twice"):
+        fshard.from_local_shards_and_layout([*shards, shards[0]], layout)
+    sparse = [fshard.Shard(shards[0].meta, torch.ones(2).to_sparse()), shards[1]]
+    with pytest.raises(SpecError, match=r"only torch\.strided"):
+        fshard.from_local_shards_and_layout(sparse, layout)
+    meta = [fshard.Shard(shards[0].meta, torch.ones(2, device="meta")), shards[1]]
+    with pytest.raises(LayoutError, match="is on meta, not on its placement's device cpu"):
+        fshard.from_local_shards_and_layout(meta, layout)
+    with pytest.raises(TypeError, match=r"sequence of fshard\.Shard"):
+        fshard.from_local_shards_and_layout(3, layout)
