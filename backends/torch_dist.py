@@ -39,13 +39,15 @@ import torch
 import torch.distributed as dist
 
 from fshard._boxes import rows_prod, unique_rows
+from fshard._collective import call_name
 from fshard._config import current
-from fshard._errors import CollectiveMismatchError, SpecError
+from fshard._errors import SpecError
 from fshard._layout import Layout, ShardMeta
 from fshard._log import log_move
 from fshard._placement import Placement
 from fshard._plan import Plan, plan
 
+from .dist_check import agreed, check, describe_layout
 from .dist_reduce import all_to_all, collective_kind, reduce_schedule, run_collective, run_reduce
 from .local import _POOL, Counters, copy_plan, identity, needs_fill, new_shard, reduce_plan, shard_device, slice_shards
 
@@ -295,8 +297,25 @@ class TorchDistBackend:
             raise SpecError(msg)
 
     def _check(self, op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None = None) -> None:
+        """In check mode, one check round: every rank is about to run this collective, or all raise."""
         if self.member and current().check_collectives:
-            _check_same(self.group, self.ranks, self._wire, op, layouts, dtype)
+            moves = " -> ".join(describe_layout(x) for x in layouts)
+            what = f"{op}({moves})" + (f" on {dtype}" if dtype is not None else "")
+            call = call_name()  # the public call it serves, which describes the arguments already
+            if call is not None:
+                what = f"{call}, at {op} #{hashlib.blake2b(what.encode(), digest_size=4).hexdigest()}"
+            check(self.group, self.ranks, self.rank, what)
+
+    def settle(self, what: str, error: Exception | None = None) -> None:
+        """In check mode, the check that ends a public call: how it ended here is ``what``
+        (and ``error``, which the caller raises once every rank has learned of it)."""
+        if not (self.member and current().check_collectives) or (error is not None and agreed(error)):
+            return
+        try:
+            check(self.group, self.ranks, self.rank, what, error)
+        except Exception:
+            if error is None:
+                raise
 
     def _move(
         self,
@@ -659,56 +678,3 @@ def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -
     else:
         dist.all_gather_into_tensor(out, mine, group=group)
     return out.cpu().numpy().reshape(n, row.size)
-
-
-# -- check mode -------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1024)
-def _layout_digest(layout: Layout) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr((layout.shape, layout.partial)).encode())
-    for a in (layout._lo, layout._sz, layout._rank):
-        h.update(np.ascontiguousarray(a, np.int64).tobytes())
-    h.update("|".join(s.placement.device for s in layout.shards).encode())
-    return h.digest()
-
-
-def _short(layout: Layout, most: int = 6) -> str:
-    """``shape (8, 12): [0:4, 0:12]@0 [4:8, 0:12]@1``: each box as slices and its rank."""
-    boxes = [
-        "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(s.offsets, s.sizes)) + f"]@{s.placement.rank}"
-        for s in layout.shards[:most]
-    ]
-    more = f" ... {len(layout.shards) - most} more" if len(layout.shards) > most else ""
-    return f"shape {layout.shape}: {' '.join(boxes)}{more}"
-
-
-def _describe(op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None) -> str:
-    parts = " -> ".join(_short(x) for x in layouts)
-    return f"{op}({parts})" + (f" on {dtype}" if dtype is not None else "")
-
-
-def _check_same(
-    group: Any, ranks: tuple[int, ...], wire: torch.device, op: str, layouts: tuple[Layout, ...], dtype: Any
-) -> None:
-    """All-gathers an 8-byte digest of the call; on a mismatch every rank raises the same error."""
-    h = hashlib.blake2b(op.encode() + str(dtype).encode(), digest_size=8)
-    for x in layouts:
-        h.update(_layout_digest(x))
-    mine = torch.tensor([int.from_bytes(h.digest(), "little", signed=True)], dtype=torch.int64, device=wire)
-    seen = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(seen, mine, group=group)
-    if len({int(t) for t in seen}) == 1:
-        return
-    calls: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(calls, _describe(op, layouts, dtype), group=group)
-    by_call: dict[str, list[int]] = {}
-    for r, c in zip(ranks, calls):
-        by_call.setdefault(c, []).append(r)
-    lines = "; ".join(f"ranks {rs} called {c}" for c, rs in by_call.items())
-    msg = (
-        f"Ranks called different collectives on process group {list(ranks)}: {lines}. Every rank must call "
-        "each fshard function with the same arguments, in the same order (SPMD)."
-    )
-    raise CollectiveMismatchError(msg)

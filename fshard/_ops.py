@@ -12,6 +12,7 @@ import torch
 
 from fshard import _autograd, _operators, _varying  # noqa: F401  (_operators adds ShardedArray's operators)
 from fshard._array import Shard, ShardedArray, empty_link
+from fshard._collective import collective
 from fshard._compile import opaque
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, with_partial
@@ -48,27 +49,53 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
 
 
 def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tuple[int, ...], torch.Tensor]:
-    """Agrees on ``src`` across ranks; returns the global shape and the tensor (a stand-in off src)."""
+    """Agrees on ``src`` across ranks; returns the global shape and the tensor (a stand-in off src).
+
+    Rank ``src`` checks its tensor before the exchange and sends what is wrong with it,
+    so a bad source tensor raises on every rank instead of leaving the others waiting.
+    """
     mine = backend.rank in (None, src)
+    problem = _source_problem(tensor, src) if mine else None
     info = (
-        (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
-        if mine and tensor is not None
-        else (src, None, None, False)
+        (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, problem)
+        if mine and problem is None and tensor is not None
+        else (src, None, None, False, problem)
     )
     seen = backend.exchange(info)
     if len({s[0] for s in seen}) != 1:
         msg = f"src={src} on rank {backend.rank} does not match with src_rank on other ranks: {[s[0] for s in seen]}."
         raise SpecError(msg)
+    bad = next((s[4] for s in seen if s[4] is not None), None)
+    if bad is not None:
+        kind, msg = bad
+        raise (TypeError if kind == "TypeError" else SpecError)(msg)
     # Entries follow group order, not global ranks: the owner is the one that sent a shape.
-    owner = next((s for s in seen if s[1] is not None), info)
-    if owner[1] is None:
-        raise SpecError(f"shard(..., src={src}) needs a tensor on rank {src}, got None.")
+    owner = next(s for s in seen if s[1] is not None)
     if mine:
-        return owner[1], _check_tensor(tensor, "shard() input")
+        return owner[1], tensor  # type: ignore[return-value]
     # The stand-in requires grad like the source, so every rank's shards join autograd alike.
     return owner[1], torch.empty(0, dtype=owner[2], requires_grad=owner[3])
 
 
+def _source_problem(tensor: Any, src: int) -> tuple[str, str] | None:
+    """What is wrong with rank ``src``'s source tensor, as (exception type, message), or ``None``."""
+    if tensor is None:
+        return "SpecError", f"shard(..., src={src}) needs a tensor on rank {src}, got None."
+    if is_sharded_tensor(tensor):
+        msg = (
+            f"shard(..., src={src}) got a torch ShardedTensor on rank {src}: its data already lives on its "
+            "process group's ranks. Convert it instead, on every rank: "
+            "fshard.reshard(fshard.from_sharded_tensor(st), spec)."
+        )
+        return "SpecError", msg
+    try:
+        _check_tensor(tensor, f"shard() input on rank {src}")
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@collective("shard", local=("tensor",))
 @opaque
 def shard(
     tensor: torch.Tensor | None, spec: Any, *, src: int | None = None, backend: Backend | None = None
@@ -97,7 +124,7 @@ def shard(
     >>> [tuple(s.data.tolist()) for s in x.addressable_shards]
     [(0.0, 1.0, 2.0), (3.0, 4.0, 5.0), (6.0, 7.0, 8.0), (9.0,)]
     """
-    if is_sharded_tensor(tensor):  # already sharded: converted, then resharded
+    if is_sharded_tensor(tensor) and src is None:  # already sharded: converted, then resharded
         from fshard._interop import shard_sharded_tensor
 
         return shard_sharded_tensor(tensor, spec, src=src, backend=backend)
@@ -135,6 +162,7 @@ def _reduced(layout: Layout, dst: int | None) -> Layout:
 def gather(array: ShardedArray, *, dst: None = None) -> torch.Tensor: ...
 @overload
 def gather(array: ShardedArray, *, dst: int) -> torch.Tensor | None: ...
+@collective("gather")
 @opaque
 def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | None:
     """The global tensor: on every rank (``dst=None``) or on rank ``dst`` (others get ``None``).
@@ -154,6 +182,7 @@ def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | Non
     return _autograd.assemble(array.layout, array.backend, array._data, array._first(), dst)
 
 
+@collective("reshard")
 @opaque
 def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
     """The same global values in a new layout; only elements whose owner changes are sent.
@@ -316,6 +345,7 @@ def _aligned(a: ShardedArray, b: ShardedArray, what: str) -> tuple[ShardedArray,
     return a, reshard(b, a.layout)
 
 
+@collective("equal")
 def equal(a: ShardedArray, b: ShardedArray) -> bool:
     """True when both arrays have the same shape and values (collective).
 
@@ -331,6 +361,7 @@ def equal(a: ShardedArray, b: ShardedArray) -> bool:
     return all(a.backend.exchange(ok))
 
 
+@collective("allclose")
 def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> bool:
     """``torch.allclose`` over whole arrays (collective); ``b`` is resharded to ``a``'s layout.
 
@@ -346,6 +377,7 @@ def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float =
     return all(a.backend.exchange(ok))
 
 
+@collective("from_local_shards_and_layout", local=("shards",))
 def from_local_shards_and_layout(
     shards: Sequence[Shard], layout: Layout, *, backend: Backend | None = None
 ) -> ShardedArray:

@@ -24,6 +24,7 @@ import torch
 
 from fshard import _autograd, _varying
 from fshard._array import ShardedArray
+from fshard._collective import collective
 from fshard._errors import SpecError
 from fshard._layout import Layout, with_partial
 from fshard._outcome import agree, holds_nothing_somewhere
@@ -40,6 +41,7 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, Layout) or hasattr(x, "layout")
 
 
+@collective("map_local")
 def map_local(
     fn: Callable[..., Any], *arrays: ShardedArray, out_spec: Any = None, linear: bool = False
 ) -> ShardedArray | Any:
@@ -126,6 +128,7 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
     ('sum', True)
     """
 
+    @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:
         specs = in_specs if isinstance(in_specs, (tuple, list)) else (in_specs,)
         if len(specs) != len(args):
