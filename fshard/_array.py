@@ -179,6 +179,22 @@ class ShardedArray:
     def local_tensor(self) -> torch.Tensor:
         """The one addressable shard's tensor.
 
+        It is the array's own storage, not a copy (as are the tensors of
+        ``addressable_shards`` and ``addressable_data``), and other values may share
+        it: the tensors given to ``from_local_shards*`` are the shards themselves, a
+        no-op ``reshard`` returns its input, and a ``map_local`` of ``lambda t: t``
+        shares its input's shards. Treat it as read-only: an in-place write changes
+        every array and tensor that shares it. ``map_local`` and ``shard_map`` raise
+        ``SpecError`` when their function writes into an input block; for a private
+        copy, ``.clone()``.
+
+        >>> import torch, fshard
+        >>> mine = torch.zeros(2)
+        >>> lay = fshard.Single(0).layout((2,))
+        >>> a = fshard.from_local_shards_and_layout([fshard.Shard(lay.shards[0], mine)], lay)
+        >>> a.local_tensor() is mine
+        True
+
         Raises:
             NotImplementedError: "Only single local shard is supported." otherwise.
         """

@@ -16,7 +16,7 @@ from fshard._collective import collective
 from fshard._compile import opaque
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, with_partial
-from fshard._outcome import agree, holds_nothing_somewhere
+from fshard._outcome import agree, holds_nothing_somewhere, untouched
 from fshard._placement import Placement
 from fshard._shard_map import map_local  # the public map_local, re-exported here
 from fshard._specs import Replicated, as_layout
@@ -222,7 +222,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     usage = _varying.Usage()
 
     def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
-        with _varying.per_shard(backend, usage):
+        with _varying.per_shard(backend, usage), untouched([t for a in arrays for t in a._data], "map_local()"):
             outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
         return _result_leaves(outs)
 

@@ -10,13 +10,17 @@ it raised), so all processes learn the same metadata or all raise.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import torch
+
+from fshard._errors import SpecError
 from fshard._layout import Layout
 
-__all__ = ["agree", "holds_nothing_somewhere"]
+__all__ = ["agree", "holds_nothing_somewhere", "untouched"]
 
 T = TypeVar("T")
 
@@ -58,3 +62,22 @@ def _portable(exc: Exception) -> Exception:
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+@contextlib.contextmanager
+def untouched(tensors: Sequence[torch.Tensor], what: str) -> Iterator[None]:
+    """Raises ``SpecError`` if the code in the block wrote into any of ``tensors`` in place.
+
+    A tensor's version counter (shared with its views) counts in-place writes, so a
+    per-block function that mutated its input block is caught, not silently obeyed.
+    """
+    before = [t._version for t in tensors]
+    yield
+    for t, version in zip(tensors, before):
+        if t._version != version:
+            msg = (
+                f"{what} fn wrote into an input block in place (an in-place op such as t.mul_(10), or out=): "
+                "ShardedArray values are immutable, and other arrays and tensors may share that memory. "
+                "Return a new tensor instead (t * 10)."
+            )
+            raise SpecError(msg)

@@ -27,7 +27,7 @@ from fshard._array import ShardedArray
 from fshard._collective import collective
 from fshard._errors import SpecError
 from fshard._layout import Layout, with_partial
-from fshard._outcome import agree, holds_nothing_somewhere
+from fshard._outcome import agree, holds_nothing_somewhere, untouched
 from fshard._placement import Placement
 from fshard._specs import Explicit, Partial, as_layout
 
@@ -280,7 +280,7 @@ def _run(
 
     def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
         results = []
-        with _varying.per_shard(backend, usage):
+        with _varying.per_shard(backend, usage), untouched([t for a in inputs for t in a._data], what):
             for i in held:
                 p, k = slot_of[i]
                 blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
