@@ -35,6 +35,9 @@ __all__ = [
 POOL_LIMIT_BYTES = 1 << 30
 # Smaller blocks come back from malloc's free lists without page faults anyway.
 _POOL_MIN_BYTES = 1 << 20
+# Arrays of at most this many elements may be resharded through one whole copy, when
+# that takes fewer torch calls: the extra copy costs less than the calls it saves.
+_SMALL_NUMEL = 1 << 15
 _ALIGN = 64
 # Plain element types, which a byte buffer can be viewed as (not quantized ones, say).
 _POOL_DTYPES = frozenset(
@@ -164,22 +167,175 @@ def empty_cache() -> None:
 
 def new_shard(layout: Any, i: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised contiguous tensor for shard ``i``, with ``like``'s dtype."""
-    device = shard_device(layout, i)
+    return _new(layout.shards[i].sizes, like.dtype, shard_device(layout, i))
+
+
+def _new(sizes: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
-        return _POOL.empty(layout.shards[i].sizes, like.dtype)
-    return torch.empty(layout.shards[i].sizes, dtype=like.dtype, device=device)
+        return _POOL.empty(sizes, dtype)
+    return torch.empty(sizes, dtype=dtype, device=device)
+
+
+Index = tuple[slice, ...]
+Sizes = tuple[int, ...]
+Box = tuple[Sizes, Sizes]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+    """How one new tensor is built from views: ``views`` (positions in a list of views)
+    go to ``writes``; when they tile the result along dim ``dim``, in order, one
+    ``torch.cat`` (or, for one view, one ``clone``) builds it."""
+
+    sizes: tuple[int, ...]
+    device: torch.device
+    views: tuple[int, ...]
+    writes: tuple[Index, ...]
+    dim: int | None
+    numel: int
+
+    def build(self, views: Sequence[torch.Tensor], dtype: torch.dtype, direct: bool) -> torch.Tensor:
+        """A new contiguous tensor of ``dtype`` on ``device`` (``direct``: the views are of both)."""
+        mine = [views[k] for k in self.views]
+        if direct and self.dim is not None:
+            if self.device.type == "cpu" and self.numel * dtype.itemsize >= _POOL_MIN_BYTES:
+                return torch.cat(mine, self.dim, out=_new(self.sizes, dtype, self.device))  # recycled memory
+            out = mine[0].clone(memory_format=torch.contiguous_format) if len(mine) == 1 else torch.cat(mine, self.dim)
+            return out if out.is_contiguous() else out.contiguous()
+        out = _new(self.sizes, dtype, self.device)
+        for v, w in zip(mine, self.writes):
+            out[w].copy_(v)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """New tensors built from boxes of input tensors, worked out once so that running it
+    only takes views and copies them.
+
+    The views are taken first: each input in ``cuts`` is split along a dim into the
+    given sizes (one ``split_with_sizes`` for all its boxes), then each of ``reads``
+    is indexed (``None``: the whole input). ``device`` is the one device of every
+    output, if they share one: inputs there (and of the output dtype) are copied with
+    ``torch.cat``/``clone``, others box by box with ``copy_``.
+
+    >>> halves = [(0, ((0, 0), (2, 2)), 0, (0, 0)), (0, ((2, 0), (2, 2)), 1, (0, 0))]
+    >>> r = recipe([(4, 2)], [((2, 2), "cpu"), ((2, 2), "cpu")], halves)
+    >>> r.cuts, r.reads, [f.dim for f in r.fills]
+    (((0, 0, (2, 2)),), (), [0, 0])
+    >>> [t.tolist() for t in r.run([torch.arange(8).reshape(4, 2)], torch.int64)]
+    [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    """
+
+    cuts: tuple[tuple[int, int, tuple[int, ...]], ...]
+    reads: tuple[tuple[int, Index | None], ...]
+    fills: tuple[Fill, ...]
+    device: torch.device | None
+
+    @property
+    def calls(self) -> int:
+        """The torch calls that one run makes (where the views are on the outputs' device)."""
+        views = len(self.cuts) + sum(r is not None for _, r in self.reads)
+        return views + sum(1 if f.dim is not None else 1 + 2 * len(f.views) for f in self.fills)
+
+    def run(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The outputs, from ``tensors`` (the inputs, in order), of ``dtype``."""
+        views: list[torch.Tensor] = []
+        for i, dim, sizes in self.cuts:
+            views += tensors[i].split_with_sizes(sizes, dim)
+        for i, r in self.reads:
+            views.append(tensors[i] if r is None else tensors[i][r])
+        device = self.device
+        direct = device is not None and all(t.device == device and t.dtype == dtype for t in tensors)
+        return tuple(f.build(views, dtype, direct) for f in self.fills)
+
+
+Piece = tuple[int, Box, int, tuple[int, ...]]
+"""One box copied: (input, its box in the input, output, offsets of the box in the output)."""
+
+
+def recipe(ins: Sequence[Sizes], outs: Sequence[tuple[Sizes, str | torch.device]], pieces: Iterable[Piece]) -> Recipe:
+    """The ``Recipe`` that builds outputs of ``outs`` (sizes, device) from inputs of sizes
+    ``ins`` by copying ``pieces``."""
+    pieces = list(pieces)
+    boxes: dict[int, list[Box]] = {}
+    for i, box, _, _ in pieces:
+        boxes.setdefault(i, []).append(box)
+    cuts: list[tuple[int, int, Sizes]] = []
+    reads: list[tuple[int, Index | None]] = []
+    order: list[tuple[bool, list[tuple[int, Box]]]] = []
+    for i, found in sorted(boxes.items()):
+        distinct = sorted(set(found))
+        dim = _tiling_dim(ins[i], distinct) if len(distinct) > 1 else None
+        if dim is None:
+            reads += [(i, _index(lo, size, ins[i])) for lo, size in distinct]
+        else:
+            cuts.append((i, dim, tuple(size[dim] for _, size in distinct)))
+        order.append((dim is None, [(i, box) for box in distinct]))
+    # Views come cut inputs first, then read ones: number them in that order.
+    keys = [key for _, group in sorted(order, key=lambda g: g[0]) for key in group]
+    position = {key: k for k, key in enumerate(keys)}
+    into: list[list[tuple[Sizes, Sizes, int]]] = [[] for _ in outs]
+    for i, box, j, at in pieces:
+        into[j].append((tuple(at), box[1], position[(i, box)]))
+    fills = tuple(_fill(tuple(sizes), _device(str(device)), sorted(got)) for (sizes, device), got in zip(outs, into))
+    devices = {f.device for f in fills}
+    return Recipe(tuple(cuts), tuple(reads), fills, devices.pop() if len(devices) == 1 else None)
+
+
+def _fill(sizes: Sizes, device: torch.device, got: Sequence[tuple[Sizes, Sizes, int]]) -> Fill:
+    """The ``Fill`` of an output from views ``got``: (offsets in it, sizes, view position), sorted."""
+    writes = tuple(tuple(map(_slice, at, size)) for at, size, _ in got)
+    dim = _tiling_dim(sizes, [(at, size) for at, size, _ in got])
+    return Fill(sizes, device, tuple(k for _, _, k in got), writes, dim, math.prod(sizes))
+
+
+def _tiling_dim(sizes: tuple[int, ...], boxes: Sequence[Box]) -> int | None:
+    """The dim along which ``boxes``, in order, tile a tensor of ``sizes`` exactly (each spanning every other dim)."""
+    if not boxes or not sizes:
+        return None
+    for d in range(len(sizes)):
+        whole = all(lo[e] == 0 and z[e] == sizes[e] for lo, z in boxes for e in range(len(sizes)) if e != d)
+        ends = [0, *(lo[d] + z[d] for lo, z in boxes)]
+        if whole and all(lo[d] == end for (lo, _), end in zip(boxes, ends)) and ends[-1] == sizes[d]:
+            return d
+    return None
+
+
+def _index(lo: Sequence[int], size: Sequence[int], sizes: Sequence[int]) -> Index | None:
+    """Index of box ``[lo, lo + size)`` in a tensor of ``sizes`` (``None``: the whole tensor)."""
+    if not any(lo) and tuple(size) == tuple(sizes):
+        return None
+    return tuple(map(_slice, lo, size))
 
 
 def slice_shards(full: torch.Tensor, layout: Any, index: Iterable[int]) -> tuple[torch.Tensor, ...]:
     """New tensors holding the boxes of shards ``index`` of ``layout``, copied out of ``full``."""
     out = []
     for i in index:
-        s = layout.shards[i]
-        t = new_shard(layout, i, full)
-        if t.numel():  # an empty shard may sit past the end, where the slice would clip
-            t.copy_(full[box_slices(s.offsets, s.sizes, (0,) * len(s.offsets))])
+        (t,) = _slicing(layout, i).run((full,), full.dtype)
         out.append(t)
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _slicing(layout: Any, i: int) -> Recipe:
+    """Shard ``i`` of ``layout`` read out of the global tensor."""
+    s = layout.shards[i]
+    return recipe([layout.shape], [(s.sizes, s.placement.device)], _scattered(layout, [i]))
+
+
+@functools.lru_cache(maxsize=64)
+def _scattering(layout: Any) -> Recipe:
+    """Every shard of ``layout`` read out of the global tensor."""
+    outs = [(s.sizes, s.placement.device) for s in layout.shards]
+    return recipe([layout.shape], outs, _scattered(layout, range(len(layout.shards))))
+
+
+def _scattered(layout: Any, index: Iterable[int]) -> list[Piece]:
+    # An empty shard may sit past the end, where a slice would clip: it reads nothing.
+    shards = [(j, layout.shards[i]) for j, i in enumerate(index)]
+    return [(0, (s.offsets, s.sizes), j, (0,) * len(s.sizes)) for j, s in shards if all(s.sizes)]
 
 
 def copy_plan(plan: Any, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor], rows: Iterable[int]) -> None:
@@ -207,6 +363,25 @@ def _moves(plan: Any) -> tuple[tuple[int, int, tuple[slice, ...], tuple[slice, .
 
 def _slice(start: int, size: int) -> slice:
     return slice(start, start + size)
+
+
+@functools.lru_cache(maxsize=64)
+def _copying(plan: Any) -> tuple[Recipe, ...]:
+    """The recipes that run a copy phase, in turn: one that builds every destination shard
+    from its boxes in the source shards or, for a small array where that takes fewer torch
+    calls, two: the whole array from the source shards, then the destination shards cut
+    out of it."""
+    read = (plan.lo - plan.src._lo[plan.src_shard]).tolist()
+    write = (plan.lo - plan.dst._lo[plan.dst_shard]).tolist()
+    rows = zip(plan.src_shard.tolist(), plan.dst_shard.tolist(), read, write, plan.size.tolist())
+    pieces = [(i, (tuple(r), tuple(z)), j, tuple(w)) for i, j, r, w, z in rows]
+    ins = [s.sizes for s in plan.src.shards]
+    direct = (recipe(ins, [(s.sizes, s.placement.device) for s in plan.dst.shards], pieces),)
+    devices = {s.placement.device for s in (*plan.src.shards, *plan.dst.shards)}
+    if plan.dst.numel > _SMALL_NUMEL or len(devices) != 1 or plan.src.partial or plan.dst.partial:
+        return direct  # (copies of a pending sum are summands: no one box stands for them all)
+    whole = (_assembly(plan.src, _device(devices.pop())), _scattering(plan.dst))
+    return min(direct, whole, key=lambda route: sum(r.calls for r in route))
 
 
 def identity(op: str, dtype: torch.dtype) -> float | int | bool:
@@ -287,69 +462,108 @@ class LocalBackend:
 
     ``counters.elements_sent`` counts the elements that a multi-process run would
     send (those crossing ranks), so tests can compare it with the plan's minimum.
+
+    ``world_size=n`` makes it check ranks as a group of ``n`` processes would:
+    placements, ``src`` and ``dst`` outside ranks ``0 .. n-1`` raise the error that
+    ``torch_dist`` raises. The default, 0, holds every rank: any non-negative int.
+
+    >>> import torch, fshard
+    >>> four = LocalBackend(world_size=4)
+    >>> x = fshard.shard(torch.arange(4.0), fshard.Chunk(0, [0, 1]), backend=four)
+    >>> fshard.gather(x, dst=3).tolist()
+    [0.0, 1.0, 2.0, 3.0]
+    >>> fshard.gather(x, dst=7)
+    Traceback (most recent call last):
+    ...
+    fshard.SpecError: dst=7: Global rank 7 does not exist in input process group (global ranks [0, 1, 2, 3]).
     """
 
     name: str = "local"
+    world_size: int = 0
     counters: Counters = dataclasses.field(default_factory=Counters, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 0:
+            raise SpecError(f"LocalBackend(world_size={self.world_size!r}): give a non-negative int (0: every rank).")
 
     @property
     def rank(self) -> int | None:
         """``None``: this process holds every rank."""
         return None
 
-    @property
-    def world_size(self) -> int:
-        """0: any rank may be placed."""
-        return 0
-
     def addressable(self, layout: Any) -> tuple[int, ...]:
         """Every shard."""
-        return tuple(range(len(layout.shards)))
+        return _every(len(layout.shards))
 
     def check_layout(self, layout: Any) -> None:
-        """Checks that every placed device exists here."""
-        for p in {s.placement.device for s in layout.shards}:
-            _device(p)
+        """Checks that every placed rank is in the group and every placed device exists here."""
+        if self.world_size:
+            for r in layout.ranks:
+                if r >= self.world_size:
+                    msg = (
+                        f"Global rank {r} does not exist in input process group (global ranks "
+                        f"{list(range(self.world_size))}): placements name global ranks; place shards on "
+                        f"ranks 0 to {self.world_size - 1} or use a larger world_size."
+                    )
+                    raise SpecError(msg)
+        _check_devices(layout)
+
+    def check_rank(self, rank: Any, what: str) -> int:
+        """``rank`` as an int; raises ``SpecError`` unless it names a rank of the group (as ``torch_dist`` does).
+
+        >>> LOCAL.check_rank(2.0, "dst")
+        2
+        >>> LOCAL.check_rank(-1, "dst")
+        Traceback (most recent call last):
+        ...
+        fshard.SpecError: dst=-1: Global rank -1 does not exist in input process group (the local backend ...
+        """
+        if _is_rank(rank) and (not self.world_size or rank < self.world_size):
+            return int(rank)
+        ranks = (
+            f"global ranks {list(range(self.world_size))}"
+            if self.world_size
+            else "the local backend holds every rank: any non-negative int"
+        )
+        raise SpecError(f"{what}={rank!r}: Global rank {rank!r} does not exist in input process group ({ranks}).")
 
     def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Copies each transfer's box out of its source shard into a new destination shard
-        (combining the contributions of a reduce phase), phase by phase."""
+        """Builds each destination shard from its boxes in the source shards (one ``torch.cat``
+        where they tile it along one dim), combining the contributions of a reduce phase; phase
+        by phase."""
         log_move("local", plan, like.element_size())
         for p in plan.phases:
-            out = {j: new_shard(p.dst, j, like) for j in range(len(p.dst.shards))}
             if p.op is None:
-                copy_plan(p, dict(enumerate(tensors)), out, range(len(p)))
+                for r in _copying(p):
+                    tensors = r.run(tensors, like.dtype)
             else:
+                out = {j: new_shard(p.dst, j, like) for j in range(len(p.dst.shards))}
                 for j in needs_fill(p):
                     out[j].fill_(identity(p.op, like.dtype))
                 reduce_plan(p, dict(enumerate(tensors)), out, range(len(p)))
+                tensors = tuple(out[j] for j in range(len(out)))
             self.counters.elements_sent += p.elements_sent
-            tensors = tuple(out[j] for j in range(len(out)))
         return tuple(tensors)
 
     def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
         """Copies each shard's box out of ``full`` (from rank ``src``: counts what other ranks receive)."""
         assert full is not None
-        out = slice_shards(full, layout, range(len(layout.shards)))
+        if src is not None:
+            src = self.check_rank(src, "src")
+        out = _scattering(layout).run((full,), full.dtype)
         if src is not None:
             self.counters.elements_sent += held(layout) - held(layout, src)
-        return tuple(out)
+        return out
 
     def assemble(
         self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
     ) -> torch.Tensor:
         """Writes one copy of every box into a new global tensor (on rank ``dst``'s device)."""
+        if dst is not None:
+            dst = self.check_rank(dst, "dst")
         idx = layout.indices_on(dst) if dst is not None else ()
         device = shard_device(layout, idx[0]) if idx else like.device
-        if device.type == "cpu":
-            out = _POOL.empty(layout.shape, like.dtype)
-        else:
-            out = torch.empty(layout.shape, dtype=like.dtype, device=device)
-        lo, sz = layout._lo, layout._sz
-        nonempty = rows_all(sz > 0)
-        first, _ = unique_rows(np.c_[lo, sz][nonempty])
-        for i in np.flatnonzero(nonempty)[first].tolist():
-            out[box_slices(lo[i].tolist(), sz[i].tolist(), [0] * layout.ndim)].copy_(tensors[i])
+        (out,) = _assembly(layout, device).run(tensors, like.dtype)
         # What each receiving rank lacks: rank dst, or every rank of the layout.
         if dst is None:
             self.counters.elements_sent += len(layout.ranks) * layout.numel - held(layout)
@@ -360,6 +574,37 @@ class LocalBackend:
     def exchange(self, obj: Any) -> list[Any]:
         """A single process: its own object."""
         return [obj]
+
+
+def _is_rank(rank: Any) -> bool:
+    """Whether ``rank`` equals a non-negative int (what ``rank in ranks`` accepts, as ``torch_dist`` checks)."""
+    try:
+        return bool(rank == int(rank)) and int(rank) >= 0
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+@functools.lru_cache(maxsize=64)
+def _every(n: int) -> tuple[int, ...]:
+    return tuple(range(n))
+
+
+@functools.lru_cache(maxsize=256)
+def _check_devices(layout: Any) -> None:
+    for p in {s.placement.device for s in layout.shards}:
+        _device(p)
+
+
+@functools.lru_cache(maxsize=64)
+def _assembly(layout: Any, device: torch.device) -> Recipe:
+    """The global tensor of ``layout`` on ``device``, from one copy of every non-empty box."""
+    lo, sz = layout._lo, layout._sz
+    nonempty = rows_all(sz > 0)
+    first, _ = unique_rows(np.c_[lo, sz][nonempty])
+    rows = np.flatnonzero(nonempty)[first].tolist()
+    ins = [s.sizes for s in layout.shards]
+    pieces = [(i, ((0,) * layout.ndim, ins[i]), 0, layout.shards[i].offsets) for i in rows]
+    return recipe(ins, [(tuple(layout.shape), device)], pieces)
 
 
 LOCAL = LocalBackend()

@@ -1,4 +1,5 @@
-"""Local backend: ``fshard.reshard`` against a plain ``Tensor.copy_`` of the same boxes.
+"""Local backend: ``fshard.reshard`` against a plain ``Tensor.copy_`` of the same boxes, and
+the fixed cost of small calls against the same result written by hand.
 
 The floor copies every box of the plan (sent or kept on its rank) from the source
 shards into destination tensors allocated once, before timing. ``reshard`` must also
@@ -6,11 +7,18 @@ allocate its outputs (arrays are immutable); it reuses the memory of outputs tha
 have died (``backends/local.py``, ``_Pool``). The "fresh memory" row empties that
 pool before every call, so its outputs pay the kernel's page faults on first write:
 the cost any newly allocated tensor pays, ``torch.empty`` or ``clone`` alike.
+
+The small-array cases time ``reshard`` (dim-0 chunks to dim-1 chunks), ``gather`` and
+``map_local`` of a 64x64 float32 on 4 ranks against the fewest torch calls that give
+the same tensors: ``torch.cat`` of the column slices of each source shard per
+destination shard, ``torch.cat`` of the shards, and the function on each shard. At
+this size the data is 16 KiB and what is left is fshard's fixed cost per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,9 +27,11 @@ import fshard
 from benchmarks.common import Row, Settings, Timed, interleaved, median
 from fshard.backends.local import box_slices, empty_cache
 
-__all__ = ["ReshardCase", "cases"]
+__all__ = ["ReshardCase", "SmallCase", "cases"]
 
 GROUP = "local backend"
+SMALL_GROUP = "local backend, small arrays"
+SMALL_SIDE = 64
 RANKS = [0, 1, 2, 3]
 SPECS: dict[str, tuple[Any, Any]] = {
     "chunk dim 0 -> dim 1": (fshard.Chunk(0, RANKS), fshard.Chunk(1, RANKS)),
@@ -89,7 +99,84 @@ class ReshardCase:
         return rows
 
 
+def _by_hand(op: str, x: fshard.ShardedArray) -> Callable[[], Any]:
+    """The fewest torch calls that give what fshard's ``op`` gives for the case's array."""
+    shards = x.addressable_data
+    width = SMALL_SIDE // len(RANKS)
+    if op == "reshard":
+        return lambda: [torch.cat([s[:, j * width : (j + 1) * width] for s in shards]) for j in range(len(RANKS))]
+    if op == "gather":
+        return lambda: torch.cat(shards)
+    return lambda: [torch.neg(s) for s in shards]
+
+
+def _fshard(op: str, x: fshard.ShardedArray) -> Callable[[], Any]:
+    if op == "reshard":
+        columns = fshard.Chunk(1, RANKS)
+        return lambda: fshard.reshard(x, columns)
+    if op == "gather":
+        return lambda: fshard.gather(x)
+    return lambda: fshard.map_local(torch.neg, x)
+
+
+def _tensors(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, fshard.ShardedArray):
+        return list(result.addressable_data)
+    return [result] if isinstance(result, torch.Tensor) else list(result)
+
+
+def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallCase:
+    """``op`` (reshard, gather or map_local) of a 64x64 float32 on 4 ranks against the same
+    result by hand; each sample times a batch of calls and reports the time per call."""
+
+    op: str
+    group: str = SMALL_GROUP
+
+    @property
+    def name(self) -> str:
+        what = {"reshard": "reshard dim 0 -> dim 1", "gather": "gather to all", "map_local": "map_local(torch.neg)"}
+        return f"{what[self.op]}, {SMALL_SIDE}x{SMALL_SIDE} float32, 4 ranks"
+
+    def run(self, settings: Settings) -> list[Row]:
+        x = fshard.shard(torch.rand(SMALL_SIDE, SMALL_SIDE), fshard.Chunk(0, RANKS))
+        hand, ours = _by_hand(self.op, x), _fshard(self.op, x)
+        same = all(torch.equal(a, b) for a, b in zip(_tensors(hand()), _tensors(ours()), strict=True))
+        calls = 20 if settings.quick else 200
+        samples = interleaved({"by hand": _repeated(hand, calls), "fshard": _repeated(ours, calls)}, settings)
+        hand_s, ours_s = ([t / calls for t in samples[k]] for k in ("by hand", "fshard"))
+        base, seconds = median(hand_s), median(ours_s)
+        headline = self.op == "reshard"
+        note = f"{(seconds - base) * 1e6:.1f} µs per call above by hand"
+        ours_row = Row(
+            self.group,
+            self.name,
+            "fshard",
+            seconds,
+            len(ours_s),
+            ratio=seconds / base,
+            ratio_to="x by hand",
+            target="<= 1.5x by hand" if headline else "",
+            ok=seconds / base <= 1.5 if headline else None,
+            note=note,
+            samples=tuple(ours_s),
+            verified=same,
+        )
+        hand_row = Row(self.group, self.name, "by hand", base, len(hand_s), samples=tuple(hand_s))
+        return [hand_row, ours_row]
+
+
 def cases(settings: Settings) -> list[Any]:
-    """``settings.sizes`` MiB (default 16 and 256; 4 and 64 with ``quick``) for each layout pair."""
+    """``settings.sizes`` MiB (default 16 and 256; 4 and 64 with ``quick``) for each layout pair,
+    and the small-array cases."""
     sizes = settings.sizes or ((4, 64) if settings.quick else (16, 256))
-    return [ReshardCase(pair, mib) for mib in sizes for pair in SPECS]
+    small = [SmallCase(op) for op in ("reshard", "gather", "map_local")]
+    return [ReshardCase(pair, mib) for mib in sizes for pair in SPECS] + small

@@ -29,10 +29,13 @@ __all__ = ["CASE_MODULES", "collect", "main", "parse", "run_cases"]
 CASE_MODULES = ("benchmarks.planner", "benchmarks.local", "benchmarks.autograd", "benchmarks.dist")
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The command line of ``python -m fshard bench``."""
+def parse(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
+    """The command line of ``fshard bench`` (``prog``: by default as started, ``python -m fshard bench``
+    or ``fshard bench``)."""
+    from fshard.__main__ import program
+
     description = "Runs every benchmark case; prints the tables; writes JSON, the tables as text and a plot."
-    parser = argparse.ArgumentParser(prog="python -m fshard bench", description=description)
+    parser = argparse.ArgumentParser(prog=prog or f"{program()} bench", description=description)
     add = parser.add_argument
     add("--quick", action="store_true", help="smaller sizes (torch_dist: 1 MiB, 5 rounds): a check that all runs")
     add("--reps", type=int, default=15, help="repetitions per measurement, median reported (15)")

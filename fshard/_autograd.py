@@ -14,6 +14,9 @@ and the backward of each function are themselves movements, so gradients of any
 order work, and each function also has a forward-mode rule (``jvp``) and a batching
 rule (``vmap``: the batch becomes a leading dim that no shard splits), which is what
 ``torch.func`` transforms need. docs/autograd.md states the semantics op by op.
+Where nothing can observe a derivative (no input requires grad or grad mode is
+off, no forward-mode level, no ``torch.func`` transform), a movement runs its
+forward alone: the same tensors, without the autograd Function's per-call cost.
 
 Each movement also takes and returns a 0-element "link" tensor. On a process that
 holds no shard of an array (torch_dist), the link is the array's one pytree leaf and
@@ -28,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from fshard import _varying
 from fshard._errors import SpecError
@@ -104,6 +108,27 @@ def _link_grad(ctx: Any, k: int, carrier: torch.Tensor) -> torch.Tensor | None:
     if not ctx.needs_input_grad[k] or ctx.like_shape.numel():
         return None
     return carrier.reshape(ctx.like_shape)
+
+
+def _observed(args: Sequence[Any]) -> bool:
+    """Whether a derivative or a ``torch.func`` transform can see a movement of ``args``.
+
+    A gradient (grad mode on and an input that requires grad), a forward-mode level
+    or an active transform needs the autograd Function; otherwise its forward alone
+    gives the same tensors without the Function's per-call cost.
+    """
+    if torch.is_grad_enabled():
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                return True
+    return torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0
+
+
+def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``, or ``fn.forward(*args)`` where nothing can observe the difference."""
+    if _observed(args):
+        return fn.apply(*args)
+    return fn.forward(*args)
 
 
 def _holds_result(backend: Any, dst: int | None) -> bool:
@@ -227,7 +252,7 @@ def move(
     The link is a 0-element tensor that carries the autograd history on a process
     that holds no shard of ``dst`` (see ``ShardedArray``); ``like`` is the source's.
     """
-    *out, link = _Move.apply(src, dst, backend, like, *tensors)
+    *out, link = _run(_Move, src, dst, backend, like, *tensors)
     return tuple(out), link
 
 
@@ -235,7 +260,7 @@ def scatter(
     full: torch.Tensor, layout: Layout, backend: Any, src: int | None
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """The addressable shards of ``layout`` sliced from ``full`` (differentiable), and the link."""
-    *out, link = _Scatter.apply(layout, backend, src, full)
+    *out, link = _run(_Scatter, layout, backend, src, full)
     return tuple(out), link
 
 
@@ -252,7 +277,7 @@ def assemble(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (like, *tensors))
     if dst is None and backend.rank is not None and needs_grad:
         parts = _varying.Parts()
-    out = _Assemble.apply(layout, backend, dst, parts, like, *tensors)
+    out = _run(_Assemble, layout, backend, dst, parts, like, *tensors)
     if parts is not None:
         _varying.register(out, parts)
     return out if _holds_result(backend, dst) else None
@@ -317,5 +342,5 @@ def regroup(
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """``tensors`` unchanged, with a backward that sums (``"sum"``) or shares (``"share"``) the
     gradients of each box's copies; and the link."""
-    *out, link = _Regroup.apply(layout, backend, mode, like, *tensors)
+    *out, link = _run(_Regroup, layout, backend, mode, like, *tensors)
     return tuple(out), link

@@ -261,6 +261,61 @@ def test_requires_grad_carries_over() -> None:
         assert not fshard.gather(y).requires_grad
 
 
+def _moved(x: torch.Tensor) -> tuple[fshard.ShardedArray, fshard.ShardedArray, torch.Tensor]:
+    a = fshard.shard(x, fshard.Chunk(0, [0, 1]))
+    b = fshard.reshard(a, fshard.Named(fshard.Mesh((2, 2)), (None, "x")))
+    return a, b, fshard.gather(b)
+
+
+def test_movements_that_no_derivative_sees_record_nothing() -> None:
+    """Without a gradient to record, a movement runs its forward alone: no autograd node."""
+    for x, context in ((torch.randn(6, 4), torch.enable_grad), (torch.randn(6, 4, requires_grad=True), torch.no_grad)):
+        with context():
+            a, b, full = _moved(x)
+        assert all(t.grad_fn is None and not t.requires_grad for t in (*a.addressable_data, *b.addressable_data, full))
+        assert torch.equal(full, x)
+
+
+def test_movements_that_need_a_gradient_record_their_function() -> None:
+    x = torch.randn(6, 4, requires_grad=True)
+    a, b, full = _moved(x)
+    assert {type(t.grad_fn).__name__ for t in a.addressable_data} == {"_ScatterBackward"}
+    assert {type(t.grad_fn).__name__ for t in b.addressable_data} == {"_MoveBackward"}
+    assert type(full.grad_fn).__name__ == "_AssembleBackward"
+    (full * full).sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_forward_mode_ad_through_movements() -> None:
+    import torch.autograd.forward_ad as fwad
+
+    x, t = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    with fwad.dual_level():
+        a = fshard.shard(fwad.make_dual(x, t), fshard.Chunk(0, [0, 1]))
+        y = fshard.gather(fshard.map_local(torch.sin, fshard.reshard(a, fshard.Chunk(1, [1, 0, 2]))))
+        primal, tangent = fwad.unpack_dual(y)
+    torch.testing.assert_close(primal, torch.sin(x))
+    torch.testing.assert_close(tangent, torch.cos(x) * t)
+    with fwad.dual_level(), pytest.raises(fshard.SpecError, match="forward derivative of a pending max"):
+        fshard.shard(fwad.make_dual(x, t), fshard.Partial(fshard.Replicated([0, 1]), "max"))
+
+
+def test_tensors_left_over_from_a_transform_move_as_plain_tensors() -> None:
+    """A tensor kept from inside ``torch.func.grad`` (a dead wrapper) moves like its value."""
+    kept: list[torch.Tensor] = []
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        kept.extend((t, t.detach()))
+        return t.sum()
+
+    x = torch.arange(8.0).reshape(4, 2)
+    torch.func.grad(f)(x)
+    for t in kept:
+        _, b, full = _moved(t)
+        assert torch.equal(full, x)
+        assert not any(torch._C._functorch.is_functorch_wrapped_tensor(s) for s in (*b.addressable_data, full))
+
+
 def test_detach_is_map_local() -> None:
     x = torch.randn(6, 4, requires_grad=True)
     y = fshard.shard(x, fshard.Chunk(1, [0, 1, 2]))

@@ -1,14 +1,19 @@
-"""The local backend's counters: the elements a multi-process run would send, for every movement."""
+"""The local backend: the elements a multi-process run would send, for every movement; how it
+builds new shards (views, ``torch.cat``, copies); and rank arguments checked as ``torch_dist``
+checks them."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 import fshard
-from fshard.backends.local import LOCAL
+from fshard.backends import local
+from fshard.backends.local import LOCAL, LocalBackend, recipe
 
 X = torch.arange(16.0).reshape(8, 2)
 ROWS = fshard.Chunk(0, [0, 1, 2, 3])
@@ -51,3 +56,162 @@ def test_reshard_counts_the_plans_elements() -> None:
     a = fshard.shard(X, ROWS)
     target = fshard.Chunk(1, [0, 1])
     assert sent(lambda: fshard.reshard(a, target)) == fshard.plan(a.layout, target.layout(X.shape)).elements_sent == 12
+
+
+# -- new shards: views of the sources, joined by torch.cat or copied box by box --------------
+
+GRID = fshard.Named(fshard.Mesh((2, 2)), ("x", "y"))
+FINER = fshard.Explicit([((r, c), (2, 1), r // 2 + c) for r in range(0, 8, 2) for c in range(2)])
+PAIRS = {
+    "rows-columns": (ROWS, fshard.Chunk(1, [0, 1])),
+    "grid-rows": (GRID, ROWS),
+    "rows-finer": (ROWS, FINER),  # every destination box lies inside one source shard
+    "grid-finer": (GRID, FINER),
+    "replicated-rows": (fshard.Replicated([0, 1, 2]), ROWS),
+    "rows-replicated": (ROWS, fshard.Replicated([0, 1, 2])),
+    "same-boxes-other-ranks": (ROWS, fshard.Chunk(0, [3, 2, 1, 0])),
+    "uneven-with-empty": (fshard.Chunk(0, [0, 1, 2, 0, 1, 2, 3, 3, 3]), fshard.Chunk(1, [2, 0, 1])),
+}
+
+
+def _storages(tensors: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+
+@pytest.fixture(params=["fewest-calls", "box-by-box"])
+def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Small arrays as they run (through the whole array where that takes fewer calls), or
+    as large ones do (each destination built from its boxes)."""
+    if request.param == "box-by-box":
+        monkeypatch.setattr(local, "_SMALL_NUMEL", -1)
+    local._copying.cache_clear()
+    yield request.param
+    local._copying.cache_clear()
+
+
+@pytest.mark.parametrize("pair", PAIRS.values(), ids=PAIRS.keys())
+def test_reshard_builds_new_contiguous_shards(pair: tuple[Any, Any], route: str) -> None:
+    a = fshard.shard(X, pair[0])
+    b = fshard.reshard(a, pair[1])
+    assert torch.equal(fshard.gather(b), X)
+    for s in b.addressable_shards:
+        assert s.data.is_contiguous()
+        assert torch.equal(s.data, X[tuple(slice(o, o + n) for o, n in zip(s.meta.offsets, s.meta.sizes))])
+    assert not _storages(a.addressable_data) & _storages(b.addressable_data)  # nothing aliases the input
+
+
+@pytest.mark.parametrize("pair", PAIRS.values(), ids=PAIRS.keys())
+def test_shard_and_gather_copy_out_of_their_input(pair: tuple[Any, Any]) -> None:
+    a = fshard.shard(X, pair[0])
+    full = fshard.gather(a)
+    assert torch.equal(full, X)
+    assert full.is_contiguous()
+    assert not _storages([X, full]) & _storages(a.addressable_data)
+    assert full.untyped_storage().data_ptr() != X.untyped_storage().data_ptr()
+
+
+def test_non_contiguous_source_shards(route: str) -> None:
+    layout = ROWS.layout((8, 6))
+    x = torch.arange(48.0).reshape(8, 6)
+    shards = [fshard.Shard(m, x[m.offsets[0] : m.offsets[0] + 2].t().contiguous().t()) for m in layout.shards]
+    a = fshard.from_local_shards_and_layout(shards, layout)
+    assert not a.addressable_data[0].is_contiguous()
+    for spec in (fshard.Chunk(1, [0, 1, 2]), GRID, fshard.Replicated([1])):
+        b = fshard.reshard(a, spec)
+        assert torch.equal(fshard.gather(b), x)
+        assert all(t.is_contiguous() for t in b.addressable_data)
+
+
+def test_large_shards_reuse_pooled_memory() -> None:
+    x = torch.rand(1024, 1024)  # 1 MiB per destination shard: the pool's outputs
+    b = fshard.reshard(fshard.shard(x, ROWS), fshard.Chunk(1, [0, 1, 2, 3]))
+    assert torch.equal(fshard.gather(b), x)
+    assert all(t.is_contiguous() for t in b.addressable_data)
+
+
+def test_a_scalar_array(route: str) -> None:
+    a = fshard.shard(torch.tensor(3.5), fshard.Replicated([0, 1]))
+    b = fshard.reshard(a, fshard.Single(1))
+    assert fshard.gather(b).shape == ()
+    assert fshard.gather(b).item() == 3.5
+
+
+def test_a_recipe_cuts_each_source_once_and_joins_each_output_once() -> None:
+    p = fshard.plan(ROWS.layout((8, 4)), fshard.Chunk(1, [0, 1]).layout((8, 4)))
+    pieces = [(t.src_shard, ((t.box[0][0] - 2 * t.src_shard, t.box[0][1]), t.box[1]), t.dst_shard,
+               (t.box[0][0], 0)) for t in p]  # fmt: skip
+    r = recipe([(2, 4)] * 4, [((8, 2), "cpu")] * 2, pieces)
+    assert r.cuts == tuple((i, 1, (2, 2)) for i in range(4))
+    assert r.reads == ()
+    assert [f.dim for f in r.fills] == [0, 0]
+    x = torch.arange(32.0).reshape(8, 4)
+    out = r.run(x.split(2), torch.float32)
+    assert [o.tolist() for o in out] == [x[:, :2].tolist(), x[:, 2:].tolist()]
+    as_double = r.run(x.split(2), torch.float64)  # another dtype: copied box by box, converted
+    assert all(o.dtype == torch.float64 and torch.equal(o, e.double()) for o, e in zip(as_double, out))
+
+
+def test_small_reshards_take_the_route_with_fewer_calls() -> None:
+    def calls(a: Any, b: Any, shape: tuple[int, ...]) -> list[int]:
+        return [r.calls for r in local._copying(fshard.plan(a.layout(shape), b.layout(shape)))]
+
+    columns = fshard.Chunk(1, [0, 1, 2, 3])
+    assert calls(ROWS, columns, (64, 64)) == [1, 5]  # cat the rows, then split and clone the columns
+    assert calls(ROWS, columns, (256, 256)) == [8]  # too large: split each source, cat each destination
+    assert calls(GRID, ROWS, (64, 64)) == [8]  # through the whole array would take 14
+    assert calls(fshard.Partial(ROWS), fshard.Partial(columns), (64, 64)) == [8]  # summands: no whole
+
+
+def test_a_recipe_copies_boxes_that_tile_no_single_dim() -> None:
+    # Four 2x2 blocks into one 4x4 output: no single torch.cat gives it.
+    pieces = [(2 * i + j, ((0, 0), (2, 2)), 0, (2 * i, 2 * j)) for i in range(2) for j in range(2)]
+    r = recipe([(2, 2)] * 4, [((4, 4), "cpu")], pieces)
+    assert r.cuts == ()
+    assert [f.dim for f in r.fills] == [None]
+    x = torch.arange(16.0).reshape(4, 4)
+    blocks = [x[:2, :2], x[:2, 2:], x[2:, :2], x[2:, 2:]]
+    assert torch.equal(r.run(blocks, torch.float32)[0], x)
+
+
+# -- rank arguments: checked as torch_dist checks them -----------------------------------------
+
+
+@pytest.mark.parametrize("dst", [-1, 1.5, "1", float("nan")], ids=["negative", "fraction", "string", "nan"])
+def test_gather_to_no_rank_raises(dst: Any) -> None:
+    a = fshard.shard(X, ROWS)
+    want = f"dst={dst!r}: Global rank {dst!r} does not exist in input process group (the local backend"
+    with pytest.raises(fshard.SpecError, match=re.escape(want)):
+        fshard.gather(a, dst=dst)
+
+
+@pytest.mark.parametrize("src", [-1, 0.5, "0"], ids=["negative", "fraction", "string"])
+def test_shard_from_no_rank_raises(src: Any) -> None:
+    with pytest.raises(fshard.SpecError, match=re.escape(f"src={src!r}: Global rank {src!r} does not exist")):
+        fshard.shard(X, ROWS, src=src)
+
+
+def test_rank_arguments_that_equal_a_rank_pass() -> None:
+    a = fshard.shard(X, ROWS)
+    for dst in (True, 2.0, torch.tensor(3)):  # equal to ranks 1, 2, 3, as torch_dist's `rank in ranks`
+        assert torch.equal(fshard.gather(a, dst=dst), X)
+
+
+def test_a_world_size_bounds_ranks_as_a_process_group_does() -> None:
+    four = LocalBackend(world_size=4)
+    a = fshard.shard(X, fshard.Chunk(0, [0, 1]), backend=four)
+    assert torch.equal(fshard.gather(a, dst=3), X)  # a rank of the group that holds no shard
+    in_group = "does not exist in input process group (global ranks [0, 1, 2, 3])"
+    with pytest.raises(fshard.SpecError, match=re.escape(f"dst=7: Global rank 7 {in_group}.")):
+        fshard.gather(a, dst=7)
+    with pytest.raises(fshard.SpecError, match=re.escape(f"src=4: Global rank 4 {in_group}.")):
+        fshard.shard(X, ROWS, src=4, backend=four)
+    with pytest.raises(fshard.SpecError, match=re.escape(f"Global rank 5 {in_group}: placements name global ranks")):
+        fshard.shard(X, fshard.Chunk(0, [0, 5]), backend=four)
+    with pytest.raises(fshard.SpecError, match="Global rank 4 does not exist in input process group"):
+        fshard.reshard(a, fshard.Single(4))
+
+
+@pytest.mark.parametrize("world", [-1, 2.0, True, "4"])
+def test_world_size_is_a_non_negative_int(world: Any) -> None:
+    with pytest.raises(fshard.SpecError, match=re.escape(f"LocalBackend(world_size={world!r})")):
+        LocalBackend(world_size=world)
