@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -427,21 +428,23 @@ def _kind(data: Sequence[torch.Tensor]) -> tuple[torch.dtype, bool] | None:
 def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Tensor]:
     """The tensors of this process's shards of ``layout``, in layout order, checked."""
     shards = list(shards) if isinstance(shards, (list, tuple)) else _listed(shards)
-    by_meta: dict[ShardMeta, torch.Tensor] = {}
+    given: dict[ShardMeta, list[torch.Tensor]] = {}
     for s in shards:
         if not isinstance(s, Shard):
             raise TypeError(f"Expected fshard.Shard values, got {type(s).__name__}.")
-        if s.meta in by_meta:
-            raise LayoutError(f"from_local_shards_and_layout() got shard {s.meta} twice; pass each shard once.")
-        by_meta[s.meta] = _check_tensor(s.data, f"The tensor of shard {s.meta}")
+        given.setdefault(s.meta, []).append(_check_tensor(s.data, f"The tensor of shard {s.meta}"))
     index = backend.addressable(layout)
     want = [layout.shards[i] for i in index]
-    missing = [m for m in want if m not in by_meta]
-    extra = [m for m in by_meta if m not in set(want)]
+    counts = collections.Counter(want)
+    twice = [m for m, ts in given.items() if len(ts) > counts[m] > 0]
+    if twice:
+        raise LayoutError(f"from_local_shards_and_layout() got shard {twice[0]} twice; pass each shard once.")
+    missing = [m for m in counts if m not in given]
+    extra = [m for m in given if m not in counts]
     if missing or extra:
         msg = f"Local shards do not match the layout on this process: missing {missing}, unexpected {extra}."
         raise LayoutError(msg)
-    data = [by_meta[m] for m in want]
+    data = [given[m][0] if len(given[m]) == 1 else given[m][k] for m, k in _occurrences(want)]
     for i, t in zip(index, data):
         device = torch.device(layout.shards[i].placement.device)
         if t.device.type != device.type or device.index not in (None, t.device.index):
@@ -453,6 +456,16 @@ def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Ten
     if len({(t.dtype, t.requires_grad) for t in data}) > 1:
         raise LayoutError("Local shards differ in dtype or requires_grad; make them agree.")
     return data
+
+
+def _occurrences(metas: Sequence[ShardMeta]) -> list[tuple[ShardMeta, int]]:
+    """Each meta with how many equal ones come before it (a layout may list an empty box twice)."""
+    seen: collections.Counter[ShardMeta] = collections.Counter()
+    out = []
+    for m in metas:
+        out.append((m, seen[m]))
+        seen[m] += 1
+    return out
 
 
 def _listed(shards: Any) -> list[Any]:
