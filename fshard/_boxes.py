@@ -70,13 +70,17 @@ def row_keys(rows: np.ndarray) -> np.ndarray | None:
     n, m = rows.shape
     if n == 0 or m == 0:
         return np.zeros(n, np.int64)
-    low = rows.min(axis=0)
+    # Column by column: numpy's reductions and matmul over a short inner axis are slow.
+    columns = [rows[:, k].astype(np.int64, copy=False) for k in range(m)]
+    low = [int(c.min()) for c in columns]
     # In Python ints: ``max - min + 1`` overflows int64 for coordinates near 2**63.
-    radix = [top - bottom + 1 for top, bottom in zip(rows.max(axis=0).tolist(), low.tolist())]
+    radix = [int(c.max()) - bottom + 1 for c, bottom in zip(columns, low)]
     if _product(radix) > _INT64_LIMIT:
         return None
-    strides = np.cumprod([1, *radix[:0:-1]], dtype=np.int64)[::-1]
-    return (rows - low) @ strides
+    out = columns[0] - low[0]
+    for c, bottom, r in zip(columns[1:], low[1:], radix[1:]):
+        out = out * r + (c - bottom)
+    return out
 
 
 def _product(values: list[int]) -> int:

@@ -88,7 +88,7 @@ class ShardMeta:
 ShardMetaLike = Union[ShardMeta, tuple[Iterable[int], Iterable[int], PlacementLike]]
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False, init=False)
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class Layout:
     """The global shape and the shards that cover it, validated at construction.
 
@@ -111,35 +111,86 @@ class Layout:
     """
 
     shape: tuple[int, ...]
-    shards: tuple[ShardMeta, ...]
     partial: str | None
     _lo: np.ndarray = dataclasses.field(init=False, repr=False)
     _sz: np.ndarray = dataclasses.field(init=False, repr=False)
     _rank: np.ndarray = dataclasses.field(init=False, repr=False)
     _devices: tuple[str, ...] = dataclasses.field(init=False, repr=False)
     _hash: int = dataclasses.field(init=False, repr=False)
+    _metas: tuple[ShardMeta, ...] | None = dataclasses.field(init=False, repr=False)
 
     def __init__(self, shape: Iterable[int], shards: Iterable[ShardMetaLike], partial: str | None = None) -> None:
         shape = check_shape(shape)
         shards = as_metas(shards)
-        if partial is not None and partial not in REDUCE_OPS:
-            msg = f"Layout partial={partial!r} is not a reduction; use None or one of {list(REDUCE_OPS)}."
-            raise LayoutError(msg)
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "shards", shards)
-        object.__setattr__(self, "partial", partial)
+        _check_partial(partial)
         lo, sz, rank, devices = _columns(shape, shards)
-        for arr in (lo, sz, rank):
-            arr.setflags(write=False)
-        object.__setattr__(self, "_lo", lo)
-        object.__setattr__(self, "_sz", sz)
-        object.__setattr__(self, "_rank", rank)
-        object.__setattr__(self, "_devices", devices)
         if len(shards) <= _MEMO_SHARDS:
             _validate_memo(shape, shards)
         else:
             _validate(shape, shards, lo, sz, rank, devices)
+        self._set(shape, partial, lo, sz, rank, devices, shards)
+
+    def _set(
+        self,
+        shape: tuple[int, ...],
+        partial: str | None,
+        lo: np.ndarray,
+        sz: np.ndarray,
+        rank: np.ndarray,
+        devices: tuple[str, ...],
+        metas: tuple[ShardMeta, ...] | None,
+    ) -> None:
+        for arr in (lo, sz, rank):
+            arr.setflags(write=False)
+        for name, value in (("shape", shape), ("partial", partial), ("_lo", lo), ("_sz", sz), ("_rank", rank),
+                            ("_devices", devices), ("_metas", metas)):  # fmt: skip
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "_hash", hash((shape, lo.tobytes(), sz.tobytes(), rank.tobytes(), devices, partial)))
+
+    @classmethod
+    def from_arrays(
+        cls,
+        shape: Iterable[int],
+        offsets: Any,
+        sizes: Any,
+        ranks: Any,
+        devices: str | Sequence[str] = "cpu",
+        partial: str | None = None,
+    ) -> Layout:
+        """A layout from columns: ``offsets`` and ``sizes`` of shape (n, ndim), ``ranks`` of shape (n,).
+
+        Validated like the constructor, with numpy only: no ``ShardMeta`` is made until
+        ``shards`` is read, so a layout of 100,000 shards builds in milliseconds.
+        ``devices`` is one device for every shard or one per shard. The result equals
+        (and hashes, pickles and serialises like) ``Layout(shape, shards, partial)``.
+
+        >>> import numpy as np
+        >>> lay = Layout.from_arrays((4, 6), [[0, 0], [2, 0]], [[2, 6], [2, 6]], [0, 1])
+        >>> lay == Layout((4, 6), [ShardMeta((0, 0), (2, 6), 0), ShardMeta((2, 0), (2, 6), 1)])
+        True
+        >>> lay.shards[1]
+        ShardMeta(offsets=(2, 0), sizes=(2, 6), placement=Placement(rank=1, device='cpu'))
+
+        Raises:
+            LayoutError: for columns of the wrong shape or values, or shards that do not tile ``shape``.
+        """
+        shape = check_shape(shape)
+        _check_partial(partial)
+        lo, sz, rank = _int_columns(shape, offsets, sizes, ranks)
+        devs = _device_column(devices, len(rank))
+        _validate(shape, _LazyShards(lo, sz, rank, devs), lo, sz, rank, devs)
+        out = object.__new__(cls)
+        out._set(shape, partial, lo, sz, rank, devs, None)
+        return out
+
+    @property
+    def shards(self) -> tuple[ShardMeta, ...]:
+        """The shards as ``ShardMeta`` values, in layout order (built on first use for ``from_arrays`` layouts)."""
+        metas = self._metas
+        if metas is None:
+            metas = tuple(_LazyShards(self._lo, self._sz, self._rank, self._devices))
+            object.__setattr__(self, "_metas", metas)
+        return metas
 
     # Value semantics: compare by content, hash once, rebuild (and revalidate) on unpickle.
     def __eq__(self, other: object) -> bool:
@@ -151,7 +202,7 @@ class Layout:
         return (
             self._hash == other._hash
             and self.shape == other.shape
-            and len(self.shards) == len(other.shards)
+            and len(self._rank) == len(other._rank)
             and all(a.tobytes() == b.tobytes() for a, b in ((self._lo, other._lo), (self._sz, other._sz)))
             and self._rank.tobytes() == other._rank.tobytes()
             and self._devices == other._devices
@@ -162,12 +213,17 @@ class Layout:
         return self._hash
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Layout, (self.shape, self.shards, self.partial))
+        devices = self._devices[0] if len(set(self._devices)) == 1 else self._devices
+        return (_from_columns, (self.shape, self._lo, self._sz, self._rank, devices, self.partial))
 
     def __repr__(self) -> str:
-        """``Layout(shape=..., shards=[(offsets, sizes, placement), ...])``, which rebuilds it; large ones summarised."""
-        from fshard._repr import layout_repr
+        """``Layout(shape=..., shards=[(offsets, sizes, placement), ...])``, which rebuilds it; large ones
+        summarised (without making their ``ShardMeta`` values)."""
+        from fshard._repr import MAX_SHARDS, _span, layout_repr
 
+        if len(self._rank) > MAX_SHARDS:  # without making the shards
+            pending = f", partial={self.partial!r}" if self.partial else ""
+            return f"Layout(shape={self.shape}, {len(self._rank)} shards on ranks {_span(self.ranks)}{pending})"
         return layout_repr(self)
 
     @property
@@ -203,7 +259,8 @@ class Layout:
         out: dict[str, Any] = {
             "shape": list(self.shape),
             "shards": [
-                {"offsets": list(s.offsets), "sizes": list(s.sizes), "placement": str(s.placement)} for s in self.shards
+                {"offsets": lo, "sizes": sz, "placement": f"rank:{r}/{dev}"}
+                for lo, sz, r, dev in zip(self._lo.tolist(), self._sz.tolist(), self._rank.tolist(), self._devices)
             ],
         }
         if self.partial is not None:
@@ -326,6 +383,106 @@ def _columns(
     return lo, sz, rank, tuple(map(_DEVICE, placements))
 
 
+def _check_partial(partial: str | None) -> None:
+    if partial is not None and partial not in REDUCE_OPS:
+        msg = f"Layout partial={partial!r} is not a reduction; use None or one of {list(REDUCE_OPS)}."
+        raise LayoutError(msg)
+
+
+def _int_columns(shape: tuple[int, ...], offsets: Any, sizes: Any, ranks: Any) -> tuple[np.ndarray, ...]:
+    """``offsets``, ``sizes`` (n x ndim) and ``ranks`` (n) as fresh int64 arrays, or raises ``LayoutError``."""
+    d = len(shape)
+    rank = _int_array(ranks, "ranks")
+    if rank.ndim != 1:
+        raise LayoutError(f"Layout.from_arrays ranks must be 1-D (one rank per shard), got shape {rank.shape}.")
+    n = len(rank)
+    out = [rank]
+    for name, value in (("offsets", offsets), ("sizes", sizes)):
+        arr = _int_array(value, name)
+        if arr.size == 0 and n == 0:
+            arr = arr.reshape(0, d)
+        elif arr.ndim == 1 and d == 1:
+            arr = arr.reshape(-1, 1)
+        if arr.shape != (n, d):
+            msg = (
+                f"Layout.from_arrays {name} must have shape (shards, ndim) = ({n}, {d}) for {n} ranks "
+                f"and shape {shape}, got {arr.shape}."
+            )
+            raise LayoutError(msg)
+        out.append(arr)
+    for name, arr in (("offsets", out[1]), ("sizes", out[2]), ("ranks", rank)):
+        if arr.size and int(arr.min()) < 0:
+            i = int(np.flatnonzero(_boxes.rows_any(arr.reshape(n, -1) < 0))[0])
+            raise LayoutError(f"Layout.from_arrays {name} of shard {i} must be non-negative, got {arr[i].tolist()}.")
+    return out[1], out[2], rank
+
+
+def _int_array(value: Any, name: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise LayoutError(f"Layout.from_arrays {name} must hold ints, got dtype {arr.dtype}.")
+    if arr.dtype.kind == "u" and int(arr.max()) > MAX_EXTENT:
+        raise LayoutError(f"Layout.from_arrays {name} holds {int(arr.max())}, past 2**63 - 1 (int64).")
+    return np.array(arr, dtype=np.int64, order="C")
+
+
+def _device_column(devices: str | Sequence[str], n: int) -> tuple[str, ...]:
+    """One normalised device string per shard (as ``Placement`` spells it)."""
+    names = [devices] if isinstance(devices, str) else list(devices)
+    if not isinstance(devices, str) and len(names) != n:
+        raise LayoutError(
+            f"Layout.from_arrays devices must be one str or {n} of them (one per shard), got {len(names)}."
+        )
+    spelled = {name: Placement(0, name).device for name in set(names)}
+    if isinstance(devices, str):
+        return (spelled[devices],) * n
+    return tuple(map(spelled.__getitem__, names))
+
+
+class _LazyShards(Sequence[ShardMeta]):
+    """The shards of validated columns, each ``ShardMeta`` made when indexed."""
+
+    def __init__(self, lo: np.ndarray, sz: np.ndarray, rank: np.ndarray, devices: tuple[str, ...]) -> None:
+        self._cols = (lo, sz, rank, devices)
+
+    def __len__(self) -> int:
+        return len(self._cols[2])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        lo, sz, rank, devices = self._cols
+        return _checked(ShardMeta, offsets=tuple(lo[i].tolist()), sizes=tuple(sz[i].tolist()),
+                        placement=_checked(Placement, rank=int(rank[i]), device=devices[i]))  # fmt: skip
+
+    def __iter__(self) -> Any:
+        lo, sz, rank, devices = self._cols
+        for o, z, r, dev in zip(map(tuple, lo.tolist()), map(tuple, sz.tolist()), rank.tolist(), devices):
+            yield _checked(ShardMeta, offsets=o, sizes=z, placement=_checked(Placement, rank=r, device=dev))
+
+
+def _checked(cls: type, **values: Any) -> Any:
+    """An instance of a frozen value class from values already validated (its checks skipped)."""
+    out = object.__new__(cls)
+    for name, value in values.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
+def _from_columns(
+    shape: tuple[int, ...],
+    lo: np.ndarray,
+    sz: np.ndarray,
+    rank: np.ndarray,
+    devices: str | Sequence[str],
+    partial: str | None,
+) -> Layout:
+    """Unpickles a layout (validated again)."""
+    return Layout.from_arrays(shape, lo, sz, rank, devices, partial)
+
+
 def _check_ndims(shape: tuple[int, ...], shards: tuple[ShardMeta, ...], ndims: np.ndarray) -> None:
     d = len(shape)
     bad = np.flatnonzero(ndims != d)
@@ -350,7 +507,7 @@ def _validate_memo(shape: tuple[int, ...], shards: tuple[ShardMeta, ...]) -> Non
 
 def _validate(
     shape: tuple[int, ...],
-    shards: tuple[ShardMeta, ...],
+    shards: Sequence[ShardMeta],
     lo: np.ndarray,
     sz: np.ndarray,
     rank: np.ndarray,
@@ -395,7 +552,7 @@ def _check_bounds(shape, shards, lo, sz, bounds, nonempty) -> None:
 
 
 def _distinct_boxes(
-    shards: tuple[ShardMeta, ...], lo: np.ndarray, sz: np.ndarray, owner: np.ndarray, nonempty: np.ndarray
+    shards: Sequence[ShardMeta], lo: np.ndarray, sz: np.ndarray, owner: np.ndarray, nonempty: np.ndarray
 ) -> np.ndarray:
     """Index of the first shard of each distinct non-empty box; raises if two non-empty shards are equal.
 
@@ -430,7 +587,7 @@ def _codes(devices: tuple[str, ...]) -> np.ndarray:
     return np.fromiter(map(index.__getitem__, devices), np.int64, count=len(devices))
 
 
-def _check_no_duplicates(shards: tuple[ShardMeta, ...], rows: np.ndarray) -> None:
+def _check_no_duplicates(shards: Sequence[ShardMeta], rows: np.ndarray) -> None:
     """Raises if two shards are equal (same box and placement); ``rows`` encodes each shard."""
     first, inverse = _boxes.unique_rows(rows)
     if len(first) == len(shards):
