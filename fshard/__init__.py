@@ -45,6 +45,7 @@ from fshard._placement import Placement as Placement
 from fshard._plan import Plan as Plan
 from fshard._plan import Transfer as Transfer
 from fshard._plan import plan as plan
+from fshard._schedule import RankSchedule as RankSchedule
 from fshard._shard_map import shard_map as shard_map
 from fshard._specs import Chunk as Chunk
 from fshard._specs import Explicit as Explicit
@@ -71,6 +72,7 @@ __all__ = [
     "Partial",
     "Placement",
     "Plan",
+    "RankSchedule",
     "Replicated",
     "Shard",
     "ShardMeta",

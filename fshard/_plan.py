@@ -8,11 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from fshard import _boxes
+from fshard import _boxes, _schedule
 from fshard._errors import SpecError
 from fshard._layout import Layout
+from fshard._schedule import RankSchedule
 
-__all__ = ["Box", "Plan", "Transfer", "chain", "plan"]
+__all__ = ["Box", "Plan", "Transfer", "chain", "min_elements", "plan"]
+
+_groups = _schedule.groups  # distinct boxes of a layout, in the numbering plans use
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -52,7 +55,6 @@ class Transfer:
         return int(np.prod(self.box[1], dtype=np.int64))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """Every transfer that turns data in layout ``src`` into data in layout ``dst``.
 
@@ -60,6 +62,11 @@ class Plan:
     box ``[lo, lo + size)``. A destination element is written exactly once per
     destination shard; an element crosses between ranks only when the receiving
     rank holds no copy of it, and then once, so ``elements_sent == min_elements_sent``.
+
+    A plan from ``fshard.plan`` is lazy: the rows (``src_shard``, ``dst_shard``, ``lo``,
+    ``size``, and what reads them: ``len``, iteration, ``transfers``, ``elements_sent``,
+    ``traffic()``) are computed on first use. ``min_elements_sent`` has a closed form,
+    and ``for_rank(r)`` computes one rank's share from the layouts alone.
 
     Between layouts with pending reductions (``Layout.partial``) a plan has ``op``
     set (a reduce phase: transfers into one box are combined) or is a chain of
@@ -75,18 +82,73 @@ class Plan:
 
     src: Layout
     dst: Layout
-    src_shard: np.ndarray = dataclasses.field(repr=False)
-    dst_shard: np.ndarray = dataclasses.field(repr=False)
-    lo: np.ndarray = dataclasses.field(repr=False)
-    size: np.ndarray = dataclasses.field(repr=False)
-    min_elements_sent: int = 0
-    op: str | None = None
-    steps: tuple[Plan, ...] = ()
+    op: str | None
+    steps: tuple[Plan, ...]
+
+    def __init__(
+        self,
+        src: Layout,
+        dst: Layout,
+        src_shard: np.ndarray | None = None,
+        dst_shard: np.ndarray | None = None,
+        lo: np.ndarray | None = None,
+        size: np.ndarray | None = None,
+        min_elements_sent: int | None = None,
+        op: str | None = None,
+        steps: tuple[Plan, ...] = (),
+    ) -> None:
+        for name, value in (("src", src), ("dst", dst), ("op", op), ("steps", steps)):
+            object.__setattr__(self, name, value)
+        if src_shard is not None:
+            self.__dict__["_rows"] = (src_shard, dst_shard, lo, size)
+        if min_elements_sent is not None:
+            self.__dict__["min_elements_sent"] = int(min_elements_sent)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: a Plan is immutable")
+
+    @functools.cached_property
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return _build(self.src, self.dst)
+
+    @property
+    def src_shard(self) -> np.ndarray:
+        """Source shard index of each transfer (into ``src.shards``)."""
+        return self._rows[0]
+
+    @property
+    def dst_shard(self) -> np.ndarray:
+        """Destination shard index of each transfer (into ``dst.shards``)."""
+        return self._rows[1]
+
+    @property
+    def lo(self) -> np.ndarray:
+        """Low corner of each transfer's box, global coordinates (transfers x ndim)."""
+        return self._rows[2]
+
+    @property
+    def size(self) -> np.ndarray:
+        """Extent of each transfer's box (transfers x ndim)."""
+        return self._rows[3]
+
+    @functools.cached_property
+    def min_elements_sent(self) -> int:
+        """The lower bound: pairs (element, receiving rank) where the rank holds no copy of the element."""
+        return min_elements(self.src, self.dst)
 
     @property
     def phases(self) -> tuple[Plan, ...]:
         """The single-phase plans to run in turn: ``(self,)``, or the two phases of a reduction."""
         return self.steps or (self,)
+
+    def for_rank(self, rank: int) -> RankSchedule:
+        """This rank's sends, receives and local copies (``RankSchedule``), computed from the
+        layouts alone where neither is partial (pure, cached on ``(src, dst, rank)``), else
+        read from this plan's rows."""
+        rank = _schedule.check_rank(rank)
+        if not self.steps and self.op is None and _schedule.is_direct(self.src, self.dst):
+            return _schedule.schedule(self.src, self.dst, rank)
+        return _schedule.from_plan(self, rank)
 
     @property
     def src_rank(self) -> np.ndarray:
@@ -181,8 +243,10 @@ def plan(src: Layout, dst: Layout) -> Plan:
     """The plan that moves data from layout ``src`` to layout ``dst`` (pure, cached).
 
     Local copies are used wherever the receiving rank already holds an element;
-    otherwise the element is sent once per receiving rank, from a replica chosen
-    to balance the senders. Pending reductions (``Layout.partial``) are planned by
+    otherwise the element is sent once per receiving rank, the ranks holding a box
+    taking turns (``fshard._schedule.source_shards``: a rule that one rank applies to
+    its own boxes alone, so ``for_rank`` agrees with the plan). The transfers are
+    computed on first use. Pending reductions (``Layout.partial``) are planned by
     ``fshard._reduce``: reduce-scatter, then copies to the replicas.
 
     Raises:
@@ -196,52 +260,32 @@ def plan(src: Layout, dst: Layout) -> Plan:
         from fshard import _reduce
 
         return _reduce.build(src, dst)  # type: ignore[return-value]
-    return _build(src, dst)
+    return Plan(src, dst)
 
 
-def _groups(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Distinct non-empty boxes: (shard index of each box's first copy, shard indices, box of each)."""
-    idx = np.flatnonzero(_boxes.rows_all(layout._sz > 0))
-    first, inverse = _boxes.unique_rows(np.c_[layout._lo[idx], layout._sz[idx]])
-    return idx[first], idx, inverse
-
-
-def _build(src: Layout, dst: Layout) -> Plan:
-    s_first, s_idx, s_box = _groups(src)
-    d_first, d_idx, d_box = _groups(dst)
-    slo, shi = src._lo[s_first], src._lo[s_first] + src._sz[s_first]
-    dlo, dhi = dst._lo[d_first], dst._lo[d_first] + dst._sz[d_first]
-    pu, pv = _boxes.intersect_pairs(slo, shi, dlo, dhi)  # (src box u, dst box v) that share elements
-    ilo = np.maximum(slo[pu], dlo[pv])
-    isz = np.minimum(shi[pu], dhi[pv]) - ilo
-    pair, dst_shard = _to_replicas(pv, d_idx, d_box, len(d_first))
-    u, lo, size = pu[pair], ilo[pair], isz[pair]
-    src_shard = _choose_sources(src, dst, _Replicas(s_idx, s_box, len(s_first)), u, dst_shard, size)
-    numel = _boxes.rows_prod(size)
-    minimum = _min_elements(src, dst, u, pair, dst_shard, numel, s_idx, s_box)
+def _build(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of ``plan(src, dst)`` (neither partial): every piece of a source box in a
+    destination shard, from the source that ``_schedule.source_shards`` picks."""
+    si, di = _schedule.index(src), _schedule.index(dst)
+    pu, pv = _boxes.intersect_pairs(si.lo, si.hi, di.lo, di.hi)  # (src box u, dst box v) that share elements
+    ilo = np.maximum(si.lo[pu], di.lo[pv])
+    isz = np.minimum(si.hi[pu], di.hi[pv]) - ilo
+    pair, k = _schedule.expand(di.copy_count[pv])  # every copy of each destination box
+    dst_shard = di.copies[di.copy_start[pv][pair] + k]
+    u, v, lo, size = pu[pair], pv[pair], ilo[pair], isz[pair]
+    src_shard = _schedule.source_shards(src, dst, u, v, dst_shard)
     order = _transfer_order(src, dst, src_shard, dst_shard)
-    arrays = [src_shard[order], dst_shard[order], lo[order], size[order]]
+    arrays = (src_shard[order], dst_shard[order], lo[order], size[order])
     for a in arrays:
         a.setflags(write=False)
-    return Plan(src, dst, *arrays, min_elements_sent=minimum)
-
-
-def _to_replicas(pv: np.ndarray, d_idx: np.ndarray, d_box: np.ndarray, n_boxes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Expands each pair to every destination shard holding its box: (pair of each row, dst shard)."""
-    d_order = np.argsort(d_box, kind="stable")
-    count = np.bincount(d_box, minlength=n_boxes)
-    start = np.cumsum(count) - count
-    rep = count[pv]
-    pair = np.repeat(np.arange(len(pv)), rep)
-    within = np.arange(pair.size) - np.repeat(np.cumsum(rep) - rep, rep)
-    return pair, d_idx[d_order[start[pv][pair] + within]]
+    return arrays
 
 
 def _transfer_order(src: Layout, dst: Layout, src_shard: np.ndarray, dst_shard: np.ndarray) -> np.ndarray:
     """Rows sorted by (source rank, destination rank, source shard, destination shard)."""
     s_rank, d_rank, width = _rank_codes(src, dst)
     ranks = s_rank[src_shard] * width + d_rank[dst_shard]
-    shards = src_shard * max(len(dst.shards), 1) + dst_shard
+    shards = src_shard * max(len(dst._rank), 1) + dst_shard
     return np.lexsort((shards, ranks))
 
 
@@ -254,100 +298,24 @@ def _rank_codes(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray, int]:
     return inverse[: len(src._rank)], inverse[len(src._rank) :], len(ranks)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Replicas:
-    """The source shards of each distinct source box, lowest shard index first."""
+def min_elements(src: Layout, dst: Layout) -> int:
+    """Pairs (element, receiving rank) where the rank holds no copy of the element in ``src``.
 
-    shard: np.ndarray  # shard indices of non-empty source shards, ascending
-    box: np.ndarray  # distinct box of each
-    n_boxes: int
-
-    @functools.cached_property
-    def by_box(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(shards sorted by box, start of each box's run, run length)."""
-        order = np.argsort(self.box, kind="stable")
-        count = np.bincount(self.box, minlength=self.n_boxes)
-        return self.shard[order], np.cumsum(count) - count, count
-
-
-def _choose_sources(
-    src: Layout, dst: Layout, reps: _Replicas, u: np.ndarray, dst_shard: np.ndarray, size: np.ndarray
-) -> np.ndarray:
-    """Picks the source shard of each row: a copy on the receiving rank (same device first),
-    else the replica whose rank has sent the least so far."""
-    shards, start, count = reps.by_box
-    out = shards[start[u]]
-    rows = np.flatnonzero(count[u] > 1)
-    if not rows.size:
-        return out
-    local = _local_replica(src, dst, reps, u[rows], dst_shard[rows])
-    out[rows] = local
-    remote = rows[local < 0]
-    if remote.size:
-        out[remote] = _balance(src, dst, reps, u[remote], dst_shard[remote], size[remote])
-    return out
+    In closed form, without the plan's rows: every (destination box, rank) needs its
+    elements, less those that the rank already holds, which are the overlaps of its
+    own source and destination boxes (found with the rank as one more coordinate).
+    """
+    si, di = _schedule.index(src), _schedule.index(dst)
+    need = int((_boxes.rows_prod(di.hi - di.lo)[di.held // max(len(di.ranks), 1)]).sum())
+    ranks = np.union1d(si.ranks, di.ranks)
+    a = _with_rank(si, np.searchsorted(ranks, si.holder))
+    b = _with_rank(di, np.searchsorted(ranks, di.holder))
+    pa, pb = _boxes.intersect_pairs(*a, *b)
+    overlap = np.minimum(a[1][pa], b[1][pb]) - np.maximum(a[0][pa], b[0][pb])
+    return need - int(_boxes.rows_prod(overlap[:, :-1]).sum())
 
 
-def _local_replica(src: Layout, dst: Layout, reps: _Replicas, u: np.ndarray, dst_shard: np.ndarray) -> np.ndarray:
-    """Per row, the replica of box ``u`` on the receiving rank (same device first), or -1."""
-    s_rank, d_rank, width = _rank_codes(src, dst)
-    names = {name: k for k, name in enumerate(sorted(set(src._devices) | set(dst._devices)))}
-    s_dev = np.array([names[src._devices[i]] for i in reps.shard.tolist()], np.int64).reshape(-1)
-    d_dev = np.array([names[dst._devices[j]] for j in dst_shard.tolist()], np.int64).reshape(-1)
-    held = reps.box * width + s_rank[reps.shard]  # (box, rank) of every replica
-    want = u * width + d_rank[dst_shard]
-    # A placement holds a box at most once, so (box, rank, device) finds at most one shard.
-    exact = _lookup(held * len(names) + s_dev, want * len(names) + d_dev, reps.shard)
-    anywhere = _lookup(held, want, reps.shard)  # lowest shard index on that rank
-    return np.where(exact >= 0, exact, anywhere)
-
-
-def _lookup(keys: np.ndarray, queries: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``values`` at the first position (in a stable sort) of each query among ``keys``, or -1."""
-    order = np.argsort(keys, kind="stable")
-    srt = keys[order]
-    pos = np.minimum(np.searchsorted(srt, queries), len(srt) - 1)
-    return np.where(srt[pos] == queries, values[order[pos]], -1)
-
-
-def _balance(
-    src: Layout, dst: Layout, reps: _Replicas, u: np.ndarray, dst_shard: np.ndarray, size: np.ndarray
-) -> np.ndarray:
-    """Greedy: each (box, receiving rank, piece size), in row order, from the least-loaded replica."""
-    target = dst._rank[dst_shard]
-    first, inverse = _boxes.unique_rows(np.c_[u, target, size])
-    shards, start, count = reps.by_box
-    s_rank = src._rank.tolist()
-    numel = _boxes.rows_prod(size)
-    load: dict[int, int] = {}
-    chosen = np.empty(len(first), np.int64)
-    for g in np.argsort(first).tolist():
-        row = int(first[g])
-        cands = shards[start[u[row]] : start[u[row]] + count[u[row]]].tolist()
-        best = min(cands, key=lambda c: (load.get(s_rank[c], 0), s_rank[c], c))
-        load[s_rank[best]] = load.get(s_rank[best], 0) + int(numel[row])
-        chosen[g] = best
-    return chosen[inverse]
-
-
-def _min_elements(
-    src: Layout,
-    dst: Layout,
-    u: np.ndarray,
-    pair: np.ndarray,
-    dst_shard: np.ndarray,
-    numel: np.ndarray,
-    s_idx: np.ndarray,
-    s_box: np.ndarray,
-) -> int:
-    """Pairs (element, receiving rank) where the rank holds no copy of the element in ``src``."""
-    if not len(u):
-        return 0
-    s_rank, d_rank, width = _rank_codes(src, dst)
-    rank = d_rank[dst_shard]
-    first, _ = _boxes.unique_rows(np.c_[pair, rank])  # a rank needs each piece once
-    held = np.sort(s_box * width + s_rank[s_idx])
-    want = u[first] * width + rank[first]
-    pos = np.minimum(np.searchsorted(held, want), len(held) - 1)
-    missing = first[held[pos] != want]
-    return int(numel[missing].sum())
+def _with_rank(ix: _schedule.Index, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each held (box, rank) as a box with the rank as its last coordinate."""
+    box = ix.held // max(len(ix.ranks), 1)
+    return np.c_[ix.lo[box], rank], np.c_[ix.hi[box], rank + 1]
