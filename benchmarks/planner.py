@@ -1,6 +1,7 @@
 """Planner scaling: layout validation and planning at 1k to 100k shards, against torch's own checks.
 
-Validation inputs (prebuilt ``ShardMeta`` tuples, so only validation is timed):
+Validation inputs (prebuilt ``ShardMeta`` tuples for ``Layout()``, numpy columns for
+``Layout.from_arrays``, so only validation is timed):
 
 - ``chunk``: n shards of 4 elements along one dim;
 - ``grid``: a k x k grid of 1x1 shards (300 x 300 = 90,000 is the headline case);
@@ -14,6 +15,12 @@ Planning pairs (validate both layouts, then plan; each plan has O(n) transfers):
 chunk -> the same chunks on rotated ranks, grid -> rows, grid -> the same grid on
 other ranks, and grid -> a finer grid with other boundaries. torch has no planner
 for arbitrary layouts (ShardedTensor.reshard handles chunk -> chunk only).
+
+One rank's schedule (``plan(src, dst).for_rank(1)``) on 64 to 16,384 ranks of an
+8192 x 8192 array, for ``Chunk(0) -> Chunk(1)`` (every rank sends to every other) and
+a ``Named`` k x n/k grid -> row blocks: built from the layouts alone with every cache
+cleared first, then the cached re-plan; the global plan (n^2 transfers for the
+all-to-all) is timed next to it up to 256 ranks.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from benchmarks.common import Row, Settings, Timed, interleaved, median
-from fshard import Layout, Placement, ShardMeta, plan
+from fshard import Chunk, Layout, Mesh, Named, Placement, ShardMeta, _schedule, plan
 
 __all__ = ["PlanCase", "ValidationCase", "cases"]
 
@@ -61,6 +70,14 @@ def _placement(rank: int) -> Placement:
 def metas(boxes: Boxes) -> tuple[ShardMeta, ...]:
     """The boxes as fshard ``ShardMeta`` values."""
     return tuple(ShardMeta(o, s, _placement(r)) for o, s, r in boxes[1])
+
+
+def columns(boxes: Boxes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The boxes as ``Layout.from_arrays`` columns: offsets, sizes, ranks."""
+    d = len(boxes[0])
+    lo = np.array([o for o, _, _ in boxes[1]], np.int64).reshape(-1, d)
+    sz = np.array([z for _, z, _ in boxes[1]], np.int64).reshape(-1, d)
+    return lo, sz, np.array([r for _, _, r in boxes[1]], np.int64)
 
 
 def torch_metas(boxes: Boxes) -> list[Any]:
@@ -115,7 +132,11 @@ class ValidationCase:
         start = time.perf_counter()
         shards = metas(boxes)
         built = time.perf_counter() - start
-        fns: dict[str, Any] = {"fshard Layout()": lambda: Layout(boxes[0], shards)}
+        lo, sz, ranks = columns(boxes)
+        fns: dict[str, Any] = {
+            "fshard Layout()": lambda: Layout(boxes[0], shards),
+            "fshard Layout.from_arrays": lambda: Layout.from_arrays(boxes[0], lo, sz, ranks),
+        }
         estimate = self.clock.estimate(self.family, len(shards))
         run_torch = settings.peers and (estimate is None or estimate <= settings.skip_over_s)
         if run_torch:
@@ -125,10 +146,9 @@ class ValidationCase:
             fns["torch validate_non_overlapping"] = lambda: validate_non_overlapping_shards_metadata(tmetas)
         samples = interleaved(fns, settings)
         ours = median(samples["fshard Layout()"])
-        rows = [self._row("fshard Layout()", samples["fshard Layout()"], ours)]
-        rows.append(
-            Row(GROUP, self.name, "(building the ShardMetas)", built, 1, note="not part of the validation time")
-        )
+        rows = [self._row(impl, samples[impl], ours) for impl in ("fshard Layout()", "fshard Layout.from_arrays")]
+        note = "not part of Layout()'s time; from_arrays needs none"
+        rows.append(Row(GROUP, self.name, "(building the ShardMetas)", built, 1, note=note))
         if run_torch:
             theirs = median(samples["torch validate_non_overlapping"])
             self.clock.last[self.family] = (len(shards), theirs)
@@ -200,13 +220,12 @@ class PlanCase:
     def run(self, settings: Settings) -> list[Row]:
         shape, a, b = plan_pair(self.kind, self.n)
         src, dst = Layout(shape, a), Layout(shape, b)
-        build = plan.__wrapped__  # the uncached planner behind the lru_cache
         p = plan(src, dst)
         src2, dst2 = Layout(shape, a), Layout(shape, b)  # equal values, other objects
         per_call, per_call_eq = 1000, 100
         fns = {
-            "validate 2 layouts + plan": lambda: build(Layout(shape, a), Layout(shape, b)),
-            "plan (uncached)": lambda: build(src, dst),
+            "validate 2 layouts + plan": Timed(lambda: _rows(Layout(shape, a), Layout(shape, b)), clear_caches),
+            "plan (uncached)": Timed(lambda: _rows(src, dst), clear_caches),
             "cached re-plan": Timed(lambda: [plan(src, dst) for _ in range(per_call)]),
             "cached re-plan, equal copies": Timed(lambda: [plan(src2, dst2) for _ in range(per_call_eq)]),
         }
@@ -223,6 +242,74 @@ class PlanCase:
             ok = None if target is None else seconds < target
             rows.append(Row(GROUP, self.name, impl, seconds, len(s), target=label, ok=ok, note=note,
                             samples=tuple(s)))  # fmt: skip
+        return rows
+
+
+def clear_caches() -> None:
+    """Forgets every plan, schedule and layout index, so that the next one is built from scratch."""
+    plan.cache_clear()
+    _schedule.schedule.cache_clear()
+    _schedule.index.cache_clear()
+
+
+def _rows(src: Layout, dst: Layout) -> int:
+    """Builds every transfer of the (uncached) plan; ``fshard.plan`` alone computes none."""
+    return len(plan.__wrapped__(src, dst))
+
+
+# -- one rank's schedule at 64 to 16,384 ranks ----------------------------------------------
+
+RANK_GROUP = "planner: one rank's schedule, 8192 x 8192"
+RANK_SHAPE = (8192, 8192)
+RANK_KINDS = ("Chunk(0) -> Chunk(1)", "Named grid -> rows")
+
+
+def rank_pair(kind: str, n: int) -> tuple[Layout, Layout]:
+    """The two layouts of a per-rank case on ``n`` ranks: all-to-all, or a k x n/k grid to row blocks."""
+    if kind == "Chunk(0) -> Chunk(1)":
+        return Chunk(0, range(n)).layout(RANK_SHAPE), Chunk(1, range(n)).layout(RANK_SHAPE)
+    if kind == "Named grid -> rows":
+        k = math.isqrt(n)
+        return Named(Mesh((k, n // k)), ("x", "y")).layout(RANK_SHAPE), Chunk(0, range(n)).layout(RANK_SHAPE)
+    raise ValueError(kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCase:
+    """``plan(src, dst).for_rank(rank)`` on ``n`` ranks: from the layouts alone (every cache
+    cleared first), and again (cached); the global plan next to it where it is small."""
+
+    kind: str
+    n: int
+    rank: int = 1
+    global_up_to: int = 256
+    group: str = RANK_GROUP
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}, {self.n:,} ranks"
+
+    def run(self, settings: Settings) -> list[Row]:
+        src, dst = rank_pair(self.kind, self.n)
+        per_call = 1000
+        fns: dict[str, Any] = {
+            "this rank's schedule (first)": Timed(lambda: plan(src, dst).for_rank(self.rank), clear_caches),
+            "cached re-plan": Timed(lambda: [plan(src, dst).for_rank(self.rank) for _ in range(per_call)]),
+        }
+        if self.n <= self.global_up_to:
+            fns["global plan (every rank)"] = Timed(lambda: _rows(src, dst), clear_caches)
+        samples = interleaved(fns, settings)
+        samples["cached re-plan"] = [s / per_call for s in samples["cached re-plan"]]
+        s = plan(src, dst).for_rank(self.rank)
+        note = f"rank {self.rank}: sends {len(s.send):,}, receives {len(s.recv):,} transfers ({len(s.peers):,} peers)"
+        targets = {"this rank's schedule (first)": 20e-3, "cached re-plan": 50e-6}
+        rows = []
+        for impl, t in samples.items():
+            seconds, target = median(t), targets.get(impl)
+            label = "" if target is None else (f"< {target * 1e3:g} ms" if target >= 1e-3 else f"< {target * 1e6:g} us")
+            ok = None if target is None else seconds < target
+            rows.append(Row(self.group, self.name, impl, seconds, len(t), target=label, ok=ok, note=note,
+                            samples=tuple(t)))  # fmt: skip
         return rows
 
 
@@ -245,4 +332,6 @@ def cases(settings: Settings) -> list[Any]:
     ]
     plan_sizes = [1_000, 10_000] if settings.quick else [1_000, 10_000, 100_000]
     out += [PlanCase(kind, n) for n in plan_sizes for kind in PLAN_KINDS]
+    rank_sizes = [64, 1024, 16_384] if settings.quick else [64, 256, 1024, 4096, 16_384]
+    out += [RankCase(kind, n, global_up_to=64 if settings.quick else 256) for kind in RANK_KINDS for n in rank_sizes]
     return out
