@@ -431,7 +431,7 @@ def _distinct_numel(m: Moves, per_shard: bool) -> int:
     return int(m.numel[first].sum())
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def schedule(src: Layout, dst: Layout, rank: int) -> RankSchedule:
     """This rank's share of the plan from ``src`` to ``dst`` (neither partial), from the layouts alone."""
     if src.partial is not None or dst.partial is not None:
