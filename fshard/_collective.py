@@ -118,7 +118,7 @@ def describe(x: Any, depth: int = 0) -> str:
     """A description of an argument that is the same on every rank exactly when it should be."""
     from fshard._array import ShardedArray
     from fshard._layout import Layout
-    from fshard.backends.dist_check import describe_layout
+    from fshard.backends.torch_dist._check import describe_layout
 
     if isinstance(x, ShardedArray):
         return f"array[{x.dtype}, {describe_layout(x.layout)}]"

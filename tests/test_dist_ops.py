@@ -267,12 +267,12 @@ def _reshard_without_alltoall(src, dst):
     """The batched isend/irecv transport, used where a group's backend lacks all_to_all_single."""
     from fshard.backends import torch_dist
 
-    has = torch_dist._has_alltoall
-    torch_dist._has_alltoall = lambda name: False
+    has = torch_dist.has_alltoall
+    torch_dist.has_alltoall = lambda name: False
     try:
         return _reshard(src, dst, torch.float32)
     finally:
-        torch_dist._has_alltoall = has
+        torch_dist.has_alltoall = has
 
 
 @pytest.mark.parametrize(("src", "dst"), PAIRS[:4], ids=[f"{a}->{b}" for a, b in PAIRS[:4]])

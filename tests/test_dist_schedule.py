@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import fshard
-from fshard.backends.dist_check import describe_layout
-from fshard.backends.torch_dist import _all_contiguous, _schedule
+from fshard.backends.torch_dist._check import describe_layout
+from fshard.backends.torch_dist._schedule import all_contiguous, schedule
 
 SHAPE = (8, 6)
 
@@ -15,13 +15,13 @@ def _replicated_to(receivers):
 
 def test_gathering_dim0_chunks_receives_straight_into_the_result():
     rows = fshard.Chunk(0, [0, 1, 2, 3]).layout(SHAPE)
-    assert _all_contiguous(fshard.plan(rows, _replicated_to([1])))
-    assert _all_contiguous(fshard.plan(rows, _replicated_to([0, 1, 2, 3])))
+    assert all_contiguous(fshard.plan(rows, _replicated_to([1])))
+    assert all_contiguous(fshard.plan(rows, _replicated_to([0, 1, 2, 3])))
 
 
 def test_gathering_column_chunks_is_staged():
     cols = fshard.Chunk(1, [0, 1, 2, 3]).layout(SHAPE)
-    assert not _all_contiguous(fshard.plan(cols, _replicated_to([1])))
+    assert not all_contiguous(fshard.plan(cols, _replicated_to([1])))
 
 
 def test_each_box_is_sent_once_to_a_rank_that_holds_it_twice():
@@ -35,7 +35,7 @@ def test_each_box_is_sent_once_to_a_rank_that_holds_it_twice():
         ],
     )
     p = fshard.plan(src, dst)
-    sender, receiver = _schedule(p, 0, (0, 1)), _schedule(p, 1, (0, 1))
+    sender, receiver = schedule(p, 0, (0, 1)), schedule(p, 1, (0, 1))
     assert sender.sent == 24  # rows 0-4 once, not once per shard of rank 1
     assert sender.sent + receiver.sent == p.min_elements_sent
     assert [(peer, len(rows)) for peer, rows in sender.send] == [(1, 1)]
@@ -47,7 +47,7 @@ def test_each_box_is_sent_once_to_a_rank_that_holds_it_twice():
 def test_peers_follow_group_order_for_a_sub_group():
     src = fshard.Chunk(0, [3, 1, 2]).layout(SHAPE)
     dst = fshard.Chunk(1, [2, 3, 1]).layout(SHAPE)
-    s = _schedule(fshard.plan(src, dst), 1, (1, 2, 3))
+    s = schedule(fshard.plan(src, dst), 1, (1, 2, 3))
     assert [peer for peer, _ in s.send] == [2, 3]
     assert [peer for peer, _ in s.recv] == [2, 3]
 

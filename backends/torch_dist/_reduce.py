@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fshard._layout import Layout
 
-from .local import _moves, accumulate, combine_into, identity, needs_fill, reduce_plan
+from ..local import _moves, accumulate, combine_into, identity, needs_fill, reduce_plan
 
 __all__ = ["all_to_all", "collective_kind", "run_collective", "run_reduce"]
 

@@ -1,0 +1,345 @@
+"""The torch.distributed backend: plans executed over Gloo (CPU tensors) or NCCL (CUDA tensors).
+
+Every rank of the group calls each operation with the same arguments (SPMD). A rank
+computes the same cached ``Plan`` as every other rank and reads its own part of it:
+
+- rows whose source and destination are this rank are local slice copies;
+- rows that cross ranks are deduplicated (a box goes once to a rank, even when that
+  rank holds it twice) and exchanged: ``execute`` packs all boxes for one peer into
+  one contiguous buffer and runs a single ``all_to_all_single`` with split sizes (no
+  padding); ``scatter`` and ``assemble`` post one ``isend``/``irecv`` per box, straight
+  from and into the tensors where a box is a contiguous range of them. ``execute``
+  does the same when every received box is a contiguous range of its shard and the
+  boxes are few and large (chunk -> replicated, dim 0 -> dim 1 of big arrays):
+  nothing is staged on arrival.
+
+The local copies run while the messages are in flight. Boxes that already lie back to
+back in one tensor are sent (or received) in place rather than packed; buffers that
+must be staged come from the local backend's cache of mapped CPU memory, so they do
+not pay a page fault per 4 KiB on every call. A rank's share of a plan (its peers,
+split sizes, the slices of every box, which boxes need no packing) is computed once
+per cached plan, so a repeated call does no index arithmetic.
+
+Placements name global ranks; a sub-group maps them to group ranks. The wire device
+follows the group: CUDA for an NCCL group, CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fshard._collective import call_name
+from fshard._config import current
+from fshard._errors import SpecError
+from fshard._layout import Layout, ShardMeta
+from fshard._log import log_move
+from fshard._placement import Placement
+from fshard._plan import Plan, plan
+
+from ..local import Counters, copy_plan, identity, needs_fill, new_shard, reduce_plan, shard_device, slice_shards
+from ._check import agreed, check, describe_layout
+from ._exchange import gather_objects, outside_transforms
+from ._reduce import collective_kind, reduce_schedule, run_collective, run_reduce
+from ._schedule import all_contiguous, direct, has_alltoall, schedule
+from ._transport import alltoall, empty, p2p
+
+__all__ = ["TorchDistBackend"]
+
+_COUNTERS: dict[int, Counters] = {}
+_WARM: set[int] = set()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TorchDistBackend:
+    """Runs plans across the processes of a ``torch.distributed`` process group.
+
+    Args:
+        group: a process group from ``dist.new_group`` (``None``: the default group).
+
+    Two backends are equal when they name the same group. ``counters`` (shared by all
+    backends of a group) count the elements this process sent and the collectives it ran.
+
+    >>> import torch, fshard
+    >>> from fshard.backends.torch_dist import TorchDistBackend
+    >>> backend = TorchDistBackend()  # torch.distributed is initialised (e.g. by torchrun)
+    >>> x = fshard.shard(torch.arange(6.0), fshard.Chunk(0, backend.ranks), backend=backend)
+    >>> fshard.gather(fshard.reshard(x, fshard.Chunk(0, backend.ranks[::-1]))).tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    >>> backend == fshard.backends.default_backend()
+    True
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+    """
+
+    group: Any = None
+    name: str = dataclasses.field(default="torch_dist", init=False)
+
+    def __post_init__(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            msg = (
+                "TorchDistBackend needs torch.distributed to be initialised: call "
+                "dist.init_process_group(...) first (torchrun does it for you), or use the local backend."
+            )
+            raise RuntimeError(msg)
+        if self.group is not None and self.group is dist.GroupMember.WORLD:
+            object.__setattr__(self, "group", None)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TorchDistBackend) and self.group is other.group
+
+    def __hash__(self) -> int:
+        return hash(("torch_dist", id(self.group)))
+
+    def __repr__(self) -> str:
+        return f"TorchDistBackend(ranks={list(self.ranks)})" if self.member else "TorchDistBackend(non-member)"
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return dist.get_rank()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The group's global ranks, in group-rank order (empty when this process is not in it)."""
+        if self.group is dist.GroupMember.NON_GROUP_MEMBER:
+            return ()
+        return tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD))
+
+    @property
+    def member(self) -> bool:
+        """Whether this process belongs to the group."""
+        return self.group is not dist.GroupMember.NON_GROUP_MEMBER
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the group."""
+        return len(self.ranks)
+
+    @property
+    def counters(self) -> Counters:
+        """Elements this process sent to other ranks, and collectives it ran, on this group."""
+        return _COUNTERS.setdefault(id(self.group), Counters())
+
+    def addressable(self, layout: Any) -> tuple[int, ...]:
+        """Indices of the shards placed on this process's rank."""
+        return layout.indices_on(self.rank)
+
+    def check_layout(self, layout: Any) -> None:
+        """Raises ``SpecError`` if a shard sits on a rank outside the group or on a missing device."""
+        ranks = self.ranks if self.member else ()
+        for r in layout.ranks:
+            if (self.member and r not in ranks) or (not self.member and r == self.rank):
+                msg = (
+                    f"Global rank {r} does not exist in input process group (global ranks {list(ranks)}): "
+                    "placements name global ranks; place shards on the group's ranks "
+                    f"or use a group that holds rank {r}."
+                )
+                raise SpecError(msg)
+        for i in self.addressable(layout):
+            shard_device(layout, i)
+
+    def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Runs ``plan``, phase by phase: one ``all_to_all_single`` of packed per-peer buffers, or,
+        when every received box lands in place and the boxes are few and large, one message per
+        box; a reduce phase combines contributions (``all_reduce``/``reduce_scatter_tensor``
+        where the layouts are theirs)."""
+        log_move("torch_dist", plan, like.element_size(), self.rank)
+        nccl = self._wire.type == "cuda"
+        kind = collective_kind(plan, self.ranks, nccl) if plan.src.partial is not None and self.member else None
+        if kind is not None and _on_wire(plan, self._wire):
+            return self._collective(kind, plan, tensors, like)
+        for p in plan.phases:
+            index = self.addressable(p.dst)
+            out = {j: new_shard(p.dst, j, like) for j in index}
+            if p.op is None:
+                self._move("reshard", p, tensors, out, like.dtype, direct=direct(p, like.element_size()))
+            else:
+                self._reduce("reshard", p, tensors, out, like.dtype)
+            tensors = tuple(out[j] for j in index)
+        return tuple(tensors)
+
+    def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
+        """This rank's boxes of ``full``: sliced locally (``src=None``) or sent from rank ``src``.
+
+        Only the boxes that other ranks need leave rank ``src``, each straight from
+        ``full`` where it is a contiguous range of it; off ``src``, ``full`` is a
+        stand-in that gives the dtype.
+        """
+        if full is None:
+            raise SpecError(
+                f"scatter(src={src}) needs a tensor on every rank (off src, an empty stand-in of the dtype)."
+            )
+        if src is None:
+            return self._slice(full, layout)
+        self._require_member(f"shard(src={src})")
+        self._check_rank(src, "src")
+        like, dtype = full, full.dtype
+        source = _whole(layout.shape, (src,))
+        index = self.addressable(layout)
+        out = {j: new_shard(layout, j, like) for j in index}
+        self._move(
+            f"shard(src={src})", plan(source, layout), (like,) if self.rank == src else (), out, dtype, direct=True
+        )
+        return tuple(out[j] for j in index)
+
+    def assemble(
+        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
+    ) -> torch.Tensor | None:
+        """The global tensor on every rank of the group (``dst=None``) or on rank ``dst`` only.
+
+        Boxes that are contiguous ranges of the result (dim-0 chunks) are received
+        straight into it; other boxes are staged once in one receive buffer.
+        """
+        self._require_member(f"gather(dst={dst})")
+        if dst is not None:
+            self._check_rank(dst, "dst")
+        receivers = self.ranks if dst is None else (dst,)
+        target = _whole(layout.shape, receivers)
+        p = plan(layout, target)
+        out = {}
+        if self.rank in receivers:
+            out[target.indices_on(self.rank)[0]] = empty(layout.shape, like.dtype, self._out_device(layout, like))
+        self._move(f"gather(dst={dst})", p, tensors, out, like.dtype, direct=all_contiguous(p))
+        return next(iter(out.values()), None)
+
+    def exchange(self, obj: Any) -> list[Any]:
+        """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""
+        self._require_member("exchange")
+        with outside_transforms():
+            self._check("exchange", ())
+            out = gather_objects(obj, self.group, self.world_size, self._wire)
+        self.counters.collectives += 1
+        return out
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _collective(
+        self, kind: str, p: Plan, tensors: Sequence[torch.Tensor], like: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        self._check(f"reshard:{kind}", (p.src, p.dst), like.dtype)
+        (j,) = self.addressable(p.dst)
+        out = empty(p.dst.shards[j].sizes, like.dtype, self._wire)
+        run_collective(kind, p, tensors[0].to(self._wire), out, self.group)
+        self.counters.elements_sent += int(p.traffic()[self.rank].sum())
+        self.counters.collectives += 1
+        return (out.to(shard_device(p.dst, j)),)
+
+    def _reduce(
+        self, op: str, p: Plan, tensors: Sequence[torch.Tensor], out: dict[int, torch.Tensor], dtype: torch.dtype
+    ) -> None:
+        self._require_member(op)
+        self._check(op, (p.src, p.dst), dtype)
+        src = dict(zip(self.addressable(p.src), tensors))
+        sched = reduce_schedule(p, self.rank, self.ranks)
+        if p.elements_sent == 0:  # every rank reads this from the same plan: no collective anywhere
+            for j in needs_fill(p):
+                if j in out:
+                    out[j].fill_(identity(str(p.op), dtype))
+            reduce_plan(p, src, out, sched.local.tolist())
+            return
+        self._warm()
+        run_reduce(p, sched, src, out, dtype, self._wire, self.group, empty)
+        self.counters.elements_sent += sched.sent
+        self.counters.collectives += 1
+
+    def _warm(self) -> None:
+        wire = self._wire
+        if wire.type == "cuda" and id(self.group) not in _WARM:
+            dist.all_reduce(torch.zeros(1, device=wire), group=self.group)  # NCCL: create the communicator before P2P
+            _WARM.add(id(self.group))
+
+    @property
+    def _wire(self) -> torch.device:
+        name = str(dist.get_backend(self.group))
+        if name == "nccl" or ("cuda:" in name and "cpu:" not in name):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _slice(self, full: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
+        self._check("shard(src=None)", (layout,))
+        return slice_shards(full, layout, self.addressable(layout))
+
+    def _out_device(self, layout: Layout, like: torch.Tensor) -> torch.device:
+        mine = self.addressable(layout)
+        return shard_device(layout, mine[0]) if mine else (like.device if like.device == self._wire else self._wire)
+
+    def _check_rank(self, rank: int, what: str) -> None:
+        if rank not in self.ranks:
+            msg = (
+                f"{what}={rank}: Global rank {rank} does not exist in input process group "
+                f"(global ranks {list(self.ranks)})."
+            )
+            raise SpecError(msg)
+
+    def _require_member(self, op: str) -> None:
+        if not self.member:
+            msg = (
+                f"{op}: rank {self.rank} is not in this array's process group; call collective fshard "
+                "functions on it only from ranks of its group."
+            )
+            raise SpecError(msg)
+
+    def _check(self, op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None = None) -> None:
+        """In check mode, one check round: every rank is about to run this collective, or all raise."""
+        if self.member and current().check_collectives:
+            moves = " -> ".join(describe_layout(x) for x in layouts)
+            what = f"{op}({moves})" + (f" on {dtype}" if dtype is not None else "")
+            call = call_name()  # the public call it serves, which describes the arguments already
+            if call is not None:
+                what = f"{call}, at {op} #{hashlib.blake2b(what.encode(), digest_size=4).hexdigest()}"
+            check(self.group, self.ranks, self.rank, what)
+
+    def settle(self, what: str, error: Exception | None = None) -> None:
+        """In check mode, the check that ends a public call: how it ended here is ``what``
+        (and ``error``, which the caller raises once every rank has learned of it)."""
+        if not (self.member and current().check_collectives) or (error is not None and agreed(error)):
+            return
+        try:
+            check(self.group, self.ranks, self.rank, what, error)
+        except Exception:
+            if error is None:
+                raise
+
+    def _move(
+        self,
+        op: str,
+        p: Plan,
+        tensors: Sequence[torch.Tensor],
+        out: dict[int, torch.Tensor],
+        dtype: torch.dtype,
+        *,
+        direct: bool,
+    ) -> None:
+        self._require_member(op)
+        self._check(op, (p.src, p.dst), dtype)
+        src = dict(zip(self.addressable(p.src), tensors))
+        sched = schedule(p, self.rank, self.ranks)
+        if p.elements_sent == 0:  # every rank reads this from the same plan: no collective anywhere
+            copy_plan(p, src, out, sched.local)
+            return
+        wire = self._wire
+        self._warm()
+        transport = p2p if direct or not has_alltoall(str(dist.get_backend(self.group))) else alltoall
+        transport(p, sched, src, out, dtype, wire, self.group, lambda: copy_plan(p, src, out, sched.local))
+        self.counters.elements_sent += sched.sent
+        self.counters.collectives += 1
+
+
+def _on_wire(p: Plan, wire: torch.device) -> bool:
+    """Whether every shard of both layouts is placed on the wire's device type (as every rank sees)."""
+    return all(torch.device(d).type == wire.type for d in (*p.src._devices, *p.dst._devices))
+
+
+@functools.lru_cache(maxsize=256)
+def _whole(shape: tuple[int, ...], ranks: tuple[int, ...]) -> Layout:
+    """The whole array once on each of ``ranks`` (the layout ``shard(src=)`` and ``gather`` move from or to)."""
+    zero = (0,) * len(shape)
+    return Layout(tuple(shape), tuple(ShardMeta(zero, tuple(shape), Placement(r)) for r in ranks))

@@ -1,0 +1,134 @@
+"""Transports: a rank's schedule run over point-to-point messages or one all_to_all_single."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fshard._plan import Plan
+
+from ..local import _POOL
+from ._reduce import all_to_all
+from ._schedule import Index, Schedule, Span
+
+
+def _view(tensors: dict[int, torch.Tensor], at: Index) -> torch.Tensor:
+    """The box ``at`` = (shard, slices) as a view of that shard's tensor."""
+    return tensors[at[0]][at[1]]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be viewed as bytes in place: contiguous, and unit-strided even with one
+    element (torch calls a one-element view with any stride contiguous)."""
+    return t.is_contiguous() and (t.numel() != 1 or t.reshape(-1).stride(0) == 1)
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised contiguous tensor; on the CPU from memory that is already mapped."""
+    if device.type == "cpu":
+        return _POOL.empty(tuple(shape), dtype)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def p2p(
+    p: Plan,
+    sched: Schedule,
+    src: dict,
+    out: dict,
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    local: Any,
+) -> None:
+    """One message per box; sent from and received into the tensors where the box is contiguous.
+
+    ``local()`` (this rank's own copies) runs while the messages are in flight.
+    """
+    ops, staged = [], []
+    for peer, rows in sched.recv:
+        for tag, k in enumerate(rows.tolist()):
+            box = _view(out, sched.at_dst[k])
+            if not (_contiguous(box) and box.device == wire):
+                staged.append((k, box, buf := empty(box.shape, dtype, wire)))
+                box = buf
+            else:
+                staged.append((k, None, box))
+            ops.append(dist.P2POp(dist.irecv, _bytes(box), peer, group, tag))
+    for peer, rows in sched.send:
+        for tag, k in enumerate(rows.tolist()):
+            box = _view(src, sched.at_src[k])
+            if not (_contiguous(box) and box.device == wire):
+                box = empty(box.shape, dtype, wire).copy_(box)
+            ops.append(dist.P2POp(dist.isend, _bytes(box), peer, group, tag))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    local()
+    for work in works:
+        work.wait()
+    for k, target, got in staged:
+        _fan_out(sched, k, got, out, skip_first=target is None)
+
+
+def _fan_out(sched: Schedule, k: int, got: torch.Tensor, out: dict, *, skip_first: bool) -> None:
+    """Copies a received box into every destination row that wants it (one per replica shard)."""
+    for n, row in enumerate(sched.fanout[k].tolist()):
+        if not (skip_first and n == 0):
+            _view(out, sched.at_dst[row]).copy_(got)
+
+
+def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Tensor | None:
+    """One flat view over boxes that lie back to back in one shard (``span``), when that
+    shard's tensor is contiguous and on the wire device (so they need no packing)."""
+    if span is None:
+        return None
+    base = tensors[span[0]]
+    if base.device != wire or not _contiguous(base):
+        return None
+    return base.reshape(-1)[span[1] : span[2]]
+
+
+def alltoall(
+    p: Plan,
+    sched: Schedule,
+    src: dict,
+    out: dict,
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    local: Any,
+) -> None:
+    """Packs every box per peer into one buffer and runs a single ``all_to_all_single``.
+
+    Boxes already back to back in one tensor are sent or received in place; ``local()``
+    (this rank's own copies) runs while the collective is in flight.
+    """
+    sendbuf = _in_place(sched.send_span, src, wire)
+    if sendbuf is None:
+        sendbuf = empty((sum(sched.send_split),), dtype, wire)
+        at = 0
+        for _, rows in sched.send:
+            for k in rows.tolist():
+                box = _view(src, sched.at_src[k])
+                sendbuf[at : at + box.numel()].view(box.shape).copy_(box)
+                at += box.numel()
+    recvbuf = _in_place(sched.recv_span, out, wire)
+    staged = recvbuf is None
+    if staged:
+        recvbuf = empty((sum(sched.recv_split),), dtype, wire)
+    work = all_to_all(recvbuf, sendbuf, sched.recv_split, sched.send_split, group)
+    local()
+    work.wait()
+    at = 0
+    for _, rows in sched.recv:
+        for k in rows.tolist():
+            shape = tuple(s.stop - s.start for s in sched.at_dst[k][1])
+            n = math.prod(shape)
+            _fan_out(sched, k, recvbuf[at : at + n].view(shape), out, skip_first=not staged)
+            at += n
