@@ -3,6 +3,7 @@
 from fshard import backends as backends
 from fshard._array import Shard as Shard
 from fshard._array import ShardedArray as ShardedArray
+from fshard._cache import clear_caches as clear_caches
 from fshard._checkpoint import checkpoint_info as checkpoint_info
 from fshard._checkpoint import load as load
 from fshard._checkpoint import save as save
@@ -83,6 +84,7 @@ __all__ = [
     "allclose",
     "backends",
     "checkpoint_info",
+    "clear_caches",
     "clip_grad_norm",
     "config",
     "empty",

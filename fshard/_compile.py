@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from fshard._cache import cached
 from fshard._errors import LayoutError
 from fshard._layout import Layout, ShardMeta
 
@@ -84,7 +85,7 @@ def batched_layout(layout: Layout, children: Sequence[torch.Tensor], index: Sequ
     raise LayoutError(msg)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _with_batch(layout: Layout, batch: int) -> Layout:
     shards = tuple(ShardMeta((0, *s.offsets), (batch, *s.sizes), s.placement) for s in layout.shards)
     return Layout((batch, *layout.shape), shards, layout.partial)

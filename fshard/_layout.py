@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import operator
@@ -13,6 +12,7 @@ from typing import Any, Union
 import numpy as np
 
 from fshard import _boxes
+from fshard._cache import cached
 from fshard._errors import LayoutError
 from fshard._placement import Placement, PlacementLike, as_placement
 
@@ -330,7 +330,7 @@ class Layout:
         return text
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def with_partial(layout: Layout, partial: str | None) -> Layout:
     """``layout`` with its copies read as summands of ``partial`` (``None``: as replicas)."""
     if layout.partial == partial:
@@ -338,12 +338,12 @@ def with_partial(layout: Layout, partial: str | None) -> Layout:
     return Layout(layout.shape, layout.shards, partial)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _ranks(layout: Layout) -> tuple[int, ...]:
     return tuple(int(r) for r in np.unique(layout._rank))
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _indices_by_rank(layout: Layout) -> dict[int, tuple[int, ...]]:
     out: dict[int, list[int]] = {}
     for i, r in enumerate(layout._rank.tolist()):
@@ -500,7 +500,7 @@ def _check_ndims(shape: tuple[int, ...], shards: tuple[ShardMeta, ...], ndims: n
 _MEMO_SHARDS = 64
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def _validate_memo(shape: tuple[int, ...], shards: tuple[ShardMeta, ...]) -> None:
     _validate(shape, shards, *_columns(shape, shards))
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from fshard import _boxes, _schedule
+from fshard._cache import cached
 from fshard._errors import SpecError
 from fshard._layout import Layout
 from fshard._schedule import RankSchedule
@@ -238,7 +239,7 @@ def chain(src: Layout, dst: Layout, steps: tuple[Plan, ...], min_elements_sent: 
     return Plan(src, dst, empty, empty, box, box, min_elements_sent=min_elements_sent, steps=steps)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def plan(src: Layout, dst: Layout) -> Plan:
     """The plan that moves data from layout ``src`` to layout ``dst`` (pure, cached).
 

@@ -21,11 +21,11 @@ one region on another rank are combined on the sender first and sent once.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
 from fshard import _boxes
+from fshard._cache import cached
 from fshard._layout import Layout, ShardMeta, with_partial
 from fshard._plan import Plan, _groups, chain, plan
 from fshard._specs import chunk_bounds
@@ -43,7 +43,7 @@ class _Boxes:
     ranks: tuple[frozenset[int], ...]
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _boxes_of(layout: Layout) -> _Boxes:
     first, idx, inverse = _groups(layout)
     copies: list[list[int]] = [[] for _ in range(len(first))]
@@ -220,7 +220,7 @@ def _make_partial(src: Layout, dst: Layout) -> Plan:
     return _phase(src, dst, rows, dst.partial, lower_bound(src, dst))
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _box_index(layout: Layout) -> np.ndarray:
     """The distinct-box number of each shard (-1 for empty shards)."""
     out = np.full(len(layout.shards), -1, np.int64)

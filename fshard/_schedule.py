@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fshard import _boxes
+from fshard._cache import cached
 from fshard._errors import SpecError
 from fshard._layout import Layout
 
@@ -130,7 +131,7 @@ class Index:
         return _grid_query(self.grid, lo, hi)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def index(layout: Layout) -> Index:
     """The cached ``Index`` of ``layout`` (O(n log n) once per layout)."""
     first, idx, box = groups(layout)
@@ -431,7 +432,7 @@ def _distinct_numel(m: Moves, per_shard: bool) -> int:
     return int(m.numel[first].sum())
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def schedule(src: Layout, dst: Layout, rank: int) -> RankSchedule:
     """This rank's share of the plan from ``src`` to ``dst`` (neither partial), from the layouts alone."""
     if src.partial is not None or dst.partial is not None:
@@ -509,7 +510,7 @@ def _sends(src: Layout, dst: Layout, rank: int) -> Moves:
 # -- schedules read from a built plan (pending reductions) --------------------------------------
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def from_plan(p: Plan, rank: int) -> RankSchedule:
     """``rank``'s share of a built plan, read from its rows (plans with pending reductions)."""
     rank = int(rank)

@@ -24,6 +24,7 @@ import torch
 
 from fshard import _autograd, _varying
 from fshard._array import ShardedArray
+from fshard._cache import cached
 from fshard._collective import collective
 from fshard._errors import SpecError
 from fshard._layout import Layout, with_partial
@@ -216,7 +217,7 @@ def _check_partial(arrays: Sequence[ShardedArray], linear: bool, what: str = "ma
 # -- slots ----------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _slots(layout: Layout) -> dict[Placement, tuple[int, ...]]:
     """Shard indices per placement, placements in order of first appearance."""
     out: dict[Placement, list[int]] = {}
@@ -373,7 +374,7 @@ def _regrouped(a: ShardedArray, mode: str) -> ShardedArray:
     return ShardedArray(a.layout, data, a.backend, a.dtype, link if not data else None)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _slot_index(layout: Layout) -> dict[int, Slot]:
     return {i: (p, k) for p, idx in _slots(layout).items() for k, i in enumerate(idx)}
 

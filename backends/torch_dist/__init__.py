@@ -27,7 +27,6 @@ follows the group: CUDA for an NCCL group, CPU otherwise.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fshard._cache import cached
 from fshard._collective import call_name
 from fshard._config import current
 from fshard._errors import SpecError
@@ -338,7 +338,7 @@ def _on_wire(p: Plan, wire: torch.device) -> bool:
     return all(torch.device(d).type == wire.type for d in (*p.src._devices, *p.dst._devices))
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _whole(shape: tuple[int, ...], ranks: tuple[int, ...]) -> Layout:
     """The whole array once on each of ``ranks`` (the layout ``shard(src=)`` and ``gather`` move from or to)."""
     zero = (0,) * len(shape)

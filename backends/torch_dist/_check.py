@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import hashlib
 import pickle
 import weakref
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from fshard._cache import cached
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError
 from fshard._layout import Layout
@@ -134,7 +134,7 @@ def _portable(exc: Exception | None) -> Exception | None:
 # -- descriptions ---------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def _layout_digest(layout: Layout) -> str:
     h = hashlib.blake2b(digest_size=6)
     h.update(repr((layout.shape, layout.partial)).encode())

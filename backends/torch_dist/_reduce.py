@@ -13,7 +13,6 @@ group order (NCCL implements both in-network).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fshard._cache import cached
 from fshard._layout import Layout
 
 from ..local import _moves, accumulate, combine_into, identity, needs_fill, reduce_plan
@@ -49,7 +49,7 @@ class ReduceSchedule:
     sent: int
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def reduce_schedule(p: Any, me: int, order: tuple[int, ...]) -> ReduceSchedule:
     sr, dr = p.src_rank.tolist(), p.dst_rank.tolist()
     lo, size = p.lo.tolist(), p.size.tolist()
@@ -143,7 +143,7 @@ def all_to_all(recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, se
     return work
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def collective_kind(p: Any, order: tuple[int, ...], nccl: bool = True) -> str | None:
     """``"all_reduce"``, ``"reduce_scatter"`` or ``None``: whether a collective runs plan ``p``.
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
 from fshard._boxes import rows_prod, unique_rows
+from fshard._cache import cached
 from fshard._layout import Layout
 from fshard._plan import Plan
 
@@ -50,7 +50,7 @@ class Schedule:
     recv_span: Span | None
 
 
-@functools.lru_cache(maxsize=512)
+@cached(512)
 def schedule(p: Plan, me: int, order: tuple[int, ...]) -> Schedule:
     sr, dr = p.src_rank, p.dst_rank
     local = np.flatnonzero((sr == me) & (dr == me))
@@ -144,7 +144,7 @@ def _by_peer(rows: np.ndarray, peer: np.ndarray, position: np.ndarray) -> tuple[
     return tuple((int(peer[g[0]]), g) for g in _split_by(rows, position[peer[rows]]))
 
 
-@functools.lru_cache(maxsize=512)
+@cached(512)
 def all_contiguous(p: Plan) -> bool:
     """Whether every box that crosses ranks is a contiguous range of its destination shard."""
     rows = np.flatnonzero(p.src_rank != p.dst_rank)
@@ -158,7 +158,7 @@ def all_contiguous(p: Plan) -> bool:
     return bool((((size == shape) | ~after).all(axis=1) | ~big.any(axis=1)).all())
 
 
-@functools.lru_cache(maxsize=512)
+@cached(512)
 def direct(p: Plan, itemsize: int) -> bool:
     """Whether ``execute`` sends box by box: every received box lands in place, and the
     boxes are few and large. Every rank computes the same answer from the same plan."""
