@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fshard._boxes import rows_all, rows_prod, unique_rows
+from fshard._cache import cached
 from fshard._errors import SpecError
 from fshard._log import log_move
 
@@ -318,14 +319,14 @@ def slice_shards(full: torch.Tensor, layout: Any, index: Iterable[int]) -> tuple
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def _slicing(layout: Any, i: int) -> Recipe:
     """Shard ``i`` of ``layout`` read out of the global tensor."""
     s = layout.shards[i]
     return recipe([layout.shape], [(s.sizes, s.placement.device)], _scattered(layout, [i]))
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _scattering(layout: Any) -> Recipe:
     """Every shard of ``layout`` read out of the global tensor."""
     outs = [(s.sizes, s.placement.device) for s in layout.shards]
@@ -346,7 +347,7 @@ def copy_plan(plan: Any, src: dict[int, torch.Tensor], dst: dict[int, torch.Tens
         dst[j][write].copy_(src[i][read])
 
 
-@functools.lru_cache(maxsize=32)
+@cached(32)
 def _moves(plan: Any) -> tuple[tuple[int, int, tuple[slice, ...], tuple[slice, ...]], ...]:
     """Per plan row: (source shard, destination shard, index into the source, into the destination).
 
@@ -365,7 +366,7 @@ def _slice(start: int, size: int) -> slice:
     return slice(start, start + size)
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _copying(plan: Any) -> tuple[Recipe, ...]:
     """The recipes that run a copy phase, in turn: one that builds every destination shard
     from its boxes in the source shards or, for a small array where that takes fewer torch
@@ -409,7 +410,7 @@ def accumulate(op: str, into: torch.Tensor, value: torch.Tensor) -> None:
         torch.minimum(into, value, out=into)
 
 
-@functools.lru_cache(maxsize=32)
+@cached(32)
 def needs_fill(plan: Any) -> frozenset[int]:
     """Destination shards of a reduce phase with elements that no contribution reaches."""
     first, _ = unique_rows(np.c_[plan.dst_shard, plan.lo])
@@ -448,7 +449,7 @@ def combine_into(
         done.add(key)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def held(layout: Any, rank: int | None = None) -> int:
     """Elements held, summed over ranks (or on ``rank`` only): a box held twice by a rank counts once."""
     keep = rows_all(layout._sz > 0) & (True if rank is None else layout._rank == rank)
@@ -584,18 +585,18 @@ def _is_rank(rank: Any) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _every(n: int) -> tuple[int, ...]:
     return tuple(range(n))
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _check_devices(layout: Any) -> None:
     for p in {s.placement.device for s in layout.shards}:
         _device(p)
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _assembly(layout: Any, device: torch.device) -> Recipe:
     """The global tensor of ``layout`` on ``device``, from one copy of every non-empty box."""
     lo, sz = layout._lo, layout._sz

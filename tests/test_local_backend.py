@@ -84,9 +84,9 @@ def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> An
     as large ones do (each destination built from its boxes)."""
     if request.param == "box-by-box":
         monkeypatch.setattr(local, "_SMALL_NUMEL", -1)
-    local._copying.cache_clear()
+    fshard.clear_caches()
     yield request.param
-    local._copying.cache_clear()
+    fshard.clear_caches()
 
 
 @pytest.mark.parametrize("pair", PAIRS.values(), ids=PAIRS.keys())
