@@ -250,19 +250,27 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     return optree.tree_unflatten(tree, results)
 
 
+_LEAF = optree.tree_structure(0)
+
+
 def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
     """The results' tree structure (``None`` when there is none here) and each leaf's shards."""
     if not outs:
         return None, []
-    flat = [optree.tree_flatten(o) for o in outs]
-    tree = flat[0][1]
-    if any(spec != tree for _, spec in flat):
-        raise SpecError(f"map_local() fn returned different structures on different shards: {tree} and others.")
-    leaves = [tuple(f[0][n] for f in flat) for n in range(tree.num_leaves)]
+    if all(type(o) is torch.Tensor and o.layout == torch.strided for o in outs):  # the common case: one tensor each
+        leaves = [tuple(outs)]
+        tree = _LEAF
+    else:
+        flat = [optree.tree_flatten(o) for o in outs]
+        tree = flat[0][1]
+        if any(spec != tree for _, spec in flat):
+            raise SpecError(f"map_local() fn returned different structures on different shards: {tree} and others.")
+        leaves = [tuple(f[0][n] for f in flat) for n in range(tree.num_leaves)]
+        for leaf in leaves:
+            for t in leaf:
+                _check_tensor(t, "map_local() fn result")
     for leaf in leaves:
-        for t in leaf:
-            _check_tensor(t, "map_local() fn result")
-        if len({t.dtype for t in leaf}) > 1:
+        if len(leaf) > 1 and len({t.dtype for t in leaf}) > 1:
             raise SpecError(
                 f"map_local() fn returned dtypes {sorted({str(t.dtype) for t in leaf})} on different shards."
             )
