@@ -301,6 +301,7 @@ def _merge_descriptions(seen: Sequence[Any]) -> tuple[Any, list[tuple[torch.dtyp
     return tree, metas
 
 
+@opaque  # layout arithmetic in numpy: run eagerly under torch.compile
 def _infer_layout(layout: Layout, sizes: dict[int, tuple[int, ...]]) -> Layout:
     """The layout of ``map_local``'s result, from the shapes of the result shards known here."""
     if all(s == layout.shards[i].sizes for i, s in sizes.items()):
