@@ -1,10 +1,11 @@
 """The torch.distributed backend: plans executed over Gloo (CPU tensors) or NCCL (CUDA tensors).
 
 Every rank of the group calls each operation with the same arguments (SPMD). A rank
-computes the same cached ``Plan`` as every other rank and reads its own part of it:
+runs its own share of the plan, ``plan.for_rank(rank)``, which the core computes from
+the two layouts alone (O(peers), never the global plan's O(world^2) rows):
 
-- rows whose source and destination are this rank are local slice copies;
-- rows that cross ranks are deduplicated (a box goes once to a rank, even when that
+- its local moves are slice copies between its own shards;
+- what it sends and receives is deduplicated (a box goes once to a rank, even when that
   rank holds it twice) and exchanged: ``execute`` packs all boxes for one peer into
   one contiguous buffer and runs a single ``all_to_all_single`` with split sizes (no
   padding); ``scatter`` and ``assemble`` post one ``isend``/``irecv`` per box, straight
@@ -13,12 +14,20 @@ computes the same cached ``Plan`` as every other rank and reads its own part of 
   boxes are few and large (chunk -> replicated, dim 0 -> dim 1 of big arrays):
   nothing is staged on arrival.
 
+Which transport runs must be the same on every rank (``all_to_all_single`` needs the
+whole group), so it is decided from the layouts, alike everywhere, not from one rank's
+share: whether anything crosses ranks from ``min_elements_sent`` (closed form; plans are
+minimal), whether received boxes land in place and how large the smallest box is from
+each layout's distinct extents (``_schedule.all_contiguous``, ``_schedule.direct``).
+Reductions (a plan with ``op`` or ``steps``) still read the global plan's rows
+(``_reduce``).
+
 The local copies run while the messages are in flight. Boxes that already lie back to
 back in one tensor are sent (or received) in place rather than packed; buffers that
 must be staged come from the local backend's cache of mapped CPU memory, so they do
 not pay a page fault per 4 KiB on every call. A rank's share of a plan (its peers,
 split sizes, the slices of every box, which boxes need no packing) is computed once
-per cached plan, so a repeated call does no index arithmetic.
+per (layouts, rank, group), so a repeated call does no index arithmetic.
 
 Placements name global ranks; a sub-group maps them to group ranks. The wire device
 follows the group: CUDA for an NCCL group, CPU otherwise.
@@ -43,12 +52,12 @@ from fshard._log import log_move
 from fshard._placement import Placement
 from fshard._plan import Plan, plan
 
-from ..local import Counters, copy_plan, identity, needs_fill, new_shard, reduce_plan, shard_device, slice_shards
+from ..local import Counters, identity, needs_fill, new_shard, reduce_plan, shard_device, slice_shards
 from ._check import agreed, check, describe_layout
 from ._exchange import gather_objects, outside_transforms
 from ._reduce import collective_kind, reduce_schedule, run_collective, run_reduce
 from ._schedule import all_contiguous, direct, has_alltoall, schedule
-from ._transport import alltoall, empty, p2p
+from ._transport import alltoall, copy_local, empty, p2p
 
 __all__ = ["TorchDistBackend"]
 
@@ -135,8 +144,9 @@ class TorchDistBackend:
     def check_layout(self, layout: Any) -> None:
         """Raises ``SpecError`` if a shard sits on a rank outside the group or on a missing device."""
         ranks = self.ranks if self.member else ()
+        group = frozenset(ranks)
         for r in layout.ranks:
-            if (self.member and r not in ranks) or (not self.member and r == self.rank):
+            if (self.member and r not in group) or (not self.member and r == self.rank):
                 msg = (
                     f"Global rank {r} does not exist in input process group (global ranks {list(ranks)}): "
                     "placements name global ranks; place shards on the group's ranks "
@@ -160,8 +170,8 @@ class TorchDistBackend:
             index = self.addressable(p.dst)
             out = {j: new_shard(p.dst, j, like) for j in index}
             if p.op is None:
-                self._move("reshard", p, tensors, out, like.dtype, direct=direct(p, like.element_size()))
-            else:
+                self._move("reshard", p, tensors, out, like.dtype, direct=direct(p.src, p.dst, like.element_size()))
+            else:  # a reduce phase still runs from the global plan's rows (_reduce.reduce_schedule)
                 self._reduce("reshard", p, tensors, out, like.dtype)
             tensors = tuple(out[j] for j in index)
         return tuple(tensors)
@@ -207,7 +217,7 @@ class TorchDistBackend:
         out = {}
         if self.rank in receivers:
             out[target.indices_on(self.rank)[0]] = empty(layout.shape, like.dtype, self._out_device(layout, like))
-        self._move(f"gather(dst={dst})", p, tensors, out, like.dtype, direct=all_contiguous(p))
+        self._move(f"gather(dst={dst})", p, tensors, out, like.dtype, direct=all_contiguous(layout, target))
         return next(iter(out.values()), None)
 
     def exchange(self, obj: Any) -> list[Any]:
@@ -321,14 +331,14 @@ class TorchDistBackend:
         self._require_member(op)
         self._check(op, (p.src, p.dst), dtype)
         src = dict(zip(self.addressable(p.src), tensors))
-        sched = schedule(p, self.rank, self.ranks)
-        if p.elements_sent == 0:  # every rank reads this from the same plan: no collective anywhere
-            copy_plan(p, src, out, sched.local)
+        sched = schedule(p, self.rank, self.ranks)  # from p.for_rank(rank): no global rows
+        if p.min_elements_sent == 0:  # closed form, alike on every rank (plans are minimal): no collective
+            copy_local(sched, src, out)
             return
         wire = self._wire
         self._warm()
         transport = p2p if direct or not has_alltoall(str(dist.get_backend(self.group))) else alltoall
-        transport(p, sched, src, out, dtype, wire, self.group, lambda: copy_plan(p, src, out, sched.local))
+        transport(sched, src, out, dtype, wire, self.group)
         self.counters.elements_sent += sched.sent
         self.counters.collectives += 1
 

@@ -1,4 +1,17 @@
-"""This rank's part of a plan: its peers, split sizes and the slices of every box (pure, cached)."""
+"""This rank's part of a plan, and the transport choices every rank makes alike (pure, cached).
+
+``schedule`` turns the core's ``RankSchedule`` (``plan.for_rank(rank)``: this rank's
+sends, receives and local copies, computed from the two layouts alone) into what the
+transports index with: peers in group order, split sizes, the slices of every box,
+and where boxes lie back to back. Nothing here reads the global plan's rows.
+
+A transport choice must be the same on every rank (``all_to_all_single`` needs the
+whole group), so ``all_contiguous`` and ``direct`` are computed from per-layout facts
+(each layout's distinct boxes, O(shards log shards) in numpy), never from the global
+plan, which is O(world^2) rows for an all-to-all reshard. They are sufficient
+conditions: where the layouts' facts cannot show that a received box lands in place,
+the box counts as staged. See each function for how that compares with reading the rows.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +22,12 @@ import numpy as np
 from fshard._boxes import rows_prod, unique_rows
 from fshard._cache import cached
 from fshard._layout import Layout
-from fshard._plan import Plan
+from fshard._plan import Plan, plan
+from fshard._schedule import Moves, index
 
 # ``execute`` sends box by box (nothing staged on arrival) when every received box lands
 # in place, there are at most this many boxes per pair of ranks on average, and they
-# average at least ``_DIRECT_MIN_BYTES``: below that, one all_to_all_single has less
+# hold at least ``_DIRECT_MIN_BYTES`` each: below that, one all_to_all_single has less
 # latency than the separate messages save in copying (Gloo on loopback).
 _DIRECT_PIECES_PER_PAIR = 4
 _DIRECT_MIN_BYTES = 1 << 20
@@ -21,107 +35,126 @@ _DIRECT_MIN_BYTES = 1 << 20
 
 Index = tuple[int, tuple[slice, ...]]  # a box as (shard, slices into that shard's tensor)
 Span = tuple[int, int, int]  # boxes back to back in one shard: (shard, first element, end)
+Peer = tuple[int, tuple[Index, ...]]  # a peer rank and the boxes exchanged with it, in order
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """One rank's share of a plan, with every index it needs computed once.
 
-    ``send``/``recv``: per peer in group order, the plan rows of the distinct boxes
-    exchanged with it, in plan order (so sender and receiver agree); ``fanout`` maps a
-    received row to every row writing the same box into a shard on this rank.
-    ``at_src``/``at_dst`` give each sent row's box in its source shard and each received
-    (or fanned-out) row's box in its destination shard. ``send_split``/``recv_split``
-    count elements per rank of the group; ``send_span``/``recv_span`` say where the sent
-    boxes (and the first destination of each received box) lie back to back in one
-    shard, so that they need no packing when that shard is a contiguous tensor.
+    ``send``: per peer in group order, each distinct box sent to it, in its source shard
+    (a box goes once to a rank that holds it twice). ``recv``: per peer in group order,
+    each distinct box received from it, in its first destination shard, and ``fanout``:
+    for each received box (numbered in that order), every other destination shard on
+    this rank that wants it. Sender and receiver list a pair's boxes alike (the plan's
+    order). ``local``: (source box, destination box) of each copy between shards of
+    this rank. ``send_split``/``recv_split`` count elements per rank of the group;
+    ``send_span``/``recv_span`` say where the sent boxes (and the first destination of
+    each received box) lie back to back in one shard, so that they need no packing when
+    that shard is a contiguous tensor.
     """
 
-    local: np.ndarray
-    send: tuple[tuple[int, np.ndarray], ...]
-    recv: tuple[tuple[int, np.ndarray], ...]
-    fanout: dict[int, np.ndarray]
+    local: tuple[tuple[Index, Index], ...]
+    send: tuple[Peer, ...]
+    recv: tuple[Peer, ...]
+    fanout: tuple[tuple[Index, ...], ...]
     sent: int
-    at_src: dict[int, Index]
-    at_dst: dict[int, Index]
     send_split: tuple[int, ...]
     recv_split: tuple[int, ...]
     send_span: Span | None
     recv_span: Span | None
 
 
-@cached(512)
 def schedule(p: Plan, me: int, order: tuple[int, ...]) -> Schedule:
-    sr, dr = p.src_rank, p.dst_rank
-    local = np.flatnonzero((sr == me) & (dr == me))
-    cross = np.flatnonzero(sr != dr)
-    first, inverse = unique_rows(np.c_[p.src_shard[cross], dr[cross], p.lo[cross], p.size[cross]])
-    pieces = np.sort(cross[first])  # unique_rows keeps the earliest row of each group
-    position = np.zeros(int(max(sr.max(initial=0), dr.max(initial=0), max(order))) + 1, np.int64)
+    """Rank ``me``'s share of ``p`` (a plan without pending reductions: ``p.op`` unset and
+    no ``steps``), peers in the group order ``order``; cached on (layouts, rank, order)."""
+    if p.op is not None or p.steps or p.src.partial is not None or p.dst.partial is not None:
+        raise ValueError("schedule() runs plans without a reduction; see _reduce.reduce_schedule.")
+    return _schedule(p.src, p.dst, int(me), tuple(order))
+
+
+@cached(512)
+def _schedule(src: Layout, dst: Layout, me: int, order: tuple[int, ...]) -> Schedule:
+    rs = plan(src, dst).for_rank(me)
+    position = np.full(int(max(order, default=0)) + 1, -1, np.int64)
     position[list(order)] = np.arange(len(order))
-    send = _by_peer(pieces[sr[pieces] == me], dr, position)
-    recv = _by_peer(pieces[dr[pieces] == me], sr, position)
-    mine = cross[dr[cross] == me]
-    fanout = {int(rows[0]): rows for rows in _split_by(mine, inverse[dr[cross] == me])}
-    numel = p.numel
-    send_rows = np.concatenate([rows for _, rows in send]) if send else np.zeros(0, np.int64)
-    first_dst = np.array([fanout[k][0] for _, rows in recv for k in rows.tolist()], np.int64)
+    send, _ = _distinct(rs.send, position)
+    recv, fan = _distinct(rs.recv, position)
+    send_at = _at(src, rs.send.src_shard[send], rs.send.lo[send], rs.send.size[send])
+    every_at = _at(dst, rs.recv.dst_shard, rs.recv.lo, rs.recv.size)
+    recv_at = [every_at[k] for k in recv.tolist()]
+    local = rs.local
     return Schedule(
-        local=local,
-        send=send,
-        recv=recv,
-        fanout=fanout,
-        sent=int(sum(numel[rows].sum() for _, rows in send)),
-        at_src=_indices(p, send_rows, "src"),
-        at_dst=_indices(p, mine, "dst"),
-        send_split=_split(send, numel, position, len(order)),
-        recv_split=_split(recv, numel, position, len(order)),
-        send_span=_span(p, send_rows, "src"),
-        recv_span=_span(p, first_dst, "dst"),
+        local=tuple(
+            zip(
+                _at(src, local.src_shard, local.lo, local.size),
+                _at(dst, local.dst_shard, local.lo, local.size),
+            )
+        ),
+        send=_by_peer(rs.send.peer[send], send_at),
+        recv=_by_peer(rs.recv.peer[recv], recv_at),
+        fanout=tuple(tuple(every_at[k] for k in rows[1:]) for rows in fan),
+        sent=int(rs.send.numel[send].sum()),
+        send_split=_split(rs.send, send, position, len(order)),
+        recv_split=_split(rs.recv, recv, position, len(order)),
+        send_span=_span(src, rs.send.src_shard[send], rs.send.lo[send], rs.send.size[send]),
+        recv_span=_span(dst, rs.recv.dst_shard[recv], rs.recv.lo[recv], rs.recv.size[recv]),
     )
 
 
-def _side(p: Plan, side: str) -> tuple[Layout, np.ndarray]:
-    return (p.src, p.src_shard) if side == "src" else (p.dst, p.dst_shard)
+def _distinct(m: Moves, position: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
+    """The first row of each distinct (source shard, peer, box) of ``m``, peers in group order
+    (rows kept in order within a peer), and every row of each, first row first."""
+    if not len(m):
+        return np.zeros(0, np.int64), []
+    first, inverse = unique_rows(np.c_[m.src_shard, m.peer, m.lo, m.size])
+    rows = first[np.lexsort((first, position[m.peer[first]]))]
+    group = np.empty(len(first), np.int64)
+    group[inverse[rows]] = np.arange(len(rows))
+    members: list[list[int]] = [[] for _ in rows]
+    for k, g in enumerate(group[inverse].tolist()):
+        members[g].append(k)
+    return rows, members
 
 
-def _indices(p: Plan, rows: np.ndarray, side: str) -> dict[int, Index]:
-    """Each row's box as (shard, slices into that shard's tensor)."""
-    layout, shard = _side(p, side)
-    start = p.lo[rows] - layout._lo[shard[rows]]
-    stop = start + p.size[rows]
-    return {
-        k: (j, tuple(slice(a, b) for a, b in zip(lo, hi)))
-        for k, j, lo, hi in zip(rows.tolist(), shard[rows].tolist(), start.tolist(), stop.tolist())
-    }
+def _at(layout: Layout, shard: np.ndarray, lo: np.ndarray, size: np.ndarray) -> list[Index]:
+    """Each box as (shard, slices into that shard's tensor), built dim by dim (few Python objects)."""
+    start = lo - layout._lo[shard]
+    stop = start + size
+    if not layout.ndim:
+        return [(j, ()) for j in shard.tolist()]
+    per_dim = [map(slice, a.tolist(), b.tolist()) for a, b in zip(start.T, stop.T)]
+    return list(zip(shard.tolist(), zip(*per_dim)))
 
 
-def _split(by_peer: tuple[tuple[int, np.ndarray], ...], numel: np.ndarray, position: np.ndarray,
-           n: int) -> tuple[int, ...]:  # fmt: skip
+def _by_peer(peer: np.ndarray, at: list[Index]) -> tuple[Peer, ...]:
+    """Boxes grouped by their peer (consecutive runs: the rows are sorted by peer already)."""
+    if not peer.size:
+        return ()
+    starts = np.r_[0, np.flatnonzero(peer[1:] != peer[:-1]) + 1]
+    ends = np.r_[starts[1:], peer.size]
+    return tuple((r, tuple(at[a:b])) for r, a, b in zip(peer[starts].tolist(), starts.tolist(), ends.tolist()))
+
+
+def _split(m: Moves, rows: np.ndarray, position: np.ndarray, n: int) -> tuple[int, ...]:
     """Elements exchanged with each rank, in group order."""
-    out = [0] * n
-    for peer, rows in by_peer:
-        out[int(position[peer])] = int(numel[rows].sum())
-    return tuple(out)
+    out = np.zeros(n, np.int64)
+    np.add.at(out, position[m.peer[rows]], m.numel[rows])
+    return tuple(out.tolist())
 
 
-def _span(p: Plan, rows: np.ndarray, side: str) -> Span | None:
-    """(shard, first element, end) when the boxes of ``rows``, in order, are non-empty ranges
-    that follow each other in one shard stored contiguously (C order), else ``None``."""
-    layout, shard = _side(p, side)
-    if not rows.size or np.unique(shard[rows]).size != 1:
+def _span(layout: Layout, shard: np.ndarray, lo: np.ndarray, size: np.ndarray) -> Span | None:
+    """(shard, first element, end) when the boxes, in order, are non-empty ranges that follow
+    each other in one shard stored contiguously (C order), else ``None``."""
+    if not shard.size or np.unique(shard).size != 1:
         return None
-    j = int(shard[rows[0]])
-    sizes, size, lo = layout._sz[j], p.size[rows], p.lo[rows] - layout._lo[j]
+    j = int(shard[0])
+    sizes, lo = layout._sz[j], lo - layout._lo[j]
     if not (size > 0).all():
         return None
     if not sizes.size:  # a 0-d array: one box, its single element
-        return (j, 0, 1) if rows.size == 1 else None
-    # A range in C order: every extent before some dim is 1, every extent after it is whole.
-    big = size > 1
-    lead = np.argmax(big, axis=1)
-    after = np.arange(size.shape[1])[None, :] > lead[:, None]
-    if not (((size == sizes[None, :]) | ~after).all(axis=1) | ~big.any(axis=1)).all():
+        return (j, 0, 1) if shard.size == 1 else None
+    if not _ranges(size, sizes[None, :]).all():
         return None
     strides = np.ones(len(sizes), np.int64)
     for d in range(len(sizes) - 2, -1, -1):
@@ -132,41 +165,93 @@ def _span(p: Plan, rows: np.ndarray, side: str) -> Span | None:
     return j, int(starts[0]), int(starts[-1] + counts[-1])
 
 
-def _split_by(rows: np.ndarray, key: np.ndarray) -> list[np.ndarray]:
-    """``rows`` grouped by ``key`` (groups in key order, rows kept in order within a group)."""
-    o = np.argsort(key, kind="stable")
-    k = key[o]
-    return np.split(rows[o], np.flatnonzero(k[1:] != k[:-1]) + 1) if rows.size else []
-
-
-def _by_peer(rows: np.ndarray, peer: np.ndarray, position: np.ndarray) -> tuple[tuple[int, np.ndarray], ...]:
-    """``rows`` grouped by their peer rank, peers in group-rank order."""
-    return tuple((int(peer[g[0]]), g) for g in _split_by(rows, position[peer[rows]]))
-
-
-@cached(512)
-def all_contiguous(p: Plan) -> bool:
-    """Whether every box that crosses ranks is a contiguous range of its destination shard."""
-    rows = np.flatnonzero(p.src_rank != p.dst_rank)
-    if not rows.size or not p.dst.ndim:
-        return True
-    shape = p.dst._sz[p.dst_shard[rows]]
-    size = p.size[rows]
+def _ranges(size: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    """Whether each box of extents ``size`` is one range of a C-order tensor of ``shape``:
+    every extent before some dim is 1, every extent after it is whole."""
     big = size > 1
     lead = np.argmax(big, axis=1)
-    after = np.arange(p.dst.ndim)[None, :] > lead[:, None]
-    return bool((((size == shape) | ~after).all(axis=1) | ~big.any(axis=1)).all())
+    after = np.arange(size.shape[1])[None, :] > lead[:, None]
+    return ((size == shape) | ~after).all(axis=1) | ~big.any(axis=1)
+
+
+# -- choices that every rank makes alike, from the two layouts ----------------------------------
 
 
 @cached(512)
-def direct(p: Plan, itemsize: int) -> bool:
-    """Whether ``execute`` sends box by box: every received box lands in place, and the
-    boxes are few and large. Every rank computes the same answer from the same plan."""
-    pieces = p._crossing.size
-    if not pieces or p.elements_sent * itemsize < _DIRECT_MIN_BYTES * pieces:
+def all_contiguous(src: Layout, dst: Layout) -> bool:
+    """Whether every piece (source box meets destination box) is a contiguous range of its
+    destination shard, as far as the layouts show it (a sufficient condition).
+
+    A piece is such a range when it is whole in every dim after its first of extent over
+    1. Dims in which every source box, or every destination box, has extent 1 give every
+    piece extent 1; after the first other dim ``g``, a piece is whole in dim ``d`` when no
+    source box starts or ends strictly inside a destination box's extent in ``d`` (then
+    each source box that meets a destination box covers it in ``d``). Equal to reading
+    the rows for chunks along one dim, grids and replicas; it says no (staged) only where
+    a piece happens to have extent 1 in a dim where pieces may be longer.
+    """
+    si, di = index(src), index(dst)
+    if not len(si.lo) or not len(di.lo) or not src.ndim:
+        return True
+    single = ((si.hi - si.lo) <= 1).all(axis=0) | ((di.hi - di.lo) <= 1).all(axis=0)
+    g = int(np.argmin(single)) if not single.all() else src.ndim
+    for d in range(g + 1, src.ndim):
+        bounds = np.unique(np.r_[si.lo[:, d], si.hi[:, d]])
+        inside = np.searchsorted(bounds, di.hi[:, d], "left") - np.searchsorted(bounds, di.lo[:, d], "right")
+        if (inside > 0).any():
+            return False
+    return True
+
+
+@cached(512)
+def direct(src: Layout, dst: Layout, itemsize: int) -> bool:
+    """Whether ``execute`` sends box by box: every received box lands in place
+    (``all_contiguous``), and the boxes are large (each at least ``_DIRECT_MIN_BYTES``) and
+    few (at most ``_DIRECT_PIECES_PER_PAIR`` per pair of ranks). Every rank computes the
+    same answer from the layouts: ``min_elements_sent`` (closed form) for the elements
+    sent and ``smallest_piece`` for a lower bound on every box, so
+    ``elements / smallest`` bounds the number of boxes. The rows would give the mean box
+    size and the exact count: with boxes of unequal sizes this says no (all_to_all) more often.
+    """
+    sent = plan(src, dst).min_elements_sent
+    if not sent:
         return False
-    ranks = int(np.unique(np.r_[p.src._rank, p.dst._rank]).size)
-    return pieces <= _DIRECT_PIECES_PER_PAIR * ranks * ranks and all_contiguous(p)
+    small = smallest_piece(src, dst)
+    if small * itemsize < _DIRECT_MIN_BYTES:
+        return False
+    ranks = int(np.union1d(index(src).ranks, index(dst).ranks).size)
+    return sent <= _DIRECT_PIECES_PER_PAIR * ranks * ranks * small and all_contiguous(src, dst)
+
+
+def smallest_piece(src: Layout, dst: Layout) -> int:
+    """A lower bound on the elements of every piece (a source box meets a destination box):
+    the product over dims of the shortest overlap of a source extent with a destination
+    extent. 0 where a layout's distinct extents in a dim overlap each other (``Explicit``
+    boxes of unequal sizes): then the pairs are not O(boxes) to walk."""
+    si, di = index(src), index(dst)
+    out = 1
+    for d in range(src.ndim):
+        a, b = _intervals(si.lo[:, d], si.hi[:, d]), _intervals(di.lo[:, d], di.hi[:, d])
+        if a is None or b is None:
+            return 0
+        (alo, ahi), (blo, bhi) = a, b
+        first = np.searchsorted(bhi, alo, "right")  # b intervals that end after a starts ...
+        count = np.maximum(np.searchsorted(blo, ahi, "left") - first, 0)  # ... and start before it ends
+        row = np.repeat(np.arange(len(alo)), count)
+        k = first[row] + np.arange(row.size) - np.repeat(np.cumsum(count) - count, count)
+        overlap = np.minimum(ahi[row], bhi[k]) - np.maximum(alo[row], blo[k])
+        if not overlap.size:
+            return 0
+        out *= int(overlap.min())
+    return out
+
+
+def _intervals(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The distinct intervals ``[lo, hi)`` sorted, or ``None`` where two of them overlap."""
+    first, _ = unique_rows(np.c_[lo, hi])
+    o = np.lexsort((hi[first], lo[first]))
+    a, b = lo[first][o], hi[first][o]
+    return None if (b[:-1] > a[1:]).any() else (a, b)
 
 
 def has_alltoall(backend_name: str) -> bool:

@@ -9,8 +9,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fshard._plan import Plan
-
 from ..local import _POOL
 from ._reduce import all_to_all
 from ._schedule import Index, Schedule, Span
@@ -38,49 +36,49 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
-def p2p(
-    p: Plan,
-    sched: Schedule,
-    src: dict,
-    out: dict,
-    dtype: torch.dtype,
-    wire: torch.device,
-    group: Any,
-    local: Any,
-) -> None:
+def p2p(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any) -> None:
     """One message per box; sent from and received into the tensors where the box is contiguous.
 
-    ``local()`` (this rank's own copies) runs while the messages are in flight.
+    This rank's own copies (``sched.local``) run while the messages are in flight.
     """
     ops, staged = [], []
-    for peer, rows in sched.recv:
-        for tag, k in enumerate(rows.tolist()):
-            box = _view(out, sched.at_dst[k])
+    n = 0
+    for peer, boxes in sched.recv:
+        for tag, at in enumerate(boxes):
+            box = _view(out, at)
             if not (_contiguous(box) and box.device == wire):
-                staged.append((k, box, buf := empty(box.shape, dtype, wire)))
+                staged.append((n, box, buf := empty(box.shape, dtype, wire)))
                 box = buf
             else:
-                staged.append((k, None, box))
+                staged.append((n, None, box))
             ops.append(dist.P2POp(dist.irecv, _bytes(box), peer, group, tag))
-    for peer, rows in sched.send:
-        for tag, k in enumerate(rows.tolist()):
-            box = _view(src, sched.at_src[k])
+            n += 1
+    for peer, boxes in sched.send:
+        for tag, at in enumerate(boxes):
+            box = _view(src, at)
             if not (_contiguous(box) and box.device == wire):
                 box = empty(box.shape, dtype, wire).copy_(box)
             ops.append(dist.P2POp(dist.isend, _bytes(box), peer, group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
-    local()
+    copy_local(sched, src, out)
     for work in works:
         work.wait()
     for k, target, got in staged:
-        _fan_out(sched, k, got, out, skip_first=target is None)
+        if target is not None:
+            target.copy_(got)
+        _fan_out(sched, k, got, out)
 
 
-def _fan_out(sched: Schedule, k: int, got: torch.Tensor, out: dict, *, skip_first: bool) -> None:
-    """Copies a received box into every destination row that wants it (one per replica shard)."""
-    for n, row in enumerate(sched.fanout[k].tolist()):
-        if not (skip_first and n == 0):
-            _view(out, sched.at_dst[row]).copy_(got)
+def copy_local(sched: Schedule, src: dict, out: dict) -> None:
+    """This rank's copies between its own shards (``sched.local``: the schedule's local moves)."""
+    for read, write in sched.local:
+        _view(out, write).copy_(_view(src, read))
+
+
+def _fan_out(sched: Schedule, k: int, got: torch.Tensor, out: dict) -> None:
+    """Copies received box ``k`` into the other destination shards that want it (replicas on this rank)."""
+    for at in sched.fanout[k]:
+        _view(out, at).copy_(got)
 
 
 def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Tensor | None:
@@ -94,28 +92,19 @@ def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Ten
     return base.reshape(-1)[span[1] : span[2]]
 
 
-def alltoall(
-    p: Plan,
-    sched: Schedule,
-    src: dict,
-    out: dict,
-    dtype: torch.dtype,
-    wire: torch.device,
-    group: Any,
-    local: Any,
-) -> None:
+def alltoall(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any) -> None:
     """Packs every box per peer into one buffer and runs a single ``all_to_all_single``.
 
-    Boxes already back to back in one tensor are sent or received in place; ``local()``
-    (this rank's own copies) runs while the collective is in flight.
+    Boxes already back to back in one tensor are sent or received in place; this rank's
+    own copies (``sched.local``) run while the collective is in flight.
     """
     sendbuf = _in_place(sched.send_span, src, wire)
     if sendbuf is None:
         sendbuf = empty((sum(sched.send_split),), dtype, wire)
         at = 0
-        for _, rows in sched.send:
-            for k in rows.tolist():
-                box = _view(src, sched.at_src[k])
+        for _, boxes in sched.send:
+            for where in boxes:
+                box = _view(src, where)
                 sendbuf[at : at + box.numel()].view(box.shape).copy_(box)
                 at += box.numel()
     recvbuf = _in_place(sched.recv_span, out, wire)
@@ -123,12 +112,15 @@ def alltoall(
     if staged:
         recvbuf = empty((sum(sched.recv_split),), dtype, wire)
     work = all_to_all(recvbuf, sendbuf, sched.recv_split, sched.send_split, group)
-    local()
+    copy_local(sched, src, out)
     work.wait()
-    at = 0
-    for _, rows in sched.recv:
-        for k in rows.tolist():
-            shape = tuple(s.stop - s.start for s in sched.at_dst[k][1])
+    at, k = 0, 0
+    for _, boxes in sched.recv:
+        for where in boxes:
+            shape = tuple(s.stop - s.start for s in where[1])
             n = math.prod(shape)
-            _fan_out(sched, k, recvbuf[at : at + n].view(shape), out, skip_first=not staged)
-            at += n
+            got = recvbuf[at : at + n].view(shape)
+            if staged:
+                _view(out, where).copy_(got)
+            _fan_out(sched, k, got, out)
+            at, k = at + n, k + 1
