@@ -7,6 +7,8 @@ import math
 import os
 from typing import Any
 
+from fshard._errors import SpecError
+
 __all__ = ["Config", "config", "current", "parse_bool_env"]
 
 # Spellings the environment variables accept, case-insensitively (an empty value is unset).
@@ -55,7 +57,7 @@ class Config:
     Raises:
         TypeError: a setting of the wrong type (``check_collectives`` takes only a
             real ``bool``: the string ``"false"`` is refused, not read as true).
-        ValueError: ``check_timeout`` is not positive and finite.
+        SpecError: ``check_timeout`` is not positive and finite (a ``ValueError``).
     """
 
     check_collectives: bool = False
@@ -78,7 +80,7 @@ def _check_seconds(name: str, value: Any) -> None:
         msg = f"fshard setting {name}={value!r} is a {type(value).__name__}: give a number of seconds, such as 60.0."
         raise TypeError(msg)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"fshard setting {name}={value!r}: give a positive, finite number of seconds, such as 60.0.")
+        raise SpecError(f"fshard setting {name}={value!r}: give a positive, finite number of seconds, such as 60.0.")
 
 
 _current = Config(check_collectives=parse_bool_env("FSHARD_CHECK", os.environ.get("FSHARD_CHECK")))
@@ -94,7 +96,7 @@ def config(**changes: Any) -> Config:
 
     Raises:
         TypeError: an unknown setting, or a value of the wrong type.
-        ValueError: a value out of range (a ``check_timeout`` that is not positive).
+        SpecError: a value out of range (a ``check_timeout`` that is not positive); a ``ValueError``.
 
     >>> import fshard
     >>> old = fshard.config(check_collectives=True, check_timeout=5.0)

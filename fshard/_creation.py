@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +12,8 @@ import torch
 
 from fshard import _random
 from fshard._array import ShardedArray, empty_link
-from fshard._layout import Layout, ShardMeta, check_shape
+from fshard._errors import LayoutError, SpecError
+from fshard._layout import MAX_EXTENT, Layout, ShardMeta, check_shape
 from fshard._ops import resolve_backend
 from fshard._placement import Placement
 from fshard._specs import as_layout
@@ -45,24 +48,81 @@ def parse_shape(shape: tuple[Any, ...]) -> tuple[int, ...]:
 def _on_device(layout: Layout, device: Any) -> Layout:
     if device is None:
         return layout
-    dev = str(torch.device(device))
+    try:
+        dev = str(torch.device(device))
+    except (TypeError, RuntimeError) as exc:
+        raise SpecError(f"device={device!r} is not a torch device such as 'cpu' or 'cuda:0'.") from exc
     shards = tuple(dataclasses.replace(s, placement=Placement(s.placement.rank, dev)) for s in layout.shards)
     return Layout(layout.shape, shards)
 
 
+def check_dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype`` itself (``None`` or a ``torch.dtype``), else ``TypeError``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r} ({type(dtype).__name__}).")
+
+
+def _check_grad(requires_grad: Any, dtype: torch.dtype) -> None:
+    if type(requires_grad) is not bool:
+        kind = type(requires_grad).__name__
+        raise TypeError(f"requires_grad must be True or False, got {requires_grad!r} ({kind}).")
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"requires_grad=True needs a floating point or complex dtype, got {dtype}.")
+
+
+def _check_sizes(layout: Layout, index: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raises ``LayoutError`` for a shard too large for one tensor (more than 2**63 - 1 bytes)."""
+    for i in index:
+        sizes = layout.shards[i].sizes
+        if math.prod(sizes) * dtype.itemsize > MAX_EXTENT:
+            msg = (
+                f"shape {layout.shape} gives shard {i} sizes {sizes}: more than 2**63 - 1 bytes of {dtype}, "
+                "the most one tensor holds. Use a smaller shape or more shards."
+            )
+            raise LayoutError(msg)
+
+
 def _create(
-    spec: Any, shape: tuple[Any, ...], fill: Fill, dtype: Any, device: Any, requires_grad: bool, backend: Backend | None
+    spec: Any, shape: tuple[Any, ...], fill: Fill, dtype: Any, device: Any, requires_grad: Any, backend: Backend | None
 ) -> ShardedArray:
+    dtype = check_dtype(dtype) or torch.get_default_dtype()
+    _check_grad(requires_grad, dtype)
     backend = resolve_backend(backend)
     layout = _on_device(as_layout(spec, parse_shape(shape)), device)
     backend.check_layout(layout)
-    dtype = dtype or torch.get_default_dtype()
+    index = backend.addressable(layout)
+    _check_sizes(layout, index, dtype)
     data = []
-    for i in backend.addressable(layout):
+    for i in index:
         meta = layout.shards[i]
         t = fill(meta, dtype, torch.device(meta.placement.device))
         data.append(t.requires_grad_(requires_grad) if requires_grad else t)
     return ShardedArray(layout, data, backend, dtype, None if data else empty_link(dtype, requires_grad))
+
+
+def _check_fill(fill_value: Any, dtype: Any) -> None:
+    """Raises unless ``fill_value`` is a number that ``dtype`` (default: torch's) can hold."""
+    dtype = check_dtype(dtype) or torch.get_default_dtype()
+    try:
+        torch.full((), fill_value, dtype=dtype)
+    except TypeError as exc:
+        kind = type(fill_value).__name__
+        raise TypeError(f"fill_value must be a number, got {fill_value!r} ({kind}).") from exc
+    except (RuntimeError, OverflowError) as exc:
+        raise SpecError(f"fill_value={fill_value!r} does not fit dtype {dtype}: give a value in its range.") from exc
+
+
+def _seed(seed: Any) -> int:
+    """``seed`` as an int (``None``: one drawn from torch's default generator)."""
+    if seed is None:
+        return _random.draw_seed()
+    if not isinstance(seed, bool):
+        try:
+            return operator.index(seed)
+        except TypeError:
+            pass
+    raise TypeError(f"seed must be an int or None, got {seed!r} ({type(seed).__name__}).")
 
 
 def _const(make: Callable[..., torch.Tensor], *args: Any) -> Fill:
@@ -139,6 +199,7 @@ def full(
     >>> fshard.gather(x).tolist()
     [[7, 7], [7, 7]]
     """
+    _check_fill(fill_value, dtype)
     return _create(spec, shape, _const(torch.full, fill_value), dtype, device, requires_grad, backend)
 
 
@@ -163,7 +224,7 @@ def rand(
     >>> torch.equal(fshard.gather(a), fshard.gather(b))
     True
     """
-    s = _random.draw_seed() if seed is None else int(seed)
+    s = _seed(seed)
     gshape = parse_shape(shape)
     fill: Fill = lambda m, dt, dev: _random.box_uniform(s, gshape, m.offsets, m.sizes, dt, dev)  # noqa: E731
     return _create(spec, shape, fill, dtype, device, requires_grad, backend)
@@ -185,7 +246,7 @@ def randn(
     >>> torch.equal(a.addressable_shards[0].data, a.addressable_shards[1].data)
     True
     """
-    s = _random.draw_seed() if seed is None else int(seed)
+    s = _seed(seed)
     gshape = parse_shape(shape)
     fill: Fill = lambda m, dt, dev: _random.box_normal(s, gshape, m.offsets, m.sizes, dt, dev)  # noqa: E731
     return _create(spec, shape, fill, dtype, device, requires_grad, backend)
@@ -198,10 +259,12 @@ def _like(
         from fshard._interop import from_sharded_tensor
 
         array = from_sharded_tensor(array)
+    if not isinstance(array, ShardedArray):
+        raise TypeError(f"{maker.__name__}_like() takes a ShardedArray, got {type(array).__name__}.")
     return maker(
         array.layout,
         array.layout.shape,
-        dtype=dtype or array.dtype,
+        dtype=check_dtype(dtype) or array.dtype,
         requires_grad=requires_grad,
         backend=array.backend,
         **kw,

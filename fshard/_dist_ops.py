@@ -7,7 +7,7 @@ rank (naming the ranks and shards) instead of leaving some ranks waiting.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -16,7 +16,8 @@ from fshard._array import Shard, ShardedArray, empty_link
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, check_shape
 from fshard._placement import Placement
-from fshard._specs import as_layout
+from fshard._specs import as_layout, is_spec
+from fshard._torch_meta import is_torch_spec
 from fshard.backends import Backend, default_backend
 
 __all__ = ["check_pieces", "from_local_shards", "from_local_tensor"]
@@ -48,9 +49,14 @@ class Report(NamedTuple):
     problems: tuple[str, ...]
 
 
-def _backend(group: Any) -> Backend:
+def _backend(group: Any, what: str) -> Backend:
     if group is None:
         return default_backend()
+    import torch.distributed as dist
+
+    outside = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER  # new_group() off its ranks
+    if not (outside or isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{what} group= takes a torch.distributed ProcessGroup or None, got {type(group).__name__}.")
     from fshard.backends.torch_dist import TorchDistBackend
 
     return TorchDistBackend(group)
@@ -76,11 +82,19 @@ def _describe(shards: Any, shape: Any, rank: int | None) -> Report:
                 f"shard {s.meta._box()} names rank {p.rank}, but rank {rank} passed it: "
                 "a rank passes only its own shards"
             )
+        if t.layout != torch.strided:
+            problems.append(f"shard {s.meta._box()} has layout {t.layout}; only torch.strided tensors can be sharded")
         if torch.device(p.device) != t.device:
             problems.append(
                 f"shard {s.meta._box()} has its tensor on {t.device}, not on its placement's device {p.device}"
             )
     return Report(rank, gshape, tuple(pieces), tuple(problems))
+
+
+def _sequence(shards: Any) -> list[Any]:
+    if isinstance(shards, (Shard, torch.Tensor, str, bytes)) or not isinstance(shards, Iterable):
+        raise TypeError(f"from_local_shards() takes a sequence of fshard.Shard, got {type(shards).__name__}.")
+    return list(shards)
 
 
 def _pinned(t: torch.Tensor) -> bool:
@@ -154,16 +168,16 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
 
     Raises:
         LayoutError: overlapping boxes, gaps, boxes outside ``shape``, ranks that pass
-            different shapes, shards on another rank or device, or dtype, device type,
+            different shapes, shards on another rank or device, sparse shards, or dtype, device type,
             requires_grad, pin-memory or tensor-layout mismatches between shards.
-        TypeError: an item is not a ``Shard``.
+        TypeError: ``shards`` is not a sequence of ``Shard``, or ``group`` not a process group.
 
     >>> import torch, fshard
     >>> parts = [fshard.Shard(fshard.ShardMeta((2 * r, 0), (2, 3), r), torch.full((2, 3), r)) for r in range(2)]
     >>> fshard.gather(fshard.from_local_shards(parts, (4, 3)))[:, 0].tolist()
     [0, 0, 1, 1]
     """
-    backend, shards = _backend(group), list(shards)
+    backend, shards = _backend(group, "from_local_shards()"), _sequence(shards)
     reports = backend.exchange(_describe(shards, shape, backend.rank))
     bad = [_at(r.rank, p) for r in reports for p in r.problems if "not an fshard.Shard" in p]
     if bad:
@@ -211,15 +225,19 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
             contiguous ("not a contiguous Tensor").
         LayoutError: a local tensor does not have its shard's sizes, or a rank passes
             more or fewer tensors than it holds shards.
-        TypeError: ``tensor`` is not a ``torch.Tensor``.
+        TypeError: ``tensor`` is not a ``torch.Tensor``, ``dim`` neither an int nor a spec,
+            or ``group`` not a process group.
     """
     if not isinstance(dim, int) or isinstance(dim, bool):
-        return _from_local_tensor_and_spec(tensor, dim, shape, _backend(group))
+        if not (is_spec(dim) or is_torch_spec(dim)):
+            msg = f"from_local_tensor() dim must be an int, or a spec with the global shape, got {dim!r}."
+            raise TypeError(msg)
+        return _from_local_tensor_and_spec(tensor, dim, shape, _backend(group, "from_local_tensor()"))
     if shape is not None:
         raise TypeError(f"from_local_tensor(tensor, dim={dim}) takes no shape; shape goes with a spec.")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"from_local_tensor() takes a torch.Tensor, got {type(tensor).__name__}.")
-    backend = _backend(group)
+    backend = _backend(group, "from_local_tensor()")
     info = (backend.rank or 0, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, str(tensor.device))
     seen = backend.exchange(info)
     ndims = {len(s[1]) for s in seen}

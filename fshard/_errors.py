@@ -28,7 +28,7 @@ class LayoutError(FShardError, ValueError):
 
 
 class SpecError(FShardError, ValueError):
-    """A sharding spec or placement is malformed or does not fit the array."""
+    """A sharding spec, a placement or another argument's value is malformed or does not fit the array."""
 
     __module__ = "fshard"
 

@@ -31,6 +31,11 @@ __all__ = [
 ]
 
 
+def _check_array(array: Any, what: str) -> None:
+    if not isinstance(array, ShardedArray):
+        raise TypeError(f"{what} takes a ShardedArray, got {type(array).__name__}.")
+
+
 def _dist_backend(array: ShardedArray, what: str) -> Any:
     backend = array.backend
     if getattr(backend, "rank", None) is None or not hasattr(backend, "group"):
@@ -66,6 +71,7 @@ def to_sharded_tensor(array: ShardedArray) -> Any:
     as ``ChunkShardingSpec`` does) moves to the end of the dim it is empty in.
 
     Raises:
+        TypeError: ``array`` is not a ``ShardedArray``.
         SpecError: the array is not on the torch_dist backend, its layout has replicas,
             or it holds a pending reduction (``fshard.Partial``).
 
@@ -82,6 +88,7 @@ def to_sharded_tensor(array: ShardedArray) -> Any:
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torch.distributed._shard.sharded_tensor.shard import Shard as TorchShard
 
+    _check_array(array, "to_sharded_tensor()")
     _check_not_partial(array, "to_sharded_tensor()", "which a ShardedTensor cannot hold")
     backend = _dist_backend(array, "to_sharded_tensor()")
     layout = array.layout
@@ -124,6 +131,7 @@ def from_sharded_tensor(st: Any) -> ShardedArray:
     """A ``ShardedArray`` with the ShardedTensor's layout, local shards and process group.
 
     Raises:
+        TypeError: ``st`` is not a ``ShardedTensor``.
         LayoutError: the metadata names RPC workers instead of ranks.
 
     >>> import torch, torch.distributed as dist, fshard
@@ -136,6 +144,8 @@ def from_sharded_tensor(st: Any) -> ShardedArray:
     (True, 8.0)
     >>> dist.destroy_process_group()
     """
+    if not is_sharded_tensor(st):
+        raise TypeError(f"from_sharded_tensor() takes a torch ShardedTensor, got {type(st).__name__}.")
     layout = Layout.from_torch_metadata(st.metadata())
     shards = [Shard(_shard_meta(s.metadata), s.tensor) for s in st.local_shards()]
     return from_local_shards_and_layout(shards, layout, backend=_torch_dist_backend(st._process_group))
@@ -177,13 +187,18 @@ def _fshard_mesh(device_mesh: Any, devices: Sequence[str] | None = None) -> Mesh
     return Mesh(tuple(device_mesh.mesh.shape), ranks=places, axis_names=tuple(names) if names else None)
 
 
+def _check_mesh(mesh: Any) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, (Mesh, DeviceMesh)):
+        raise SpecError(f"to_dtensor() needs an fshard.Mesh or a torch DeviceMesh, got {type(mesh).__name__}.")
+
+
 def _device_mesh(mesh: Any, array: ShardedArray) -> tuple[Any, Mesh]:
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(mesh, DeviceMesh):
         return mesh, _fshard_mesh(mesh)
-    if not isinstance(mesh, Mesh):
-        raise SpecError(f"to_dtensor() needs an fshard.Mesh or a torch DeviceMesh, got {type(mesh).__name__}.")
     import torch.distributed as dist
 
     world = dist.group.WORLD
@@ -239,9 +254,10 @@ def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
     creates sub-groups); later calls reuse it.
 
     Raises:
-        SpecError: the array is not on the torch_dist backend, holds a pending reduction
-            (``fshard.Partial``), or DTensor cannot express its layout on the mesh
-            (arbitrary boxes, several boxes per rank).
+        TypeError: ``array`` is not a ``ShardedArray``.
+        SpecError: ``mesh`` is neither an ``fshard.Mesh`` nor a ``DeviceMesh``, the array is
+            not on the torch_dist backend, holds a pending reduction (``fshard.Partial``), or
+            DTensor cannot express its layout on the mesh (arbitrary boxes, several boxes per rank).
 
     >>> import torch, torch.distributed as dist, fshard
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -252,7 +268,9 @@ def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
     ((Replicate(),), [0.0, 1.0, 2.0, 3.0])
     >>> dist.destroy_process_group()
     """
+    _check_array(array, "to_dtensor()")
     _check_not_partial(array, "to_dtensor()", "which to_dtensor() does not convert")
+    _check_mesh(mesh)
     backend = _dist_backend(array, "to_dtensor()")
     from torch.distributed.tensor import DTensor
 
@@ -295,6 +313,7 @@ def from_dtensor(dt: Any) -> ShardedArray:
     """A ``ShardedArray`` laid out as the DTensor (``fshard.Named`` on its mesh), sharing its local tensor.
 
     Raises:
+        TypeError: ``dt`` is not a ``DTensor``.
         SpecError: a ``Partial`` placement (the message gives the ``redistribute``
             call that fixes it) or another placement than ``Shard``/``Replicate``.
 
@@ -308,6 +327,8 @@ def from_dtensor(dt: Any) -> ShardedArray:
     (True, [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]])
     >>> dist.destroy_process_group()
     """
+    if not _is_dtensor(dt):
+        raise TypeError(f"from_dtensor() takes a torch DTensor, got {type(dt).__name__}.")
     _check_placements(dt)
     device_mesh = dt.device_mesh
     backend = _torch_dist_backend(_mesh_group(device_mesh))
@@ -321,6 +342,12 @@ def from_dtensor(dt: Any) -> ShardedArray:
     layout = Named(mesh, _partition(mesh, choice, dt.ndim)).layout(tuple(dt.shape))
     shards = [Shard(layout.shards[i], local) for i in backend.addressable(layout)]
     return from_local_shards_and_layout(shards, layout, backend=backend)
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _mesh_group(device_mesh: Any) -> Any:

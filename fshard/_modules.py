@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fshard._array import ShardedArray
+from fshard._errors import CheckpointError
 from fshard._ops import gather, reshard, shard
 from fshard._torch_meta import is_sharded_tensor
 from fshard.backends import Backend
@@ -52,6 +53,8 @@ def shard_params(
     >>> [tuple(s.data.shape) for s in params["weight"].addressable_shards]
     [(2, 4), (1, 4)]
     """
+    if spec_fn is not None and not callable(spec_fn):
+        raise TypeError(f"shard_params() spec_fn must be a function of (name, value) or None, got {spec_fn!r}.")
     spec_of = _keep if spec_fn is None else spec_fn
     return {name: _entry(name, value, spec_of, backend) for name, value in _state(module_or_state_dict).items()}
 
@@ -118,7 +121,11 @@ def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict:
         torch's ``(missing_keys, unexpected_keys)`` result.
 
     Raises:
-        RuntimeError: from torch, for missing or unexpected keys (``strict``) or shape mismatches.
+        TypeError: ``module`` is not a ``torch.nn.Module``, ``tree`` not a mapping, or
+            ``strict`` not a bool.
+        CheckpointError: the tree does not fit the module: missing or unexpected keys
+            (``strict``) or shape mismatches, with torch's message (a ``RuntimeError``, as
+            torch raises).
 
     >>> import tempfile, torch, fshard
     >>> torch.manual_seed(0) and None
@@ -133,15 +140,25 @@ def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict:
     >>> torch.equal(fresh.weight, model.weight)
     True
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"load_state_dict() takes a torch.nn.Module, got {type(module).__name__}.")
     if not isinstance(tree, Mapping):
         raise TypeError(f"load_state_dict() takes a mapping of names to arrays or tensors, got {type(tree).__name__}.")
+    if type(strict) is not bool:
+        raise TypeError(f"load_state_dict() strict must be True or False, got {strict!r}.")
+    bad = [k for k in tree if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"load_state_dict() tree keys must be str names, got {bad[0]!r} ({type(bad[0]).__name__}).")
     known = module.state_dict().keys()
     rest = {}
     for name, value in tree.items():
         if name in known or not _set_sharded_attribute(module, name, value):
             rest[name] = value
     full = {name: gather(v) if isinstance(v, ShardedArray) else v for name, v in rest.items()}
-    return module.load_state_dict(full, strict=strict)
+    try:
+        return module.load_state_dict(full, strict=strict)
+    except RuntimeError as exc:
+        raise CheckpointError(f"load_state_dict() tree does not fit the {type(module).__name__}: {exc}") from exc
 
 
 def _set_sharded_attribute(module: torch.nn.Module, name: str, value: Any) -> bool:

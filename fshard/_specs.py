@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -23,6 +23,7 @@ from fshard._torch_meta import (
 )
 
 __all__ = [
+    "MAX_MESH_SIZE",
     "Chunk",
     "Explicit",
     "Mesh",
@@ -33,6 +34,7 @@ __all__ = [
     "Spec",
     "SpecLike",
     "as_layout",
+    "is_spec",
 ]
 
 
@@ -45,13 +47,30 @@ def _set(obj: object, **fields: Any) -> None:
         object.__setattr__(obj, name, value)
 
 
+def _items(values: Any, what: str, expected: str = "a list or tuple") -> tuple[Any, ...]:
+    """``values`` as a tuple, or ``SpecError`` naming ``what`` when it is not a collection of items."""
+    if not isinstance(values, (str, bytes, bytearray, Mapping)):
+        try:
+            items = iter(values)
+        except TypeError:
+            pass
+        else:
+            return tuple(items)
+    raise SpecError(f"{what} must be {expected}, got {values!r} ({type(values).__name__}).")
+
+
 def _placements(values: Placements, what: str) -> tuple[Placement, ...]:
     if isinstance(values, (str, int, Placement)):
         values = [values]
-    out = tuple(as_placement(v) for v in values)
+    out = tuple(as_placement(v) for v in _items(values, f"{what} placements", "a placement or a list of them"))
     if not out:
         raise SpecError(f"{what} needs at least one placement, got none.")
     return out
+
+
+def is_spec(value: Any) -> bool:
+    """True for a ``Layout`` or a spec: a value with a ``layout(shape)`` method."""
+    return isinstance(value, Layout) or callable(getattr(value, "layout", None))
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
@@ -153,7 +172,7 @@ class Explicit:
         if is_torch_spec(shards):
             msg = f"Explicit() takes a list of boxes, got torch's {type(shards).__name__}: pass its .shards."
             raise SpecError(msg)
-        _set(self, shards=as_metas(_box(s, k) for k, s in enumerate(shards)))
+        _set(self, shards=as_metas(_box(s, k) for k, s in enumerate(_items(shards, "Explicit() shards"))))
 
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec."""
@@ -176,6 +195,8 @@ def _box(shard: Any, k: int) -> ShardMetaLike:
 
 
 _DEFAULT_AXES = ("x", "y", "z")
+# The most positions a Mesh without explicit ranks may have (one Placement each).
+MAX_MESH_SIZE = 2**20
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -185,7 +206,7 @@ class Mesh:
     Args:
         shape: the grid's extent along each axis.
         ranks: the placements in row-major grid order, flat or nested like the grid
-            (default: ranks ``0 .. prod(shape) - 1`` on cpu).
+            (default: ranks ``0 .. prod(shape) - 1`` on cpu, for at most ``MAX_MESH_SIZE`` of them).
         axis_names: one distinct name per axis (default ``("x", "y", "z", "axis3", ...)``).
 
     >>> Mesh((2, 2)).axis_names
@@ -201,16 +222,21 @@ class Mesh:
     def __init__(self, shape: Iterable[int], ranks: Any = None, axis_names: Iterable[str] | None = None) -> None:
         shape = check_shape(shape, "Mesh shape")
         size = math.prod(shape)
-        flat = range(size) if ranks is None else np.asarray(ranks, dtype=object).ravel().tolist()
-        placements = tuple(as_placement(r) for r in flat)
-        if len(placements) != size:
-            msg = f"Mesh of shape {shape} needs {size} placements, got {len(placements)}."
+        if ranks is None and size > MAX_MESH_SIZE:
+            msg = f"Mesh of shape {shape} has {size} positions; give ranks= or at most {MAX_MESH_SIZE} positions."
             raise SpecError(msg)
+        flat = range(size) if ranks is None else _flat_ranks(ranks)
+        if len(flat) != size:
+            msg = f"Mesh of shape {shape} needs {size} placements, got {len(flat)}. Give ranks= one per position."
+            raise SpecError(msg)
+        placements = tuple(as_placement(r) for r in flat)
         if len(set(placements)) != size:
             raise SpecError(f"Mesh placements must be distinct, got {[str(p) for p in placements]}.")
         if axis_names is None:
             axis_names = _DEFAULT_AXES[: len(shape)] + tuple(f"axis{i}" for i in range(3, len(shape)))
-        names = tuple(axis_names)
+        names = _items(axis_names, "Mesh axis_names")
+        if not all(isinstance(n, str) for n in names):
+            raise SpecError(f"Mesh axis names must be str, such as 'x', got {names}.")
         if len(names) != len(shape) or len(set(names)) != len(names):
             msg = f"Mesh of shape {shape} needs {len(shape)} distinct axis names, got {names}."
             raise SpecError(msg)
@@ -221,6 +247,15 @@ class Mesh:
         if name not in self.axis_names:
             raise SpecError(f"Mesh has no axis {name!r}; its axes are {self.axis_names}.")
         return self.axis_names.index(name)
+
+
+def _flat_ranks(ranks: Any) -> list[Any]:
+    """Mesh ``ranks``, flat or nested like the grid (lists, arrays, tensors), as one flat list."""
+    try:
+        return np.asarray(ranks, dtype=object).ravel().tolist()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        msg = f"Mesh ranks= must hold placements, flat or nested like the grid, got {type(ranks).__name__}: {exc}"
+        raise SpecError(msg) from exc
 
 
 PartitionEntry = Union[str, tuple[str, ...], None]
@@ -245,7 +280,7 @@ class Named:
     def __init__(self, mesh: Mesh, partition: Iterable[Any]) -> None:
         if not isinstance(mesh, Mesh):
             raise SpecError(f"Named needs a Mesh, got {type(mesh).__name__}.")
-        parts = tuple(_entry(p) for p in partition)
+        parts = tuple(_entry(p) for p in _items(partition, "Named partition"))
         used = [a for p in parts if p is not None for a in ((p,) if isinstance(p, str) else p)]
         for a in used:
             mesh.axis(a)
@@ -320,7 +355,7 @@ class Partial:
     def __init__(self, spec: Any, op: str = "sum") -> None:
         if isinstance(spec, Partial) or (isinstance(spec, Layout) and spec.partial is not None):
             raise SpecError(f"Partial() takes a non-partial spec, got {spec!r}: pending reductions do not nest.")
-        if not hasattr(spec, "layout") and not isinstance(spec, Layout):
+        if not is_spec(spec):
             msg = f"Partial() takes a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got {spec!r}."
             raise SpecError(msg)
         if op not in REDUCE_OPS:
@@ -357,7 +392,7 @@ def as_layout(spec: Any, shape: Sequence[int]) -> Layout:
         spec = from_torch_spec(spec)
         if not hasattr(spec, "layout"):  # another ShardingSpec subclass: torch lays it out
             return layout_of_torch_spec(spec, shape)
-    if not hasattr(spec, "layout"):
+    if not is_spec(spec):
         msg = f"Expected a spec (Chunk, Named, Replicated, Single, Explicit, Partial) or a Layout, got {spec!r}."
         raise SpecError(msg)
     try:

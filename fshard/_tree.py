@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import optree
 import torch
 
 from fshard._array import ShardedArray
+from fshard._errors import SpecError
 from fshard._layout import with_partial
 
 __all__ = ["clip_grad_norm", "global_norm"]
@@ -35,7 +38,7 @@ def global_norm(tree: Any) -> torch.Tensor:
             value = leaf if leaf.layout.partial is None else _reduced(leaf)
             square = _gather_scalar((value * value).sum())
         elif isinstance(leaf, torch.Tensor):
-            square = leaf.pow(2).sum()
+            square = _stored(leaf).pow(2).sum()
         else:
             continue
         total = square if total is None else total + square
@@ -51,6 +54,10 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
     the scale ``min(1, max_norm / (norm + eps))`` is computed once over the whole tree
     and is the same on every rank, so replicas stay equal.
 
+    Raises:
+        TypeError: ``max_norm`` or ``eps`` is not a real number.
+        SpecError: ``max_norm`` or ``eps`` is negative, infinite or NaN.
+
     >>> import torch, fshard
     >>> g = fshard.shard(torch.full((4,), 3.0), fshard.Chunk(0, [0, 1]))
     >>> clipped, norm = fshard.clip_grad_norm({"g": g}, max_norm=1.0)
@@ -59,6 +66,8 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
     """
     from fshard._ops import map_local
 
+    _check_bound("max_norm", max_norm)
+    _check_bound("eps", eps)
     norm = global_norm(tree)
     scale = torch.clamp(max_norm / (norm + eps), max=1.0).detach()
 
@@ -70,6 +79,21 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
         return leaf
 
     return optree.tree_map(clip, tree, is_leaf=lambda x: isinstance(x, ShardedArray)), norm
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """The values ``t`` stores, each element once: all of a dense tensor, the non-zeros of a sparse one."""
+    if t.layout == torch.strided:
+        return t
+    return t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
+
+
+def _check_bound(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"clip_grad_norm() {name} must be a real number, got {value!r} ({type(value).__name__}).")
+    number = float(value)
+    if not (math.isfinite(number) and number >= 0):
+        raise SpecError(f"clip_grad_norm() {name}={value!r}: give a finite number of at least 0.")
 
 
 def _reduced(x: ShardedArray) -> ShardedArray:

@@ -15,13 +15,17 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 import numpy as np
 
+from fshard._errors import SpecError
+
 if TYPE_CHECKING:
     from fshard._layout import Layout
 
-__all__ = ["Picture", "draw", "visualize"]
+__all__ = ["MAX_WIDTH", "Picture", "draw", "visualize"]
 
 ColorMode = Union[bool, Literal["auto"]]
 
+# The widest picture drawn, in characters: the canvas is width x height cells.
+MAX_WIDTH = 1000
 _MAX_CUTS = 24
 _CELL = 2.5  # a terminal character is about this many times as tall as it is wide
 _PALETTE = (
@@ -43,14 +47,22 @@ class Picture:
 
 
 def visualize(layout: Layout, width: int = 60, color: ColorMode = False) -> str:
-    """The picture of ``layout`` at most about ``width`` characters wide; see ``Layout.visualize``."""
+    """The picture of ``layout``, at most about ``width`` characters wide; see ``Layout.visualize``.
+
+    Raises:
+        SpecError: a ``width`` that is not an int from 4 to ``MAX_WIDTH``, or a ``color`` that is
+            not ``True``, ``False`` or ``"auto"`` (a ``ValueError``).
+    """
     return paint(draw(layout, width), color)
 
 
 def draw(layout: Layout, width: int = 60) -> Picture:
     """The picture of ``layout``: a to-scale drawing where one fits, else a summary."""
-    if not isinstance(width, int) or isinstance(width, bool) or width < 4:
-        raise ValueError(f"visualize() width must be an int of at least 4 characters, got {width!r}.")
+    if not isinstance(width, int) or isinstance(width, bool) or not 4 <= width <= MAX_WIDTH:
+        msg = f"visualize() width must be an int of at least 4 characters, got {width!r}."
+        if isinstance(width, int) and width > MAX_WIDTH:
+            msg = f"visualize() width must be at most {MAX_WIDTH} characters, got {width!r}."
+        raise SpecError(msg)
     if 0 in layout.shape:
         ranks = " ".join(_label(layout, i) for i in range(len(layout.shards)))
         return Picture((f"<empty layout of shape {layout.shape}: no elements; shards on {ranks or 'no rank'}>",))
@@ -216,8 +228,8 @@ def paint(picture: Picture, color: ColorMode) -> str:
     ``True`` colours with ANSI codes; ``"auto"`` only when standard output is a terminal
     that takes colour (``NO_COLOR`` unset). Both need ``rich``; without it the text is plain.
     """
-    if color not in (True, False, "auto"):
-        raise ValueError(f"visualize() color must be True, False or 'auto', got {color!r}.")
+    if not (isinstance(color, bool) or (isinstance(color, str) and color == "auto")):
+        raise SpecError(f"visualize() color must be True, False or 'auto', got {color!r}.")
     if color is False or not picture.fills:
         return picture.text
     try:

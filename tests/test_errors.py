@@ -7,6 +7,7 @@ Messages name the offending value and say what would be valid (DESIGN.md section
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import optree
@@ -24,7 +25,9 @@ from fshard import (
     LayoutError,
     Mesh,
     Named,
+    Partial,
     Placement,
+    Replicated,
     Shard,
     ShardedArray,
     ShardMeta,
@@ -273,7 +276,7 @@ CASES = [
     pytest.param(
         lambda: Mesh((2, 2), ranks=[0, 1, 2]),
         SpecError,
-        "Mesh of shape (2, 2) needs 4 placements, got 3.",
+        "Mesh of shape (2, 2) needs 4 placements, got 3. Give ranks= one per position.",
         id="mesh-wrong-placement-count",
     ),
     pytest.param(
@@ -581,6 +584,225 @@ CASES = [
         "place shards on 'cpu' or on a device that exists.",
         id="local-device-not-available",
     ),
+    # -- garbage that the fuzzer (property_tests/test_fuzz.py) found
+    pytest.param(
+        lambda: Chunk(0, None),
+        SpecError,
+        "Chunk placements must be a placement or a list of them, got None (NoneType).",
+        id="chunk-placements-none",
+    ),
+    pytest.param(
+        lambda: Explicit(5),
+        SpecError,
+        "Explicit() shards must be a list or tuple, got 5 (int).",
+        id="explicit-shards-not-a-list",
+    ),
+    pytest.param(
+        lambda: Named(Mesh((2, 2)), "xy"),
+        SpecError,
+        "Named partition must be a list or tuple, got 'xy' (str).",
+        id="named-partition-str",
+    ),
+    pytest.param(
+        lambda: Mesh((2,), axis_names=[1]),
+        SpecError,
+        "Mesh axis names must be str, such as 'x', got (1,).",
+        id="mesh-axis-name-int",
+    ),
+    pytest.param(
+        lambda: Mesh((2**40,)),
+        SpecError,
+        "Mesh of shape (1099511627776,) has 1099511627776 positions; give ranks= or at most 1048576 positions.",
+        id="mesh-too-large",
+    ),
+    pytest.param(
+        lambda: Partial(ROWS),
+        SpecError,
+        f"Partial() takes a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got {ROWS!r}.",
+        id="partial-of-an-array",
+    ),
+    pytest.param(
+        lambda: fshard.zeros(Chunk(0, [0]), 3, dtype="float32"),
+        TypeError,
+        "dtype must be a torch.dtype such as torch.float32, got 'float32' (str).",
+        id="create-dtype-str",
+    ),
+    pytest.param(
+        lambda: fshard.zeros(Chunk(0, [0]), 3, device=[0]),
+        SpecError,
+        "device=[0] is not a torch device such as 'cpu' or 'cuda:0'.",
+        id="create-device-list",
+    ),
+    pytest.param(
+        lambda: fshard.ones(Chunk(0, [0]), 3, requires_grad="yes"),
+        TypeError,
+        "requires_grad must be True or False, got 'yes' (str).",
+        id="create-requires-grad-str",
+    ),
+    pytest.param(
+        lambda: fshard.ones(Chunk(0, [0]), 3, dtype=torch.int64, requires_grad=True),
+        TypeError,
+        "requires_grad=True needs a floating point or complex dtype, got torch.int64.",
+        id="create-requires-grad-int",
+    ),
+    pytest.param(
+        lambda: fshard.empty(Replicated([0]), 2**62, 4),
+        LayoutError,
+        "shape (4611686018427387904, 4) gives shard 0 sizes (4611686018427387904, 4): more than 2**63 - 1 bytes of "
+        "torch.float32, the most one tensor holds. Use a smaller shape or more shards.",
+        id="create-shard-too-large",
+    ),
+    pytest.param(
+        lambda: fshard.full(Chunk(0, [0]), 3, fill_value=[1]),
+        TypeError,
+        "fill_value must be a number, got [1] (list).",
+        id="full-fill-value-list",
+    ),
+    pytest.param(
+        lambda: fshard.full(Chunk(0, [0]), 3, fill_value=2**40, dtype=torch.int32),
+        SpecError,
+        "fill_value=1099511627776 does not fit dtype torch.int32: give a value in its range.",
+        id="full-fill-value-overflow",
+    ),
+    pytest.param(
+        lambda: fshard.rand(Chunk(0, [0]), 3, seed=2.5),
+        TypeError,
+        "seed must be an int or None, got 2.5 (float).",
+        id="rand-seed-float",
+    ),
+    pytest.param(
+        lambda: fshard.zeros_like(None),
+        TypeError,
+        "zeros_like() takes a ShardedArray, got NoneType.",
+        id="zeros-like-none",
+    ),
+    pytest.param(
+        lambda: fshard.to_sharded_tensor(None),
+        TypeError,
+        "to_sharded_tensor() takes a ShardedArray, got NoneType.",
+        id="to-sharded-tensor-none",
+    ),
+    pytest.param(
+        lambda: fshard.to_dtensor(ROWS, "x"),
+        SpecError,
+        "to_dtensor() needs an fshard.Mesh or a torch DeviceMesh, got str.",
+        id="to-dtensor-mesh-str",
+    ),
+    pytest.param(
+        lambda: fshard.from_dtensor(None),
+        TypeError,
+        "from_dtensor() takes a torch DTensor, got NoneType.",
+        id="from-dtensor-none",
+    ),
+    pytest.param(
+        lambda: fshard.from_sharded_tensor(None),
+        TypeError,
+        "from_sharded_tensor() takes a torch ShardedTensor, got NoneType.",
+        id="from-sharded-tensor-none",
+    ),
+    pytest.param(
+        lambda: fshard.from_local_shards(None, (4,)),
+        TypeError,
+        "from_local_shards() takes a sequence of fshard.Shard, got NoneType.",
+        id="from-local-shards-none",
+    ),
+    pytest.param(
+        lambda: fshard.from_local_shards([], (4,), group=3),
+        TypeError,
+        "from_local_shards() group= takes a torch.distributed ProcessGroup or None, got int.",
+        id="from-local-shards-group-int",
+    ),
+    pytest.param(
+        lambda: fshard.from_local_shards([Shard(ShardMeta((0,), (2,), 0), torch.ones(2).to_sparse())], (2,)),
+        LayoutError,
+        "from_local_shards(): shard [offsets (0,), sizes (2,)] on rank:0/cpu has layout torch.sparse_coo; only "
+        "torch.strided tensors can be sharded.",
+        id="from-local-shards-sparse",
+    ),
+    pytest.param(
+        lambda: fshard.from_local_tensor(torch.ones(2), dim="x"),
+        TypeError,
+        "from_local_tensor() dim must be an int, or a spec with the global shape, got 'x'.",
+        id="from-local-tensor-dim-str",
+    ),
+    pytest.param(
+        lambda: fshard.shard_params({"w": torch.ones(2)}, spec_fn=3),
+        TypeError,
+        "shard_params() spec_fn must be a function of (name, value) or None, got 3.",
+        id="shard-params-spec-fn-int",
+    ),
+    pytest.param(
+        lambda: fshard.load_state_dict(None, {}),
+        TypeError,
+        "load_state_dict() takes a torch.nn.Module, got NoneType.",
+        id="load-state-dict-module-none",
+    ),
+    pytest.param(
+        lambda: fshard.load_state_dict(torch.nn.Linear(2, 2), {}, strict="no"),
+        TypeError,
+        "load_state_dict() strict must be True or False, got 'no'.",
+        id="load-state-dict-strict-str",
+    ),
+    pytest.param(
+        lambda: fshard.load_state_dict(torch.nn.Linear(2, 2), {1: torch.ones(2)}),
+        TypeError,
+        "load_state_dict() tree keys must be str names, got 1 (int).",
+        id="load-state-dict-int-key",
+    ),
+    pytest.param(
+        lambda: fshard.clip_grad_norm([ROWS], max_norm="1"),
+        TypeError,
+        "clip_grad_norm() max_norm must be a real number, got '1' (str).",
+        id="clip-grad-norm-str",
+    ),
+    pytest.param(
+        lambda: fshard.clip_grad_norm([ROWS], max_norm=-1.0),
+        SpecError,
+        "clip_grad_norm() max_norm=-1.0: give a finite number of at least 0.",
+        id="clip-grad-norm-negative",
+    ),
+    pytest.param(
+        lambda: fshard.save(3, {}),
+        TypeError,
+        "save() path must be a str or an os.PathLike, got int.",
+        id="save-path-int",
+    ),
+    pytest.param(
+        lambda: fshard.load(None),
+        TypeError,
+        "load() path must be a str or an os.PathLike, got NoneType.",
+        id="load-path-none",
+    ),
+    pytest.param(
+        lambda: fshard.load("a\x00b"),
+        CheckpointError,
+        "load() path 'a\\x00b' holds a NUL character, which no file name can hold.",
+        id="load-path-nul",
+    ),
+    pytest.param(
+        lambda: fshard.load("ckpt", backend="local"),
+        TypeError,
+        "load() backend= takes an fshard backend or None, got str.",
+        id="load-backend-str",
+    ),
+    pytest.param(
+        lambda: fshard.checkpoint_info(None),
+        TypeError,
+        "checkpoint_info() path must be a str or an os.PathLike, got NoneType.",
+        id="checkpoint-info-path-none",
+    ),
+    pytest.param(
+        lambda: HALVES.visualize(10**6),
+        SpecError,
+        "visualize() width must be at most 1000 characters, got 1000000.",
+        id="visualize-too-wide",
+    ),
+    pytest.param(
+        lambda: HALVES.visualize(color=1),
+        SpecError,
+        "visualize() color must be True, False or 'auto', got 1.",
+        id="visualize-color-int",
+    ),
 ]
 
 
@@ -625,3 +847,34 @@ def test_layout_and_spec_errors_are_distinct():
     assert not issubclass(LayoutError, SpecError)
     assert not issubclass(SpecError, LayoutError)
     assert not issubclass(CollectiveMismatchError, CheckpointError)
+
+
+def test_save_under_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    target = tmp_path / "file" / "ckpt"
+    message = f"Checkpoint path {target} lies under {tmp_path / 'file'}, which is not a directory."
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        fshard.save(target, {"x": ROWS})
+
+
+def test_save_refuses_leaves_on_the_meta_device(tmp_path):
+    message = "Tensor at ['t'] is on the meta device, which holds no values to save."
+    with pytest.raises(TypeError, match=re.escape(message)):
+        fshard.save(tmp_path / "ckpt", {"t": torch.ones(2, device="meta")})
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_load_state_dict_mismatch_is_a_checkpoint_error():
+    with pytest.raises(CheckpointError, match=re.escape("load_state_dict() tree does not fit the Linear: ")) as info:
+        fshard.load_state_dict(torch.nn.Linear(2, 2), {})
+    assert isinstance(info.value, RuntimeError)
+    assert 'Missing key(s) in state_dict: "weight", "bias"' in str(info.value)
+
+
+def test_global_norm_reads_sparse_leaves():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on sparse invariant checks and beta CSR support
+        duplicates = torch.sparse_coo_tensor(torch.tensor([[0, 0], [1, 1]]), torch.tensor([3.0, 4.0]), (2, 2))
+        compressed = torch.full((3, 4), 2.0).to_sparse_csr()
+    assert float(fshard.global_norm([duplicates])) == 7.0  # one element holding 3 + 4
+    assert float(fshard.global_norm([compressed])) == pytest.approx(float(torch.full((3, 4), 2.0).norm()))

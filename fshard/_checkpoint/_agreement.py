@@ -73,6 +73,13 @@ def _check_leaf(path: str, leaf: Any) -> None:
         raise TypeError(msg)
     if dtype not in _CODES:
         raise TypeError(f"Leaf at {where} has dtype {dtype}; checkpoints store {sorted(_DTYPES)}.")
+    if _on_meta(leaf):
+        raise TypeError(f"{type(leaf).__name__} at {where} is on the meta device, which holds no values to save.")
+
+
+def _on_meta(leaf: ShardedArray | torch.Tensor) -> bool:
+    tensors = leaf.addressable_data if isinstance(leaf, ShardedArray) else (leaf,)
+    return any(t.device.type == "meta" for t in tensors)
 
 
 def _prepare(

@@ -144,14 +144,35 @@ def _index_digest(index: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
+def checkpoint_path(path: Any, what: str) -> Path:
+    """``path`` as a ``Path``, or ``TypeError`` when it is no path (a ``CheckpointError`` for a NUL byte)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what} path must be a str or an os.PathLike, got {type(path).__name__}.")
+    root = Path(path)
+    if "\x00" in str(root):
+        raise CheckpointError(f"{what} path {str(root)!r} holds a NUL character, which no file name can hold.")
+    return root
+
+
+def check_flag(what: str, value: Any, *, optional: bool = False) -> None:
+    """Raises ``TypeError`` unless ``value`` is a bool (or ``None``, where ``optional``)."""
+    if type(value) is not bool and not (optional and value is None):
+        allowed = "True, False or None" if optional else "True or False"
+        raise TypeError(f"{what} must be {allowed}, got {value!r} ({type(value).__name__}).")
+
+
 def _read_index(root: Path) -> tuple[dict[str, Any], str]:
     """``index.json`` with its top level and digest checked, and the SHA-256 of its bytes as read.
 
     The leaves are checked by ``_schema.saved_leaves``.
     """
     where = root / INDEX
-    if not where.is_file():
-        hint = " (an interrupted save leaves no index)" if root.is_dir() else ""
+    try:
+        found, is_dir = where.is_file(), root.is_dir()
+    except OSError as exc:
+        raise CheckpointError(f"Checkpoint path {root} cannot be read: {exc.strerror or exc}.") from exc
+    if not found:
+        hint = " (an interrupted save leaves no index)" if is_dir else ""
         raise CheckpointError(f"{where} does not exist{hint}: {root} is not an fshard checkpoint.")
     try:
         raw = where.read_bytes()

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from fshard._checkpoint._format import _human, _read_index, _Saved
+from fshard._checkpoint._format import _human, _read_index, _Saved, checkpoint_path
 from fshard._checkpoint._schema import saved_leaves
 
 __all__ = ["checkpoint_info"]
@@ -17,6 +16,7 @@ def checkpoint_info(path: str | os.PathLike[str]) -> str:
     Reads only ``index.json``.
 
     Raises:
+        TypeError: ``path`` is not a str or an ``os.PathLike``.
         CheckpointError: ``path`` holds no index, or one that is damaged, edited or
             malformed (naming the field), as ``load`` would.
 
@@ -30,7 +30,7 @@ def checkpoint_info(path: str | os.PathLike[str]) -> str:
     ['lr']: float = 0.1
     files: rank-00000.safetensors (...), rank-00001.safetensors (...)
     """
-    root = Path(path)
+    root = checkpoint_path(path, "checkpoint_info()")
     index, _ = _read_index(root)
     saved = saved_leaves(root, index)
     total = sum(f["bytes"] for f in index["files"].values())

@@ -14,7 +14,7 @@ import torch
 
 from fshard._array import ShardedArray, empty_link
 from fshard._checkpoint._collective import _agree_on, _progress
-from fshard._checkpoint._format import INDEX, _read_index, _Saved
+from fshard._checkpoint._format import INDEX, _read_index, _Saved, check_flag, checkpoint_path
 from fshard._checkpoint._reader import _Reader, _slices
 from fshard._checkpoint._schema import saved_leaves
 from fshard._checkpoint._tree import _match, _unflatten
@@ -217,6 +217,8 @@ def load(
     ranks read different indexes).
 
     Raises:
+        TypeError: ``path`` is not a str or an ``os.PathLike``, ``verify`` not a bool,
+            ``progress`` not a bool or ``None``, or ``backend`` not a backend.
         CheckpointError: a missing index or file, an index that was edited (it no
             longer matches its digest) or is malformed (naming the field), a
             truncated or tampered file, a tree, shape or dtype that does not
@@ -234,15 +236,16 @@ def load(
     """
     if like is not None and specs is not None:
         raise TypeError("load() takes like= or specs=, not both.")
-    root = Path(path)
+    if backend is not None and not isinstance(backend, Backend):
+        raise TypeError(f"load() backend= takes an fshard backend or None, got {type(backend).__name__}.")
     coord = _coordinator(like) or backend or default_backend()
-    attempt = lambda: _attempt(root, like, specs, verify, backend, progress, coord)  # noqa: E731
+    attempt = lambda: _attempt(path, like, specs, verify, backend, progress, coord)  # noqa: E731
     for _ in range(_ATTEMPTS):
         tree, seen = _agree_on(coord, "fshard.load", attempt, lambda out: out[:2])
         if len(set(seen)) == 1 and not seen[0][1]:
             return tree[2]
     msg = (
-        f"Checkpoint {root} changed during load {_ATTEMPTS} times in a row: another process is saving to it. "
+        f"Checkpoint {path} changed during load {_ATTEMPTS} times in a row: another process is saving to it. "
         "Load again once that save has finished."
     )
     raise CheckpointError(msg)
@@ -261,9 +264,12 @@ def _coordinator(like: Any) -> Backend | None:
 
 
 def _attempt(
-    root: Path, like: Any, specs: Any, verify: bool, backend: Backend | None, progress: Any, coord: Backend
+    path: Any, like: Any, specs: Any, verify: Any, backend: Backend | None, progress: Any, coord: Backend
 ) -> tuple[str, bool, Any]:
     """(fingerprint of the index read, whether the checkpoint changed under this read, the tree or None)."""
+    root = checkpoint_path(path, "load()")
+    check_flag("load() verify", verify)
+    check_flag("load() progress", progress, optional=True)
     index, fingerprint = _read_index(root)
     saved = saved_leaves(root, index)
     targets = _targets(saved, index["tree"], like, specs, backend)

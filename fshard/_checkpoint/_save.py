@@ -14,10 +14,10 @@ import torch
 from fshard._array import ShardedArray
 from fshard._checkpoint._agreement import _check_same, _prepare
 from fshard._checkpoint._collective import _agree, _agree_on
-from fshard._checkpoint._format import FORMAT, INDEX, VERSION, _index_digest
+from fshard._checkpoint._format import FORMAT, INDEX, VERSION, _index_digest, check_flag, checkpoint_path
 from fshard._checkpoint._tree import _flatten
 from fshard._checkpoint._write import _assign, _Box, _commit, _committed, _write_files
-from fshard._errors import SpecError
+from fshard._errors import CheckpointError, SpecError
 from fshard.backends import Backend, default_backend
 
 __all__ = ["save"]
@@ -57,9 +57,10 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
         progress: show a progress bar (``None``: on a terminal, above ``PROGRESS_MIN_BYTES``).
 
     Raises:
-        TypeError: a leaf or container that cannot be saved (named by its path).
+        TypeError: ``path`` is not a str or an ``os.PathLike``, ``progress`` not a bool or
+            ``None``, or a leaf or container cannot be saved (named by its path).
         SpecError: an array with a pending reduction (``Partial``): reshard it first.
-        CheckpointError: ``path`` is a file or a foreign directory; ranks gave different
+        CheckpointError: ``path`` is a file, a foreign directory or lies under a file; ranks gave different
             paths, trees, plain tensors or scalars; or another rank failed (a rank that
             fails re-raises its own error; the others raise this, naming it).
 
@@ -71,11 +72,13 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
     >>> fshard.gather(tree["x"]).equal(fshard.gather(x)), tree["step"]
     (True, 7)
     """
-    root = Path(path)
+    root = Path()
     leaves: list[tuple[str, Any]] = []
     try:
+        root = checkpoint_path(path, "save()")
+        check_flag("save() progress", progress, optional=True)
         structure, backend, failure = _flatten(tree, "", leaves), _save_backend(leaves), None
-    except (TypeError, SpecError) as exc:  # reported through the first exchange, so no rank waits
+    except (TypeError, SpecError, CheckpointError) as exc:  # reported through the first exchange, so no rank waits
         structure, backend, failure = {}, default_backend(), exc
     prepare = lambda: _prepare(root, structure, leaves, backend, failure)  # noqa: E731
     (_, summaries, known), seen = _agree_on(backend, "fshard.save", prepare, lambda out: out[0])

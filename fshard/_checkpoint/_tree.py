@@ -69,12 +69,12 @@ def _match(node: dict[str, Any], tree: Any, path: str, out: dict[int, Any], *, p
     if "leaf" in node or (prefix and not isinstance(tree, (dict, list, tuple))):
         out.update(dict.fromkeys(_leaf_indices(node), tree))
         return
-    where = path or "the root"
+    where, given = path or "the root", "specs=" if prefix else "like="
     if "dict" in node and isinstance(tree, dict):
         keys = [k for k, _ in node["dict"]]
         if set(keys) != set(tree):
             msg = (
-                f"Tree structure differs at {where}: the checkpoint has keys {keys}, the given tree "
+                f"Tree structure differs at {where}: the checkpoint has keys {keys}, {given} has "
                 f"{list(tree)} (missing {[k for k in keys if k not in tree]}, extra "
                 f"{[k for k in tree if k not in keys]}): pass a tree shaped like the saved one."
             )
@@ -86,7 +86,7 @@ def _match(node: dict[str, Any], tree: Any, path: str, out: dict[int, Any], *, p
     if kind is None or type(tree).__name__ != kind or len(tree) != len(node[kind]):
         got = f"a {type(tree).__name__}" + (f" of {len(tree)}" if isinstance(tree, (list, tuple, dict)) else "")
         msg = (
-            f"Tree structure differs at {where}: the checkpoint has {_describe_node(node)}, the given tree {got}; "
+            f"Tree structure differs at {where}: the checkpoint has {_describe_node(node)}, {given} has {got}; "
             "pass a tree shaped like the saved one (fshard.checkpoint_info(path) shows it)."
         )
         raise CheckpointError(msg)

@@ -118,9 +118,17 @@ def _check_root(root: Path, own: str) -> None:
 
     ``own`` is this save's data directory, which other ranks may be writing already.
     """
-    if root.exists() and not root.is_dir():
+    try:
+        exists, is_dir = root.exists(), root.is_dir()
+    except OSError as exc:
+        raise CheckpointError(f"Checkpoint path {root} cannot be used: {exc.strerror or exc}.") from exc
+    if exists and not is_dir:
         raise CheckpointError(f"Checkpoint path {root} exists and is not a directory: save to a directory path.")
-    if root.is_dir() and not (root / INDEX).exists():
+    if not exists:
+        above = next(p for p in root.absolute().parents if p.exists())
+        if not above.is_dir():
+            raise CheckpointError(f"Checkpoint path {root} lies under {above}, which is not a directory.")
+    if is_dir and not (root / INDEX).exists():
         foreign = sorted(p.name for p in root.iterdir() if not (p.name == own or _ours(p) or _TMP_RE.match(p.name)))
         if foreign:
             msg = (
