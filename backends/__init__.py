@@ -34,6 +34,11 @@ class Backend(Protocol):
         """Number of ranks this backend spans (0 for local: any placement is allowed)."""
         ...
 
+    def check_rank(self, rank: Any, what: str) -> int:
+        """``rank`` as an int, or ``SpecError`` naming it (``what``: ``"src"``, ``"dst"``) when no
+        rank of this backend has it."""
+        ...
+
     def addressable(self, layout: Any) -> tuple[int, ...]:
         """Indices into ``layout.shards`` of the shards held by this process."""
         ...

@@ -130,6 +130,8 @@ def shard(
 
         return shard_sharded_tensor(tensor, spec, src=src, backend=backend)
     backend = resolve_backend(backend)
+    if src is not None:
+        src = backend.check_rank(src, "src")
     if src is None:
         full = _check_tensor(tensor, "shard() input")
         shape: tuple[int, ...] = tuple(full.shape)
@@ -178,6 +180,8 @@ def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | Non
     [[0, 1, 2], [3, 4, 5]]
     """
     _check_array(array, "gather()")
+    if dst is not None:
+        dst = array.backend.check_rank(dst, "dst")
     if array.layout.partial is not None:
         array = reshard(array, _reduced(array.layout, dst))
     return _autograd.assemble(array.layout, array.backend, array._data, array._first(), dst)

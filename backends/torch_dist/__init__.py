@@ -190,7 +190,7 @@ class TorchDistBackend:
         if src is None:
             return self._slice(full, layout)
         self._require_member(f"shard(src={src})")
-        self._check_rank(src, "src")
+        self.check_rank(src, "src")
         like, dtype = full, full.dtype
         source = _whole(layout.shape, (src,))
         index = self.addressable(layout)
@@ -210,7 +210,7 @@ class TorchDistBackend:
         """
         self._require_member(f"gather(dst={dst})")
         if dst is not None:
-            self._check_rank(dst, "dst")
+            self.check_rank(dst, "dst")
         receivers = self.ranks if dst is None else (dst,)
         target = _whole(layout.shape, receivers)
         p = plan(layout, target)
@@ -281,13 +281,15 @@ class TorchDistBackend:
         mine = self.addressable(layout)
         return shard_device(layout, mine[0]) if mine else (like.device if like.device == self._wire else self._wire)
 
-    def _check_rank(self, rank: int, what: str) -> None:
-        if rank not in self.ranks:
+    def check_rank(self, rank: Any, what: str) -> int:
+        """``rank`` as an int; raises ``SpecError`` unless it is a global rank of the group."""
+        if isinstance(rank, str) or rank not in self.ranks:
             msg = (
-                f"{what}={rank}: Global rank {rank} does not exist in input process group "
+                f"{what}={rank!r}: Global rank {rank!r} does not exist in input process group "
                 f"(global ranks {list(self.ranks)})."
             )
             raise SpecError(msg)
+        return int(rank)
 
     def _require_member(self, op: str) -> None:
         if not self.member:
