@@ -12,6 +12,7 @@ import torch
 
 from fshard import _random
 from fshard._array import ShardedArray, empty_link
+from fshard._collective import collective
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import MAX_EXTENT, Layout, ShardMeta, check_shape
 from fshard._ops import resolve_backend
@@ -129,6 +130,7 @@ def _const(make: Callable[..., torch.Tensor], *args: Any) -> Fill:
     return lambda m, dtype, device: make(m.sizes, *args, dtype=dtype, device=device)
 
 
+@collective("zeros")
 def zeros(
     spec: Any,
     *shape: Any,
@@ -149,6 +151,7 @@ def zeros(
     return _create(spec, shape, _const(torch.zeros), dtype, device, requires_grad, backend)
 
 
+@collective("ones")
 def ones(
     spec: Any,
     *shape: Any,
@@ -166,6 +169,7 @@ def ones(
     return _create(spec, shape, _const(torch.ones), dtype, device, requires_grad, backend)
 
 
+@collective("empty")
 def empty(
     spec: Any,
     *shape: Any,
@@ -183,6 +187,7 @@ def empty(
     return _create(spec, shape, _const(torch.empty), dtype, device, requires_grad, backend)
 
 
+@collective("full")
 def full(
     spec: Any,
     *shape: Any,
@@ -203,6 +208,7 @@ def full(
     return _create(spec, shape, _const(torch.full, fill_value), dtype, device, requires_grad, backend)
 
 
+@collective("rand")
 def rand(
     spec: Any,
     *shape: Any,
@@ -230,6 +236,7 @@ def rand(
     return _create(spec, shape, fill, dtype, device, requires_grad, backend)
 
 
+@collective("randn")
 def randn(
     spec: Any,
     *shape: Any,
@@ -271,6 +278,7 @@ def _like(
     )
 
 
+@collective("zeros_like")
 def zeros_like(array: ShardedArray, *, dtype: torch.dtype | None = None, requires_grad: bool = False) -> ShardedArray:
     """Zeros in ``array``'s layout (and dtype unless given).
 
@@ -282,6 +290,7 @@ def zeros_like(array: ShardedArray, *, dtype: torch.dtype | None = None, require
     return _like(zeros, array, dtype, requires_grad)
 
 
+@collective("ones_like")
 def ones_like(array: ShardedArray, *, dtype: torch.dtype | None = None, requires_grad: bool = False) -> ShardedArray:
     """Ones in ``array``'s layout.
 
@@ -292,6 +301,7 @@ def ones_like(array: ShardedArray, *, dtype: torch.dtype | None = None, requires
     return _like(ones, array, dtype, requires_grad)
 
 
+@collective("empty_like")
 def empty_like(array: ShardedArray, *, dtype: torch.dtype | None = None, requires_grad: bool = False) -> ShardedArray:
     """Uninitialised values in ``array``'s layout.
 
@@ -302,6 +312,7 @@ def empty_like(array: ShardedArray, *, dtype: torch.dtype | None = None, require
     return _like(empty, array, dtype, requires_grad)
 
 
+@collective("full_like")
 def full_like(
     array: ShardedArray, fill_value: Any, *, dtype: torch.dtype | None = None, requires_grad: bool = False
 ) -> ShardedArray:
@@ -314,6 +325,7 @@ def full_like(
     return _like(full, array, dtype, requires_grad, fill_value=fill_value)
 
 
+@collective("rand_like")
 def rand_like(
     array: ShardedArray, *, seed: int | None = None, dtype: torch.dtype | None = None, requires_grad: bool = False
 ) -> ShardedArray:
@@ -327,6 +339,7 @@ def rand_like(
     return _like(rand, array, dtype, requires_grad, seed=seed)
 
 
+@collective("randn_like")
 def randn_like(
     array: ShardedArray, *, seed: int | None = None, dtype: torch.dtype | None = None, requires_grad: bool = False
 ) -> ShardedArray:

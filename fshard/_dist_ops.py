@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fshard._array import Shard, ShardedArray, empty_link
+from fshard._collective import collective
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, check_shape
 from fshard._placement import Placement
@@ -150,6 +151,7 @@ def _check_properties(pieces: Sequence[tuple[int | None, Piece]]) -> None:
         raise LayoutError(msg)
 
 
+@collective("from_local_shards", local=("shards",))
 def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None) -> ShardedArray:
     """Builds an array from each rank's own shards, exchanging their metadata once.
 
@@ -193,6 +195,7 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
     return ShardedArray(layout, mine, backend, dtype, None if mine else empty_link(dtype, grad))
 
 
+@collective("from_local_tensor", local=("tensor",))
 def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: Any = None) -> ShardedArray:
     """Builds an array from each rank's local tensor: a block along ``dim``, or its shard of a spec.
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from fshard._array import Shard, ShardedArray
+from fshard._collective import collective
 from fshard._errors import SpecError
 from fshard._layout import Layout, ShardMeta
 from fshard._ops import from_local_shards_and_layout, reshard
@@ -61,6 +62,7 @@ def _boxes(layout: Layout) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]
 # -- ShardedTensor --------------------------------------------------------------------------
 
 
+@collective("to_sharded_tensor")
 def to_sharded_tensor(array: ShardedArray) -> Any:
     """The array as torch's ``ShardedTensor``, sharing its shard tensors (collective-free).
 
@@ -127,6 +129,7 @@ def _moved(s: ShardMeta, shape: tuple[int, ...]) -> ShardMeta:
     return ShardMeta(offsets, s.sizes, s.placement)
 
 
+@collective("from_sharded_tensor")
 def from_sharded_tensor(st: Any) -> ShardedArray:
     """A ``ShardedArray`` with the ShardedTensor's layout, local shards and process group.
 
@@ -243,6 +246,7 @@ def _placements_for(layout: Layout, mesh: Mesh) -> tuple[Any, ...]:
     raise SpecError(msg)
 
 
+@collective("to_dtensor")
 def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
     """The array as a ``DTensor`` on ``mesh`` (an ``fshard.Mesh`` or a torch ``DeviceMesh``), sharing shards.
 
@@ -309,6 +313,7 @@ def _check_placements(dt: Any) -> None:
             raise SpecError(msg)
 
 
+@collective("from_dtensor")
 def from_dtensor(dt: Any) -> ShardedArray:
     """A ``ShardedArray`` laid out as the DTensor (``fshard.Named`` on its mesh), sharing its local tensor.
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fshard._array import ShardedArray
+from fshard._collective import collective
 from fshard._errors import CheckpointError
 from fshard._ops import gather, reshard, shard
 from fshard._torch_meta import is_sharded_tensor
@@ -16,6 +17,7 @@ from fshard.backends import Backend
 __all__ = ["load_state_dict", "shard_params", "sharded_attributes"]
 
 
+@collective("shard_params")
 def shard_params(
     module_or_state_dict: torch.nn.Module | Mapping[str, Any],
     spec_fn: Callable[[str, Any], Any] | None = None,
@@ -99,6 +101,7 @@ def sharded_attributes(module: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+@collective("load_state_dict")
 def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict: bool = True) -> Any:
     """Loads a flat tree of names to ``ShardedArray``s and tensors into ``module`` (collective).
 

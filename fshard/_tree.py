@@ -10,12 +10,14 @@ import optree
 import torch
 
 from fshard._array import ShardedArray
+from fshard._collective import collective
 from fshard._errors import SpecError
 from fshard._layout import with_partial
 
 __all__ = ["clip_grad_norm", "global_norm"]
 
 
+@collective("global_norm")
 def global_norm(tree: Any) -> torch.Tensor:
     """The L2 norm of every element of a pytree of arrays and tensors, each element counted once.
 
@@ -47,6 +49,7 @@ def global_norm(tree: Any) -> torch.Tensor:
     return total.sqrt()
 
 
+@collective("clip_grad_norm")
 def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, torch.Tensor]:
     """The tree scaled so that its ``global_norm`` is at most ``max_norm``, and the norm before.
 

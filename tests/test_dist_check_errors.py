@@ -159,3 +159,61 @@ def test_ranks_stay_in_step_after_errors(dist_pool):
 def test_errors_are_typed():
     assert issubclass(CollectiveMismatchError, fshard.FShardError)
     assert issubclass(SpecError, ValueError)
+
+
+# -- entry points that begin with a metadata exchange, and checkpoints ----------------
+
+
+def _from_local_shards_versus_from_local_tensor():
+    if _rank() < 2:
+        mine = fshard.Shard(fshard.ShardMeta((2 * _rank(), 0), (2, 3), _rank()), torch.ones(2, 3))
+        return _outcome(lambda: fshard.from_local_shards([mine], (4, 3)))
+    return _outcome(lambda: fshard.from_local_tensor(torch.ones(2, 3)))
+
+
+def _from_local_tensor_dim_5_on_rank_1():
+    return _outcome(lambda: fshard.from_local_tensor(torch.ones(2, 3), dim=5 if _rank() == 1 else 0))
+
+
+def _to_dtensor_with_different_meshes():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    a = _a()
+    line, grid = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))  # collective: every rank makes both
+    return _outcome(lambda: fshard.to_dtensor(a, grid if _rank() == 2 else line))
+
+
+def _load_with_different_specs(path: str):
+    a = _a()
+    fshard.save(path, {"a": a})
+    spec = {"a": fshard.Chunk(1, R)} if _rank() == 3 else {"a": fshard.Chunk(0, R)}
+    return _outcome(lambda: fshard.load(path, specs=spec))
+
+
+def _save_an_unsaveable_leaf_on_rank_1(path: str):
+    a = _a()
+    tree = {"a": a, "extra": object() if _rank() == 1 else 1}
+    return _outcome(lambda: fshard.save(path, tree))
+
+
+@pytest.mark.parametrize(
+    ("fn", "kinds"),
+    [
+        (_from_local_shards_versus_from_local_tensor, {"CollectiveMismatchError"}),
+        (_from_local_tensor_dim_5_on_rank_1, {"CollectiveMismatchError", "SpecError", "IndexError"}),
+        (_to_dtensor_with_different_meshes, {"CollectiveMismatchError"}),
+    ],
+    ids=["from_local_shards-vs-from_local_tensor", "from_local_tensor-dim-on-one-rank", "to_dtensor-meshes"],
+)
+def test_exchanges_name_their_calls(dist_pool, fn, kinds):
+    got = dist_pool.run(fn, timeout=60)
+    assert all(g is not None for g in got), got
+    assert {g[0] for g in got} <= kinds, got
+    assert len({g[0] for g in got}) == 1, "every rank raises the same kind of error"
+
+
+@pytest.mark.parametrize("fn", [_load_with_different_specs, _save_an_unsaveable_leaf_on_rank_1], ids=["load", "save"])
+def test_checkpoint_calls_that_differ_on_one_rank_raise_everywhere(dist_pool, tmp_path, fn):
+    got = dist_pool.run(fn, str(tmp_path / "ckpt"), timeout=60)
+    assert all(g is not None for g in got), got
+    assert len({g[0] for g in got}) == 1, got

@@ -18,6 +18,7 @@ from fshard._checkpoint._format import INDEX, _read_index, _Saved, check_flag, c
 from fshard._checkpoint._reader import _Reader, _slices
 from fshard._checkpoint._schema import saved_leaves
 from fshard._checkpoint._tree import _match, _unflatten
+from fshard._collective import collective
 from fshard._errors import CheckpointError, SpecError
 from fshard._layout import Layout, ShardMeta
 from fshard._placement import Placement
@@ -170,6 +171,7 @@ def _targets(
     return [_target_saved(s, backend) for s in saved]
 
 
+@collective("load")
 def load(
     path: str | os.PathLike[str],
     like: Any = None,

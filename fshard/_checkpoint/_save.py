@@ -17,6 +17,7 @@ from fshard._checkpoint._collective import _agree, _agree_on
 from fshard._checkpoint._format import FORMAT, INDEX, VERSION, _index_digest, check_flag, checkpoint_path
 from fshard._checkpoint._tree import _flatten
 from fshard._checkpoint._write import _assign, _Box, _commit, _committed, _write_files
+from fshard._collective import collective
 from fshard._errors import CheckpointError, SpecError
 from fshard.backends import Backend, default_backend
 
@@ -33,6 +34,7 @@ def _save_backend(leaves: Sequence[tuple[str, Any]]) -> Backend:
     return default_backend()
 
 
+@collective("save")
 def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = None) -> None:
     """Writes a pytree of ``ShardedArray``s, tensors and scalars to the directory ``path`` (collective).
 
