@@ -16,7 +16,7 @@ value or its type). Anything else is a bad outcome: ``AttributeError``, ``KeyErr
 ``OverflowError``, ``RecursionError``, ``MemoryError``, a raw ``RuntimeError`` or
 ``ValueError``, a ``TypeError`` from Python or torch ("unsupported operand", "not
 subscriptable"), and also returning for a value that must be refused (a non-bool flag, a
-float rank). Two outcomes are not about the arguments and pass: the allocator refusing
+rank of -1). Two outcomes are not about the arguments and pass: the allocator refusing
 terabytes that a valid shape asks for, and the local backend's refusal to make torch's
 distributed types.
 
@@ -244,6 +244,16 @@ def _not_optional_int(value: Any) -> bool:
     return value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)))
 
 
+def _not_a_rank(value: Any) -> bool:
+    """Not ``None`` and equal to no non-negative int (``torch_dist`` tests ``rank in ranks``, so 1.0 and True pass)."""
+    if value is None:
+        return False
+    try:
+        return not (value == int(value) and int(value) >= 0)
+    except (TypeError, ValueError, OverflowError):
+        return True
+
+
 def _bad_shard_list(value: Any) -> bool:
     return any(value is bad for bad in BAD_SHARDS)
 
@@ -303,7 +313,7 @@ def kw(name: str, valid: tuple[Any, ...], reject: Callable[[Any], bool] | None =
 
 def rank(name: str) -> Arg:
     """``src``/``dst``: ``None`` or a rank, and nothing else."""
-    return Arg(name, (None, 0, 1), "kw", rank_junk, _not_optional_int)
+    return Arg(name, (None, 0, 1), "kw", rank_junk, _not_a_rank)
 
 
 def shards() -> Arg:
@@ -1021,13 +1031,6 @@ KNOWN: tuple[Known, ...] = (
         _unhashable,
         [1],
         "fshard/_plan.py plan: the lru_cache hashes the arguments before they are checked (Python's TypeError)",
-    ),
-    Known(
-        "rank-not-an-int",
-        (("gather", "dst"), ("shard", "src")),
-        _not_optional_int,
-        True,
-        "fshard/_ops.py and backends/local.py: src/dst that are bools, floats or unhashable are accepted or hashed raw",
     ),
 )
 
