@@ -247,7 +247,9 @@ class PlanCase:
 
 def clear_caches() -> None:
     """Forgets every plan, schedule and layout index, so that the next one is built from scratch."""
-    plan.cache_clear()
+    from fshard import _plan
+
+    _plan._plan.cache_clear()
     _schedule.schedule.cache_clear()
     _schedule.index.cache_clear()
 

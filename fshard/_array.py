@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import optree
@@ -26,6 +26,8 @@ class Shard:
     data: torch.Tensor
 
     def __post_init__(self) -> None:
+        if not isinstance(self.meta, ShardMeta):
+            raise TypeError(f"Shard meta must be a ShardMeta, got {type(self.meta).__name__}: {self.meta!r}.")
         if not isinstance(self.data, torch.Tensor):
             raise TypeError(f"Shard data must be a torch.Tensor, got {type(self.data).__name__}.")
         if tuple(self.data.shape) != self.meta.sizes:
@@ -68,6 +70,14 @@ class ShardedArray:
         dtype: torch.dtype | None = None,
         link: torch.Tensor | None = None,
     ) -> None:
+        if not isinstance(layout, Layout):
+            raise TypeError(f"ShardedArray layout must be a Layout, got {type(layout).__name__}.")
+        if not callable(getattr(backend, "addressable", None)):
+            raise TypeError(f"ShardedArray backend must be an fshard backend, got {type(backend).__name__}.")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"ShardedArray dtype must be a torch.dtype or None, got {dtype!r}.")
+        if isinstance(data, torch.Tensor) or not isinstance(data, Iterable):
+            raise TypeError(f"ShardedArray data must be a sequence of tensors, got {type(data).__name__}.")
         data = tuple(data)
         index = backend.addressable(layout)
         if len(data) != len(index):
@@ -138,6 +148,8 @@ class ShardedArray:
         """
         if dim is None:
             return self.shape
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"size() dim must be an int or None, got {dim!r} ({type(dim).__name__}).")
         n = self.ndim
         if not -n <= dim < n:
             msg = f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})"

@@ -38,7 +38,10 @@ MAX_EXTENT = 2**63 - 1
 
 def check_shape(shape: Iterable[Any], what: str = "shape") -> tuple[int, ...]:
     """Returns ``shape`` as a tuple of ints in ``[0, MAX_EXTENT]``, or raises ``TypeError``/``LayoutError``."""
-    out = tuple(shape)
+    try:
+        out = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, got {shape!r} ({type(shape).__name__}).") from None
     # Fast path: plain ints (bool is a subclass, so ``type(...) is int`` excludes it).
     if all(type(s) is int for s in out) and (not out or (min(out) >= 0 and max(out) <= MAX_EXTENT)):
         return out
@@ -273,7 +276,7 @@ class Layout:
         try:
             shards = [ShardMeta(s["offsets"], s["sizes"], s["placement"]) for s in data["shards"]]
             return cls(tuple(data["shape"]), tuple(shards), data.get("partial"))
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, IndexError, AttributeError) as exc:
             msg = f"Not a layout dict (want keys 'shape' and 'shards'): {exc!r}"
             raise LayoutError(msg) from exc
 
@@ -353,10 +356,22 @@ def _indices_by_rank(layout: Layout) -> dict[int, tuple[int, ...]]:
 
 def as_metas(shards: Iterable[ShardMetaLike]) -> tuple[ShardMeta, ...]:
     """``shards`` as a tuple of ``ShardMeta``; ``(offsets, sizes, placement)`` tuples are converted."""
-    shards = tuple(shards)
+    try:
+        shards = tuple(shards)
+    except TypeError:
+        raise TypeError(f"Layout shards must be a sequence of boxes, got {type(shards).__name__}.") from None
     if set(map(type, shards)) <= {ShardMeta}:  # the common case, without a Python-level loop
         return shards  # type: ignore[return-value]
-    return tuple(s if isinstance(s, ShardMeta) else ShardMeta(*s) for s in shards)
+    return tuple(_as_meta(s) for s in shards)
+
+
+def _as_meta(s: Any) -> ShardMeta:
+    if isinstance(s, ShardMeta):
+        return s
+    if isinstance(s, (str, bytes)) or not isinstance(s, (tuple, list)) or len(s) != 3:
+        msg = f"Layout shards must be ShardMeta or (offsets, sizes, placement) triples, got {s!r}."
+        raise TypeError(msg)
+    return ShardMeta(*s)
 
 
 _OFFSETS, _SIZES, _PLACEMENT = (operator.attrgetter(a) for a in ("offsets", "sizes", "placement"))
@@ -418,7 +433,12 @@ def _int_columns(shape: tuple[int, ...], offsets: Any, sizes: Any, ranks: Any) -
 
 
 def _int_array(value: Any, name: str) -> np.ndarray:
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise LayoutError(f"Layout.from_arrays {name} must be an array of ints, got {value!r}: {exc}") from None
+    if arr.dtype == object:
+        raise LayoutError(f"Layout.from_arrays {name} must be an array of ints, got {value!r}.")
     if arr.size == 0:
         return arr.astype(np.int64)
     if arr.dtype.kind not in "iu":
@@ -430,6 +450,8 @@ def _int_array(value: Any, name: str) -> np.ndarray:
 
 def _device_column(devices: str | Sequence[str], n: int) -> tuple[str, ...]:
     """One normalised device string per shard (as ``Placement`` spells it)."""
+    if not isinstance(devices, (str, Sequence)):
+        raise TypeError(f"Layout.from_arrays devices must be a str or a sequence of str, got {devices!r}.")
     names = [devices] if isinstance(devices, str) else list(devices)
     if not isinstance(devices, str) and len(names) != n:
         raise LayoutError(

@@ -38,7 +38,12 @@ __all__ = [
 
 def resolve_backend(backend: Backend | None) -> Backend:
     """``backend`` itself, or the default one (torch_dist when initialised, else local)."""
-    return default_backend() if backend is None else backend
+    if backend is None:
+        return default_backend()
+    if not isinstance(backend, Backend):
+        msg = f"backend= takes an fshard backend (LocalBackend, TorchDistBackend), not {type(backend).__name__}."
+        raise TypeError(msg)
+    return backend
 
 
 def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
@@ -384,6 +389,11 @@ def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float =
     >>> fshard.allclose(x, fshard.map_local(lambda t: t + 1e-9, x))
     True
     """
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"allclose() {name} must be a real number, got {value!r} ({type(value).__name__}).")
+    if not isinstance(equal_nan, bool):
+        raise TypeError(f"allclose() equal_nan must be a bool, got {equal_nan!r} ({type(equal_nan).__name__}).")
     pair = _aligned(a, b, "allclose()")
     ok = pair is not None and all(
         torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan) for x, y in zip(pair[0]._data, pair[1]._data)

@@ -239,7 +239,6 @@ def chain(src: Layout, dst: Layout, steps: tuple[Plan, ...], min_elements_sent: 
     return Plan(src, dst, empty, empty, box, box, min_elements_sent=min_elements_sent, steps=steps)
 
 
-@cached(1024)
 def plan(src: Layout, dst: Layout) -> Plan:
     """The plan that moves data from layout ``src`` to layout ``dst`` (pure, cached).
 
@@ -255,6 +254,11 @@ def plan(src: Layout, dst: Layout) -> Plan:
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise SpecError(f"plan() takes two Layouts, got {type(src).__name__} and {type(dst).__name__}.")
+    return _plan(src, dst)
+
+
+@cached(1024)
+def _plan(src: Layout, dst: Layout) -> Plan:
     if src.shape != dst.shape:
         raise SpecError(f"Cannot plan between shapes {src.shape} and {dst.shape}: shapes must match.")
     if src.partial is not None or dst.partial is not None:

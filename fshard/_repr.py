@@ -47,6 +47,8 @@ def _values(x: Any) -> str:
     layout, shards = x.layout, x.addressable_shards
     if len(shards) != len(layout.shards) or sum(s.data.numel() for s in shards) > MAX_VALUES:
         return ""
+    if any(s.data.device.type == "meta" for s in shards):  # no values to show
+        return ""
     if layout.partial is not None:
         return f", shard_values={[s.data.detach().cpu().tolist() for s in shards]}"
     full = torch.zeros(layout.shape, dtype=x.dtype)

@@ -73,6 +73,10 @@ def map_local(
     >>> tuple(y.shape), fshard.gather(y)[0].tolist()
     ((4, 4), [1.0, 1.0, 2.0, 2.0])
     """
+    if not callable(fn):
+        raise TypeError(f"map_local() fn must be callable, got {type(fn).__name__}.")
+    if not isinstance(linear, bool):
+        raise TypeError(f"map_local() linear must be a bool, got {linear!r} ({type(linear).__name__}).")
     if not arrays:
         raise TypeError("map_local() needs at least one ShardedArray.")
     for k, a in enumerate(arrays):
@@ -128,6 +132,9 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
     >>> y.layout.partial, torch.allclose(fshard.gather(y), x @ w, atol=1e-6)
     ('sum', True)
     """
+
+    if not callable(fn):
+        raise TypeError(f"shard_map() fn must be callable, got {type(fn).__name__}.")
 
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:

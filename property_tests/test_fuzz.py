@@ -20,14 +20,13 @@ rank of -1). Two outcomes are not about the arguments and pass: the allocator re
 terabytes that a valid shape asks for, and the local backend's refusal to make torch's
 distributed types.
 
-Input classes that still fail in modules with other owners are listed in ``KNOWN``:
-the fuzz skips them, and ``test_known_failure`` pins one concrete input of each as a
-strict xfail, to be removed with the fix.
+Input classes that once broke the contract are listed in ``KNOWN``, each with the
+fix it needed: ``test_once_failing_input`` pins one concrete input of each as a
+regression test, and the fuzz draws them like any other input.
 
 Counts (inputs tried, outcomes by entry point and type) without stopping at the
 first bad outcome: ``FSHARD_FUZZ_REPORT=1 python -m pytest -q -s property_tests/test_fuzz.py``;
-``FSHARD_FUZZ_RUN_KNOWN=1`` counts the known failures too, ``FSHARD_FUZZ_EXAMPLES=n`` sets
-the examples per entry point (100 in CI, about 20 s here).
+``FSHARD_FUZZ_EXAMPLES=n`` sets the examples per entry point (100 in CI, about 20 s here).
 """
 
 from __future__ import annotations
@@ -61,7 +60,6 @@ import fshard
 from fshard import Chunk, Explicit, Layout, Mesh, Named, Partial, Placement, Replicated, Shard, ShardMeta, Single
 
 REPORT = bool(os.environ.get("FSHARD_FUZZ_REPORT"))
-RUN_KNOWN = bool(os.environ.get("FSHARD_FUZZ_RUN_KNOWN"))  # run the known failures too, and count them
 EXAMPLES = int(os.environ.get("FSHARD_FUZZ_EXAMPLES", "100"))
 FUZZ = settings(
     max_examples=EXAMPLES,
@@ -799,19 +797,19 @@ def outcome(call: Call, spec: Entry) -> tuple[str | None, BaseException | None]:
     return verdict(call, spec, None), None
 
 
-# -- known failures in modules that other people own ------------------------------------------
+# -- input classes that once broke the contract ------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Known:
-    """A class of garbage that breaks the contract in a module someone else owns.
+    """A class of garbage that once broke the contract.
 
     Attributes:
         id: a short name for the class.
         where: the ``(entry, argument)`` pairs it affects.
         matches: whether a garbage value belongs to the class.
-        value: one concrete value of it, pinned per pair by ``test_known_failure``.
-        reason: the module to fix, and how.
+        value: one concrete value of it, pinned per pair by ``test_once_failing_input``.
+        reason: where it broke, and how.
     """
 
     id: str
@@ -1035,15 +1033,6 @@ KNOWN: tuple[Known, ...] = (
 )
 
 
-def known(call: Call) -> Known | None:
-    """The known failure whose class one of the call's garbage arguments falls in, if any."""
-    for k in KNOWN:
-        for entry, arg in k.where:
-            if entry == call.entry and arg in call.garbled and k.matches(call.values[arg]):
-                return k
-    return None
-
-
 # -- the tests --------------------------------------------------------------------------------
 
 
@@ -1089,10 +1078,6 @@ def test_fuzz(name: str, table: dict[str, Entry]) -> None:
     @FUZZ
     @given(call=calls(name, spec))
     def check(call: Call) -> None:
-        hit = None if RUN_KNOWN else known(call)
-        if hit is not None:
-            TALLY[(name, "known: " + hit.id)] += 1
-            return
         bad, exc = outcome(call, spec)
         TALLY[(name, "tried")] += 1
         if bad is None:
@@ -1105,15 +1090,11 @@ def test_fuzz(name: str, table: dict[str, Entry]) -> None:
     check()
 
 
-KNOWN_CASES = [
-    pytest.param(k, entry, arg, id=f"{k.id}-{entry}-{arg}", marks=pytest.mark.xfail(strict=True, reason=k.reason))
-    for k in KNOWN
-    for entry, arg in k.where
-]
+KNOWN_CASES = [pytest.param(k, entry, arg, id=f"{k.id}-{entry}-{arg}") for k in KNOWN for entry, arg in k.where]
 
 
 @pytest.mark.parametrize(("case", "entry", "arg"), KNOWN_CASES)
-def test_known_failure(case: Known, entry: str, arg: str, table: dict[str, Entry]) -> None:
+def test_once_failing_input(case: Known, entry: str, arg: str, table: dict[str, Entry]) -> None:
     spec = table[entry]
     call = Call(entry, {a.name: case.value if a.name == arg else a.default() for a in spec.args}, (arg,))
     bad, exc = outcome(call, spec)

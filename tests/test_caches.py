@@ -38,5 +38,5 @@ def test_clear_caches_empties_every_cache_and_results_stay_the_same():
 
 def test_every_cache_of_a_layout_function_is_registered():
     names = {c.name.rsplit(".", 1)[0].rsplit(".", 1)[0] if "<locals>" in c.name else c.name for c in _cache._REGISTRY}
-    for expected in ("fshard._plan.plan", "fshard._schedule.schedule", "fshard._schedule.index"):
+    for expected in ("fshard._plan._plan", "fshard._schedule.schedule", "fshard._schedule.index"):
         assert expected in names

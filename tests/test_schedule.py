@@ -23,7 +23,7 @@ def no_global_plan(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the global plan was built")
 
     monkeypatch.setattr(_plan, "_build", refuse)
-    _plan.plan.cache_clear()
+    _plan._plan.cache_clear()
     _schedule.schedule.cache_clear()
 
 
@@ -143,7 +143,7 @@ def test_for_rank_and_the_minimum_need_no_global_plan() -> None:
 
 def test_plan_rows_are_built_on_first_use() -> None:
     src, dst = Chunk(0, [0, 1]).layout((4,)), Chunk(0, [1, 0]).layout((4,))
-    p = _plan.plan.__wrapped__(src, dst)
+    p = _plan._plan.__wrapped__(src, dst)
     assert "_rows" not in vars(p)
     assert p.min_elements_sent == 4
     assert "_rows" not in vars(p)
@@ -164,7 +164,7 @@ def test_plan_rows_are_built_on_first_use() -> None:
 )
 def test_closed_form_minimum_equals_the_rows(src: object, dst: object) -> None:
     a, b = src.layout((6, 5)), dst.layout((6, 5))  # type: ignore[attr-defined]
-    p = _plan.plan.__wrapped__(a, b)
+    p = _plan._plan.__wrapped__(a, b)
     assert _plan.min_elements(a, b) == p.elements_sent == int(p.traffic().sum())
 
 
