@@ -63,6 +63,8 @@ class Row:
     Data-movement cases also give ``series`` (the case without its size, one plot
     panel), ``size_mib``, the bytes sent against the minimum, the peak extra memory and
     whether the result was checked correct (``None`` where a field does not apply).
+    Cases that grow along something else than bytes give ``series``, ``x`` and
+    ``x_label`` (``"ranks"``, say) to be plotted against it instead.
     """
 
     group: str
@@ -82,6 +84,8 @@ class Row:
     min_bytes: int | None = None
     peak_mib: float | None = None
     verified: bool | None = None
+    x: float | None = None
+    x_label: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field."""

@@ -256,7 +256,9 @@ def clear_caches() -> None:
 
 def _rows(src: Layout, dst: Layout) -> int:
     """Builds every transfer of the (uncached) plan; ``fshard.plan`` alone computes none."""
-    return len(plan.__wrapped__(src, dst))
+    from fshard import _plan
+
+    return len(_plan._plan.__wrapped__(src, dst))
 
 
 # -- one rank's schedule at 64 to 16,384 ranks ----------------------------------------------
@@ -311,7 +313,8 @@ class RankCase:
             label = "" if target is None else (f"< {target * 1e3:g} ms" if target >= 1e-3 else f"< {target * 1e6:g} us")
             ok = None if target is None else seconds < target
             rows.append(Row(self.group, self.name, impl, seconds, len(t), target=label, ok=ok, note=note,
-                            samples=tuple(t)))  # fmt: skip
+                            samples=tuple(t), series=f"planning {self.kind}", x=float(self.n),
+                            x_label="ranks"))  # fmt: skip
         return rows
 
 

@@ -262,12 +262,14 @@ def load_rows(path: Path) -> list[Row]:
 
 
 def plot_series(rows: Sequence[Row]) -> dict[tuple[str, str], dict[str, list[tuple[float, float]]]]:
-    """(group, series) -> implementation -> sorted (MiB, seconds) points: what ``plot`` draws."""
+    """(group, series) -> implementation -> sorted (x, seconds) points: what ``plot`` draws
+    (x is ``size_mib``, or ``x`` for the rows that give it)."""
     out: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
     for r in rows:
-        if r.size_mib is None or r.seconds is None or not r.series:
+        x = r.x if r.x is not None else r.size_mib
+        if x is None or r.seconds is None or not r.series:
             continue
-        out.setdefault((r.group, r.series), {}).setdefault(r.impl, []).append((r.size_mib, r.seconds))
+        out.setdefault((r.group, r.series), {}).setdefault(r.impl, []).append((x, r.seconds))
     return {k: {impl: sorted(points) for impl, points in v.items()} for k, v in out.items()}
 
 
@@ -281,6 +283,7 @@ def plot(rows: Sequence[Row], paths: Sequence[Path], title: str = "") -> list[Pa
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     series = plot_series(rows)
+    labels = {(r.group, r.series): r.x_label or "MiB" for r in rows if r.series}
     if not series or not paths:
         return []
     cols = min(3, len(series))
@@ -299,7 +302,7 @@ def plot(rows: Sequence[Row], paths: Sequence[Path], title: str = "") -> list[Pa
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{name} ({group.split(':')[0]})", fontsize=9)
-        ax.set_xlabel("MiB")
+        ax.set_xlabel(labels.get((group, name), "MiB"))
         ax.set_ylabel("ms (median)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
@@ -323,6 +326,9 @@ _STYLES: dict[str, dict[str, Any]] = {
     "copies": {"color": "C2", "linestyle": ":"},
     "ShardedTensor": {"color": "C1"},
     "DTensor": {"color": "C3"},
+    "this rank's schedule (first)": {"color": "C0", "linewidth": 2.4},
+    "cached re-plan": {"color": "C2"},
+    "global plan (every rank)": {"color": "0.25", "linestyle": "--"},
 }
 
 

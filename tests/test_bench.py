@@ -266,6 +266,16 @@ def test_plot_series_and_png(tmp_path: Path) -> None:
     assert report.plot([r for r in _rows() if r.group == "planner"], paths) == []  # no sizes: nothing to plot
 
 
+def test_rows_with_an_x_of_their_own_plot_against_it(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [
+        Row("planner", f"grid -> rows, {n} ranks", "cached re-plan", 1e-6 * n, series="planning", x=n, x_label="ranks")
+        for n in (64.0, 1024.0)
+    ]
+    assert report.plot_series(rows) == {("planner", "planning"): {"cached re-plan": [(64.0, 64e-6), (1024.0, 1024e-6)]}}
+    assert report.plot(rows, [tmp_path / "ranks.png"]) == [tmp_path / "ranks.png"]
+
+
 def test_render_saved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     pytest.importorskip("rich")
