@@ -53,18 +53,20 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
             if not _config._current.check_collectives or _STACK:
                 return fn(*args, **kwargs)
             backend = _backend_of(args, kwargs)
-            if backend is None or backend.rank is None or not getattr(backend, "member", True):
+            settle = getattr(backend, "settle", None)  # a backend of one process has nothing to agree on
+            if settle is None or backend.rank is None or not getattr(backend, "member", True):
                 return fn(*args, **kwargs)
             what = _describe_call(name, signature, args, kwargs, local)
             _STACK.append(what)
             try:
-                out = fn(*args, **kwargs)
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    _STACK.pop()
             except Exception as exc:
-                _STACK.pop()
-                backend.settle(f"{what} raised", exc)
+                settle(f"{what} raised", exc)
                 raise
-            _STACK.pop()
-            backend.settle(f"{what} returned")
+            settle(f"{what} returned")
             return out
 
         return call  # type: ignore[return-value]
