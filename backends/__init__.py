@@ -34,6 +34,15 @@ class Backend(Protocol):
         """Number of ranks this backend spans (0 for local: any placement is allowed)."""
         ...
 
+    @property
+    def spans_processes(self) -> bool:
+        """Whether the ranks live in different processes (so they exchange data and metadata)."""
+        ...
+
+    def holds(self, rank: int) -> bool:
+        """Whether this process holds the data placed on ``rank``."""
+        ...
+
     def check_rank(self, rank: Any, what: str) -> int:
         """``rank`` as an int, or ``SpecError`` naming it (``what``: ``"src"``, ``"dst"``) when no
         rank of this backend has it."""

@@ -492,6 +492,15 @@ class LocalBackend:
         """``None``: this process holds every rank."""
         return None
 
+    @property
+    def spans_processes(self) -> bool:
+        """``False``: every rank's data lives in this process."""
+        return False
+
+    def holds(self, rank: int) -> bool:
+        """``True``: this process holds every rank's data."""
+        return True
+
     def addressable(self, layout: Any) -> tuple[int, ...]:
         """Every shard."""
         return _every(len(layout.shards))

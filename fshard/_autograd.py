@@ -133,7 +133,7 @@ def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
 
 def _holds_result(backend: Any, dst: int | None) -> bool:
     """Whether this process receives the result of a gather to ``dst``."""
-    return dst is None or backend.rank in (None, dst)
+    return dst is None or backend.holds(dst)
 
 
 class _Move(torch.autograd.Function):
@@ -275,7 +275,7 @@ def assemble(
     """
     parts = None
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (like, *tensors))
-    if dst is None and backend.rank is not None and needs_grad:
+    if dst is None and backend.spans_processes and needs_grad:
         parts = _varying.Parts()
     out = _run(_Assemble, layout, backend, dst, parts, like, *tensors)
     if parts is not None:

@@ -54,7 +54,7 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
                 return fn(*args, **kwargs)
             backend = _backend_of(args, kwargs)
             settle = getattr(backend, "settle", None)  # a backend of one process has nothing to agree on
-            if settle is None or backend.rank is None or not getattr(backend, "member", True):
+            if settle is None or not backend.spans_processes or not getattr(backend, "member", True):
                 return fn(*args, **kwargs)
             what = _describe_call(name, signature, args, kwargs, local)
             _STACK.append(what)

@@ -60,7 +60,7 @@ def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tu
     Rank ``src`` checks its tensor before the exchange and sends what is wrong with it,
     so a bad source tensor raises on every rank instead of leaving the others waiting.
     """
-    mine = backend.rank in (None, src)
+    mine = backend.holds(src)
     problem = _source_problem(tensor, src) if mine else None
     info = (
         (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, problem)

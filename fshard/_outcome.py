@@ -31,7 +31,7 @@ def holds_nothing_somewhere(backend: Any, layout: Layout) -> bool:
     Every process computes the same answer from the layout alone, so it can decide
     whether all of them join an exchange.
     """
-    return backend.rank is not None and len(layout.ranks) < backend.world_size
+    return backend.spans_processes and len(layout.ranks) < backend.world_size
 
 
 def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) -> tuple[T, list[Any]]:

@@ -298,7 +298,7 @@ def _run(
     # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where
     # it holds none): they share what fn returned, or the error it raised.
     inferred = not all(isinstance(s, Layout) for s in _leaf_specs(out_specs, None, what))
-    if backend.rank is not None and (inferred or holds_nothing_somewhere(backend, first)):
+    if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
         (leaves, spec_tree), seen = agree(backend, compute, lambda r: (_describe_blocks(r), usage.keys))
         spec_tree, shapes, dtypes = _merge_blocks([d for d, _ in seen], spec_tree, what)
         used = set().union(*(keys for _, keys in seen))

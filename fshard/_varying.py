@@ -161,7 +161,7 @@ class _PerShard(TorchFunctionMode):
 def per_shard(backend: Any, usage: Usage | None = None) -> Iterator[None]:
     """The context of a per-shard function: on a multi-process backend with gathered tensors
     alive, their uses become parts of their gradients (and their keys are added to ``usage``)."""
-    if backend.rank is None or not _LIVE:
+    if not backend.spans_processes or not _LIVE:
         yield
         return
     with _PerShard(usage):

@@ -123,6 +123,15 @@ class TorchDistBackend:
         return tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD))
 
     @property
+    def spans_processes(self) -> bool:
+        """``True``: each process of the group holds its own rank's data."""
+        return True
+
+    def holds(self, rank: int) -> bool:
+        """Whether this process holds the data of global rank ``rank`` (it is this process's rank)."""
+        return rank == self.rank
+
+    @property
     def member(self) -> bool:
         """Whether this process belongs to the group."""
         return self.group is not dist.GroupMember.NON_GROUP_MEMBER

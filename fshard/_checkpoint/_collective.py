@@ -49,7 +49,7 @@ def _progress(desc: str, total: int, enabled: bool | None, backend: Backend) -> 
     """A tqdm bar on the first rank, if tqdm is installed and ``enabled`` (``None``: a terminal and a big job)."""
     show = enabled if enabled is not None else (total >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
     tqdm = None
-    if show and backend.rank in (None, 0):
+    if show and backend.holds(0):
         try:
             from tqdm import tqdm
         except ImportError:

@@ -28,7 +28,7 @@ def _save_backend(leaves: Sequence[tuple[str, Any]]) -> Backend:
     backends = {leaf.backend for _, leaf in leaves if isinstance(leaf, ShardedArray)}
     if len(backends) == 1:
         return backends.pop()
-    if any(b.rank is None for b in backends):
+    if any(not b.spans_processes for b in backends):
         msg = f"The tree holds arrays on different backends {sorted(b.name for b in backends)}; save them separately."
         raise SpecError(msg)
     return default_backend()
@@ -86,8 +86,8 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
     (_, summaries, known), seen = _agree_on(backend, "fshard.save", prepare, lambda out: out[0])
     _check_same(backend, seen, summaries, leaves)
     ranks, token = [f.rank for f in seen], seen[0].token
-    leader = backend.rank is None or backend.rank == ranks[0]
-    holders = ranks if backend.rank is not None else _local_holders(leaves)
+    leader = backend.holds(ranks[0])
+    holders = ranks if backend.spans_processes else _local_holders(leaves)
     boxes = _assign(leaves, holders)
     known_box = {b.name: known[b.leaf] for b in boxes if b.shard is None and b.leaf in known}
     data = root / f"data.{token}"

@@ -96,7 +96,7 @@ def _held(leaves: Sequence[tuple[str, Any]], backend: Backend) -> list[dict[int 
 
 def _box_data(box: _Box, held: dict[int | None, torch.Tensor], backend: Backend) -> torch.Tensor | None:
     """This process's tensor for ``box`` if it is the box's writer, else ``None``."""
-    if box.shard is None and backend.rank not in (None, box.rank):
+    if box.shard is None and not backend.holds(box.rank):
         return None
     t = held.get(box.shard)
     return None if t is None else t.detach().to("cpu").contiguous()
