@@ -12,7 +12,7 @@ Every save is durable: fshard and DCP fsync their files (DCP's ``sync_files``
 default), and the ``torch.save`` row fsyncs too. Loads read through the page
 cache, warm from the save (the machine's memory holds the files), so they
 measure deserialisation and copies, not the disk. fshard's loads, like its
-reshards, recycle the memory of arrays that have died (``backends/local.py``);
+reshards, recycle the memory of arrays that have died (``fshard/_alloc.py``);
 the "fresh memory" row empties that cache first, so its outputs pay the page
 faults that a first load in a process (and every ``torch.load``) pays. Throughput is GiB of tensor
 data per second of wall time (median of ``--reps``); multi-process times run

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
+
+from fshard import _alloc
 
 __all__ = ["CACHE_LIMIT_BYTES", "cache_bytes", "cached", "clear_caches"]
 
@@ -71,9 +72,7 @@ def clear_caches() -> None:
     """
     for c in _REGISTRY:
         _clear(c)
-    local = sys.modules.get("fshard.backends.local")
-    if local is not None:
-        local.empty_cache()
+    _alloc.empty_cache()
 
 
 def _charge(entry: _Cache, nbytes: int) -> None:

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..local import _POOL
+from fshard._alloc import new
+
 from ._reduce import all_to_all
 from ._schedule import Index, Schedule, Span
 
@@ -31,9 +32,7 @@ def _contiguous(t: torch.Tensor) -> bool:
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised contiguous tensor; on the CPU from memory that is already mapped."""
-    if device.type == "cpu":
-        return _POOL.empty(tuple(shape), dtype)
-    return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return new(tuple(shape), dtype, device)
 
 
 def p2p(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any) -> None:

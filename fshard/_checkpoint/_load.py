@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fshard._alloc import new
 from fshard._array import ShardedArray, empty_link
 from fshard._checkpoint._collective import _agree_on, _progress
 from fshard._checkpoint._format import INDEX, _read_index, _Saved, check_flag, checkpoint_path
@@ -25,7 +26,6 @@ from fshard._placement import Placement
 from fshard._plan import plan
 from fshard._specs import as_layout
 from fshard.backends import Backend, default_backend
-from fshard.backends.local import new_shard
 
 __all__ = ["load"]
 
@@ -153,9 +153,7 @@ def _read_leaf(saved: _Saved, target: _Target, reader: _Reader, bar: Any) -> Any
 
 def _new(layout: Layout, i: int, dtype: torch.dtype, target: _Target) -> torch.Tensor:
     device = target.device if target.kind == "tensor" else torch.device(layout.shards[i].placement.device)
-    if device.type == "cpu":  # recycled memory where a dead array left some, as for reshard's outputs
-        return new_shard(layout, i, torch.empty(0, dtype=dtype))
-    return torch.empty(layout.shards[i].sizes, dtype=dtype, device=device)
+    return new(layout.shards[i].sizes, dtype, device)  # on the CPU, recycled memory where a dead array left some
 
 
 def _targets(
