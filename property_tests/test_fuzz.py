@@ -1,4 +1,4 @@
-"""The error contract, fuzzed (issue 11, section 3): garbage in, a typed error that names it out.
+"""The error contract, fuzzed: garbage in, a typed error that names it out.
 
 Every public callable of ``fshard.__all__`` (and the public methods that parse user
 input) is called with valid arguments, one or two of them replaced by garbage: wrong
