@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, overload
@@ -17,7 +16,14 @@ from fshard._collective import collective
 from fshard._compile import opaque
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, with_partial
-from fshard._outcome import agree, holds_nothing_somewhere, untouched
+from fshard._outcome import (
+    agree,
+    describe_results,
+    holds_nothing_somewhere,
+    link_without_blocks,
+    merge_results,
+    untouched,
+)
 from fshard._placement import Placement
 from fshard._shard_map import map_local  # the public map_local, re-exported here
 from fshard._specs import Replicated, as_layout
@@ -237,25 +243,24 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
         return _result_leaves(outs)
 
     if holds_nothing_somewhere(backend, first.layout):
-        (tree, leaves), seen = agree(backend, compute, lambda r: (_describe(r, index), usage.keys))
-        tree, metas = _merge_descriptions([d for d, _ in seen])
+        describe = lambda r: (describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), usage.keys)  # noqa: E731
+        (tree, leaves), seen = agree(backend, compute, describe)
+        tree, metas = merge_results([d for d, _ in seen], "map_local()")
         used = set().union(*(keys for _, keys in seen))
     else:
         tree, leaves = compute()
-        metas = [(leaf[0].dtype, {i: tuple(t.shape) for i, t in zip(index, leaf)}) for leaf in leaves]
+        metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
         used = set()
-    if tree is None:
-        # No shard anywhere: the result's link joins every argument's, so backward reaches them all.
-        link = functools.reduce(torch.add, (a._first() for a in arrays)).to(first.dtype)
+    if tree is None:  # no shard anywhere: the result's link joins every argument's
+        link = link_without_blocks(arrays, first.dtype, used)
         return ShardedArray(with_partial(first.layout, pending), (), backend, first.dtype, link)
     results = []
     for n, (dtype, sizes) in enumerate(metas):
         layout = with_partial(_infer_layout(base, sizes), pending)
         if leaves:
             results.append(ShardedArray(layout, leaves[n], backend, dtype))
-        else:  # no shard here: the link joins every argument's and what fn used elsewhere
-            link = functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype)
-            results.append(ShardedArray(layout, (), backend, dtype, _varying.join(link, used)))
+        else:
+            results.append(ShardedArray(layout, (), backend, dtype, link_without_blocks(arrays, dtype, used)))
     return optree.tree_unflatten(tree, results)
 
 
@@ -284,30 +289,6 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
                 f"map_local() fn returned dtypes {sorted({str(t.dtype) for t in leaf})} on different shards."
             )
     return tree, leaves
-
-
-def _describe(result: tuple[Any, list[tuple[torch.Tensor, ...]]], index: Sequence[int]) -> Any:
-    tree, leaves = result
-    if tree is None:
-        return None
-    return tree, [(leaf[0].dtype, {i: tuple(t.shape) for i, t in zip(index, leaf)}) for leaf in leaves]
-
-
-def _merge_descriptions(seen: Sequence[Any]) -> tuple[Any, list[tuple[torch.dtype, dict[int, tuple[int, ...]]]]]:
-    """One tree, and per leaf one dtype and every shard's shape, from every process's description."""
-    held = [d for d in seen if d is not None]
-    if not held:
-        return None, []
-    tree = held[0][0]
-    if any(d[0] != tree for d in held):
-        raise SpecError(f"map_local() fn returned different structures on different ranks: {tree} and others.")
-    metas = []
-    for n in range(tree.num_leaves):
-        dtypes = {d[1][n][0] for d in held}
-        if len(dtypes) > 1:
-            raise SpecError(f"map_local() fn returned dtypes {sorted(map(str, dtypes))} on different ranks.")
-        metas.append((dtypes.pop(), {i: s for d in held for i, s in d[1][n][1].items()}))
-    return tree, metas
 
 
 @opaque  # layout arithmetic in numpy: run eagerly under torch.compile

@@ -11,16 +11,20 @@ it raised), so all processes learn the same metadata or all raise.
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from fshard import _varying
 from fshard._errors import SpecError
 from fshard._layout import Layout
 
-__all__ = ["agree", "holds_nothing_somewhere", "untouched"]
+__all__ = ["agree", "describe_results", "holds_nothing_somewhere", "link_without_blocks", "merge_results", "untouched"]
+
+Meta = tuple[torch.dtype, dict[Any, tuple[int, ...]]]
 
 T = TypeVar("T")
 
@@ -81,3 +85,40 @@ def untouched(tensors: Sequence[torch.Tensor], what: str) -> Iterator[None]:
                 "Return a new tensor instead (t * 10)."
             )
             raise SpecError(msg)
+
+
+def describe_results(tree: Any, leaves: Sequence[dict[Any, torch.Tensor]]) -> tuple[Any, list[Meta]] | None:
+    """What fn returned on this process, as plain data: its tree, and per leaf the dtype and
+    the shape of the block at each key (a shard index or a slot); ``None`` where it ran on nothing."""
+    if tree is None:
+        return None
+    return tree, [(next(iter(b.values())).dtype, {k: tuple(t.shape) for k, t in b.items()}) for b in leaves]
+
+
+def merge_results(seen: Sequence[Any], what: str) -> tuple[Any, list[Meta]]:
+    """One tree, and per leaf one dtype and every process's block shapes, from the processes'
+    ``describe_results`` (``(None, [])`` when fn ran nowhere).
+
+    Raises:
+        SpecError: fn returned different trees, or different dtypes for a leaf, on different ranks.
+    """
+    held = [d for d in seen if d is not None]
+    if not held:
+        return None, []
+    tree = held[0][0]
+    other = next((d[0] for d in held if d[0] != tree), None)
+    if other is not None:
+        raise SpecError(f"{what} fn returned {tree} on some ranks and {other} on others; return one structure.")
+    metas = []
+    for n in range(tree.num_leaves):
+        kinds = {d[1][n][0] for d in held}
+        if len(kinds) > 1:
+            raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks; return one.")
+        metas.append((kinds.pop(), {k: shape for d in held for k, shape in d[1][n][1].items()}))
+    return tree, metas
+
+
+def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int]) -> torch.Tensor:
+    """A result's 0-element link where fn ran on no block: it joins every argument's link and the
+    gathered tensors fn used on other ranks, so that backward reaches what it reaches there."""
+    return _varying.join(functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype), used)

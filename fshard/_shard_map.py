@@ -15,7 +15,6 @@ gradient (each counts 1/copies), which together give the exact gradient by linea
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +27,14 @@ from fshard._cache import cached
 from fshard._collective import collective
 from fshard._errors import SpecError
 from fshard._layout import Layout, with_partial
-from fshard._outcome import agree, holds_nothing_somewhere, untouched
+from fshard._outcome import (
+    agree,
+    describe_results,
+    holds_nothing_somewhere,
+    link_without_blocks,
+    merge_results,
+    untouched,
+)
 from fshard._placement import Placement
 from fshard._specs import Explicit, Partial, as_layout
 
@@ -299,13 +305,14 @@ def _run(
     # it holds none): they share what fn returned, or the error it raised.
     inferred = not all(isinstance(s, Layout) for s in _leaf_specs(out_specs, None, what))
     if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
-        (leaves, spec_tree), seen = agree(backend, compute, lambda r: (_describe_blocks(r), usage.keys))
-        spec_tree, shapes, dtypes = _merge_blocks([d for d, _ in seen], spec_tree, what)
+        describe = lambda r: (describe_results(r[1], r[0]), usage.keys)  # noqa: E731
+        (leaves, spec_tree), seen = agree(backend, compute, describe)
+        merged, metas = merge_results([d for d, _ in seen], what)
+        spec_tree = merged if merged is not None else spec_tree
         used = set().union(*(keys for _, keys in seen))
     else:
         leaves, spec_tree = compute()
-        shapes = [{s: tuple(t.shape) for s, t in blocks.items()} for blocks in leaves]
-        dtypes = [_dtype(blocks) for blocks in leaves]
+        metas = (describe_results(spec_tree, leaves) or (None, []))[1]
         used = set()
     specs = _leaf_specs(out_specs, spec_tree, what)
     if spec_tree is None:  # no slot anywhere: the structure comes from the specs
@@ -315,56 +322,11 @@ def _run(
     slots = set(_slot_index(first).values())
     outs = []
     for n, (spec, blocks) in enumerate(zip(specs, leaves)):
-        dtype = dtypes[n] if n < len(dtypes) else arrays[0].dtype
-        link = (
-            None if held else _varying.join(functools.reduce(torch.add, (a._first() for a in inputs)).to(dtype), used)
-        )
-        layout = _out_layout(spec, shapes[n] if n < len(shapes) else {}, slots, pending, what, n)
+        dtype, shapes = metas[n] if n < len(metas) else (arrays[0].dtype, {})
+        link = None if held else link_without_blocks(inputs, dtype, used)
+        layout = _out_layout(spec, shapes, slots, pending, what, n)
         outs.append(_wrap(layout, backend, blocks, link, dtype))
     return optree.tree_unflatten(spec_tree, outs)
-
-
-def _no_block_link(inputs: Sequence[ShardedArray], dtype: torch.dtype, used: set[int]) -> torch.Tensor:
-    """A result's link where fn ran on no block: it joins every argument's link and the gathered
-    tensors fn used on other ranks, so backward reaches what it reaches there."""
-    return _varying.join(functools.reduce(torch.add, (a._first() for a in inputs)).to(dtype), used)
-
-
-def _describe_blocks(result: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
-    """What this process's fn returned, as plain data: the tree, and per leaf a dtype and block shapes."""
-    leaves, tree = result
-    if tree is None:
-        return None
-    return tree, [(_dtype(b), {(str(p), k): tuple(t.shape) for (p, k), t in b.items()}) for b in leaves]
-
-
-def _dtype(blocks: dict[Slot, torch.Tensor]) -> torch.dtype:
-    return next(iter(blocks.values())).dtype
-
-
-def _merge_blocks(
-    seen: Sequence[Any], tree: Any, what: str
-) -> tuple[Any, list[dict[Slot, tuple[int, ...]]], list[torch.dtype]]:
-    """The results' tree, every slot's block shape per leaf, and each leaf's dtype, from every process."""
-    held = [d for d in seen if d is not None]
-    if not held:
-        return tree, [], []
-    tree = held[0][0]
-    if any(d[0] != tree for d in held):
-        raise SpecError(
-            f"{what} fn returned {tree} on some ranks and {next(d[0] for d in held if d[0] != tree)} on others."
-        )
-    shapes: list[dict[Slot, tuple[int, ...]]] = [{} for _ in range(tree.num_leaves)]
-    dtypes = []
-    for n in range(tree.num_leaves):
-        kinds = {d[1][n][0] for d in held}
-        if len(kinds) > 1:
-            raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks.")
-        dtypes.append(kinds.pop())
-        for d in held:
-            for (p, k), shape in d[1][n][1].items():
-                shapes[n][(Placement.parse(p), k)] = shape
-    return tree, shapes, dtypes
 
 
 def _spec_structure(out_specs: Any) -> Any:

@@ -8,32 +8,16 @@ processes; each result's ``ok`` and its losses are asserted.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_examples import example  # the example scripts, imported as modules
 
 import fshard
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 REL = 1e-9  # float64; the sharded sums run in another order
-
-
-def example(name: str) -> ModuleType:
-    """The example script ``examples/<name>.py``, imported once as the module ``name``."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def assert_tp_mlp_matches(result: dict[str, Any], ranks: int) -> None:
