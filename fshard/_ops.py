@@ -243,7 +243,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
         return _result_leaves(outs)
 
     if holds_nothing_somewhere(backend, first.layout):
-        describe = lambda r: (describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), usage.keys)  # noqa: E731
+        describe = lambda r: (describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), usage.ages())  # noqa: E731
         (tree, leaves), seen = agree(backend, compute, describe)
         tree, metas = merge_results([d for d, _ in seen], "map_local()")
         used = set().union(*(keys for _, keys in seen))

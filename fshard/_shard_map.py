@@ -305,7 +305,7 @@ def _run(
     # it holds none): they share what fn returned, or the error it raised.
     inferred = not all(isinstance(s, Layout) for s in _leaf_specs(out_specs, None, what))
     if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
-        describe = lambda r: (describe_results(r[1], r[0]), usage.keys)  # noqa: E731
+        describe = lambda r: (describe_results(r[1], r[0]), usage.ages())  # noqa: E731
         (leaves, spec_tree), seen = agree(backend, compute, describe)
         merged, metas = merge_results([d for d, _ in seen], what)
         spec_tree = merged if merged is not None else spec_tree

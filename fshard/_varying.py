@@ -20,13 +20,13 @@ tensors that fshard produced.
 The sum is a collective in the gather's backward, so every rank's backward must reach
 that gather. A rank that holds no shard runs no per-shard function; its result then
 joins (``join``) the gathered tensors that the other ranks' functions used, which it
-learns from them (``Usage``: each gathered tensor has a key, the same on every rank).
+learns from them (``Usage``: each gathered tensor is named by its age, the number of
+gathers registered after it, which is the same on every rank that gathered alike since).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -73,16 +73,17 @@ _LIVE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDiction
 _PARTS: dict[int, Parts] = {}
 _KEYS: dict[int, int] = {}
 _BY_KEY: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-_COUNT = itertools.count()
+_COUNT = [0]  # gathers registered so far in this process
 
 
 def register(t: torch.Tensor, parts: Parts) -> None:
     """Marks ``t`` (a gather's result on every rank) as a tensor whose per-shard uses are parts.
 
-    Gathers to every rank run on every rank in one order, so the n-th registered tensor
-    has key n on each of them.
+    The n-th registered tensor has key n here; ranks compare ages (``Usage.ages``), not
+    keys, since one rank may have registered more in an earlier, failed program.
     """
-    key, n = id(t), next(_COUNT)
+    key, n = id(t), _COUNT[0]
+    _COUNT[0] += 1
     _LIVE[key] = t
     _PARTS[key] = parts
     _KEYS[key] = n
@@ -103,12 +104,19 @@ class Usage:
     def __init__(self) -> None:
         self.keys: set[int] = set()
 
+    def ages(self) -> frozenset[int]:
+        """The used tensors as ages: how many gathers were registered since each. Ranks agree
+        on these as long as they gathered alike since then, even where an earlier program
+        (a failed one, say) left their counts apart."""
+        return frozenset(_COUNT[0] - n for n in self.keys)
 
-def join(link: torch.Tensor, keys: set[int]) -> torch.Tensor:
-    """``link`` (0 elements) joined to the gathered tensors of ``keys`` still alive here, so that
-    a backward from it reaches their gathers' backward (and its collective) as on the other ranks."""
-    for n in sorted(keys):
-        t = _BY_KEY.get(n)
+
+def join(link: torch.Tensor, ages: set[int] | frozenset[int]) -> torch.Tensor:
+    """``link`` (0 elements) joined to the gathered tensors of ``ages`` (``Usage.ages``) still
+    alive here, so that a backward from it reaches their gathers' backward (and its collective)
+    as on the other ranks."""
+    for age in sorted(ages):
+        t = _BY_KEY.get(_COUNT[0] - age)
         if t is not None:
             link = link + t.reshape(-1)[:0].to(link.dtype)
     return link

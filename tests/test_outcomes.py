@@ -129,3 +129,25 @@ def test_in_place_writes_into_input_blocks_raise():
     c = fshard.shard(torch.ones(4, 2), spec)
     assert fshard.gather(fshard.map_local(lambda t: t * 10, c)).sum().item() == 80.0
     assert fshard.gather(c).sum().item() == 8.0
+
+
+def _gathered_use_after_diverged_history() -> float:
+    """A rank without a block joins the gather that fn used elsewhere, even where earlier
+    programs left the ranks' counts of gathers apart (as a failure on one rank can)."""
+    from fshard import _varying
+
+    _varying._COUNT[0] += 7 * dist.get_rank()
+    leaf = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    b = fshard.shard(leaf, fshard.Replicated([0, 1, 2, 3]))
+    x = fshard.shard(torch.arange(6.0, dtype=torch.float64).reshape(2, 3), ON_TWO)
+    bf = fshard.gather(b)
+    y = fshard.map_local(lambda t: t * bf.sum(), x)
+    fshard.gather(y).sum().backward()
+    return float(leaf.grad.sum())
+
+
+@pytest.mark.multiprocess
+def test_ranks_without_blocks_reach_the_gathers_used_elsewhere(dist_pool):
+    got = dist_pool.run(_gathered_use_after_diverged_history, timeout=30)
+    assert len(set(got)) == 1, got
+    assert got[0] == 3 * 15.0  # d/db of sum(x) * sum(b): sum(x) = 15 for each of b's 3 elements
