@@ -240,14 +240,6 @@ def _scattered(layout: Any, index: Iterable[int]) -> list[Piece]:
     return [(0, (s.offsets, s.sizes), j, (0,) * len(s.sizes)) for j, s in shards if all(s.sizes)]
 
 
-def copy_plan(plan: Any, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor], rows: Iterable[int]) -> None:
-    """Runs the transfers ``rows`` of ``plan`` between shard tensors held in this process."""
-    moves = _moves(plan)
-    for k in rows:
-        i, j, read, write = moves[k]
-        dst[j][write].copy_(src[i][read])
-
-
 @cached(32)
 def _moves(plan: Any) -> tuple[tuple[int, int, tuple[slice, ...], tuple[slice, ...]], ...]:
     """Per plan row: (source shard, destination shard, index into the source, into the destination).
@@ -270,20 +262,126 @@ def _slice(start: int, size: int) -> slice:
 @cached(64)
 def _copying(plan: Any) -> tuple[Recipe, ...]:
     """The recipes that run a copy phase, in turn: one that builds every destination shard
-    from its boxes in the source shards or, for a small array where that takes fewer torch
-    calls, two: the whole array from the source shards, then the destination shards cut
-    out of it."""
-    read = (plan.lo - plan.src._lo[plan.src_shard]).tolist()
-    write = (plan.lo - plan.dst._lo[plan.dst_shard]).tolist()
-    rows = zip(plan.src_shard.tolist(), plan.dst_shard.tolist(), read, write, plan.size.tolist())
-    pieces = [(i, (tuple(r), tuple(z)), j, tuple(w)) for i, j, r, w, z in rows]
+    from its boxes in the source shards, as the ranks' schedules list them, or, for a small
+    array where that takes fewer torch calls, two: the whole array from the source shards,
+    then the destination shards cut out of it."""
     ins = [s.sizes for s in plan.src.shards]
-    direct = (recipe(ins, [(s.sizes, s.placement.device) for s in plan.dst.shards], pieces),)
+    direct = (recipe(ins, [(s.sizes, s.placement.device) for s in plan.dst.shards], _arrivals(plan)[0]),)
     devices = {s.placement.device for s in (*plan.src.shards, *plan.dst.shards)}
     if plan.dst.numel > _SMALL_NUMEL or len(devices) != 1 or plan.src.partial or plan.dst.partial:
         return direct  # (copies of a pending sum are summands: no one box stands for them all)
     whole = (_assembly(plan.src, _device(devices.pop())), _scattering(plan.dst))
     return min(direct, whole, key=lambda route: sum(r.calls for r in route))
+
+
+@cached(64)
+def _arrivals(plan: Any) -> tuple[list[Piece], int]:
+    """Every box that a copy phase writes, rank by rank: each rank's local copies and
+    receives, as its schedule (``plan.for_rank``) lists them; and the elements that
+    cross ranks, summed over the receivers."""
+    pieces: list[Piece] = []
+    crossing = 0
+    for r in plan.dst.ranks:
+        s = plan.for_rank(r)
+        crossing += s.elements_received
+        for m in (s.local, s.recv):
+            pieces += [(i, (read, size), j, write) for i, read, j, write, size in _located(plan, m)]
+    return pieces, crossing
+
+
+def _located(plan: Any, m: Any) -> list[tuple[int, Sizes, int, Sizes, Sizes]]:
+    """Each move of ``m`` as (source shard, offsets in it, destination shard, offsets in it, sizes)."""
+    read = map(tuple, (m.lo - plan.src._lo[m.src_shard]).tolist())
+    write = map(tuple, (m.lo - plan.dst._lo[m.dst_shard]).tolist())
+    return list(zip(m.src_shard.tolist(), read, m.dst_shard.tolist(), write, map(tuple, m.size.tolist())))
+
+
+Source = tuple[int, Index]
+"""A region of one shard: (shard index, slices into its tensor)."""
+Target = tuple[int, Index, int]
+"""A region of a destination shard: (shard index, slices into its tensor, number of the region)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """A reduce phase as the ranks run it, one rank at a time (from ``plan.for_rank``).
+
+    Each destination shard in ``fill`` starts as the op's identity (some of its elements
+    receive no contribution). Then, per rank: its own contributions (``local``: source,
+    destination), one at a time; then one message per (sending rank, region), peers
+    ascending and regions by offsets: the sender's contributions to the region combined
+    first, then the result combined into each destination shard of the rank that wants it.
+    That is the order in which ``torch_dist`` combines, so both give the same bits. A
+    region's first write is a copy, later ones combine with ``op``.
+    """
+
+    op: str
+    fill: frozenset[int]
+    local: tuple[tuple[Source, Target], ...]
+    messages: tuple[tuple[tuple[Source, ...], tuple[Target, ...]], ...]
+    crossing: int
+
+    def run(self, p: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The destination shards of phase ``p`` from its source shards ``tensors``."""
+        out = [new_shard(p.dst, j, like) for j in range(len(p.dst.shards))]
+        for j in self.fill:
+            out[j].fill_(identity(self.op, like.dtype))
+        done: set[int] = set()
+        for (i, read), into in self.local:
+            self._combine(out, into, tensors[i][read], done)
+        for sources, targets in self.messages:
+            (i, read), rest = sources[0], sources[1:]
+            value = tensors[i][read].clone() if rest else tensors[i][read]
+            for k, more in rest:
+                accumulate(self.op, value, tensors[k][more])
+            for into in targets:
+                self._combine(out, into, value, done)
+        return tuple(out)
+
+    def _combine(self, out: list[torch.Tensor], into: Target, value: torch.Tensor, done: set[int]) -> None:
+        j, write, region = into
+        if j in self.fill or region in done:
+            accumulate(self.op, out[j][write], value)
+        else:
+            out[j][write].copy_(value)
+            done.add(region)
+
+
+@cached(64)
+def reduction(p: Any) -> Reduction:
+    """The ``Reduction`` that runs reduce phase ``p``, built from every rank's schedule."""
+    local: list[tuple[Source, Target]] = []
+    messages: list[tuple[tuple[Source, ...], tuple[Target, ...]]] = []
+    numbers: dict[tuple[int, Sizes, Sizes], int] = {}
+
+    def target(j: int, lo: Sizes, size: Sizes) -> Target:
+        return j, _at(lo, size), numbers.setdefault((j, lo, size), len(numbers))
+
+    covered = np.zeros(len(p.dst.shards), np.int64)
+    crossing = 0
+    for r in p.dst.ranks:
+        s = p.for_rank(r)
+        crossing += s.elements_received
+        for m in (s.local, s.recv):  # each (destination shard, region) counted once
+            if len(m):
+                first, _ = unique_rows(np.c_[m.dst_shard, m.lo])
+                np.add.at(covered, m.dst_shard[first], m.numel[first])
+        local += [((i, _at(a, z)), target(j, b, z)) for i, a, j, b, z in _located(p, s.local)]
+        regions: dict[tuple[int, Sizes, Sizes], tuple[dict[int, Index], dict[int, Target]]] = {}
+        for (i, a, j, b, z), peer, lo in zip(_located(p, s.recv), s.recv.peer.tolist(), s.recv.lo.tolist()):
+            sources, targets = regions.setdefault((peer, tuple(lo), z), ({}, {}))
+            sources.setdefault(i, _at(a, z))
+            if j not in targets:
+                targets[j] = target(j, b, z)
+        for key in sorted(regions):
+            sources, targets = regions[key]
+            messages.append((tuple(sources.items()), tuple(targets.values())))
+    fill = frozenset(np.flatnonzero(covered < rows_prod(p.dst._sz)).tolist())
+    return Reduction(str(p.op), fill, tuple(local), tuple(messages), crossing)
+
+
+def _at(lo: Sizes, size: Sizes) -> Index:
+    return tuple(map(_slice, lo, size))
 
 
 def identity(op: str, dtype: torch.dtype) -> float | int | bool:
@@ -439,21 +537,19 @@ class LocalBackend:
         raise SpecError(f"{what}={rank!r}: Global rank {rank!r} does not exist in input process group ({ranks}).")
 
     def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Builds each destination shard from its boxes in the source shards (one ``torch.cat``
-        where they tile it along one dim), combining the contributions of a reduce phase; phase
-        by phase."""
+        """Runs ``plan`` phase by phase, each from every rank's schedule (``plan.for_rank``):
+        builds each destination shard from its boxes in the source shards (one ``torch.cat``
+        where they tile it along one dim), or combines the contributions of a reduce phase."""
         log_move("local", plan, like.element_size())
         for p in plan.phases:
             if p.op is None:
                 for r in _copying(p):
                     tensors = r.run(tensors, like.dtype)
+                self.counters.elements_sent += _arrivals(p)[1]
             else:
-                out = {j: new_shard(p.dst, j, like) for j in range(len(p.dst.shards))}
-                for j in needs_fill(p):
-                    out[j].fill_(identity(p.op, like.dtype))
-                reduce_plan(p, dict(enumerate(tensors)), out, range(len(p)))
-                tensors = tuple(out[j] for j in range(len(out)))
-            self.counters.elements_sent += p.elements_sent
+                run = reduction(p)
+                tensors = run.run(p, tensors, like)
+                self.counters.elements_sent += run.crossing
         return tuple(tensors)
 
     def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:

@@ -15,7 +15,7 @@ from fshard._compile import batched_layout
 from fshard._errors import LayoutError
 from fshard._layout import Layout, ShardMeta
 
-__all__ = ["Shard", "ShardedArray", "empty_link"]
+__all__ = ["Shard", "ShardedArray"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -57,9 +57,11 @@ class ShardedArray:
     _data: tuple[torch.Tensor, ...]
     _backend: Any
     _dtype: torch.dtype
-    # On a process that holds no shard of the array: a 0-element tensor that carries the
-    # dtype and the autograd history, so that this process joins every backward
-    # collective of the array (``None`` where there are shards, which carry both).
+    # The link: on a process that holds no shard of the array, a 0-element tensor that
+    # carries the dtype and the autograd history, so that this process joins every
+    # backward collective of the array (``None`` where there are shards, which carry
+    # both). Only this class makes or reads it: ``_first`` hands it to a movement as the
+    # tensor that stands for the array, and the constructor takes the movement's.
     _link: torch.Tensor | None
 
     def __init__(
@@ -69,7 +71,13 @@ class ShardedArray:
         backend: Any,
         dtype: torch.dtype | None = None,
         link: torch.Tensor | None = None,
+        *,
+        requires_grad: bool = False,
     ) -> None:
+        """An array of this process's shard tensors ``data`` (in ``backend.addressable(layout)``
+        order). Where ``data`` is empty, ``dtype`` gives the dtype and ``link`` the link: the one
+        a movement returned, or (``None``) a new leaf that requires grad if ``requires_grad``
+        does; where there is data, ``link`` is not needed and is dropped."""
         if not isinstance(layout, Layout):
             raise TypeError(f"ShardedArray layout must be a Layout, got {type(layout).__name__}.")
         if not callable(getattr(backend, "addressable", None)):
@@ -95,7 +103,7 @@ class ShardedArray:
         if data:
             link = None
         elif link is None:
-            link = empty_link(self._dtype)
+            link = _new_link(self._dtype, requires_grad)
         elif link.numel():
             msg = f"A ShardedArray with no shard here has a 0-element link, got one of shape {tuple(link.shape)}."
             raise LayoutError(msg)
@@ -216,8 +224,14 @@ class ShardedArray:
         return self._data[0]
 
     def _first(self) -> torch.Tensor:
-        """A tensor with this array's dtype: the first shard, or the 0-element link."""
+        """The tensor that stands for this array in a movement (its dtype, device and autograd
+        history): the first shard, or the link."""
         return self._link if self._link is not None else self._data[0]
+
+    def _link_view(self) -> torch.Tensor:
+        """A 0-element view of ``_first()``: the link of a result computed from this array
+        that holds no shard on this process."""
+        return self._first().reshape(-1)[:0]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -229,7 +243,7 @@ class ShardedArray:
         raise TypeError(msg)
 
 
-def empty_link(dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+def _new_link(dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
     """The link of an array built from nothing on a process without shards (a leaf)."""
     return torch.empty(0, dtype=dtype, requires_grad=requires_grad and (dtype.is_floating_point or dtype.is_complex))
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fshard import _random
-from fshard._array import ShardedArray, empty_link
+from fshard._array import ShardedArray
 from fshard._collective import collective
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import MAX_EXTENT, Layout, ShardMeta, check_shape
@@ -99,7 +99,7 @@ def _create(
         meta = layout.shards[i]
         t = fill(meta, dtype, torch.device(meta.placement.device))
         data.append(t.requires_grad_(requires_grad) if requires_grad else t)
-    return ShardedArray(layout, data, backend, dtype, None if data else empty_link(dtype, requires_grad))
+    return ShardedArray(layout, data, backend, dtype, requires_grad=requires_grad)
 
 
 def _check_fill(fill_value: Any, dtype: Any) -> None:

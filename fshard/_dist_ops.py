@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fshard._array import Shard, ShardedArray, empty_link
+from fshard._array import Shard, ShardedArray
 from fshard._collective import collective
 from fshard._errors import LayoutError, SpecError
 from fshard._layout import Layout, ShardMeta, check_shape
@@ -192,7 +192,7 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
         raise LayoutError(f"Expected {len(index)} local shards, got {len(mine)}.")
     dtype = next((p.dtype for r in reports for p in r.pieces), torch.get_default_dtype())
     grad = any(p.requires_grad for r in reports for p in r.pieces)
-    return ShardedArray(layout, mine, backend, dtype, None if mine else empty_link(dtype, grad))
+    return ShardedArray(layout, mine, backend, dtype, requires_grad=grad)
 
 
 @collective("from_local_tensor", local=("tensor",))
@@ -289,7 +289,7 @@ def _from_local_tensor_and_spec(tensor: Any, spec: Any, shape: Any, backend: Bac
         raise SpecError(msg)
     dtype = next(iter(every))[0] if every else torch.get_default_dtype()
     grad = bool(every) and next(iter(every))[1]
-    return ShardedArray(layout, tensors, backend, dtype, None if tensors else empty_link(dtype, grad))
+    return ShardedArray(layout, tensors, backend, dtype, requires_grad=grad)
 
 
 def _local_tensors(tensor: Any) -> tuple[torch.Tensor, ...]:

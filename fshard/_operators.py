@@ -224,8 +224,7 @@ def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> Shard
     mine = backend.addressable(out)
     by_index = {index[k]: t for k, t in totals.items()}
     tensors = tuple(by_index[j] for j in mine)
-    link = None if tensors else x._first().reshape(-1)[:0]
-    return ShardedArray(out, tensors, backend, x.dtype, link)
+    return ShardedArray(out, tensors, backend, x.dtype, None if tensors else x._link_view())
 
 
 install()

@@ -11,7 +11,7 @@ import optree
 import torch
 
 from fshard import _autograd, _operators, _varying  # noqa: F401  (_operators adds ShardedArray's operators)
-from fshard._array import Shard, ShardedArray, empty_link
+from fshard._array import Shard, ShardedArray
 from fshard._collective import collective
 from fshard._compile import opaque
 from fshard._errors import LayoutError, SpecError
@@ -422,7 +422,7 @@ def from_local_shards_and_layout(
     if data or not kinds:
         return ShardedArray(layout, data, backend)
     dtype, requires_grad = kinds.pop()
-    return ShardedArray(layout, (), backend, dtype, empty_link(dtype, requires_grad))
+    return ShardedArray(layout, (), backend, dtype, requires_grad=requires_grad)
 
 
 def _kind(data: Sequence[torch.Tensor]) -> tuple[torch.dtype, bool] | None:

@@ -340,7 +340,7 @@ def _regrouped(a: ShardedArray, mode: str) -> ShardedArray:
     if a.layout.partial is not None or not a.requires_grad or max(_autograd._copy_counts(a.layout), default=1) < 2:
         return a
     data, link = _autograd.regroup(a.layout, a.backend, mode, a._data, a._first())
-    return ShardedArray(a.layout, data, a.backend, a.dtype, link if not data else None)
+    return ShardedArray(a.layout, data, a.backend, a.dtype, link)
 
 
 @cached(256)

@@ -101,6 +101,28 @@ def test_reshard_builds_new_contiguous_shards(pair: tuple[Any, Any], route: str)
 
 
 @pytest.mark.parametrize("pair", PAIRS.values(), ids=PAIRS.keys())
+def test_reshard_runs_from_the_ranks_schedules(pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's part comes from ``plan.for_rank``: the global transfers are never built,
+    and the elements counted as sent are the sum of the schedules' (the plan's minimum)."""
+    from fshard import _plan
+
+    def refuse(*args: Any) -> None:
+        raise AssertionError("the global plan was built")
+
+    monkeypatch.setattr(local, "_SMALL_NUMEL", -1)  # each destination built from its boxes
+    fshard.clear_caches()
+    monkeypatch.setattr(_plan, "_build", refuse)
+    a = fshard.shard(X, pair[0])
+    n = sent(lambda: fshard.reshard(a, pair[1]))
+    out = fshard.reshard(a, pair[1])
+    for s in out.addressable_shards:
+        assert torch.equal(s.data, X[tuple(slice(o, o + k) for o, k in zip(s.meta.offsets, s.meta.sizes))])
+    p = fshard.plan(a.layout, pair[1].layout(X.shape))
+    assert n == p.min_elements_sent == sum(p.for_rank(r).elements_sent for r in {*a.layout.ranks, *p.dst.ranks})
+    fshard.clear_caches()
+
+
+@pytest.mark.parametrize("pair", PAIRS.values(), ids=PAIRS.keys())
 def test_shard_and_gather_copy_out_of_their_input(pair: tuple[Any, Any]) -> None:
     a = fshard.shard(X, pair[0])
     full = fshard.gather(a)

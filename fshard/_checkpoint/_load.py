@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fshard._alloc import new
-from fshard._array import ShardedArray, empty_link
+from fshard._array import ShardedArray
 from fshard._checkpoint._collective import _agree_on, _progress
 from fshard._checkpoint._format import INDEX, _read_index, _Saved, check_flag, checkpoint_path
 from fshard._checkpoint._reader import _Reader, _slices
@@ -147,8 +147,7 @@ def _read_leaf(saved: _Saved, target: _Target, reader: _Reader, bar: Any) -> Any
     data = [t.requires_grad_() if target.requires_grad else t for t in data]
     if target.kind == "tensor":
         return data[0]
-    link = None if data else empty_link(saved.dtype, target.requires_grad)
-    return ShardedArray(layout, data, target.backend, saved.dtype, link)
+    return ShardedArray(layout, data, target.backend, saved.dtype, requires_grad=target.requires_grad)
 
 
 def _new(layout: Layout, i: int, dtype: torch.dtype, target: _Target) -> torch.Tensor:
