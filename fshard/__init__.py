@@ -33,6 +33,7 @@ from fshard._interop import to_dtensor as to_dtensor
 from fshard._interop import to_sharded_tensor as to_sharded_tensor
 from fshard._layout import Layout as Layout
 from fshard._layout import ShardMeta as ShardMeta
+from fshard._log import logger as _logger  # noqa: F401 (the 'fshard' logger gets its NullHandler)
 from fshard._modules import load_state_dict as load_state_dict
 from fshard._modules import shard_params as shard_params
 from fshard._ops import allclose as allclose

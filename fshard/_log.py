@@ -8,8 +8,14 @@ turn the messages on as for any library::
 
 >>> import logging, fshard
 >>> from fshard._log import plan_message
->>> plan_message(fshard.plan(fshard.Chunk(0, [0, 1]).layout((4, 2)), fshard.Chunk(1, [0, 1]).layout((4, 2))))
-'plan (4, 2): 2 -> 2 shards, 4 transfers, 4 elements sent between ranks (minimum 4)'
+>>> p = fshard.plan(fshard.Chunk(0, [0, 1]).layout((4, 2)), fshard.Chunk(1, [0, 1]).layout((4, 2)))
+>>> plan_message(p)
+'plan (4, 2): 2 -> 2 shards, 4 elements sent between ranks (the minimum)'
+>>> move_message("torch_dist", p, 4, rank=1).split("; ")[1]
+'this rank sends 2 elements (8 bytes of 4-byte elements) and receives 2'
+
+Neither reads the plan's global transfers (O(world^2) rows for an all-to-all): the
+minimum has a closed form, and a rank's share is its schedule (``plan.for_rank``).
 """
 
 from __future__ import annotations
@@ -24,18 +30,25 @@ logger.addHandler(logging.NullHandler())
 
 
 def plan_message(plan: Any) -> str:
-    """One line about ``plan``: its shape, shards, transfers and elements sent (and the minimum)."""
+    """One line about ``plan``: its shape, shards and the elements sent between ranks (every
+    plan sends the minimum)."""
     return (
-        f"plan {plan.src.shape}: {len(plan.src.shards)} -> {len(plan.dst.shards)} shards, "
-        f"{len(plan)} transfers, {plan.elements_sent} elements sent between ranks "
-        f"(minimum {plan.min_elements_sent})"
+        f"plan {plan.src.shape}: {len(plan.src._rank)} -> {len(plan.dst._rank)} shards, "
+        f"{plan.min_elements_sent} elements sent between ranks (the minimum)"
     )
 
 
 def move_message(backend: str, plan: Any, itemsize: int, rank: int | None = None) -> str:
-    """One line about a plan that a backend runs: the plan and its bytes sent between ranks."""
-    where = "" if rank is None else f" (rank {rank})"
-    return f"{backend}{where} runs {plan_message(plan)}: {plan.bytes_sent(itemsize)} bytes of {itemsize}-byte elements"
+    """One line about a plan that a backend runs: the plan and the bytes sent between ranks
+    (all of them, or, for one ``rank``, what its schedule sends and receives)."""
+    if rank is None:
+        sent = plan.min_elements_sent * itemsize
+        return f"{backend} runs {plan_message(plan)}: {sent} bytes of {itemsize}-byte elements"
+    s = plan.for_rank(rank)
+    return (
+        f"{backend} (rank {rank}) runs {plan_message(plan)}; this rank sends {s.elements_sent} elements "
+        f"({s.elements_sent * itemsize} bytes of {itemsize}-byte elements) and receives {s.elements_received}"
+    )
 
 
 def log_plan(plan: Any) -> None:
