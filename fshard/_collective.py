@@ -79,7 +79,8 @@ def _backend_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     from fshard._array import ShardedArray
     from fshard.backends import default_backend
 
-    for leaf in optree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, ShardedArray)):
+    call: Any = (args, kwargs)  # a pytree (optree's PyTree type does not spell out tuples of them)
+    for leaf in optree.tree_leaves(call, is_leaf=lambda x: isinstance(x, ShardedArray)):
         if isinstance(leaf, ShardedArray):
             return leaf.backend
     if kwargs.get("backend") is not None:

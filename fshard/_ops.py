@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import optree
 import torch
@@ -264,7 +264,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     return optree.tree_unflatten(tree, results)
 
 
-_LEAF = optree.tree_structure(0)
+_LEAF = optree.tree_structure(cast(Any, 0))  # the structure of a single leaf
 
 
 def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:

@@ -16,7 +16,7 @@ gradient (each counts 1/copies), which together give the exact gradient by linea
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -331,7 +331,7 @@ def _run(
 
 def _spec_structure(out_specs: Any) -> Any:
     if _is_spec(out_specs):
-        return optree.tree_structure(0)
+        return optree.tree_structure(cast(Any, 0))  # a single leaf
     return optree.tree_structure(out_specs, is_leaf=_is_spec, none_is_leaf=True)
 
 

@@ -77,9 +77,10 @@ def from_torch_metadata(metadata: Any) -> Layout:
             raise LayoutError("Layout.from_torch_metadata() got an empty list of ShardMetadata: give at least one.")
         ends = [[o + n for o, n in zip(m.offsets, m.sizes)] for m in metas]
         return Layout(tuple(map(max, zip(*ends))), metas)
+    value: Any = metadata  # anything that is not a list of ShardMetadata
     try:
-        shards = metadata.shards_metadata
-        size = metadata.size
+        shards = value.shards_metadata
+        size = value.size
     except AttributeError as exc:
         msg = f"Expected a torch ShardedTensorMetadata, got {type(metadata).__name__}."
         raise LayoutError(msg) from exc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -38,7 +38,7 @@ def global_norm(tree: Any) -> torch.Tensor:
     for leaf in optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ShardedArray)):
         if isinstance(leaf, ShardedArray):
             value = leaf if leaf.layout.partial is None else _reduced(leaf)
-            square = _gather_scalar((value * value).sum())
+            square = _gather_scalar((cast(Any, value) * value).sum())  # operators are installed on the class
         elif isinstance(leaf, torch.Tensor):
             square = _stored(leaf).pow(2).sum()
         else:

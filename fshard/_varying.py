@@ -134,8 +134,8 @@ class _SetAside(torch.autograd.Function):
         ctx.parts = inputs[0]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.parts.add(grad)
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        ctx.parts.add(grad_outputs[0])
         return None, None
 
 
@@ -149,7 +149,8 @@ class _PerShard(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        args, kwargs = optree.tree_map(self._swap, (args, kwargs), none_is_leaf=True)
+        call: Any = (args, kwargs)  # a pytree (optree's PyTree type does not spell out tuples of them)
+        args, kwargs = optree.tree_map(self._swap, call, none_is_leaf=True)
         return func(*args, **kwargs)
 
     def _swap(self, x: Any) -> Any:
