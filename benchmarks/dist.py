@@ -64,10 +64,25 @@ __all__ = ["SCENARIOS", "DistCase", "Scenario", "cases", "combine", "jobs", "res
 GROUP = "torch_dist"
 GATHER_TARGET = 1.15
 RESHARD_TARGET = 1.25
-IMPLS = ("floor", "floor p2p", "fshard", "fshard packed", "copies", "all_to_all", "ShardedTensor", "DTensor")
+IMPLS = (
+    "floor",
+    "floor p2p",
+    "pack+a2a",
+    "fshard",
+    "fshard packed",
+    "copies",
+    "all_to_all",
+    "ShardedTensor",
+    "DTensor",
+)
 FLOORS = ("floor", "floor p2p")
 DIAGNOSTICS = ("fshard packed", "copies", "all_to_all")
 PEERS = ("ShardedTensor", "DTensor")
+REFERENCE = "pack+a2a"
+REFERENCE_TARGET = 1.10
+FIXED_MIB = 1 / 64  # a 64 x 64 float32 matrix: 16 KiB
+FIXED_CALLS = 100  # operations per timed call of a fixed-cost scenario
+QUICK_FIXED_CALLS = 10
 SIZES = (16.0, 256.0)
 QUICK_SIZES = (1.0,)
 QUICK_REPS = 5
@@ -80,13 +95,15 @@ class Scenario:
 
     key: str
     title: str
-    kind: str  # "gather", "reshard", "shard" or "reduce": which ratio target applies
+    kind: str  # "gather", "reshard", "shard", "reduce" or "fixed": which ratio target applies
     world_min: int = 2
 
     @property
-    def target(self) -> float:
+    def target(self) -> float | None:
         """The largest fshard / floor ratio that meets the goal (a scatter or a collective
-        reduction counts as a gather)."""
+        reduction counts as a gather); ``None`` for a fixed-cost scenario, which reports."""
+        if self.kind == "fixed":
+            return None
         return RESHARD_TARGET if self.kind == "reshard" else GATHER_TARGET
 
 
@@ -103,17 +120,24 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("partial-repl", "Partial(Replicated) -> Replicated", "reduce"),
     Scenario("partial-chunk", "Partial(Replicated) -> Chunk(0)", "reduce"),
     Scenario("partial-rows-cols", "Partial(rows, sum over y) -> Chunk(1)", "reshard"),
+    Scenario("fixed-reshard", "per call: reshard 64x64 dim 0 -> dim 1", "fixed"),
+    Scenario("fixed-gather", "per call: gather 64x64 to all ranks", "fixed"),
 )
 BY_KEY = {s.key: s for s in SCENARIOS}
 
 
 def jobs(world: int, sizes: Sequence[float]) -> list[tuple[str, float]]:
-    """(scenario key, MiB) pairs that ``world`` ranks can run, smallest size first."""
-    return [(s.key, float(mib)) for mib in sizes for s in SCENARIOS if s.world_min <= world]
+    """(scenario key, MiB) pairs that ``world`` ranks can run, smallest size first; the
+    fixed-cost scenarios once each, at their own size (``FIXED_MIB``), first."""
+    sized = [s for s in SCENARIOS if s.world_min <= world and s.kind != "fixed"]
+    fixed = [(s.key, FIXED_MIB) for s in SCENARIOS if s.world_min <= world and s.kind == "fixed"]
+    return fixed + [(s.key, float(mib)) for mib in sizes for s in sized]
 
 
 def label(key: str, mib: float) -> str:
-    """The case name of scenario ``key`` at ``mib`` MiB."""
+    """The case name of scenario ``key`` at ``mib`` MiB (a fixed-cost scenario: its title)."""
+    if BY_KEY[key].kind == "fixed":
+        return BY_KEY[key].title
     return f"{BY_KEY[key].title}, {mib:g} MiB"
 
 
@@ -121,10 +145,11 @@ def label(key: str, mib: float) -> str:
 
 
 def run(todo: Sequence[tuple[str, float]], world: int, reps: int, peers: bool,
-        progress: Progress | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        progress: Progress | None = None, calls: int = FIXED_CALLS) -> list[dict[str, Any]]:  # fmt: skip
     """Launches ``world`` Gloo processes, runs ``todo`` in them; one combined result per job.
 
     Rank 0 reports each job's start and end, which ``progress`` receives as they happen.
+    A fixed-cost scenario times ``calls`` operations per round.
     """
     from benchmarks.dist_rank import job
     from fshard._launch import launch
@@ -138,7 +163,7 @@ def run(todo: Sequence[tuple[str, float]], world: int, reps: int, peers: bool,
     try:
         for attempt in range(2):
             try:
-                per_rank = launch(job, world, list(todo), reps, peers, queue, timeout=TIMEOUT_S)
+                per_rank = launch(job, world, list(todo), reps, peers, queue, calls, timeout=TIMEOUT_S)
                 break
             except RuntimeError as exc:  # a rendezvous that lost its port to another process: once more
                 if attempt or "connectFullMesh" not in str(exc):
@@ -196,8 +221,11 @@ def combine(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
     for r in out["impls"].values():
         r["ratio"] = r["median_s"] / floor if floor > 0 else None
     ratio = out["impls"]["fshard"]["ratio"]
+    ref = out["impls"].get(REFERENCE)
+    out["ref_ratio"] = out["impls"]["fshard"]["median_s"] / ref["median_s"] if ref and ref["median_s"] > 0 else None
+    out["overhead_s"] = out["impls"]["fshard"]["median_s"] - floor
     out["bytes_ok"] = out["fshard_bytes"] == out["min_bytes"]
-    out["ratio_ok"] = ratio is not None and ratio <= scenario.target
+    out["ratio_ok"] = None if scenario.target is None else ratio is not None and ratio <= scenario.target
     return out
 
 
@@ -205,7 +233,8 @@ def result_rows(res: dict[str, Any], group: str) -> list[Row]:
     """The table rows of one combined result: one per implementation, or per peer that cannot do it."""
     series, mib = BY_KEY[res["key"]].title, res["mib"]
     case, fshard_s = label(res["key"], mib), res["impls"]["fshard"]["median_s"]
-    common = {"series": series, "size_mib": mib, "min_bytes": res["min_bytes"]}
+    fixed = res["target"] is None
+    common = {"series": series, "size_mib": None if fixed else mib, "min_bytes": res["min_bytes"]}
     rows = []
     for name in IMPLS:
         r = res["impls"].get(name)
@@ -219,9 +248,16 @@ def result_rows(res: dict[str, Any], group: str) -> list[Row]:
             note = res["floor_op"] if name == "floor" else res["p2p_op"]
             if r["median_s"] == res["floor_s"] and len([n for n in FLOORS if n in res["impls"]]) > 1:
                 note += " (the floor)"
+        elif name == "fshard" and res["target"] is None:  # a fixed cost: reported, no goal
+            sent = res["fshard_bytes"]
+            note = f"fshard - floor = {res['overhead_s'] * 1e6:.0f} µs per call"
         elif name == "fshard":
             target, sent = f"<= {res['target']:.2f}x floor", res["fshard_bytes"]
             ok = res["ratio_ok"] and res["bytes_ok"] and r["verified"] is not False
+        elif name == REFERENCE:
+            target = f"fshard <= {REFERENCE_TARGET:.2f}x"
+            ok = res["ref_ratio"] is not None and res["ref_ratio"] <= REFERENCE_TARGET
+            note = f"fshard / {name} = {res['ref_ratio']:.2f}x; one strided pack, all_to_all_single into the output"
         elif name in DIAGNOSTICS:
             note = note or "fshard's copies alone, no messages"
         else:
@@ -243,8 +279,9 @@ class _Batch:
     fshard bench --only ...`` filters the list) are gone by then and do not run.
     """
 
-    def __init__(self, world: int, todo: list[tuple[str, float]], reps: int, peers: bool) -> None:
-        self.world, self.todo, self.reps, self.peers = world, todo, reps, peers
+    def __init__(self, world: int, todo: list[tuple[str, float]], reps: int, peers: bool,
+                 calls: int = FIXED_CALLS) -> None:  # fmt: skip
+        self.world, self.todo, self.reps, self.peers, self.calls = world, todo, reps, peers, calls
         self.cases: weakref.WeakSet[DistCase] = weakref.WeakSet()
         self.results: dict[tuple[str, float], dict[str, Any]] | None = None
 
@@ -252,7 +289,7 @@ class _Batch:
         if self.results is None:
             alive = {(c.key, c.mib) for c in self.cases} | {(key, mib)}
             todo = [j for j in self.todo if j in alive]
-            done = run(todo, self.world, self.reps, self.peers, progress)
+            done = run(todo, self.world, self.reps, self.peers, progress, self.calls)
             self.results = {(r["key"], r["mib"]): r for r in done}
         return self.results[(key, mib)]
 
@@ -277,13 +314,17 @@ class DistCase:
 
 def cases(settings: Settings) -> list[DistCase]:
     """The distributed cases: ``settings.sizes`` MiB (default 16 and 256; 1 with ``quick``)
-    on ``settings.world`` processes, ``settings.reps`` rounds (at most 5 with ``quick``)."""
+    on ``settings.world`` processes, ``settings.reps`` rounds (at most 5 with ``quick``),
+    and the fixed-cost cases in a group of their own."""
     sizes = settings.sizes or (QUICK_SIZES if settings.quick else SIZES)
     reps = min(QUICK_REPS, settings.reps) if settings.quick else settings.reps
     todo = jobs(settings.world, sizes)
-    batch = _Batch(settings.world, todo, reps, settings.peers)
+    calls = QUICK_FIXED_CALLS if settings.quick else FIXED_CALLS
+    batch = _Batch(settings.world, todo, reps, settings.peers, calls)
     cores = os.cpu_count() or 1
-    group = f"{GROUP}: {settings.world} Gloo processes on 127.0.0.1 sharing {cores} cores"
-    out = [DistCase(key, mib, batch, group) for key, mib in todo]
+    where = f"{settings.world} Gloo processes on 127.0.0.1 sharing {cores} cores"
+    group = f"{GROUP}: {where}"
+    fixed = f"{GROUP}, fixed cost per call: {where}"
+    out = [DistCase(key, mib, batch, fixed if BY_KEY[key].kind == "fixed" else group) for key, mib in todo]
     batch.cases.update(out)
     return out

@@ -17,6 +17,7 @@ from typing import Any
 __all__ = ["ITEMSIZE", "Built", "Env", "Impl", "build"]
 
 ITEMSIZE = 4  # float32
+PACKED = ("dim0-dim1", "grid-rows", "chunk-repl", "explicit-chunk")  # reshards with a "pack+a2a" reference
 
 
 def _side(mib: float) -> int:
@@ -63,13 +64,15 @@ class Impl:
     ``setup()`` makes a fresh ``state`` before every call, untimed (ShardedTensor's
     ``reshard`` changes its input). ``buffers()`` allocates what the call writes into
     once, before timing (the floor's buffers, ``gather(out=...)``). ``check(result)``
-    compares the first result with the plain tensor.
+    compares the first result with the plain tensor. ``calls``: how many operations
+    one call of ``fn`` makes in a row (the time per operation is the call's over it).
     """
 
     fn: Callable[[Any], Any]
     setup: Callable[[], Any] | None = None
     buffers: Callable[[], Any] | None = None
     check: Callable[[Any], bool] | None = None
+    calls: int = 1
 
 
 @dataclasses.dataclass
@@ -238,6 +241,117 @@ def _p2p_scatter_floor(layout: Any, rank: int, full: Any) -> Impl:
     return Impl(fn, buffers=buffers, check=check)
 
 
+def _pack_a2a(key: str, local: Any, rank: int, world: int, full: Any, expected: Any) -> Impl | str:
+    """The reference a packed ``all_to_all_single`` must reach, written by hand for the case:
+    one strided ``copy_`` packs every outgoing box (this rank's own included, which the
+    collective copies to itself), one ``all_to_all_single`` receives straight into the
+    output where the received boxes lie back to back there, else into a buffer that one
+    strided ``copy_`` unpacks. Buffers are allocated before timing. Returns why not (a
+    string) where the case's shape does not divide evenly.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rows, cols = local.shape
+    n = world
+    if key == "dim0-dim1":  # rows x (n * w) -> (n * rows) x w: column blocks, one per peer
+        if cols % n:
+            return "columns do not split evenly"
+        w = cols // n
+
+        def buffers() -> tuple[Any, Any]:
+            return torch.empty(n * rows * w, dtype=local.dtype), torch.empty(n * rows, w, dtype=local.dtype)
+
+        def fn(state: tuple[Any, Any]) -> Any:
+            send, out = state
+            send.view(n, rows, w).copy_(local.view(rows, n, w).transpose(0, 1))
+            dist.all_to_all_single(out.view(-1), send)
+            return out
+
+        return Impl(fn, buffers=buffers, check=_equal_to(expected))
+    if key == "chunk-repl":  # every peer gets the whole chunk: one broadcast copy packs n of them
+
+        def buffers() -> tuple[Any, Any]:
+            return torch.empty(n * rows * cols, dtype=local.dtype), torch.empty(n * rows, cols, dtype=local.dtype)
+
+        def fn(state: tuple[Any, Any]) -> Any:
+            send, out = state
+            send.view(n, rows, cols).copy_(local.expand(n, rows, cols))
+            dist.all_to_all_single(out.view(-1), send)
+            return out
+
+        return Impl(fn, buffers=buffers, check=_equal_to(expected))
+    if key == "grid-rows":  # an a x b grid block -> b row blocks, one to each rank of the block's mesh row
+        b = _grid(world)[1]
+        i = rank // b
+        if rows % b:
+            return "rows do not split evenly"
+        r = rows // b
+        split_send = [r * cols if q // b == i else 0 for q in range(n)]
+        split_recv = [r * cols if q // b == rank // b else 0 for q in range(n)]
+
+        def buffers() -> tuple[Any, Any]:
+            return torch.empty(b * r * cols, dtype=local.dtype), torch.empty(r, b * cols, dtype=local.dtype)
+
+        def fn(state: tuple[Any, Any]) -> Any:
+            recv, out = state
+            dist.all_to_all_single(recv, local.reshape(-1), split_recv, split_send)
+            out.view(r, b, cols).copy_(recv.view(b, r, cols).transpose(0, 1))
+            return out
+
+        return Impl(fn, buffers=buffers, check=_equal_to(expected))
+    return "no hand-written reference for this case"
+
+
+def _pack_a2a_boxes(src: Any, dst: Any, local: Any, rank: int, world: int, expected: Any) -> Impl | str:
+    """``_pack_a2a`` for one box per rank on each side whose pieces are whole rows of the
+    source box (``Explicit`` bands -> row chunks): the source shard is the send buffer as
+    it is (its pieces are row ranges in rank order), and one ``copy_`` per received piece
+    unpacks the receive buffer (the pieces are column blocks of unequal widths)."""
+    import torch
+    import torch.distributed as dist
+
+    (mine,) = [m for m in src.shards if m.placement.rank == rank]
+    (want,) = [m for m in dst.shards if m.placement.rank == rank]
+    by_rank = {m.placement.rank: m for m in src.shards}
+    target = {m.placement.rank: m for m in dst.shards}
+    if len(by_rank) != world or len(target) != world:
+        return "needs one box per rank on each side"
+
+    def rows_of(a: Any, b: Any) -> tuple[int, int]:
+        lo = max(a.offsets[0], b.offsets[0])
+        return lo, max(lo, min(a.offsets[0] + a.sizes[0], b.offsets[0] + b.sizes[0]))
+
+    def cols_overlap(a: Any, b: Any) -> int:
+        return max(0, min(a.offsets[1] + a.sizes[1], b.offsets[1] + b.sizes[1]) - max(a.offsets[1], b.offsets[1]))
+
+    if any(cols_overlap(mine, target[q]) != mine.sizes[1] for q in range(world)):
+        return "pieces are not whole rows of the source box"
+    send = [(lambda lo, hi: (hi - lo) * mine.sizes[1])(*rows_of(mine, target[q])) for q in range(world)]
+    pieces = []  # (rows in the output, columns in the output) per source rank, in rank order
+    for q in range(world):
+        lo, hi = rows_of(by_rank[q], want)
+        c0 = by_rank[q].offsets[1] - want.offsets[1]
+        pieces.append((slice(lo - want.offsets[0], hi - want.offsets[0]), slice(c0, c0 + by_rank[q].sizes[1])))
+    recv = [(p[0].stop - p[0].start) * (p[1].stop - p[1].start) for p in pieces]
+    flat = local.reshape(-1)
+
+    def buffers() -> tuple[Any, Any]:
+        return torch.empty(sum(recv), dtype=local.dtype), torch.empty(want.sizes, dtype=local.dtype)
+
+    def fn(state: tuple[Any, Any]) -> Any:
+        buf, out = state
+        dist.all_to_all_single(buf, flat, recv, send)
+        at = 0
+        for (rows, cols), k in zip(pieces, recv):
+            if k:
+                out[rows, cols].copy_(buf[at : at + k].view(rows.stop - rows.start, cols.stop - cols.start))
+            at += k
+        return out
+
+    return Impl(fn, buffers=buffers, check=_equal_to(expected))
+
+
 def _copies(p: Any, array: Any, rank: int) -> Impl:
     """The memory copies of this rank's part of plan ``p`` that no message does: its local
     boxes, and the boxes it sends or receives that are not contiguous in their shard
@@ -309,9 +423,12 @@ def _fresh_copies(st: Any) -> Callable[[], Any]:
 # -- inside the ranks: the scenarios --------------------------------------------------------
 
 
-def build(key: str, mib: float, env: Env) -> Built:
-    """Prepares scenario ``key`` at ``mib`` MiB on this rank (collective: every rank calls it)."""
+def build(key: str, mib: float, env: Env, calls: int = 1) -> Built:
+    """Prepares scenario ``key`` at ``mib`` MiB on this rank (collective: every rank calls it);
+    a fixed-cost scenario makes ``calls`` operations per timed call."""
     side = _side(mib)
+    if key.startswith("fixed"):
+        return _build_fixed(key, _full(side), env, calls)
     if key.startswith("partial"):
         from benchmarks.dist_partial import build_partial
 
@@ -328,6 +445,58 @@ def _full(side: int) -> Any:
     import torch
 
     return torch.arange(side * side, dtype=torch.float32).view(side, side)
+
+
+def _repeat(fn: Callable[[Any], Any], calls: int) -> Callable[[Any], Any]:
+    """``fn`` called ``calls`` times in a row; the last result."""
+
+    def many(state: Any) -> Any:
+        for _ in range(calls - 1):
+            fn(state)
+        return fn(state)
+
+    return many
+
+
+def _build_fixed(key: str, full: Any, env: Env, calls: int) -> Built:
+    """A small array moved ``calls`` times by fshard and by the raw collective on buffers
+    packed before timing: ``reshard`` Chunk(0) -> Chunk(1) against ``all_to_all_single``
+    with the plan's splits, ``gather`` to all against ``all_gather_into_tensor``."""
+    import torch
+    import torch.distributed as dist
+
+    import fshard
+
+    rank, ranks, shape = env.rank, env.ranks, tuple(full.shape)
+    x = fshard.shard(full, fshard.Chunk(0, ranks))
+    local = x.addressable_shards[0].data
+    if key == "fixed-reshard":
+        dst_spec = fshard.Chunk(1, ranks)
+        dst = dst_spec.layout(shape)
+        p = fshard.plan(x.layout, dst)
+        out = Built(tuple(ranks), None, min_elements=p.min_elements_sent, floor_elements=int(p.traffic().sum()))
+        floor = _alltoall_floor(p, rank, ranks, full)
+        out.floor_op = "all_to_all_single of the same bytes, packed before timing"
+        check = _shards_of(full)
+
+        def once(_: Any) -> Any:
+            return fshard.reshard(x, dst_spec)
+
+    else:
+        p = fshard.plan(x.layout, fshard.Replicated(ranks).layout(shape))
+        out = Built(tuple(ranks), None, min_elements=p.min_elements_sent, floor_elements=int(p.traffic().sum()))
+        gather_all = lambda o: (dist.all_gather_into_tensor(o, local), o)[1]  # noqa: E731
+        floor = Impl(gather_all, buffers=lambda: torch.empty_like(full))
+        out.floor_op = "all_gather_into_tensor into a buffer allocated before timing"
+        check = _equal_to(full)
+
+        def once(_: Any) -> Any:
+            return fshard.gather(x)
+
+    out.impls["floor"] = Impl(_repeat(floor.fn, calls), buffers=floor.buffers, check=floor.check, calls=calls)
+    out.impls["fshard"] = Impl(_repeat(once, calls), check=check, calls=calls)
+    out.fshard_once = _counted(lambda: once(None), x.backend)
+    return out
 
 
 def _build_gather(key: str, full: Any, env: Env) -> Built:
@@ -472,6 +641,14 @@ def _build_reshard(key: str, full: Any, env: Env) -> Built:
         out.impls["floor"] = _alltoall_floor(p, rank, ranks, full)
         out.impls["floor p2p"] = _p2p_exchange_floor(p, rank, ranks, full)
         out.floor_op, out.p2p_op = "all_to_all_single, the plan's splits", "isend/irecv, one per peer"
+    if key == "explicit-chunk":
+        ref = _pack_a2a_boxes(x.layout, dst, local, rank, env.world, expected)
+    else:
+        ref = _pack_a2a(key, local, rank, env.world, full, expected) if key in PACKED else "nothing crosses ranks"
+    if isinstance(ref, Impl):
+        out.impls["pack+a2a"] = ref
+    else:
+        out.unsupported["pack+a2a"] = ref
     out.impls["fshard"] = Impl(lambda _: fshard.reshard(x, dst_spec), check=_shards_of(full))
     out.impls["copies"] = _copies(p, x, rank)
     out.fshard_once = _counted(lambda: fshard.reshard(x, dst_spec), x.backend)

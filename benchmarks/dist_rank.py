@@ -90,13 +90,14 @@ def _measure_memory(impl: Impl, group: Any) -> float | None:
     return max(0, peak - before) / 1024
 
 
-def run_scenario(key: str, mib: float, env: Env, reps: int) -> dict[str, Any] | None:
-    """Times one scenario on this rank; returns this rank's raw results (``None`` off its group)."""
+def run_scenario(key: str, mib: float, env: Env, reps: int, calls: int = 1) -> dict[str, Any] | None:
+    """Times one scenario on this rank; returns this rank's raw results (``None`` off its group).
+    A sample is the time per operation: a call's time over the operations it makes (``Impl.calls``)."""
     import torch.distributed as dist
 
     gc.collect()
     began = time.perf_counter()
-    built = build(key, mib, env)
+    built = build(key, mib, env, calls)
     if env.rank not in built.members:
         return None
     group, impls = built.group, built.impls
@@ -112,7 +113,7 @@ def run_scenario(key: str, mib: float, env: Env, reps: int) -> dict[str, Any] | 
     for _ in range(reps):
         for name, impl in impls.items():
             state = impl.setup() if impl.setup else states[name]
-            samples[name].append(_timed_call(impl, state, group))
+            samples[name].append(_timed_call(impl, state, group) / impl.calls)
     sent = built.fshard_once()
     del states
     memory = {name: _measure_memory(impl, group) for name, impl in impls.items()}
@@ -135,8 +136,10 @@ def run_scenario(key: str, mib: float, env: Env, reps: int) -> dict[str, Any] | 
     }
 
 
-def job(jobs: list[tuple[str, float]], reps: int, peers: bool, report: Any = None) -> list[dict[str, Any] | None]:
-    """One rank's whole run: every (scenario, size) of ``jobs``, in order.
+def job(jobs: list[tuple[str, float]], reps: int, peers: bool, report: Any = None,
+        calls: int = 1) -> list[dict[str, Any] | None]:  # fmt: skip
+    """One rank's whole run: every (scenario, size) of ``jobs``, in order (``calls``: operations
+    per timed call of the fixed-cost scenarios).
 
     Rank 0 puts ``("start", k)`` and ``("done", k)`` for job ``k`` on ``report`` (a
     multiprocessing queue, or ``None``), so that the parent can show progress.
@@ -152,7 +155,7 @@ def job(jobs: list[tuple[str, float]], reps: int, peers: bool, report: Any = Non
     out = []
     for k, (key, mib) in enumerate(jobs):
         tell(("start", k))
-        out.append(run_scenario(key, mib, env, reps))
+        out.append(run_scenario(key, mib, env, reps, calls))
         dist.barrier()
         tell(("done", k))
     return out

@@ -34,6 +34,7 @@ ISSUE_CASES = {
     "partial-chunk": "reduce",
     "partial-rows-cols": "reshard",
 }
+FIXED_CASES = {"fixed-reshard": "fixed", "fixed-gather": "fixed"}
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -81,21 +82,33 @@ def test_settings_json_leaves_progress_out() -> None:
 
 
 def test_every_issue_case_at_both_default_sizes() -> None:
-    assert {s.key: s.kind for s in dist.SCENARIOS} == ISSUE_CASES
-    cases = dist.cases(Settings())
+    assert {s.key: s.kind for s in dist.SCENARIOS} == {**ISSUE_CASES, **FIXED_CASES}
+    cases = [c for c in dist.cases(Settings()) if c.key in ISSUE_CASES]
     assert {(c.key, c.mib) for c in cases} == {(k, mib) for k in ISSUE_CASES for mib in (16.0, 256.0)}
     assert all(c.group.startswith("torch_dist: 4 Gloo processes") for c in cases)
 
 
+def test_fixed_cost_cases_run_once_in_a_group_of_their_own() -> None:
+    cases = [c for c in dist.cases(Settings(sizes=(1.0, 2.0))) if c.key in FIXED_CASES]
+    assert [(c.key, c.mib) for c in cases] == [(k, dist.FIXED_MIB) for k in FIXED_CASES]
+    assert all(c.group.startswith("torch_dist, fixed cost per call: 4 Gloo processes") for c in cases)
+    assert [c.name for c in cases] == ["per call: reshard 64x64 dim 0 -> dim 1", "per call: gather 64x64 to all ranks"]
+    assert dist.cases(Settings())[0].batch.calls == dist.FIXED_CALLS
+    assert dist.cases(Settings(quick=True))[0].batch.calls == dist.QUICK_FIXED_CALLS
+    only = run.collect(Settings(quick=True), ["fixed"])
+    assert [c.key for c in only] == list(FIXED_CASES)
+
+
 def test_targets() -> None:
     assert {s.key: s.target for s in dist.SCENARIOS} == {
-        k: (1.25 if kind == "reshard" else 1.15) for k, kind in ISSUE_CASES.items()
+        **{k: (1.25 if kind == "reshard" else 1.15) for k, kind in ISSUE_CASES.items()},
+        **dict.fromkeys(FIXED_CASES),
     }
 
 
 def test_sizes_world_and_quick() -> None:
-    assert {c.mib for c in dist.cases(Settings(quick=True))} == {1.0}
-    assert {c.mib for c in dist.cases(Settings(sizes=(2.0, 8.0)))} == {2.0, 8.0}
+    assert {c.mib for c in dist.cases(Settings(quick=True)) if c.key in ISSUE_CASES} == {1.0}
+    assert {c.mib for c in dist.cases(Settings(sizes=(2.0, 8.0))) if c.key in ISSUE_CASES} == {2.0, 8.0}
     assert "gather-uneven" not in {c.key for c in dist.cases(Settings(world=2))}
     assert dist.cases(Settings(quick=True, reps=15))[0].batch.reps == 5
     assert dist.cases(Settings(reps=20))[0].batch.reps == 20
@@ -118,7 +131,8 @@ def test_collect_has_every_module_and_filters() -> None:
 def test_batch_runs_only_the_cases_still_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[list[tuple[str, float]]] = []
 
-    def fake_run(todo: Any, world: int, reps: int, peers: bool, progress: Any = None) -> list[dict[str, Any]]:
+    def fake_run(todo: Any, world: int, reps: int, peers: bool, progress: Any = None,
+                 per_round: int = 1) -> list[dict[str, Any]]:  # fmt: skip
         calls.append(list(todo))
         return [_result(key, mib) for key, mib in todo]
 
@@ -193,6 +207,28 @@ def test_result_rows() -> None:
     assert (dt.ratio, dt.ok, dt.verified) == (3.0, True, True)
     assert dt.note == "fshard / DTensor = 0.40x"
     assert floor.note == "all_to_all_single"
+
+
+def test_the_pack_a2a_reference_row_gives_fshards_ratio_to_it() -> None:
+    times = {"floor": [1.0], "pack+a2a": [2.0], "fshard": [2.1]}
+    part = {**_part(times, 10, {"floor": None, "pack+a2a": True, "fshard": True}), "key": "dim0-dim1"}
+    res = dist.combine([part])
+    assert res["ref_ratio"] == pytest.approx(1.05)
+    rows = {r.impl: r for r in dist.result_rows(res, "g")}
+    ref = rows["pack+a2a"]
+    assert (ref.ratio, ref.target, ref.ok, ref.verified) == (2.0, "fshard <= 1.10x", True, True)
+    assert ref.note.startswith("fshard / pack+a2a = 1.05x")
+    assert rows["fshard"].ratio == pytest.approx(2.1)  # still against the floor
+
+
+def test_a_fixed_cost_row_reports_the_difference_in_microseconds() -> None:
+    times = {"floor": [100e-6, 120e-6], "fshard": [250e-6, 260e-6]}
+    part = {**_part(times, 10, {"floor": None, "fshard": True}), "key": "fixed-reshard", "mib": dist.FIXED_MIB}
+    res = dist.combine([part])
+    rows = {r.impl: r for r in dist.result_rows(res, "g")}
+    assert rows["fshard"].note == "fshard - floor = 145 µs per call"
+    assert (rows["fshard"].target, rows["fshard"].ok, rows["fshard"].size_mib) == ("", None, None)
+    assert rows["fshard"].case == "per call: reshard 64x64 dim 0 -> dim 1"
 
 
 def test_a_diagnostic_row_has_no_target() -> None:
@@ -319,10 +355,11 @@ def test_run_cases_reports_a_failing_case_and_goes_on() -> None:
 
 
 def test_tiny_real_run() -> None:
-    """Two Gloo processes, four cases at 16 KiB: results verified, bytes sent == minimum."""
+    """Two Gloo processes, five cases at 16 KiB: results verified, bytes sent == minimum."""
     progress = _Recorder()
-    todo = [("dim0-dim1", 1 / 64), ("gather-one", 1 / 64), ("partial-repl", 1 / 64), ("partial-rows-cols", 1 / 64)]
-    results = dist.run(todo, world=2, reps=1, peers=False, progress=progress)
+    todo = [("dim0-dim1", 1 / 64), ("gather-one", 1 / 64), ("partial-repl", 1 / 64), ("partial-rows-cols", 1 / 64),
+            ("fixed-reshard", dist.FIXED_MIB)]  # fmt: skip
+    results = dist.run(todo, world=2, reps=1, peers=False, progress=progress, calls=2)
     assert [(r["key"], r["mib"]) for r in results] == todo
     for res in results:
         assert res["bytes_ok"], (res["fshard_bytes"], res["min_bytes"])
@@ -335,7 +372,10 @@ def test_tiny_real_run() -> None:
     assert "all_to_all" in results[2]["impls"]
     assert "dist.all_reduce" in results[2]["notes"]["fshard"]
     assert "packed all_to_all" in results[3]["notes"]["fshard"]
+    assert results[0]["impls"]["pack+a2a"]["verified"] is True  # the hand-packed reference's result
+    assert results[4]["impls"]["floor"]["samples_s"][0] > 0
     assert progress.events[:4] == ["start reshard dim 0 -> dim 1, 0.015625 MiB", "done",
                                    "start gather to rank 0, even chunks, 0.015625 MiB", "done"]  # fmt: skip
-    assert progress.events[4:] == ["start Partial(Replicated) -> Replicated, 0.015625 MiB", "done",
-                                   "start Partial(rows, sum over y) -> Chunk(1), 0.015625 MiB", "done"]  # fmt: skip
+    assert progress.events[4:8] == ["start Partial(Replicated) -> Replicated, 0.015625 MiB", "done",
+                                    "start Partial(rows, sum over y) -> Chunk(1), 0.015625 MiB", "done"]  # fmt: skip
+    assert progress.events[8:] == ["start per call: reshard 64x64 dim 0 -> dim 1", "done"]

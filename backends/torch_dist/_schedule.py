@@ -16,6 +16,7 @@ the box counts as staged. See each function for how that compares with reading t
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,6 +39,61 @@ Span = tuple[int, int, int]  # boxes back to back in one shard: (shard, first el
 Peer = tuple[int, tuple[Index, ...]]  # a peer rank and the boxes exchanged with it, in order
 
 
+class Run(NamedTuple):
+    """Boxes of one shard, equal in shape, one after another in a buffer, copied by one ``copy_``.
+
+    ``region``: slices of shard ``shard`` that cover every box. ``dim`` is ``None`` for a
+    single box (``region`` is the box), ``-1`` for the same box ``count`` times (a
+    replicated box sent to several peers), else the dim along which box ``k`` starts
+    ``k * step`` after the first (``Tensor.unfold(dim, shape[dim], step)`` of the region).
+    """
+
+    shard: int
+    region: tuple[slice, ...]
+    dim: int | None
+    step: int
+    count: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of all the run's boxes."""
+        n = self.count
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """What one ``all_to_all_single`` of a schedule moves, and how it is packed and unpacked.
+
+    ``send_split``/``recv_split``: elements per rank of the group. ``local``: whether this
+    rank's own copies (``Schedule.local``) travel in its own segment of the collective
+    (the backend copies a rank's segment to itself), which it does where that lets every
+    received box land in place (dim 0 -> dim 1: the own block sits between the peers').
+    ``send_span``/``recv_span``: where the buffer is a range of one contiguous shard (no
+    packing). Otherwise ``send_runs``/``recv_runs`` pack or unpack it, one ``copy_`` per run.
+    ``fanout``: (offset in the receive buffer, shape, other destination boxes) of each
+    received box that shards of this rank hold more than once.
+    """
+
+    send_split: tuple[int, ...]
+    recv_split: tuple[int, ...]
+    local: bool
+    send_span: Span | None
+    recv_span: Span | None
+    send_runs: tuple[Run, ...]
+    recv_runs: tuple[Run, ...]
+    fanout: tuple[tuple[int, tuple[int, ...], tuple[Index, ...]], ...]
+
+    @property
+    def staged(self) -> int:
+        """Elements packed before the collective or unpacked after it (where the shards are contiguous)."""
+        send = 0 if self.send_span is not None else sum(self.send_split)
+        return send + (0 if self.recv_span is not None else sum(self.recv_split))
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """One rank's share of a plan, with every index it needs computed once.
@@ -51,7 +107,9 @@ class Schedule:
     this rank. ``send_split``/``recv_split`` count elements per rank of the group;
     ``send_span``/``recv_span`` say where the sent boxes (and the first destination of
     each received box) lie back to back in one shard, so that they need no packing when
-    that shard is a contiguous tensor.
+    that shard is a contiguous tensor. ``send_runs``: the sent boxes as runs of boxes
+    that one strided copy packs (``runs``). ``exchange``: how ``all_to_all_single`` runs
+    this share (``Exchange``).
     """
 
     local: tuple[tuple[Index, Index], ...]
@@ -63,6 +121,8 @@ class Schedule:
     recv_split: tuple[int, ...]
     send_span: Span | None
     recv_span: Span | None
+    send_runs: tuple[Run, ...]
+    exchange: Exchange
 
 
 def schedule(p: Plan, me: int, order: tuple[int, ...]) -> Schedule:
@@ -84,6 +144,21 @@ def _schedule(src: Layout, dst: Layout, me: int, order: tuple[int, ...]) -> Sche
     every_at = _at(dst, rs.recv.dst_shard, rs.recv.lo, rs.recv.size)
     recv_at = [every_at[k] for k in recv.tolist()]
     local = rs.local
+    sends = _Boxes.of(src, rs.send.src_shard[send], rs.send.lo[send], rs.send.size[send], position[rs.send.peer[send]])
+    recvs = _Boxes.of(dst, rs.recv.dst_shard[recv], rs.recv.lo[recv], rs.recv.size[recv], position[rs.recv.peer[recv]])
+    fanout = tuple(tuple(every_at[k] for k in rows[1:]) for rows in fan)
+    send_split = _split(rs.send, send, position, len(order))
+    recv_split = _split(rs.recv, recv, position, len(order))
+    exchange = plain = _exchange(src, dst, sends, recvs, send_split, recv_split, fanout)
+    if len(local) and me in order:
+        at = np.full(len(local), position[me])
+        own = (
+            _Boxes.of(src, local.src_shard, local.lo, local.size, at),
+            _Boxes.of(dst, local.dst_shard, local.lo, local.size, at),
+        )
+        through = _exchange(src, dst, sends, recvs, send_split, recv_split, fanout, own)
+        if through.staged < plain.staged:
+            exchange = through
     return Schedule(
         local=tuple(
             zip(
@@ -93,13 +168,130 @@ def _schedule(src: Layout, dst: Layout, me: int, order: tuple[int, ...]) -> Sche
         ),
         send=_by_peer(rs.send.peer[send], send_at),
         recv=_by_peer(rs.recv.peer[recv], recv_at),
-        fanout=tuple(tuple(every_at[k] for k in rows[1:]) for rows in fan),
+        fanout=fanout,
         sent=int(rs.send.numel[send].sum()),
-        send_split=_split(rs.send, send, position, len(order)),
-        recv_split=_split(rs.recv, recv, position, len(order)),
-        send_span=_span(src, rs.send.src_shard[send], rs.send.lo[send], rs.send.size[send]),
-        recv_span=_span(dst, rs.recv.dst_shard[recv], rs.recv.lo[recv], rs.recv.size[recv]),
+        send_split=send_split,
+        recv_split=recv_split,
+        send_span=plain.send_span,
+        recv_span=plain.recv_span,
+        send_runs=plain.send_runs,
+        exchange=exchange,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Boxes:
+    """Boxes in buffer order: shard, low corner within the shard, extents, and the group
+    position of the peer each goes to or comes from (ascending)."""
+
+    shard: np.ndarray
+    lo: np.ndarray  # relative to the shard's own offsets
+    size: np.ndarray
+    position: np.ndarray
+
+    @classmethod
+    def of(cls, layout: Layout, shard: np.ndarray, lo: np.ndarray, size: np.ndarray, position: np.ndarray) -> _Boxes:
+        shard = np.asarray(shard, np.int64)
+        shape = (len(shard), layout.ndim)
+        lo = np.asarray(lo, np.int64).reshape(shape) - layout._lo[shard]
+        return cls(shard, lo, np.asarray(size, np.int64).reshape(shape), np.asarray(position, np.int64))
+
+    @property
+    def numel(self) -> np.ndarray:
+        """Elements of each box."""
+        return rows_prod(self.size) if len(self.shard) else np.zeros(0, np.int64)
+
+    def merge(self, other: _Boxes) -> tuple[_Boxes, int]:
+        """These boxes with ``other`` (all of one peer) placed in peer order; where ``other`` starts."""
+        k = int(np.searchsorted(self.position, other.position[0], "left"))
+        merged = _Boxes(
+            *(np.concatenate([a[:k], b, a[k:]]) for a, b in zip(
+                (self.shard, self.lo, self.size, self.position),
+                (other.shard, other.lo, other.size, other.position)))
+        )  # fmt: skip
+        return merged, k
+
+    def span(self, layout: Layout) -> Span | None:
+        return _span(layout, self.shard, self.lo + layout._lo[self.shard], self.size)
+
+
+def _exchange(
+    src: Layout,
+    dst: Layout,
+    sends: _Boxes,
+    recvs: _Boxes,
+    send_split: tuple[int, ...],
+    recv_split: tuple[int, ...],
+    fanout: tuple[tuple[Index, ...], ...],
+    own: tuple[_Boxes, _Boxes] | None = None,
+) -> Exchange:
+    """The all_to_all of ``sends`` and ``recvs`` (buffer order), with this rank's own copies
+    ``own`` (source boxes, destination boxes) as its own segment when given."""
+    sizes = recvs.numel
+    offsets = np.cumsum(sizes) - sizes
+    shapes = [tuple(r) for r in recvs.size.tolist()]
+    if own is not None:
+        mine_src, mine_dst = own
+        n, at = int(mine_src.numel.sum()), int(mine_src.position[0])
+        sends, _ = sends.merge(mine_src)
+        recvs, k = recvs.merge(mine_dst)
+        offsets = offsets + np.where(np.arange(offsets.size) >= k, n, 0)
+        send_split = (*send_split[:at], send_split[at] + n, *send_split[at + 1 :])
+        recv_split = (*recv_split[:at], recv_split[at] + n, *recv_split[at + 1 :])
+    return Exchange(
+        send_split=send_split,
+        recv_split=recv_split,
+        local=own is not None,
+        send_span=sends.span(src),
+        recv_span=recvs.span(dst),
+        send_runs=runs(sends.shard, sends.lo, sends.size),
+        recv_runs=runs(recvs.shard, recvs.lo, recvs.size),
+        fanout=tuple((int(offsets[k]), shapes[k], t) for k, t in enumerate(fanout) if t),
+    )
+
+
+def runs(shard: np.ndarray, lo: np.ndarray, size: np.ndarray) -> tuple[Run, ...]:
+    """The boxes (in order: shard, low corner within it, extents) cut into the fewest runs
+    found left to right: consecutive non-empty boxes of one shard and one shape whose low
+    corners advance by the same step, either 0 (one box again) or a positive step in one
+    dim. Equal column blocks of a row chunk (dim 0 -> dim 1) are one run, a whole shard
+    sent to every peer (chunk -> replicated) is one run."""
+    if not len(shard):
+        return ()
+    numel = rows_prod(size)
+    step = np.diff(lo, axis=0)
+    moved = (step != 0).sum(axis=1)
+    chained = (
+        (shard[1:] == shard[:-1])
+        & (size[1:] == size[:-1]).all(axis=1)
+        & (numel[1:] > 0)
+        & (numel[:-1] > 0)
+        & ((moved == 0) | ((moved == 1) & (step >= 0).all(axis=1)))
+    )
+    out, k, n = [], 0, len(shard)
+    chained_l, step_l = chained.tolist(), step.tolist()
+    while k < n:
+        end = k + 1
+        if end < n and chained_l[k]:
+            while end < n - 1 and chained_l[end] and step_l[end] == step_l[k]:
+                end += 1
+            end += 1
+        out.append(_run(int(shard[k]), lo[k], size[k], step_l[k] if end - k > 1 else None, end - k))
+        k = end
+    return tuple(out)
+
+
+def _run(shard: int, lo: np.ndarray, size: np.ndarray, step: list[int] | None, count: int) -> Run:
+    lo_l, size_l = lo.tolist(), size.tolist()
+    region = [slice(a, a + b) for a, b in zip(lo_l, size_l)]
+    if step is None:
+        return Run(shard, tuple(region), None, 0, 1, tuple(size_l))
+    moving = [d for d, s in enumerate(step) if s]
+    if not moving:
+        return Run(shard, tuple(region), -1, 0, count, tuple(size_l))
+    (d,) = moving
+    region[d] = slice(lo_l[d], lo_l[d] + (count - 1) * step[d] + size_l[d])
+    return Run(shard, tuple(region), d, step[d], count, tuple(size_l))
 
 
 def _distinct(m: Moves, position: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:

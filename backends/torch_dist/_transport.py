@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fshard._alloc import new
 
 from ._reduce import all_to_all
-from ._schedule import Index, Schedule, Span
+from ._schedule import Index, Run, Schedule, Span
 
 
 def _view(tensors: dict[int, torch.Tensor], at: Index) -> torch.Tensor:
@@ -38,7 +38,9 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
 def p2p(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any) -> None:
     """One message per box; sent from and received into the tensors where the box is contiguous.
 
-    This rank's own copies (``sched.local``) run while the messages are in flight.
+    Where some sent box is not (columns of a row chunk), all of them are packed into one
+    buffer first, one strided copy per run of boxes (``Schedule.send_runs``). This rank's
+    own copies (``sched.local``) run while the messages are in flight.
     """
     ops, staged = [], []
     n = 0
@@ -52,12 +54,15 @@ def p2p(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.d
                 staged.append((n, None, box))
             ops.append(dist.P2POp(dist.irecv, _bytes(box), peer, group, tag))
             n += 1
-    for peer, boxes in sched.send:
-        for tag, at in enumerate(boxes):
-            box = _view(src, at)
-            if not (_contiguous(box) and box.device == wire):
-                box = empty(box.shape, dtype, wire).copy_(box)
-            ops.append(dist.P2POp(dist.isend, _bytes(box), peer, group, tag))
+    sent = [(peer, tag, _view(src, at)) for peer, boxes in sched.send for tag, at in enumerate(boxes)]
+    if not all(_contiguous(box) and box.device == wire for _, _, box in sent):
+        packed = _pack(sched.send_runs, src, empty((sum(sched.send_split),), dtype, wire))
+        offset = 0
+        for k, (peer, tag, box) in enumerate(sent):
+            sent[k] = (peer, tag, packed[offset : offset + box.numel()])
+            offset += box.numel()
+    for peer, tag, box in sent:
+        ops.append(dist.P2POp(dist.isend, _bytes(box), peer, group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
     copy_local(sched, src, out)
     for work in works:
@@ -65,7 +70,7 @@ def p2p(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.d
     for k, target, got in staged:
         if target is not None:
             target.copy_(got)
-        _fan_out(sched, k, got, out)
+        _fan_out(sched.fanout[k], got, out)
 
 
 def copy_local(sched: Schedule, src: dict, out: dict) -> None:
@@ -74,10 +79,39 @@ def copy_local(sched: Schedule, src: dict, out: dict) -> None:
         _view(out, write).copy_(_view(src, read))
 
 
-def _fan_out(sched: Schedule, k: int, got: torch.Tensor, out: dict) -> None:
-    """Copies received box ``k`` into the other destination shards that want it (replicas on this rank)."""
-    for at in sched.fanout[k]:
+def _fan_out(targets: tuple[Index, ...], got: torch.Tensor, out: dict) -> None:
+    """Copies a received box into the other destination shards that want it (replicas on this rank)."""
+    for at in targets:
         _view(out, at).copy_(got)
+
+
+def _region(tensors: dict, run: Run) -> torch.Tensor:
+    """The run's boxes as one view of shape (count, *box shape) of its shard's tensor."""
+    view = tensors[run.shard][run.region]
+    if run.dim is None:
+        return view.unsqueeze(0)
+    if run.dim < 0:
+        return view.unsqueeze(0).expand(run.count, *run.shape)
+    return view.unfold(run.dim, run.shape[run.dim], run.step).movedim(run.dim, 0).movedim(-1, run.dim + 1)
+
+
+def _pack(runs: tuple[Run, ...], tensors: dict, buf: torch.Tensor) -> torch.Tensor:
+    """Copies the runs' boxes, in order, into the flat ``buf`` (one ``copy_`` per run); returns ``buf``."""
+    at = 0
+    for run in runs:
+        n = run.numel
+        buf[at : at + n].view(run.count, *run.shape).copy_(_region(tensors, run))
+        at += n
+    return buf
+
+
+def _unpack(runs: tuple[Run, ...], buf: torch.Tensor, tensors: dict) -> None:
+    """Copies the flat ``buf``, in order, into the runs' boxes (one ``copy_`` per run)."""
+    at = 0
+    for run in runs:
+        n = run.numel
+        _region(tensors, run).copy_(buf[at : at + n].view(run.count, *run.shape))
+        at += n
 
 
 def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Tensor | None:
@@ -94,32 +128,25 @@ def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Ten
 def alltoall(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any) -> None:
     """Packs every box per peer into one buffer and runs a single ``all_to_all_single``.
 
-    Boxes already back to back in one tensor are sent or received in place; this rank's
-    own copies (``sched.local``) run while the collective is in flight.
+    ``sched.exchange`` says how: boxes already back to back in one tensor are sent or
+    received in place, the others packed or unpacked with one strided copy per run of
+    boxes. This rank's own copies (``sched.local``) run while the collective is in
+    flight, or travel in its own segment of it where that lets every received box land in
+    place.
     """
-    sendbuf = _in_place(sched.send_span, src, wire)
+    ex = sched.exchange
+    sendbuf = _in_place(ex.send_span, src, wire)
     if sendbuf is None:
-        sendbuf = empty((sum(sched.send_split),), dtype, wire)
-        at = 0
-        for _, boxes in sched.send:
-            for where in boxes:
-                box = _view(src, where)
-                sendbuf[at : at + box.numel()].view(box.shape).copy_(box)
-                at += box.numel()
-    recvbuf = _in_place(sched.recv_span, out, wire)
+        sendbuf = _pack(ex.send_runs, src, empty((sum(ex.send_split),), dtype, wire))
+    recvbuf = _in_place(ex.recv_span, out, wire)
     staged = recvbuf is None
     if staged:
-        recvbuf = empty((sum(sched.recv_split),), dtype, wire)
-    work = all_to_all(recvbuf, sendbuf, sched.recv_split, sched.send_split, group)
-    copy_local(sched, src, out)
+        recvbuf = empty((sum(ex.recv_split),), dtype, wire)
+    work = all_to_all(recvbuf, sendbuf, ex.recv_split, ex.send_split, group)
+    if not ex.local:
+        copy_local(sched, src, out)
     work.wait()
-    at, k = 0, 0
-    for _, boxes in sched.recv:
-        for where in boxes:
-            shape = tuple(s.stop - s.start for s in where[1])
-            n = math.prod(shape)
-            got = recvbuf[at : at + n].view(shape)
-            if staged:
-                _view(out, where).copy_(got)
-            _fan_out(sched, k, got, out)
-            at, k = at + n, k + 1
+    if staged:
+        _unpack(ex.recv_runs, recvbuf, out)
+    for at, shape, targets in ex.fanout:
+        _fan_out(targets, recvbuf[at : at + math.prod(shape)].view(shape), out)
