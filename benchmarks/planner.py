@@ -17,10 +17,12 @@ other ranks, and grid -> a finer grid with other boundaries. torch has no planne
 for arbitrary layouts (ShardedTensor.reshard handles chunk -> chunk only).
 
 One rank's schedule (``plan(src, dst).for_rank(1)``) on 64 to 16,384 ranks of an
-8192 x 8192 array, for ``Chunk(0) -> Chunk(1)`` (every rank sends to every other) and
-a ``Named`` k x n/k grid -> row blocks: built from the layouts alone with every cache
+8192 x 8192 array, for ``Chunk(0) -> Chunk(1)`` (every rank sends to every other), a
+``Named`` k x n/k grid -> row blocks, and a pending sum held by every rank ->
+``Chunk(0)`` (a reduce-scatter: every rank sends a part of its summand to every other
+and receives its part from each): built from the layouts alone with every cache
 cleared first, then the cached re-plan; the global plan (n^2 transfers for the
-all-to-all) is timed next to it up to 256 ranks.
+all-to-all and the reduce-scatter) is timed next to it up to 256 ranks.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import Row, Settings, Timed, interleaved, median
-from fshard import Chunk, Layout, Mesh, Named, Placement, ShardMeta, _schedule, plan
+from fshard import Chunk, Layout, Mesh, Named, Partial, Placement, Replicated, ShardMeta, _reduce, _schedule, plan
 
 __all__ = ["PlanCase", "ValidationCase", "cases"]
 
@@ -252,6 +254,7 @@ def clear_caches() -> None:
     _plan._plan.cache_clear()
     _schedule.schedule.cache_clear()
     _schedule.index.cache_clear()
+    _reduce.rank_schedule.cache_clear()
 
 
 def _rows(src: Layout, dst: Layout) -> int:
@@ -265,16 +268,19 @@ def _rows(src: Layout, dst: Layout) -> int:
 
 RANK_GROUP = "planner: one rank's schedule, 8192 x 8192"
 RANK_SHAPE = (8192, 8192)
-RANK_KINDS = ("Chunk(0) -> Chunk(1)", "Named grid -> rows")
+RANK_KINDS = ("Chunk(0) -> Chunk(1)", "Named grid -> rows", "Partial sum -> Chunk(0)")
 
 
 def rank_pair(kind: str, n: int) -> tuple[Layout, Layout]:
-    """The two layouts of a per-rank case on ``n`` ranks: all-to-all, or a k x n/k grid to row blocks."""
+    """The two layouts of a per-rank case on ``n`` ranks: all-to-all, a k x n/k grid to row blocks,
+    or a pending sum on every rank to row blocks."""
     if kind == "Chunk(0) -> Chunk(1)":
         return Chunk(0, range(n)).layout(RANK_SHAPE), Chunk(1, range(n)).layout(RANK_SHAPE)
     if kind == "Named grid -> rows":
         k = math.isqrt(n)
         return Named(Mesh((k, n // k)), ("x", "y")).layout(RANK_SHAPE), Chunk(0, range(n)).layout(RANK_SHAPE)
+    if kind == "Partial sum -> Chunk(0)":
+        return Partial(Replicated(range(n))).layout(RANK_SHAPE), Chunk(0, range(n)).layout(RANK_SHAPE)
     raise ValueError(kind)
 
 

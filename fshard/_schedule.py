@@ -8,6 +8,8 @@ and each piece takes its source by a rule that needs only the piece's two boxes 
 its receiving rank (``source_shards``). The global plan uses the same rule, so the
 union over ranks of the schedules is the plan. Work per rank: O(k log n) for k own
 boxes, plus the pieces exchanged and, for a replicated destination box, its ranks.
+Between layouts with pending reductions, ``fshard._reduce`` finds a rank's rows the same
+way (its own boxes looked up in the other layout's index), by the rules of its phases.
 """
 
 from __future__ import annotations
@@ -26,7 +28,18 @@ from fshard._layout import Layout
 if TYPE_CHECKING:
     from fshard._plan import Plan
 
-__all__ = ["Index", "Moves", "RankSchedule", "expand", "from_plan", "groups", "index", "schedule", "source_shards"]
+__all__ = [
+    "Index",
+    "Moves",
+    "RankSchedule",
+    "expand",
+    "from_plan",
+    "groups",
+    "index",
+    "pieces",
+    "schedule",
+    "source_shards",
+]
 
 
 # -- a layout's index: distinct boxes, who holds them, and how to find them ---------------------
@@ -446,7 +459,7 @@ def schedule(src: Layout, dst: Layout, rank: int) -> RankSchedule:
     return RankSchedule(src, dst, rank, _sends(src, dst, rank), recv, local)
 
 
-def _pieces(mine: Index, other: Index, boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def pieces(mine: Index, other: Index, boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(own box, other box, lo, size) of every non-empty intersection of ``boxes`` of ``mine`` with ``other``."""
     q, b = other.query(mine.lo[boxes], mine.hi[boxes])
     a = boxes[q]
@@ -464,7 +477,7 @@ def _receives(src: Layout, dst: Layout, rank: int) -> tuple[Moves, Moves]:
     """(local copies, receives) of ``rank``: every piece of a source box in one of its destination shards."""
     si, di = index(src), index(dst)
     boxes = np.unique(di.box_of[di.shards_on(rank)])
-    v, u, lo, size = _pieces(di, si, boxes)
+    v, u, lo, size = pieces(di, si, boxes)
     start, stop = di.copies_of(v, np.full(len(v), rank))
     row, k = expand(stop - start)
     u, v, lo, size = u[row], v[row], lo[row], size[row]
@@ -487,7 +500,7 @@ def _sends(src: Layout, dst: Layout, rank: int) -> Moves:
     si, di = index(src), index(dst)
     boxes = np.unique(si.box_of[si.shards_on(rank)])
     mine = si.find(boxes, np.full(len(boxes), rank))  # this rank among each box's holders
-    u, v, lo, size = _pieces(si, di, boxes)
+    u, v, lo, size = pieces(si, di, boxes)
     at = np.searchsorted(boxes, u)
     pair, k = expand(di.count[v])  # every rank of each destination box
     pu, pv = u[pair], v[pair]
@@ -507,12 +520,14 @@ def _sends(src: Layout, dst: Layout, rank: int) -> Moves:
     return _moves(src_shard, dst_shard, lo[pair], size[pair], to, order)
 
 
-# -- schedules read from a built plan (pending reductions) --------------------------------------
+# -- schedules read from a built plan ----------------------------------------------------------
 
 
 @cached(1024)
 def from_plan(p: Plan, rank: int) -> RankSchedule:
-    """``rank``'s share of a built plan, read from its rows (plans with pending reductions)."""
+    """``rank``'s share of a built plan, read from its rows (O(rows)). Plans from ``fshard.plan``
+    compute theirs from the layouts instead: ``schedule``, and ``fshard._reduce.rank_schedule``
+    between layouts with pending reductions; this is the reference they agree with."""
     rank = int(rank)
     if p.steps:
         steps = tuple(from_plan(s, rank) for s in p.steps)

@@ -19,8 +19,9 @@ whole group), so it is decided from the layouts, alike everywhere, not from one 
 share: whether anything crosses ranks from ``min_elements_sent`` (closed form; plans are
 minimal), whether received boxes land in place and how large the smallest box is from
 each layout's distinct extents (``_schedule.all_contiguous``, ``_schedule.direct``).
-Reductions (a plan with ``op`` or ``steps``) still read the global plan's rows
-(``_reduce``).
+Reductions (a plan with ``op`` or ``steps``) run phase by phase from the rank's share
+too (``_reduce.reduce_schedule``), and decide whether anything crosses from each
+phase's ``min_elements_sent``, the lower bound that every reduce phase meets.
 
 The local copies run while the messages are in flight. Boxes that already lie back to
 back in one tensor are sent (or received) in place rather than packed; buffers that
@@ -52,10 +53,10 @@ from fshard._log import log_move
 from fshard._placement import Placement
 from fshard._plan import Plan, plan
 
-from ..local import Counters, identity, needs_fill, new_shard, reduce_plan, shard_device, slice_shards
+from ..local import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, check, describe_layout
 from ._exchange import gather_objects, outside_transforms
-from ._reduce import collective_kind, reduce_schedule, run_collective, run_reduce
+from ._reduce import collective_kind, reduce_schedule, run_collective, run_local, run_reduce
 from ._schedule import all_contiguous, direct, has_alltoall, schedule
 from ._transport import alltoall, copy_local, empty, p2p
 
@@ -180,7 +181,7 @@ class TorchDistBackend:
             out = {j: new_shard(p.dst, j, like) for j in index}
             if p.op is None:
                 self._move("reshard", p, tensors, out, like.dtype, direct=direct(p.src, p.dst, like.element_size()))
-            else:  # a reduce phase still runs from the global plan's rows (_reduce.reduce_schedule)
+            else:  # a reduce phase, from this rank's share too (_reduce.reduce_schedule)
                 self._reduce("reshard", p, tensors, out, like.dtype)
             tensors = tuple(out[j] for j in index)
         return tuple(tensors)
@@ -247,7 +248,7 @@ class TorchDistBackend:
         (j,) = self.addressable(p.dst)
         out = empty(p.dst.shards[j].sizes, like.dtype, self._wire)
         run_collective(kind, p, tensors[0].to(self._wire), out, self.group)
-        self.counters.elements_sent += int(p.traffic()[self.rank].sum())
+        self.counters.elements_sent += p.for_rank(self.rank).elements_sent
         self.counters.collectives += 1
         return (out.to(shard_device(p.dst, j)),)
 
@@ -257,15 +258,12 @@ class TorchDistBackend:
         self._require_member(op)
         self._check(op, (p.src, p.dst), dtype)
         src = dict(zip(self.addressable(p.src), tensors))
-        sched = reduce_schedule(p, self.rank, self.ranks)
-        if p.elements_sent == 0:  # every rank reads this from the same plan: no collective anywhere
-            for j in needs_fill(p):
-                if j in out:
-                    out[j].fill_(identity(str(p.op), dtype))
-            reduce_plan(p, src, out, sched.local.tolist())
+        sched = reduce_schedule(p, self.rank, self.ranks)  # from p.for_rank(rank): no global rows
+        if p.min_elements_sent == 0:  # the phase's bound, which it meets, alike on every rank: no collective
+            run_local(sched, src, out, dtype)
             return
         self._warm()
-        run_reduce(p, sched, src, out, dtype, self._wire, self.group, empty)
+        run_reduce(sched, src, out, dtype, self._wire, self.group, empty)
         self.counters.elements_sent += sched.sent
         self.counters.collectives += 1
 

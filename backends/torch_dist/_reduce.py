@@ -3,8 +3,11 @@
 A rank combines its own contributions to each (peer, region) before sending, so a
 region crosses between two ranks at most once; all messages go out in one
 ``all_to_all_single`` with split sizes, and the receiver combines them with its own
-contributions (its own first, then by peer in group order, as the local backend
-does). Where the layouts are those of a collective, the collective runs instead:
+contributions (its own first, then by peer rank ascending, as the local backend
+does). A rank's share comes from ``plan.for_rank(rank)``, computed from the layouts
+alone: no rank reads the global plan's rows (O(world^2) for a reduce-scatter).
+
+Where the layouts are those of a collective, the collective runs instead:
 ``all_reduce`` for a full-shape pending reduction on every rank of the group to a
 full copy on each, ``reduce_scatter_tensor`` for the same to equal dim-0 chunks in
 group order (NCCL implements both in-network).
@@ -20,30 +23,53 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fshard._boxes import rows_prod, unique_rows
 from fshard._cache import cached
 from fshard._layout import Layout
+from fshard._schedule import Moves, RankSchedule
 
-from ..local import _moves, accumulate, combine_into, identity, needs_fill, reduce_plan
+from ..local import accumulate, identity
 
-__all__ = ["all_to_all", "collective_kind", "run_collective", "run_reduce"]
+__all__ = [
+    "ReduceSchedule",
+    "all_to_all",
+    "collective_kind",
+    "reduce_schedule",
+    "run_collective",
+    "run_local",
+    "run_reduce",
+]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
-_Message = tuple[tuple[int, ...], tuple[int, ...]]  # (plan rows, shape of the region)
+Slices = tuple[slice, ...]
+_Send = tuple[tuple[tuple[int, Slices], ...], tuple[int, ...]]  # (source shard, read) to combine; region's shape
+_Recv = tuple[tuple[tuple[int, Slices, int], ...], tuple[int, ...]]  # (destination shard, write, region id); shape
 
 
 @dataclasses.dataclass(frozen=True)
 class ReduceSchedule:
-    """One rank's share of a reduce phase.
+    """One rank's share of a reduce phase, with every index it needs computed once.
 
-    ``send``/``recv``: per peer in group order, the messages exchanged with it, each as
-    the plan rows it combines (sender: contributions; receiver: destination shards to
-    write) and the region's shape; both sides order a pair's messages by region.
+    ``fill``: this rank's destination shards with elements that no contribution reaches
+    (they start as the identity). ``local``: (source shard, read, destination shard,
+    write, region id) of each contribution between this rank's shards, in the plan's
+    order. ``send``/``recv``: per peer in group order (the order of the all-to-all's
+    segments), the messages exchanged with it, ordered by region on both sides: a sender
+    lists the source boxes it combines (each source shard once), a receiver the
+    destination shards it writes (each once). ``recv_at``: each peer that sends, ascending,
+    and where its segment starts in the receive buffer: messages are combined in that
+    order, as the local backend combines them, whatever the group's order.
+    A region id names one (destination shard, region) of this rank: the first
+    contribution to it is copied, later ones combined.
     """
 
-    local: np.ndarray
-    send: tuple[tuple[int, tuple[_Message, ...]], ...]
-    recv: tuple[tuple[int, tuple[_Message, ...]], ...]
+    op: str
+    fill: frozenset[int]
+    local: tuple[tuple[int, Slices, int, Slices, int], ...]
+    send: tuple[tuple[int, tuple[_Send, ...]], ...]
+    recv: tuple[tuple[int, tuple[_Recv, ...]], ...]
+    recv_at: tuple[tuple[int, int], ...]
     send_split: tuple[int, ...]
     recv_split: tuple[int, ...]
     sent: int
@@ -51,75 +77,135 @@ class ReduceSchedule:
 
 @cached(256)
 def reduce_schedule(p: Any, me: int, order: tuple[int, ...]) -> ReduceSchedule:
-    sr, dr = p.src_rank.tolist(), p.dst_rank.tolist()
-    lo, size = p.lo.tolist(), p.size.tolist()
-    local = np.array([k for k in range(len(sr)) if sr[k] == me and dr[k] == me], np.int64)
-    out: dict[int, dict[tuple[int, ...], list[int]]] = {}
-    into: dict[int, dict[tuple[int, ...], list[int]]] = {}
-    for k in range(len(sr)):
-        if sr[k] == me and dr[k] != me:
-            out.setdefault(dr[k], {}).setdefault(tuple(lo[k]), []).append(k)
-        elif dr[k] == me and sr[k] != me:
-            into.setdefault(sr[k], {}).setdefault(tuple(lo[k]), []).append(k)
+    """Rank ``me``'s share of the reduce phase ``p``, peers in the group order ``order``, from
+    ``p.for_rank(me)`` (the layouts alone: never the global plan's rows)."""
+    rs = p.for_rank(me)
+    if rs.steps or rs.op is None:
+        raise ValueError("reduce_schedule() runs one reduce phase (a plan with op set and no steps).")
     position = {r: n for n, r in enumerate(order)}
+    mine = _regions(rs.local, rs.recv)
+    local = [
+        (i, _box(read, z), j, _box(write, z), mine[(j, tuple(lo))])
+        for i, j, lo, z, read, write in _columns(rs.local, p.src, p.dst)
+    ]
+    send: dict[int, dict[tuple[int, ...], tuple[dict[int, Slices], tuple[int, ...]]]] = {}
+    for (i, _, lo, z, read, _), peer in zip(_columns(rs.send, p.src, p.dst), rs.send.peer.tolist()):
+        parts, _ = send.setdefault(peer, {}).setdefault(tuple(lo), ({}, tuple(z)))
+        parts.setdefault(i, _box(read, z))  # a source shard contributes once to a region
+    recv: dict[int, dict[tuple[int, ...], tuple[dict[int, tuple[Slices, int]], tuple[int, ...]]]] = {}
+    for (_, j, lo, z, _, write), peer in zip(_columns(rs.recv, p.src, p.dst), rs.recv.peer.tolist()):
+        targets, _ = recv.setdefault(peer, {}).setdefault(tuple(lo), ({}, tuple(z)))
+        targets.setdefault(j, (_box(write, z), mine[(j, tuple(lo))]))  # a shard is written once per message
+    sends = tuple(
+        (peer, tuple((tuple(parts.items()), shape) for _, (parts, shape) in sorted(send[peer].items())))
+        for peer in sorted(send, key=position.__getitem__)
+    )
+    recvs = tuple(
+        (
+            peer,
+            tuple(
+                (tuple((j, *t) for j, t in targets.items()), shape)
+                for _, (targets, shape) in sorted(recv[peer].items())
+            ),
+        )
+        for peer in sorted(recv, key=position.__getitem__)
+    )
+    send_split, recv_split = _split(sends, position), _split(recvs, position)
+    starts = np.cumsum(recv_split) - recv_split
+    recv_at = tuple(sorted((peer, int(starts[position[peer]])) for peer, _ in recvs))
+    fill = _needs_fill(rs, p.dst)
+    return ReduceSchedule(rs.op, fill, tuple(local), sends, recvs, recv_at, send_split, recv_split, sum(send_split))
 
-    def messages(by_peer: dict[int, dict[tuple[int, ...], list[int]]], dedup_dst: bool) -> Any:
-        result = []
-        for peer in sorted(by_peer, key=position.__getitem__):
-            msgs = []
-            for region in sorted(by_peer[peer]):
-                rows = by_peer[peer][region]
-                if dedup_dst:  # write each destination shard once
-                    rows = list({int(p.dst_shard[k]): k for k in rows}.values())
-                msgs.append((tuple(rows), tuple(size[rows[0]])))
-            result.append((peer, tuple(msgs)))
-        return tuple(result)
 
-    send, recv = messages(out, False), messages(into, True)
+def _columns(m: Moves, src: Layout, dst: Layout) -> Any:
+    """(source shard, destination shard, lo, size, lo in the source shard, lo in the destination
+    shard) of each row of ``m``, as Python values."""
+    read = (m.lo - src._lo[m.src_shard]).tolist()
+    write = (m.lo - dst._lo[m.dst_shard]).tolist()
+    return zip(m.src_shard.tolist(), m.dst_shard.tolist(), m.lo.tolist(), m.size.tolist(), read, write)
 
-    def split(by_peer: Any) -> tuple[int, ...]:
-        counts = [0] * len(order)
-        for peer, msgs in by_peer:
-            counts[position[peer]] = sum(math.prod(shape) for _, shape in msgs)
-        return tuple(counts)
 
-    send_split = split(send)
-    return ReduceSchedule(local, send, recv, send_split, split(recv), sum(send_split))
+def _box(at: list[int], size: list[int]) -> Slices:
+    return tuple(slice(a, a + n) for a, n in zip(at, size))
+
+
+def _regions(*moves: Moves) -> dict[tuple[int, tuple[int, ...]], int]:
+    """A number for each distinct (destination shard, region lo) of ``moves``."""
+    out: dict[tuple[int, tuple[int, ...]], int] = {}
+    for m in moves:
+        for j, lo in zip(m.dst_shard.tolist(), m.lo.tolist()):
+            out.setdefault((j, tuple(lo)), len(out))
+    return out
+
+
+def _needs_fill(rs: RankSchedule, dst: Layout) -> frozenset[int]:
+    """This rank's destination shards with elements that none of its contributions reaches."""
+    j = np.concatenate([rs.local.dst_shard, rs.recv.dst_shard])
+    lo = np.concatenate([rs.local.lo, rs.recv.lo]).reshape(len(j), dst.ndim)
+    numel = np.concatenate([rs.local.numel, rs.recv.numel])
+    first, _ = unique_rows(np.c_[j, lo])
+    covered = np.zeros(len(dst.shards), np.int64)
+    np.add.at(covered, j[first], numel[first])
+    own = np.array(dst.indices_on(rs.rank), np.int64)
+    short = covered[own] < rows_prod(dst._sz[own]) if len(own) else np.zeros(0, bool)
+    return frozenset(own[short].tolist())
+
+
+def _split(by_peer: Any, position: dict[int, int]) -> tuple[int, ...]:
+    counts = [0] * len(position)
+    for peer, msgs in by_peer:
+        counts[position[peer]] = sum(math.prod(shape) for _, shape in msgs)
+    return tuple(counts)
+
+
+def run_local(sched: ReduceSchedule, src: dict, out: dict, dtype: torch.dtype) -> set[int]:
+    """Fills the shards that need it with the identity and combines this rank's own contributions;
+    returns the regions written."""
+    for j in sched.fill:
+        out[j].fill_(identity(sched.op, dtype))
+    done: set[int] = set()
+    for i, read, j, write, region in sched.local:
+        _combine(sched, out[j][write], src[i][read], region, j, done)
+    return done
+
+
+def _combine(
+    sched: ReduceSchedule, into: torch.Tensor, value: torch.Tensor, region: int, j: int, done: set[int]
+) -> None:
+    """``into = value`` for the first contribution to a region (of a shard not filled), else ``op``."""
+    if region in done or j in sched.fill:
+        accumulate(sched.op, into, value)
+    else:
+        into.copy_(value)
+        done.add(region)
 
 
 def run_reduce(
-    p: Any, sched: ReduceSchedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any, empty: Any
+    sched: ReduceSchedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any, empty: Any
 ) -> None:
     """Runs a reduce phase: packs combined contributions per peer, exchanges them in one
     ``all_to_all_single`` while combining this rank's own, then combines what arrived."""
-    moves = _moves(p)
-    for j in needs_fill(p):
-        if j in out:
-            out[j].fill_(identity(p.op, dtype))
     sendbuf = empty((sum(sched.send_split),), dtype, wire)
     at = 0
     for _, msgs in sched.send:
-        for rows, shape in msgs:
+        for parts, shape in msgs:
             seg = sendbuf[at : at + math.prod(shape)].view(shape)
-            for n, k in enumerate(rows):
-                i, _, read, _ = moves[k]
+            for n, (i, read) in enumerate(parts):
                 if n == 0:
                     seg.copy_(src[i][read])
                 else:
-                    accumulate(p.op, seg, src[i][read])
+                    accumulate(sched.op, seg, src[i][read])
             at += seg.numel()
     recvbuf = empty((sum(sched.recv_split),), dtype, wire)
     work = all_to_all(recvbuf, sendbuf, sched.recv_split, sched.send_split, group)
-    done: set[Any] = set()
-    reduce_plan(p, src, out, sched.local.tolist(), done)
+    done = run_local(sched, src, out, dtype)
     work.wait()
-    at = 0
-    for _, msgs in sched.recv:
-        for rows, shape in msgs:
+    messages = dict(sched.recv)
+    for peer, at in sched.recv_at:  # peers ascending, as the local backend combines
+        for targets, shape in messages[peer]:
             got = recvbuf[at : at + math.prod(shape)].view(shape)
-            for k in rows:
-                _, j, _, write = moves[k]
-                combine_into(p, j, write, got, out, done)
+            for j, write, region in targets:
+                _combine(sched, out[j][write], got, region, j, done)
             at += got.numel()
 
 
