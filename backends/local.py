@@ -70,12 +70,12 @@ def _device(name: str) -> torch.device:
 
 def shard_device(layout: Any, i: int) -> torch.device:
     """The torch device of shard ``i`` of ``layout``."""
-    return _device(layout.shards[i].placement.device)
+    return _device(layout._devices[i])
 
 
 def new_shard(layout: Any, i: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised contiguous tensor for shard ``i``, with ``like``'s dtype."""
-    return new_tensor(layout.shards[i].sizes, like.dtype, shard_device(layout, i))
+    return new_tensor(tuple(layout._sz[i].tolist()), like.dtype, shard_device(layout, i))
 
 
 Index = tuple[slice, ...]
@@ -223,21 +223,25 @@ def slice_shards(full: torch.Tensor, layout: Any, index: Iterable[int]) -> tuple
 @cached(1024)
 def _slicing(layout: Any, i: int) -> Recipe:
     """Shard ``i`` of ``layout`` read out of the global tensor."""
-    s = layout.shards[i]
-    return recipe([layout.shape], [(s.sizes, s.placement.device)], _scattered(layout, [i]))
+    return recipe([layout.shape], [(tuple(layout._sz[i].tolist()), layout._devices[i])], _scattered(layout, [i]))
 
 
 @cached(64)
 def _scattering(layout: Any) -> Recipe:
     """Every shard of ``layout`` read out of the global tensor."""
-    outs = [(s.sizes, s.placement.device) for s in layout.shards]
-    return recipe([layout.shape], outs, _scattered(layout, range(len(layout.shards))))
+    return recipe([layout.shape], _outputs(layout), _scattered(layout, range(len(layout._rank))))
 
 
 def _scattered(layout: Any, index: Iterable[int]) -> list[Piece]:
     # An empty shard may sit past the end, where a slice would clip: it reads nothing.
-    shards = [(j, layout.shards[i]) for j, i in enumerate(index)]
-    return [(0, (s.offsets, s.sizes), j, (0,) * len(s.sizes)) for j, s in shards if all(s.sizes)]
+    lo, sz = layout._lo.tolist(), layout._sz.tolist()
+    zero = (0,) * layout.ndim
+    return [(0, (tuple(lo[i]), tuple(sz[i])), j, zero) for j, i in enumerate(index) if all(sz[i])]
+
+
+def _outputs(layout: Any) -> list[tuple[Sizes, str]]:
+    """(sizes, device) of every shard of ``layout``, from its columns."""
+    return list(zip(map(tuple, layout._sz.tolist()), layout._devices))
 
 
 @cached(32)
@@ -265,9 +269,9 @@ def _copying(plan: Any) -> tuple[Recipe, ...]:
     from its boxes in the source shards, as the ranks' schedules list them, or, for a small
     array where that takes fewer torch calls, two: the whole array from the source shards,
     then the destination shards cut out of it."""
-    ins = [s.sizes for s in plan.src.shards]
-    direct = (recipe(ins, [(s.sizes, s.placement.device) for s in plan.dst.shards], _arrivals(plan)[0]),)
-    devices = {s.placement.device for s in (*plan.src.shards, *plan.dst.shards)}
+    ins = list(map(tuple, plan.src._sz.tolist()))
+    direct = (recipe(ins, _outputs(plan.dst), _arrivals(plan)[0]),)
+    devices = {*plan.src._devices, *plan.dst._devices}
     if plan.dst.numel > _SMALL_NUMEL or len(devices) != 1 or plan.src.partial or plan.dst.partial:
         return direct  # (copies of a pending sum are summands: no one box stands for them all)
     whole = (_assembly(plan.src, _device(devices.pop())), _scattering(plan.dst))
@@ -323,7 +327,7 @@ class Reduction:
 
     def run(self, p: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The destination shards of phase ``p`` from its source shards ``tensors``."""
-        out = [new_shard(p.dst, j, like) for j in range(len(p.dst.shards))]
+        out = [new_shard(p.dst, j, like) for j in range(len(p.dst._rank))]
         for j in self.fill:
             out[j].fill_(identity(self.op, like.dtype))
         done: set[int] = set()
@@ -357,7 +361,7 @@ def reduction(p: Any) -> Reduction:
     def target(j: int, lo: Sizes, size: Sizes) -> Target:
         return j, _at(lo, size), numbers.setdefault((j, lo, size), len(numbers))
 
-    covered = np.zeros(len(p.dst.shards), np.int64)
+    covered = np.zeros(len(p.dst._rank), np.int64)
     crossing = 0
     for r in p.dst.ranks:
         s = p.for_rank(r)
@@ -413,7 +417,7 @@ def accumulate(op: str, into: torch.Tensor, value: torch.Tensor) -> None:
 def needs_fill(plan: Any) -> frozenset[int]:
     """Destination shards of a reduce phase with elements that no contribution reaches."""
     first, _ = unique_rows(np.c_[plan.dst_shard, plan.lo])
-    covered = np.zeros(len(plan.dst.shards), np.int64)
+    covered = np.zeros(len(plan.dst._rank), np.int64)
     np.add.at(covered, plan.dst_shard[first], plan.numel[first])
     return frozenset(np.flatnonzero(covered < rows_prod(plan.dst._sz)).tolist())
 
@@ -502,7 +506,7 @@ class LocalBackend:
 
     def addressable(self, layout: Any) -> tuple[int, ...]:
         """Every shard."""
-        return _every(len(layout.shards))
+        return _every(len(layout._rank))
 
     def check_layout(self, layout: Any) -> None:
         """Checks that every placed rank is in the group and every placed device exists here."""
@@ -598,7 +602,7 @@ def _every(n: int) -> tuple[int, ...]:
 
 @cached(256)
 def _check_devices(layout: Any) -> None:
-    for p in {s.placement.device for s in layout.shards}:
+    for p in set(layout._devices):
         _device(p)
 
 
@@ -609,8 +613,9 @@ def _assembly(layout: Any, device: torch.device) -> Recipe:
     nonempty = rows_all(sz > 0)
     first, _ = unique_rows(np.c_[lo, sz][nonempty])
     rows = np.flatnonzero(nonempty)[first].tolist()
-    ins = [s.sizes for s in layout.shards]
-    pieces = [(i, ((0,) * layout.ndim, ins[i]), 0, layout.shards[i].offsets) for i in rows]
+    ins = list(map(tuple, sz.tolist()))
+    offsets = lo.tolist()
+    pieces = [(i, ((0,) * layout.ndim, ins[i]), 0, tuple(offsets[i])) for i in rows]
     return recipe(ins, [(tuple(layout.shape), device)], pieces)
 
 

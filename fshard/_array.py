@@ -189,7 +189,7 @@ class ShardedArray:
     def addressable_shards(self) -> tuple[Shard, ...]:
         """The shards held by this process: all of them (local) or this rank's (torch_dist)."""
         idx = self._backend.addressable(self._layout)
-        return tuple(Shard(self._layout.shards[i], t) for i, t in zip(idx, self._data))
+        return tuple(Shard(self._layout._shard(i), t) for i, t in zip(idx, self._data))
 
     @property
     def addressable_data(self) -> tuple[torch.Tensor, ...]:
@@ -252,10 +252,11 @@ def _check_tensor(layout: Layout, i: int, t: Any) -> None:
     if not isinstance(t, torch.Tensor):
         msg = f"Shard {i} of a ShardedArray must be a torch.Tensor, got {type(t).__name__}."
         raise TypeError(msg)
-    if tuple(t.shape) != layout.shards[i].sizes:
+    sizes = tuple(layout._sz[i].tolist())
+    if tuple(t.shape) != sizes:
         msg = (
             f"Shard {i} tensor has shape {tuple(t.shape)} but the layout gives it sizes "
-            f"{layout.shards[i].sizes}: a pytree transform must keep every shard's shape."
+            f"{sizes}: a pytree transform must keep every shard's shape."
         )
         raise LayoutError(msg)
 

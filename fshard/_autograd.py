@@ -50,7 +50,7 @@ def _dense(layout: Layout, backend: Any, grads: Sequence[Any], like: torch.Tenso
     """``grads`` with every missing (``None``) entry replaced by zeros of its shard's size."""
     idx = backend.addressable(layout)
     return tuple(
-        torch.zeros(layout.shards[i].sizes, dtype=like.dtype, device=like.device) if g is None else g
+        torch.zeros(layout._shard(i).sizes, dtype=like.dtype, device=like.device) if g is None else g
         for i, g in zip(idx, grads)
     )
 

@@ -75,7 +75,7 @@ def _check_grad(requires_grad: Any, dtype: torch.dtype) -> None:
 def _check_sizes(layout: Layout, index: tuple[int, ...], dtype: torch.dtype) -> None:
     """Raises ``LayoutError`` for a shard too large for one tensor (more than 2**63 - 1 bytes)."""
     for i in index:
-        sizes = layout.shards[i].sizes
+        sizes = layout._shard(i).sizes
         if math.prod(sizes) * dtype.itemsize > MAX_EXTENT:
             msg = (
                 f"shape {layout.shape} gives shard {i} sizes {sizes}: more than 2**63 - 1 bytes of {dtype}, "
@@ -96,7 +96,7 @@ def _create(
     _check_sizes(layout, index, dtype)
     data = []
     for i in index:
-        meta = layout.shards[i]
+        meta = layout._shard(i)
         t = fill(meta, dtype, torch.device(meta.placement.device))
         data.append(t.requires_grad_(requires_grad) if requires_grad else t)
     return ShardedArray(layout, data, backend, dtype, requires_grad=requires_grad)

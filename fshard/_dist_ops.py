@@ -311,7 +311,7 @@ def _local_problems(tensors: Sequence[torch.Tensor], layout: Layout, index: Sequ
         ]
     problems = []
     for i, t in zip(index, tensors):
-        meta = layout.shards[i]
+        meta = layout._shard(i)
         if tuple(t.shape) != meta.sizes:
             problems.append(f"local tensor of shape {tuple(t.shape)} is not the size of shard {i} {meta._box()}")
         elif not t.is_contiguous():

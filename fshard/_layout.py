@@ -195,6 +195,11 @@ class Layout:
             object.__setattr__(self, "_metas", metas)
         return metas
 
+    def _shard(self, i: int) -> ShardMeta:
+        """``shards[i]``, without building the other shards' ``ShardMeta`` (``from_arrays`` layouts)."""
+        metas = self._metas
+        return metas[i] if metas is not None else _LazyShards(self._lo, self._sz, self._rank, self._devices)[i]
+
     # Value semantics: compare by content, hash once, rebuild (and revalidate) on unpickle.
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -246,11 +251,11 @@ class Layout:
 
     def shards_on(self, rank: int) -> tuple[ShardMeta, ...]:
         """The shards placed on ``rank``, in layout order."""
-        return tuple(self.shards[i] for i in self.indices_on(rank))
+        return tuple(self._shard(i) for i in self.indices_on(rank))
 
     def indices_on(self, rank: int) -> tuple[int, ...]:
         """Indices (into ``shards``) of the shards placed on ``rank``."""
-        return _indices_by_rank(self).get(rank, ())
+        return _indices_on(self, rank) if isinstance(rank, (int, np.integer)) else ()
 
     @property
     def is_fully_replicated(self) -> bool:
@@ -347,11 +352,17 @@ def _ranks(layout: Layout) -> tuple[int, ...]:
 
 
 @cached(256)
-def _indices_by_rank(layout: Layout) -> dict[int, tuple[int, ...]]:
-    out: dict[int, list[int]] = {}
-    for i, r in enumerate(layout._rank.tolist()):
-        out.setdefault(r, []).append(i)
-    return {r: tuple(v) for r, v in out.items()}
+def _rank_order(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """The shard indices sorted by rank (stably: ascending within a rank), and their ranks."""
+    order = np.argsort(layout._rank, kind="stable")
+    return order, layout._rank[order]
+
+
+@cached(4096)
+def _indices_on(layout: Layout, rank: int) -> tuple[int, ...]:
+    order, ranks = _rank_order(layout)
+    a, b = np.searchsorted(ranks, [rank, rank + 1])
+    return tuple(order[a:b].tolist())
 
 
 def as_metas(shards: Iterable[ShardMetaLike]) -> tuple[ShardMeta, ...]:

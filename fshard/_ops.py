@@ -160,7 +160,7 @@ def shard(
 def _on(layout: Layout, rank: int) -> Layout:
     """The whole array once, on ``rank`` (on the device of its first shard in ``layout``)."""
     held = layout.indices_on(rank)
-    device = layout.shards[held[0] if held else 0].placement.device
+    device = layout._shard(held[0] if held else 0).placement.device
     return Replicated([Placement(rank, device)]).layout(layout.shape)
 
 
@@ -168,7 +168,7 @@ def _reduced(layout: Layout, dst: int | None) -> Layout:
     """Where ``gather`` reduces a pending reduction: a copy on every rank of ``layout`` (or on ``dst``)."""
     if dst is not None:
         return _on(layout, dst)
-    firsts = [layout.shards[layout.indices_on(r)[0]].placement for r in layout.ranks]
+    firsts = [layout._shard(layout.indices_on(r)[0]).placement for r in layout.ranks]
     return Replicated(firsts).layout(layout.shape)
 
 
@@ -294,7 +294,7 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
 @opaque  # layout arithmetic in numpy: run eagerly under torch.compile
 def _infer_layout(layout: Layout, sizes: dict[int, tuple[int, ...]]) -> Layout:
     """The layout of ``map_local``'s result, from the shapes of the result shards known here."""
-    if all(s == layout.shards[i].sizes for i, s in sizes.items()):
+    if all(s == tuple(layout._sz[i].tolist()) for i, s in sizes.items()):
         return layout
     if any(len(s) != layout.ndim for s in sizes.values()):
         msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."
@@ -308,7 +308,7 @@ def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int) -> in
     that tile the dim (one interval when no shard splits it)."""
     new: dict[tuple[int, int], set[int]] = {}
     for i, s in sizes.items():
-        m = layout.shards[i]
+        m = layout._shard(i)
         new.setdefault((m.offsets[d], m.sizes[d]), set()).add(s[d])
     if all(k[1] == n for k, v in new.items() for n in v):
         return layout.shape[d]
@@ -438,7 +438,7 @@ def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Ten
             raise TypeError(f"Expected fshard.Shard values, got {type(s).__name__}.")
         given.setdefault(s.meta, []).append(_check_tensor(s.data, f"The tensor of shard {s.meta}"))
     index = backend.addressable(layout)
-    want = [layout.shards[i] for i in index]
+    want = [layout._shard(i) for i in index]
     counts = collections.Counter(want)
     twice = [m for m, ts in given.items() if len(ts) > counts[m] > 0]
     if twice:
@@ -450,10 +450,10 @@ def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Ten
         raise LayoutError(msg)
     data = [given[m][0] if len(given[m]) == 1 else given[m][k] for m, k in _occurrences(want)]
     for i, t in zip(index, data):
-        device = torch.device(layout.shards[i].placement.device)
+        device = torch.device(layout._shard(i).placement.device)
         if t.device.type != device.type or device.index not in (None, t.device.index):
             msg = (
-                f"The tensor of shard {layout.shards[i]} is on {t.device}, not on its placement's device "
+                f"The tensor of shard {layout._shard(i)} is on {t.device}, not on its placement's device "
                 f"{device}; move it there first."
             )
             raise LayoutError(msg)

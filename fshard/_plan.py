@@ -144,8 +144,9 @@ class Plan:
 
     def for_rank(self, rank: int) -> RankSchedule:
         """This rank's sends, receives and local copies (``RankSchedule``), computed from the
-        layouts alone where neither is partial (pure, cached on ``(src, dst, rank)``), else
-        read from this plan's rows."""
+        layouts alone (pure, cached on ``(src, dst, rank)``); a plan with pending reductions
+        (``fshard._reduce.PendingPlan``) computes it by its own rules, from the layouts too,
+        and a plan built from rows alone reads them."""
         rank = _schedule.check_rank(rank)
         if not self.steps and self.op is None and _schedule.is_direct(self.src, self.dst):
             return _schedule.schedule(self.src, self.dst, rank)
@@ -247,7 +248,8 @@ def plan(src: Layout, dst: Layout) -> Plan:
     taking turns (``fshard._schedule.source_shards``: a rule that one rank applies to
     its own boxes alone, so ``for_rank`` agrees with the plan). The transfers are
     computed on first use. Pending reductions (``Layout.partial``) are planned by
-    ``fshard._reduce``: reduce-scatter, then copies to the replicas.
+    ``fshard._reduce``: reduce-scatter, then copies to the replicas, each rank's share
+    again from the layouts alone.
 
     Raises:
         SpecError: if the layouts have different shapes.

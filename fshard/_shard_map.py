@@ -404,10 +404,10 @@ def _out_layout(
         raise SpecError(msg)
     for i, (p, k) in _slot_index(layout).items():
         got = shapes.get((p, k))
-        if got is not None and got != layout.shards[i].sizes:
+        if got is not None and got != layout._shard(i).sizes:
             msg = (
                 f"{what} result {n} on placement {p} has shape {got} but out_spec gives that block "
-                f"sizes {layout.shards[i].sizes} (global shape {layout.shape})."
+                f"sizes {layout._shard(i).sizes} (global shape {layout.shape})."
             )
             raise SpecError(msg)
     return layout

@@ -254,7 +254,10 @@ def _without_global_plan():
 
     rank, counters = dist.get_rank(), TorchDistBackend().counters
     x = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
-    rows, cols = fshard.Chunk(0, R4), fshard.Chunk(1, R4)
+    # Chunk(0, R4) and Chunk(1, R4) as columns: no ShardMeta is made unless something asks for all.
+    k = np.arange(4)
+    rows = fshard.Layout.from_arrays(x.shape, np.c_[16 * k, 0 * k], np.c_[16 + 0 * k, 48 + 0 * k], R4)
+    cols = fshard.Layout.from_arrays(x.shape, np.c_[0 * k, 12 * k], np.c_[64 + 0 * k, 12 + 0 * k], R4)
     fshard.clear_caches()
     rows_prop, build_fn = _plan.Plan.__dict__["_rows"], _plan._build
     _plan.Plan._rows, _plan._build = property(forbidden), build
@@ -271,6 +274,9 @@ def _without_global_plan():
         sent.append(counters.elements_sent - before)
     finally:
         _plan.Plan._rows, _plan._build = rows_prop, build_fn
+    # Nothing built one Python object per shard of the columnar layouts.
+    assert rows._metas is None
+    assert cols._metas is None
     (shard,) = b.addressable_shards
     assert torch.equal(shard.data, x[:, 12 * rank : 12 * rank + 12])
     assert torch.equal(full, x)

@@ -122,6 +122,38 @@ def test_reshard_runs_from_the_ranks_schedules(pair: tuple[Any, Any], monkeypatc
     fshard.clear_caches()
 
 
+PENDING = {
+    "sum-to-rows": (fshard.Partial(fshard.Replicated([0, 1, 2])), ROWS),
+    "sum-to-replicas": (fshard.Partial(fshard.Chunk(1, [0, 1])), fshard.Replicated([1, 2, 3])),
+    "sum-regrouped": (fshard.Partial(fshard.Replicated([0, 1])), fshard.Partial(fshard.Replicated([1, 2]))),
+    "value-to-max": (ROWS, fshard.Partial(fshard.Chunk(1, [2, 3]), "max")),
+}
+
+
+@pytest.mark.parametrize("pair", PENDING.values(), ids=PENDING.keys())
+def test_pending_reductions_run_from_the_ranks_schedules(
+    pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reduction too: no global rows, the values kept, and the elements counted as sent
+    are the schedules' (the lower bound)."""
+    from fshard import _reduce
+
+    a = fshard.shard(X, pair[0])
+
+    def refuse(*args: Any) -> None:
+        raise AssertionError("the global plan was built")
+
+    fshard.clear_caches()
+    monkeypatch.setattr(_reduce, "global_rows", refuse)
+    n = sent(lambda: fshard.reshard(a, pair[1]))
+    got = fshard.reshard(a, pair[1])
+    p = fshard.plan(a.layout, got.layout)
+    assert n == p.min_elements_sent
+    monkeypatch.undo()
+    assert torch.equal(fshard.gather(got), X)
+    fshard.clear_caches()
+
+
 @pytest.mark.parametrize("pair", PAIRS.values(), ids=PAIRS.keys())
 def test_shard_and_gather_copy_out_of_their_input(pair: tuple[Any, Any]) -> None:
     a = fshard.shard(X, pair[0])

@@ -34,8 +34,8 @@ def test_dim0_to_dim1_on_two_ranks() -> None:
     src, dst = Chunk(0, [0, 1]).layout((4, 4)), Chunk(1, [0, 1]).layout((4, 4))
     s0 = fshard.plan(src, dst).for_rank(0)
     assert s0.rank == 0
-    assert s0.src is src
-    assert s0.dst is dst
+    assert s0.src == src  # (an equal layout cached earlier may be the one held)
+    assert s0.dst == dst
     assert _rows(s0.send) == [(0, 1, [0, 2], [2, 2], 1)]
     assert _rows(s0.recv) == [(1, 0, [2, 0], [2, 2], 1)]
     assert _rows(s0.local) == [(0, 0, [0, 0], [2, 2], 0)]
