@@ -222,7 +222,7 @@ def test_transport_choices_from_layouts_agree_with_the_rows(src, dst):
 @pytest.mark.parametrize(
     ("src", "dst", "expected"),
     [
-        (fshard.Chunk(0, R4), fshard.Chunk(1, R4), True),  # 1 MiB boxes, in place at the receiver
+        (fshard.Chunk(0, R4), fshard.Chunk(1, R4), False),  # in place at the receiver, but packed to send
         (fshard.Chunk(0, R4), fshard.Replicated(R4), True),
         (fshard.Chunk(1, R4), fshard.Chunk(0, R4), False),  # column blocks: staged on arrival
         (fshard.Named(fshard.Mesh((2, 2)), ("x", "y")), fshard.Chunk(0, R4), False),
