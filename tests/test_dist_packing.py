@@ -20,7 +20,7 @@ import torch
 
 import fshard
 from fshard.backends.torch_dist._schedule import Run, runs, schedule
-from fshard.backends.torch_dist._transport import _pack, _unpack
+from fshard.backends.torch_dist._transport import _pack, _region, _unpack
 
 R4 = [0, 1, 2, 3]
 ORDER = (0, 1, 2, 3)
@@ -84,6 +84,29 @@ def test_runs_are_found_left_to_right():
 def test_zero_dimensional_boxes():
     (run,) = runs(np.zeros(3, np.int64), np.zeros((3, 0), np.int64), np.zeros((3, 0), np.int64))
     assert (run.dim, run.count, run.shape) == (-1, 3, ())
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(48.0).view(6, 8),
+        torch.arange(48.0).view(8, 6).t(),  # strided
+        torch.complex(torch.arange(48.0), torch.ones(48)).view(6, 8).conj(),  # a lazy conjugate: sliced instead
+        torch.arange(96.0).view(6, 16)[:, ::2],  # every other column
+    ],
+    ids=["contiguous", "transposed", "conj", "step-2"],
+)
+def test_a_run_is_one_view_of_its_boxes(tensor):
+    cases = {
+        (1, 2, 3): [(0, (1, 2 * k), (4, 2)) for k in range(3)],  # along the columns
+        (0, 3, 2): [(0, (3 * k, 1), (2, 5)) for k in range(2)],  # along the rows, step past the extent
+        (-1, 0, 3): [(0, (2, 2), (3, 3))] * 3,  # the same box thrice
+    }
+    for (dim, step, count), boxes in cases.items():
+        (run,) = _runs(boxes)
+        assert (run.dim, run.step, run.count) == (dim, step, count)
+        want = torch.stack([tensor[lo[0] : lo[0] + n[0], lo[1] : lo[1] + n[1]] for _, lo, n in boxes])
+        assert torch.equal(_region({0: tensor}, run), want)
 
 
 # -- the exchange a schedule chooses ----------------------------------------------------------

@@ -86,8 +86,18 @@ def _fan_out(targets: tuple[Index, ...], got: torch.Tensor, out: dict) -> None:
 
 
 def _region(tensors: dict, run: Run) -> torch.Tensor:
-    """The run's boxes as one view of shape (count, *box shape) of its shard's tensor."""
-    view = tensors[run.shard][run.region]
+    """The run's boxes as one view of shape (count, *box shape) of its shard's tensor: one
+    ``as_strided`` of a plain tensor (the strides are the tensor's own, so strided inputs
+    work), else the same view by slicing and ``unfold``."""
+    t = tensors[run.shard]
+    if type(t) is torch.Tensor and not (t.is_conj() or t.is_neg()):
+        st = t.stride()
+        offset = t.storage_offset()
+        for s, k in zip(run.region, st):
+            offset += s.start * k
+        lead = run.step * st[run.dim] if run.dim is not None and run.dim >= 0 else 0
+        return t.as_strided((run.count, *run.shape), (lead, *st), offset)
+    view = t[run.region]
     if run.dim is None:
         return view.unsqueeze(0)
     if run.dim < 0:
