@@ -207,23 +207,36 @@ def _drop_empty(table: list[list[str]]) -> list[list[str]]:
     return [[row[k] for k in keep] for row in table]
 
 
+REFERENCE = "pack+a2a"  # a hand-packed reference that fshard's own ratio is also given against
+
+
 def _pivot(rows: Sequence[Row]) -> list[list[str]]:
     impls = _order(rows)
-    head = ["case", "MiB", *(f"{i} ms" for i in impls), "sent / min MiB", "peak +MiB", "target", "results"]
+    ref = [f"fshard / {REFERENCE}"] if REFERENCE in impls else []
+    head = ["case", "MiB", *(f"{i} ms" for i in impls), *ref, "sent / min MiB", "peak +MiB", "target", "results"]
     table = [head, ["---"] * len(head)]
     for case in dict.fromkeys(r.case for r in rows):
         got = {r.impl: r for r in rows if r.case == case}
         first = next(iter(got.values()))
-        main = next((r for r in got.values() if r.target and r.ok is not None and not r.impl.startswith(("Sh", "DT"))),
-                    None)  # fmt: skip
+        main = next((r for r in got.values() if r.target and r.ok is not None and not r.impl.startswith(("Sh", "DT"))
+                     and r.impl != REFERENCE), None)  # fmt: skip
         sent = _sent(main) if main is not None and main.sent_bytes is not None else ""
         peak = "" if main is None or main.peak_mib is None else f"{main.peak_mib:.0f}"
         target = "" if main is None else f"{main.target} {'✓' if main.ok else '✗'}"
         checked = [r.verified for r in got.values() if r.verified is not None]
         results = "" if not checked else ("✓" if all(checked) else "✗ WRONG")
-        row = [first.series, f"{first.size_mib:g}", *(_cell(got.get(i)) for i in impls), sent, peak, target, results]
-        table.append(row)
+        cells = [_cell(got.get(i)) for i in impls]
+        if ref:
+            cells.append(_versus(got.get("fshard"), got.get(REFERENCE)))
+        table.append([first.series, f"{first.size_mib:g}", *cells, sent, peak, target, results])
     return _drop_empty(table)
+
+
+def _versus(fshard: Row | None, ref: Row | None) -> str:
+    """``1.05x ✓``: fshard's time over the reference's, against the reference row's target."""
+    if fshard is None or ref is None or not fshard.seconds or not ref.seconds:
+        return ""
+    return f"{fshard.seconds / ref.seconds:.2f}x {'✓' if ref.ok else '✗'}"
 
 
 def _plain(rows: Sequence[Row]) -> list[list[str]]:

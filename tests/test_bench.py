@@ -283,6 +283,16 @@ def test_markdown() -> None:
     assert "| validate grid | fshard Layout() | 50.00 ms |  | < 0.1 s ✓ |  |" in planner_table
 
 
+def test_markdown_gives_fshards_ratio_to_the_pack_a2a_reference() -> None:
+    times = {"floor": [1.0], "pack+a2a": [2.0], "fshard": [2.4]}
+    part = {**_part(times, 10, {"floor": None, "pack+a2a": True, "fshard": True}), "key": "dim0-dim1"}
+    lines = report.markdown(dist.result_rows(dist.combine([part]), "g")).splitlines()
+    assert "| pack+a2a ms | fshard ms | ShardedTensor ms | fshard / pack+a2a | sent / min MiB |" in lines[2]
+    assert lines[4].endswith(
+        "| 2000.00 (2.00x) | 2400.00 (2.40x) | N/A | 1.20x ✗ | 0.0 / 0.0 ✓ | 2 | <= 1.25x floor ✗ | ✓ |"
+    )
+
+
 def test_json_round_trip(tmp_path: Path) -> None:
     rows = _rows()
     path = report.save(rows, INFO, Settings(sizes=(16.0,)), tmp_path / "sub" / "b.json", 12.5)
