@@ -15,6 +15,15 @@ implementation of the same data movement:
   ``copy_`` of the local slice into a buffer allocated before timing. Pending
   reductions (``Partial``, ``benchmarks/dist_partial.py``) divide by the collective that
   reduces the same bytes, ``all_reduce`` or ``reduce_scatter_tensor``.
+- **pack+a2a** (reshards that move data): a hand-written reference of what any packed
+  all-to-all must do, timed as one call: one strided ``copy_`` packs the outgoing boxes
+  (this rank's own included, for dim 0 -> dim 1 ``sendbuf.view(n, rows, w).copy_(
+  shard.view(rows, n, w).transpose(0, 1))``), one ``all_to_all_single`` receives straight
+  into the output where the received boxes lie back to back there, else into a buffer
+  unpacked with as few strided copies as the layout allows (one for the grid's equal
+  blocks, one per piece for explicit boxes of unequal widths); buffers allocated before timing
+  (``dist_build._pack_a2a``). fshard's time over it is given next to the floor ratio
+  (target 1.10x).
 - **fshard**: ``gather``, ``reshard`` or ``shard(src=0)`` on the ``torch_dist`` backend.
 - **copies** (reshards only, a diagnostic): the memory copies of fshard's plan that no
   message makes, timed alone: local boxes, and boxes that are not contiguous in their
@@ -40,6 +49,11 @@ ranks, against ``plan.min_elements_sent`` of the same movement (both x 4 bytes);
 Peak extra memory: the growth of each process's resident set over one call, the
 largest over ranks (``benchmarks/dist_rank.py``). It counts the result and every
 temporary buffer that was written, the buffers handed to the floor included.
+
+Fixed cost per call (a group of its own): a 64x64 float32 ``reshard`` Chunk(0) -> Chunk(1)
+against ``all_to_all_single`` of the same bytes packed before timing, and ``gather`` to
+all against ``all_gather_into_tensor``; each round times ``FIXED_CALLS`` operations in a
+row and reports the time per operation, and fshard's row notes its difference in µs.
 
 All processes share this machine's cores: 4 ranks on 2 cores take turns, which is the
 setting the numbers describe.
