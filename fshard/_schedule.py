@@ -551,6 +551,6 @@ def is_direct(src: Layout, dst: Layout) -> bool:
 
 def check_rank(rank: Any) -> int:
     """``rank`` as an int, or raises ``SpecError``."""
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0:
-        raise SpecError(f"for_rank() takes a non-negative int rank, got {rank!r}.")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < 2**63:
+        raise SpecError(f"for_rank() takes a non-negative int rank (int64, as layouts hold them), got {rank!r}.")
     return int(rank)

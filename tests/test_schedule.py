@@ -104,7 +104,7 @@ def test_repr() -> None:
 
 def test_bad_ranks_are_refused() -> None:
     p = fshard.plan(Chunk(0, [0, 1]).layout((4,)), Chunk(0, [1, 0]).layout((4,)))
-    for bad in (-1, 1.0, True, "0"):
+    for bad in (-1, 1.0, True, "0", 2**63):
         with pytest.raises(fshard.SpecError, match="non-negative int rank"):
             p.for_rank(bad)  # type: ignore[arg-type]
     assert p.for_rank(np.int64(1)) is p.for_rank(1)  # type: ignore[arg-type]
