@@ -45,7 +45,7 @@ def test_equal_column_blocks_are_one_run_along_the_columns():
 
 def test_a_gap_in_the_blocks_starts_a_new_run():
     got = _runs([(0, (0, 0), (6, 4)), (0, (0, 4), (6, 4)), (0, (0, 12), (6, 4))])  # the block at 8 stays home
-    assert [(r.dim, r.count, r.region) for r in got] == [
+    assert [(r.dim, r.copies, r.region) for r in got] == [
         (1, 2, (slice(0, 6), slice(0, 8))),
         (None, 1, (slice(0, 6), slice(12, 16))),
     ]
@@ -53,12 +53,12 @@ def test_a_gap_in_the_blocks_starts_a_new_run():
 
 def test_blocks_with_a_fixed_stride_larger_than_their_extent_are_one_run():
     (run,) = _runs([(2, (1, 10 * k), (3, 4)) for k in range(3)])
-    assert (run.dim, run.step, run.count, run.region) == (1, 10, 3, (slice(1, 4), slice(0, 24)))
+    assert (run.dim, run.step, run.copies, run.region) == (1, 10, 3, (slice(1, 4), slice(0, 24)))
 
 
 def test_the_same_box_for_every_peer_is_one_broadcast_run():
     (run,) = _runs([(1, (0, 0), (5, 8))] * 3)
-    assert (run.dim, run.count, run.region) == (-1, 3, (slice(0, 5), slice(0, 8)))
+    assert (run.dim, run.copies, run.region) == (-1, 3, (slice(0, 5), slice(0, 8)))
 
 
 @pytest.mark.parametrize(
@@ -73,17 +73,17 @@ def test_the_same_box_for_every_peer_is_one_broadcast_run():
     ids=["backwards", "two-shards", "two-shapes", "diagonal", "empty"],
 )
 def test_boxes_that_do_not_follow_a_step_in_one_dim_stay_apart(boxes):
-    assert [r.count for r in _runs(boxes)] == [1, 1]
+    assert [r.copies for r in _runs(boxes)] == [1, 1]
 
 
 def test_runs_are_found_left_to_right():
     blocks = [(0, (0, 2 * k), (3, 2)) for k in (0, 1, 2)] + [(0, (0, 9), (3, 2)), (0, (0, 12), (3, 2))]
-    assert [(r.count, r.step) for r in _runs(blocks)] == [(3, 2), (2, 3)]
+    assert [(r.copies, r.step) for r in _runs(blocks)] == [(3, 2), (2, 3)]
 
 
 def test_zero_dimensional_boxes():
     (run,) = runs(np.zeros(3, np.int64), np.zeros((3, 0), np.int64), np.zeros((3, 0), np.int64))
-    assert (run.dim, run.count, run.shape) == (-1, 3, ())
+    assert (run.dim, run.copies, run.shape) == (-1, 3, ())
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_a_run_is_one_view_of_its_boxes(tensor):
     }
     for (dim, step, count), boxes in cases.items():
         (run,) = _runs(boxes)
-        assert (run.dim, run.step, run.count) == (dim, step, count)
+        assert (run.dim, run.step, run.copies) == (dim, step, count)
         want = torch.stack([tensor[lo[0] : lo[0] + n[0], lo[1] : lo[1] + n[1]] for _, lo, n in boxes])
         assert torch.equal(_region({0: tensor}, run), want)
 
@@ -149,14 +149,14 @@ def test_dim0_to_dim1_receives_in_place_with_one_strided_pack():
         assert ex.local
         assert ex.send_split == ex.recv_split == (6,) * 4  # 2 rows x 3 columns to each rank, itself included
         (run,) = ex.send_runs  # one strided copy packs all four column blocks
-        assert (run.dim, run.count, run.shape) == (1, 4, (2, 3))
+        assert (run.dim, run.copies, run.shape) == (1, 4, (2, 3))
         assert ex.recv_span == (me, 0, 24)  # the whole output: no unpacking
     for me, span in ((0, (0, 6, 24)), (3, (3, 0, 18))):  # the own block at an end: copied locally
         ex = schedule(p, me, ORDER).exchange
         assert not ex.local
         assert ex.recv_span == span
         (run,) = ex.send_runs
-        assert run.count == 3
+        assert run.copies == 3
 
 
 def test_grid_to_rows_keeps_its_own_copy_out_of_the_collective():

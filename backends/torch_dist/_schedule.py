@@ -48,7 +48,7 @@ class Run(NamedTuple):
     """Boxes of one shard, equal in shape, one after another in a buffer, copied by one ``copy_``.
 
     ``region``: slices of shard ``shard`` that cover every box. ``dim`` is ``None`` for a
-    single box (``region`` is the box), ``-1`` for the same box ``count`` times (a
+    single box (``region`` is the box), ``-1`` for the same box ``copies`` times (a
     replicated box sent to several peers), else the dim along which box ``k`` starts
     ``k * step`` after the first (``Tensor.unfold(dim, shape[dim], step)`` of the region).
     """
@@ -57,13 +57,13 @@ class Run(NamedTuple):
     region: tuple[slice, ...]
     dim: int | None
     step: int
-    count: int
+    copies: int
     shape: tuple[int, ...]
 
     @property
     def numel(self) -> int:
         """Elements of all the run's boxes."""
-        n = self.count
+        n = self.copies
         for s in self.shape:
             n *= s
         return n

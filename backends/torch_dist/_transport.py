@@ -96,12 +96,12 @@ def _region(tensors: dict, run: Run) -> torch.Tensor:
         for s, k in zip(run.region, st):
             offset += s.start * k
         lead = run.step * st[run.dim] if run.dim is not None and run.dim >= 0 else 0
-        return t.as_strided((run.count, *run.shape), (lead, *st), offset)
+        return t.as_strided((run.copies, *run.shape), (lead, *st), offset)
     view = t[run.region]
     if run.dim is None:
         return view.unsqueeze(0)
     if run.dim < 0:
-        return view.unsqueeze(0).expand(run.count, *run.shape)
+        return view.unsqueeze(0).expand(run.copies, *run.shape)
     return view.unfold(run.dim, run.shape[run.dim], run.step).movedim(run.dim, 0).movedim(-1, run.dim + 1)
 
 
@@ -110,7 +110,7 @@ def _pack(runs: tuple[Run, ...], tensors: dict, buf: torch.Tensor) -> torch.Tens
     at = 0
     for run in runs:
         n = run.numel
-        buf[at : at + n].view(run.count, *run.shape).copy_(_region(tensors, run))
+        buf[at : at + n].view(run.copies, *run.shape).copy_(_region(tensors, run))
         at += n
     return buf
 
@@ -120,7 +120,7 @@ def _unpack(runs: tuple[Run, ...], buf: torch.Tensor, tensors: dict) -> None:
     at = 0
     for run in runs:
         n = run.numel
-        _region(tensors, run).copy_(buf[at : at + n].view(run.count, *run.shape))
+        _region(tensors, run).copy_(buf[at : at + n].view(run.copies, *run.shape))
         at += n
 
 
