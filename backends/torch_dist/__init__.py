@@ -63,7 +63,39 @@ from ._transport import alltoall, copy_local, empty, p2p
 __all__ = ["TorchDistBackend"]
 
 _COUNTERS: dict[int, Counters] = {}
+_CPU = torch.device("cpu")
 _WARM: set[int] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Facts:
+    """What every call asks of a process group, read once: this process's global rank, the
+    group's global ranks in group order, whether messages go through CUDA memory (NCCL) and
+    whether the group's backend runs ``all_to_all_single``."""
+
+    rank: int
+    ranks: tuple[int, ...]
+    on_cuda: bool
+    alltoall: bool
+
+
+# Keyed on (group, default group): a new init_process_group makes a new default group, so a
+# stale entry is never read; the key holds both groups, so their ids are not reused meanwhile.
+_FACTS: dict[tuple[Any, Any], _Facts] = {}
+
+
+def _facts(group: Any) -> _Facts:
+    key = (group, dist.group.WORLD)
+    facts = _FACTS.get(key)
+    if facts is None:
+        if len(_FACTS) > 64:
+            _FACTS.clear()
+        member = group is not dist.GroupMember.NON_GROUP_MEMBER
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD)) if member else ()
+        name = str(dist.get_backend(group)) if member else ""
+        on_cuda = name == "nccl" or ("cuda:" in name and "cpu:" not in name)
+        facts = _FACTS[key] = _Facts(dist.get_rank(), ranks, on_cuda, has_alltoall(name))
+    return facts
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,14 +146,12 @@ class TorchDistBackend:
     @property
     def rank(self) -> int:
         """This process's global rank."""
-        return dist.get_rank()
+        return _facts(self.group).rank
 
     @property
     def ranks(self) -> tuple[int, ...]:
         """The group's global ranks, in group-rank order (empty when this process is not in it)."""
-        if self.group is dist.GroupMember.NON_GROUP_MEMBER:
-            return ()
-        return tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD))
+        return _facts(self.group).ranks
 
     @property
     def spans_processes(self) -> bool:
@@ -246,7 +276,7 @@ class TorchDistBackend:
     ) -> tuple[torch.Tensor, ...]:
         self._check(f"reshard:{kind}", (p.src, p.dst), like.dtype)
         (j,) = self.addressable(p.dst)
-        out = empty(p.dst.shards[j].sizes, like.dtype, self._wire)
+        out = empty(p.dst._shard(j).sizes, like.dtype, self._wire)
         run_collective(kind, p, tensors[0].to(self._wire), out, self.group)
         self.counters.elements_sent += p.for_rank(self.rank).elements_sent
         self.counters.collectives += 1
@@ -275,10 +305,8 @@ class TorchDistBackend:
 
     @property
     def _wire(self) -> torch.device:
-        name = str(dist.get_backend(self.group))
-        if name == "nccl" or ("cuda:" in name and "cpu:" not in name):
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """The device messages go through: the current CUDA device for NCCL, else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if _facts(self.group).on_cuda else _CPU
 
     def _slice(self, full: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
         self._check("shard(src=None)", (layout,))
@@ -346,15 +374,16 @@ class TorchDistBackend:
             return
         wire = self._wire
         self._warm()
-        transport = p2p if direct or not has_alltoall(str(dist.get_backend(self.group))) else alltoall
+        transport = p2p if direct or not _facts(self.group).alltoall else alltoall
         transport(sched, src, out, dtype, wire, self.group)
         self.counters.elements_sent += sched.sent
         self.counters.collectives += 1
 
 
+@cached(256)
 def _on_wire(p: Plan, wire: torch.device) -> bool:
     """Whether every shard of both layouts is placed on the wire's device type (as every rank sees)."""
-    return all(torch.device(d).type == wire.type for d in (*p.src._devices, *p.dst._devices))
+    return all(torch.device(d).type == wire.type for d in {*p.src._devices, *p.dst._devices})
 
 
 @cached(256)
