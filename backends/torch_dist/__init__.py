@@ -90,9 +90,11 @@ def _facts(group: Any) -> _Facts:
     if facts is None:
         if len(_FACTS) > 64:
             _FACTS.clear()
-        member = group is not dist.GroupMember.NON_GROUP_MEMBER
-        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD)) if member else ()
-        name = str(dist.get_backend(group)) if member else ""
+        ranks: tuple[int, ...] = ()
+        name = ""
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:  # (a process outside the group has neither)
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            name = str(dist.get_backend(group))
         on_cuda = name == "nccl" or ("cuda:" in name and "cpu:" not in name)
         facts = _FACTS[key] = _Facts(dist.get_rank(), ranks, on_cuda, has_alltoall(name))
     return facts
