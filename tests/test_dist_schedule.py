@@ -12,7 +12,8 @@ import torch
 
 import fshard
 from fshard.backends.torch_dist._check import describe_layout
-from fshard.backends.torch_dist._schedule import all_contiguous, direct, schedule, smallest_piece
+from fshard.backends.torch_dist._choice import all_contiguous, direct, smallest_piece
+from fshard.backends.torch_dist._schedule import schedule
 
 SHAPE = (8, 6)
 CUTS = (8, 12)  # a shape where a 2 x 2 grid and 4 chunks cut along either dim

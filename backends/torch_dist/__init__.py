@@ -18,7 +18,7 @@ Which transport runs must be the same on every rank (``all_to_all_single`` needs
 whole group), so it is decided from the layouts, alike everywhere, not from one rank's
 share: whether anything crosses ranks from ``min_elements_sent`` (closed form; plans are
 minimal), whether received boxes land in place and how large the smallest box is from
-each layout's distinct extents (``_schedule.all_contiguous``, ``_schedule.direct``).
+each layout's distinct extents (``_choice.all_contiguous``, ``_choice.direct``).
 Reductions (a plan with ``op`` or ``steps``) run phase by phase from the rank's share
 too (``_reduce.reduce_schedule``), and decide whether anything crosses from each
 phase's ``min_elements_sent``, the lower bound that every reduce phase meets.
@@ -55,9 +55,10 @@ from fshard._plan import Plan, plan
 
 from ..local import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, check, describe_layout
+from ._choice import all_contiguous, direct, has_alltoall
 from ._exchange import gather_objects, outside_transforms
 from ._reduce import collective_kind, reduce_schedule, run_collective, run_local, run_reduce
-from ._schedule import all_contiguous, direct, has_alltoall, schedule
+from ._schedule import schedule
 from ._transport import alltoall, copy_local, empty, p2p
 
 __all__ = ["TorchDistBackend"]

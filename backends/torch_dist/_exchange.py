@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._schedule import has_alltoall
+from ._choice import has_alltoall
 
 # ``exchange`` sends pickles up to this many bytes in one round (larger: a second round).
 _EXCHANGE_INLINE = 1016
