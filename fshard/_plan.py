@@ -14,7 +14,7 @@ from fshard._errors import SpecError
 from fshard._layout import Layout
 from fshard._schedule import RankSchedule
 
-__all__ = ["Box", "Plan", "Transfer", "chain", "min_elements", "plan"]
+__all__ = ["Box", "Plan", "Transfer", "min_elements", "plan"]
 
 _groups = _schedule.groups  # distinct boxes of a layout, in the numbering plans use
 
@@ -229,15 +229,6 @@ class Plan:
             f"Plan({kind}{len(self)} transfers, {self.elements_sent} elements sent "
             f"(minimum {self.min_elements_sent}), shape {self.src.shape})"
         )
-
-
-def chain(src: Layout, dst: Layout, steps: tuple[Plan, ...], min_elements_sent: int) -> Plan:
-    """A plan that runs ``steps`` in turn (each a single-phase plan; the first from ``src``, the last to ``dst``)."""
-    empty = np.zeros(0, np.int64)
-    box = np.zeros((0, len(src.shape)), np.int64)
-    for a in (empty, box):
-        a.setflags(write=False)
-    return Plan(src, dst, empty, empty, box, box, min_elements_sent=min_elements_sent, steps=steps)
 
 
 def plan(src: Layout, dst: Layout) -> Plan:

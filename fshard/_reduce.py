@@ -35,7 +35,7 @@ D (m ranks) those of ``v``:
 
 So one rank finds its own rows (``PendingPlan.for_rank``) from its own boxes looked up
 in the other layout's index, without the global plan, and the global plan (the rows,
-computed on first use for inspection and the local backend) applies the same rules to
+computed on first use, for inspection: both backends run the schedules) applies the same rules to
 every region: the union over ranks of the schedules is the plan, row for row.
 """
 
