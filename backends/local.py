@@ -25,11 +25,8 @@ __all__ = [
     "LocalBackend",
     "accumulate",
     "box_slices",
-    "combine_into",
     "empty_cache",
     "identity",
-    "needs_fill",
-    "reduce_plan",
 ]
 
 # Arrays of at most this many elements may be resharded through one whole copy, when
@@ -244,21 +241,6 @@ def _outputs(layout: Any) -> list[tuple[Sizes, str]]:
     return list(zip(map(tuple, layout._sz.tolist()), layout._devices))
 
 
-@cached(32)
-def _moves(plan: Any) -> tuple[tuple[int, int, tuple[slice, ...], tuple[slice, ...]], ...]:
-    """Per plan row: (source shard, destination shard, index into the source, into the destination).
-
-    Computed once per plan with numpy, so executing a cached plan does no index arithmetic.
-    """
-    read = (plan.lo - plan.src._lo[plan.src_shard]).tolist()
-    write = (plan.lo - plan.dst._lo[plan.dst_shard]).tolist()
-    size = plan.size.tolist()
-    return tuple(
-        (i, j, tuple(map(_slice, r, z)), tuple(map(_slice, w, z)))
-        for i, j, r, w, z in zip(plan.src_shard.tolist(), plan.dst_shard.tolist(), read, write, size)
-    )
-
-
 def _slice(start: int, size: int) -> slice:
     return slice(start, start + size)
 
@@ -411,45 +393,6 @@ def accumulate(op: str, into: torch.Tensor, value: torch.Tensor) -> None:
         torch.maximum(into, value, out=into)
     else:
         torch.minimum(into, value, out=into)
-
-
-@cached(32)
-def needs_fill(plan: Any) -> frozenset[int]:
-    """Destination shards of a reduce phase with elements that no contribution reaches."""
-    first, _ = unique_rows(np.c_[plan.dst_shard, plan.lo])
-    covered = np.zeros(len(plan.dst._rank), np.int64)
-    np.add.at(covered, plan.dst_shard[first], plan.numel[first])
-    return frozenset(np.flatnonzero(covered < rows_prod(plan.dst._sz)).tolist())
-
-
-def reduce_plan(
-    plan: Any,
-    src: dict[int, torch.Tensor],
-    dst: dict[int, torch.Tensor],
-    rows: Iterable[int],
-    done: set[Any] | None = None,
-) -> None:
-    """Runs the contributions ``rows`` of a reduce phase, in plan order: the first contribution to a
-    region of a destination shard is copied, later ones are combined with ``plan.op``.
-
-    ``done`` names the regions written so far (to share with contributions received later).
-    """
-    moves, done = _moves(plan), set() if done is None else done
-    for k in rows:
-        i, j, read, write = moves[k]
-        combine_into(plan, j, write, src[i][read], dst, done)
-
-
-def combine_into(
-    plan: Any, j: int, write: tuple[slice, ...], value: torch.Tensor, dst: dict[int, torch.Tensor], done: set[Any]
-) -> None:
-    """Writes ``value`` into region ``write`` of destination shard ``j``: a copy the first time, else ``plan.op``."""
-    key = (j, tuple((w.start, w.stop) for w in write))
-    if key in done or j in needs_fill(plan):
-        accumulate(plan.op, dst[j][write], value)
-    else:
-        dst[j][write].copy_(value)
-        done.add(key)
 
 
 @cached(256)
