@@ -255,7 +255,9 @@ class Layout:
 
     def indices_on(self, rank: int) -> tuple[int, ...]:
         """Indices (into ``shards``) of the shards placed on ``rank``."""
-        return _indices_on(self, rank) if isinstance(rank, (int, np.integer)) else ()
+        if isinstance(rank, (int, np.integer)) and 0 <= rank < MAX_EXTENT:  # (ranks are int64)
+            return _indices_on(self, int(rank))
+        return ()
 
     @property
     def is_fully_replicated(self) -> bool:
