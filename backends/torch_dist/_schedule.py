@@ -96,12 +96,10 @@ class Schedule:
     for each received box (numbered in that order), every other destination shard on
     this rank that wants it. Sender and receiver list a pair's boxes alike (the plan's
     order). ``local``: (source box, destination box) of each copy between shards of
-    this rank. ``send_split``/``recv_split`` count elements per rank of the group;
-    ``send_span``/``recv_span`` say where the sent boxes (and the first destination of
-    each received box) lie back to back in one shard, so that they need no packing when
-    that shard is a contiguous tensor. ``send_runs``: the sent boxes as runs of boxes
-    that one strided copy packs (``runs``). ``exchange``: how ``all_to_all_single`` runs
-    this share (``Exchange``).
+    this rank. ``plain``: the boxes exchanged with peers as one ``all_to_all_single``
+    moves them, the own copies made apart (``Exchange``; its splits, spans and runs are
+    this schedule's too); ``exchange``: how ``all_to_all_single`` runs this share, which
+    may carry the own copies in the rank's own segment instead.
     """
 
     local: tuple[tuple[Index, Index], ...]
@@ -109,12 +107,33 @@ class Schedule:
     recv: tuple[Peer, ...]
     fanout: tuple[tuple[Index, ...], ...]
     sent: int
-    send_split: tuple[int, ...]
-    recv_split: tuple[int, ...]
-    send_span: Span | None
-    recv_span: Span | None
-    send_runs: tuple[Run, ...]
+    plain: Exchange
     exchange: Exchange
+
+    @property
+    def send_split(self) -> tuple[int, ...]:
+        """Elements sent to each rank of the group, in group order."""
+        return self.plain.send_split
+
+    @property
+    def recv_split(self) -> tuple[int, ...]:
+        """Elements received from each rank of the group, in group order."""
+        return self.plain.recv_split
+
+    @property
+    def send_span(self) -> Span | None:
+        """Where the sent boxes lie back to back in one shard (no packing), if they do."""
+        return self.plain.send_span
+
+    @property
+    def recv_span(self) -> Span | None:
+        """Where the received boxes (their first destinations) lie back to back in one shard, if they do."""
+        return self.plain.recv_span
+
+    @property
+    def send_runs(self) -> tuple[Run, ...]:
+        """The sent boxes as runs that one strided copy each packs (``runs``)."""
+        return self.plain.send_runs
 
 
 def schedule(p: Plan, me: int, order: tuple[int, ...]) -> Schedule:
@@ -162,11 +181,7 @@ def _schedule(src: Layout, dst: Layout, me: int, order: tuple[int, ...]) -> Sche
         recv=_by_peer(rs.recv.peer[recv], recv_at),
         fanout=fanout,
         sent=int(rs.send.numel[send].sum()),
-        send_split=send_split,
-        recv_split=recv_split,
-        send_span=plain.send_span,
-        recv_span=plain.recv_span,
-        send_runs=plain.send_runs,
+        plain=plain,
         exchange=exchange,
     )
 

@@ -86,7 +86,7 @@ def _fan_out(targets: tuple[Index, ...], got: torch.Tensor, out: dict) -> None:
 
 
 def _region(tensors: dict, run: Run) -> torch.Tensor:
-    """The run's boxes as one view of shape (count, *box shape) of its shard's tensor: one
+    """The run's boxes as one view of shape (copies, *box shape) of its shard's tensor: one
     ``as_strided`` of a plain tensor (the strides are the tensor's own, so strided inputs
     work), else the same view by slicing and ``unfold``."""
     t = tensors[run.shard]
