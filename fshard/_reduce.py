@@ -50,7 +50,7 @@ from fshard import _boxes, _schedule
 from fshard._cache import cached
 from fshard._layout import Layout, with_partial
 from fshard._plan import Plan, plan
-from fshard._schedule import Index, RankSchedule, expand, index, pieces
+from fshard._schedule import Index, RankSchedule, expand, index, pieces, shared_holders, walk_holders
 
 __all__ = ["PendingPlan", "build", "lower_bound", "rank_schedule"]
 
@@ -139,7 +139,7 @@ def lower_bound(src: Layout, dst: Layout) -> int:
     si, di = index(src), index(dst)
     u, v, _, size = _regions(si, di)
     s_count, d_count = si.count[u], di.count[v]
-    pair, _ = _shared(si, di, u, v)
+    pair, _ = shared_holders(si, di, u, v)
     both = np.bincount(pair, minlength=len(u)).astype(np.int64)
     meet = (both > 0).astype(np.int64)
     if src.partial is None:
@@ -169,7 +169,7 @@ def _owners(src: Layout, dst: Layout) -> Layout:
     u, v, lo, size = _regions(si, di)
     n, d = len(u), dst.ndim
     # The candidates of each region, ranks ascending: the shared ranks, else every rank of v.
-    pair, rank = _shared(si, di, u, v)
+    pair, rank = shared_holders(si, di, u, v)
     alone = np.flatnonzero(np.bincount(pair, minlength=n) == 0)
     row, k = expand(di.count[v[alone]])
     cand_pair = np.r_[pair, alone[row]]
@@ -212,28 +212,6 @@ def _regions(si: Index, di: Index) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     return u, v, lo, np.minimum(si.hi[u], di.hi[v]) - lo
 
 
-def _shared(si: Index, di: Index, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every (pair, rank) where ``rank`` holds both ``u[pair]`` and ``v[pair]``, pairs ascending
-    and ranks ascending within a pair; each pair walks the shorter of its two rank lists."""
-    pair, at = expand(np.minimum(si.count[u], di.count[v]))
-    return _walk(si, di, u, v, pair, at)
-
-
-def _walk(
-    si: Index, di: Index, u: np.ndarray, v: np.ndarray, pair: np.ndarray, at: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """The entries (pair, at) of the shorter holder list of each pair that the other list holds too."""
-    from_u = (si.count[u] <= di.count[v])[pair]
-    rank = np.empty(len(pair), np.int64)
-    hit = np.empty(len(pair), bool)
-    a, b = np.flatnonzero(from_u), np.flatnonzero(~from_u)
-    rank[a] = si.holder[si.start[u[pair[a]]] + at[a]]
-    hit[a] = di.find(v[pair[a]], rank[a]) >= 0
-    rank[b] = di.holder[di.start[v[pair[b]]] + at[b]]
-    hit[b] = si.find(u[pair[b]], rank[b]) >= 0
-    return pair[hit], rank[hit]
-
-
 def _first_shared(si: Index, di: Index, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     """The lowest rank that holds both ``u`` and ``v``, or -1 where none, per pair.
 
@@ -247,7 +225,7 @@ def _first_shared(si: Index, di: Index, u: np.ndarray, v: np.ndarray) -> np.ndar
     done, width = 0, 1
     while todo.size:
         row, k = expand(np.minimum(length[todo] - done, width))
-        pair, rank = _walk(si, di, u, v, todo[row], done + k)
+        pair, rank = walk_holders(si, di, u, v, todo[row], done + k)
         found, first = np.unique(pair, return_index=True)  # the lowest rank of each pair found
         out[found] = rank[first]
         todo = todo[(out[todo] < 0) & (length[todo] > done + width)]

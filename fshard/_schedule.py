@@ -38,7 +38,9 @@ __all__ = [
     "index",
     "pieces",
     "schedule",
+    "shared_holders",
     "source_shards",
+    "walk_holders",
 ]
 
 
@@ -286,26 +288,38 @@ def _sender(si: Index, di: Index, u: np.ndarray, v: np.ndarray, rank: np.ndarray
 def _shared_below(si: Index, di: Index, u: np.ndarray, v: np.ndarray, rank: np.ndarray) -> np.ndarray:
     """Per row, the ranks below ``rank`` that hold both ``u`` (source) and ``v`` (destination).
 
-    Each distinct (u, v) walks the shorter of its two rank lists once.
+    Each distinct (u, v) walks the shorter of its two rank lists once (``shared_holders``).
     """
     first, inverse = _boxes.unique_rows(np.c_[u, v])
-    pu, pv = u[first], v[first]
-    from_u = si.count[pu] <= di.count[pv]
-    size = np.where(from_u, si.count[pu], di.count[pv])
-    pair = np.repeat(np.arange(len(first)), size)
-    at = np.arange(pair.size) - np.repeat(np.cumsum(size) - size, size)
-    side = from_u[pair]
-    x = np.empty(pair.size, np.int64)
-    both = np.empty(pair.size, bool)
-    a, b = np.flatnonzero(side), np.flatnonzero(~side)
-    x[a] = si.holder[si.start[pu[pair[a]]] + at[a]]
-    both[a] = di.find(pv[pair[a]], x[a]) >= 0
-    x[b] = di.holder[di.start[pv[pair[b]]] + at[b]]
-    both[b] = si.find(pu[pair[b]], x[b]) >= 0
+    pair, holder = shared_holders(si, di, u[first], v[first])
     width = len(si.ranks) + 1
-    keys = pair[both] * width + np.searchsorted(si.ranks, x[both])  # sorted: ranks ascend within a pair
+    keys = pair * width + np.searchsorted(si.ranks, holder)  # sorted: ranks ascend within a pair
     query = inverse * width + np.searchsorted(si.ranks, rank)
     return np.searchsorted(keys, query) - np.searchsorted(keys, inverse * width)
+
+
+def shared_holders(si: Index, di: Index, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every (pair, rank) where ``rank`` holds both ``u[pair]`` (in ``si``) and ``v[pair]`` (in
+    ``di``), pairs ascending and ranks ascending within a pair; each pair walks the shorter of
+    its two rank lists."""
+    pair, at = expand(np.minimum(si.count[u], di.count[v]))
+    return walk_holders(si, di, u, v, pair, at)
+
+
+def walk_holders(
+    si: Index, di: Index, u: np.ndarray, v: np.ndarray, pair: np.ndarray, at: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The entries ``at`` of the shorter holder list of each ``pair`` that the other list holds
+    too, as (pair, rank)."""
+    from_u = (si.count[u] <= di.count[v])[pair]
+    rank = np.empty(len(pair), np.int64)
+    hit = np.empty(len(pair), bool)
+    a, b = np.flatnonzero(from_u), np.flatnonzero(~from_u)
+    rank[a] = si.holder[si.start[u[pair[a]]] + at[a]]
+    hit[a] = di.find(v[pair[a]], rank[a]) >= 0
+    rank[b] = di.holder[di.start[v[pair[b]]] + at[b]]
+    hit[b] = si.find(u[pair[b]], rank[b]) >= 0
+    return pair[hit], rank[hit]
 
 
 # -- one rank's schedule -------------------------------------------------------------------------
