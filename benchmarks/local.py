@@ -4,15 +4,21 @@ the fixed cost of small calls against the same result written by hand.
 The floor copies every box of the plan (sent or kept on its rank) from the source
 shards into destination tensors allocated once, before timing. ``reshard`` must also
 allocate its outputs (arrays are immutable); it reuses the memory of outputs that
-have died (``fshard/_alloc.py``, ``_Pool``). The "fresh memory" row empties that
-pool before every call, so its outputs pay the kernel's page faults on first write:
-the cost any newly allocated tensor pays, ``torch.empty`` or ``clone`` alike.
+have died (``fshard/_alloc.py``, ``_Pool``, for outputs of 32 MiB or more; malloc
+reuses smaller ones itself). The "fresh memory" row empties that pool before every
+call, so its large outputs pay the kernel's page faults on first write: the cost any
+newly allocated tensor of that size pays, ``torch.empty`` or ``clone`` alike.
 
 The small-array cases time ``reshard`` (dim-0 chunks to dim-1 chunks), ``gather`` and
 ``map_local`` of a 64x64 float32 on 4 ranks against the fewest torch calls that give
 the same tensors: ``torch.cat`` of the column slices of each source shard per
 destination shard, ``torch.cat`` of the shards, and the function on each shard. At
 this size the data is 16 KiB and what is left is fshard's fixed cost per call.
+
+The output-memory cases time a new CPU tensor filled by ``copy_``: from ``torch.empty``
+against a block of fshard's pool, per size, which shows where the pool pays
+(``fshard._alloc.POOL_MIN_BYTES``: glibc maps fresh pages for requests of 32 MiB or more
+and reuses smaller freed blocks itself).
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ import torch
 
 import fshard
 from benchmarks.common import Row, Settings, Timed, interleaved, median
+from fshard._alloc import POOL_MIN_BYTES, _Pool
 from fshard.backends.local import box_slices, empty_cache
 
-__all__ = ["ReshardCase", "SmallCase", "cases"]
+__all__ = ["AllocCase", "ReshardCase", "SmallCase", "cases"]
 
 GROUP = "local backend"
 SMALL_GROUP = "local backend, small arrays"
+ALLOC_GROUP = "output memory"
 SMALL_SIDE = 64
 RANKS = [0, 1, 2, 3]
 SPECS: dict[str, tuple[Any, Any]] = {
@@ -174,9 +182,41 @@ class SmallCase:
         return [hand_row, ours_row]
 
 
+@dataclasses.dataclass(frozen=True)
+class AllocCase:
+    """A new ``mib`` MiB float32 CPU tensor filled by ``copy_``: ``torch.empty`` against a pooled
+    block (a pool of its own, warmed by the untimed call)."""
+
+    mib: float
+    group: str = ALLOC_GROUP
+
+    @property
+    def name(self) -> str:
+        return f"new tensor + copy_, {self.mib:g} MiB"
+
+    def run(self, settings: Settings) -> list[Row]:
+        src = torch.rand(int(self.mib * 2**18))
+        pool = _Pool()
+        fns = {
+            "torch.empty": lambda: torch.empty(src.shape).copy_(src),
+            "pooled block": lambda: pool.empty(src.shape, src.dtype).copy_(src),
+        }
+        samples = interleaved(fns, settings)
+        base = median(samples["torch.empty"])
+        used = "pooled block" if self.mib * 2**20 >= POOL_MIN_BYTES else "torch.empty"
+        rows = []
+        for impl, got in samples.items():
+            seconds = median(got)
+            note = "what fshard uses at this size" if impl == used else ""
+            rows.append(Row(self.group, self.name, impl, seconds, len(got), seconds / base, "x torch.empty",
+                            note=note, samples=tuple(got)))  # fmt: skip
+        return rows
+
+
 def cases(settings: Settings) -> list[Any]:
     """``settings.sizes`` MiB (default 16 and 256; 4 and 64 with ``quick``) for each layout pair,
-    and the small-array cases."""
+    the small-array cases and the output-memory cases (1, 4, 16 and 32 MiB; 1 and 32 with ``quick``)."""
     sizes = settings.sizes or ((4, 64) if settings.quick else (16, 256))
     small = [SmallCase(op) for op in ("reshard", "gather", "map_local")]
-    return [ReshardCase(pair, mib) for mib in sizes for pair in SPECS] + small
+    memory = [AllocCase(mib) for mib in ((1, 32) if settings.quick else (1, 4, 16, 32))]
+    return [ReshardCase(pair, mib) for mib in sizes for pair in SPECS] + small + memory

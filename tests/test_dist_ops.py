@@ -265,14 +265,17 @@ def test_autograd_through_every_movement(dist_pool):
 
 def _reshard_without_alltoall(src, dst):
     """The batched isend/irecv transport, used where a group's backend lacks all_to_all_single."""
-    from fshard.backends import torch_dist
+    from fshard.backends.torch_dist import _group
 
-    has = torch_dist.has_alltoall
-    torch_dist.has_alltoall = lambda name: False
+    has = _group.has_alltoall
+    _group.has_alltoall = lambda name: False
+    _group._FACTS.clear()  # the group's facts are read once: read them again, without all_to_all
     try:
+        assert not _group.facts(None).alltoall
         return _reshard(src, dst, torch.float32)
     finally:
-        torch_dist.has_alltoall = has
+        _group.has_alltoall = has
+        _group._FACTS.clear()
 
 
 @pytest.mark.parametrize(("src", "dst"), PAIRS[:4], ids=[f"{a}->{b}" for a, b in PAIRS[:4]])

@@ -24,11 +24,12 @@ too (``_reduce.reduce_schedule``), and decide whether anything crosses from each
 phase's ``min_elements_sent``, the lower bound that every reduce phase meets.
 
 The local copies run while the messages are in flight. Boxes that already lie back to
-back in one tensor are sent (or received) in place rather than packed; buffers that
-must be staged come from the local backend's cache of mapped CPU memory, so they do
-not pay a page fault per 4 KiB on every call. A rank's share of a plan (its peers,
-split sizes, the slices of every box, which boxes need no packing) is computed once
-per (layouts, rank, group), so a repeated call does no index arithmetic.
+back in one tensor are sent (or received) in place rather than packed; outputs and
+staging buffers come from memory that is already mapped (``fshard._alloc.new``), so
+they do not pay a page fault per 4 KiB on every call. A rank's share of a plan (its
+peers, split sizes, the slices of every box, which boxes need no packing, its shards
+and transport: ``_choice.step``) is computed once per (layouts, rank, group), so a
+repeated call does no index arithmetic.
 
 Placements name global ranks; a sub-group maps them to group ranks. The wire device
 follows the group: CUDA for an NCCL group, CPU otherwise.
@@ -55,50 +56,17 @@ from fshard._plan import Plan, plan
 
 from ..local import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, check, describe_layout
-from ._choice import all_contiguous, direct, has_alltoall
+from ._choice import all_contiguous, direct, step
 from ._exchange import gather_objects, outside_transforms
+from ._group import check_layout, facts
 from ._reduce import collective_kind, reduce_schedule, run_collective, run_local, run_reduce
-from ._schedule import schedule
-from ._transport import alltoall, copy_local, empty, p2p
+from ._transport import copy_local, empty
 
 __all__ = ["TorchDistBackend"]
 
 _COUNTERS: dict[int, Counters] = {}
 _CPU = torch.device("cpu")
 _WARM: set[int] = set()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Facts:
-    """What every call asks of a process group, read once: this process's global rank, the
-    group's global ranks in group order, whether messages go through CUDA memory (NCCL) and
-    whether the group's backend runs ``all_to_all_single``."""
-
-    rank: int
-    ranks: tuple[int, ...]
-    on_cuda: bool
-    alltoall: bool
-
-
-# Keyed on (group, default group): a new init_process_group makes a new default group, so a
-# stale entry is never read; the key holds both groups, so their ids are not reused meanwhile.
-_FACTS: dict[tuple[Any, Any], _Facts] = {}
-
-
-def _facts(group: Any) -> _Facts:
-    key = (group, dist.group.WORLD)
-    facts = _FACTS.get(key)
-    if facts is None:
-        if len(_FACTS) > 64:
-            _FACTS.clear()
-        ranks: tuple[int, ...] = ()
-        name = ""
-        if group is not dist.GroupMember.NON_GROUP_MEMBER:  # (a process outside the group has neither)
-            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-            name = str(dist.get_backend(group))
-        on_cuda = name == "nccl" or ("cuda:" in name and "cpu:" not in name)
-        facts = _FACTS[key] = _Facts(dist.get_rank(), ranks, on_cuda, has_alltoall(name))
-    return facts
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -149,12 +117,12 @@ class TorchDistBackend:
     @property
     def rank(self) -> int:
         """This process's global rank."""
-        return _facts(self.group).rank
+        return facts(self.group).rank
 
     @property
     def ranks(self) -> tuple[int, ...]:
         """The group's global ranks, in group-rank order (empty when this process is not in it)."""
-        return _facts(self.group).ranks
+        return facts(self.group).ranks
 
     @property
     def spans_processes(self) -> bool:
@@ -178,7 +146,10 @@ class TorchDistBackend:
     @property
     def counters(self) -> Counters:
         """Elements this process sent to other ranks, and collectives it ran, on this group."""
-        return _COUNTERS.setdefault(id(self.group), Counters())
+        counters = _COUNTERS.get(id(self.group))
+        if counters is None:
+            counters = _COUNTERS[id(self.group)] = Counters()
+        return counters
 
     def addressable(self, layout: Any) -> tuple[int, ...]:
         """Indices of the shards placed on this process's rank."""
@@ -186,37 +157,27 @@ class TorchDistBackend:
 
     def check_layout(self, layout: Any) -> None:
         """Raises ``SpecError`` if a shard sits on a rank outside the group or on a missing device."""
-        ranks = self.ranks if self.member else ()
-        group = frozenset(ranks)
-        for r in layout.ranks:
-            if (self.member and r not in group) or (not self.member and r == self.rank):
-                msg = (
-                    f"Global rank {r} does not exist in input process group (global ranks {list(ranks)}): "
-                    "placements name global ranks; place shards on the group's ranks "
-                    f"or use a group that holds rank {r}."
-                )
-                raise SpecError(msg)
-        for i in self.addressable(layout):
-            shard_device(layout, i)
+        check_layout(layout, facts(self.group), self.member)
 
     def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Runs ``plan``, phase by phase: one ``all_to_all_single`` of packed per-peer buffers, or,
         when every received box lands in place and the boxes are few and large, one message per
         box; a reduce phase combines contributions (``all_reduce``/``reduce_scatter_tensor``
         where the layouts are theirs)."""
-        log_move("torch_dist", plan, like.element_size(), self.rank)
-        nccl = self._wire.type == "cuda"
-        kind = collective_kind(plan, self.ranks, nccl) if plan.src.partial is not None and self.member else None
-        if kind is not None and _on_wire(plan, self._wire):
-            return self._collective(kind, plan, tensors, like)
+        itemsize = like.element_size()
+        log_move("torch_dist", plan, itemsize, facts(self.group).rank)
+        if plan.src.partial is not None and self.member:
+            wire = self._wire
+            kind = collective_kind(plan, self.ranks, wire.type == "cuda")
+            if kind is not None and _on_wire(plan, wire):
+                return self._collective(kind, plan, tensors, like)
         for p in plan.phases:
-            index = self.addressable(p.dst)
-            out = {j: new_shard(p.dst, j, like) for j in index}
             if p.op is None:
-                self._move("reshard", p, tensors, out, like.dtype, direct=direct(p.src, p.dst, like.element_size()))
+                out = self._move("reshard", p, tensors, None, like.dtype, direct=direct(p.src, p.dst, itemsize))
             else:  # a reduce phase, from this rank's share too (_reduce.reduce_schedule)
+                out = {j: new_shard(p.dst, j, like) for j in self.addressable(p.dst)}
                 self._reduce("reshard", p, tensors, out, like.dtype)
-            tensors = tuple(out[j] for j in index)
+            tensors = tuple(out.values())
         return tuple(tensors)
 
     def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
@@ -234,14 +195,8 @@ class TorchDistBackend:
             return self._slice(full, layout)
         self._require_member(f"shard(src={src})")
         self.check_rank(src, "src")
-        like, dtype = full, full.dtype
-        source = _whole(layout.shape, (src,))
-        index = self.addressable(layout)
-        out = {j: new_shard(layout, j, like) for j in index}
-        self._move(
-            f"shard(src={src})", plan(source, layout), (like,) if self.rank == src else (), out, dtype, direct=True
-        )
-        return tuple(out[j] for j in index)
+        p, mine = plan(_whole(layout.shape, (src,)), layout), (full,) if self.rank == src else ()
+        return tuple(self._move(f"shard(src={src})", p, mine, None, full.dtype, direct=True).values())
 
     def assemble(
         self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
@@ -295,21 +250,22 @@ class TorchDistBackend:
         if p.min_elements_sent == 0:  # the phase's bound, which it meets, alike on every rank: no collective
             run_local(sched, src, out, dtype)
             return
-        self._warm()
-        run_reduce(sched, src, out, dtype, self._wire, self.group, empty)
+        run_reduce(sched, src, out, dtype, self._warm(), self.group, empty)
         self.counters.elements_sent += sched.sent
         self.counters.collectives += 1
 
-    def _warm(self) -> None:
+    def _warm(self) -> torch.device:
+        """The wire device, with the NCCL communicator created (before the first P2P message)."""
         wire = self._wire
         if wire.type == "cuda" and id(self.group) not in _WARM:
-            dist.all_reduce(torch.zeros(1, device=wire), group=self.group)  # NCCL: create the communicator before P2P
+            dist.all_reduce(torch.zeros(1, device=wire), group=self.group)
             _WARM.add(id(self.group))
+        return wire
 
     @property
     def _wire(self) -> torch.device:
         """The device messages go through: the current CUDA device for NCCL, else the CPU."""
-        return torch.device("cuda", torch.cuda.current_device()) if _facts(self.group).on_cuda else _CPU
+        return torch.device("cuda", torch.cuda.current_device()) if facts(self.group).on_cuda else _CPU
 
     def _slice(self, full: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
         self._check("shard(src=None)", (layout,))
@@ -363,24 +319,27 @@ class TorchDistBackend:
         op: str,
         p: Plan,
         tensors: Sequence[torch.Tensor],
-        out: dict[int, torch.Tensor],
+        out: dict[int, torch.Tensor] | None,
         dtype: torch.dtype,
         *,
         direct: bool,
-    ) -> None:
+    ) -> dict[int, torch.Tensor]:
+        """Runs the copy phase ``p`` into ``out`` (default: new destination shards); returns ``out``."""
         self._require_member(op)
         self._check(op, (p.src, p.dst), dtype)
-        src = dict(zip(self.addressable(p.src), tensors))
-        sched = schedule(p, self.rank, self.ranks)  # from p.for_rank(rank): no global rows
-        if p.min_elements_sent == 0:  # closed form, alike on every rank (plans are minimal): no collective
-            copy_local(sched, src, out)
-            return
-        wire = self._wire
-        self._warm()
-        transport = p2p if direct or not _facts(self.group).alltoall else alltoall
-        transport(sched, src, out, dtype, wire, self.group)
-        self.counters.elements_sent += sched.sent
-        self.counters.collectives += 1
+        g = facts(self.group)
+        s = step(p, g.rank, g.ranks, direct, g.alltoall)  # from p.for_rank(rank): no global rows
+        src = dict(zip(s.src, tensors))
+        if out is None:
+            out = s.outputs(dtype)
+        if not s.crosses:  # closed form, alike on every rank (plans are minimal): no collective
+            copy_local(s.schedule, src, out)
+            return out
+        s.transport(s.schedule, src, out, dtype, self._warm(), self.group)
+        counters = self.counters
+        counters.elements_sent += s.schedule.sent
+        counters.collectives += 1
+        return out
 
 
 @cached(256)

@@ -6,19 +6,31 @@ whole group), so ``all_contiguous`` and ``direct`` are computed from per-layout 
 plan, which is O(world^2) rows for an all-to-all reshard. They are sufficient
 conditions: where the layouts' facts cannot show that a received box lands in place,
 the box counts as staged. See each function for how that compares with reading the rows.
+
+``step`` puts a rank's choices for one copy phase together, once per (phase, rank, group),
+so that a repeated call only allocates its outputs and runs the transport.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+from collections.abc import Callable
 
+import numpy as np
+import torch
+
+from fshard._alloc import new
 from fshard._boxes import unique_rows
 from fshard._cache import cached
 from fshard._layout import Layout
-from fshard._plan import plan
+from fshard._plan import Plan, plan
 from fshard._schedule import index
 
-__all__ = ["all_contiguous", "direct", "has_alltoall", "smallest_piece"]
+from ..local import shard_device
+from ._schedule import Schedule, schedule
+from ._transport import alltoall, p2p
+
+__all__ = ["Step", "all_contiguous", "direct", "has_alltoall", "smallest_piece", "step"]
 
 # ``execute`` sends box by box (nothing staged) when every box goes out and lands in
 # place, there are at most this many boxes per pair of ranks on average, and they
@@ -113,3 +125,40 @@ def _intervals(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray] 
 
 def has_alltoall(backend_name: str) -> bool:
     return any(b in backend_name for b in ("gloo", "nccl", "mpi", "ucc"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A rank's part of one copy phase: the shards it reads (``src``) and writes (``dst``,
+    of ``sizes`` on ``devices``), its ``schedule``, whether anything crosses ranks (alike
+    on every rank: the plan's closed-form minimum is not 0) and the ``transport`` that
+    carries it (``p2p`` or ``alltoall``)."""
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    sizes: tuple[tuple[int, ...], ...]
+    devices: tuple[torch.device, ...]
+    schedule: Schedule
+    crosses: bool
+    transport: Callable[..., None]
+
+    def outputs(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """New uninitialised destination shards of ``dtype``, by shard index."""
+        return {j: new(s, dtype, d) for j, s, d in zip(self.dst, self.sizes, self.devices)}
+
+
+@cached(512)
+def step(p: Plan, rank: int, ranks: tuple[int, ...], one_per_box: bool, alltoall_ok: bool) -> Step:
+    """Rank ``rank``'s ``Step`` of the copy phase ``p`` in the group of ``ranks``: one message per
+    box where ``one_per_box`` or the group has no all-to-all (``alltoall_ok`` false), else one
+    ``all_to_all_single``."""
+    dst = p.dst.indices_on(rank)
+    return Step(
+        p.src.indices_on(rank),
+        dst,
+        tuple(tuple(p.dst._sz[j].tolist()) for j in dst),
+        tuple(shard_device(p.dst, j) for j in dst),
+        schedule(p, rank, ranks),
+        p.min_elements_sent > 0,
+        p2p if one_per_box or not alltoall_ok else alltoall,
+    )

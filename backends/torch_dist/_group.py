@@ -1,0 +1,68 @@
+"""A process group as fshard reads it: its facts, read once per group, and layouts checked
+against it once per (layout, group)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.distributed as dist
+
+from fshard._cache import cached
+from fshard._errors import SpecError
+from fshard._layout import Layout
+
+from ..local import shard_device
+from ._choice import has_alltoall
+
+__all__ = ["Facts", "check_layout", "facts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What every call asks of a process group, read once: this process's global rank, the
+    group's global ranks in group order, whether messages go through CUDA memory (NCCL) and
+    whether the group's backend runs ``all_to_all_single``."""
+
+    rank: int
+    ranks: tuple[int, ...]
+    on_cuda: bool
+    alltoall: bool
+
+
+# Keyed on (group, default group): a new init_process_group makes a new default group, so a
+# stale entry is never read; the key holds both groups, so their ids are not reused meanwhile.
+_FACTS: dict[tuple[Any, Any], Facts] = {}
+
+
+def facts(group: Any) -> Facts:
+    key = (group, dist.group.WORLD)
+    found = _FACTS.get(key)
+    if found is None:
+        if len(_FACTS) > 64:
+            _FACTS.clear()
+        ranks: tuple[int, ...] = ()
+        name = ""
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:  # (a process outside the group has neither)
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            name = str(dist.get_backend(group))
+        on_cuda = name == "nccl" or ("cuda:" in name and "cpu:" not in name)
+        found = _FACTS[key] = Facts(dist.get_rank(), ranks, on_cuda, has_alltoall(name))
+    return found
+
+
+@cached(256)
+def check_layout(layout: Layout, group: Facts, member: bool) -> None:
+    """Raises ``SpecError`` if a shard of ``layout`` sits on a rank outside ``group`` or on a device
+    this process lacks; cached, so a layout that passed costs one lookup."""
+    ranks = frozenset(group.ranks)
+    for r in layout.ranks:
+        if (member and r not in ranks) or (not member and r == group.rank):
+            msg = (
+                f"Global rank {r} does not exist in input process group (global ranks {list(group.ranks)}): "
+                "placements name global ranks; place shards on the group's ranks "
+                f"or use a group that holds rank {r}."
+            )
+            raise SpecError(msg)
+    for i in layout.indices_on(group.rank):
+        shard_device(layout, i)
