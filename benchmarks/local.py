@@ -4,10 +4,9 @@ the fixed cost of small calls against the same result written by hand.
 The floor copies every box of the plan (sent or kept on its rank) from the source
 shards into destination tensors allocated once, before timing. ``reshard`` must also
 allocate its outputs (arrays are immutable); it reuses the memory of outputs that
-have died (``fshard/_alloc.py``, ``_Pool``, for outputs of 32 MiB or more; malloc
-reuses smaller ones itself). The "fresh memory" row empties that pool before every
-call, so its large outputs pay the kernel's page faults on first write: the cost any
-newly allocated tensor of that size pays, ``torch.empty`` or ``clone`` alike.
+have died (``fshard/_alloc.py``, ``_Pool``). The "fresh memory" row empties that
+pool before every call, so its outputs pay the kernel's page faults on first write:
+the cost any newly allocated tensor pays, ``torch.empty`` or ``clone`` alike.
 
 The small-array cases time ``reshard`` (dim-0 chunks to dim-1 chunks), ``gather`` and
 ``map_local`` of a 64x64 float32 on 4 ranks against the fewest torch calls that give
@@ -16,9 +15,9 @@ destination shard, ``torch.cat`` of the shards, and the function on each shard. 
 this size the data is 16 KiB and what is left is fshard's fixed cost per call.
 
 The output-memory cases time a new CPU tensor filled by ``copy_``: from ``torch.empty``
-against a block of fshard's pool, per size, which shows where the pool pays
-(``fshard._alloc.POOL_MIN_BYTES``: glibc maps fresh pages for requests of 32 MiB or more
-and reuses smaller freed blocks itself).
+against a block of fshard's pool, per size: what the pool costs where malloc reuses
+freed memory itself (one thread, one buffer at a time, below glibc's 32 MiB mmap
+threshold) and what it saves where malloc maps fresh pages.
 """
 
 from __future__ import annotations

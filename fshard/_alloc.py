@@ -14,11 +14,11 @@ __all__ = ["POOL_LIMIT_BYTES", "POOL_MIN_BYTES", "empty_cache", "new"]
 
 # Memory of dead CPU output shards kept for reuse, at most this many bytes (see ``_Pool``).
 POOL_LIMIT_BYTES = 1 << 30
-# Smaller blocks come back from malloc's free memory, already mapped: glibc maps fresh pages
-# for every request of 32 MiB or more (its largest dynamic mmap threshold) but keeps smaller
-# freed blocks for reuse, where the pool would only add its Python (docs/performance.md,
-# "Output memory"; ``python -m fshard bench --only "output memory"``).
-POOL_MIN_BYTES = 32 << 20
+# Smaller blocks come back from malloc's free lists without page faults anyway. Up to 32 MiB
+# glibc often reuses freed blocks too, but not reliably: with several buffers alive and other
+# threads (Gloo's) allocating, it may trim them and fault again on every call (docs/performance.md,
+# "Output memory"), so the pool starts at 1 MiB.
+POOL_MIN_BYTES = 1 << 20
 _ALIGN = 64
 # Plain element types, which a byte buffer can be viewed as (not quantized ones, say).
 _POOL_DTYPES = frozenset(
@@ -51,13 +51,13 @@ class _Pool:
     ``POOL_LIMIT_BYTES``; ``empty_cache()`` hands it back.
 
     >>> pool = _Pool()
-    >>> a = pool.empty((4096, 2048), torch.float32)
+    >>> a = pool.empty((1024, 1024), torch.float32)
     >>> address = a.data_ptr()
     >>> del a  # its block goes back to the pool...
-    >>> b = pool.empty((2048, 4096), torch.float32)
-    >>> b.data_ptr() == address  # ...and the next output of 32 MiB reuses it
+    >>> b = pool.empty((512, 2048), torch.float32)
+    >>> b.data_ptr() == address  # ...and the next output of 4 MiB reuses it
     True
-    >>> pool.empty((4096, 2048), torch.float32).data_ptr() != address  # b is alive: not shared
+    >>> pool.empty((1024, 1024), torch.float32).data_ptr() != address  # b is alive: not shared
     True
     """
 
