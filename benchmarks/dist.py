@@ -53,7 +53,9 @@ temporary buffer that was written, the buffers handed to the floor included.
 Fixed cost per call (a group of its own): a 64x64 float32 ``reshard`` Chunk(0) -> Chunk(1)
 against ``all_to_all_single`` of the same bytes packed before timing, and ``gather`` to
 all against ``all_gather_into_tensor``; each round times ``FIXED_CALLS`` operations in a
-row and reports the time per operation, and fshard's row notes its difference in µs.
+row and reports the time per operation, and fshard's row notes its difference in µs, and
+how much of it is CPU time of the calling thread (``time.thread_time``, the median over
+ranks of each rank's median): fshard's own work, where the rest is waiting.
 
 All processes share this machine's cores: 4 ranks on 2 cores take turns, which is the
 setting the numbers describe.
@@ -227,6 +229,7 @@ def combine(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
         out["impls"][name] = {
             "median_s": statistics.median(rounds),
             "samples_s": rounds,
+            "cpu_s": statistics.median(statistics.median(p["cpu"][name]) for p in got),
             "peak_extra_mib": max(memory) if memory else None,
             "verified": all(checks) if checks else None,
         }
@@ -264,7 +267,8 @@ def result_rows(res: dict[str, Any], group: str) -> list[Row]:
                 note += " (the floor)"
         elif name == "fshard" and res["target"] is None:  # a fixed cost: reported, no goal
             sent = res["fshard_bytes"]
-            note = f"fshard - floor = {res['overhead_s'] * 1e6:.0f} µs per call"
+            cpu = (r["cpu_s"] - res["impls"]["floor"]["cpu_s"]) * 1e6
+            note = f"fshard - floor = {res['overhead_s'] * 1e6:.0f} µs per call; calling thread's CPU +{cpu:.0f} µs"
         elif name == "fshard":
             target, sent = f"<= {res['target']:.2f}x floor", res["fshard_bytes"]
             ok = res["ratio_ok"] and res["bytes_ok"] and r["verified"] is not False

@@ -20,19 +20,20 @@ from benchmarks.dist_build import Env, Impl, build
 __all__ = ["job", "run_scenario"]
 
 
-def _timed_call(impl: Impl, state: Any, group: Any) -> float:
+def _timed_call(impl: Impl, state: Any, group: Any) -> tuple[float, float]:
+    """The wall time of one call and the CPU time of this (the calling) thread in it."""
     import torch.distributed as dist
 
     dist.barrier(group=group)
     gc.disable()  # a collection pause would land on whichever call happens to trigger it
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         result = impl.fn(state)
-        elapsed = time.perf_counter() - start
+        cpu, elapsed = time.thread_time() - cpu, time.perf_counter() - start
     finally:
         gc.enable()
     del result  # freed outside the timed region
-    return elapsed
+    return elapsed, cpu
 
 
 def _status_kib(field: str) -> int | None:
@@ -92,7 +93,8 @@ def _measure_memory(impl: Impl, group: Any) -> float | None:
 
 def run_scenario(key: str, mib: float, env: Env, reps: int, calls: int = 1) -> dict[str, Any] | None:
     """Times one scenario on this rank; returns this rank's raw results (``None`` off its group).
-    A sample is the time per operation: a call's time over the operations it makes (``Impl.calls``)."""
+    A sample is the time per operation: a call's time over the operations it makes (``Impl.calls``);
+    ``cpu`` has the calling thread's CPU time per operation the same way."""
     import torch.distributed as dist
 
     gc.collect()
@@ -110,10 +112,13 @@ def run_scenario(key: str, mib: float, env: Env, reps: int, calls: int = 1) -> d
         checks[name] = impl.check(result) if impl.check else None
         del result
     samples: dict[str, list[float]] = {name: [] for name in impls}
+    cpu: dict[str, list[float]] = {name: [] for name in impls}
     for _ in range(reps):
         for name, impl in impls.items():
             state = impl.setup() if impl.setup else states[name]
-            samples[name].append(_timed_call(impl, state, group) / impl.calls)
+            elapsed, used = _timed_call(impl, state, group)
+            samples[name].append(elapsed / impl.calls)
+            cpu[name].append(used / impl.calls)
     sent = built.fshard_once()
     del states
     memory = {name: _measure_memory(impl, group) for name, impl in impls.items()}
@@ -123,6 +128,7 @@ def run_scenario(key: str, mib: float, env: Env, reps: int, calls: int = 1) -> d
         "mib": mib,
         "members": built.members,
         "samples": samples,
+        "cpu": cpu,
         "checks": checks,
         "sent": sent,
         "memory": memory,
