@@ -6,6 +6,8 @@ plan's minimum (summed over ranks, each rank counting what it sent).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -108,6 +110,41 @@ def test_gather(dist_pool, name, dst):
     receivers = RANKS if dst is None else [dst]
     target = fshard.Replicated(receivers).layout(SHAPE)
     assert sum(sent) == fshard.plan(layout, target).min_elements_sent
+
+
+def _gather_rows(spec, shape, dtype):
+    """gather of ``spec`` to every rank; how many ``all_gather_into_tensor`` calls it made."""
+    from fshard.backends import torch_dist
+
+    full = (torch.arange(math.prod(shape)).reshape(shape) * 7 % 5 - 2).to(dtype)
+    x = fshard.shard(full, spec)
+    real, calls = torch_dist.all_gather, []
+    torch_dist.all_gather = lambda *args, **kwargs: (calls.append(1), real(*args, **kwargs))[1]
+    try:
+        got, sent, runs = _counted(fshard.gather, x)
+    finally:
+        torch_dist.all_gather = real
+    assert got.dtype == dtype
+    assert torch.equal(got, full)
+    return len(calls), sent, runs
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape", "gathers"),
+    [
+        (fshard.Chunk(0, RANKS), (8, 3), True),
+        (fshard.Chunk(0, RANKS), (12,), True),
+        (fshard.Chunk(0, RANKS[::-1]), (8, 3), False),  # not in group order: one message per box
+        (fshard.Chunk(0, RANKS), (10, 3), False),  # 3, 3, 3, 1 rows
+    ],
+    ids=["rows", "1-d", "reversed", "uneven"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex64, torch.bfloat16])
+def test_gather_of_equal_rows_in_group_order_is_one_all_gather(dist_pool, spec, shape, gathers, dtype):
+    out = dist_pool.run(_gather_rows, spec, shape, dtype)
+    assert [calls for calls, _, _ in out] == [int(gathers)] * 4
+    assert [runs for _, _, runs in out] == [1] * 4
+    assert sum(sent for _, sent, _ in out) == 3 * math.prod(shape)  # each element to the 3 other ranks
 
 
 def _reshard(src, dst, dtype):

@@ -12,7 +12,7 @@ import torch
 
 import fshard
 from fshard.backends.torch_dist._check import describe_layout
-from fshard.backends.torch_dist._choice import all_contiguous, direct, smallest_piece
+from fshard.backends.torch_dist._choice import all_contiguous, direct, rows_in_order, smallest_piece
 from fshard.backends.torch_dist._schedule import schedule
 
 SHAPE = (8, 6)
@@ -27,6 +27,29 @@ def test_gathering_dim0_chunks_receives_straight_into_the_result():
     rows = fshard.Chunk(0, [0, 1, 2, 3]).layout(SHAPE)
     assert all_contiguous(rows, _replicated_to([1]))
     assert all_contiguous(rows, _replicated_to([0, 1, 2, 3]))
+
+
+@pytest.mark.parametrize(
+    ("layout", "order", "expected"),
+    [
+        (fshard.Chunk(0, [0, 1, 2, 3]).layout(SHAPE), (0, 1, 2, 3), True),
+        (fshard.Chunk(0, [0, 1, 2, 3]).layout((8,)), (0, 1, 2, 3), True),
+        (fshard.Chunk(0, [3, 1]).layout(SHAPE), (3, 1), True),  # a sub-group, in its own order
+        (fshard.Chunk(0, [1, 3]).layout(SHAPE), (3, 1), False),
+        (fshard.Chunk(0, [3, 2, 1, 0]).layout(SHAPE), (0, 1, 2, 3), False),
+        (fshard.Chunk(0, [0, 1, 2]).layout(SHAPE), (0, 1, 2), False),  # 3, 3, 2 rows
+        (fshard.Chunk(0, [0, 1, 2, 3]).layout((0, 6)), (0, 1, 2, 3), False),  # nothing to gather
+        (fshard.Chunk(0, [0, 1, 2, 3]).layout((8, 0)), (0, 1, 2, 3), False),
+        (fshard.Chunk(1, [0, 1]).layout(SHAPE), (0, 1), False),
+        (fshard.Chunk(0, [0, 1]).layout(SHAPE), (0, 1, 2, 3), False),  # not every rank of the group
+        (fshard.Chunk(0, [0, 0, 1, 1]).layout(SHAPE), (0, 1), False),  # two shards on a rank
+        (fshard.Replicated([0, 1]).layout(SHAPE), (0, 1), False),
+        (fshard.Partial(fshard.Chunk(0, [0, 1])).layout(SHAPE), (0, 1), False),
+        (fshard.Chunk(0, ["rank:0/cuda:0", "rank:1/cuda:1"]).layout(SHAPE), (0, 1), False),  # not the wire
+    ],
+)
+def test_rows_in_order_is_what_all_gather_into_tensor_gathers(layout, order, expected):
+    assert rows_in_order(layout, order, "cpu") is expected
 
 
 def test_gathering_column_chunks_is_staged():

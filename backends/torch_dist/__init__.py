@@ -56,10 +56,10 @@ from fshard._plan import Plan, plan
 
 from ..local import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, check, describe_layout
-from ._choice import all_contiguous, direct, step
+from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
-from ._reduce import collective_kind, reduce_schedule, run_collective, run_local, run_reduce
+from ._reduce import as_bytes, collective_kind, reduce_schedule, run_collective, run_local, run_reduce
 from ._transport import copy_local, empty
 
 __all__ = ["TorchDistBackend"]
@@ -67,6 +67,8 @@ __all__ = ["TorchDistBackend"]
 _COUNTERS: dict[int, Counters] = {}
 _CPU = torch.device("cpu")
 _WARM: set[int] = set()
+# all_gather_single replaces the deprecated all_gather_into_tensor where torch has it
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -203,15 +205,24 @@ class TorchDistBackend:
     ) -> torch.Tensor | None:
         """The global tensor on every rank of the group (``dst=None``) or on rank ``dst`` only.
 
-        Boxes that are contiguous ranges of the result (dim-0 chunks) are received
-        straight into it; other boxes are staged once in one receive buffer.
+        Equal dim-0 chunks, one per rank in group order, gathered to every rank go by one
+        ``all_gather_into_tensor``. Otherwise boxes that are contiguous ranges of the result
+        (dim-0 chunks) are received straight into it; other boxes are staged once in one
+        receive buffer.
         """
-        self._require_member(f"gather(dst={dst})")
+        op = f"gather(dst={dst})"
+        self._require_member(op)
         if dst is not None:
             self.check_rank(dst, "dst")
         receivers = self.ranks if dst is None else (dst,)
         target = _whole(layout.shape, receivers)
         p = plan(layout, target)
+        if dst is None and len(receivers) > 1 and rows_in_order(layout, receivers, self._wire.type):
+            self._check(op, (p.src, p.dst), like.dtype)
+            out = empty(layout.shape, like.dtype, self._warm())
+            all_gather(as_bytes(out), as_bytes(tensors[0].contiguous()), group=self.group)
+            self._count(p.for_rank(self.rank).elements_sent)
+            return out.to(self._out_device(layout, like))
         out = {}
         if self.rank in receivers:
             out[target.indices_on(self.rank)[0]] = empty(layout.shape, like.dtype, self._out_device(layout, like))
@@ -236,8 +247,7 @@ class TorchDistBackend:
         (j,) = self.addressable(p.dst)
         out = empty(p.dst._shard(j).sizes, like.dtype, self._wire)
         run_collective(kind, p, tensors[0].to(self._wire), out, self.group)
-        self.counters.elements_sent += p.for_rank(self.rank).elements_sent
-        self.counters.collectives += 1
+        self._count(p.for_rank(self.rank).elements_sent)
         return (out.to(shard_device(p.dst, j)),)
 
     def _reduce(
@@ -251,8 +261,7 @@ class TorchDistBackend:
             run_local(sched, src, out, dtype)
             return
         run_reduce(sched, src, out, dtype, self._warm(), self.group, empty)
-        self.counters.elements_sent += sched.sent
-        self.counters.collectives += 1
+        self._count(sched.sent)
 
     def _warm(self) -> torch.device:
         """The wire device, with the NCCL communicator created (before the first P2P message)."""
@@ -336,10 +345,14 @@ class TorchDistBackend:
             copy_local(s.schedule, src, out)
             return out
         s.transport(s.schedule, src, out, dtype, self._warm(), self.group)
-        counters = self.counters
-        counters.elements_sent += s.schedule.sent
-        counters.collectives += 1
+        self._count(s.schedule.sent)
         return out
+
+    def _count(self, sent: int) -> None:
+        """One collective that sent ``sent`` elements from this rank."""
+        counters = self.counters
+        counters.elements_sent += sent
+        counters.collectives += 1
 
 
 @cached(256)

@@ -30,7 +30,7 @@ from ..local import shard_device
 from ._schedule import Schedule, schedule
 from ._transport import alltoall, p2p
 
-__all__ = ["Step", "all_contiguous", "direct", "has_alltoall", "smallest_piece", "step"]
+__all__ = ["Step", "all_contiguous", "direct", "has_alltoall", "rows_in_order", "smallest_piece", "step"]
 
 # ``execute`` sends box by box (nothing staged) when every box goes out and lands in
 # place, there are at most this many boxes per pair of ranks on average, and they
@@ -121,6 +121,36 @@ def _intervals(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray] 
     o = np.lexsort((hi[first], lo[first]))
     a, b = lo[first][o], hi[first][o]
     return None if (b[:-1] > a[1:]).any() else (a, b)
+
+
+@cached(512)
+def rows_in_order(layout: Layout, order: tuple[int, ...], wire: str) -> bool:
+    """Whether the group's ranks ``order`` hold ``layout`` as ``all_gather_into_tensor`` gathers
+    it: one shard each, on the ``wire`` device type, equal dim-0 chunks whole in every other dim,
+    in group order (so the whole array, not empty, is their shards back to back).
+
+    >>> import fshard
+    >>> rows_in_order(fshard.Chunk(0, [0, 1]).layout((4, 3)), (0, 1), "cpu")
+    True
+    >>> rows_in_order(fshard.Chunk(0, [1, 0]).layout((4, 3)), (0, 1), "cpu")  # not in group order
+    False
+    """
+    n, shape = len(order), layout.shape
+    if layout.partial is not None or not layout.ndim or len(layout._rank) != n or shape[0] % n or not all(shape):
+        return False
+    if any(torch.device(d).type != wire for d in set(layout._devices)):
+        return False
+    ranks = np.asarray(order, np.int64)
+    sort = np.argsort(ranks)
+    at = np.minimum(np.searchsorted(ranks[sort], layout._rank), n - 1)
+    k = sort[at]  # each shard's position in the group
+    if not (ranks[k] == layout._rank).all() or len(np.unique(k)) != n:
+        return False
+    rows = shape[0] // n
+    whole = np.asarray(shape[1:], np.int64)
+    lo, sz = layout._lo, layout._sz
+    return bool((lo[:, 0] == k * rows).all() and (sz[:, 0] == rows).all() and not lo[:, 1:].any()
+                and (sz[:, 1:] == whole).all())  # fmt: skip
 
 
 def has_alltoall(backend_name: str) -> bool:

@@ -33,6 +33,7 @@ from ..local import accumulate, identity
 __all__ = [
     "ReduceSchedule",
     "all_to_all",
+    "as_bytes",
     "collective_kind",
     "reduce_schedule",
     "run_collective",
@@ -209,8 +210,9 @@ def run_reduce(
             at += got.numel()
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``t`` as a flat view of its bytes (so any dtype goes through a collective)."""
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def all_to_all(recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, send_split: Any, group: Any) -> Any:
@@ -218,8 +220,8 @@ def all_to_all(recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, se
     as bytes (so any dtype goes through); returns its ``Work``."""
     item = recvbuf.element_size()
     work = dist.all_to_all_single(
-        _bytes(recvbuf),
-        _bytes(sendbuf),
+        as_bytes(recvbuf),
+        as_bytes(sendbuf),
         [n * item for n in recv_split],
         [n * item for n in send_split],
         group=group,
@@ -229,6 +231,7 @@ def all_to_all(recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, se
     return work
 
 
+@cached(256)
 @cached(256)
 def collective_kind(p: Any, order: tuple[int, ...], nccl: bool = True) -> str | None:
     """``"all_reduce"``, ``"reduce_scatter"`` or ``None``: whether a collective runs plan ``p``.

@@ -11,17 +11,13 @@ import torch.distributed as dist
 
 from fshard._alloc import new
 
-from ._reduce import all_to_all
+from ._reduce import all_to_all, as_bytes
 from ._schedule import Index, Run, Schedule, Span
 
 
 def _view(tensors: dict[int, torch.Tensor], at: Index) -> torch.Tensor:
     """The box ``at`` = (shard, slices) as a view of that shard's tensor."""
     return tensors[at[0]][at[1]]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _contiguous(t: torch.Tensor) -> bool:
@@ -52,7 +48,7 @@ def p2p(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.d
                 box = buf
             else:
                 staged.append((n, None, box))
-            ops.append(dist.P2POp(dist.irecv, _bytes(box), peer, group, tag))
+            ops.append(dist.P2POp(dist.irecv, as_bytes(box), peer, group, tag))
             n += 1
     sent = [(peer, tag, _view(src, at)) for peer, boxes in sched.send for tag, at in enumerate(boxes)]
     if not all(_contiguous(box) and box.device == wire for _, _, box in sent):
@@ -62,7 +58,7 @@ def p2p(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.d
             sent[k] = (peer, tag, packed[offset : offset + box.numel()])
             offset += box.numel()
     for peer, tag, box in sent:
-        ops.append(dist.P2POp(dist.isend, _bytes(box), peer, group, tag))
+        ops.append(dist.P2POp(dist.isend, as_bytes(box), peer, group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
     copy_local(sched, src, out)
     for work in works:
