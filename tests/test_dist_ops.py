@@ -112,18 +112,20 @@ def test_gather(dist_pool, name, dst):
     assert sum(sent) == fshard.plan(layout, target).min_elements_sent
 
 
-def _gather_rows(spec, shape, dtype):
-    """gather of ``spec`` to every rank; how many ``all_gather_into_tensor`` calls it made."""
+def _gather_rows(spec, shape, dtype, wires):
+    """gather of ``spec`` to every rank, by all_gather on the wire types ``wires`` (None: the default); how many
+    ``all_gather_into_tensor`` calls it made."""
     from fshard.backends import torch_dist
 
     full = (torch.arange(math.prod(shape)).reshape(shape) * 7 % 5 - 2).to(dtype)
     x = fshard.shard(full, spec)
-    real, calls = torch_dist.all_gather, []
+    real, default, calls = torch_dist.all_gather, torch_dist.ALL_GATHER_WIRES, []
     torch_dist.all_gather = lambda *args, **kwargs: (calls.append(1), real(*args, **kwargs))[1]
+    torch_dist.ALL_GATHER_WIRES = default if wires is None else wires
     try:
         got, sent, runs = _counted(fshard.gather, x)
     finally:
-        torch_dist.all_gather = real
+        torch_dist.all_gather, torch_dist.ALL_GATHER_WIRES = real, default
     assert got.dtype == dtype
     assert torch.equal(got, full)
     return len(calls), sent, runs
@@ -141,10 +143,17 @@ def _gather_rows(spec, shape, dtype):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex64, torch.bfloat16])
 def test_gather_of_equal_rows_in_group_order_is_one_all_gather(dist_pool, spec, shape, gathers, dtype):
-    out = dist_pool.run(_gather_rows, spec, shape, dtype)
+    """The NCCL path, run over Gloo: the same code with the wire type allowed."""
+    out = dist_pool.run(_gather_rows, spec, shape, dtype, frozenset({"cpu", "cuda"}))
     assert [calls for calls, _, _ in out] == [int(gathers)] * 4
     assert [runs for _, _, runs in out] == [1] * 4
     assert sum(sent for _, sent, _ in out) == 3 * math.prod(shape)  # each element to the 3 other ranks
+
+
+def test_gather_over_gloo_sends_one_message_per_box(dist_pool):
+    """Gloo's all_gather is slower than the messages: equal rows in group order do not use it."""
+    out = dist_pool.run(_gather_rows, fshard.Chunk(0, RANKS), (8, 3), torch.float32, None)
+    assert [calls for calls, _, _ in out] == [0] * 4
 
 
 def _reshard(src, dst, dtype):
