@@ -229,7 +229,7 @@ def combine(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
         out["impls"][name] = {
             "median_s": statistics.median(rounds),
             "samples_s": rounds,
-            "cpu_s": statistics.median(statistics.median(p["cpu"][name]) for p in got),
+            "cpu_s": statistics.median(statistics.median(p["cpu"][name]) for p in got) if "cpu" in first else None,
             "peak_extra_mib": max(memory) if memory else None,
             "verified": all(checks) if checks else None,
         }
@@ -267,8 +267,9 @@ def result_rows(res: dict[str, Any], group: str) -> list[Row]:
                 note += " (the floor)"
         elif name == "fshard" and res["target"] is None:  # a fixed cost: reported, no goal
             sent = res["fshard_bytes"]
-            cpu = (r["cpu_s"] - res["impls"]["floor"]["cpu_s"]) * 1e6
-            note = f"fshard - floor = {res['overhead_s'] * 1e6:.0f} µs per call; calling thread's CPU +{cpu:.0f} µs"
+            note = f"fshard - floor = {res['overhead_s'] * 1e6:.0f} µs per call"
+            if r.get("cpu_s") is not None:
+                note += f"; calling thread's CPU +{(r['cpu_s'] - res['impls']['floor']['cpu_s']) * 1e6:.0f} µs"
         elif name == "fshard":
             target, sent = f"<= {res['target']:.2f}x floor", res["fshard_bytes"]
             ok = res["ratio_ok"] and res["bytes_ok"] and r["verified"] is not False

@@ -152,6 +152,7 @@ def _part(rank_times: dict[str, list[float]], sent: int, checks: dict[str, bool 
         "mib": 1.0,
         "members": (0, 1),
         "samples": rank_times,
+        "cpu": {name: [t / 4 for t in times] for name, times in rank_times.items()},  # the calling thread's
         "checks": checks,
         "sent": sent,
         "memory": dict.fromkeys(rank_times, 2.0),
@@ -226,9 +227,18 @@ def test_a_fixed_cost_row_reports_the_difference_in_microseconds() -> None:
     part = {**_part(times, 10, {"floor": None, "fshard": True}), "key": "fixed-reshard", "mib": dist.FIXED_MIB}
     res = dist.combine([part])
     rows = {r.impl: r for r in dist.result_rows(res, "g")}
-    assert rows["fshard"].note == "fshard - floor = 145 µs per call"
+    assert rows["fshard"].note == "fshard - floor = 145 µs per call; calling thread's CPU +36 µs"
     assert (rows["fshard"].target, rows["fshard"].ok, rows["fshard"].size_mib) == ("", None, None)
     assert rows["fshard"].case == "per call: reshard 64x64 dim 0 -> dim 1"
+
+
+def test_a_fixed_cost_row_without_cpu_times_gives_the_wall_difference_only() -> None:
+    """Results saved before the CPU times were recorded still render."""
+    times = {"floor": [100e-6, 120e-6], "fshard": [250e-6, 260e-6]}
+    part = {**_part(times, 10, {"floor": None, "fshard": True}), "key": "fixed-reshard", "mib": dist.FIXED_MIB}
+    del part["cpu"]
+    rows = {r.impl: r for r in dist.result_rows(dist.combine([part]), "g")}
+    assert rows["fshard"].note == "fshard - floor = 145 µs per call"
 
 
 def test_a_diagnostic_row_has_no_target() -> None:
