@@ -224,8 +224,9 @@ class TorchDistBackend:
         wire = self._wire.type
         if dst is None and len(receivers) > 1 and wire in ALL_GATHER_WIRES and rows_in_order(layout, receivers, wire):
             self._check(op, (p.src, p.dst), like.dtype)
-            out = empty(layout.shape, like.dtype, self._warm())
-            all_gather(as_bytes(out), as_bytes(tensors[0].contiguous()), group=self.group)
+            on = self._warm()  # the group's device: a shard on another GPU is copied there
+            out = empty(layout.shape, like.dtype, on)
+            all_gather(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()), group=self.group)
             self._count(p.for_rank(self.rank).elements_sent)
             return out.to(self._out_device(layout, like))
         out = {}

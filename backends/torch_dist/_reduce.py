@@ -232,7 +232,6 @@ def all_to_all(recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, se
 
 
 @cached(256)
-@cached(256)
 def collective_kind(p: Any, order: tuple[int, ...], nccl: bool = True) -> str | None:
     """``"all_reduce"``, ``"reduce_scatter"`` or ``None``: whether a collective runs plan ``p``.
 
