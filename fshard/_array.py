@@ -109,6 +109,21 @@ class ShardedArray:
             raise LayoutError(msg)
         object.__setattr__(self, "_link", link)
 
+    @classmethod
+    def _of(
+        cls, layout: Layout, data: tuple[torch.Tensor, ...], backend: Any, dtype: torch.dtype, link: torch.Tensor
+    ) -> ShardedArray:
+        """An array from a movement's results, which fit ``layout`` by construction: ``__init__``
+        without its checks (a movement of a small array should not pay for them)."""
+        out = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(out, "_layout", layout)
+        set_(out, "_data", data)
+        set_(out, "_backend", backend)
+        set_(out, "_dtype", data[0].dtype if data else dtype)
+        set_(out, "_link", None if data else link)
+        return out
+
     def __setattr__(self, name: str, value: Any) -> None:
         msg = f"ShardedArray is immutable: cannot set {name!r}; fshard functions return new arrays."
         raise AttributeError(msg)

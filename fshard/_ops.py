@@ -220,7 +220,7 @@ def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
         return array
     array.backend.check_layout(layout)
     data, link = _autograd.move(array.layout, layout, array.backend, array._data, array._first())
-    return ShardedArray(layout, data, array.backend, array.dtype, link)
+    return ShardedArray._of(layout, data, array.backend, array.dtype, link)
 
 
 def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: str | None) -> Any:

@@ -212,6 +212,8 @@ def run_reduce(
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous ``t`` as a flat view of its bytes (so any dtype goes through a collective)."""
+    if t.dim() == 1 and not t.requires_grad:  # the buffers of a movement: one view
+        return t.view(torch.uint8)
     return t.detach().reshape(-1).view(torch.uint8)
 
 

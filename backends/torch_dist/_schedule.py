@@ -16,7 +16,6 @@ The transport choices, which every rank makes alike, are in ``_choice``.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import numpy as np
 
@@ -31,13 +30,16 @@ Span = tuple[int, int, int]  # boxes back to back in one shard: (shard, first el
 Peer = tuple[int, tuple[Index, ...]]  # a peer rank and the boxes exchanged with it, in order
 
 
-class Run(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Run:
     """Boxes of one shard, equal in shape, one after another in a buffer, copied by one ``copy_``.
 
     ``region``: slices of shard ``shard`` that cover every box. ``dim`` is ``None`` for a
     single box (``region`` is the box), ``-1`` for the same box ``copies`` times (a
     replicated box sent to several peers), else the dim along which box ``k`` starts
     ``k * step`` after the first (``Tensor.unfold(dim, shape[dim], step)`` of the region).
+    ``numel``: elements of all the boxes; ``contiguous``: the strides of the boxes back to
+    back in a buffer, as a tensor of shape ``(copies, *shape)``.
     """
 
     shard: int
@@ -46,14 +48,15 @@ class Run(NamedTuple):
     step: int
     copies: int
     shape: tuple[int, ...]
+    numel: int = dataclasses.field(init=False, repr=False, compare=False)
+    contiguous: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def numel(self) -> int:
-        """Elements of all the run's boxes."""
-        n = self.copies
-        for s in self.shape:
-            n *= s
-        return n
+    def __post_init__(self) -> None:
+        strides = [1]
+        for n in reversed(self.shape):
+            strides.append(strides[-1] * n)
+        object.__setattr__(self, "numel", self.copies * strides[-1])
+        object.__setattr__(self, "contiguous", tuple(reversed(strides)))
 
 
 @dataclasses.dataclass(frozen=True)

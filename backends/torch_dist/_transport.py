@@ -103,21 +103,19 @@ def _region(tensors: dict, run: Run) -> torch.Tensor:
 
 def _pack(runs: tuple[Run, ...], tensors: dict, buf: torch.Tensor) -> torch.Tensor:
     """Copies the runs' boxes, in order, into the flat ``buf`` (one ``copy_`` per run); returns ``buf``."""
-    at = 0
+    at = buf.storage_offset()
     for run in runs:
-        n = run.numel
-        buf[at : at + n].view(run.copies, *run.shape).copy_(_region(tensors, run))
-        at += n
+        buf.as_strided((run.copies, *run.shape), run.contiguous, at).copy_(_region(tensors, run))
+        at += run.numel
     return buf
 
 
 def _unpack(runs: tuple[Run, ...], buf: torch.Tensor, tensors: dict) -> None:
     """Copies the flat ``buf``, in order, into the runs' boxes (one ``copy_`` per run)."""
-    at = 0
+    at = buf.storage_offset()
     for run in runs:
-        n = run.numel
-        _region(tensors, run).copy_(buf[at : at + n].view(run.copies, *run.shape))
-        at += n
+        _region(tensors, run).copy_(buf.as_strided((run.copies, *run.shape), run.contiguous, at))
+        at += run.numel
 
 
 def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Tensor | None:
