@@ -41,6 +41,7 @@ def test_equal_column_blocks_are_one_run_along_the_columns():
     (run,) = _runs([(0, (0, 4 * k), (6, 4)) for k in range(4)])
     assert run == Run(0, (slice(0, 6), slice(0, 16)), 1, 4, 4, (6, 4))
     assert run.numel == 96
+    assert run.contiguous == (24, 4, 1)  # the strides of its 4 boxes back to back in a buffer
 
 
 def test_a_gap_in_the_blocks_starts_a_new_run():
