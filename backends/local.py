@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fshard._alloc import POOL_LIMIT_BYTES, POOL_MIN_BYTES, empty_cache
-from fshard._alloc import new as new_tensor
-from fshard._boxes import rows_all, rows_prod, unique_rows
-from fshard._cache import cached
+from fshard._base.alloc import POOL_LIMIT_BYTES, POOL_MIN_BYTES, empty_cache
+from fshard._base.alloc import new as new_tensor
+from fshard._base.boxes import rows_all, rows_prod, unique_rows
+from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._log import log_move
 

@@ -7,7 +7,7 @@ the graph is rebuilt, untimed, before each backward call.
 
 - **local backend**: every rank in this process. Elements sent are the plans'
   accounting (``plan.elements_sent``): what a multi-process run sends.
-- **torch_dist**: ``world`` Gloo processes on this machine (``fshard._launch``).
+- **torch_dist**: ``world`` Gloo processes on this machine (``fshard.testing.launch``).
   Before each timed call every rank waits at a barrier; a round's time is the
   slowest rank's. Elements sent are the backend's counters, summed over ranks.
 
@@ -194,7 +194,7 @@ class _GlooBatch:
 
     def result(self, job: tuple[str, float]) -> list[dict[str, Any]]:
         if self.results is None:
-            from fshard._launch import launch
+            from fshard.testing.launch import launch
 
             per_rank = launch(_gloo_job, self.world, self.jobs, self.reps, timeout=600)
             self.results = [[r[k] for r in per_rank] for k in range(len(self.jobs))]

@@ -12,7 +12,7 @@ Every save is durable: fshard and DCP fsync their files (DCP's ``sync_files``
 default), and the ``torch.save`` row fsyncs too. Loads read through the page
 cache, warm from the save (the machine's memory holds the files), so they
 measure deserialisation and copies, not the disk. fshard's loads, like its
-reshards, recycle the memory of arrays that have died (``fshard/_alloc.py``);
+reshards, recycle the memory of arrays that have died (``fshard/_base/alloc.py``);
 the "fresh memory" row empties that cache first, so its outputs pay the page
 faults that a first load in a process (and every ``torch.load``) pays. Throughput is GiB of tensor
 data per second of wall time (median of ``--reps``); multi-process times run
@@ -174,7 +174,7 @@ def _dist_load(gib: float, reps: int, root: str) -> dict[str, list[float]]:
 
 def measure_dist(gib: float, reps: int, root: Path, world: int = 4, load_world: int = 2) -> dict[str, list[float]]:
     """Seconds per call on ``world`` Gloo processes (save, load) and ``load_world`` processes (load)."""
-    from fshard._launch import launch
+    from fshard.testing.launch import launch
 
     timeout = 600 + 120 * gib * reps
     out = launch(_dist_save, world, gib, reps, str(root), timeout=timeout)[0]

@@ -1,7 +1,7 @@
 """Multi-process cases: fshard on N Gloo processes against ShardedTensor, DTensor and the floor.
 
 ``python -m fshard bench`` spawns ``--world`` processes (default 4) on 127.0.0.1 with
-``fshard._launch.launch``, once for all these cases, and for every case times each
+``fshard.testing.launch.launch``, once for all these cases, and for every case times each
 implementation of the same data movement:
 
 - **floor**: the raw ``torch.distributed`` call that moves exactly the minimal bytes of
@@ -168,7 +168,7 @@ def run(todo: Sequence[tuple[str, float]], world: int, reps: int, peers: bool,
     A fixed-cost scenario times ``calls`` operations per round.
     """
     from benchmarks.dist_rank import job
-    from fshard._launch import launch
+    from fshard.testing.launch import launch
 
     if not todo:
         return []

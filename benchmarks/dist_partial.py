@@ -70,7 +70,7 @@ def build_partial(key: str, side: int, env: Env) -> Built:
     import torch
 
     import fshard
-    from fshard.backends.torch_dist._reduce import collective_kind
+    from fshard.backends.torch_dist._reduce_phase import collective_kind
 
     rank, ranks, shape = env.rank, env.ranks, (side, side)
     src_spec, dst_spec = _specs(key, env)

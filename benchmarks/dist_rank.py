@@ -1,7 +1,7 @@
 """Inside the ranks: interleaved timing, bytes sent and peak memory of each scenario.
 
 Every rank makes the same collective calls in the same order; ``job`` is what
-``fshard._launch.launch`` runs on each of them.
+``fshard.testing.launch.launch`` runs on each of them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the fixed cost of small calls against the same result written by hand.
 The floor copies every box of the plan (sent or kept on its rank) from the source
 shards into destination tensors allocated once, before timing. ``reshard`` must also
 allocate its outputs (arrays are immutable); it reuses the memory of outputs that
-have died (``fshard/_alloc.py``, ``_Pool``). The "fresh memory" row empties that
+have died (``fshard/_base/alloc.py``, ``_Pool``). The "fresh memory" row empties that
 pool before every call, so its outputs pay the kernel's page faults on first write:
 the cost any newly allocated tensor pays, ``torch.empty`` or ``clone`` alike.
 
@@ -30,7 +30,7 @@ import torch
 
 import fshard
 from benchmarks.common import Row, Settings, Timed, interleaved, median
-from fshard._alloc import POOL_MIN_BYTES, _Pool
+from fshard._base.alloc import POOL_MIN_BYTES, _Pool
 from fshard.backends.local import box_slices, empty_cache
 
 __all__ = ["AllocCase", "ReshardCase", "SmallCase", "cases"]

@@ -37,7 +37,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import Row, Settings, Timed, interleaved, median
-from fshard import Chunk, Layout, Mesh, Named, Partial, Placement, Replicated, ShardMeta, _reduce, _schedule, plan
+from fshard import Chunk, Layout, Mesh, Named, Partial, Placement, Replicated, ShardMeta, plan
+from fshard._plan import pending as _reduce
+from fshard._plan import schedule as _schedule
 
 __all__ = ["PlanCase", "ValidationCase", "cases"]
 
@@ -249,7 +251,7 @@ class PlanCase:
 
 def clear_caches() -> None:
     """Forgets every plan, schedule and layout index, so that the next one is built from scratch."""
-    from fshard import _plan
+    from fshard._plan import plan as _plan
 
     _plan._plan.cache_clear()
     _schedule.schedule.cache_clear()
@@ -259,7 +261,7 @@ def clear_caches() -> None:
 
 def _rows(src: Layout, dst: Layout) -> int:
     """Builds every transfer of the (uncached) plan; ``fshard.plan`` alone computes none."""
-    from fshard import _plan
+    from fshard._plan import plan as _plan
 
     return len(_plan._plan.__wrapped__(src, dst))
 

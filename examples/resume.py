@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.dir or os.path.join(tmp, "ckpt")
         if args.world:
-            from fshard._launch import launch
+            from fshard.testing.launch import launch
 
             saved, resumed = launch(_save_job, 4, path)[0], launch(_resume_job, 2, path)[0]
         else:

@@ -196,7 +196,7 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the check on the local backend, on spawned Gloo processes (``--world N``), or under torchrun."""
-    from fshard._launch import check_main
+    from fshard.testing.launch import check_main
 
     return check_main(check, report, argv, __doc__)
 

@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fshard demo")
     print(report(f"local backend, {args.world} ranks in this process", local, args.world, color))
     ok = local["ok"]
     if not args.local_only:
-        from fshard._launch import launch
+        from fshard.testing.launch import launch
 
         results = launch(_dist_job, args.world, args.world)
         print()

@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fshard
-import fshard._layout
-from fshard import _boxes
-from fshard._layout import Layout, ShardMeta
+import fshard._layout.layout
+from fshard._base import boxes as _boxes
+from fshard._layout.layout import Layout, ShardMeta
 from fshard.testing.strategies import guillotine_layouts as layouts
 
 # -- strategies ------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def candidate_layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[ShardMeta]
 def validation_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Validates small layouts through the memo, and again directly (the path of large ones)."""
     if request.param == "direct":
-        monkeypatch.setattr(fshard._layout, "_MEMO_SHARDS", 0)
+        monkeypatch.setattr(fshard._layout.layout, "_MEMO_SHARDS", 0)
 
 
 @pytest.mark.usefixtures("validation_path")

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fshard
-from fshard import _reduce
-from fshard._schedule import Moves
+from fshard._plan import pending as _reduce
+from fshard._plan.schedule import Moves
 from fshard.testing.strategies import layout_pairs, shapes
 
 WORLD = 5

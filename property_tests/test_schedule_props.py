@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fshard
-from fshard._schedule import Moves
+from fshard._plan.schedule import Moves
 from fshard.testing.strategies import layout_pairs, shapes
 
 WORLD = 5

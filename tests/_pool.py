@@ -18,7 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from fshard._launch import free_port, serve, stop
+from fshard.testing.launch import free_port, serve, stop
 
 __all__ = ["Pool", "RankFailure"]
 

@@ -1,4 +1,4 @@
-"""The output pool (``fshard._alloc``): recycled CPU blocks of every plain dtype, returned
+"""The output pool (``fshard._base.alloc``): recycled CPU blocks of every plain dtype, returned
 exactly when the last tensor or view of them dies, within the pool's byte limit."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-from fshard import _alloc
-from fshard._alloc import POOL_MIN_BYTES, _Pool
+from fshard._base import alloc as _alloc
+from fshard._base.alloc import POOL_MIN_BYTES, _Pool
 
 SHAPE = (512, 1024)  # 2 MiB at 4 bytes an element: above POOL_MIN_BYTES for every dtype of 2 bytes or more
 

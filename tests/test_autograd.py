@@ -22,7 +22,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import fshard
-from fshard._layout import Layout, ShardMeta
+from fshard._layout.layout import Layout, ShardMeta
 from fshard.backends.local import LOCAL
 from fshard.backends.torch_dist import TorchDistBackend
 from fshard.testing import strategies as fst

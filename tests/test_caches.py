@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fshard
-from fshard import _cache
+from fshard._base import cache as _cache
 
 
 def _layouts(n: int, k: int) -> tuple[fshard.Layout, fshard.Layout]:
@@ -39,9 +39,9 @@ def test_clear_caches_empties_every_cache_and_results_stay_the_same():
 def test_every_cache_of_a_layout_function_is_registered():
     names = {c.name for c in _cache._REGISTRY}
     expected = {
-        "fshard._plan._plan",
-        "fshard._schedule.schedule",
-        "fshard._schedule.index",
-        "fshard._layout._validate_memo",
+        "fshard._plan.plan._plan",
+        "fshard._plan.schedule.schedule",
+        "fshard._plan.schedule.index",
+        "fshard._layout.layout._validate_memo",
     }
     assert expected <= names

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import fshard
-from fshard._dist_ops import Piece, Report, check_pieces
+from fshard._api.dist import Piece, Report, check_pieces
 
 RANKS = [0, 1, 2, 3]
 SHAPE = (10, 20)

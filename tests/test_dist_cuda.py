@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import fshard
-from fshard._launch import launch
+from fshard.testing.launch import launch
 
 pytestmark = pytest.mark.cuda
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fshard
-from fshard.backends.torch_dist._schedule import Run, runs, schedule
+from fshard.backends.torch_dist._lowering import Run, runs, schedule
 from fshard.backends.torch_dist._transport import _pack, _region, _unpack
 
 R4 = [0, 1, 2, 3]

@@ -13,7 +13,7 @@ import torch
 import fshard
 from fshard.backends.torch_dist._check import describe_layout
 from fshard.backends.torch_dist._choice import all_contiguous, direct, rows_in_order, smallest_piece
-from fshard.backends.torch_dist._schedule import schedule
+from fshard.backends.torch_dist._lowering import schedule
 
 SHAPE = (8, 6)
 CUTS = (8, 12)  # a shape where a 2 x 2 grid and 4 chunks cut along either dim
@@ -267,7 +267,7 @@ def _without_global_plan():
     rows forbidden; returns the elements this rank sent for each."""
     import torch.distributed as dist
 
-    from fshard import _plan
+    from fshard._plan import plan as _plan
     from fshard.backends.torch_dist import TorchDistBackend
 
     def forbidden(self):

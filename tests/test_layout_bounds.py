@@ -9,7 +9,7 @@ import pytest
 
 import fshard
 from fshard import Layout, ShardMeta
-from fshard._boxes import row_keys, unique_rows
+from fshard._base.boxes import row_keys, unique_rows
 
 N = 2**63 - 1  # MAX_EXTENT: the largest extent, offset or size
 

@@ -134,7 +134,7 @@ def test_in_place_writes_into_input_blocks_raise():
 def _gathered_use_after_diverged_history() -> float:
     """A rank without a block joins the gather that fn used elsewhere, even where earlier
     programs left the ranks' counts of gathers apart (as a failure on one rank can)."""
-    from fshard import _varying
+    from fshard._exec import gathered as _varying
 
     _varying._COUNT[0] += 7 * dist.get_rank()
     leaf = torch.ones(3, dtype=torch.float64, requires_grad=True)

@@ -18,8 +18,11 @@ import pytest
 import torch
 
 import fshard
-from fshard import Chunk, Mesh, Named, Partial, Replicated, Single, _plan, _reduce, _schedule
-from fshard._schedule import Moves, RankSchedule
+from fshard import Chunk, Mesh, Named, Partial, Replicated, Single
+from fshard._plan import pending as _reduce
+from fshard._plan import plan as _plan
+from fshard._plan import schedule as _schedule
+from fshard._plan.schedule import Moves, RankSchedule
 from fshard.backends.local import LocalBackend
 
 R4 = [0, 1, 2, 3]

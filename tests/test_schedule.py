@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import fshard
-from fshard import Chunk, Layout, Mesh, Named, Partial, Replicated, ShardMeta, Single, _plan, _schedule
+from fshard import Chunk, Layout, Mesh, Named, Partial, Replicated, ShardMeta, Single
+from fshard._plan import plan as _plan
+from fshard._plan import schedule as _schedule
 
 
 def _rows(m: _schedule.Moves) -> list[tuple[int, int, list[int], list[int], int]]:

@@ -26,7 +26,7 @@ from fshard import (
     Single,
     SpecError,
 )
-from fshard._specs import as_layout
+from fshard._layout.specs import as_layout
 
 
 def _boxes(layout: Layout) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:

@@ -17,9 +17,9 @@ from torch.distributed.remote_device import _remote_device
 
 import fshard
 from fshard import Chunk, Explicit, Layout, Placement, ShardMeta
-from fshard._placement import as_placement
-from fshard._specs import as_layout
-from fshard._torch_meta import shard_meta_from_torch
+from fshard._layout.placement import as_placement
+from fshard._layout.specs import as_layout
+from fshard._layout.torch_meta import shard_meta_from_torch
 
 RANKS = [0, 1, 2, 3]
 CPU = [f"rank:{r}/cpu" for r in RANKS]
@@ -222,8 +222,8 @@ def _sharded_tensors_convert() -> dict[str, bool]:
     )
     # *_like of a ShardedTensor: its layout.
     out["zeros-like"] = fshard.zeros_like(st).layout == want
-    # shard() of a ShardedTensor is reshard(from_sharded_tensor(st), spec), through fshard._interop.
-    from fshard._interop import shard_sharded_tensor
+    # shard() of a ShardedTensor is reshard(from_sharded_tensor(st), spec), through fshard._interop.torch_objects.
+    from fshard._interop.torch_objects import shard_sharded_tensor
 
     x = shard_sharded_tensor(st, fshard.Replicated(RANKS))
     out["shard-of-sharded-tensor"] = torch.equal(x.local_tensor(), X)

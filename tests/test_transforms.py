@@ -1,9 +1,9 @@
-"""fshard under torch.compile and torch.func.vmap (fshard._compile), on the local backend.
+"""fshard under torch.compile and torch.func.vmap (fshard._base.compile), on the local backend.
 
 ``shard``, ``reshard`` and ``gather`` run eagerly under ``torch.compile`` (a graph
-break each, ``fshard._compile.opaque``), and a ShardedArray rebuilt from shard tensors
+break each, ``fshard._base.compile.opaque``), and a ShardedArray rebuilt from shard tensors
 that gained a batch dim under ``vmap`` gets the batched layout
-(``fshard._compile.batched_layout``).
+(``fshard._base.compile.batched_layout``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from torch.func import grad, vmap
 
 import fshard
-import fshard._array
-from fshard._compile import batched_layout, opaque
+import fshard._array.array
+from fshard._base.compile import batched_layout, opaque
 
 ROWS = fshard.Chunk(0, [0, 1])
 COLS = fshard.Chunk(1, [0, 1, 2])

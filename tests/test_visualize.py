@@ -11,7 +11,7 @@ from hypothesis import given, settings
 
 import fshard
 from fshard import Chunk, Explicit, Layout, Mesh, Named, Partial, Replicated
-from fshard._visualize import draw
+from fshard._layout.show import draw
 from fshard.testing import strategies as fst
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -25,7 +25,7 @@ phase's ``min_elements_sent``, the lower bound that every reduce phase meets.
 
 The local copies run while the messages are in flight. Boxes that already lie back to
 back in one tensor are sent (or received) in place rather than packed; outputs and
-staging buffers come from memory that is already mapped (``fshard._alloc.new``), so
+staging buffers come from memory that is already mapped (``fshard._base.alloc.new``), so
 they do not pay a page fault per 4 KiB on every call. A rank's share of a plan (its
 peers, split sizes, the slices of every box, which boxes need no packing, its shards
 and transport: ``_choice.step``) is computed once per (layouts, rank, group), so a
@@ -45,21 +45,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fshard._cache import cached
-from fshard._collective import call_name
+from fshard._base.cache import cached
+from fshard._exec.collective import call_name
 from fshard._config import current
 from fshard._errors import SpecError
-from fshard._layout import Layout, ShardMeta
+from fshard._layout.layout import Layout, ShardMeta
 from fshard._log import log_move
-from fshard._placement import Placement
-from fshard._plan import Plan, plan
+from fshard._layout.placement import Placement
+from fshard._plan.plan import Plan, plan
 
 from ..local import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, check, describe_layout
 from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
-from ._reduce import as_bytes, collective_kind, reduce_schedule, run_collective, run_local, run_reduce
+from ._reduce_phase import as_bytes, collective_kind, reduce_schedule, run_collective, run_local, run_reduce
 from ._transport import copy_local, empty
 
 __all__ = ["TorchDistBackend"]

@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from fshard._cache import cached
+from fshard._base.cache import cached
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError
-from fshard._layout import Layout
+from fshard._layout.layout import Layout
 
 __all__ = ["agreed", "check", "describe_layout"]
 

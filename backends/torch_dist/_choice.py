@@ -19,15 +19,15 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from fshard._alloc import new
-from fshard._boxes import unique_rows
-from fshard._cache import cached
-from fshard._layout import Layout
-from fshard._plan import Plan, plan
-from fshard._schedule import index
+from fshard._base.alloc import new
+from fshard._base.boxes import unique_rows
+from fshard._base.cache import cached
+from fshard._layout.layout import Layout
+from fshard._plan.plan import Plan, plan
+from fshard._plan.schedule import index
 
 from ..local import shard_device
-from ._schedule import Schedule, schedule
+from ._lowering import Schedule, schedule
 from ._transport import alltoall, p2p
 
 __all__ = ["Step", "all_contiguous", "direct", "has_alltoall", "rows_in_order", "smallest_piece", "step"]

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fshard._cache import cached
+from fshard._base.cache import cached
 from fshard._errors import SpecError
-from fshard._layout import Layout
+from fshard._layout.layout import Layout
 
 from ..local import shard_device
 from ._choice import has_alltoall

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fshard._alloc import new
+from fshard._base.alloc import new
 
-from ._reduce import all_to_all, as_bytes
-from ._schedule import Index, Run, Schedule, Span
+from ._reduce_phase import all_to_all, as_bytes
+from ._lowering import Index, Run, Schedule, Span
 
 
 def _view(tensors: dict[int, torch.Tensor], at: Index) -> torch.Tensor:

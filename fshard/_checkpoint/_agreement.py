@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fshard._array import ShardedArray
+from fshard._array.array import ShardedArray
 from fshard._checkpoint._format import _CODES, _DTYPES, _SCALARS, _hashing, _sha256
 from fshard._errors import CheckpointError, SpecError
 from fshard.backends import Backend

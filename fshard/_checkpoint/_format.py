@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fshard._errors import CheckpointError
-from fshard._layout import Layout
+from fshard._layout.layout import Layout
 
 __all__ = ["FORMAT", "INDEX", "MAX_DEPTH", "PROGRESS_MIN_BYTES", "VERSION"]
 

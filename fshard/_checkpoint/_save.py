@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from fshard._array import ShardedArray
+from fshard._array.array import ShardedArray
 from fshard._checkpoint._agreement import _check_same, _prepare
 from fshard._checkpoint._collective import _agree, _agree_on
 from fshard._checkpoint._format import FORMAT, INDEX, VERSION, _index_digest, check_flag, checkpoint_path
 from fshard._checkpoint._tree import _flatten
 from fshard._checkpoint._write import _assign, _Box, _commit, _committed, _write_files
-from fshard._collective import collective
+from fshard._exec.collective import collective
 from fshard._errors import CheckpointError, SpecError
 from fshard.backends import Backend, default_backend
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from fshard._checkpoint._format import _DTYPES, _FILE_RE, INDEX, MAX_DEPTH, _Saved
 from fshard._errors import CheckpointError, FShardError
-from fshard._layout import MAX_EXTENT, Layout, ShardMeta
-from fshard._placement import Placement
+from fshard._layout.layout import MAX_EXTENT, Layout, ShardMeta
+from fshard._layout.placement import Placement
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SCALAR_TYPES = {"bool": bool, "int": int, "float": str, "str": str, "NoneType": type(None)}

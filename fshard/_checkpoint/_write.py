@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from fshard._array import ShardedArray
+from fshard._array.array import ShardedArray
 from fshard._checkpoint._collective import _progress
 from fshard._checkpoint._format import (
     _DATA_RE,
@@ -30,7 +30,7 @@ from fshard._checkpoint._format import (
     _sha256,
 )
 from fshard._errors import CheckpointError
-from fshard._layout import Layout
+from fshard._layout.layout import Layout
 from fshard.backends import Backend
 
 

@@ -27,10 +27,10 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fshard._array import ShardedArray
-from fshard._layout import Layout, ShardMeta
-from fshard._placement import Placement
-from fshard._specs import Chunk, Explicit, Mesh, Named, Replicated, Single
+from fshard._array.array import ShardedArray
+from fshard._layout.layout import Layout, ShardMeta
+from fshard._layout.placement import Placement
+from fshard._layout.specs import Chunk, Explicit, Mesh, Named, Replicated, Single
 
 __all__ = [
     "arrays",
@@ -254,7 +254,7 @@ def arrays(
         elements: a strategy of the values (default ``values(dtype)``: finite floats of every
             magnitude the dtype holds, integers over its range, booleans).
     """
-    from fshard._ops import shard
+    from fshard._api.move import shard
 
     s = _shape(draw, shape)
     layout = draw(layouts(s, world))

@@ -1,0 +1,453 @@
+"""Per-placement computation: ``map_local`` over aligned layouts and ``shard_map``.
+
+A *slot* is one block of a placement: ``(placement, k)`` for the k-th shard (in layout
+order) that a placement holds. Arrays align when every placement holds the same
+number of shards of each; ``fn`` runs once per slot on the slot's blocks, and each
+result leaf is laid out by its ``out_spec``: the output layout's k-th shard on a
+placement is the result of that placement's k-th call.
+
+Gradients follow one rule on every backend: a replicated value's gradient is the sum
+of its uses. Where aligned arrays differ in how they replicate, a replicated argument's
+copies feed computations that differ per copy, so the gradients of its copies are
+summed (and every copy gets the total), and a replicated result's copies share its
+gradient (each counts 1/copies), which together give the exact gradient by linearity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import optree
+import torch
+
+from fshard._exec import autograd as _autograd
+from fshard._exec import gathered as _varying
+from fshard._array.array import ShardedArray
+from fshard._base.cache import cached
+from fshard._exec.collective import collective
+from fshard._errors import SpecError
+from fshard._layout.layout import Layout, with_partial
+from fshard._exec.agree import (
+    agree,
+    describe_results,
+    holds_nothing_somewhere,
+    link_without_blocks,
+    merge_results,
+    untouched,
+)
+from fshard._layout.placement import Placement
+from fshard._layout.specs import Explicit, Partial, as_layout
+
+__all__ = ["map_local", "shard_map"]
+
+Slot = tuple[Placement, int]
+_PROBE = 1 << 20  # an extent at which every part of a spec is non-empty
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, Layout) or hasattr(x, "layout")
+
+
+@collective("map_local")
+def map_local(
+    fn: Callable[..., Any], *arrays: ShardedArray, out_spec: Any = None, linear: bool = False
+) -> ShardedArray | Any:
+    """Applies ``fn`` to corresponding local shards of arrays.
+
+    Arrays that share a layout pair shard by shard; a shape-preserving ``fn`` keeps the
+    layout, and if ``fn`` resizes only dims that no shard splits the new global shape
+    is inferred. Arrays of different layouts (or shapes) pair placement by placement
+    (each placement must hold the same number of shards of each, paired in layout
+    order), and then ``out_spec`` is required: a spec or ``Layout``, or a pytree of
+    them matching ``fn``'s result (a tuple of tensors, say), which is then a pytree of
+    arrays.
+
+    Args:
+        fn: a function of one tensor per array, returning a tensor or a pytree of them.
+        arrays: the ``ShardedArray`` arguments.
+        out_spec: the result's spec(s); the global shape is inferred from the blocks.
+        linear: ``fn`` is linear in its pending-sum (``Partial``) arguments, so it may run
+            on their summands; the result is then a pending sum too.
+
+    Raises:
+        SpecError: an argument is a pending reduction and ``linear`` is not set, arrays
+            do not align, or the results do not fit ``out_spec``.
+
+    >>> import torch, fshard
+    >>> x = fshard.shard(torch.ones(4, 2), fshard.Chunk(0, [0, 1]))
+    >>> y = fshard.map_local(lambda t: torch.cat([t, 2 * t], dim=1), x)
+    >>> tuple(y.shape), fshard.gather(y)[0].tolist()
+    ((4, 4), [1.0, 1.0, 2.0, 2.0])
+    """
+    if not callable(fn):
+        raise TypeError(f"map_local() fn must be callable, got {type(fn).__name__}.")
+    if not isinstance(linear, bool):
+        raise TypeError(f"map_local() linear must be a bool, got {linear!r} ({type(linear).__name__}).")
+    if not arrays:
+        raise TypeError("map_local() needs at least one ShardedArray.")
+    for k, a in enumerate(arrays):
+        if not isinstance(a, ShardedArray):
+            raise TypeError(f"map_local() argument {k} takes a ShardedArray, got {type(a).__name__}.")
+    _check_backends(arrays, "map_local()")
+    pending = _check_partial(arrays, linear)
+    base = with_partial(arrays[0].layout, None)
+    if out_spec is None and all(with_partial(a.layout, None) == base for a in arrays):
+        from fshard._api.move import map_same
+
+        return map_same(fn, arrays, pending)
+    if out_spec is None:
+        k = next(k for k, a in enumerate(arrays) if with_partial(a.layout, None) != base)
+        msg = (
+            f"map_local() arguments 0 and {k} have different layouts; pass out_spec= for the result "
+            f"(the arrays then pair placement by placement), or reshard argument {k} first: "
+            "fshard.reshard(x, other.layout)."
+        )
+        raise SpecError(msg)
+    return _run(fn, arrays, (), out_spec, pending, one_block=False, what="map_local()")
+
+
+def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+    """Turns a function of blocks into a function of sharded arrays.
+
+    The returned function reshards each array argument to its entry of ``in_specs``
+    (nothing moves when it is there already) and shards each tensor argument (a tensor
+    present on every rank) by it; an entry of ``None`` passes a non-tensor argument
+    (a number, say) to ``fn`` unchanged. ``fn`` then runs once per placement on that
+    placement's blocks, and its results are wrapped as ``out_specs`` (a spec, a
+    ``Layout`` or a pytree of them; ``Partial`` for results that are partial sums,
+    such as a row-parallel matmul's). Differentiable, also under ``torch.func``.
+
+    Args:
+        fn: a function of one block per argument, returning a tensor or a pytree of them.
+        in_specs: one spec per positional argument (a single spec when there is one).
+        out_specs: the results' specs; each global shape is inferred from the blocks.
+
+    Raises:
+        SpecError: an argument's spec gives a placement zero or several blocks, or the
+            results do not fit ``out_specs``.
+
+    >>> import torch, fshard
+    >>> ranks = [0, 1]
+    >>> x, w = torch.randn(4, 6), torch.randn(6, 3)
+    >>> matmul = fshard.shard_map(
+    ...     lambda xb, wb: xb @ wb,
+    ...     in_specs=(fshard.Chunk(1, ranks), fshard.Chunk(0, ranks)),
+    ...     out_specs=fshard.Partial(fshard.Replicated(ranks)),
+    ... )
+    >>> y = matmul(x, w)
+    >>> y.layout.partial, torch.allclose(fshard.gather(y), x @ w, atol=1e-6)
+    ('sum', True)
+    """
+
+    if not callable(fn):
+        raise TypeError(f"shard_map() fn must be callable, got {type(fn).__name__}.")
+
+    @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
+    def call(*args: Any) -> Any:
+        specs = in_specs if isinstance(in_specs, (tuple, list)) else (in_specs,)
+        if len(specs) != len(args):
+            msg = f"shard_map() got {len(args)} arguments but in_specs has {len(specs)} entries: give one per argument."
+            raise SpecError(msg)
+        backend = next((a.backend for a in args if isinstance(a, ShardedArray)), None)
+        arrays, extras = [], []
+        for k, (a, spec) in enumerate(zip(args, specs)):
+            if spec is None:
+                if isinstance(a, (torch.Tensor, ShardedArray)):
+                    msg = f"shard_map() argument {k} is a {type(a).__name__} but its in_spec is None: give it a spec."
+                    raise SpecError(msg)
+                extras.append((k, a))
+            elif isinstance(a, ShardedArray):
+                arrays.append((k, _reshard(a, spec)))
+            elif isinstance(a, torch.Tensor):
+                from fshard._api.move import shard
+
+                arrays.append((k, shard(a, spec, backend=backend)))
+            else:
+                msg = (
+                    f"shard_map() argument {k} is a {type(a).__name__}: give a ShardedArray or a tensor, "
+                    "or in_spec None."
+                )
+                raise SpecError(msg)
+        if not arrays:
+            raise SpecError("shard_map() needs at least one array or tensor argument with a spec.")
+        values = tuple(a for _, a in arrays)
+        _check_backends(values, "shard_map()")
+        pending = _check_partial(values, linear=False, what="shard_map()")
+        order = [k for k, _ in arrays]
+
+        def block_fn(*blocks: torch.Tensor) -> Any:
+            full: list[Any] = [None] * len(args)
+            for k, b in zip(order, blocks):
+                full[k] = b
+            for k, v in extras:
+                full[k] = v
+            return fn(*full)
+
+        return _run(block_fn, values, order, out_specs, pending, one_block=True, what="shard_map()")
+
+    return call
+
+
+def _reshard(a: ShardedArray, spec: Any) -> ShardedArray:
+    from fshard._api.move import reshard
+
+    return reshard(a, spec)
+
+
+# -- checks -------------------------------------------------------------------------------
+
+
+def _check_backends(arrays: Sequence[ShardedArray], what: str) -> None:
+    first = arrays[0].backend
+    for k, a in enumerate(arrays):
+        if a.backend != first:
+            msg = f"{what} arguments 0 and {k} live on different backends ({first!r} and {a.backend!r})."
+            raise SpecError(msg)
+
+
+def _check_partial(arrays: Sequence[ShardedArray], linear: bool, what: str = "map_local()") -> str | None:
+    """The pending op the result carries (``"sum"`` for a linear map of partial sums), or ``None``."""
+    for k, a in enumerate(arrays):
+        op = a.layout.partial
+        if op is None:
+            continue
+        if not linear:
+            msg = (
+                f"{what} argument {k} is a pending {op} (Partial): fn would run on its summands, not on its value. "
+                "Reshard it to a non-partial spec first (fshard.reshard(x, spec) reduces it), or pass linear=True "
+                "if fn is linear in its partial arguments."
+            )
+            raise SpecError(msg)
+        if op != "sum":
+            msg = (
+                f"{what} argument {k} is a pending {op}: linear=True applies to pending sums only; "
+                "reshard it to a non-partial spec first."
+            )
+            raise SpecError(msg)
+    return "sum" if any(a.layout.partial for a in arrays) else None
+
+
+# -- slots ----------------------------------------------------------------------------------
+
+
+@cached(256)
+def _slots(layout: Layout) -> dict[Placement, tuple[int, ...]]:
+    """Shard indices per placement, placements in order of first appearance."""
+    out: dict[Placement, list[int]] = {}
+    for i, s in enumerate(layout.shards):
+        out.setdefault(s.placement, []).append(i)
+    return {p: tuple(v) for p, v in out.items()}
+
+
+def _check_aligned(arrays: Sequence[ShardedArray], names: Sequence[int], one_block: bool, what: str) -> None:
+    first = _slots(arrays[0].layout)
+    for k, a in zip(names, arrays):
+        mine = _slots(a.layout)
+        if one_block:
+            bad = next((p for p, v in mine.items() if len(v) != 1), None)
+            missing = next((p for p in first if p not in mine), None) or next((p for p in mine if p not in first), None)
+            if bad is not None or missing is not None:
+                p = bad if bad is not None else missing
+                n = len(mine.get(p, ()))  # type: ignore[arg-type]
+                msg = (
+                    f"{what} argument {k}: its spec gives placement {p} {n} blocks; fn runs once per placement, "
+                    "so every argument's spec must give each placement exactly one block."
+                )
+                raise SpecError(msg)
+        elif {p: len(v) for p, v in mine.items()} != {p: len(v) for p, v in first.items()}:
+            msg = (
+                f"{what} argument {k} does not align with argument {names[0]}: shards per placement "
+                f"{_counts(mine)} against {_counts(first)}. Aligned arrays hold the same number of shards "
+                "of each on every placement; reshard one of them first."
+            )
+            raise SpecError(msg)
+
+
+def _counts(slots: dict[Placement, tuple[int, ...]]) -> str:
+    return "{" + ", ".join(f"{p}: {len(v)}" for p, v in slots.items()) + "}"
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+def _run(
+    fn: Callable[..., Any],
+    arrays: Sequence[ShardedArray],
+    names: Sequence[int],
+    out_specs: Any,
+    pending: str | None,
+    *,
+    one_block: bool,
+    what: str,
+) -> Any:
+    names = list(names) or list(range(len(arrays)))
+    _check_aligned(arrays, names, one_block, what)
+    backend = arrays[0].backend
+    first = arrays[0].layout
+    # A replicated argument's copies may feed computations that differ per copy: sum their gradients.
+    inputs = [_regrouped(a, "sum") for a in arrays]
+    held = backend.addressable(first)
+    slot_of = _slot_index(first)
+    by_index = [dict(zip(backend.addressable(a.layout), a._data)) for a in inputs]
+
+    usage = _varying.Usage()
+
+    def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
+        results = []
+        with _varying.per_shard(backend, usage), untouched([t for a in inputs for t in a._data], what):
+            for i in held:
+                p, k = slot_of[i]
+                blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
+                results.append(((p, k), fn(*blocks)))
+        return _flatten_results(results, what)
+
+    # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where
+    # it holds none): they share what fn returned, or the error it raised.
+    inferred = not all(isinstance(s, Layout) for s in _leaf_specs(out_specs, None, what))
+    if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
+        describe = lambda r: (describe_results(r[1], r[0]), usage.ages())  # noqa: E731
+        (leaves, spec_tree), seen = agree(backend, compute, describe)
+        merged, metas = merge_results([d for d, _ in seen], what)
+        spec_tree = merged if merged is not None else spec_tree
+        used = set().union(*(keys for _, keys in seen))
+    else:
+        leaves, spec_tree = compute()
+        metas = (describe_results(spec_tree, leaves) or (None, []))[1]
+        used = set()
+    specs = _leaf_specs(out_specs, spec_tree, what)
+    if spec_tree is None:  # no slot anywhere: the structure comes from the specs
+        spec_tree = _spec_structure(out_specs)
+    if not leaves:
+        leaves = [{} for _ in specs]
+    slots = set(_slot_index(first).values())
+    outs = []
+    for n, (spec, blocks) in enumerate(zip(specs, leaves)):
+        dtype, shapes = metas[n] if n < len(metas) else (arrays[0].dtype, {})
+        link = None if held else link_without_blocks(inputs, dtype, used)
+        layout = _out_layout(spec, shapes, slots, pending, what, n)
+        outs.append(_wrap(layout, backend, blocks, link, dtype))
+    return optree.tree_unflatten(spec_tree, outs)
+
+
+def _spec_structure(out_specs: Any) -> Any:
+    if _is_spec(out_specs):
+        return optree.tree_structure(cast(Any, 0))  # a single leaf
+    return optree.tree_structure(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+
+
+def _regrouped(a: ShardedArray, mode: str) -> ShardedArray:
+    """``a`` itself, or with gradients of its copies summed or shared (when it has copies and needs grad)."""
+    if a.layout.partial is not None or not a.requires_grad or max(_autograd._copy_counts(a.layout), default=1) < 2:
+        return a
+    data, link = _autograd.regroup(a.layout, a.backend, mode, a._data, a._first())
+    return ShardedArray(a.layout, data, a.backend, a.dtype, link)
+
+
+@cached(256)
+def _slot_index(layout: Layout) -> dict[int, Slot]:
+    return {i: (p, k) for p, idx in _slots(layout).items() for k, i in enumerate(idx)}
+
+
+def _flatten_results(results: list[tuple[Slot, Any]], what: str) -> tuple[list[dict[Slot, torch.Tensor]], Any]:
+    """Per result leaf, its block at each slot held here; and the results' tree structure."""
+    tree = None
+    leaves: list[dict[Slot, torch.Tensor]] = []
+    for slot, out in results:
+        flat, spec = optree.tree_flatten(out)
+        if tree is None:
+            tree, leaves = spec, [{} for _ in flat]
+        elif spec != tree:
+            raise SpecError(f"{what} fn returned {spec} on placement {slot[0]} but {tree} elsewhere.")
+        for n, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                raise SpecError(f"{what} fn must return tensors (or a pytree of them), got a {type(t).__name__}.")
+            leaves[n][slot] = t
+    if tree is None:  # no slot here: the structure comes from the specs
+        return [], None
+    return leaves, tree
+
+
+def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
+    """One spec per result leaf: ``out_specs`` broadcast (a single spec) or matched to the results' tree."""
+    if _is_spec(out_specs):
+        return [out_specs] * (tree.num_leaves if tree is not None else 1)
+    flat, _ = optree.tree_flatten(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+    if tree is not None and tree.num_leaves != len(flat):
+        msg = f"{what} out_specs has {len(flat)} specs but fn returned {tree.num_leaves} tensors ({tree})."
+        raise SpecError(msg)
+    return flat
+
+
+def _out_layout(
+    spec: Any, shapes: dict[Slot, tuple[int, ...]], slots: set[Slot], pending: str | None, what: str, n: int
+) -> Layout:
+    """The layout of result ``n``, checked against the block shapes known here (every rank's
+    where they were exchanged) and against the slots where ``fn`` ran."""
+    if spec is None:
+        raise SpecError(f"{what} needs an out_spec for result {n}.")
+    layout = spec if isinstance(spec, Layout) else as_layout(spec, _infer_shape(spec, shapes, what, n))
+    placed = set(_slot_index(layout).values())
+    if placed != slots:
+        extra, lost = sorted(placed - slots, key=str), sorted(slots - placed, key=str)
+        where = [f"blocks on {_names(extra)}, where fn did not run"] if extra else []
+        where += [f"no block on {_names(lost)}, where fn ran"] if lost else []
+        msg = (
+            f"{what} result {n}: out_spec {spec!r} gives {' and '.join(where)}; give it the arguments' "
+            "placements, with as many blocks on each."
+        )
+        raise SpecError(msg)
+    if pending is not None and layout.partial != pending:
+        msg = (
+            f"{what} ran linearly on pending sums, so result {n} is a pending sum: give out_spec as "
+            f"fshard.Partial(...), got {spec!r}."
+        )
+        raise SpecError(msg)
+    for i, (p, k) in _slot_index(layout).items():
+        got = shapes.get((p, k))
+        if got is not None and got != layout._shard(i).sizes:
+            msg = (
+                f"{what} result {n} on placement {p} has shape {got} but out_spec gives that block "
+                f"sizes {layout._shard(i).sizes} (global shape {layout.shape})."
+            )
+            raise SpecError(msg)
+    return layout
+
+
+def _names(slots: list[Slot]) -> str:
+    return "[" + ", ".join(f"{p}#{k}" if k else str(p) for p, k in slots) + "]" if slots else "no placement"
+
+
+def _infer_shape(spec: Any, shapes: dict[Slot, tuple[int, ...]], what: str, n: int) -> tuple[int, ...]:
+    """The global shape at which ``spec`` gives every slot the shape of its block."""
+    inner = spec.spec if isinstance(spec, Partial) else spec
+    if isinstance(inner, Layout):
+        return inner.shape
+    ndims = {len(s) for s in shapes.values()}
+    if len(ndims) > 1:
+        raise SpecError(f"{what} result {n} has blocks with different numbers of dims: {sorted(ndims)}.")
+    ndim = ndims.pop() if ndims else 0
+    if isinstance(inner, Explicit):
+        return tuple(max((m.offsets[d] + m.sizes[d] for m in inner.shards), default=0) for d in range(ndim))
+    probe = as_layout(inner, (_PROBE,) * ndim)
+    slots = _slot_index(probe)
+    shape = []
+    for d in range(ndim):
+        seen: dict[int, int] = {}
+        for i, m in enumerate(probe.shards):
+            if m.sizes[d] and m.offsets[d] not in seen and slots[i] in shapes:
+                seen[m.offsets[d]] = shapes[slots[i]][d]
+        shape.append(sum(seen.values()))
+    return tuple(shape)
+
+
+def _wrap(
+    layout: Layout, backend: Any, blocks: dict[Slot, torch.Tensor], link: torch.Tensor | None, dtype: torch.dtype
+) -> ShardedArray:
+    slots = _slot_index(layout)
+    data = tuple(blocks[slots[i]] for i in backend.addressable(layout))
+    if not data:
+        return ShardedArray(layout, (), backend, dtype, link)
+    out = ShardedArray(layout, data, backend)
+    # A replicated result's copies were computed once each: together they count once.
+    return _regrouped(out, "share")

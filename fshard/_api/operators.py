@@ -1,0 +1,230 @@
+"""Operators on ``ShardedArray``: elementwise arithmetic and comparisons, and ``sum``.
+
+Arithmetic between two arrays of one layout, or with a Python number, is
+``map_local``. A pending sum (``Partial``) takes part only where the operation is
+linear in it, so no function ever runs on summands as if they were the value:
+``p + q`` and ``p - q`` (both pending sums of one layout), ``p * c``, ``p / c``,
+``-p`` and ``p * x`` / ``p / x`` with ``x`` an array of the same boxes that is not
+partial. Everything else on a pending reduction raises ``SpecError`` with the fix.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fshard._array.array import ShardedArray
+from fshard._errors import SpecError
+from fshard._layout.layout import Layout, ShardMeta, with_partial
+
+__all__ = ["array_sum", "install"]
+
+_NUMBERS = (bool, int, float, complex)
+
+# How each operator treats a pending sum: "add" (both operands pending, or neither),
+# "scale" (one pending operand, the other a number or a non-partial array), "divide"
+# (the pending operand on the left), or None (never).
+_BINARY: dict[str, tuple[Callable[[Any, Any], Any], str, str | None]] = {
+    "add": (operator.add, "+", "add"),
+    "sub": (operator.sub, "-", "add"),
+    "mul": (operator.mul, "*", "scale"),
+    "truediv": (operator.truediv, "/", "divide"),
+    "pow": (operator.pow, "**", None),
+    "eq": (torch.eq, "==", None),
+    "ne": (torch.ne, "!=", None),
+    "lt": (torch.lt, "<", None),
+    "le": (torch.le, "<=", None),
+    "gt": (torch.gt, ">", None),
+    "ge": (torch.ge, ">=", None),
+}
+
+
+def _refuse(symbol: str, x: ShardedArray) -> SpecError:
+    return SpecError(
+        f"Cannot apply {symbol} to a pending {x.layout.partial} (Partial) here: it would act on the summands, "
+        "not on their reduction. Reshard it to a non-partial spec first (fshard.reshard(x, spec) reduces it)."
+    )
+
+
+def _linear(rule: str | None, symbol: str, left: Any, right: Any) -> bool:
+    """Whether the operation runs linearly on pending sums; raises where it would be wrong."""
+    arrays = [x for x in (left, right) if isinstance(x, ShardedArray)]
+    pending = [x for x in arrays if x.layout.partial is not None]
+    if not pending:
+        return False
+    if any(x.layout.partial != "sum" for x in pending) or rule is None:
+        raise _refuse(symbol, pending[0])
+    if rule == "add" and len(pending) != 2:
+        raise _refuse(symbol, pending[0])
+    if rule in ("scale", "divide") and len(pending) != 1:
+        raise _refuse(symbol, pending[0])
+    if rule == "divide" and left is not pending[0]:  # (left, right) are already in written order
+        raise _refuse(symbol, pending[0])
+    return True
+
+
+def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any], Any]:
+    fn, symbol, rule = _BINARY[name]
+
+    def method(self: ShardedArray, other: Any) -> Any:
+        from fshard._api.move import map_local
+
+        left, right = (other, self) if reflected else (self, other)
+        if isinstance(other, ShardedArray):
+            if with_partial(self.layout, None) != with_partial(other.layout, None):
+                msg = (
+                    f"Operands of {symbol} have different layouts (shapes {tuple(left.shape)} and "
+                    f"{tuple(right.shape)}): reshard one to the other's first, fshard.reshard(b, a.layout)."
+                )
+                raise SpecError(msg)
+            linear = _linear(rule, symbol, left, right)
+            return map_local(fn, left, right, linear=linear)
+        if isinstance(other, _NUMBERS):
+            linear = _linear(rule, symbol, left, right)
+            if reflected:
+                return map_local(lambda t: fn(other, t), self, linear=linear)
+            return map_local(lambda t: fn(t, other), self, linear=linear)
+        return NotImplemented
+
+    method.__name__ = f"__{'r' if reflected else ''}{name}__"
+    method.__doc__ = f"``{symbol}`` shard by shard (see ``fshard._api.operators``)."
+    return method
+
+
+def _neg(self: ShardedArray) -> ShardedArray:
+    """Unary minus, shard by shard (linear, so a pending sum stays one)."""
+    from fshard._api.move import map_local
+
+    if self.layout.partial not in (None, "sum"):
+        raise _refuse("unary -", self)
+    return map_local(operator.neg, self, linear=self.layout.partial is not None)
+
+
+def _bool(self: ShardedArray) -> bool:
+    msg = (
+        "The truth value of a ShardedArray is ambiguous: compare with fshard.equal(a, b), "
+        "or gather() and use torch's reductions."
+    )
+    raise TypeError(msg)
+
+
+def install() -> None:
+    """Adds the operators to ``ShardedArray``."""
+    for name in _BINARY:
+        setattr(ShardedArray, f"__{name}__", _binary(name))
+        if name in ("add", "sub", "mul", "truediv", "pow"):
+            setattr(ShardedArray, f"__r{name}__", _binary(name, reflected=True))
+    ShardedArray.__neg__ = _neg  # type: ignore[method-assign]
+    ShardedArray.__bool__ = _bool  # type: ignore[method-assign,assignment]
+    ShardedArray.__hash__ = object.__hash__  # type: ignore[method-assign,assignment]  # identity, as torch.Tensor
+    ShardedArray.sum = array_sum  # type: ignore[attr-defined]
+
+
+# -- sum ------------------------------------------------------------------------------------
+
+
+def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> ShardedArray:
+    """The sum over ``dim`` (every dim by default), as a ``ShardedArray``.
+
+    Each shard sums its own box. Over dims that no shard splits the result keeps the
+    layout (replicas stay replicas); over a split dim the shards' sums are partial, so
+    the result is a pending sum (``Partial``) with one summand per placement and box,
+    each element counted once: ``gather`` or ``reshard`` completes it.
+
+    >>> import torch, fshard
+    >>> x = fshard.shard(torch.arange(12.0).reshape(4, 3), fshard.Chunk(0, [0, 1]))
+    >>> s = x.sum(0)
+    >>> s.layout.partial, fshard.gather(s).tolist()
+    ('sum', [18.0, 22.0, 26.0])
+    >>> fshard.gather(x.sum(1)).tolist()
+    [3.0, 12.0, 21.0, 30.0]
+    """
+    layout = self.layout
+    if layout.partial not in (None, "sum"):
+        raise _refuse("sum()", self)
+    dims = _dims(dim, layout.ndim)
+    # A shard is split along the summed dims if it does not span them whole and its sum is
+    # not empty: an empty shard whose projection holds elements would be a replica of zeros.
+    kept = [s for s in layout.shards if 0 not in _project(s.sizes, dims, keepdim, True)]
+    split = any(s.sizes[d] != layout.shape[d] for s in kept for d in dims)
+    if not split and layout.partial is None:
+        from fshard._api.move import map_local
+
+        out = Layout(
+            _project(layout.shape, dims, keepdim, full=True),
+            [_project_meta(s, dims, keepdim) for s in layout.shards],
+        )
+        return map_local(lambda t: t.sum(dim=dims, keepdim=keepdim), self, out_spec=out)
+    return _partial_sum(self, dims, keepdim)
+
+
+def _dims(dim: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    out = []
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) or not -ndim <= d < max(ndim, 1):
+            msg = f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {d})"
+            raise IndexError(msg)
+        out.append(d % ndim if ndim else 0)
+    if len(set(out)) != len(out):
+        raise SpecError(f"sum() got dim {dim!r}, which names a dim twice.")
+    return tuple(sorted(out))
+
+
+def _project(values: tuple[int, ...], dims: tuple[int, ...], keepdim: bool, full: bool) -> tuple[int, ...]:
+    """``values`` (a shape, offsets or sizes) with ``dims`` dropped, or set to 1 (0 for offsets)."""
+    if keepdim:
+        return tuple((1 if full else 0) if d in dims else v for d, v in enumerate(values))
+    return tuple(v for d, v in enumerate(values) if d not in dims)
+
+
+def _project_meta(s: ShardMeta, dims: tuple[int, ...], keepdim: bool) -> ShardMeta:
+    return ShardMeta(_project(s.offsets, dims, keepdim, False), _project(s.sizes, dims, keepdim, True), s.placement)
+
+
+def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> ShardedArray:
+    """The per-shard sums as a pending sum: one summand per (placement, box), each element once."""
+    from fshard._api.map import _regrouped
+
+    layout, backend = x.layout, x.backend
+    # Of a value's replicas only the first contributes; their gradients are then summed to all.
+    x = _regrouped(x, "sum")
+    keys: dict[tuple[Any, ...], ShardMeta] = {}
+    contributors: list[tuple[int, tuple[Any, ...]]] = []
+    seen: set[tuple[Any, ...]] = set()
+    for i, s in enumerate(layout.shards):
+        box = (s.offsets, s.sizes)
+        if 0 in s.sizes or (layout.partial is None and box in seen):
+            continue
+        seen.add(box)
+        meta = _project_meta(s, dims, keepdim)
+        key = (meta.offsets, meta.sizes, s.placement)
+        keys.setdefault(key, meta)
+        contributors.append((i, key))
+    try:
+        out = Layout(_project(layout.shape, dims, keepdim, True), tuple(keys.values()), "sum")
+    except ValueError as exc:  # a LayoutError: the projected boxes overlap without being equal
+        msg = (
+            f"sum(dim={dims}) of {layout!r}: its shards split the other dims differently along the summed dims, "
+            "so their sums do not form a layout; reshard to a spec that splits only the summed dims first."
+        )
+        raise SpecError(msg) from exc
+    data = dict(zip(backend.addressable(layout), x._data))
+    totals: dict[tuple[Any, ...], torch.Tensor] = {}
+    for i, key in contributors:
+        if i in data:
+            part = data[i].sum(dim=dims, keepdim=keepdim)
+            totals[key] = part if key not in totals else totals[key] + part
+    index = {(m.offsets, m.sizes, m.placement): j for j, m in enumerate(out.shards)}
+    mine = backend.addressable(out)
+    by_index = {index[k]: t for k, t in totals.items()}
+    tensors = tuple(by_index[j] for j in mine)
+    return ShardedArray(out, tensors, backend, x.dtype, None if tensors else x._link_view())
+
+
+install()

@@ -1,0 +1,1 @@
+"""Layer 3: ``ShardedArray``, the value users hold."""

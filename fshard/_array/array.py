@@ -1,0 +1,312 @@
+"""``ShardedArray``: an immutable value of local shards plus global layout metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import optree
+import optree.registry
+import torch
+import torch.utils._pytree as torch_pytree
+
+from fshard._base.compile import batched_layout
+from fshard._errors import LayoutError
+from fshard._layout.layout import Layout, ShardMeta
+
+__all__ = ["Shard", "ShardedArray"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Shard:
+    """One box of a global array (``meta``) and the tensor holding it (``data``)."""
+
+    meta: ShardMeta
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.meta, ShardMeta):
+            raise TypeError(f"Shard meta must be a ShardMeta, got {type(self.meta).__name__}: {self.meta!r}.")
+        if not isinstance(self.data, torch.Tensor):
+            raise TypeError(f"Shard data must be a torch.Tensor, got {type(self.data).__name__}.")
+        if tuple(self.data.shape) != self.meta.sizes:
+            msg = f"Shard data has shape {tuple(self.data.shape)} but its box has sizes {self.meta.sizes}."
+            raise LayoutError(msg)
+
+
+class ShardedArray:
+    """A global array as local shards plus a ``Layout``; immutable, a pytree node.
+
+    Build one with ``fshard.shard``, a creation function or ``from_local_shards*``;
+    change it only by calling a function that returns a new array.
+
+    As a pytree, its leaves are the addressable shards' tensors. A process that holds
+    no shard of it (under torch_dist) has one leaf instead: a 0-element tensor of its
+    dtype that carries its autograd history, so that the process still takes part in
+    every collective of a backward pass through the array.
+
+    >>> import torch, fshard
+    >>> x = fshard.shard(torch.arange(6.0).reshape(2, 3), fshard.Chunk(1, [0, 1]))
+    >>> x.shape, x.size(-1), [s.data.shape for s in x.addressable_shards]
+    (torch.Size([2, 3]), 3, [torch.Size([2, 2]), torch.Size([2, 1])])
+    """
+
+    __slots__ = ("_backend", "_data", "_dtype", "_layout", "_link")
+    _layout: Layout
+    _data: tuple[torch.Tensor, ...]
+    _backend: Any
+    _dtype: torch.dtype
+    # The link: on a process that holds no shard of the array, a 0-element tensor that
+    # carries the dtype and the autograd history, so that this process joins every
+    # backward collective of the array (``None`` where there are shards, which carry
+    # both). Only this class makes or reads it: ``_first`` hands it to a movement as the
+    # tensor that stands for the array, and the constructor takes the movement's.
+    _link: torch.Tensor | None
+
+    def __init__(
+        self,
+        layout: Layout,
+        data: Sequence[torch.Tensor],
+        backend: Any,
+        dtype: torch.dtype | None = None,
+        link: torch.Tensor | None = None,
+        *,
+        requires_grad: bool = False,
+    ) -> None:
+        """An array of this process's shard tensors ``data`` (in ``backend.addressable(layout)``
+        order). Where ``data`` is empty, ``dtype`` gives the dtype and ``link`` the link: the one
+        a movement returned, or (``None``) a new leaf that requires grad if ``requires_grad``
+        does; where there is data, ``link`` is not needed and is dropped."""
+        if not isinstance(layout, Layout):
+            raise TypeError(f"ShardedArray layout must be a Layout, got {type(layout).__name__}.")
+        if not callable(getattr(backend, "addressable", None)):
+            raise TypeError(f"ShardedArray backend must be an fshard backend, got {type(backend).__name__}.")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"ShardedArray dtype must be a torch.dtype or None, got {dtype!r}.")
+        if isinstance(data, torch.Tensor) or not isinstance(data, Iterable):
+            raise TypeError(f"ShardedArray data must be a sequence of tensors, got {type(data).__name__}.")
+        data = tuple(data)
+        index = backend.addressable(layout)
+        if len(data) != len(index):
+            msg = f"Expected {len(index)} addressable shard tensors for {layout!r}, got {len(data)}."
+            raise LayoutError(msg)
+        for i, t in zip(index, data):
+            _check_tensor(layout, i, t)
+        if len({t.dtype for t in data}) > 1:
+            msg = f"Shard tensors have different dtypes {[t.dtype for t in data]}: give every shard one dtype."
+            raise LayoutError(msg)
+        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "_data", data)
+        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "_dtype", data[0].dtype if data else (dtype or torch.get_default_dtype()))
+        if data:
+            link = None
+        elif link is None:
+            link = _new_link(self._dtype, requires_grad)
+        elif link.numel():
+            msg = f"A ShardedArray with no shard here has a 0-element link, got one of shape {tuple(link.shape)}."
+            raise LayoutError(msg)
+        object.__setattr__(self, "_link", link)
+
+    @classmethod
+    def _of(
+        cls, layout: Layout, data: tuple[torch.Tensor, ...], backend: Any, dtype: torch.dtype, link: torch.Tensor
+    ) -> ShardedArray:
+        """An array from a movement's results, which fit ``layout`` by construction: ``__init__``
+        without its checks (a movement of a small array should not pay for them)."""
+        out = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(out, "_layout", layout)
+        set_(out, "_data", data)
+        set_(out, "_backend", backend)
+        set_(out, "_dtype", data[0].dtype if data else dtype)
+        set_(out, "_link", None if data else link)
+        return out
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        msg = f"ShardedArray is immutable: cannot set {name!r}; fshard functions return new arrays."
+        raise AttributeError(msg)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"ShardedArray is immutable: cannot delete {name!r}.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShardedArray, (self._layout, self._data, self._backend, self._dtype))
+
+    def __repr__(self) -> str:
+        from fshard._array.repr import array_repr
+
+        return array_repr(self)
+
+    @property
+    def layout(self) -> Layout:
+        """The global layout metadata."""
+        return self._layout
+
+    @property
+    def backend(self) -> Any:
+        """The backend that holds the addressable shards."""
+        return self._backend
+
+    @property
+    def shape(self) -> torch.Size:
+        """Global shape."""
+        return torch.Size(self._layout.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return self._layout.ndim
+
+    def dim(self) -> int:
+        """Number of dimensions (torch spelling)."""
+        return self._layout.ndim
+
+    def size(self, dim: int | None = None) -> Any:
+        """The global shape, or its extent along ``dim`` (negative dims count from the end).
+
+        Raises:
+            IndexError: "Dimension out of range" for a ``dim`` outside ``[-ndim, ndim)``.
+        """
+        if dim is None:
+            return self.shape
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"size() dim must be an int or None, got {dim!r} ({type(dim).__name__}).")
+        n = self.ndim
+        if not -n <= dim < n:
+            msg = f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})"
+            raise IndexError(msg)
+        return self._layout.shape[dim]
+
+    def numel(self) -> int:
+        """Number of elements of the global array."""
+        return self._layout.numel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type (every shard has it)."""
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the first addressable shard (each shard sits on its placement's device)."""
+        return self._first().device
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the shards take part in autograd (on every process, including one without shards)."""
+        if self._link is not None:
+            return self._link.requires_grad
+        return any(t.requires_grad for t in self._data)
+
+    @property
+    def addressable_shards(self) -> tuple[Shard, ...]:
+        """The shards held by this process: all of them (local) or this rank's (torch_dist)."""
+        idx = self._backend.addressable(self._layout)
+        return tuple(Shard(self._layout._shard(i), t) for i, t in zip(idx, self._data))
+
+    @property
+    def addressable_data(self) -> tuple[torch.Tensor, ...]:
+        """The tensors of ``addressable_shards``."""
+        return self._data
+
+    def local_tensor(self) -> torch.Tensor:
+        """The one addressable shard's tensor.
+
+        It is the array's own storage, not a copy (as are the tensors of
+        ``addressable_shards`` and ``addressable_data``), and other values may share
+        it: the tensors given to ``from_local_shards*`` are the shards themselves, a
+        no-op ``reshard`` returns its input, and a ``map_local`` of ``lambda t: t``
+        shares its input's shards. Treat it as read-only: an in-place write changes
+        every array and tensor that shares it. ``map_local`` and ``shard_map`` raise
+        ``SpecError`` when their function writes into an input block; for a private
+        copy, ``.clone()``.
+
+        >>> import torch, fshard
+        >>> mine = torch.zeros(2)
+        >>> lay = fshard.Single(0).layout((2,))
+        >>> a = fshard.from_local_shards_and_layout([fshard.Shard(lay.shards[0], mine)], lay)
+        >>> a.local_tensor() is mine
+        True
+
+        Raises:
+            NotImplementedError: "Only single local shard is supported." otherwise.
+        """
+        if len(self._data) != 1:
+            msg = f"Only single local shard is supported. This process holds {len(self._data)}; use addressable_shards."
+            raise NotImplementedError(msg)
+        return self._data[0]
+
+    def _first(self) -> torch.Tensor:
+        """The tensor that stands for this array in a movement (its dtype, device and autograd
+        history): the first shard, or the link."""
+        return self._link if self._link is not None else self._data[0]
+
+    def _link_view(self) -> torch.Tensor:
+        """A 0-element view of ``_first()``: the link of a result computed from this array
+        that holds no shard on this process."""
+        return self._first().reshape(-1)[:0]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        msg = (
+            f"torch.{name} is not supported for ShardedArray: apply it to the shards with "
+            "fshard.map_local, or gather() first."
+        )
+        raise TypeError(msg)
+
+
+def _new_link(dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
+    """The link of an array built from nothing on a process without shards (a leaf)."""
+    return torch.empty(0, dtype=dtype, requires_grad=requires_grad and (dtype.is_floating_point or dtype.is_complex))
+
+
+def _check_tensor(layout: Layout, i: int, t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        msg = f"Shard {i} of a ShardedArray must be a torch.Tensor, got {type(t).__name__}."
+        raise TypeError(msg)
+    sizes = tuple(layout._sz[i].tolist())
+    if tuple(t.shape) != sizes:
+        msg = (
+            f"Shard {i} tensor has shape {tuple(t.shape)} but the layout gives it sizes "
+            f"{sizes}: a pytree transform must keep every shard's shape."
+        )
+        raise LayoutError(msg)
+
+
+def _children(x: ShardedArray) -> tuple[torch.Tensor, ...]:
+    """The pytree children: the addressable shards, or the link on a process that holds none."""
+    return x._data if x._link is None else (x._link,)
+
+
+def _flatten(x: ShardedArray) -> tuple[tuple[torch.Tensor, ...], tuple[Layout, Any, torch.dtype]]:
+    return _children(x), (x._layout, x._backend, x._dtype)
+
+
+def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedArray:
+    children = tuple(children)
+    layout, backend, dtype = aux
+    if all(isinstance(c, torch.Tensor) for c in children):
+        layout = batched_layout(layout, children, backend.addressable(layout)) or layout
+        if backend.addressable(layout) or len(children) != 1:
+            return ShardedArray(layout, children, backend, dtype)
+        return ShardedArray(layout, (), backend, dtype, children[0])
+    # Tree utilities also rebuild nodes around other leaves (torch.func's in_dims trees hold
+    # ints and None): such a node is a container of those leaves, unchecked, as JAX asks.
+    node = object.__new__(ShardedArray)
+    for name, value in zip(("_layout", "_data", "_backend", "_dtype"), (layout, children, backend, dtype)):
+        object.__setattr__(node, name, value)
+    object.__setattr__(node, "_link", None)
+    return node
+
+
+_GLOBAL = getattr(optree.registry, "__GLOBAL_NAMESPACE", "fshard")
+optree.register_pytree_node(ShardedArray, _flatten, lambda aux, ch: _unflatten(aux, ch), namespace=_GLOBAL)  # type: ignore[arg-type]
+torch_pytree.register_pytree_node(
+    ShardedArray,
+    lambda x: (list(_children(x)), (x._layout, x._backend, x._dtype)),
+    lambda children, aux: _unflatten(aux, children),  # torch passes (children, context)
+    serialized_type_name="fshard.ShardedArray",
+)

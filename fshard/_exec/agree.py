@@ -1,0 +1,124 @@
+"""Outcomes of per-block functions that every process must share.
+
+``map_local`` and ``shard_map`` run a user function on the blocks a process holds.
+A process that holds no block of the arguments cannot know the result's dtype or
+shape, and a function that raises on one process only would leave the others
+waiting in the next collective. Where either can happen, every process runs
+``agree``: it exchanges a description of what its function returned (or the error
+it raised), so all processes learn the same metadata or all raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from fshard._exec import gathered as _varying
+from fshard._errors import SpecError
+from fshard._layout.layout import Layout
+
+__all__ = ["agree", "describe_results", "holds_nothing_somewhere", "link_without_blocks", "merge_results", "untouched"]
+
+Meta = tuple[torch.dtype, dict[Any, tuple[int, ...]]]
+
+T = TypeVar("T")
+
+
+def holds_nothing_somewhere(backend: Any, layout: Layout) -> bool:
+    """Whether some process of a multi-process ``backend`` holds no shard of ``layout``.
+
+    Every process computes the same answer from the layout alone, so it can decide
+    whether all of them join an exchange.
+    """
+    return backend.spans_processes and len(layout.ranks) < backend.world_size
+
+
+def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) -> tuple[T, list[Any]]:
+    """``compute()`` here, and every process's ``describe`` of its result, in rank order.
+
+    A collective on a multi-process ``backend``: if ``compute`` or ``describe`` raised
+    on any process, every process raises, its own error where it had one, else that
+    of the lowest rank that failed (with a note naming that rank).
+    """
+    try:
+        result = compute()
+        mine = ("ok", describe(result))
+    except Exception as exc:
+        backend.exchange(("error", _portable(exc)))
+        raise
+    seen = backend.exchange(mine)
+    for rank, (kind, value) in zip(backend.ranks, seen):
+        if kind == "error":
+            value.add_note(f"(raised on rank {rank}; this rank's function returned)")
+            raise value
+    return result, [value for _, value in seen]
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` if it survives pickling (the exchange pickles it), else a ``RuntimeError`` naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+@contextlib.contextmanager
+def untouched(tensors: Sequence[torch.Tensor], what: str) -> Iterator[None]:
+    """Raises ``SpecError`` if the code in the block wrote into any of ``tensors`` in place.
+
+    A tensor's version counter (shared with its views) counts in-place writes, so a
+    per-block function that mutated its input block is caught, not silently obeyed.
+    """
+    before = [t._version for t in tensors]
+    yield
+    for t, version in zip(tensors, before):
+        if t._version != version:
+            msg = (
+                f"{what} fn wrote into an input block in place (an in-place op such as t.mul_(10), or out=): "
+                "ShardedArray values are immutable, and other arrays and tensors may share that memory. "
+                "Return a new tensor instead (t * 10)."
+            )
+            raise SpecError(msg)
+
+
+def describe_results(tree: Any, leaves: Sequence[dict[Any, torch.Tensor]]) -> tuple[Any, list[Meta]] | None:
+    """What fn returned on this process, as plain data: its tree, and per leaf the dtype and
+    the shape of the block at each key (a shard index or a slot); ``None`` where it ran on nothing."""
+    if tree is None:
+        return None
+    return tree, [(next(iter(b.values())).dtype, {k: tuple(t.shape) for k, t in b.items()}) for b in leaves]
+
+
+def merge_results(seen: Sequence[Any], what: str) -> tuple[Any, list[Meta]]:
+    """One tree, and per leaf one dtype and every process's block shapes, from the processes'
+    ``describe_results`` (``(None, [])`` when fn ran nowhere).
+
+    Raises:
+        SpecError: fn returned different trees, or different dtypes for a leaf, on different ranks.
+    """
+    held = [d for d in seen if d is not None]
+    if not held:
+        return None, []
+    tree = held[0][0]
+    other = next((d[0] for d in held if d[0] != tree), None)
+    if other is not None:
+        raise SpecError(f"{what} fn returned {tree} on some ranks and {other} on others; return one structure.")
+    metas = []
+    for n in range(tree.num_leaves):
+        kinds = {d[1][n][0] for d in held}
+        if len(kinds) > 1:
+            raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks; return one.")
+        metas.append((kinds.pop(), {k: shape for d in held for k, shape in d[1][n][1].items()}))
+    return tree, metas
+
+
+def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int]) -> torch.Tensor:
+    """A result's 0-element link where fn ran on no block: it joins every argument's link and the
+    gathered tensors fn used on other ranks, so that backward reaches what it reaches there."""
+    return _varying.join(functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype), used)

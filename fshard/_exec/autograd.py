@@ -1,0 +1,346 @@
+"""Differentiable data movement. Every movement is one of three autograd functions, and
+the backward of each runs the opposite movement on the gradients:
+
+- ``Move`` (plan ``A -> B``): backward runs plan ``B -> A``;
+- ``Scatter`` (a global tensor sliced into shards): backward assembles the gradient;
+- ``Assemble`` (shards into a global tensor): backward slices the gradient.
+
+A replicated value is one value: its copies carry equal gradients, and a backward
+reads one copy rather than summing them (JAX and DTensor do the same). The copies of
+a pending sum (``Layout.partial``) are summands: the gradient of each is the gradient
+of their sum, so the backward of a move between layouts with pending sums is the
+opposite move with every copy read as a replica (a reduction's backward broadcasts). The forward
+and the backward of each function are themselves movements, so gradients of any
+order work, and each function also has a forward-mode rule (``jvp``) and a batching
+rule (``vmap``: the batch becomes a leading dim that no shard splits), which is what
+``torch.func`` transforms need. docs/autograd.md states the semantics op by op.
+Where nothing can observe a derivative (no input requires grad or grad mode is
+off, no forward-mode level, no ``torch.func`` transform), a movement runs its
+forward alone: the same tensors, without the autograd Function's per-call cost.
+
+Each movement also takes and returns a 0-element "link" tensor. On a process that
+holds no shard of an array (torch_dist), the link is the array's one pytree leaf and
+carries its autograd history and batching, so that the process runs the same backward
+and batched collectives as the processes that hold shards.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as _forward_ad
+
+from fshard._exec import gathered as _varying
+from fshard._errors import SpecError
+from fshard._layout.layout import Layout, ShardMeta, with_partial
+from fshard._plan.plan import plan
+
+__all__ = ["assemble", "move", "scatter"]
+
+
+def _stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor that only carries a dtype and a device to the backend."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def _dense(layout: Layout, backend: Any, grads: Sequence[Any], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``grads`` with every missing (``None``) entry replaced by zeros of its shard's size."""
+    idx = backend.addressable(layout)
+    return tuple(
+        torch.zeros(layout._shard(i).sizes, dtype=like.dtype, device=like.device) if g is None else g
+        for i, g in zip(idx, grads)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _batched(layout: Layout, n: int) -> Layout:
+    """``layout`` with a leading dim of size ``n`` that every shard spans whole."""
+    shards = tuple(ShardMeta((0, *s.offsets), (n, *s.sizes), s.placement) for s in layout.shards)
+    return Layout((n, *layout.shape), shards, layout.partial)
+
+
+def _linear(src: Layout, dst: Layout, what: str) -> tuple[Layout, Layout]:
+    """The layouts of the opposite (or same) move of gradients: copies read as replicas.
+
+    Raises:
+        SpecError: for a pending max or min, whose derivative this move cannot give.
+    """
+    for x in (src, dst):
+        if x.partial in ("max", "min"):
+            msg = (
+                f"The {what} of a pending {x.partial} is not supported: a max/min reduction is not linear. "
+                "Reduce it with fshard.gather or reshard outside the differentiated function, or use a sum."
+            )
+            raise SpecError(msg)
+    return with_partial(src, None), with_partial(dst, None)
+
+
+def _lead(t: torch.Tensor, dim: int | None, n: int) -> torch.Tensor:
+    """``t`` with its batch dim first (an unbatched ``t`` is broadcast along a new one)."""
+    return t.expand(n, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
+def _link_of(like: torch.Tensor) -> torch.Tensor:
+    """A new 0-element output: autograd makes it require grad when any input does."""
+    return like.new_empty((0,))
+
+
+def _carrier(grads: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-element slice of the incoming gradients (or tangents), for a backward's own movement.
+
+    It passes on what the gradients carry besides values: their batching under
+    ``torch.func.vmap`` (so a process without shards runs the batched collective too)
+    and their history (for gradients of gradients).
+    """
+    g = next((g for g in grads if g is not None), None)
+    return _stand_in(dtype, device) if g is None else g.unsqueeze(0)[:0].reshape(0)  # a view: nothing is copied
+
+
+def _link_grad(ctx: Any, k: int, carrier: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of input ``k`` (``like``) when it is a 0-element link with history.
+
+    A process without shards reaches the backward collectives through it; a real
+    shard passed as ``like`` gets its gradient through its own slot instead.
+    """
+    if not ctx.needs_input_grad[k] or ctx.like_shape.numel():
+        return None
+    return carrier.reshape(ctx.like_shape)
+
+
+def _observed(args: Sequence[Any]) -> bool:
+    """Whether a derivative or a ``torch.func`` transform can see a movement of ``args``.
+
+    A gradient (grad mode on and an input that requires grad), a forward-mode level
+    or an active transform needs the autograd Function; otherwise its forward alone
+    gives the same tensors without the Function's per-call cost.
+    """
+    if torch.is_grad_enabled():
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                return True
+    return torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0
+
+
+def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``, or ``fn.forward(*args)`` where nothing can observe the difference."""
+    if _observed(args):
+        return fn.apply(*args)
+    return fn.forward(*args)
+
+
+def _holds_result(backend: Any, dst: int | None) -> bool:
+    """Whether this process receives the result of a gather to ``dst``."""
+    return dst is None or backend.holds(dst)
+
+
+class _Move(torch.autograd.Function):
+    @staticmethod
+    def forward(src: Layout, dst: Layout, backend: Any, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        return (*backend.execute(plan(src, dst), tensors, like), _link_of(like))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        src, dst, backend, like = inputs[:4]
+        ctx.args = (src, dst, backend, like.dtype, like.device)
+        ctx.like_shape = like.shape
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        src, dst, backend, dtype, device = ctx.args
+        like = _carrier(grads, dtype, device)
+        to, frm = _linear(src, dst, "gradient")
+        back, _ = move(frm, to, backend, _dense(dst, backend, grads[:-1], like), like)
+        return (None, None, None, _link_grad(ctx, 3, like), *back)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        src, dst, backend, dtype, device = ctx.args
+        like = _carrier(tangents[3:], dtype, device)
+        _linear(src, dst, "forward derivative")
+        out, link = move(src, dst, backend, _dense(src, backend, tangents[4:], like), like)
+        return (*out, link)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        src, dst, backend, like, *tensors = args
+        n = info.batch_size
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
+        out, link = move(_batched(src, n), _batched(dst, n), backend, lead, _stand_in(like.dtype, like.device))
+        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
+        return (*backend.scatter(full, layout, src), _link_of(full))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        layout, backend, src, full = inputs
+        ctx.args = (layout, backend, src, full.dtype, full.device)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        layout, backend, src, dtype, device = ctx.args
+        like = _carrier(grads, dtype, device)
+        return None, None, None, assemble(layout, backend, _dense(layout, backend, grads[:-1], like), like, src)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        layout, backend, src, dtype, device = ctx.args
+        full = tangents[3] if tangents[3] is not None else _stand_in(dtype, device)
+        out, link = scatter(full, layout, backend, src)
+        return (*out, link)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        layout, backend, src, full = args
+        n = info.batch_size
+        out, link = scatter(_lead(full, in_dims[3], n), _batched(layout, n), backend, src)
+        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+
+
+class _Assemble(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        layout: Layout, backend: Any, dst: int | None, parts: Any, like: torch.Tensor, *tensors: torch.Tensor
+    ) -> Any:
+        out = backend.assemble(layout, tensors, like, dst)
+        # Off rank dst the result is an empty stand-in: the backward still needs a node here.
+        return out if out is not None else like.new_empty((0,))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        layout, backend, dst, parts, like = inputs[:5]
+        ctx.args = (layout, backend, dst, like.dtype, like.device)
+        ctx.parts = parts
+        ctx.like_shape = like.shape
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        layout, backend, dst = ctx.args[:3]
+        grad = grads[0]
+        if ctx.parts is not None:  # uses inside per-shard functions: their parts summed over ranks
+            grad = ctx.parts.total(grad, backend)
+        # Off rank dst the gradient is that of the 0-element stand-in: it only gives the dtype.
+        shards, _ = scatter(grad, layout, backend, dst)
+        return (None, None, None, None, _link_grad(ctx, 4, _carrier(grads, *ctx.args[3:])), *shards)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        layout, backend, dst, dtype, device = ctx.args
+        like = _carrier(tangents[4:], dtype, device)
+        return _Assemble.apply(layout, backend, dst, None, like, *_dense(layout, backend, tangents[5:], like))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        layout, backend, dst, _parts, like, *tensors = args
+        n = info.batch_size
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[5:]))
+        out = _Assemble.apply(_batched(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
+        return (out, 0) if _holds_result(backend, dst) else (out.new_empty((n, 0)), 0)
+
+
+def move(
+    src: Layout, dst: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The addressable shards of ``dst`` filled from those of ``src`` (differentiable), and the link.
+
+    The link is a 0-element tensor that carries the autograd history on a process
+    that holds no shard of ``dst`` (see ``ShardedArray``); ``like`` is the source's.
+    """
+    *out, link = _run(_Move, src, dst, backend, like, *tensors)
+    return tuple(out), link
+
+
+def scatter(
+    full: torch.Tensor, layout: Layout, backend: Any, src: int | None
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The addressable shards of ``layout`` sliced from ``full`` (differentiable), and the link."""
+    *out, link = _run(_Scatter, layout, backend, src, full)
+    return tuple(out), link
+
+
+def assemble(
+    layout: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
+) -> torch.Tensor | None:
+    """The global tensor from the addressable shards of ``layout`` (differentiable).
+
+    ``None`` on a process other than rank ``dst`` (torch_dist). On a multi-process
+    backend, the result of a gather to every rank is marked so that its uses inside
+    per-shard functions add up over the ranks in its gradient (``fshard._exec.gathered``).
+    """
+    parts = None
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (like, *tensors))
+    if dst is None and backend.spans_processes and needs_grad:
+        parts = _varying.Parts()
+    out = _run(_Assemble, layout, backend, dst, parts, like, *tensors)
+    if parts is not None:
+        _varying.register(out, parts)
+    return out if _holds_result(backend, dst) else None
+
+
+class _Regroup(torch.autograd.Function):
+    """Identity forward; backward reads the copies of ``layout``'s boxes in another way.
+
+    ``mode="sum"``: the gradients of a box's copies are summed and the total given to
+    every copy (a replicated argument used by computations that differ per copy: its
+    gradient is the sum of its uses). ``mode="share"``: each copy's gradient is divided
+    by the number of copies (a replicated result computed once per copy: together they
+    count once).
+    """
+
+    @staticmethod
+    def forward(layout: Layout, backend: Any, mode: str, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        return (*(t.view_as(t) for t in tensors), _link_of(like))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        layout, backend, mode, like = inputs[:4]
+        ctx.args = (layout, backend, mode, like.dtype, like.device)
+        ctx.like_shape = like.shape
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        layout, backend, mode, dtype, device = ctx.args
+        like = _carrier(grads, dtype, device)
+        dense = _dense(layout, backend, grads[:-1], like)
+        if mode == "sum":
+            back, _ = move(with_partial(layout, "sum"), layout, backend, dense, like)
+        else:
+            back = tuple(g / n for g, n in zip(dense, _copies(layout, backend)))
+        return (None, None, None, _link_grad(ctx, 3, like), *back)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        layout, backend, mode, like, *tensors = args
+        n = info.batch_size
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
+        *out, link = _Regroup.apply(_batched(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
+        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _copy_counts(layout: Layout) -> tuple[int, ...]:
+    """Per shard, how many shards hold its box (1 for an empty one)."""
+    count: dict[tuple[Any, ...], int] = {}
+    for s in layout.shards:
+        count[(s.offsets, s.sizes)] = count.get((s.offsets, s.sizes), 0) + 1
+    return tuple(count[(s.offsets, s.sizes)] if 0 not in s.sizes else 1 for s in layout.shards)
+
+
+def _copies(layout: Layout, backend: Any) -> tuple[int, ...]:
+    counts = _copy_counts(layout)
+    return tuple(counts[i] for i in backend.addressable(layout))
+
+
+def regroup(
+    layout: Layout, backend: Any, mode: str, tensors: Sequence[torch.Tensor], like: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``tensors`` unchanged, with a backward that sums (``"sum"``) or shares (``"share"``) the
+    gradients of each box's copies; and the link."""
+    *out, link = _run(_Regroup, layout, backend, mode, like, *tensors)
+    return tuple(out), link

@@ -1,0 +1,371 @@
+"""Conversions to and from torch's ``ShardedTensor`` and ``DTensor`` (they need torch.distributed).
+
+Both directions share the shard tensors (no copy): an in-place change to the
+torch object's local shards is visible through the ``ShardedArray``. torch is
+imported inside the functions, so importing fshard never pulls in process-group code.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fshard._array.array import Shard, ShardedArray
+from fshard._exec.collective import collective
+from fshard._errors import SpecError
+from fshard._layout.layout import Layout, ShardMeta
+from fshard._api.move import from_local_shards_and_layout, reshard
+from fshard._layout.placement import Placement
+from fshard._layout.specs import Mesh, Named
+from fshard._layout.torch_meta import is_sharded_tensor
+
+__all__ = [
+    "from_dtensor",
+    "from_sharded_tensor",
+    "from_torch_value",
+    "shard_sharded_tensor",
+    "to_dtensor",
+    "to_sharded_tensor",
+]
+
+
+def _check_array(array: Any, what: str) -> None:
+    if not isinstance(array, ShardedArray):
+        raise TypeError(f"{what} takes a ShardedArray, got {type(array).__name__}.")
+
+
+def _dist_backend(array: ShardedArray, what: str) -> Any:
+    backend = array.backend
+    if getattr(backend, "rank", None) is None or not hasattr(backend, "group"):
+        msg = (
+            f"{what} needs an array on the torch_dist backend (torch's type lives in a process group), "
+            f"got one on {backend.name!r}: initialise torch.distributed and build the array there."
+        )
+        raise SpecError(msg)
+    return backend
+
+
+def _torch_dist_backend(group: Any) -> Any:
+    from fshard.backends.torch_dist import TorchDistBackend
+
+    return TorchDistBackend(group)
+
+
+def _boxes(layout: Layout) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """The layout as sorted (rank, offsets, sizes): what both torch types can tell apart."""
+    return sorted((s.placement.rank, s.offsets, s.sizes) for s in layout.shards)
+
+
+# -- ShardedTensor --------------------------------------------------------------------------
+
+
+@collective("to_sharded_tensor")
+def to_sharded_tensor(array: ShardedArray) -> Any:
+    """The array as torch's ``ShardedTensor``, sharing its shard tensors (collective-free).
+
+    Its metadata is ``array.layout.to_torch_metadata(...)``, its process group the
+    array's. ShardedTensor cannot hold replicas: reshard to a layout without
+    replicated boxes first. It also checks empty boxes against the shape, so an
+    empty box past the end (``Chunk`` of 2 rows over 4 ranks puts one at row 3,
+    as ``ChunkShardingSpec`` does) moves to the end of the dim it is empty in.
+
+    Raises:
+        TypeError: ``array`` is not a ``ShardedArray``.
+        SpecError: the array is not on the torch_dist backend, its layout has replicas,
+            or it holds a pending reduction (``fshard.Partial``).
+
+    >>> import torch, torch.distributed as dist, fshard
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> x = fshard.shard(torch.arange(6.0).reshape(2, 3), fshard.Chunk(1, [0, 0]))
+    >>> st = fshard.to_sharded_tensor(x)
+    >>> [s.tensor.tolist() for s in st.local_shards()]
+    [[[0.0, 1.0], [3.0, 4.0]], [[2.0], [5.0]]]
+    >>> fshard.gather(fshard.from_sharded_tensor(st)).equal(fshard.gather(x))
+    True
+    >>> dist.destroy_process_group()
+    """
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.shard import Shard as TorchShard
+
+    _check_array(array, "to_sharded_tensor()")
+    _check_not_partial(array, "to_sharded_tensor()", "which a ShardedTensor cannot hold")
+    backend = _dist_backend(array, "to_sharded_tensor()")
+    layout = array.layout
+    boxes = [(s.offsets, s.sizes) for s in layout.shards if s.numel]
+    if len(set(boxes)) != len(boxes):
+        msg = (
+            f"ShardedTensor cannot hold replicas, and {layout!r} repeats a box on several ranks: "
+            "reshard to a layout where each box has one owner (fshard.reshard(x, fshard.Chunk(...))) first."
+        )
+        raise SpecError(msg)
+    meta = _in_bounds(layout).to_torch_metadata(array.dtype, array.requires_grad)
+    mine = backend.addressable(layout)
+    local = [TorchShard(t.contiguous(), meta.shards_metadata[i]) for i, t in zip(mine, array.addressable_data)]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=backend.group)
+
+
+def _check_not_partial(array: ShardedArray, what: str, why: str) -> None:
+    if array.layout.partial is not None:
+        msg = (
+            f"{what} got an array with a pending {array.layout.partial} (fshard.Partial), {why}: reshard it to a "
+            "non-partial spec first, e.g. fshard.reshard(x, fshard.Chunk(0, ranks))."
+        )
+        raise SpecError(msg)
+
+
+def _in_bounds(layout: Layout) -> Layout:
+    """``layout`` with each empty box at the end of its empty dims and inside the shape in the others."""
+    if all(s.numel for s in layout.shards):
+        return layout
+    shards = [s if s.numel else _moved(s, layout.shape) for s in layout.shards]
+    return Layout(layout.shape, shards)
+
+
+def _moved(s: ShardMeta, shape: tuple[int, ...]) -> ShardMeta:
+    offsets = tuple(n if z == 0 else min(o, n - z) for o, z, n in zip(s.offsets, s.sizes, shape))
+    return ShardMeta(offsets, s.sizes, s.placement)
+
+
+@collective("from_sharded_tensor")
+def from_sharded_tensor(st: Any) -> ShardedArray:
+    """A ``ShardedArray`` with the ShardedTensor's layout, local shards and process group.
+
+    Raises:
+        TypeError: ``st`` is not a ``ShardedTensor``.
+        LayoutError: the metadata names RPC workers instead of ranks.
+
+    >>> import torch, torch.distributed as dist, fshard
+    >>> from torch.distributed._shard import sharded_tensor
+    >>> from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> st = sharded_tensor.ones(ChunkShardingSpec(0, ["rank:0/cpu"]), 4, 2)
+    >>> x = fshard.from_sharded_tensor(st)
+    >>> x.layout == fshard.Chunk(0, [0]).layout((4, 2)), float(fshard.gather(x).sum())
+    (True, 8.0)
+    >>> dist.destroy_process_group()
+    """
+    if not is_sharded_tensor(st):
+        raise TypeError(f"from_sharded_tensor() takes a torch ShardedTensor, got {type(st).__name__}.")
+    layout = Layout.from_torch_metadata(st.metadata())
+    shards = [Shard(_shard_meta(s.metadata), s.tensor) for s in st.local_shards()]
+    return from_local_shards_and_layout(shards, layout, backend=_torch_dist_backend(st._process_group))
+
+
+def shard_sharded_tensor(st: Any, spec: Any, *, src: int | None = None, backend: Any = None) -> ShardedArray:
+    """``fshard.shard`` of a ``ShardedTensor``: it is already sharded, so it is converted, then resharded.
+
+    Raises:
+        SpecError: ``src`` or ``backend`` is given: a ShardedTensor's data already lives
+            on its process group's ranks; the message gives the conversion to use.
+    """
+    if src is not None or backend is not None:
+        msg = (
+            "shard() got a torch ShardedTensor together with src= or backend=: its data already lives on its "
+            "process group's ranks. Convert it instead: fshard.reshard(fshard.from_sharded_tensor(st), spec)."
+        )
+        raise SpecError(msg)
+    return reshard(from_sharded_tensor(st), spec)
+
+
+def from_torch_value(value: Any) -> Any:
+    """A ``ShardedTensor`` as a ``ShardedArray`` (``from_sharded_tensor``); anything else as it is."""
+    return from_sharded_tensor(value) if is_sharded_tensor(value) else value
+
+
+def _shard_meta(meta: Any) -> ShardMeta:
+    return ShardMeta(tuple(meta.shard_offsets), tuple(meta.shard_sizes), Placement.parse(str(meta.placement)))
+
+
+# -- DTensor --------------------------------------------------------------------------------
+
+
+def _fshard_mesh(device_mesh: Any, devices: Sequence[str] | None = None) -> Mesh:
+    """The DeviceMesh as an fshard ``Mesh`` (same shape, ranks and axis names)."""
+    ranks = device_mesh.mesh.flatten().tolist()
+    places = tuple(Placement(r, d) for r, d in zip(ranks, devices or ["cpu"] * len(ranks)))
+    names = device_mesh.mesh_dim_names
+    return Mesh(tuple(device_mesh.mesh.shape), ranks=places, axis_names=tuple(names) if names else None)
+
+
+def _check_mesh(mesh: Any) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, (Mesh, DeviceMesh)):
+        raise SpecError(f"to_dtensor() needs an fshard.Mesh or a torch DeviceMesh, got {type(mesh).__name__}.")
+
+
+def _device_mesh(mesh: Any, array: ShardedArray) -> tuple[Any, Mesh]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh):
+        return mesh, _fshard_mesh(mesh)
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    key = (mesh, array.device.type)
+    cached = _DEVICE_MESHES.get(key)
+    if cached is None or cached[0] is not world:  # a new process group needs new sub-groups
+        assert mesh.ranks is not None
+        ranks = torch.tensor([p.rank for p in mesh.ranks]).reshape(mesh.shape)
+        cached = _DEVICE_MESHES[key] = (world, DeviceMesh(array.device.type, ranks, mesh_dim_names=mesh.axis_names))
+    return cached[1], mesh
+
+
+# Building a DeviceMesh creates process groups (collectively): one per mesh and device type is enough.
+_DEVICE_MESHES: dict[tuple[Mesh, str], tuple[Any, Any]] = {}
+
+
+def _partition(mesh: Mesh, choice: Sequence[int | None], ndim: int) -> tuple[Any, ...]:
+    """Per tensor dim, the mesh axes (in mesh order) that shard it: DTensor's placements as a partition."""
+    assert mesh.axis_names is not None
+    out: list[Any] = []
+    for d in range(ndim):
+        axes = tuple(name for name, c in zip(mesh.axis_names, choice) if c == d)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return tuple(out)
+
+
+def _placements_for(layout: Layout, mesh: Mesh) -> tuple[Any, ...]:
+    """The Shard/Replicate placements whose layout on ``mesh`` is ``layout``; raises if none is."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    want = _boxes(layout)
+    for choice in itertools.product([None, *range(layout.ndim)], repeat=len(mesh.shape)):
+        if _boxes(Named(mesh, _partition(mesh, choice, layout.ndim)).layout(layout.shape)) == want:
+            return tuple(Replicate() if c is None else DShard(c) for c in choice)
+    msg = (
+        f"DTensor cannot express {layout!r} on a mesh of shape {mesh.shape} over ranks "
+        f"{[p.rank for p in mesh.ranks or ()]}: a DTensor holds one box per mesh position, splitting each dim by "
+        "torch.chunk over whole mesh axes (Shard) or not at all (Replicate), and these boxes are not of that form. "
+        "Reshard first: fshard.reshard(x, fshard.Named(mesh, partition))."
+    )
+    raise SpecError(msg)
+
+
+@collective("to_dtensor")
+def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
+    """The array as a ``DTensor`` on ``mesh`` (an ``fshard.Mesh`` or a torch ``DeviceMesh``), sharing shards.
+
+    The layout must be what some ``Shard``/``Replicate`` placements give on the
+    mesh (that is, ``fshard.Named(mesh, partition)`` for some partition); those
+    placements are found and used (``Replicate()`` where a mesh axis of size 1
+    makes ``Shard`` and ``Replicate`` the same). The first call with an
+    ``fshard.Mesh`` builds its ``DeviceMesh``, which is collective (torch
+    creates sub-groups); later calls reuse it.
+
+    Raises:
+        TypeError: ``array`` is not a ``ShardedArray``.
+        SpecError: ``mesh`` is neither an ``fshard.Mesh`` nor a ``DeviceMesh``, the array is
+            not on the torch_dist backend, holds a pending reduction (``fshard.Partial``), or
+            DTensor cannot express its layout on the mesh (arbitrary boxes, several boxes per rank).
+
+    >>> import torch, torch.distributed as dist, fshard
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> mesh = fshard.Mesh((1,))
+    >>> x = fshard.shard(torch.arange(4.0), fshard.Named(mesh, ("x",)))
+    >>> dt = fshard.to_dtensor(x, mesh)  # on one rank, Shard(0) is the same layout as Replicate()
+    >>> dt.placements, dt.full_tensor().tolist()
+    ((Replicate(),), [0.0, 1.0, 2.0, 3.0])
+    >>> dist.destroy_process_group()
+    """
+    _check_array(array, "to_dtensor()")
+    _check_not_partial(array, "to_dtensor()", "which to_dtensor() does not convert")
+    _check_mesh(mesh)
+    backend = _dist_backend(array, "to_dtensor()")
+    from torch.distributed.tensor import DTensor
+
+    device_mesh, fmesh = _device_mesh(mesh, array)
+    placements = _placements_for(array.layout, fmesh)
+    mine = backend.addressable(array.layout)
+    local = array.addressable_data[0] if mine else torch.empty(0, dtype=array.dtype, device=array.device)
+    return DTensor.from_local(
+        local, device_mesh, placements, run_check=False, shape=torch.Size(array.shape), stride=_strides(array.shape)
+    )
+
+
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a contiguous tensor of ``shape`` (torch counts a zero extent as one)."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _check_placements(dt: Any) -> None:
+    for i, p in enumerate(dt.placements):
+        if p.is_partial():
+            fixed = ["Replicate()" if q.is_partial() else repr(q) for q in dt.placements]
+            msg = (
+                f"DTensor placement {p!r} on mesh dim {i} holds partial values (pending a reduction), which a "
+                f"ShardedArray cannot: reduce first with dt.redistribute(dt.device_mesh, [{', '.join(fixed)}])."
+            )
+            raise SpecError(msg)
+        if not (p.is_replicate() or (p.is_shard() and type(p).__name__ == "Shard")):
+            msg = (
+                f"DTensor placement {p!r} on mesh dim {i} is not Shard(dim) or Replicate(): "
+                "redistribute to Shard/Replicate placements first."
+            )
+            raise SpecError(msg)
+
+
+@collective("from_dtensor")
+def from_dtensor(dt: Any) -> ShardedArray:
+    """A ``ShardedArray`` laid out as the DTensor (``fshard.Named`` on its mesh), sharing its local tensor.
+
+    Raises:
+        TypeError: ``dt`` is not a ``DTensor``.
+        SpecError: a ``Partial`` placement (the message gives the ``redistribute``
+            call that fixes it) or another placement than ``Shard``/``Replicate``.
+
+    >>> import torch, torch.distributed as dist, fshard
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> from torch.distributed.tensor import Shard, distribute_tensor
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> dt = distribute_tensor(torch.arange(6.0).reshape(3, 2), init_device_mesh("cpu", (1,)), [Shard(1)])
+    >>> x = fshard.from_dtensor(dt)
+    >>> x.layout == fshard.Named(fshard.Mesh((1,)), (None, "x")).layout((3, 2)), fshard.gather(x).tolist()
+    (True, [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]])
+    >>> dist.destroy_process_group()
+    """
+    if not _is_dtensor(dt):
+        raise TypeError(f"from_dtensor() takes a torch DTensor, got {type(dt).__name__}.")
+    _check_placements(dt)
+    device_mesh = dt.device_mesh
+    backend = _torch_dist_backend(_mesh_group(device_mesh))
+    local = dt.to_local()
+    devices = None
+    if device_mesh.device_type != "cpu":  # each rank's device index is its own: ask
+        seen = dict(backend.exchange((backend.rank, str(local.device))))
+        devices = [seen[r] for r in device_mesh.mesh.flatten().tolist()]
+    mesh = _fshard_mesh(device_mesh, devices)
+    choice = [p.dim if p.is_shard() else None for p in dt.placements]
+    layout = Named(mesh, _partition(mesh, choice, dt.ndim)).layout(tuple(dt.shape))
+    shards = [Shard(layout.shards[i], local) for i in backend.addressable(layout)]
+    return from_local_shards_and_layout(shards, layout, backend=backend)
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _mesh_group(device_mesh: Any) -> Any:
+    """A process group of exactly the mesh's ranks: WORLD, or the group of a 1-D mesh."""
+    import torch.distributed as dist
+
+    ranks = sorted(device_mesh.mesh.flatten().tolist())
+    if ranks == list(range(dist.get_world_size())):
+        return None
+    if device_mesh.ndim == 1:
+        return device_mesh.get_group()
+    msg = (
+        f"from_dtensor() supports a multi-dimensional mesh only over every rank of the world, got ranks {ranks}: "
+        "use a 1-D mesh over the subset, or a mesh over all ranks."
+    )
+    raise SpecError(msg)

@@ -1,0 +1,261 @@
+"""Text pictures of layouts, drawn to scale like ``jax.debug.visualize_array_sharding``.
+
+A 2-D layout is drawn with widths and heights proportional to the boxes' extents
+(a character cell counts as ``_CELL`` times as tall as it is wide), a 1-D layout as
+one band, an N-D layout over the (at most two) dims that its boxes split, and
+anything else as a few lines of summary. The text is plain; ``color`` adds one
+terminal colour per rank through ``rich`` when it is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+import numpy as np
+
+from fshard._errors import SpecError
+
+if TYPE_CHECKING:
+    from fshard._layout.layout import Layout
+
+__all__ = ["MAX_WIDTH", "Picture", "draw", "visualize"]
+
+ColorMode = Union[bool, Literal["auto"]]
+
+# The widest picture drawn, in characters: the canvas is width x height cells.
+MAX_WIDTH = 1000
+_MAX_CUTS = 24
+_CELL = 2.5  # a terminal character is about this many times as tall as it is wide
+_PALETTE = (
+    "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d",
+    "#9edae5", "#ffd92f", "#b3de69", "#fccde5", "#80b1d3", "#fdb462", "#bebada", "#8dd3c7",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Picture:
+    """Lines of text and, per box interior, ``(line, start, stop, rank)`` runs to colour."""
+
+    lines: tuple[str, ...]
+    fills: tuple[tuple[int, int, int, int], ...] = ()
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def visualize(layout: Layout, width: int = 60, color: ColorMode = False) -> str:
+    """The picture of ``layout``, at most about ``width`` characters wide; see ``Layout.visualize``.
+
+    Raises:
+        SpecError: a ``width`` that is not an int from 4 to ``MAX_WIDTH``, or a ``color`` that is
+            not ``True``, ``False`` or ``"auto"`` (a ``ValueError``).
+    """
+    return paint(draw(layout, width), color)
+
+
+def draw(layout: Layout, width: int = 60) -> Picture:
+    """The picture of ``layout``: a to-scale drawing where one fits, else a summary."""
+    if not isinstance(width, int) or isinstance(width, bool) or not 4 <= width <= MAX_WIDTH:
+        msg = f"visualize() width must be an int of at least 4 characters, got {width!r}."
+        if isinstance(width, int) and width > MAX_WIDTH:
+            msg = f"visualize() width must be at most {MAX_WIDTH} characters, got {width!r}."
+        raise SpecError(msg)
+    if 0 in layout.shape:
+        ranks = " ".join(_label(layout, i) for i in range(len(layout.shards)))
+        return Picture((f"<empty layout of shape {layout.shape}: no elements; shards on {ranks or 'no rank'}>",))
+    dims = _drawn_dims(layout)
+    if dims is None:
+        return Picture(_summary(layout, "its boxes split more than two dims"))
+    boxes = _boxes_over(layout, dims)
+    shape = tuple(layout.shape[d] for d in dims)
+    pic = _grid(layout, boxes, shape if len(shape) == 2 else (1, shape[0] if shape else 1), width, len(shape) == 2)
+    if pic is None:
+        return Picture(_summary(layout, "too fine to draw"))
+    head = () if layout.ndim <= 2 else (_header(layout, dims),)
+    empty = [_label(layout, i) for i in range(len(layout.shards)) if not all(layout.shards[i].sizes)]
+    tail = (f"(empty shards: {' '.join(empty)})",) if empty else ()
+    shifted = tuple((y + len(head), x0, x1, r) for y, x0, x1, r in pic.fills)
+    return Picture(head + pic.lines + tail, shifted)
+
+
+def _drawn_dims(layout: Layout) -> tuple[int, ...] | None:
+    """The dims to draw: all of a 1-D or 2-D layout, else those its boxes split (``None``: over two)."""
+    if layout.ndim <= 2:
+        return tuple(range(layout.ndim))
+    full = np.array(layout.shape, np.int64)
+    live = (layout._sz > 0).all(axis=1)
+    split = [d for d in range(layout.ndim) if ((layout._sz[live, d] != full[d]) | (layout._lo[live, d] != 0)).any()]
+    if len(split) > 2:
+        return None
+    return tuple(split) or (0,)
+
+
+def _boxes_over(layout: Layout, dims: tuple[int, ...]) -> dict[tuple[int, int, int, int], list[int]]:
+    """Each distinct non-empty box as ``(row0, row1, col0, col1)`` over ``dims`` -> its shard indices."""
+    out: dict[tuple[int, int, int, int], list[int]] = {}
+    for i, meta in enumerate(layout.shards):
+        if not all(meta.sizes):
+            continue
+        lo = [meta.offsets[d] for d in dims]
+        hi = [meta.offsets[d] + meta.sizes[d] for d in dims]
+        key = (lo[0], hi[0], lo[1], hi[1]) if len(dims) == 2 else (0, 1, *(lo + hi or [0, 1]))
+        out.setdefault(key, []).append(i)  # type: ignore[arg-type]
+    return out
+
+
+def _grid(
+    layout: Layout, boxes: dict[tuple[int, int, int, int], list[int]], shape: tuple[int, int], width: int, tall: bool
+) -> Picture | None:
+    """Boxes on a canvas whose cuts sit at positions proportional to the boxes' extents."""
+    rows = sorted({b for k in boxes for b in k[:2]} | {0, shape[0]})
+    cols = sorted({b for k in boxes for b in k[2:]} | {0, shape[1]})
+    if len(rows) > _MAX_CUTS or len(cols) > _MAX_CUTS:
+        return None
+    text = {k: _ranks_label(layout, v) for k, v in boxes.items()}
+    label = max(map(len, text.values()), default=1)
+    across, down = _extent(shape, rows, cols, width, label + 2) if tall else (width, 2)
+    ys = _positions(rows, shape[0], down, 2)
+    xs = _positions(cols, shape[1], across, label + 2)
+    canvas = [[" "] * (xs[-1] + 1) for _ in range(ys[-1] + 1)]
+    fills = []
+    for (r0, r1, c0, c1), t in text.items():
+        y0, y1, x0, x1 = ys[rows.index(r0)], ys[rows.index(r1)], xs[cols.index(c0)], xs[cols.index(c1)]
+        _box(canvas, y0, y1, x0, x1, t)
+        owner = min(layout.shards[i].placement.rank for i in boxes[(r0, r1, c0, c1)])
+        fills += [(y, x0 + 1, x1, owner) for y in range(y0 + 1, y1)]
+    return Picture(tuple("".join(line).rstrip() for line in canvas), tuple(fills))
+
+
+def _extent(shape: tuple[int, int], rows: list[int], cols: list[int], width: int, least: int) -> tuple[float, float]:
+    """Canvas width and height: ``shape``'s aspect ratio within ``width`` x ``width / 4``, grown (within
+    those bounds) until the thinnest band is one line tall and the narrowest column fits a label."""
+    aspect = shape[0] / shape[1] / _CELL  # canvas rows per canvas column
+    wide, tall = float(width), max(2.0, width / 4)
+    across, down = wide, wide * aspect
+    if down > tall:
+        down, across = tall, tall / aspect
+    grow = max(
+        1.0,
+        2 * shape[0] / min(b - a for a, b in itertools.pairwise(rows)) / down,
+        least * shape[1] / min(b - a for a, b in itertools.pairwise(cols)) / across,
+    )
+    return min(wide, across * grow), min(tall, down * grow)
+
+
+def _positions(cuts: list[int], extent: int, span: float, least: int) -> list[int]:
+    """Canvas coordinate of each cut: gaps proportional to size, at least ``least`` apart."""
+    out = [0]
+    for a, b in itertools.pairwise(cuts):
+        out.append(out[-1] + max(least, round((b - a) / extent * span)))
+    return out
+
+
+def _box(canvas: list[list[str]], y0: int, y1: int, x0: int, x1: int, text: str) -> None:
+    for x in range(x0, x1 + 1):
+        for y in (y0, y1):
+            canvas[y][x] = "+" if x in (x0, x1) or canvas[y][x] in "|+" else "-"
+    for y in range(y0 + 1, y1):
+        for x in (x0, x1):
+            canvas[y][x] = "+" if canvas[y][x] in "-+" else "|"
+    y = (y0 + y1) // 2
+    start = x0 + 1 + max(0, (x1 - x0 - 1 - len(text)) // 2)
+    for k, ch in enumerate(text[: max(0, x1 - x0 - 1)]):
+        canvas[y][start + k] = ch
+
+
+def _label(layout: Layout, i: int) -> str:
+    p = layout.shards[i].placement
+    return f"r{p.rank}" if p.device == "cpu" else f"r{p.rank}:{p.device}"
+
+
+def _ranks_label(layout: Layout, index: list[int]) -> str:
+    """The holders of one box: ``r0 r1``, with runs of three or more cpu ranks as ``r0-3``."""
+    ranks = sorted(layout.shards[i].placement.rank for i in index if layout.shards[i].placement.device == "cpu")
+    words = [_label(layout, i) for i in index if layout.shards[i].placement.device != "cpu"]
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    cpu = [f"r{run[0]}-{run[-1]}" if len(run) > 2 else " ".join(f"r{r}" for r in run) for run in runs]
+    return " ".join(cpu + words)
+
+
+def _header(layout: Layout, dims: tuple[int, ...]) -> str:
+    whole = [d for d in range(layout.ndim) if d not in dims]
+    over = f"dims {dims[0]} and {dims[1]}" if len(dims) == 2 else f"dim {dims[0]}"
+    rest = f"dim {whole[0]}" if len(whole) == 1 else "dims " + ", ".join(map(str, whole))
+    return f"{layout.ndim}-D layout of shape {layout.shape}, drawn over {over}; every box spans {rest} whole:"
+
+
+def _summary(layout: Layout, why: str) -> tuple[str, ...]:
+    """A few lines in place of a picture: how each dim is split and what each rank holds."""
+    live = np.flatnonzero((layout._sz > 0).all(axis=1))
+    lines = [f"<{layout.ndim}-D layout of shape {layout.shape}, {len(layout.shards)} shards: {why}>"]
+    for d in range(layout.ndim):
+        cuts = np.unique(np.r_[layout._lo[live, d], layout._lo[live, d] + layout._sz[live, d], 0, layout.shape[d]])
+        sizes = np.diff(cuts).tolist()
+        shown = ", ".join(map(str, sizes[:8])) + (f", ... ({len(sizes)} blocks)" if len(sizes) > 8 else "")
+        lines.append(f"  dim {d}: whole" if len(sizes) == 1 else f"  dim {d}: blocks of {shown}")
+    held: dict[int, list[int]] = {}
+    for i in live.tolist():
+        held.setdefault(layout.shards[i].placement.rank, []).append(layout.shards[i].numel)
+    per_rank = {(len(v), sum(v)) for v in held.values()}
+    if len(per_rank) == 1:
+        n, elements = per_rank.pop()
+        lines.append(f"  each of ranks {_span(sorted(held))} holds {_count(n, 'shard')}, {_count(elements, 'element')}")
+        return tuple(lines)
+    for r in sorted(held)[:8]:
+        lines.append(f"  rank {r} holds {_count(len(held[r]), 'shard')}, {_count(sum(held[r]), 'element')}")
+    if len(held) > 8:
+        lines.append(f"  ... and {len(held) - 8} more ranks")
+    return tuple(lines)
+
+
+def _span(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def paint(picture: Picture, color: ColorMode) -> str:
+    """``picture`` as text, with each box's interior in its lowest rank's colour where ``color`` asks.
+
+    ``True`` colours with ANSI codes; ``"auto"`` only when standard output is a terminal
+    that takes colour (``NO_COLOR`` unset). Both need ``rich``; without it the text is plain.
+    """
+    if not (isinstance(color, bool) or (isinstance(color, str) and color == "auto")):
+        raise SpecError(f"visualize() color must be True, False or 'auto', got {color!r}.")
+    if color is False or not picture.fills:
+        return picture.text
+    try:
+        from rich.console import Console
+        from rich.text import Text
+    except ImportError:
+        return picture.text
+    system: Any = _color_system(Console()) if color == "auto" else "256"
+    if system is None:
+        return picture.text
+    text = Text("\n".join(picture.lines))
+    starts = list(itertools.accumulate((len(line) + 1 for line in picture.lines), initial=0))
+    for y, x0, x1, rank in picture.fills:
+        text.stylize(f"black on {_PALETTE[rank % len(_PALETTE)]}", starts[y] + x0, starts[y] + x1)
+    out = Console(force_terminal=True, color_system=system, width=max(map(len, picture.lines)) + 1)
+    with out.capture() as captured:
+        out.print(text, end="", soft_wrap=True, highlight=False)
+    return captured.get()
+
+
+def _color_system(console: object) -> str | None:
+    """The colour system of a console on standard output, ``None`` where it shows no colour."""
+    if not getattr(console, "is_terminal", False) or getattr(console, "no_color", False):
+        return None
+    return getattr(console, "color_system", None)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

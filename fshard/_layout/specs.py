@@ -1,0 +1,409 @@
+"""Sharding specs: shape-agnostic descriptions that resolve to a ``Layout``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
+
+import numpy as np
+
+from fshard._errors import SpecError
+from fshard._layout.layout import REDUCE_OPS, Layout, ShardMeta, ShardMetaLike, as_metas, check_shape, with_partial
+from fshard._layout.placement import Placement, PlacementLike, as_placement
+from fshard._layout.torch_meta import (
+    from_torch_spec,
+    is_shard_metadata,
+    is_torch_spec,
+    layout_of_torch_spec,
+    shard_meta_from_torch,
+)
+
+__all__ = [
+    "MAX_MESH_SIZE",
+    "Chunk",
+    "Explicit",
+    "Mesh",
+    "Named",
+    "Partial",
+    "Replicated",
+    "Single",
+    "Spec",
+    "SpecLike",
+    "as_layout",
+    "is_spec",
+]
+
+
+Placements = Union[Iterable[PlacementLike], PlacementLike]
+
+
+def _set(obj: object, **fields: Any) -> None:
+    """Sets the fields of a frozen value once, in its ``__init__``."""
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)
+
+
+def _items(values: Any, what: str, expected: str = "a list or tuple") -> tuple[Any, ...]:
+    """``values`` as a tuple, or ``SpecError`` naming ``what`` when it is not a collection of items."""
+    if not isinstance(values, (str, bytes, bytearray, Mapping)):
+        try:
+            items = iter(values)
+        except TypeError:
+            pass
+        else:
+            return tuple(items)
+    raise SpecError(f"{what} must be {expected}, got {values!r} ({type(values).__name__}).")
+
+
+def _placements(values: Placements, what: str) -> tuple[Placement, ...]:
+    if isinstance(values, (str, int, Placement)):
+        values = [values]
+    out = tuple(as_placement(v) for v in _items(values, f"{what} placements", "a placement or a list of them"))
+    if not out:
+        raise SpecError(f"{what} needs at least one placement, got none.")
+    return out
+
+
+def is_spec(value: Any) -> bool:
+    """True for a ``Layout`` or a spec: a value with a ``layout(shape)`` method."""
+    return isinstance(value, Layout) or callable(getattr(value, "layout", None))
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        valid = f"valid: {-ndim} to {ndim - 1}" if ndim else "it has no dim to split; use Replicated or Single"
+        msg = f"Invalid sharding dim: {dim} for a {ndim}-D array ({valid})."
+        raise SpecError(msg)
+    return dim % ndim
+
+
+def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """ChunkShardingSpec's split of ``n`` into ``k``: offsets ``i * ceil(n/k)``, trailing shards short or empty."""
+    step = -(-n // k) if k else 0
+    return [(i * step, max(0, min(n, (i + 1) * step) - i * step)) for i in range(k)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Chunk:
+    """Split ``dim`` into ``len(placements)`` chunks, exactly like torch's ``ChunkShardingSpec``.
+
+    >>> [s.sizes for s in Chunk(0, [0, 1, 2, 3]).layout((10, 20)).shards]
+    [(3, 20), (3, 20), (3, 20), (1, 20)]
+    """
+
+    dim: int
+    placements: tuple[Placement, ...]
+
+    def __init__(self, dim: int, placements: Placements) -> None:
+        if isinstance(dim, str):
+            msg = f"ChunkShardingSpec does not support named dimension {dim!r}: give an int dim."
+            raise NotImplementedError(msg)
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise SpecError(f"Chunk dim must be an int, got {dim!r}.")
+        _set(self, dim=dim, placements=_placements(placements, "Chunk"))
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        shape = check_shape(shape)
+        dim = _normalize_dim(self.dim, len(shape))
+        shards = []
+        for p, (off, size) in zip(self.placements, chunk_bounds(shape[dim], len(self.placements))):
+            offsets = tuple(off if k == dim else 0 for k in range(len(shape)))
+            sizes = tuple(size if k == dim else s for k, s in enumerate(shape))
+            shards.append(ShardMeta(offsets, sizes, p))
+        return Layout(shape, tuple(shards))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Replicated:
+    """Every placement holds the whole array.
+
+    >>> Replicated([0, 1]).layout((3,)).is_fully_replicated
+    True
+    """
+
+    placements: tuple[Placement, ...]
+
+    def __init__(self, placements: Placements) -> None:
+        _set(self, placements=_placements(placements, "Replicated"))
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        shape = check_shape(shape)
+        return Layout(shape, tuple(ShardMeta((0,) * len(shape), shape, p) for p in self.placements))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Single:
+    """One placement holds the whole array.
+
+    >>> Single("rank:2/cpu").layout((2, 2)).ranks
+    (2,)
+    """
+
+    placement: Placement
+
+    def __init__(self, placement: PlacementLike) -> None:
+        _set(self, placement=as_placement(placement))
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        return Replicated((self.placement,)).layout(shape)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Explicit:
+    """The given boxes (torch's ``EnumerableShardingSpec``), validated against the shape.
+
+    Each box is a ``ShardMeta``, an ``(offsets, sizes, placement)`` tuple or torch's ``ShardMetadata``.
+
+    >>> spec = Explicit([((0,), (3,), 0), ((3,), (1,), 1)])
+    >>> spec.layout((4,)).shards[1].sizes
+    (1,)
+    """
+
+    shards: tuple[ShardMeta, ...]
+
+    def __init__(self, shards: Iterable[Any]) -> None:
+        if is_torch_spec(shards):
+            msg = f"Explicit() takes a list of boxes, got torch's {type(shards).__name__}: pass its .shards."
+            raise SpecError(msg)
+        _set(self, shards=as_metas(_box(s, k) for k, s in enumerate(_items(shards, "Explicit() shards"))))
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        return Layout(check_shape(shape), self.shards)
+
+
+def _box(shard: Any, k: int) -> ShardMetaLike:
+    """One box given to ``Explicit``: torch's ``ShardMetadata`` converted, anything else checked."""
+    if isinstance(shard, ShardMeta):
+        return shard
+    if is_shard_metadata(shard):
+        return shard_meta_from_torch(shard)
+    if isinstance(shard, (tuple, list)) and len(shard) == 3:
+        return tuple(shard)  # type: ignore[return-value]
+    msg = (
+        f"Explicit() box {k} is {shard!r} ({type(shard).__name__}): give a ShardMeta, an "
+        "(offsets, sizes, placement) tuple, or torch's ShardMetadata."
+    )
+    raise SpecError(msg)
+
+
+_DEFAULT_AXES = ("x", "y", "z")
+# The most positions a Mesh without explicit ranks may have (one Placement each).
+MAX_MESH_SIZE = 2**20
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Mesh:
+    """An n-D grid of placements with named axes, like ``jax.sharding.Mesh``.
+
+    Args:
+        shape: the grid's extent along each axis.
+        ranks: the placements in row-major grid order, flat or nested like the grid
+            (default: ranks ``0 .. prod(shape) - 1`` on cpu, for at most ``MAX_MESH_SIZE`` of them).
+        axis_names: one distinct name per axis (default ``("x", "y", "z", "axis3", ...)``).
+
+    >>> Mesh((2, 2)).axis_names
+    ('x', 'y')
+    >>> Mesh((2,), ranks=["rank:0/cuda:0", "rank:1/cuda:1"]).ranks[1]
+    Placement(rank=1, device='cuda:1')
+    """
+
+    shape: tuple[int, ...]
+    ranks: tuple[Placement, ...]
+    axis_names: tuple[str, ...]
+
+    def __init__(self, shape: Iterable[int], ranks: Any = None, axis_names: Iterable[str] | None = None) -> None:
+        shape = check_shape(shape, "Mesh shape")
+        size = math.prod(shape)
+        if ranks is None and size > MAX_MESH_SIZE:
+            msg = f"Mesh of shape {shape} has {size} positions; give ranks= or at most {MAX_MESH_SIZE} positions."
+            raise SpecError(msg)
+        flat = range(size) if ranks is None else _flat_ranks(ranks)
+        if len(flat) != size:
+            msg = f"Mesh of shape {shape} needs {size} placements, got {len(flat)}. Give ranks= one per position."
+            raise SpecError(msg)
+        placements = tuple(as_placement(r) for r in flat)
+        if len(set(placements)) != size:
+            raise SpecError(f"Mesh placements must be distinct, got {[str(p) for p in placements]}.")
+        if axis_names is None:
+            axis_names = _DEFAULT_AXES[: len(shape)] + tuple(f"axis{i}" for i in range(3, len(shape)))
+        names = _items(axis_names, "Mesh axis_names")
+        if not all(isinstance(n, str) for n in names):
+            raise SpecError(f"Mesh axis names must be str, such as 'x', got {names}.")
+        if len(names) != len(shape) or len(set(names)) != len(names):
+            msg = f"Mesh of shape {shape} needs {len(shape)} distinct axis names, got {names}."
+            raise SpecError(msg)
+        _set(self, shape=shape, ranks=placements, axis_names=names)
+
+    def axis(self, name: str) -> int:
+        """Index of the mesh axis called ``name``."""
+        if name not in self.axis_names:
+            raise SpecError(f"Mesh has no axis {name!r}; its axes are {self.axis_names}.")
+        return self.axis_names.index(name)
+
+
+def _flat_ranks(ranks: Any) -> list[Any]:
+    """Mesh ``ranks``, flat or nested like the grid (lists, arrays, tensors), as one flat list."""
+    try:
+        return np.asarray(ranks, dtype=object).ravel().tolist()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        msg = f"Mesh ranks= must hold placements, flat or nested like the grid, got {type(ranks).__name__}: {exc}"
+        raise SpecError(msg) from exc
+
+
+PartitionEntry = Union[str, tuple[str, ...], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Named:
+    """JAX ``NamedSharding``: per array dim, the mesh axes (or ``None``) that split it.
+
+    A tuple of axes splits a dim over their product, the first axis outermost;
+    each split follows ``torch.chunk`` (DTensor's rule), so sizes need not divide.
+    Mesh axes that no dim uses hold replicas.
+
+    >>> spec = Named(Mesh((2, 2)), ("x", "y"))
+    >>> [(s.offsets, s.sizes) for s in spec.layout((4, 4)).shards][:2]
+    [((0, 0), (2, 2)), ((0, 2), (2, 2))]
+    """
+
+    mesh: Mesh
+    partition: tuple[PartitionEntry, ...]
+
+    def __init__(self, mesh: Mesh, partition: Iterable[Any]) -> None:
+        if not isinstance(mesh, Mesh):
+            raise SpecError(f"Named needs a Mesh, got {type(mesh).__name__}.")
+        parts = tuple(_entry(p) for p in _items(partition, "Named partition"))
+        used = [a for p in parts if p is not None for a in ((p,) if isinstance(p, str) else p)]
+        for a in used:
+            mesh.axis(a)
+        if len(set(used)) != len(used):
+            raise SpecError(f"Partition {parts} uses a mesh axis twice; each axis may split one dim.")
+        _set(self, mesh=mesh, partition=parts)
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec."""
+        shape = check_shape(shape)
+        if len(self.partition) > len(shape):
+            msg = f"Partition {self.partition} has {len(self.partition)} entries for a {len(shape)}-D array."
+            raise SpecError(msg)
+        parts = self.partition + (None,) * (len(shape) - len(self.partition))
+        axes = [() if p is None else ((p,) if isinstance(p, str) else p) for p in parts]
+        mesh = self.mesh
+        shards = []
+        for coord, place in zip(itertools.product(*map(range, mesh.shape)), mesh.ranks):
+            bounds = [
+                _split(n, [(mesh.shape[mesh.axis(a)], coord[mesh.axis(a)]) for a in ax]) for n, ax in zip(shape, axes)
+            ]
+            shards.append(ShardMeta(tuple(b[0] for b in bounds), tuple(b[1] for b in bounds), place))
+        return Layout(shape, tuple(shards))
+
+
+def _entry(p: Any) -> PartitionEntry:
+    """One partition entry as ``None``, an axis name or a tuple of names."""
+    if p is None or isinstance(p, str):
+        return p
+    if isinstance(p, (tuple, list)) and all(isinstance(a, str) for a in p):
+        return tuple(p)
+    raise SpecError(f"Partition entry {p!r} must be a mesh axis name, a tuple of axis names, or None.")
+
+
+def _split(n: int, splits: list[tuple[int, int]]) -> tuple[int, int]:
+    """Offset and size after splitting ``[0, n)`` by each (parts, index) in turn (DTensor's rule).
+
+    An empty part sits at offset ``n``, the end of the dim, where DTensor puts it.
+    """
+    offset, size = 0, n
+    for parts, index in splits:
+        step = -(-size // parts)
+        start = step * index
+        if start >= size:
+            return n, 0
+        offset, size = offset + start, min(size, start + step) - start
+    return offset, size
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
+class Partial:
+    """A pending reduction: the copies that ``spec`` would replicate are summands.
+
+    The array's value is the elementwise ``op`` (``"sum"``, ``"max"`` or ``"min"``) of
+    its copies of each box. ``Partial(Replicated(R))`` holds a full-shape partial
+    result on every rank of ``R`` (a row-parallel matmul's output);
+    ``Partial(Named(mesh, ("x", None)))`` splits rows over ``x`` and sums over the
+    mesh axes that no dim uses. ``gather`` and ``reshard`` to a non-partial spec
+    carry out the reduction with the fewest elements sent.
+
+    >>> import torch, fshard
+    >>> lay = Partial(Replicated([0, 1])).layout((3,))
+    >>> parts = [fshard.Shard(m, torch.full((3,), m.placement.rank + 1.0)) for m in lay.shards]
+    >>> p = fshard.from_local_shards_and_layout(parts, lay)  # rank 0 holds 1s, rank 1 holds 2s
+    >>> p.layout.partial, fshard.gather(p).tolist()
+    ('sum', [3.0, 3.0, 3.0])
+    """
+
+    spec: Any
+    op: str
+
+    def __init__(self, spec: Any, op: str = "sum") -> None:
+        if isinstance(spec, Partial) or (isinstance(spec, Layout) and spec.partial is not None):
+            raise SpecError(f"Partial() takes a non-partial spec, got {spec!r}: pending reductions do not nest.")
+        if not is_spec(spec):
+            msg = f"Partial() takes a spec (Chunk, Named, Replicated, Single, Explicit) or a Layout, got {spec!r}."
+            raise SpecError(msg)
+        if op not in REDUCE_OPS:
+            raise SpecError(f"Partial op={op!r} is not a reduction; use one of {list(REDUCE_OPS)}.")
+        _set(self, spec=spec, op=op)
+
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of an array of ``shape`` under this spec (its ``partial`` is ``op``)."""
+        return with_partial(as_layout(self.spec, shape), self.op)
+
+
+Spec = Union[Chunk, Named, Replicated, Single, Explicit, Partial]
+SpecLike = Union[Spec, Layout]
+
+
+def as_layout(spec: Any, shape: Sequence[int]) -> Layout:
+    """Resolves a spec (or a ``Layout``, which must match ``shape``) for an array of ``shape``.
+
+    torch's ``ChunkShardingSpec`` and ``EnumerableShardingSpec`` are read as ``Chunk`` and
+    ``Explicit``, so every function that takes a spec takes them too.
+
+    >>> from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    >>> as_layout(ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"]), (3, 2)) == Chunk(
+    ...     0, [0, 1]
+    ... ).layout((3, 2))
+    True
+    """
+    shape = check_shape(shape)
+    if isinstance(spec, Layout):
+        if spec.shape != shape:
+            raise SpecError(f"Layout has shape {spec.shape} but the array has shape {shape}.")
+        return spec
+    if is_torch_spec(spec):
+        spec = from_torch_spec(spec)
+        if not hasattr(spec, "layout"):  # another ShardingSpec subclass: torch lays it out
+            return layout_of_torch_spec(spec, shape)
+    if not is_spec(spec):
+        msg = f"Expected a spec (Chunk, Named, Replicated, Single, Explicit, Partial) or a Layout, got {spec!r}."
+        raise SpecError(msg)
+    try:
+        return _resolved(spec, shape)
+    except TypeError as exc:  # an unhashable spec of the user's: resolve it each time
+        if "unhashable" not in str(exc):
+            raise
+        return spec.layout(shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolved(spec: Any, shape: tuple[int, ...]) -> Layout:
+    """``spec.layout(shape)``, remembered: specs are values, and a loop reshards to the same spec."""
+    return spec.layout(shape)

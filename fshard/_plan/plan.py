@@ -1,0 +1,320 @@
+"""Plans: which box of which source shard goes to which destination shard (pure, cached)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+
+from fshard._base import boxes as _boxes
+from fshard._plan import schedule as _schedule
+from fshard._base.cache import cached
+from fshard._errors import SpecError
+from fshard._layout.layout import Layout
+from fshard._plan.schedule import RankSchedule
+
+__all__ = ["Box", "Plan", "Transfer", "min_elements", "plan"]
+
+_groups = _schedule.groups  # distinct boxes of a layout, in the numbering plans use
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transfer:
+    """Copy ``box`` (global coordinates) from a source shard to a destination shard.
+
+    ``src_box`` and ``dst_box`` name the same global box, seen from either side.
+    ``op`` is set in a reduce phase: the destination box receives the ``op`` of the
+    transfers aimed at it rather than a copy. ``phase`` numbers the phase of a plan
+    in two phases (reduce, then copy to the replicas); shard indices refer to that
+    phase's layouts (``plan.phases[phase].src`` and ``.dst``).
+    """
+
+    src_rank: int
+    src_shard: int
+    dst_rank: int
+    dst_shard: int
+    box: Box
+    op: str | None = None
+    phase: int = 0
+
+    @property
+    def src_box(self) -> Box:
+        """The moved box in global coordinates (read from the source shard)."""
+        return self.box
+
+    @property
+    def dst_box(self) -> Box:
+        """The moved box in global coordinates (written into the destination shard)."""
+        return self.box
+
+    @property
+    def numel(self) -> int:
+        """Number of elements moved."""
+        return int(np.prod(self.box[1], dtype=np.int64))
+
+
+class Plan:
+    """Every transfer that turns data in layout ``src`` into data in layout ``dst``.
+
+    Arrays hold one row per transfer: source and destination shard indices and the
+    box ``[lo, lo + size)``. A destination element is written exactly once per
+    destination shard; an element crosses between ranks only when the receiving
+    rank holds no copy of it, and then once, so ``elements_sent == min_elements_sent``.
+
+    A plan from ``fshard.plan`` is lazy: the rows (``src_shard``, ``dst_shard``, ``lo``,
+    ``size``, and what reads them: ``len``, iteration, ``transfers``, ``elements_sent``,
+    ``traffic()``) are computed on first use. ``min_elements_sent`` has a closed form,
+    and ``for_rank(r)`` computes one rank's share from the layouts alone.
+
+    Between layouts with pending reductions (``Layout.partial``) a plan has ``op``
+    set (a reduce phase: transfers into one box are combined) or is a chain of
+    ``phases`` (reduce-scatter, then copies to the replicas); ``elements_sent``,
+    ``traffic()`` and ``transfers`` cover every phase, and ``min_elements_sent`` is
+    the lower bound derived in ``fshard._plan.pending.lower_bound``.
+
+    >>> from fshard import Chunk
+    >>> p = plan(Chunk(0, [0, 1]).layout((4,)), Chunk(0, [1, 0]).layout((4,)))
+    >>> p.elements_sent, p.min_elements_sent, len(p)
+    (4, 4, 2)
+    """
+
+    src: Layout
+    dst: Layout
+    op: str | None
+    steps: tuple[Plan, ...]
+
+    def __init__(
+        self,
+        src: Layout,
+        dst: Layout,
+        src_shard: np.ndarray | None = None,
+        dst_shard: np.ndarray | None = None,
+        lo: np.ndarray | None = None,
+        size: np.ndarray | None = None,
+        min_elements_sent: int | None = None,
+        op: str | None = None,
+        steps: tuple[Plan, ...] = (),
+    ) -> None:
+        for name, value in (("src", src), ("dst", dst), ("op", op), ("steps", steps)):
+            object.__setattr__(self, name, value)
+        if src_shard is not None:
+            self.__dict__["_rows"] = (src_shard, dst_shard, lo, size)
+        if min_elements_sent is not None:
+            self.__dict__["min_elements_sent"] = int(min_elements_sent)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: a Plan is immutable")
+
+    @functools.cached_property
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return _build(self.src, self.dst)
+
+    @property
+    def src_shard(self) -> np.ndarray:
+        """Source shard index of each transfer (into ``src.shards``)."""
+        return self._rows[0]
+
+    @property
+    def dst_shard(self) -> np.ndarray:
+        """Destination shard index of each transfer (into ``dst.shards``)."""
+        return self._rows[1]
+
+    @property
+    def lo(self) -> np.ndarray:
+        """Low corner of each transfer's box, global coordinates (transfers x ndim)."""
+        return self._rows[2]
+
+    @property
+    def size(self) -> np.ndarray:
+        """Extent of each transfer's box (transfers x ndim)."""
+        return self._rows[3]
+
+    @functools.cached_property
+    def min_elements_sent(self) -> int:
+        """The lower bound: pairs (element, receiving rank) where the rank holds no copy of the element."""
+        return min_elements(self.src, self.dst)
+
+    @property
+    def phases(self) -> tuple[Plan, ...]:
+        """The single-phase plans to run in turn: ``(self,)``, or the two phases of a reduction."""
+        return self.steps or (self,)
+
+    def for_rank(self, rank: int) -> RankSchedule:
+        """This rank's sends, receives and local copies (``RankSchedule``), computed from the
+        layouts alone (pure, cached on ``(src, dst, rank)``); a plan with pending reductions
+        (``fshard._plan.pending.PendingPlan``) computes it by its own rules, from the layouts too,
+        and a plan built from rows alone reads them."""
+        rank = _schedule.check_rank(rank)
+        if not self.steps and self.op is None and _schedule.is_direct(self.src, self.dst):
+            return _schedule.schedule(self.src, self.dst, rank)
+        return _schedule.from_plan(self, rank)
+
+    @property
+    def src_rank(self) -> np.ndarray:
+        """Rank of each transfer's source shard."""
+        return self.src._rank[self.src_shard]
+
+    @property
+    def dst_rank(self) -> np.ndarray:
+        """Rank of each transfer's destination shard."""
+        return self.dst._rank[self.dst_shard]
+
+    @property
+    def numel(self) -> np.ndarray:
+        """Elements moved by each transfer."""
+        return _boxes.rows_prod(self.size)
+
+    @functools.cached_property
+    def _crossing(self) -> np.ndarray:
+        """Transfers that cross ranks, each distinct (source, box, receiving rank) once.
+
+        The boxes cut from one source shard are identical or disjoint, so the low
+        corner names the box: no need to compare sizes.
+        """
+        cross = np.flatnonzero(self.src_rank != self.dst_rank)
+        # A reduce phase combines one rank's contributions to a box before sending them.
+        sender = self.src_rank if self.op is not None else self.src_shard
+        first, _ = _boxes.unique_rows(np.c_[sender[cross], self.dst_rank[cross], self.lo[cross]])
+        return cross[first]
+
+    @functools.cached_property
+    def elements_sent(self) -> int:
+        """Elements that cross between different ranks (every phase)."""
+        if self.steps:
+            return sum(p.elements_sent for p in self.steps)
+        return int(self.numel[self._crossing].sum())
+
+    def bytes_sent(self, itemsize: int) -> int:
+        """Bytes that cross between ranks for elements of ``itemsize`` bytes."""
+        return self.elements_sent * int(itemsize)
+
+    def traffic(self) -> np.ndarray:
+        """A world x world matrix: elements sent from rank i (row) to rank j (column), every phase."""
+        world = int(max(self.src._rank.max(initial=-1), self.dst._rank.max(initial=-1))) + 1
+        out = np.zeros((world, world), np.int64)
+        for p in self.phases:
+            cross = p._crossing
+            np.add.at(out, (p.src_rank[cross], p.dst_rank[cross]), p.numel[cross])
+        return out
+
+    @functools.cached_property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """The transfers as ``Transfer`` values (of every phase, in turn)."""
+        return tuple(t for k, p in enumerate(self.phases) for t in p._transfers(k))
+
+    def _transfers(self, phase: int) -> tuple[Transfer, ...]:
+        sr, dr = self.src_rank.tolist(), self.dst_rank.tolist()
+        return tuple(
+            Transfer(sr[k], s, dr[k], d, (tuple(lo), tuple(sz)), self.op, phase)
+            for k, (s, d, lo, sz) in enumerate(
+                zip(self.src_shard.tolist(), self.dst_shard.tolist(), self.lo.tolist(), self.size.tolist())
+            )
+        )
+
+    def __len__(self) -> int:
+        return sum(int(p.src_shard.shape[0]) for p in self.phases)
+
+    def __iter__(self) -> Any:
+        return iter(self.transfers)
+
+    def __getitem__(self, k: int) -> Transfer:
+        return self.transfers[k]
+
+    def __repr__(self) -> str:
+        kind = f"{len(self.steps)} phases, " if self.steps else (f"reduce {self.op}, " if self.op else "")
+        return (
+            f"Plan({kind}{len(self)} transfers, {self.elements_sent} elements sent "
+            f"(minimum {self.min_elements_sent}), shape {self.src.shape})"
+        )
+
+
+def plan(src: Layout, dst: Layout) -> Plan:
+    """The plan that moves data from layout ``src`` to layout ``dst`` (pure, cached).
+
+    Local copies are used wherever the receiving rank already holds an element;
+    otherwise the element is sent once per receiving rank, the ranks holding a box
+    taking turns (``fshard._plan.schedule.source_shards``: a rule that one rank applies to
+    its own boxes alone, so ``for_rank`` agrees with the plan). The transfers are
+    computed on first use. Pending reductions (``Layout.partial``) are planned by
+    ``fshard._plan.pending``: reduce-scatter, then copies to the replicas, each rank's share
+    again from the layouts alone.
+
+    Raises:
+        SpecError: if the layouts have different shapes.
+    """
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+        raise SpecError(f"plan() takes two Layouts, got {type(src).__name__} and {type(dst).__name__}.")
+    return _plan(src, dst)
+
+
+@cached(1024)
+def _plan(src: Layout, dst: Layout) -> Plan:
+    if src.shape != dst.shape:
+        raise SpecError(f"Cannot plan between shapes {src.shape} and {dst.shape}: shapes must match.")
+    if src.partial is not None or dst.partial is not None:
+        from fshard._plan import pending as _reduce
+
+        return _reduce.build(src, dst)  # type: ignore[return-value]
+    return Plan(src, dst)
+
+
+def _build(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of ``plan(src, dst)`` (neither partial): every piece of a source box in a
+    destination shard, from the source that ``_schedule.source_shards`` picks."""
+    si, di = _schedule.index(src), _schedule.index(dst)
+    pu, pv = _boxes.intersect_pairs(si.lo, si.hi, di.lo, di.hi)  # (src box u, dst box v) that share elements
+    ilo = np.maximum(si.lo[pu], di.lo[pv])
+    isz = np.minimum(si.hi[pu], di.hi[pv]) - ilo
+    pair, k = _schedule.expand(di.copy_count[pv])  # every copy of each destination box
+    dst_shard = di.copies[di.copy_start[pv][pair] + k]
+    u, v, lo, size = pu[pair], pv[pair], ilo[pair], isz[pair]
+    src_shard = _schedule.source_shards(src, dst, u, v, dst_shard)
+    order = _transfer_order(src, dst, src_shard, dst_shard)
+    arrays = (src_shard[order], dst_shard[order], lo[order], size[order])
+    for a in arrays:
+        a.setflags(write=False)
+    return arrays
+
+
+def _transfer_order(src: Layout, dst: Layout, src_shard: np.ndarray, dst_shard: np.ndarray) -> np.ndarray:
+    """Rows sorted by (source rank, destination rank, source shard, destination shard)."""
+    s_rank, d_rank, width = _rank_codes(src, dst)
+    ranks = s_rank[src_shard] * width + d_rank[dst_shard]
+    shards = src_shard * max(len(dst._rank), 1) + dst_shard
+    return np.lexsort((shards, ranks))
+
+
+def _rank_codes(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray, int]:
+    """Ranks of both layouts as small ints (order kept) and their bound, safe to multiply."""
+    width = int(max(src._rank.max(initial=0), dst._rank.max(initial=0))) + 1
+    if width <= 1 << 24:
+        return src._rank, dst._rank, width
+    ranks, inverse = np.unique(np.r_[src._rank, dst._rank], return_inverse=True)
+    return inverse[: len(src._rank)], inverse[len(src._rank) :], len(ranks)
+
+
+def min_elements(src: Layout, dst: Layout) -> int:
+    """Pairs (element, receiving rank) where the rank holds no copy of the element in ``src``.
+
+    In closed form, without the plan's rows: every (destination box, rank) needs its
+    elements, less those that the rank already holds, which are the overlaps of its
+    own source and destination boxes (found with the rank as one more coordinate).
+    """
+    si, di = _schedule.index(src), _schedule.index(dst)
+    need = int((_boxes.rows_prod(di.hi - di.lo)[di.held // max(len(di.ranks), 1)]).sum())
+    ranks = np.union1d(si.ranks, di.ranks)
+    a = _with_rank(si, np.searchsorted(ranks, si.holder))
+    b = _with_rank(di, np.searchsorted(ranks, di.holder))
+    pa, pb = _boxes.intersect_pairs(*a, *b)
+    overlap = np.minimum(a[1][pa], b[1][pb]) - np.maximum(a[0][pa], b[0][pb])
+    return need - int(_boxes.rows_prod(overlap[:, :-1]).sum())
+
+
+def _with_rank(ix: _schedule.Index, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each held (box, rank) as a box with the rank as its last coordinate."""
+    box = ix.held // max(len(ix.ranks), 1)
+    return np.c_[ix.lo[box], rank], np.c_[ix.hi[box], rank + 1]
