@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -52,7 +51,7 @@ def box_slices(lo: Sequence[int], size: Sequence[int], origin: Sequence[int]) ->
     return tuple(slice(a - o, a - o + s) for a, s, o in zip(lo, size, origin))
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):

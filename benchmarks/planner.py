@@ -36,8 +36,10 @@ from typing import Any
 
 import numpy as np
 
+import fshard
 from benchmarks.common import Row, Settings, Timed, interleaved, median
 from fshard import Chunk, Layout, Mesh, Named, Partial, Placement, Replicated, ShardMeta, plan
+from fshard._layout import index as _index
 from fshard._plan import pending as _reduce
 from fshard._plan import schedule as _schedule
 
@@ -251,19 +253,17 @@ class PlanCase:
 
 def clear_caches() -> None:
     """Forgets every plan, schedule and layout index, so that the next one is built from scratch."""
-    from fshard._plan import plan as _plan
 
-    _plan._plan.cache_clear()
+    fshard._plan._plan.cache_clear()
     _schedule.schedule.cache_clear()
-    _schedule.index.cache_clear()
+    _index.index.cache_clear()
     _reduce.rank_schedule.cache_clear()
 
 
 def _rows(src: Layout, dst: Layout) -> int:
     """Builds every transfer of the (uncached) plan; ``fshard.plan`` alone computes none."""
-    from fshard._plan import plan as _plan
 
-    return len(_plan._plan.__wrapped__(src, dst))
+    return len(fshard._plan._plan.__wrapped__(src, dst))
 
 
 # -- one rank's schedule at 64 to 16,384 ranks ----------------------------------------------

@@ -1,13 +1,7 @@
 """fshard: immutable sharded arrays for PyTorch, moved by pure functions and cached plans."""
 
 from fshard import backends as backends
-from fshard._array.array import Shard as Shard
-from fshard._array.array import ShardedArray as ShardedArray
-from fshard._base.cache import clear_caches as clear_caches
-from fshard._checkpoint import checkpoint_info as checkpoint_info
-from fshard._checkpoint import load as load
-from fshard._checkpoint import save as save
-from fshard._config import config as config
+from fshard._api import operators as _operators
 from fshard._api.creation import empty as empty
 from fshard._api.creation import empty_like as empty_like
 from fshard._api.creation import full as full
@@ -22,6 +16,25 @@ from fshard._api.creation import zeros as zeros
 from fshard._api.creation import zeros_like as zeros_like
 from fshard._api.dist import from_local_shards as from_local_shards
 from fshard._api.dist import from_local_tensor as from_local_tensor
+from fshard._api.map import shard_map as shard_map
+from fshard._api.modules import load_state_dict as load_state_dict
+from fshard._api.modules import shard_params as shard_params
+from fshard._api.move import allclose as allclose
+from fshard._api.move import equal as equal
+from fshard._api.move import from_local_shards_and_layout as from_local_shards_and_layout
+from fshard._api.move import gather as gather
+from fshard._api.move import map_local as map_local
+from fshard._api.move import reshard as reshard
+from fshard._api.move import shard as shard
+from fshard._api.tree import clip_grad_norm as clip_grad_norm
+from fshard._api.tree import global_norm as global_norm
+from fshard._array.array import Shard as Shard
+from fshard._array.array import ShardedArray as ShardedArray
+from fshard._base.cache import clear_caches as clear_caches
+from fshard._checkpoint import checkpoint_info as checkpoint_info
+from fshard._checkpoint import load as load
+from fshard._checkpoint import save as save
+from fshard._config import config as config
 from fshard._errors import CheckpointError as CheckpointError
 from fshard._errors import CollectiveMismatchError as CollectiveMismatchError
 from fshard._errors import FShardError as FShardError
@@ -33,22 +46,7 @@ from fshard._interop.torch_objects import to_dtensor as to_dtensor
 from fshard._interop.torch_objects import to_sharded_tensor as to_sharded_tensor
 from fshard._layout.layout import Layout as Layout
 from fshard._layout.layout import ShardMeta as ShardMeta
-from fshard._log import logger as _logger  # noqa: F401 (the 'fshard' logger gets its NullHandler)
-from fshard._api.modules import load_state_dict as load_state_dict
-from fshard._api.modules import shard_params as shard_params
-from fshard._api.move import allclose as allclose
-from fshard._api.move import equal as equal
-from fshard._api.move import from_local_shards_and_layout as from_local_shards_and_layout
-from fshard._api.move import gather as gather
-from fshard._api.move import map_local as map_local
-from fshard._api.move import reshard as reshard
-from fshard._api.move import shard as shard
 from fshard._layout.placement import Placement as Placement
-from fshard._plan.plan import Plan as Plan
-from fshard._plan.plan import Transfer as Transfer
-from fshard._plan.plan import plan as plan
-from fshard._plan.schedule import RankSchedule as RankSchedule
-from fshard._api.map import shard_map as shard_map
 from fshard._layout.specs import Chunk as Chunk
 from fshard._layout.specs import Explicit as Explicit
 from fshard._layout.specs import Mesh as Mesh
@@ -56,10 +54,15 @@ from fshard._layout.specs import Named as Named
 from fshard._layout.specs import Partial as Partial
 from fshard._layout.specs import Replicated as Replicated
 from fshard._layout.specs import Single as Single
-from fshard._api.tree import clip_grad_norm as clip_grad_norm
-from fshard._api.tree import global_norm as global_norm
+from fshard._log import logger as _logger  # noqa: F401 (the 'fshard' logger gets its NullHandler)
+from fshard._plan import plan as plan
+from fshard._plan.direct import Plan as Plan
+from fshard._plan.direct import Transfer as Transfer
+from fshard._plan.schedule import RankSchedule as RankSchedule
 
 __version__ = "0.1.0"
+
+_operators.install()  # ShardedArray's operators and sum(), declared on the class for type checkers
 
 __all__ = [
     "CheckpointError",

@@ -1028,7 +1028,7 @@ KNOWN: tuple[Known, ...] = (
         (("plan", "src"), ("plan", "dst")),
         _unhashable,
         [1],
-        "fshard/_plan/plan.py plan: the lru_cache hashes the arguments before they are checked (Python's TypeError)",
+        "fshard/_plan/direct.py plan: the lru_cache hashes the arguments before they are checked (Python's TypeError)",
     ),
 )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import fshard
+import fshard.backends.local  # registers its device cache
 from fshard._base import cache as _cache
 
 
@@ -39,9 +40,13 @@ def test_clear_caches_empties_every_cache_and_results_stay_the_same():
 def test_every_cache_of_a_layout_function_is_registered():
     names = {c.name for c in _cache._REGISTRY}
     expected = {
-        "fshard._plan.plan._plan",
+        "fshard._plan._plan",
         "fshard._plan.schedule.schedule",
-        "fshard._plan.schedule.index",
-        "fshard._layout.layout._validate_memo",
+        "fshard._layout.index.index",
+        "fshard._layout.validate.validate_memo",
+        "fshard._layout.specs._resolved",
+        "fshard._exec.autograd._copy_counts",
+        "fshard.backends.local._device",
+        "fshard._layout.batch.with_batch",
     }
     assert expected <= names

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fshard
-from fshard.backends.torch_dist._check import describe_layout
+from fshard._layout.show import describe_layout
 from fshard.backends.torch_dist._choice import all_contiguous, direct, rows_in_order, smallest_piece
 from fshard.backends.torch_dist._lowering import schedule
 
@@ -267,7 +267,7 @@ def _without_global_plan():
     rows forbidden; returns the elements this rank sent for each."""
     import torch.distributed as dist
 
-    from fshard._plan import plan as _plan
+    from fshard._plan import direct as _plan
     from fshard.backends.torch_dist import TorchDistBackend
 
     def forbidden(self):

@@ -19,8 +19,8 @@ import torch
 
 import fshard
 from fshard import Chunk, Mesh, Named, Partial, Replicated, Single
+from fshard._plan import direct as _plan
 from fshard._plan import pending as _reduce
-from fshard._plan import plan as _plan
 from fshard._plan import schedule as _schedule
 from fshard._plan.schedule import Moves, RankSchedule
 from fshard.backends.local import LocalBackend

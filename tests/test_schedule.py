@@ -9,7 +9,7 @@ import pytest
 
 import fshard
 from fshard import Chunk, Layout, Mesh, Named, Partial, Replicated, ShardMeta, Single
-from fshard._plan import plan as _plan
+from fshard._plan import direct as _plan
 from fshard._plan import schedule as _schedule
 
 
@@ -25,7 +25,7 @@ def no_global_plan(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the global plan was built")
 
     monkeypatch.setattr(_plan, "_build", refuse)
-    _plan._plan.cache_clear()
+    fshard._plan._plan.cache_clear()
     _schedule.schedule.cache_clear()
 
 
@@ -145,7 +145,7 @@ def test_for_rank_and_the_minimum_need_no_global_plan() -> None:
 
 def test_plan_rows_are_built_on_first_use() -> None:
     src, dst = Chunk(0, [0, 1]).layout((4,)), Chunk(0, [1, 0]).layout((4,))
-    p = _plan._plan.__wrapped__(src, dst)
+    p = fshard._plan._plan.__wrapped__(src, dst)
     assert "_rows" not in vars(p)
     assert p.min_elements_sent == 4
     assert "_rows" not in vars(p)
@@ -166,7 +166,7 @@ def test_plan_rows_are_built_on_first_use() -> None:
 )
 def test_closed_form_minimum_equals_the_rows(src: object, dst: object) -> None:
     a, b = src.layout((6, 5)), dst.layout((6, 5))  # type: ignore[attr-defined]
-    p = _plan._plan.__wrapped__(a, b)
+    p = fshard._plan._plan.__wrapped__(a, b)
     assert _plan.min_elements(a, b) == p.elements_sent == int(p.traffic().sum())
 
 

@@ -19,7 +19,7 @@ import fshard
 from fshard import Chunk, Explicit, Layout, Placement, ShardMeta
 from fshard._layout.placement import as_placement
 from fshard._layout.specs import as_layout
-from fshard._layout.torch_meta import shard_meta_from_torch
+from fshard._layout.torch_meta import box_from_torch
 
 RANKS = [0, 1, 2, 3]
 CPU = [f"rank:{r}/cpu" for r in RANKS]
@@ -44,7 +44,7 @@ CONVERSIONS = [
     ),
     pytest.param(lambda: fshard.Single(_remote_device("rank:2/cpu")), fshard.Single(2), id="single-of-remote-device"),
     pytest.param(
-        lambda: shard_meta_from_torch(ShardMetadata([0, 4], [2, 4], "rank:1/cpu")),
+        lambda: ShardMeta(*box_from_torch(ShardMetadata([0, 4], [2, 4], "rank:1/cpu"))),
         ShardMeta((0, 4), (2, 4), 1),
         id="shard-metadata",
     ),

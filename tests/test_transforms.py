@@ -3,7 +3,7 @@
 ``shard``, ``reshard`` and ``gather`` run eagerly under ``torch.compile`` (a graph
 break each, ``fshard._base.compile.opaque``), and a ShardedArray rebuilt from shard tensors
 that gained a batch dim under ``vmap`` gets the batched layout
-(``fshard._base.compile.batched_layout``).
+(``fshard._layout.batch.batched_layout``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from torch.func import grad, vmap
 
 import fshard
 import fshard._array.array
-from fshard._base.compile import batched_layout, opaque
+from fshard._base.compile import opaque
+from fshard._layout.batch import batched_layout
 
 ROWS = fshard.Chunk(0, [0, 1])
 COLS = fshard.Chunk(1, [0, 1, 2])

@@ -28,15 +28,12 @@ import pickle
 import weakref
 from typing import Any
 
-import numpy as np
 import torch.distributed as dist
 
-from fshard._base.cache import cached
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError
-from fshard._layout.layout import Layout
 
-__all__ = ["agreed", "check", "describe_layout"]
+__all__ = ["agreed", "check"]
 
 
 @dataclasses.dataclass
@@ -129,27 +126,3 @@ def _portable(exc: Exception | None) -> Exception | None:
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
     return exc
-
-
-# -- descriptions ---------------------------------------------------------------------
-
-
-@cached(1024)
-def _layout_digest(layout: Layout) -> str:
-    h = hashlib.blake2b(digest_size=6)
-    h.update(repr((layout.shape, layout.partial)).encode())
-    for a in (layout._lo, layout._sz, layout._rank):
-        h.update(np.ascontiguousarray(a, np.int64).tobytes())
-    h.update("|".join(layout._devices).encode())
-    return h.hexdigest()
-
-
-def describe_layout(layout: Layout, most: int = 6) -> str:
-    """``shape (8, 12): [0:4, 0:12]@0 [4:8, 0:12]@1 #1a2b...``: boxes, ranks and a digest of the whole."""
-    boxes = [
-        "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(s.offsets, s.sizes)) + f"]@{s.placement.rank}"
-        for s in layout.shards[:most]
-    ]
-    more = f" ... {len(layout.shards) - most} more" if len(layout.shards) > most else ""
-    pending = f" partial {layout.partial}" if layout.partial else ""
-    return f"shape {layout.shape}{pending}: {' '.join(boxes)}{more} #{_layout_digest(layout)}"

@@ -22,9 +22,10 @@ import torch
 from fshard._base.alloc import new
 from fshard._base.boxes import unique_rows
 from fshard._base.cache import cached
+from fshard._layout.index import index
 from fshard._layout.layout import Layout
-from fshard._plan.plan import Plan, plan
-from fshard._plan.schedule import index
+from fshard._plan import plan
+from fshard._plan.direct import Plan
 
 from ..local import shard_device
 from ._lowering import Schedule, schedule

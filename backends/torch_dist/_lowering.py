@@ -22,7 +22,8 @@ import numpy as np
 from fshard._base.boxes import rows_prod, unique_rows
 from fshard._base.cache import cached
 from fshard._layout.layout import Layout
-from fshard._plan.plan import Plan, plan
+from fshard._plan import plan
+from fshard._plan.direct import Plan
 from fshard._plan.schedule import Moves
 
 Index = tuple[int, tuple[slice, ...]]  # a box as (shard, slices into that shard's tensor)

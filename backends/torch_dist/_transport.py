@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from fshard._base.alloc import new
 
-from ._reduce_phase import all_to_all, as_bytes
 from ._lowering import Index, Run, Schedule, Span
+from ._reduce_phase import all_to_all, as_bytes
 
 
 def _view(tensors: dict[int, torch.Tensor], at: Index) -> torch.Tensor:

@@ -11,14 +11,15 @@ from typing import Any
 import torch
 
 from fshard._api import random as _random
-from fshard._array.array import ShardedArray
-from fshard._exec.collective import collective
-from fshard._errors import LayoutError, SpecError
-from fshard._layout.layout import MAX_EXTENT, Layout, ShardMeta, check_shape
 from fshard._api.move import resolve_backend
+from fshard._array.array import ShardedArray
+from fshard._errors import LayoutError, SpecError
+from fshard._exec.collective import collective
+from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import as_layout
 from fshard._layout.torch_meta import is_sharded_tensor
+from fshard._layout.validate import MAX_EXTENT, check_shape
 from fshard.backends import Backend
 
 __all__ = [

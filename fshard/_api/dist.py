@@ -13,12 +13,13 @@ from typing import Any, NamedTuple
 import torch
 
 from fshard._array.array import Shard, ShardedArray
-from fshard._exec.collective import collective
 from fshard._errors import LayoutError, SpecError
-from fshard._layout.layout import Layout, ShardMeta, check_shape
+from fshard._exec.collective import collective
+from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import as_layout, is_spec
 from fshard._layout.torch_meta import is_torch_spec
+from fshard._layout.validate import check_shape
 from fshard.backends import Backend, default_backend
 
 __all__ = ["check_pieces", "from_local_shards", "from_local_tensor"]
@@ -80,14 +81,14 @@ def _describe(shards: Any, shape: Any, rank: int | None) -> Report:
         pieces.append(Piece(s.meta, t.dtype, str(t.device), t.requires_grad, _pinned(t), str(t.layout)))
         if rank is not None and p.rank != rank:
             problems.append(
-                f"shard {s.meta._box()} names rank {p.rank}, but rank {rank} passed it: "
+                f"shard {s.meta.box()} names rank {p.rank}, but rank {rank} passed it: "
                 "a rank passes only its own shards"
             )
         if t.layout != torch.strided:
-            problems.append(f"shard {s.meta._box()} has layout {t.layout}; only torch.strided tensors can be sharded")
+            problems.append(f"shard {s.meta.box()} has layout {t.layout}; only torch.strided tensors can be sharded")
         if torch.device(p.device) != t.device:
             problems.append(
-                f"shard {s.meta._box()} has its tensor on {t.device}, not on its placement's device {p.device}"
+                f"shard {s.meta.box()} has its tensor on {t.device}, not on its placement's device {p.device}"
             )
     return Report(rank, gshape, tuple(pieces), tuple(problems))
 
@@ -145,8 +146,8 @@ def _check_properties(pieces: Sequence[tuple[int | None, Piece]]) -> None:
         b = next(p for _, p in pieces if getattr(p, name) != getattr(a, name))
         msg = (
             f"from_local_shards(): local shards' tensor {name} property need to be the same on all ranks! "
-            f"Found {name}={getattr(a, name)} on rank {a.meta.placement.rank} (shard {a.meta._box()}) and "
-            f"{name}={getattr(b, name)} on rank {b.meta.placement.rank} (shard {b.meta._box()}): make them agree."
+            f"Found {name}={getattr(a, name)} on rank {a.meta.placement.rank} (shard {a.meta.box()}) and "
+            f"{name}={getattr(b, name)} on rank {b.meta.placement.rank} (shard {b.meta.box()}): make them agree."
         )
         raise LayoutError(msg)
 
@@ -313,7 +314,7 @@ def _local_problems(tensors: Sequence[torch.Tensor], layout: Layout, index: Sequ
     for i, t in zip(index, tensors):
         meta = layout._shard(i)
         if tuple(t.shape) != meta.sizes:
-            problems.append(f"local tensor of shape {tuple(t.shape)} is not the size of shard {i} {meta._box()}")
+            problems.append(f"local tensor of shape {tuple(t.shape)} is not the size of shard {i} {meta.box()}")
         elif not t.is_contiguous():
             problems.append(f"local_tensor is not a contiguous Tensor (shard {i}): pass tensor.contiguous()")
     return problems

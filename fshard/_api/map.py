@@ -21,13 +21,11 @@ from typing import Any, cast
 import optree
 import torch
 
-from fshard._exec import autograd as _autograd
-from fshard._exec import gathered as _varying
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
-from fshard._exec.collective import collective
 from fshard._errors import SpecError
-from fshard._layout.layout import Layout, with_partial
+from fshard._exec import autograd as _autograd
+from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
     agree,
     describe_results,
@@ -36,6 +34,8 @@ from fshard._exec.agree import (
     merge_results,
     untouched,
 )
+from fshard._exec.collective import collective
+from fshard._layout.layout import Layout, with_partial
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Explicit, Partial, as_layout
 

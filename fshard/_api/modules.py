@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from fshard._array.array import ShardedArray
-from fshard._exec.collective import collective
-from fshard._errors import CheckpointError
 from fshard._api.move import gather, reshard, shard
+from fshard._array.array import ShardedArray
+from fshard._errors import CheckpointError
+from fshard._exec.collective import collective
 from fshard._layout.torch_meta import is_sharded_tensor
 from fshard.backends import Backend
 

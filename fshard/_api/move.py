@@ -10,14 +10,12 @@ from typing import Any, cast, overload
 import optree
 import torch
 
-from fshard._exec import autograd as _autograd
-from fshard._api import operators as _operators
-from fshard._exec import gathered as _varying  # noqa: F401  (_operators adds ShardedArray's operators)
+from fshard._api.map import map_local  # the public map_local, re-exported here
 from fshard._array.array import Shard, ShardedArray
-from fshard._exec.collective import collective
 from fshard._base.compile import opaque
 from fshard._errors import LayoutError, SpecError
-from fshard._layout.layout import Layout, ShardMeta, with_partial
+from fshard._exec import autograd as _autograd
+from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
     agree,
     describe_results,
@@ -26,8 +24,9 @@ from fshard._exec.agree import (
     merge_results,
     untouched,
 )
+from fshard._exec.collective import collective
+from fshard._layout.layout import Layout, ShardMeta, with_partial
 from fshard._layout.placement import Placement
-from fshard._api.map import map_local  # the public map_local, re-exported here
 from fshard._layout.specs import Replicated, as_layout
 from fshard._layout.torch_meta import is_sharded_tensor
 from fshard.backends import Backend, default_backend

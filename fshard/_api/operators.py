@@ -225,6 +225,3 @@ def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> Shard
     by_index = {index[k]: t for k, t in totals.items()}
     tensors = tuple(by_index[j] for j in mine)
     return ShardedArray(out, tensors, backend, x.dtype, None if tensors else x._link_view())
-
-
-install()

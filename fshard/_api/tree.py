@@ -10,8 +10,8 @@ import optree
 import torch
 
 from fshard._array.array import ShardedArray
-from fshard._exec.collective import collective
 from fshard._errors import SpecError
+from fshard._exec.collective import collective
 from fshard._layout.layout import with_partial
 
 __all__ = ["clip_grad_norm", "global_norm"]

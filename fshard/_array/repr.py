@@ -1,10 +1,6 @@
-"""Readable text for values: what ``repr(Layout)`` and ``repr(ShardedArray)`` print.
-
-Both print text that rebuilds the value where it is small: a layout as
-``Layout(shape=..., shards=[(offsets, sizes, placement), ...])`` (``Layout``
-takes shards as such tuples), an array with its values too when every shard is in
-this process, so that a failing example printed by hypothesis can be pasted back.
-"""
+"""What ``repr(ShardedArray)`` prints: its layout (``fshard._layout.show.layout_repr``) and, where
+small and all in this process, its values, so that a failing example printed by hypothesis
+can be pasted back."""
 
 from __future__ import annotations
 
@@ -12,20 +8,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_SHARDS", "MAX_VALUES", "array_repr", "layout_repr"]
+from fshard._layout.show import layout_repr
 
-MAX_SHARDS = 64  # a layout with more shards prints a summary
+__all__ = ["MAX_VALUES", "array_repr"]
+
 MAX_VALUES = 64  # an array that stores more elements prints no values
-
-
-def layout_repr(layout: Any) -> str:
-    """``Layout(shape=(4,), shards=[((0,), (2,), 0), ((2,), (2,), 1)])``; a summary past ``MAX_SHARDS``."""
-    pending = f", partial={layout.partial!r}" if layout.partial else ""
-    if len(layout.shards) > MAX_SHARDS:
-        ranks = _span(layout.ranks)
-        return f"Layout(shape={layout.shape}, {len(layout.shards)} shards on ranks {ranks}{pending})"
-    shards = ", ".join(f"({m.offsets}, {m.sizes}, {_placement(m.placement)})" for m in layout.shards)
-    return f"Layout(shape={layout.shape}, shards=[{shards}]{pending})"
 
 
 def array_repr(x: Any) -> str:
@@ -57,13 +44,3 @@ def _values(x: Any) -> str:
         if all(s.meta.sizes):
             full[box] = s.data.detach().cpu()
     return f", values={full.tolist()}"
-
-
-def _placement(p: Any) -> str:
-    return str(p.rank) if p.device == "cpu" else repr(str(p))
-
-
-def _span(ranks: tuple[int, ...]) -> str:
-    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))

@@ -1,28 +1,20 @@
-"""fshard under torch's transforms: ``torch.compile`` and ``torch.func.vmap``.
+"""The ``torch.compile`` boundary: code that TorchDynamo should run eagerly.
 
 Data movement (``shard``, ``reshard``, ``gather``) resolves layouts and plans with
 cached numpy code that TorchDynamo should not trace: ``opaque`` runs such a
 function eagerly, so a compiled step graph-breaks around each movement while the
 compute between them (``map_local`` bodies) is compiled.
-
-``torch.func.vmap`` returns a ``ShardedArray`` result by rebuilding it from shard
-tensors that gained a batch dim; ``batched_layout`` gives the layout of that
-batched value (the batch is a new leading dim that no shard splits).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-from fshard._base.cache import cached
-from fshard._errors import LayoutError
-from fshard._layout.layout import Layout, ShardMeta
-
-__all__ = ["batched_layout", "opaque"]
+__all__ = ["opaque"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,50 +34,3 @@ def opaque(fn: F) -> F:
         return eager(*args, **kwargs)
 
     return run  # type: ignore[return-value]
-
-
-def batched_layout(layout: Layout, children: Sequence[torch.Tensor], index: Sequence[int]) -> Layout | None:
-    """The layout of an array whose shard tensors ``children`` gained a leading batch dim, or ``None``.
-
-    ``children`` are the addressable shards (positions ``index`` of ``layout``) or,
-    on a process without shards, the one 0-element link. ``None`` when they fit
-    ``layout`` as they are. The batched layout has shape ``(B, *layout.shape)`` and
-    every shard spans the batch dim whole.
-
-    >>> import torch, fshard
-    >>> lay = fshard.Chunk(0, [0, 1]).layout((4, 3))
-    >>> batched_layout(lay, [torch.zeros(8, 2, 3), torch.zeros(8, 2, 3)], (0, 1)) == fshard.Layout(
-    ...     (8, 4, 3), [((0, 0, 0), (8, 2, 3), 0), ((0, 2, 0), (8, 2, 3), 1)]
-    ... )
-    True
-
-    Raises:
-        LayoutError: the tensors fit neither ``layout`` nor one leading batch dim of
-            ``layout`` (the message says how to get per-shard results out of ``vmap``).
-    """
-    if not index:  # a process without shards: its link is (0,), or (B, 0) once batched
-        link = children[0] if len(children) == 1 else None
-        if link is None or link.ndim != 2 or link.numel():
-            return None
-        return _with_batch(layout, link.shape[0])
-    shapes = [tuple(t.shape) for t in children]
-    sizes = [layout.shards[i].sizes for i in index]
-    if shapes == sizes:
-        return None
-    batch = {s[0] for s in shapes if len(s) == layout.ndim + 1}
-    if len(children) == len(index) and len(batch) == 1 and all(s[1:] == z for s, z in zip(shapes, sizes)):
-        return _with_batch(layout, batch.pop())
-    k = next(k for k, (s, z) in enumerate(zip(shapes, sizes)) if s != z)
-    msg = (
-        f"Shard {index[k]} tensor has shape {shapes[k]} but the layout gives it sizes {sizes[k]}: a pytree "
-        "transform must keep every shard's shape, or (torch.func.vmap) add one leading batch dim to all of them. "
-        "With vmap's out_dims other than 0, return the shard tensors (optree.tree_leaves(result)) or "
-        "fshard.gather(result) from the vmapped function instead of the array."
-    )
-    raise LayoutError(msg)
-
-
-@cached(256)
-def _with_batch(layout: Layout, batch: int) -> Layout:
-    shards = tuple(ShardMeta((0, *s.offsets), (batch, *s.sizes), s.placement) for s in layout.shards)
-    return Layout((batch, *layout.shape), shards, layout.partial)

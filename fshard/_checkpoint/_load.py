@@ -12,19 +12,19 @@ from typing import Any
 
 import torch
 
-from fshard._base.alloc import new
 from fshard._array.array import ShardedArray
+from fshard._base.alloc import new
 from fshard._checkpoint._collective import _agree_on, _progress
 from fshard._checkpoint._format import INDEX, _read_index, _Saved, check_flag, checkpoint_path
 from fshard._checkpoint._reader import _Reader, _slices
 from fshard._checkpoint._schema import saved_leaves
 from fshard._checkpoint._tree import _match, _unflatten
-from fshard._exec.collective import collective
 from fshard._errors import CheckpointError, SpecError
+from fshard._exec.collective import collective
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
-from fshard._plan.plan import plan
 from fshard._layout.specs import as_layout
+from fshard._plan import plan
 from fshard.backends import Backend, default_backend
 
 __all__ = ["load"]

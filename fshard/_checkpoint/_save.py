@@ -17,8 +17,8 @@ from fshard._checkpoint._collective import _agree, _agree_on
 from fshard._checkpoint._format import FORMAT, INDEX, VERSION, _index_digest, check_flag, checkpoint_path
 from fshard._checkpoint._tree import _flatten
 from fshard._checkpoint._write import _assign, _Box, _commit, _committed, _write_files
-from fshard._exec.collective import collective
 from fshard._errors import CheckpointError, SpecError
+from fshard._exec.collective import collective
 from fshard.backends import Backend, default_backend
 
 __all__ = ["save"]

@@ -17,8 +17,9 @@ from typing import Any
 
 from fshard._checkpoint._format import _DTYPES, _FILE_RE, INDEX, MAX_DEPTH, _Saved
 from fshard._errors import CheckpointError, FShardError
-from fshard._layout.layout import MAX_EXTENT, Layout, ShardMeta
+from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
+from fshard._layout.validate import MAX_EXTENT
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SCALAR_TYPES = {"bool": bool, "int": int, "float": str, "str": str, "NoneType": type(None)}

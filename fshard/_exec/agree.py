@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from fshard._exec import gathered as _varying
 from fshard._errors import SpecError
+from fshard._exec import gathered as _varying
 from fshard._layout.layout import Layout
 
 __all__ = ["agree", "describe_results", "holds_nothing_somewhere", "link_without_blocks", "merge_results", "untouched"]

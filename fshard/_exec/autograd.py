@@ -26,17 +26,18 @@ and batched collectives as the processes that hold shards.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from fshard._exec import gathered as _varying
+from fshard._base.cache import cached
 from fshard._errors import SpecError
-from fshard._layout.layout import Layout, ShardMeta, with_partial
-from fshard._plan.plan import plan
+from fshard._exec import gathered as _varying
+from fshard._layout.batch import with_batch
+from fshard._layout.layout import Layout, with_partial
+from fshard._plan import plan
 
 __all__ = ["assemble", "move", "scatter"]
 
@@ -53,13 +54,6 @@ def _dense(layout: Layout, backend: Any, grads: Sequence[Any], like: torch.Tenso
         torch.zeros(layout._shard(i).sizes, dtype=like.dtype, device=like.device) if g is None else g
         for i, g in zip(idx, grads)
     )
-
-
-@functools.lru_cache(maxsize=256)
-def _batched(layout: Layout, n: int) -> Layout:
-    """``layout`` with a leading dim of size ``n`` that every shard spans whole."""
-    shards = tuple(ShardMeta((0, *s.offsets), (n, *s.sizes), s.placement) for s in layout.shards)
-    return Layout((n, *layout.shape), shards, layout.partial)
 
 
 def _linear(src: Layout, dst: Layout, what: str) -> tuple[Layout, Layout]:
@@ -168,7 +162,7 @@ class _Move(torch.autograd.Function):
         src, dst, backend, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-        out, link = move(_batched(src, n), _batched(dst, n), backend, lead, _stand_in(like.dtype, like.device))
+        out, link = move(with_batch(src, n), with_batch(dst, n), backend, lead, _stand_in(like.dtype, like.device))
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
@@ -199,7 +193,7 @@ class _Scatter(torch.autograd.Function):
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
         layout, backend, src, full = args
         n = info.batch_size
-        out, link = scatter(_lead(full, in_dims[3], n), _batched(layout, n), backend, src)
+        out, link = scatter(_lead(full, in_dims[3], n), with_batch(layout, n), backend, src)
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
@@ -240,7 +234,7 @@ class _Assemble(torch.autograd.Function):
         layout, backend, dst, _parts, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[5:]))
-        out = _Assemble.apply(_batched(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
+        out = _Assemble.apply(with_batch(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
         return (out, 0) if _holds_result(backend, dst) else (out.new_empty((n, 0)), 0)
 
 
@@ -319,11 +313,11 @@ class _Regroup(torch.autograd.Function):
         layout, backend, mode, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-        *out, link = _Regroup.apply(_batched(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
+        *out, link = _Regroup.apply(with_batch(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def _copy_counts(layout: Layout) -> tuple[int, ...]:
     """Per shard, how many shards hold its box (1 for an empty one)."""
     count: dict[tuple[Any, ...], int] = {}

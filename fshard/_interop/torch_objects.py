@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from fshard._array.array import Shard, ShardedArray
-from fshard._exec.collective import collective
-from fshard._errors import SpecError
-from fshard._layout.layout import Layout, ShardMeta
 from fshard._api.move import from_local_shards_and_layout, reshard
+from fshard._array.array import Shard, ShardedArray
+from fshard._errors import SpecError
+from fshard._exec.collective import collective
+from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Mesh, Named
 from fshard._layout.torch_meta import is_sharded_tensor

@@ -10,17 +10,21 @@ terminal colour per rank through ``rich`` when it is installed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 import numpy as np
 
+from fshard._base.cache import cached
 from fshard._errors import SpecError
 
 if TYPE_CHECKING:
     from fshard._layout.layout import Layout
 
-__all__ = ["MAX_WIDTH", "Picture", "draw", "visualize"]
+__all__ = ["MAX_SHARDS", "MAX_WIDTH", "Picture", "describe_layout", "draw", "layout_repr", "span", "visualize"]
+
+MAX_SHARDS = 64  # a layout with more shards prints a summary
 
 ColorMode = Union[bool, Literal["auto"]]
 
@@ -259,3 +263,47 @@ def _color_system(console: object) -> str | None:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+# -- text: repr and one-line descriptions -------------------------------------------------
+
+
+def layout_repr(layout: Any) -> str:
+    """``Layout(shape=(4,), shards=[((0,), (2,), 0), ((2,), (2,), 1)])``; a summary past ``MAX_SHARDS``."""
+    pending = f", partial={layout.partial!r}" if layout.partial else ""
+    if len(layout.shards) > MAX_SHARDS:
+        ranks = span(layout.ranks)
+        return f"Layout(shape={layout.shape}, {len(layout.shards)} shards on ranks {ranks}{pending})"
+    shards = ", ".join(f"({m.offsets}, {m.sizes}, {_placement(m.placement)})" for m in layout.shards)
+    return f"Layout(shape={layout.shape}, shards=[{shards}]{pending})"
+
+
+def _placement(p: Any) -> str:
+    return str(p.rank) if p.device == "cpu" else repr(str(p))
+
+
+def span(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+@cached(1024)
+def _layout_digest(layout: Layout) -> str:
+    h = hashlib.blake2b(digest_size=6)
+    h.update(repr((layout.shape, layout.partial)).encode())
+    for a in (layout._lo, layout._sz, layout._rank):
+        h.update(np.ascontiguousarray(a, np.int64).tobytes())
+    h.update("|".join(layout._devices).encode())
+    return h.hexdigest()
+
+
+def describe_layout(layout: Layout, most: int = 6) -> str:
+    """``shape (8, 12): [0:4, 0:12]@0 [4:8, 0:12]@1 #1a2b...``: boxes, ranks and a digest of the whole."""
+    boxes = [
+        "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(s.offsets, s.sizes)) + f"]@{s.placement.rank}"
+        for s in layout.shards[:most]
+    ]
+    more = f" ... {len(layout.shards) - most} more" if len(layout.shards) > most else ""
+    pending = f" partial {layout.partial}" if layout.partial else ""
+    return f"shape {layout.shape}{pending}: {' '.join(boxes)}{more} #{_layout_digest(layout)}"

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
+import torch
 
+from fshard._base.cache import cached
 from fshard._errors import SpecError
-from fshard._layout.layout import REDUCE_OPS, Layout, ShardMeta, ShardMetaLike, as_metas, check_shape, with_partial
+from fshard._layout.layout import Layout, ShardMeta, ShardMetaLike, as_metas, with_partial
 from fshard._layout.placement import Placement, PlacementLike, as_placement
-from fshard._layout.torch_meta import (
-    from_torch_spec,
-    is_shard_metadata,
-    is_torch_spec,
-    layout_of_torch_spec,
-    shard_meta_from_torch,
-)
+from fshard._layout.torch_meta import box_from_torch, is_shard_metadata, is_torch_spec
+from fshard._layout.validate import REDUCE_OPS, check_shape
 
 __all__ = [
     "MAX_MESH_SIZE",
@@ -184,7 +180,7 @@ def _box(shard: Any, k: int) -> ShardMetaLike:
     if isinstance(shard, ShardMeta):
         return shard
     if is_shard_metadata(shard):
-        return shard_meta_from_torch(shard)
+        return ShardMeta(*box_from_torch(shard))
     if isinstance(shard, (tuple, list)) and len(shard) == 3:
         return tuple(shard)  # type: ignore[return-value]
     msg = (
@@ -403,7 +399,33 @@ def as_layout(spec: Any, shape: Sequence[int]) -> Layout:
         return spec.layout(shape)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(1024)
 def _resolved(spec: Any, shape: tuple[int, ...]) -> Layout:
     """``spec.layout(shape)``, remembered: specs are values, and a loop reshards to the same spec."""
     return spec.layout(shape)
+
+
+def from_torch_spec(spec: Any) -> Any:
+    """The fshard spec for a torch ``ShardingSpec``: ``Chunk`` or ``Explicit``.
+
+    Another ``ShardingSpec`` subclass (a user's own) is returned as is: ``as_layout``
+    resolves it with its ``build_metadata``.
+    """
+    kind = type(spec).__name__
+    if kind == "ChunkShardingSpec":
+        return Chunk(spec.dim, spec.placements)
+    if kind == "EnumerableShardingSpec":
+        return Explicit(spec.shards)
+    return spec
+
+
+def layout_of_torch_spec(spec: Any, shape: tuple[int, ...]) -> Layout:
+    """The layout that any torch ``ShardingSpec`` gives ``shape``, through its ``build_metadata``."""
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties  # deferred: torch.distributed
+
+    try:
+        metadata = spec.build_metadata(torch.Size(shape), TensorProperties())
+    except (ValueError, RuntimeError, NotImplementedError) as exc:
+        msg = f"torch's {type(spec).__name__} cannot lay out shape {shape}: {exc}"
+        raise SpecError(msg) from exc
+    return Layout.from_torch_metadata(metadata)

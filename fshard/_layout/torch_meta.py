@@ -1,33 +1,38 @@
-"""Conversion between fshard's values and torch's sharding metadata and specs (imported lazily).
+"""Reading and writing torch's sharding metadata (``ShardMetadata``, ``ShardedTensorMetadata``).
 
-torch's ``ShardMetadata``, ``ShardedTensorMetadata``, ``ChunkShardingSpec`` and
-``EnumerableShardingSpec`` become ``ShardMeta``, ``Layout``, ``Chunk`` and
-``Explicit``. torch.distributed is looked up in ``sys.modules`` to recognise its
-objects: one can only exist once its module is loaded, so fshard never imports it here.
+torch's metadata is read into plain boxes ``(offsets, sizes, Placement)``, which
+``Layout`` and ``ShardMeta`` take as they are; specs (``ChunkShardingSpec``,
+``EnumerableShardingSpec``) are converted in ``fshard._layout.specs``.
+torch.distributed is looked up in ``sys.modules`` to recognise its objects: one can
+only exist once its module is loaded, so fshard never imports it here.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fshard._errors import LayoutError, SpecError
-from fshard._layout.layout import Layout, ShardMeta
+from fshard._errors import LayoutError
 from fshard._layout.placement import Placement
 
+if TYPE_CHECKING:
+    from fshard._layout.layout import Layout
+
 __all__ = [
-    "from_torch_metadata",
-    "from_torch_spec",
+    "Box",
+    "box_from_torch",
     "is_shard_metadata",
     "is_sharded_tensor",
     "is_torch_spec",
-    "layout_of_torch_spec",
-    "shard_meta_from_torch",
+    "read_torch_metadata",
     "to_torch_metadata",
 ]
+
+# A box as ``Layout`` and ``ShardMeta`` take it: offsets, sizes and placement.
+Box = tuple[tuple[int, ...], tuple[int, ...], Placement]
 
 
 def _torch_class(module: str, name: str) -> type | None:
@@ -65,18 +70,18 @@ def to_torch_metadata(layout: Layout, dtype: Any = None, requires_grad: bool = F
     return ShardedTensorMetadata(shards, torch.Size(layout.shape), props)
 
 
-def from_torch_metadata(metadata: Any) -> Layout:
-    """The ``Layout`` that torch's ``ShardedTensorMetadata`` describes.
+def read_torch_metadata(metadata: Any) -> tuple[tuple[int, ...], tuple[Box, ...]]:
+    """The shape and boxes that torch's ``ShardedTensorMetadata`` describes.
 
     A list of ``ShardMetadata`` is read as an ``EnumerableShardingSpec``'s shards:
     the shape is the extent of their boxes (the end of the farthest box in each dim).
     """
     if isinstance(metadata, Sequence) and not isinstance(metadata, str) and all(map(is_shard_metadata, metadata)):
-        metas = tuple(map(shard_meta_from_torch, metadata))
-        if not metas:
+        boxes = tuple(map(box_from_torch, metadata))
+        if not boxes:
             raise LayoutError("Layout.from_torch_metadata() got an empty list of ShardMetadata: give at least one.")
-        ends = [[o + n for o, n in zip(m.offsets, m.sizes)] for m in metas]
-        return Layout(tuple(map(max, zip(*ends))), metas)
+        ends = [[o + n for o, n in zip(offsets, sizes)] for offsets, sizes, _ in boxes]
+        return tuple(map(max, zip(*ends))), boxes
     value: Any = metadata  # anything that is not a list of ShardMetadata
     try:
         shards = value.shards_metadata
@@ -84,15 +89,15 @@ def from_torch_metadata(metadata: Any) -> Layout:
     except AttributeError as exc:
         msg = f"Expected a torch ShardedTensorMetadata, got {type(metadata).__name__}."
         raise LayoutError(msg) from exc
-    return Layout(tuple(size), tuple(map(shard_meta_from_torch, shards)))
+    return tuple(size), tuple(map(box_from_torch, shards))
 
 
-def shard_meta_from_torch(shard: Any) -> ShardMeta:
-    """torch's ``ShardMetadata`` as a ``ShardMeta`` (its placement must name a rank).
+def box_from_torch(shard: Any) -> Box:
+    """torch's ``ShardMetadata`` as a box (its placement must name a rank).
 
     >>> from torch.distributed._shard.metadata import ShardMetadata
-    >>> shard_meta_from_torch(ShardMetadata([0, 4], [2, 4], "rank:1/cpu"))
-    ShardMeta(offsets=(0, 4), sizes=(2, 4), placement=Placement(rank=1, device='cpu'))
+    >>> box_from_torch(ShardMetadata([0, 4], [2, 4], "rank:1/cpu"))
+    ((0, 4), (2, 4), Placement(rank=1, device='cpu'))
 
     Raises:
         LayoutError: the placement is missing or names an RPC worker instead of a rank.
@@ -109,32 +114,4 @@ def shard_meta_from_torch(shard: Any) -> ShardMeta:
             "fshard needs 'rank:<int>/<device>'."
         )
         raise LayoutError(msg)
-    return ShardMeta(tuple(shard.shard_offsets), tuple(shard.shard_sizes), Placement(rank, str(remote.device())))
-
-
-def from_torch_spec(spec: Any) -> Any:
-    """The fshard spec for a torch ``ShardingSpec``: ``Chunk`` or ``Explicit``.
-
-    Another ``ShardingSpec`` subclass (a user's own) is returned as is: ``as_layout``
-    resolves it with its ``build_metadata``.
-    """
-    from fshard._layout.specs import Chunk, Explicit
-
-    kind = type(spec).__name__
-    if kind == "ChunkShardingSpec":
-        return Chunk(spec.dim, spec.placements)
-    if kind == "EnumerableShardingSpec":
-        return Explicit(spec.shards)
-    return spec
-
-
-def layout_of_torch_spec(spec: Any, shape: tuple[int, ...]) -> Layout:
-    """The layout that any torch ``ShardingSpec`` gives ``shape``, through its ``build_metadata``."""
-    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-
-    try:
-        metadata = spec.build_metadata(torch.Size(shape), TensorProperties())
-    except (ValueError, RuntimeError, NotImplementedError) as exc:
-        msg = f"torch's {type(spec).__name__} cannot lay out shape {shape}: {exc}"
-        raise SpecError(msg) from exc
-    return from_torch_metadata(metadata)
+    return tuple(shard.shard_offsets), tuple(shard.shard_sizes), Placement(rank, str(remote.device()))

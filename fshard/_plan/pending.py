@@ -47,11 +47,13 @@ import operator
 import numpy as np
 
 from fshard._base import boxes as _boxes
-from fshard._plan import schedule as _schedule
 from fshard._base.cache import cached
+from fshard._layout.index import Index, expand, index, pieces
 from fshard._layout.layout import Layout, with_partial
-from fshard._plan.plan import Plan, plan
-from fshard._plan.schedule import Index, RankSchedule, expand, index, pieces, shared_holders, walk_holders
+from fshard._plan import schedule as _schedule
+from fshard._plan.direct import Plan
+from fshard._plan.routing import copy_on, shared_holders, walk_holders
+from fshard._plan.schedule import RankSchedule
 
 __all__ = ["PendingPlan", "build", "lower_bound", "rank_schedule"]
 
@@ -124,7 +126,7 @@ def _reduce(src: Layout, dst: Layout) -> Plan:
     if (index(dst).count <= 1).all():  # each element has one owner already
         return _phase("reduce", src, dst)
     owners = _owners(src, dst)
-    return PendingPlan(src, dst, "chain", lower_bound(src, dst), (_phase("reduce", src, owners), plan(owners, dst)))
+    return PendingPlan(src, dst, "chain", lower_bound(src, dst), (_phase("reduce", src, owners), Plan(owners, dst)))
 
 
 def lower_bound(src: Layout, dst: Layout) -> int:
@@ -247,20 +249,6 @@ def _copies_on(ix: Index, box: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray
     return row, ix.copies[start[row] + k]
 
 
-def _copy_on(
-    layout: Layout, ix: Index, box: np.ndarray, rank: np.ndarray, other: Layout, shard: np.ndarray
-) -> np.ndarray:
-    """The copy of ``box[k]`` on ``rank[k]`` (which holds one) on the device of shard ``shard[k]``
-    of ``other``, else the lowest-index copy there."""
-    start, stop = ix.copies_of(box, rank)
-    out = ix.copies[start] if len(start) else np.zeros(0, np.int64)
-    for k in np.flatnonzero(stop - start > 1).tolist():  # a rank holding a box on several devices
-        device = other._devices[int(shard[k])]
-        same = [int(c) for c in ix.copies[start[k] : stop[k]] if layout._devices[int(c)] == device]
-        out[k] = same[0] if same else out[k]
-    return out
-
-
 def _own(ix: Index, rank: int) -> np.ndarray:
     """The distinct boxes that ``rank`` holds, ascending."""
     return np.unique(ix.box_of[ix.shards_on(rank)])
@@ -298,7 +286,7 @@ def _regroup_target(
     held = di.find(v, rank)
     out = np.empty(len(u), np.int64)
     here, away = np.flatnonzero(held >= 0), np.flatnonzero(held < 0)
-    out[here] = _copy_on(dst, di, v[here], rank[here], src, shard[here])
+    out[here] = copy_on(dst, di, v[here], rank[here], src, shard[here])
     out[away] = di.first[_turn(si, di, u[away], v[away], rank[away])]
     return out
 
@@ -320,7 +308,7 @@ def _make_ends(
     i, j = np.empty(len(u), np.int64), np.empty(len(u), np.int64)
     here, away = np.flatnonzero(shared >= 0), np.flatnonzero(shared < 0)
     j[here] = di.first[di.find(v[here], shared[here])]
-    i[here] = _copy_on(src, si, u[here], shared[here], dst, j[here])
+    i[here] = copy_on(src, si, u[here], shared[here], dst, j[here])
     turn = u[away] + v[away]
     i[away] = si.first[si.start[u[away]] + turn % si.count[u[away]]]
     j[away] = di.first[di.start[v[away]] + turn % di.count[v[away]]]
@@ -416,7 +404,7 @@ def _regroup_rank(src: Layout, dst: Layout, rank: int) -> Rows:
     v, u, lo, size = pieces(di, si, _own(di, rank))
     me = _mine(len(v), rank)
     r, i = _copies_on(si, u, me)  # this rank's own summands stay
-    kept = (i, _copy_on(dst, di, v[r], me[r], src, i), lo[r], size[r])
+    kept = (i, copy_on(dst, di, v[r], me[r], src, i), lo[r], size[r])
     m, n, q = di.count[v], si.count[u], di.find(v, me) - di.start[v]
     c = (q - u - v) % m
     r, t = expand(np.where(c < n, (n - c + m - 1) // m, 0))  # positions c, c + m, ... below n

@@ -1,4 +1,4 @@
-"""Plans: which box of which source shard goes to which destination shard (pure, cached)."""
+"""Direct plans (no pending reduction): which box of which source shard goes to which destination shard."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from typing import Any
 import numpy as np
 
 from fshard._base import boxes as _boxes
-from fshard._plan import schedule as _schedule
-from fshard._base.cache import cached
-from fshard._errors import SpecError
+from fshard._layout import index as _index
 from fshard._layout.layout import Layout
+from fshard._plan import routing as _routing
+from fshard._plan import schedule as _schedule
 from fshard._plan.schedule import RankSchedule
 
-__all__ = ["Box", "Plan", "Transfer", "min_elements", "plan"]
+__all__ = ["Box", "Plan", "Transfer", "min_elements"]
 
-_groups = _schedule.groups  # distinct boxes of a layout, in the numbering plans use
+_groups = _index.groups  # distinct boxes of a layout, in the numbering plans use
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -76,7 +76,7 @@ class Plan:
     ``traffic()`` and ``transfers`` cover every phase, and ``min_elements_sent`` is
     the lower bound derived in ``fshard._plan.pending.lower_bound``.
 
-    >>> from fshard import Chunk
+    >>> from fshard import Chunk, plan
     >>> p = plan(Chunk(0, [0, 1]).layout((4,)), Chunk(0, [1, 0]).layout((4,)))
     >>> p.elements_sent, p.min_elements_sent, len(p)
     (4, 4, 2)
@@ -232,47 +232,17 @@ class Plan:
         )
 
 
-def plan(src: Layout, dst: Layout) -> Plan:
-    """The plan that moves data from layout ``src`` to layout ``dst`` (pure, cached).
-
-    Local copies are used wherever the receiving rank already holds an element;
-    otherwise the element is sent once per receiving rank, the ranks holding a box
-    taking turns (``fshard._plan.schedule.source_shards``: a rule that one rank applies to
-    its own boxes alone, so ``for_rank`` agrees with the plan). The transfers are
-    computed on first use. Pending reductions (``Layout.partial``) are planned by
-    ``fshard._plan.pending``: reduce-scatter, then copies to the replicas, each rank's share
-    again from the layouts alone.
-
-    Raises:
-        SpecError: if the layouts have different shapes.
-    """
-    if not isinstance(src, Layout) or not isinstance(dst, Layout):
-        raise SpecError(f"plan() takes two Layouts, got {type(src).__name__} and {type(dst).__name__}.")
-    return _plan(src, dst)
-
-
-@cached(1024)
-def _plan(src: Layout, dst: Layout) -> Plan:
-    if src.shape != dst.shape:
-        raise SpecError(f"Cannot plan between shapes {src.shape} and {dst.shape}: shapes must match.")
-    if src.partial is not None or dst.partial is not None:
-        from fshard._plan import pending as _reduce
-
-        return _reduce.build(src, dst)  # type: ignore[return-value]
-    return Plan(src, dst)
-
-
 def _build(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The rows of ``plan(src, dst)`` (neither partial): every piece of a source box in a
-    destination shard, from the source that ``_schedule.source_shards`` picks."""
-    si, di = _schedule.index(src), _schedule.index(dst)
+    destination shard, from the source that ``_routing.source_shards`` picks."""
+    si, di = _index.index(src), _index.index(dst)
     pu, pv = _boxes.intersect_pairs(si.lo, si.hi, di.lo, di.hi)  # (src box u, dst box v) that share elements
     ilo = np.maximum(si.lo[pu], di.lo[pv])
     isz = np.minimum(si.hi[pu], di.hi[pv]) - ilo
-    pair, k = _schedule.expand(di.copy_count[pv])  # every copy of each destination box
+    pair, k = _index.expand(di.copy_count[pv])  # every copy of each destination box
     dst_shard = di.copies[di.copy_start[pv][pair] + k]
     u, v, lo, size = pu[pair], pv[pair], ilo[pair], isz[pair]
-    src_shard = _schedule.source_shards(src, dst, u, v, dst_shard)
+    src_shard = _routing.source_shards(src, dst, u, v, dst_shard)
     order = _transfer_order(src, dst, src_shard, dst_shard)
     arrays = (src_shard[order], dst_shard[order], lo[order], size[order])
     for a in arrays:
@@ -304,7 +274,7 @@ def min_elements(src: Layout, dst: Layout) -> int:
     elements, less those that the rank already holds, which are the overlaps of its
     own source and destination boxes (found with the rank as one more coordinate).
     """
-    si, di = _schedule.index(src), _schedule.index(dst)
+    si, di = _index.index(src), _index.index(dst)
     need = int((_boxes.rows_prod(di.hi - di.lo)[di.held // max(len(di.ranks), 1)]).sum())
     ranks = np.union1d(si.ranks, di.ranks)
     a = _with_rank(si, np.searchsorted(ranks, si.holder))
@@ -314,7 +284,7 @@ def min_elements(src: Layout, dst: Layout) -> int:
     return need - int(_boxes.rows_prod(overlap[:, :-1]).sum())
 
 
-def _with_rank(ix: _schedule.Index, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _with_rank(ix: _index.Index, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each held (box, rank) as a box with the rank as its last coordinate."""
     box = ix.held // max(len(ix.ranks), 1)
     return np.c_[ix.lo[box], rank], np.c_[ix.hi[box], rank + 1]
