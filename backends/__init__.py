@@ -4,11 +4,17 @@ torch.distributed. A backend is a small, hashable object implementing ``Backend`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Backend", "default_backend"]
+from fshard.backends.local import LOCAL
+
+if TYPE_CHECKING:
+    from fshard._layout.layout import Layout
+    from fshard._plan.direct import Plan
+
+__all__ = ["Backend", "default_backend", "for_group"]
 
 
 @runtime_checkable
@@ -48,26 +54,26 @@ class Backend(Protocol):
         rank of this backend has it."""
         ...
 
-    def addressable(self, layout: Any) -> tuple[int, ...]:
+    def addressable(self, layout: Layout) -> tuple[int, ...]:
         """Indices into ``layout.shards`` of the shards held by this process."""
         ...
 
-    def check_layout(self, layout: Any) -> None:
+    def check_layout(self, layout: Layout) -> None:
         """Raises if ``layout`` places a shard on a rank this backend cannot reach."""
         ...
 
-    def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def execute(self, plan: Plan, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Runs ``plan``: addressable shards of ``plan.src`` in, of ``plan.dst`` out.
 
         ``like`` gives dtype (and device, where a shard's placement does not)."""
         ...
 
-    def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
+    def scatter(self, full: torch.Tensor | None, layout: Layout, src: int | None) -> tuple[torch.Tensor, ...]:
         """Slices the global tensor into addressable shards (``src``: only that rank's is read)."""
         ...
 
     def assemble(
-        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
+        self, layout: Layout, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
     ) -> torch.Tensor | None:
         """The global tensor, on every rank (``dst=None``) or on rank ``dst`` (others ``None``)."""
         ...
@@ -82,9 +88,27 @@ def default_backend() -> Backend:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        from fshard.backends.torch_dist import TorchDistBackend
-
-        return TorchDistBackend()
-    from fshard.backends.local import LOCAL
-
+        return _torch_dist(None)
     return LOCAL
+
+
+def for_group(group: Any, what: str = "group") -> Backend:
+    """The backend of a torch.distributed ``group`` (``None``: ``default_backend()``).
+
+    Raises:
+        TypeError: ``group`` is neither ``None`` nor a ``ProcessGroup`` (``what`` names the argument).
+    """
+    if group is None:
+        return default_backend()
+    import torch.distributed as dist
+
+    outside = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER  # new_group() off its ranks
+    if not (outside or isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{what} group= takes a torch.distributed ProcessGroup or None, got {type(group).__name__}.")
+    return _torch_dist(group)
+
+
+def _torch_dist(group: Any) -> Backend:
+    from fshard.backends.torch_dist import TorchDistBackend  # deferred: torch.distributed, loaded once a group is used
+
+    return TorchDistBackend(group)

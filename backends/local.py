@@ -3,245 +3,40 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from fshard._base.alloc import POOL_LIMIT_BYTES, POOL_MIN_BYTES, empty_cache
-from fshard._base.alloc import new as new_tensor
+from fshard._base.alloc import POOL_LIMIT_BYTES, empty_cache
 from fshard._base.boxes import rows_all, rows_prod, unique_rows
 from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._log import log_move
 
-__all__ = [
-    "LOCAL",
-    "POOL_LIMIT_BYTES",
-    "Counters",
-    "LocalBackend",
-    "accumulate",
-    "box_slices",
-    "empty_cache",
-    "identity",
-]
+from ._execution import (
+    Counters,
+    Index,
+    Piece,
+    Recipe,
+    Sizes,
+    accumulate,
+    device_of,
+    identity,
+    new_shard,
+    outputs,
+    recipe,
+    scattering,
+    shard_device,
+    span_slice,
+)
+
+__all__ = ["LOCAL", "POOL_LIMIT_BYTES", "LocalBackend", "empty_cache", "recipe"]
 
 # Arrays of at most this many elements may be resharded through one whole copy, when
 # that takes fewer torch calls: the extra copy costs less than the calls it saves.
 _SMALL_NUMEL = 1 << 15
-
-
-@dataclasses.dataclass
-class Counters:
-    """What a backend has moved: elements that crossed ranks, and collectives run."""
-
-    elements_sent: int = 0
-    collectives: int = 0
-
-    def reset(self) -> None:
-        """Sets every counter back to zero."""
-        self.elements_sent = 0
-        self.collectives = 0
-
-
-def box_slices(lo: Sequence[int], size: Sequence[int], origin: Sequence[int]) -> tuple[slice, ...]:
-    """Index of the global box ``[lo, lo + size)`` inside a shard whose box starts at ``origin``."""
-    return tuple(slice(a - o, a - o + s) for a, s, o in zip(lo, size, origin))
-
-
-@cached(64)
-def _device(name: str) -> torch.device:
-    device = torch.device(name)
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        msg = (
-            f"Placement device {name!r} is not available in this process "
-            f"(torch.cuda.device_count() = {torch.cuda.device_count() if torch.cuda.is_available() else 0}): "
-            "place shards on 'cpu' or on a device that exists."
-        )
-        raise SpecError(msg)
-    return device
-
-
-def shard_device(layout: Any, i: int) -> torch.device:
-    """The torch device of shard ``i`` of ``layout``."""
-    return _device(layout._devices[i])
-
-
-def new_shard(layout: Any, i: int, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised contiguous tensor for shard ``i``, with ``like``'s dtype."""
-    return new_tensor(tuple(layout._sz[i].tolist()), like.dtype, shard_device(layout, i))
-
-
-Index = tuple[slice, ...]
-Sizes = tuple[int, ...]
-Box = tuple[Sizes, Sizes]
-
-
-@dataclasses.dataclass(frozen=True)
-class Fill:
-    """How one new tensor is built from views: ``views`` (positions in a list of views)
-    go to ``writes``; when they tile the result along dim ``dim``, in order, one
-    ``torch.cat`` (or, for one view, one ``clone``) builds it."""
-
-    sizes: tuple[int, ...]
-    device: torch.device
-    views: tuple[int, ...]
-    writes: tuple[Index, ...]
-    dim: int | None
-    numel: int
-
-    def build(self, views: Sequence[torch.Tensor], dtype: torch.dtype, direct: bool) -> torch.Tensor:
-        """A new contiguous tensor of ``dtype`` on ``device`` (``direct``: the views are of both)."""
-        mine = [views[k] for k in self.views]
-        if direct and self.dim is not None:
-            if self.device.type == "cpu" and self.numel * dtype.itemsize >= POOL_MIN_BYTES:
-                return torch.cat(mine, self.dim, out=new_tensor(self.sizes, dtype, self.device))  # recycled memory
-            out = mine[0].clone(memory_format=torch.contiguous_format) if len(mine) == 1 else torch.cat(mine, self.dim)
-            return out if out.is_contiguous() else out.contiguous()
-        out = new_tensor(self.sizes, dtype, self.device)
-        for v, w in zip(mine, self.writes):
-            out[w].copy_(v)
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """New tensors built from boxes of input tensors, worked out once so that running it
-    only takes views and copies them.
-
-    The views are taken first: each input in ``cuts`` is split along a dim into the
-    given sizes (one ``split_with_sizes`` for all its boxes), then each of ``reads``
-    is indexed (``None``: the whole input). ``device`` is the one device of every
-    output, if they share one: inputs there (and of the output dtype) are copied with
-    ``torch.cat``/``clone``, others box by box with ``copy_``.
-
-    >>> halves = [(0, ((0, 0), (2, 2)), 0, (0, 0)), (0, ((2, 0), (2, 2)), 1, (0, 0))]
-    >>> r = recipe([(4, 2)], [((2, 2), "cpu"), ((2, 2), "cpu")], halves)
-    >>> r.cuts, r.reads, [f.dim for f in r.fills]
-    (((0, 0, (2, 2)),), (), [0, 0])
-    >>> [t.tolist() for t in r.run([torch.arange(8).reshape(4, 2)], torch.int64)]
-    [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    """
-
-    cuts: tuple[tuple[int, int, tuple[int, ...]], ...]
-    reads: tuple[tuple[int, Index | None], ...]
-    fills: tuple[Fill, ...]
-    device: torch.device | None
-
-    @property
-    def calls(self) -> int:
-        """The torch calls that one run makes (where the views are on the outputs' device)."""
-        views = len(self.cuts) + sum(r is not None for _, r in self.reads)
-        return views + sum(1 if f.dim is not None else 1 + 2 * len(f.views) for f in self.fills)
-
-    def run(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """The outputs, from ``tensors`` (the inputs, in order), of ``dtype``."""
-        views: list[torch.Tensor] = []
-        for i, dim, sizes in self.cuts:
-            views += tensors[i].split_with_sizes(sizes, dim)
-        for i, r in self.reads:
-            views.append(tensors[i] if r is None else tensors[i][r])
-        device = self.device
-        direct = device is not None and all(t.device == device and t.dtype == dtype for t in tensors)
-        return tuple(f.build(views, dtype, direct) for f in self.fills)
-
-
-Piece = tuple[int, Box, int, tuple[int, ...]]
-"""One box copied: (input, its box in the input, output, offsets of the box in the output)."""
-
-
-def recipe(ins: Sequence[Sizes], outs: Sequence[tuple[Sizes, str | torch.device]], pieces: Iterable[Piece]) -> Recipe:
-    """The ``Recipe`` that builds outputs of ``outs`` (sizes, device) from inputs of sizes
-    ``ins`` by copying ``pieces``."""
-    pieces = list(pieces)
-    boxes: dict[int, list[Box]] = {}
-    for i, box, _, _ in pieces:
-        boxes.setdefault(i, []).append(box)
-    cuts: list[tuple[int, int, Sizes]] = []
-    reads: list[tuple[int, Index | None]] = []
-    order: list[tuple[bool, list[tuple[int, Box]]]] = []
-    for i, found in sorted(boxes.items()):
-        distinct = sorted(set(found))
-        dim = _tiling_dim(ins[i], distinct) if len(distinct) > 1 else None
-        if dim is None:
-            reads += [(i, _index(lo, size, ins[i])) for lo, size in distinct]
-        else:
-            cuts.append((i, dim, tuple(size[dim] for _, size in distinct)))
-        order.append((dim is None, [(i, box) for box in distinct]))
-    # Views come cut inputs first, then read ones: number them in that order.
-    keys = [key for _, group in sorted(order, key=lambda g: g[0]) for key in group]
-    position = {key: k for k, key in enumerate(keys)}
-    into: list[list[tuple[Sizes, Sizes, int]]] = [[] for _ in outs]
-    for i, box, j, at in pieces:
-        into[j].append((tuple(at), box[1], position[(i, box)]))
-    fills = tuple(_fill(tuple(sizes), _device(str(device)), sorted(got)) for (sizes, device), got in zip(outs, into))
-    devices = {f.device for f in fills}
-    return Recipe(tuple(cuts), tuple(reads), fills, devices.pop() if len(devices) == 1 else None)
-
-
-def _fill(sizes: Sizes, device: torch.device, got: Sequence[tuple[Sizes, Sizes, int]]) -> Fill:
-    """The ``Fill`` of an output from views ``got``: (offsets in it, sizes, view position), sorted."""
-    writes = tuple(tuple(map(_slice, at, size)) for at, size, _ in got)
-    dim = _tiling_dim(sizes, [(at, size) for at, size, _ in got])
-    return Fill(sizes, device, tuple(k for _, _, k in got), writes, dim, math.prod(sizes))
-
-
-def _tiling_dim(sizes: tuple[int, ...], boxes: Sequence[Box]) -> int | None:
-    """The dim along which ``boxes``, in order, tile a tensor of ``sizes`` exactly (each spanning every other dim)."""
-    if not boxes or not sizes:
-        return None
-    for d in range(len(sizes)):
-        whole = all(lo[e] == 0 and z[e] == sizes[e] for lo, z in boxes for e in range(len(sizes)) if e != d)
-        ends = [0, *(lo[d] + z[d] for lo, z in boxes)]
-        if whole and all(lo[d] == end for (lo, _), end in zip(boxes, ends)) and ends[-1] == sizes[d]:
-            return d
-    return None
-
-
-def _index(lo: Sequence[int], size: Sequence[int], sizes: Sequence[int]) -> Index | None:
-    """Index of box ``[lo, lo + size)`` in a tensor of ``sizes`` (``None``: the whole tensor)."""
-    if not any(lo) and tuple(size) == tuple(sizes):
-        return None
-    return tuple(map(_slice, lo, size))
-
-
-def slice_shards(full: torch.Tensor, layout: Any, index: Iterable[int]) -> tuple[torch.Tensor, ...]:
-    """New tensors holding the boxes of shards ``index`` of ``layout``, copied out of ``full``."""
-    out = []
-    for i in index:
-        (t,) = _slicing(layout, i).run((full,), full.dtype)
-        out.append(t)
-    return tuple(out)
-
-
-@cached(1024)
-def _slicing(layout: Any, i: int) -> Recipe:
-    """Shard ``i`` of ``layout`` read out of the global tensor."""
-    return recipe([layout.shape], [(tuple(layout._sz[i].tolist()), layout._devices[i])], _scattered(layout, [i]))
-
-
-@cached(64)
-def _scattering(layout: Any) -> Recipe:
-    """Every shard of ``layout`` read out of the global tensor."""
-    return recipe([layout.shape], _outputs(layout), _scattered(layout, range(len(layout._rank))))
-
-
-def _scattered(layout: Any, index: Iterable[int]) -> list[Piece]:
-    # An empty shard may sit past the end, where a slice would clip: it reads nothing.
-    lo, sz = layout._lo.tolist(), layout._sz.tolist()
-    zero = (0,) * layout.ndim
-    return [(0, (tuple(lo[i]), tuple(sz[i])), j, zero) for j, i in enumerate(index) if all(sz[i])]
-
-
-def _outputs(layout: Any) -> list[tuple[Sizes, str]]:
-    """(sizes, device) of every shard of ``layout``, from its columns."""
-    return list(zip(map(tuple, layout._sz.tolist()), layout._devices))
-
-
-def _slice(start: int, size: int) -> slice:
-    return slice(start, start + size)
 
 
 @cached(64)
@@ -251,11 +46,11 @@ def _copying(plan: Any) -> tuple[Recipe, ...]:
     array where that takes fewer torch calls, two: the whole array from the source shards,
     then the destination shards cut out of it."""
     ins = list(map(tuple, plan.src._sz.tolist()))
-    direct = (recipe(ins, _outputs(plan.dst), _arrivals(plan)[0]),)
+    direct = (recipe(ins, outputs(plan.dst), _arrivals(plan)[0]),)
     devices = {*plan.src._devices, *plan.dst._devices}
     if plan.dst.numel > _SMALL_NUMEL or len(devices) != 1 or plan.src.partial or plan.dst.partial:
         return direct  # (copies of a pending sum are summands: no one box stands for them all)
-    whole = (_assembly(plan.src, _device(devices.pop())), _scattering(plan.dst))
+    whole = (_assembly(plan.src, device_of(devices.pop())), scattering(plan.dst))
     return min(direct, whole, key=lambda route: sum(r.calls for r in route))
 
 
@@ -366,32 +161,7 @@ def reduction(p: Any) -> Reduction:
 
 
 def _at(lo: Sizes, size: Sizes) -> Index:
-    return tuple(map(_slice, lo, size))
-
-
-def identity(op: str, dtype: torch.dtype) -> float | int | bool:
-    """The value that ``op`` leaves unchanged: what a destination region no contribution reaches holds."""
-    if op == "sum":
-        return False if dtype == torch.bool else 0
-    if dtype == torch.bool:
-        return op == "min"
-    if dtype.is_floating_point:
-        return -math.inf if op == "max" else math.inf
-    if dtype.is_complex:
-        msg = f"A pending {op} cannot reduce complex values ({dtype}): only 'sum' can; reshard to a real dtype first."
-        raise SpecError(msg)
-    info = torch.iinfo(dtype)
-    return info.min if op == "max" else info.max
-
-
-def accumulate(op: str, into: torch.Tensor, value: torch.Tensor) -> None:
-    """``into = op(into, value)``, in place."""
-    if op == "sum":
-        into.add_(value)
-    elif op == "max":
-        torch.maximum(into, value, out=into)
-    else:
-        torch.minimum(into, value, out=into)
+    return tuple(map(span_slice, lo, size))
 
 
 @cached(256)
@@ -503,7 +273,7 @@ class LocalBackend:
         assert full is not None
         if src is not None:
             src = self.check_rank(src, "src")
-        out = _scattering(layout).run((full,), full.dtype)
+        out = scattering(layout).run((full,), full.dtype)
         if src is not None:
             self.counters.elements_sent += held(layout) - held(layout, src)
         return out
@@ -545,7 +315,7 @@ def _every(n: int) -> tuple[int, ...]:
 @cached(256)
 def _check_devices(layout: Any) -> None:
     for p in set(layout._devices):
-        _device(p)
+        device_of(p)
 
 
 @cached(64)

@@ -16,27 +16,25 @@ reshard sends: the same as the forward for a permutation of boxes, nothing when 
 forward replicated. The backward of ``gather`` slices each rank's own gradient
 (nothing sent); that of ``gather(dst=0)`` sends rank 0's gradient back out.
 
-    python benchmarks/autograd.py            # both backends
-    python benchmarks/autograd.py --quick    # smaller arrays, fewer repetitions
+    python -m fshard.benchmarks.autograd            # both backends
+    python -m fshard.benchmarks.autograd --quick    # smaller arrays, fewer repetitions
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``fshard`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 import fshard
-from benchmarks.common import Row, Settings, Timed, interleaved, median
+from fshard.backends.torch_dist import TorchDistBackend
+from fshard.testing.launch import launch
+
+from .common import Row, Settings, Timed, interleaved, median
 
 __all__ = ["MOVES", "AutogradCase", "GlooCase", "cases", "main"]
 
@@ -170,8 +168,6 @@ def _gloo_job(jobs: list[tuple[str, float]], reps: int) -> list[dict[str, Any]]:
     """On every rank: per job, this rank's forward and backward times and elements sent."""
     import torch.distributed as dist
 
-    from fshard.backends.torch_dist import TorchDistBackend
-
     ranks, counters, out = list(range(dist.get_world_size())), TorchDistBackend().counters, []
     for key, mib in jobs:
         forward, backward = build(MOVES[key], _side(mib), ranks)
@@ -194,8 +190,6 @@ class _GlooBatch:
 
     def result(self, job: tuple[str, float]) -> list[dict[str, Any]]:
         if self.results is None:
-            from fshard.testing.launch import launch
-
             per_rank = launch(_gloo_job, self.world, self.jobs, self.reps, timeout=600)
             self.results = [[r[k] for r in per_rank] for k in range(len(self.jobs))]
         return self.results[self.jobs.index(job)]

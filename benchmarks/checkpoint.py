@@ -18,7 +18,7 @@ faults that a first load in a process (and every ``torch.load``) pays. Throughpu
 data per second of wall time (median of ``--reps``); multi-process times run
 from a barrier before the call to a barrier after it, on rank 0.
 
-Run: ``python benchmarks/checkpoint.py [--gib 1] [--reps 3] [--dir /tmp]``.
+Run: ``python -m fshard.benchmarks.checkpoint [--gib 1] [--reps 3] [--dir /tmp]``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 
 import fshard
 from fshard.backends.local import empty_cache
+from fshard.testing.launch import launch
 
 __all__ = ["main", "measure_local", "measure_dist"]
 
@@ -174,8 +175,6 @@ def _dist_load(gib: float, reps: int, root: str) -> dict[str, list[float]]:
 
 def measure_dist(gib: float, reps: int, root: Path, world: int = 4, load_world: int = 2) -> dict[str, list[float]]:
     """Seconds per call on ``world`` Gloo processes (save, load) and ``load_world`` processes (load)."""
-    from fshard.testing.launch import launch
-
     timeout = 600 + 120 * gib * reps
     out = launch(_dist_save, world, gib, reps, str(root), timeout=timeout)[0]
     out |= launch(_dist_load, load_world, gib, reps, str(root), timeout=timeout)[0]
@@ -214,5 +213,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

@@ -72,8 +72,11 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.common import Progress, Row, Settings
-from benchmarks.dist_build import ITEMSIZE
+from fshard.testing.launch import launch
+
+from .common import Progress, Row, Settings
+from .dist_rank import job
+from .floors import ITEMSIZE
 
 __all__ = ["SCENARIOS", "DistCase", "Scenario", "cases", "combine", "jobs", "result_rows", "run"]
 
@@ -167,8 +170,6 @@ def run(todo: Sequence[tuple[str, float]], world: int, reps: int, peers: bool,
     Rank 0 reports each job's start and end, which ``progress`` receives as they happen.
     A fixed-cost scenario times ``calls`` operations per round.
     """
-    from benchmarks.dist_rank import job
-    from fshard.testing.launch import launch
 
     if not todo:
         return []

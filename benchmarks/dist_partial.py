@@ -27,7 +27,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.dist_build import (
+import fshard
+from fshard.backends.torch_dist._reduce_phase import collective_kind
+
+from .floors import (
     Built,
     Env,
     Impl,
@@ -55,8 +58,6 @@ def _base(side: int) -> Any:
 
 
 def _specs(key: str, env: Env) -> tuple[Any, Any]:
-    import fshard
-
     ranks = env.ranks
     if key == "partial-rows-cols":
         mesh = fshard.Mesh(_grid(env.world))
@@ -68,9 +69,6 @@ def _specs(key: str, env: Env) -> tuple[Any, Any]:
 def build_partial(key: str, side: int, env: Env) -> Built:
     """Prepares scenario ``key`` on a ``side`` x ``side`` float32 matrix (collective: every rank calls it)."""
     import torch
-
-    import fshard
-    from fshard.backends.torch_dist._reduce_phase import collective_kind
 
     rank, ranks, shape = env.rank, env.ranks, (side, side)
     src_spec, dst_spec = _specs(key, env)

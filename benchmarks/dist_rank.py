@@ -15,7 +15,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from benchmarks.dist_build import Env, Impl, build
+from fshard.backends.local import empty_cache
+
+from .dist_build import build
+from .floors import Env, Impl
 
 __all__ = ["job", "run_scenario"]
 
@@ -58,7 +61,6 @@ _LIBC: Any = None
 def _trim() -> None:
     """Frees what this process holds but does not use, so the next call's growth is its own."""
     global _LIBC
-    from fshard.backends.local import empty_cache
 
     gc.collect()
     empty_cache()

@@ -29,9 +29,11 @@ from typing import Any
 import torch
 
 import fshard
-from benchmarks.common import Row, Settings, Timed, interleaved, median
 from fshard._base.alloc import POOL_MIN_BYTES, _Pool
-from fshard.backends.local import box_slices, empty_cache
+from fshard.backends._execution import box_slices
+from fshard.backends.local import empty_cache
+
+from .common import Row, Settings, Timed, interleaved, median
 
 __all__ = ["AllocCase", "ReshardCase", "SmallCase", "cases"]
 

@@ -37,11 +37,12 @@ from typing import Any
 import numpy as np
 
 import fshard
-from benchmarks.common import Row, Settings, Timed, interleaved, median
 from fshard import Chunk, Layout, Mesh, Named, Partial, Placement, Replicated, ShardMeta, plan
 from fshard._layout import index as _index
 from fshard._plan import pending as _reduce
 from fshard._plan import schedule as _schedule
+
+from .common import Row, Settings, Timed, interleaved, median
 
 __all__ = ["PlanCase", "ValidationCase", "cases"]
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Settings
+from .common import Row, Settings
 
 __all__ = ["load_rows", "machine", "markdown", "plot", "render", "save", "stamp", "table_text"]
 

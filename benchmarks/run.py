@@ -20,20 +20,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.common import Case, Row, Settings
+from fshard._cli import program
+
+from . import report
+from .common import Case, Row, Settings
 
 __all__ = ["CASE_MODULES", "collect", "main", "parse", "run_cases"]
 
 # Each module has ``cases(settings) -> list[Case]``; add a module here to add its cases.
-CASE_MODULES = ("benchmarks.planner", "benchmarks.local", "benchmarks.autograd", "benchmarks.dist")
+CASE_MODULES = (
+    "fshard.benchmarks.planner",
+    "fshard.benchmarks.local",
+    "fshard.benchmarks.autograd",
+    "fshard.benchmarks.dist",
+)
 
 
 def parse(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
     """The command line of ``fshard bench`` (``prog``: by default as started, ``python -m fshard bench``
     or ``fshard bench``)."""
-    from fshard.__main__ import program
-
     description = "Runs every benchmark case; prints the tables; writes JSON, the tables as text and a plot."
     parser = argparse.ArgumentParser(prog=prog or f"{program()} bench", description=description)
     add = parser.add_argument

@@ -16,6 +16,7 @@ from fshard._api.creation import zeros as zeros
 from fshard._api.creation import zeros_like as zeros_like
 from fshard._api.dist import from_local_shards as from_local_shards
 from fshard._api.dist import from_local_tensor as from_local_tensor
+from fshard._api.map import map_local as map_local
 from fshard._api.map import shard_map as shard_map
 from fshard._api.modules import load_state_dict as load_state_dict
 from fshard._api.modules import shard_params as shard_params
@@ -23,9 +24,8 @@ from fshard._api.move import allclose as allclose
 from fshard._api.move import equal as equal
 from fshard._api.move import from_local_shards_and_layout as from_local_shards_and_layout
 from fshard._api.move import gather as gather
-from fshard._api.move import map_local as map_local
 from fshard._api.move import reshard as reshard
-from fshard._api.move import shard as shard
+from fshard._api.shard import shard as shard
 from fshard._api.tree import clip_grad_norm as clip_grad_norm
 from fshard._api.tree import global_norm as global_norm
 from fshard._array.array import Shard as Shard

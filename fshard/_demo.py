@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 import fshard
+from fshard.testing.launch import launch
 
 SHAPE = (96, 64)
 
@@ -103,8 +104,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fshard demo")
     print(report(f"local backend, {args.world} ranks in this process", local, args.world, color))
     ok = local["ok"]
     if not args.local_only:
-        from fshard.testing.launch import launch
-
         results = launch(_dist_job, args.world, args.world)
         print()
         title = f"torch_dist backend, {args.world} Gloo processes on 127.0.0.1"

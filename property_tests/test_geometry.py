@@ -153,7 +153,7 @@ def candidate_layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[ShardMeta]
 def validation_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Validates small layouts through the memo, and again directly (the path of large ones)."""
     if request.param == "direct":
-        monkeypatch.setattr(fshard._layout.layout, "_MEMO_SHARDS", 0)
+        monkeypatch.setattr(fshard._layout.layout, "MEMO_SHARDS", 0)
 
 
 @pytest.mark.usefixtures("validation_path")

@@ -7,18 +7,13 @@ the distributed cases verify their results and count the minimal bytes.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # ``benchmarks`` is a folder of the repository, not an installed package
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import dist, report, run  # noqa: E402
-from benchmarks.common import Row, Settings  # noqa: E402
+from fshard.benchmarks import dist, report, run
+from fshard.benchmarks.common import Row, Settings
 
 ISSUE_CASES = {
     "gather-one": "gather",
@@ -115,7 +110,12 @@ def test_sizes_world_and_quick() -> None:
 
 
 def test_collect_has_every_module_and_filters() -> None:
-    assert run.CASE_MODULES == ("benchmarks.planner", "benchmarks.local", "benchmarks.autograd", "benchmarks.dist")
+    assert run.CASE_MODULES == (
+        "fshard.benchmarks.planner",
+        "fshard.benchmarks.local",
+        "fshard.benchmarks.autograd",
+        "fshard.benchmarks.dist",
+    )
     everything = run.collect(Settings(quick=True))
     assert {c.group.split(":")[0].split(",")[0] for c in everything} >= {
         "planner",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fshard
-import fshard.backends.local  # registers its device cache
+import fshard.backends._execution  # registers its device cache
 from fshard._base import cache as _cache
 
 
@@ -46,7 +46,7 @@ def test_every_cache_of_a_layout_function_is_registered():
         "fshard._layout.validate.validate_memo",
         "fshard._layout.specs._resolved",
         "fshard._exec.autograd._copy_counts",
-        "fshard.backends.local._device",
+        "fshard.backends._execution.device_of",
         "fshard._layout.batch.with_batch",
     }
     assert expected <= names

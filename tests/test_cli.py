@@ -94,15 +94,15 @@ def test_bench_runs_from_an_installed_package(tmp_path: Path) -> None:
         shutil.copytree(ROOT / folder, site / "fshard" / folder, ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(site)}
     probe = (
-        "from fshard.__main__ import load_bench; bench = load_bench(); import fshard, benchmarks;"
-        "print(fshard.__file__); print(benchmarks.__file__); print(bench.__module__)"
+        "from fshard.__main__ import load_bench; bench = load_bench(); import fshard, fshard.benchmarks;"
+        "print(fshard.__file__); print(fshard.benchmarks.__file__); print(bench.__module__)"
     )
     out = _run("-c", probe, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         str(site / "fshard" / "__init__.py"),
         str(site / "fshard" / "benchmarks" / "__init__.py"),
-        "benchmarks.run",
+        "fshard.benchmarks.run",
     ]
     usage = _run("-m", "fshard", "bench", "--help", cwd=tmp_path, env=env)
     assert usage.returncode == 0, usage.stderr

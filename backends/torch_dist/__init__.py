@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 
 from fshard._base.cache import cached
+from fshard._base.calls import call_name
 from fshard._config import current
 from fshard._errors import SpecError
-from fshard._exec.collective import call_name
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.show import describe_layout
@@ -56,7 +56,7 @@ from fshard._log import log_move
 from fshard._plan import plan
 from fshard._plan.direct import Plan
 
-from ..local import Counters, new_shard, shard_device, slice_shards
+from .._execution import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, check
 from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms

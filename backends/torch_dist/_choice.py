@@ -27,7 +27,7 @@ from fshard._layout.layout import Layout
 from fshard._plan import plan
 from fshard._plan.direct import Plan
 
-from ..local import shard_device
+from .._execution import shard_device
 from ._lowering import Schedule, schedule
 from ._transport import alltoall, p2p
 

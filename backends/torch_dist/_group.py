@@ -12,7 +12,7 @@ from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout
 
-from ..local import shard_device
+from .._execution import shard_device
 from ._choice import has_alltoall
 
 __all__ = ["Facts", "check_layout", "facts"]

@@ -28,7 +28,7 @@ from fshard._base.cache import cached
 from fshard._layout.layout import Layout
 from fshard._plan.schedule import Moves, RankSchedule
 
-from ..local import accumulate, identity
+from .._execution import accumulate, identity
 
 __all__ = [
     "ReduceSchedule",

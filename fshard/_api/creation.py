@@ -15,6 +15,7 @@ from fshard._api.move import resolve_backend
 from fshard._array.array import ShardedArray
 from fshard._errors import LayoutError, SpecError
 from fshard._exec.collective import collective
+from fshard._interop.torch_objects import from_sharded_tensor
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import as_layout
@@ -264,8 +265,6 @@ def _like(
     maker: Callable[..., ShardedArray], array: ShardedArray, dtype: Any, requires_grad: bool, **kw: Any
 ) -> ShardedArray:
     if is_sharded_tensor(array):  # torch's ShardedTensor: its layout and process group
-        from fshard._interop.torch_objects import from_sharded_tensor
-
         array = from_sharded_tensor(array)
     if not isinstance(array, ShardedArray):
         raise TypeError(f"{maker.__name__}_like() takes a ShardedArray, got {type(array).__name__}.")

@@ -20,7 +20,7 @@ from fshard._layout.placement import Placement
 from fshard._layout.specs import as_layout, is_spec
 from fshard._layout.torch_meta import is_torch_spec
 from fshard._layout.validate import check_shape
-from fshard.backends import Backend, default_backend
+from fshard.backends import Backend, for_group
 
 __all__ = ["check_pieces", "from_local_shards", "from_local_tensor"]
 
@@ -52,16 +52,7 @@ class Report(NamedTuple):
 
 
 def _backend(group: Any, what: str) -> Backend:
-    if group is None:
-        return default_backend()
-    import torch.distributed as dist
-
-    outside = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER  # new_group() off its ranks
-    if not (outside or isinstance(group, dist.ProcessGroup)):
-        raise TypeError(f"{what} group= takes a torch.distributed ProcessGroup or None, got {type(group).__name__}.")
-    from fshard.backends.torch_dist import TorchDistBackend
-
-    return TorchDistBackend(group)
+    return for_group(group, what)
 
 
 def _describe(shards: Any, shape: Any, rank: int | None) -> Report:

@@ -15,14 +15,18 @@ gradient (each counts 1/copies), which together give the exact gradient by linea
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import optree
 import torch
 
+from fshard._api.move import check_tensor, reshard
+from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
+from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec import gathered as _varying
@@ -35,11 +39,11 @@ from fshard._exec.agree import (
     untouched,
 )
 from fshard._exec.collective import collective
-from fshard._layout.layout import Layout, with_partial
+from fshard._layout.layout import Layout, ShardMeta, with_partial
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Explicit, Partial, as_layout
 
-__all__ = ["map_local", "shard_map"]
+__all__ = ["map_local", "map_same", "regrouped", "shard_map"]
 
 Slot = tuple[Placement, int]
 _PROBE = 1 << 20  # an extent at which every part of a spec is non-empty
@@ -93,8 +97,6 @@ def map_local(
     pending = _check_partial(arrays, linear)
     base = with_partial(arrays[0].layout, None)
     if out_spec is None and all(with_partial(a.layout, None) == base for a in arrays):
-        from fshard._api.move import map_same
-
         return map_same(fn, arrays, pending)
     if out_spec is None:
         k = next(k for k, a in enumerate(arrays) if with_partial(a.layout, None) != base)
@@ -160,8 +162,6 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
             elif isinstance(a, ShardedArray):
                 arrays.append((k, _reshard(a, spec)))
             elif isinstance(a, torch.Tensor):
-                from fshard._api.move import shard
-
                 arrays.append((k, shard(a, spec, backend=backend)))
             else:
                 msg = (
@@ -190,8 +190,6 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
 
 
 def _reshard(a: ShardedArray, spec: Any) -> ShardedArray:
-    from fshard._api.move import reshard
-
     return reshard(a, spec)
 
 
@@ -286,7 +284,7 @@ def _run(
     backend = arrays[0].backend
     first = arrays[0].layout
     # A replicated argument's copies may feed computations that differ per copy: sum their gradients.
-    inputs = [_regrouped(a, "sum") for a in arrays]
+    inputs = [regrouped(a, "sum") for a in arrays]
     held = backend.addressable(first)
     slot_of = _slot_index(first)
     by_index = [dict(zip(backend.addressable(a.layout), a._data)) for a in inputs]
@@ -336,7 +334,7 @@ def _spec_structure(out_specs: Any) -> Any:
     return optree.tree_structure(out_specs, is_leaf=_is_spec, none_is_leaf=True)
 
 
-def _regrouped(a: ShardedArray, mode: str) -> ShardedArray:
+def regrouped(a: ShardedArray, mode: str) -> ShardedArray:
     """``a`` itself, or with gradients of its copies summed or shared (when it has copies and needs grad)."""
     if a.layout.partial is not None or not a.requires_grad or max(_autograd._copy_counts(a.layout), default=1) < 2:
         return a
@@ -450,4 +448,118 @@ def _wrap(
         return ShardedArray(layout, (), backend, dtype, link)
     out = ShardedArray(layout, data, backend)
     # A replicated result's copies were computed once each: together they count once.
-    return _regrouped(out, "share")
+    return regrouped(out, "share")
+
+
+def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: str | None) -> Any:
+    """``map_local`` of arrays that share a layout (``pending``: the result is a pending sum).
+
+    Each result leaf's layout is inferred from its shards: the arguments' layout, with
+    dims that no shard splits resized to the new extent. Where some process holds no
+    shard, the processes share what ``fn`` returned (structure, dtypes, shapes), so
+    that one learns them too, and an error ``fn`` raised anywhere is raised everywhere.
+    """
+    first = arrays[0]
+    backend, base = first.backend, with_partial(first.layout, None)
+    index = backend.addressable(first.layout)
+
+    usage = _varying.Usage()
+
+    def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+        with _varying.per_shard(backend, usage), untouched([t for a in arrays for t in a._data], "map_local()"):
+            outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
+        return _result_leaves(outs)
+
+    if holds_nothing_somewhere(backend, first.layout):
+        describe = lambda r: (describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), usage.ages())  # noqa: E731
+        (tree, leaves), seen = agree(backend, compute, describe)
+        tree, metas = merge_results([d for d, _ in seen], "map_local()")
+        used = set().union(*(keys for _, keys in seen))
+    else:
+        tree, leaves = compute()
+        metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
+        used = set()
+    if tree is None:  # no shard anywhere: the result's link joins every argument's
+        link = link_without_blocks(arrays, first.dtype, used)
+        return ShardedArray(with_partial(first.layout, pending), (), backend, first.dtype, link)
+    results = []
+    for n, (dtype, sizes) in enumerate(metas):
+        layout = with_partial(_infer_layout(base, sizes), pending)
+        if leaves:
+            results.append(ShardedArray(layout, leaves[n], backend, dtype))
+        else:
+            results.append(ShardedArray(layout, (), backend, dtype, link_without_blocks(arrays, dtype, used)))
+    return optree.tree_unflatten(tree, results)
+
+
+_LEAF = optree.tree_structure(cast(Any, 0))  # the structure of a single leaf
+
+
+def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+    """The results' tree structure (``None`` when there is none here) and each leaf's shards."""
+    if not outs:
+        return None, []
+    if all(type(o) is torch.Tensor and o.layout == torch.strided for o in outs):  # the common case: one tensor each
+        leaves = [tuple(outs)]
+        tree = _LEAF
+    else:
+        flat = [optree.tree_flatten(o) for o in outs]
+        tree = flat[0][1]
+        if any(spec != tree for _, spec in flat):
+            raise SpecError(f"map_local() fn returned different structures on different shards: {tree} and others.")
+        leaves = [tuple(f[0][n] for f in flat) for n in range(tree.num_leaves)]
+        for leaf in leaves:
+            for t in leaf:
+                check_tensor(t, "map_local() fn result")
+    for leaf in leaves:
+        if len(leaf) > 1 and len({t.dtype for t in leaf}) > 1:
+            raise SpecError(
+                f"map_local() fn returned dtypes {sorted({str(t.dtype) for t in leaf})} on different shards."
+            )
+    return tree, leaves
+
+
+@opaque  # layout arithmetic in numpy: run eagerly under torch.compile
+def _infer_layout(layout: Layout, sizes: dict[int, tuple[int, ...]]) -> Layout:
+    """The layout of ``map_local``'s result, from the shapes of the result shards known here."""
+    if all(s == tuple(layout._sz[i].tolist()) for i, s in sizes.items()):
+        return layout
+    if any(len(s) != layout.ndim for s in sizes.values()):
+        msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."
+        raise SpecError(msg)
+    shape = tuple(_new_extent(layout, sizes, d) for d in range(layout.ndim))
+    return Layout(shape, tuple(_resize(s, layout.shape, shape) for s in layout.shards))
+
+
+def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int) -> int:
+    """The result's extent along ``d``: the sum of the new sizes of the distinct intervals
+    that tile the dim (one interval when no shard splits it)."""
+    new: dict[tuple[int, int], set[int]] = {}
+    for i, s in sizes.items():
+        m = layout._shard(i)
+        new.setdefault((m.offsets[d], m.sizes[d]), set()).add(s[d])
+    if all(k[1] == n for k, v in new.items() for n in v):
+        return layout.shape[d]
+    split = any(m.sizes[d] != layout.shape[d] for m in layout.shards)
+    olds = sorted(k for k in new if k[1] > 0)
+    if split:
+        msg = (
+            f"map_local() fn changed dim {d}, which the layout splits, from sizes {[k[1] for k in olds]} "
+            f"to {[sorted(new[k]) for k in olds]}; pass out_spec= for the result."
+        )
+        raise SpecError(msg)
+    covered = sum(k[1] for k in olds)
+    tiles = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(olds)) and olds and olds[0][0] == 0
+    if any(len(new[k]) > 1 for k in olds) or not tiles or covered != layout.shape[d]:
+        msg = (
+            f"map_local() cannot infer the new extent of dim {d} from the shards held here "
+            f"(new sizes per interval: { {k: sorted(v) for k, v in new.items()} }); pass out_spec=Layout(...)."
+        )
+        raise SpecError(msg)
+    return sum(next(iter(new[k])) for k in olds)
+
+
+def _resize(meta: ShardMeta, old: Sequence[int], new: Sequence[int]) -> ShardMeta:
+    """``meta`` with every dim it spans whole stretched (or shrunk) to the new extent."""
+    sizes = tuple(n if o == 0 and s == m else s for n, m, o, s in zip(new, old, meta.offsets, meta.sizes))
+    return ShardMeta(meta.offsets, sizes, meta.placement)

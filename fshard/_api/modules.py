@@ -7,10 +7,12 @@ from typing import Any
 
 import torch
 
-from fshard._api.move import gather, reshard, shard
+from fshard._api.move import gather, reshard
+from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._errors import CheckpointError
 from fshard._exec.collective import collective
+from fshard._interop.torch_objects import from_sharded_tensor, to_sharded_tensor
 from fshard._layout.torch_meta import is_sharded_tensor
 from fshard.backends import Backend
 
@@ -77,8 +79,6 @@ def _state(module_or_state_dict: Any) -> Mapping[str, Any]:
 
 def _entry(name: str, value: Any, spec_fn: Callable[[str, Any], Any], backend: Backend | None) -> Any:
     if is_sharded_tensor(value):
-        from fshard._interop.torch_objects import from_sharded_tensor
-
         value = from_sharded_tensor(value)
     if isinstance(value, ShardedArray):
         spec = spec_fn(name, value)
@@ -175,8 +175,6 @@ def _set_sharded_attribute(module: torch.nn.Module, name: str, value: Any) -> bo
         return False
     old = vars(owner)[attr]
     if is_sharded_tensor(old):
-        from fshard._interop.torch_objects import to_sharded_tensor
-
         value = to_sharded_tensor(value)
     elif old is not None and not isinstance(old, ShardedArray):
         return False

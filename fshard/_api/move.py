@@ -1,45 +1,36 @@
-"""The functional API: pure functions from values to new values."""
+"""Moving arrays: ``reshard``, ``gather``, comparisons, and arrays from shards the caller holds."""
 
 from __future__ import annotations
 
 import collections
-import itertools
-from collections.abc import Callable, Sequence
-from typing import Any, cast, overload
+from collections.abc import Sequence
+from typing import Any, overload
 
-import optree
 import torch
 
-from fshard._api.map import map_local  # the public map_local, re-exported here
 from fshard._array.array import Shard, ShardedArray
 from fshard._base.compile import opaque
 from fshard._errors import LayoutError, SpecError
 from fshard._exec import autograd as _autograd
-from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
     agree,
-    describe_results,
     holds_nothing_somewhere,
-    link_without_blocks,
-    merge_results,
-    untouched,
 )
 from fshard._exec.collective import collective
-from fshard._layout.layout import Layout, ShardMeta, with_partial
+from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Replicated, as_layout
-from fshard._layout.torch_meta import is_sharded_tensor
 from fshard.backends import Backend, default_backend
 
 __all__ = [
     "allclose",
+    "check_tensor",
     "equal",
     "from_local_shards_and_layout",
     "gather",
-    "map_local",
-    "map_same",
     "reshard",
-    "shard",
+    "resolve_backend",
+    "whole_on",
 ]
 
 
@@ -53,7 +44,7 @@ def resolve_backend(backend: Backend | None) -> Backend:
     return backend
 
 
-def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
+def check_tensor(tensor: Any, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}.")
     if tensor.layout != torch.strided:
@@ -61,104 +52,7 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     return tensor
 
 
-def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tuple[int, ...], torch.Tensor]:
-    """Agrees on ``src`` across ranks; returns the global shape and the tensor (a stand-in off src).
-
-    Rank ``src`` checks its tensor before the exchange and sends what is wrong with it,
-    so a bad source tensor raises on every rank instead of leaving the others waiting.
-    """
-    mine = backend.holds(src)
-    problem = _source_problem(tensor, src) if mine else None
-    info = (
-        (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, problem)
-        if mine and problem is None and tensor is not None
-        else (src, None, None, False, problem)
-    )
-    seen = backend.exchange(info)
-    if len({s[0] for s in seen}) != 1:
-        msg = f"src={src} on rank {backend.rank} does not match with src_rank on other ranks: {[s[0] for s in seen]}."
-        raise SpecError(msg)
-    bad = next((s[4] for s in seen if s[4] is not None), None)
-    if bad is not None:
-        kind, msg = bad
-        raise (TypeError if kind == "TypeError" else SpecError)(msg)
-    # Entries follow group order, not global ranks: the owner is the one that sent a shape.
-    owner = next(s for s in seen if s[1] is not None)
-    if mine:
-        return owner[1], tensor  # type: ignore[return-value]
-    # The stand-in requires grad like the source, so every rank's shards join autograd alike.
-    return owner[1], torch.empty(0, dtype=owner[2], requires_grad=owner[3])
-
-
-def _source_problem(tensor: Any, src: int) -> tuple[str, str] | None:
-    """What is wrong with rank ``src``'s source tensor, as (exception type, message), or ``None``."""
-    if tensor is None:
-        return "SpecError", f"shard(..., src={src}) needs a tensor on rank {src}, got None."
-    if is_sharded_tensor(tensor):
-        msg = (
-            f"shard(..., src={src}) got a torch ShardedTensor on rank {src}: its data already lives on its "
-            "process group's ranks. Convert it instead, on every rank: "
-            "fshard.reshard(fshard.from_sharded_tensor(st), spec)."
-        )
-        return "SpecError", msg
-    try:
-        _check_tensor(tensor, f"shard() input on rank {src}")
-    except (TypeError, ValueError) as exc:
-        return type(exc).__name__, str(exc)
-    return None
-
-
-@collective("shard", local=("tensor",))
-@opaque
-def shard(
-    tensor: torch.Tensor | None, spec: Any, *, src: int | None = None, backend: Backend | None = None
-) -> ShardedArray:
-    """Splits a global tensor into a ``ShardedArray`` laid out by ``spec`` (a spec or a ``Layout``).
-
-    Args:
-        tensor: the global tensor. With ``src=None`` every rank passes it and slices
-            its own boxes (nothing is sent); with ``src=k`` only rank k's is read and
-            other ranks may pass ``None``.
-        spec: ``Chunk``, ``Named``, ``Replicated``, ``Single``, ``Explicit`` or a ``Layout``.
-        src: the rank whose tensor is the source, or ``None``.
-        backend: defaults to torch_dist when torch.distributed is initialised, else local.
-
-    Returns:
-        A new ``ShardedArray``; non-contiguous inputs are read correctly.
-
-    With a ``Partial`` spec the array's value is still ``tensor``: one copy of each
-    element holds it and the others hold the identity (0 for a sum).
-
-    Raises:
-        SpecError: the spec does not fit ``tensor.shape``, or ranks disagree on ``src``.
-
-    >>> import torch, fshard
-    >>> x = fshard.shard(torch.arange(10.0), fshard.Chunk(0, [0, 1, 2, 3]))
-    >>> [tuple(s.data.tolist()) for s in x.addressable_shards]
-    [(0.0, 1.0, 2.0), (3.0, 4.0, 5.0), (6.0, 7.0, 8.0), (9.0,)]
-    """
-    if is_sharded_tensor(tensor) and src is None:  # already sharded: converted, then resharded
-        from fshard._interop.torch_objects import shard_sharded_tensor
-
-        return shard_sharded_tensor(tensor, spec, src=src, backend=backend)
-    backend = resolve_backend(backend)
-    if src is not None:
-        src = backend.check_rank(src, "src")
-    if src is None:
-        full = _check_tensor(tensor, "shard() input")
-        shape: tuple[int, ...] = tuple(full.shape)
-    else:
-        shape, full = _source(tensor, src, backend)
-    target = as_layout(spec, shape)
-    backend.check_layout(target)
-    # A pending reduction: slice into copies that all hold the value, then keep one of each.
-    layout = target if target.partial is None else with_partial(target, None) if src is None else _on(target, src)
-    data, link = _autograd.scatter(full, layout, backend, src)
-    out = ShardedArray(layout, data, backend, full.dtype, link)
-    return out if layout is target else reshard(out, target)
-
-
-def _on(layout: Layout, rank: int) -> Layout:
+def whole_on(layout: Layout, rank: int) -> Layout:
     """The whole array once, on ``rank`` (on the device of its first shard in ``layout``)."""
     held = layout.indices_on(rank)
     device = layout._shard(held[0] if held else 0).placement.device
@@ -168,7 +62,7 @@ def _on(layout: Layout, rank: int) -> Layout:
 def _reduced(layout: Layout, dst: int | None) -> Layout:
     """Where ``gather`` reduces a pending reduction: a copy on every rank of ``layout`` (or on ``dst``)."""
     if dst is not None:
-        return _on(layout, dst)
+        return whole_on(layout, dst)
     firsts = [layout._shard(layout.indices_on(r)[0]).placement for r in layout.ranks]
     return Replicated(firsts).layout(layout.shape)
 
@@ -222,120 +116,6 @@ def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
     array.backend.check_layout(layout)
     data, link = _autograd.move(array.layout, layout, array.backend, array._data, array._first())
     return ShardedArray._of(layout, data, array.backend, array.dtype, link)
-
-
-def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: str | None) -> Any:
-    """``map_local`` of arrays that share a layout (``pending``: the result is a pending sum).
-
-    Each result leaf's layout is inferred from its shards: the arguments' layout, with
-    dims that no shard splits resized to the new extent. Where some process holds no
-    shard, the processes share what ``fn`` returned (structure, dtypes, shapes), so
-    that one learns them too, and an error ``fn`` raised anywhere is raised everywhere.
-    """
-    first = arrays[0]
-    backend, base = first.backend, with_partial(first.layout, None)
-    index = backend.addressable(first.layout)
-
-    usage = _varying.Usage()
-
-    def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
-        with _varying.per_shard(backend, usage), untouched([t for a in arrays for t in a._data], "map_local()"):
-            outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
-        return _result_leaves(outs)
-
-    if holds_nothing_somewhere(backend, first.layout):
-        describe = lambda r: (describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), usage.ages())  # noqa: E731
-        (tree, leaves), seen = agree(backend, compute, describe)
-        tree, metas = merge_results([d for d, _ in seen], "map_local()")
-        used = set().union(*(keys for _, keys in seen))
-    else:
-        tree, leaves = compute()
-        metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
-        used = set()
-    if tree is None:  # no shard anywhere: the result's link joins every argument's
-        link = link_without_blocks(arrays, first.dtype, used)
-        return ShardedArray(with_partial(first.layout, pending), (), backend, first.dtype, link)
-    results = []
-    for n, (dtype, sizes) in enumerate(metas):
-        layout = with_partial(_infer_layout(base, sizes), pending)
-        if leaves:
-            results.append(ShardedArray(layout, leaves[n], backend, dtype))
-        else:
-            results.append(ShardedArray(layout, (), backend, dtype, link_without_blocks(arrays, dtype, used)))
-    return optree.tree_unflatten(tree, results)
-
-
-_LEAF = optree.tree_structure(cast(Any, 0))  # the structure of a single leaf
-
-
-def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
-    """The results' tree structure (``None`` when there is none here) and each leaf's shards."""
-    if not outs:
-        return None, []
-    if all(type(o) is torch.Tensor and o.layout == torch.strided for o in outs):  # the common case: one tensor each
-        leaves = [tuple(outs)]
-        tree = _LEAF
-    else:
-        flat = [optree.tree_flatten(o) for o in outs]
-        tree = flat[0][1]
-        if any(spec != tree for _, spec in flat):
-            raise SpecError(f"map_local() fn returned different structures on different shards: {tree} and others.")
-        leaves = [tuple(f[0][n] for f in flat) for n in range(tree.num_leaves)]
-        for leaf in leaves:
-            for t in leaf:
-                _check_tensor(t, "map_local() fn result")
-    for leaf in leaves:
-        if len(leaf) > 1 and len({t.dtype for t in leaf}) > 1:
-            raise SpecError(
-                f"map_local() fn returned dtypes {sorted({str(t.dtype) for t in leaf})} on different shards."
-            )
-    return tree, leaves
-
-
-@opaque  # layout arithmetic in numpy: run eagerly under torch.compile
-def _infer_layout(layout: Layout, sizes: dict[int, tuple[int, ...]]) -> Layout:
-    """The layout of ``map_local``'s result, from the shapes of the result shards known here."""
-    if all(s == tuple(layout._sz[i].tolist()) for i, s in sizes.items()):
-        return layout
-    if any(len(s) != layout.ndim for s in sizes.values()):
-        msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."
-        raise SpecError(msg)
-    shape = tuple(_new_extent(layout, sizes, d) for d in range(layout.ndim))
-    return Layout(shape, tuple(_resize(s, layout.shape, shape) for s in layout.shards))
-
-
-def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int) -> int:
-    """The result's extent along ``d``: the sum of the new sizes of the distinct intervals
-    that tile the dim (one interval when no shard splits it)."""
-    new: dict[tuple[int, int], set[int]] = {}
-    for i, s in sizes.items():
-        m = layout._shard(i)
-        new.setdefault((m.offsets[d], m.sizes[d]), set()).add(s[d])
-    if all(k[1] == n for k, v in new.items() for n in v):
-        return layout.shape[d]
-    split = any(m.sizes[d] != layout.shape[d] for m in layout.shards)
-    olds = sorted(k for k in new if k[1] > 0)
-    if split:
-        msg = (
-            f"map_local() fn changed dim {d}, which the layout splits, from sizes {[k[1] for k in olds]} "
-            f"to {[sorted(new[k]) for k in olds]}; pass out_spec= for the result."
-        )
-        raise SpecError(msg)
-    covered = sum(k[1] for k in olds)
-    tiles = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(olds)) and olds and olds[0][0] == 0
-    if any(len(new[k]) > 1 for k in olds) or not tiles or covered != layout.shape[d]:
-        msg = (
-            f"map_local() cannot infer the new extent of dim {d} from the shards held here "
-            f"(new sizes per interval: { {k: sorted(v) for k, v in new.items()} }); pass out_spec=Layout(...)."
-        )
-        raise SpecError(msg)
-    return sum(next(iter(new[k])) for k in olds)
-
-
-def _resize(meta: ShardMeta, old: Sequence[int], new: Sequence[int]) -> ShardMeta:
-    """``meta`` with every dim it spans whole stretched (or shrunk) to the new extent."""
-    sizes = tuple(n if o == 0 and s == m else s for n, m, o, s in zip(new, old, meta.offsets, meta.sizes))
-    return ShardMeta(meta.offsets, sizes, meta.placement)
 
 
 def _aligned(a: ShardedArray, b: ShardedArray, what: str) -> tuple[ShardedArray, ShardedArray] | None:
@@ -437,7 +217,7 @@ def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Ten
     for s in shards:
         if not isinstance(s, Shard):
             raise TypeError(f"Expected fshard.Shard values, got {type(s).__name__}.")
-        given.setdefault(s.meta, []).append(_check_tensor(s.data, f"The tensor of shard {s.meta}"))
+        given.setdefault(s.meta, []).append(check_tensor(s.data, f"The tensor of shard {s.meta}"))
     index = backend.addressable(layout)
     want = [layout._shard(i) for i in index]
     counts = collections.Counter(want)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fshard._api.map import map_local, regrouped
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout, ShardMeta, with_partial
@@ -70,8 +71,6 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
     fn, symbol, rule = _BINARY[name]
 
     def method(self: ShardedArray, other: Any) -> Any:
-        from fshard._api.move import map_local
-
         left, right = (other, self) if reflected else (self, other)
         if isinstance(other, ShardedArray):
             if with_partial(self.layout, None) != with_partial(other.layout, None):
@@ -96,8 +95,6 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
 
 def _neg(self: ShardedArray) -> ShardedArray:
     """Unary minus, shard by shard (linear, so a pending sum stays one)."""
-    from fshard._api.move import map_local
-
     if self.layout.partial not in (None, "sum"):
         raise _refuse("unary -", self)
     return map_local(operator.neg, self, linear=self.layout.partial is not None)
@@ -151,8 +148,6 @@ def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keep
     kept = [s for s in layout.shards if 0 not in _project(s.sizes, dims, keepdim, True)]
     split = any(s.sizes[d] != layout.shape[d] for s in kept for d in dims)
     if not split and layout.partial is None:
-        from fshard._api.move import map_local
-
         out = Layout(
             _project(layout.shape, dims, keepdim, full=True),
             [_project_meta(s, dims, keepdim) for s in layout.shards],
@@ -189,11 +184,9 @@ def _project_meta(s: ShardMeta, dims: tuple[int, ...], keepdim: bool) -> ShardMe
 
 def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> ShardedArray:
     """The per-shard sums as a pending sum: one summand per (placement, box), each element once."""
-    from fshard._api.map import _regrouped
-
     layout, backend = x.layout, x.backend
     # Of a value's replicas only the first contributes; their gradients are then summed to all.
-    x = _regrouped(x, "sum")
+    x = regrouped(x, "sum")
     keys: dict[tuple[Any, ...], ShardMeta] = {}
     contributors: list[tuple[int, tuple[Any, ...]]] = []
     seen: set[tuple[Any, ...]] = set()

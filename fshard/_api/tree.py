@@ -9,6 +9,8 @@ from typing import Any, cast
 import optree
 import torch
 
+from fshard._api.map import map_local
+from fshard._api.move import gather, reshard
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
@@ -67,8 +69,6 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
     >>> float(norm), round(float(fshard.global_norm(clipped)), 4)
     (6.0, 1.0)
     """
-    from fshard._api.move import map_local
-
     _check_bound("max_norm", max_norm)
     _check_bound("eps", eps)
     norm = global_norm(tree)
@@ -100,12 +100,8 @@ def _check_bound(name: str, value: Any) -> None:
 
 
 def _reduced(x: ShardedArray) -> ShardedArray:
-    from fshard._api.move import reshard
-
     return reshard(x, with_partial(x.layout, None))
 
 
 def _gather_scalar(x: ShardedArray) -> torch.Tensor:
-    from fshard._api.move import gather
-
     return gather(x).to(torch.float64 if x.dtype == torch.float64 else torch.float32)

@@ -36,7 +36,7 @@ from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
 from fshard._layout.batch import with_batch
-from fshard._layout.layout import Layout, with_partial
+from fshard._layout.layout import Layout, ShardMeta, with_partial
 from fshard._plan import plan
 
 __all__ = ["assemble", "move", "scatter"]
@@ -218,7 +218,7 @@ class _Assemble(torch.autograd.Function):
         layout, backend, dst = ctx.args[:3]
         grad = grads[0]
         if ctx.parts is not None:  # uses inside per-shard functions: their parts summed over ranks
-            grad = ctx.parts.total(grad, backend)
+            grad = _with_parts(ctx.parts, grad, backend)
         # Off rank dst the gradient is that of the 0-element stand-in: it only gives the dtype.
         shards, _ = scatter(grad, layout, backend, dst)
         return (None, None, None, None, _link_grad(ctx, 4, _carrier(grads, *ctx.args[3:])), *shards)
@@ -338,3 +338,19 @@ def regroup(
     gradients of each box's copies; and the link."""
     *out, link = _run(_Regroup, layout, backend, mode, like, *tensors)
     return tuple(out), link
+
+
+def _with_parts(parts: _varying.Parts, grad: torch.Tensor, backend: Any) -> torch.Tensor:
+    """``grad`` plus every rank's per-shard ``parts`` (a collective: every rank of the gather calls it)."""
+    seen = backend.exchange((parts.grad is not None, str(grad.device)))
+    mine, parts.grad = parts.grad, None
+    if not any(has for has, _ in seen):
+        return grad
+    zero = (0,) * grad.dim()
+    shape = tuple(grad.shape)
+    shards = [ShardMeta(zero, shape, f"rank:{r}/{dev}") for r, (_, dev) in zip(backend.ranks, seen)]
+    summands = Layout(shape, shards, "sum")
+    whole = Layout(shape, shards)
+    mine = mine if mine is not None else torch.zeros_like(grad)
+    (summed,), _ = move(summands, whole, backend, (mine,), mine)
+    return grad + summed

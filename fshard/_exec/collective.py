@@ -29,17 +29,15 @@ import optree
 import torch
 
 from fshard import _config
+from fshard._array.array import ShardedArray
+from fshard._base.calls import call_name, calling
+from fshard._layout.layout import Layout
+from fshard._layout.show import describe_layout
+from fshard.backends import default_backend, for_group
 
-__all__ = ["call_name", "collective", "describe"]
+__all__ = ["collective", "describe"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_STACK: list[str] = []
-
-
-def call_name() -> str | None:
-    """The description of the outermost fshard call running in check mode, if any."""
-    return _STACK[0] if _STACK else None
 
 
 def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
@@ -50,19 +48,16 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not _config._current.check_collectives or _STACK:
+            if not _config._current.check_collectives or call_name() is not None:
                 return fn(*args, **kwargs)
             backend = _backend_of(args, kwargs)
             settle = getattr(backend, "settle", None)  # a backend of one process has nothing to agree on
             if settle is None or not backend.spans_processes or not getattr(backend, "member", True):
                 return fn(*args, **kwargs)
             what = _describe_call(name, signature, args, kwargs, local)
-            _STACK.append(what)
             try:
-                try:
+                with calling(what):
                     out = fn(*args, **kwargs)
-                finally:
-                    _STACK.pop()
             except Exception as exc:
                 settle(f"{what} raised", exc)
                 raise
@@ -76,9 +71,6 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
 
 def _backend_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The backend a call runs on: its first array's, or its ``backend``/``group`` argument, or the default."""
-    from fshard._array.array import ShardedArray
-    from fshard.backends import default_backend
-
     call: Any = (args, kwargs)  # a pytree (optree's PyTree type does not spell out tuples of them)
     for leaf in optree.tree_leaves(call, is_leaf=lambda x: isinstance(x, ShardedArray)):
         if isinstance(leaf, ShardedArray):
@@ -86,9 +78,7 @@ def _backend_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if kwargs.get("backend") is not None:
         return kwargs["backend"]
     if kwargs.get("group") is not None:
-        from fshard.backends.torch_dist import TorchDistBackend
-
-        return TorchDistBackend(kwargs["group"])
+        return for_group(kwargs["group"])
     try:
         return default_backend()
     except RuntimeError:
@@ -119,10 +109,6 @@ def _describe_call(
 
 def describe(x: Any, depth: int = 0) -> str:
     """A description of an argument that is the same on every rank exactly when it should be."""
-    from fshard._array.array import ShardedArray
-    from fshard._layout.layout import Layout
-    from fshard.backends.torch_dist._check import describe_layout
-
     if isinstance(x, ShardedArray):
         return f"array[{x.dtype}, {describe_layout(x.layout)}]"
     if isinstance(x, Layout):

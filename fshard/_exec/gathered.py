@@ -49,25 +49,6 @@ class Parts:
     def add(self, g: torch.Tensor) -> None:
         self.grad = g if self.grad is None else self.grad + g
 
-    def total(self, grad: torch.Tensor, backend: Any) -> torch.Tensor:
-        """``grad`` plus every rank's parts (a collective: every rank of the gather calls it)."""
-        from fshard._layout.layout import Layout, ShardMeta
-
-        seen = backend.exchange((self.grad is not None, str(grad.device)))
-        parts, self.grad = self.grad, None
-        if not any(has for has, _ in seen):
-            return grad
-        zero = (0,) * grad.dim()
-        shape = tuple(grad.shape)
-        shards = [ShardMeta(zero, shape, f"rank:{r}/{dev}") for r, (_, dev) in zip(backend.ranks, seen)]
-        summands = Layout(shape, shards, "sum")
-        whole = Layout(shape, shards)
-        from fshard._exec.autograd import move
-
-        mine = parts if parts is not None else torch.zeros_like(grad)
-        (summed,), _ = move(summands, whole, backend, (mine,), mine)
-        return grad + summed
-
 
 _LIVE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _PARTS: dict[int, Parts] = {}

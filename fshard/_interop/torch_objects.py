@@ -21,6 +21,7 @@ from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Mesh, Named
 from fshard._layout.torch_meta import is_sharded_tensor
+from fshard.backends import for_group
 
 __all__ = [
     "from_dtensor",
@@ -49,9 +50,7 @@ def _dist_backend(array: ShardedArray, what: str) -> Any:
 
 
 def _torch_dist_backend(group: Any) -> Any:
-    from fshard.backends.torch_dist import TorchDistBackend
-
-    return TorchDistBackend(group)
+    return for_group(group)
 
 
 def _boxes(layout: Layout) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:

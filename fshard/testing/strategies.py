@@ -27,6 +27,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
@@ -254,8 +255,6 @@ def arrays(
         elements: a strategy of the values (default ``values(dtype)``: finite floats of every
             magnitude the dtype holds, integers over its range, booleans).
     """
-    from fshard._api.move import shard
-
     s = _shape(draw, shape)
     layout = draw(layouts(s, world))
     return shard(_tensor(draw, s, _dtype(draw, dtype), elements), layout)
