@@ -105,16 +105,34 @@ def _target_saved(saved: _Saved, backend: Backend | None) -> _Target:
     return _Target("array", saved.layout, b)
 
 
-def _fill(saved: _Saved, layout: Layout, out: dict[int, torch.Tensor], reader: _Reader, bar: Any) -> None:
-    """Writes the saved values into the shards ``out`` (indices into ``layout``), reading only overlaps."""
-    if not out or layout.numel == 0:
-        return
+def _sources(saved: _Saved, layout: Layout, shards: Any) -> tuple[Any, dict[int, list[int]]]:
+    """The plan from the saved boxes to ``layout``, and per saved box the rows that feed ``shards``."""
     assert saved.source is not None
     p = plan(saved.source, layout)
     rows: dict[int, list[int]] = {}
     for k, j in enumerate(p.dst_shard.tolist()):
-        if j in out:
+        if j in shards:
             rows.setdefault(int(p.src_shard[k]), []).append(k)
+    return p, rows
+
+
+def _open_sources(saved: _Saved, layout: Layout, shards: Any, reader: _Reader) -> None:
+    """Opens the files feeding ``shards``, checking their real sizes against the index.
+
+    Called before the shards are allocated: the boxes tile the shape and each file holds its
+    boxes' bytes, so a shard is never larger than the checked files it is read from.
+    """
+    if shards and layout.numel:
+        _, rows = _sources(saved, layout, shards)
+        for src in rows:
+            reader.open_box(saved.boxes[src], saved)
+
+
+def _fill(saved: _Saved, layout: Layout, out: dict[int, torch.Tensor], reader: _Reader, bar: Any) -> None:
+    """Writes the saved values into the shards ``out`` (indices into ``layout``), reading only overlaps."""
+    if not out or layout.numel == 0:
+        return
+    p, rows = _sources(saved, layout, out)
     for src, ks in rows.items():
         box = saved.boxes[src]
         whole = reader.whole(box, saved) if reader.verify else None
@@ -141,6 +159,7 @@ def _read_leaf(saved: _Saved, target: _Target, reader: _Reader, bar: Any) -> Any
     first: dict[tuple[Any, ...], int] = {}
     for i in index:
         first.setdefault(boxes[i], i)
+    _open_sources(saved, layout, set(first.values()), reader)  # sizes checked before anything is allocated
     out = {i: _new(layout, i, saved.dtype, target) for i in first.values()}
     _fill(saved, layout, out, reader, bar)
     data = [out[i] if i in out else out[first[boxes[i]]].clone() for i in index]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fshard._checkpoint._format import _CODES, _hashing, _Saved, _sha256
+from fshard._checkpoint._format import _CODES, _hashing, _inside, _Saved, _sha256
 from fshard._errors import CheckpointError
 
 
@@ -29,6 +29,7 @@ class _Reader:
         if name not in self.open:
             path = self.data / name
             tensor = box["tensor"]
+            _inside(self.data.parent, path)
             try:
                 size = path.stat().st_size
                 want = self.files[name]["bytes"]
@@ -41,6 +42,13 @@ class _Reader:
                 handle = safe_open(str(path), framework="pt")
             except FileNotFoundError:
                 msg = f"Checkpoint file {path} is missing (it holds tensor {tensor!r} of leaf {saved.where})."
+                raise CheckpointError(msg) from None
+            except RuntimeError as exc:  # torch maps the file by its name again, so it can vanish since the stat
+                if path.exists():
+                    raise CheckpointError(f"Checkpoint file {path} cannot be mapped: {exc}.") from None
+                msg = (
+                    f"Checkpoint file {path} vanished while it was opened (it holds {tensor!r} of leaf {saved.where})."
+                )
                 raise CheckpointError(msg) from None
             except (OSError, SafetensorError) as exc:
                 raise CheckpointError(f"Checkpoint file {path} is not a readable safetensors file: {exc}.") from None
@@ -64,6 +72,10 @@ class _Reader:
             )
             raise CheckpointError(msg)
         return part
+
+    def open_box(self, box: dict[str, Any], saved: _Saved) -> None:
+        """Opens the file holding ``box`` and checks its size, and the box's dtype and shape, against the index."""
+        self._slice(box, saved)
 
     def whole(self, box: dict[str, Any], saved: _Saved) -> torch.Tensor:
         """The whole saved box; its sha256 is checked against the index in a thread (see ``check``)."""
