@@ -240,7 +240,8 @@ def load(
         CheckpointError: a missing index or file, an index that was edited (it no
             longer matches its digest) or is malformed (naming the field), a
             truncated or tampered file, a tree, shape or dtype that does not
-            match (naming file and tensor), or "changed during load" when saves
+            match (naming file and tensor), an index or data file that resolves outside
+            the checkpoint directory (a symlink), or "changed during load" when saves
             replaced the checkpoint three times during one load.
         SpecError: a target layout with a pending reduction (``Partial``).
 

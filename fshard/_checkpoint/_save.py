@@ -63,9 +63,12 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
         TypeError: ``path`` is not a str or an ``os.PathLike``, ``progress`` not a bool or
             ``None``, or a leaf or container cannot be saved (named by its path).
         SpecError: an array with a pending reduction (``Partial``): reshard it first.
-        CheckpointError: ``path`` is a file, a foreign directory or lies under a file; ranks gave different
-            paths, trees, plain tensors or scalars; or another rank failed (a rank that
-            fails re-raises its own error; the others raise this, naming it).
+        CheckpointError: ``path`` is a file, a foreign directory or lies under a file, or its
+            ``index.json`` is not a file; another save holds ``path`` (one save at a time per path);
+            writing a file failed (a full disk, a file-size limit: naming the file and the cause);
+            ranks gave different paths, trees, plain tensors or scalars; or another rank failed
+            (a rank that fails re-raises its own error; the others raise this, naming it). A
+            failure after the index is renamed into place fails nothing: the save returns.
 
     >>> import tempfile, torch, fshard
     >>> x = fshard.shard(torch.arange(12.0).reshape(3, 4), fshard.Chunk(0, [0, 1, 2]))
