@@ -172,8 +172,12 @@ def check_flag(what: str, value: Any, *, optional: bool = False) -> None:
 def _inside(root: Path, path: Path) -> None:
     """Refuses ``path`` (the index or a data file) if it resolves outside the checkpoint directory ``root``.
 
-    A symlink there would make ``load`` read, and return, any file this process can read.
+    A symlink there would make ``load`` read, and return, any file this process can read. ``path`` is
+    ``root`` (or a directory already checked) joined with one checked name (never ``..``), so only a
+    link at ``path`` itself can lead out, and anything else costs one ``lstat``.
     """
+    if not path.is_symlink():
+        return
     try:
         real, top = path.resolve(), root.resolve()
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13

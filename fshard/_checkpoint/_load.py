@@ -107,6 +107,8 @@ def _target_saved(saved: _Saved, backend: Backend | None) -> _Target:
 
 def _sources(saved: _Saved, layout: Layout, shards: Any) -> tuple[Any, dict[int, list[int]]]:
     """The plan from the saved boxes to ``layout``, and per saved box the rows that feed ``shards``."""
+    if not shards or layout.numel == 0:
+        return None, {}
     assert saved.source is not None
     p = plan(saved.source, layout)
     rows: dict[int, list[int]] = {}
@@ -116,23 +118,14 @@ def _sources(saved: _Saved, layout: Layout, shards: Any) -> tuple[Any, dict[int,
     return p, rows
 
 
-def _open_sources(saved: _Saved, layout: Layout, shards: Any, reader: _Reader) -> None:
-    """Opens the files feeding ``shards``, checking their real sizes against the index.
+def _fill(
+    saved: _Saved, layout: Layout, out: dict[int, torch.Tensor], reader: _Reader, bar: Any, sources: tuple[Any, Any]
+) -> None:
+    """Writes the saved values into the shards ``out`` (indices into ``layout``), reading only overlaps.
 
-    Called before the shards are allocated: the boxes tile the shape and each file holds its
-    boxes' bytes, so a shard is never larger than the checked files it is read from.
+    ``sources``: ``_sources(saved, layout, out)``.
     """
-    if shards and layout.numel:
-        _, rows = _sources(saved, layout, shards)
-        for src in rows:
-            reader.open_box(saved.boxes[src], saved)
-
-
-def _fill(saved: _Saved, layout: Layout, out: dict[int, torch.Tensor], reader: _Reader, bar: Any) -> None:
-    """Writes the saved values into the shards ``out`` (indices into ``layout``), reading only overlaps."""
-    if not out or layout.numel == 0:
-        return
-    p, rows = _sources(saved, layout, out)
+    p, rows = sources
     for src, ks in rows.items():
         box = saved.boxes[src]
         whole = reader.whole(box, saved) if reader.verify else None
@@ -159,9 +152,11 @@ def _read_leaf(saved: _Saved, target: _Target, reader: _Reader, bar: Any) -> Any
     first: dict[tuple[Any, ...], int] = {}
     for i in index:
         first.setdefault(boxes[i], i)
-    _open_sources(saved, layout, set(first.values()), reader)  # sizes checked before anything is allocated
+    sources = _sources(saved, layout, set(first.values()))
+    for src in sources[1]:  # every file's size checked against the index before anything is allocated from it
+        reader.open_box(saved.boxes[src], saved)
     out = {i: _new(layout, i, saved.dtype, target) for i in first.values()}
-    _fill(saved, layout, out, reader, bar)
+    _fill(saved, layout, out, reader, bar, sources)
     data = [out[i] if i in out else out[first[boxes[i]]].clone() for i in index]
     data = [t.requires_grad_() if target.requires_grad else t for t in data]
     if target.kind == "tensor":
