@@ -228,37 +228,42 @@ def test_a_file_vanishing_inside_safe_open_starts_the_load_over(tmp_path, monkey
     assert len(calls) > 1
 
 
-def test_loads_racing_saves_see_one_whole_checkpoint(tmp_path):
-    root, stop = tmp_path / "ck", threading.Event()
+_SAVER = """
+import sys, time, torch, fshard
+root, seconds = sys.argv[1], float(sys.argv[2])
+x, k, end = torch.arange(48.0).reshape(8, 6), 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    k += 1
+    fshard.save(root, {"x": fshard.shard(x + k, fshard.Chunk(0, [0, 1])), "step": k})
+print(k)
+"""
+
+
+def test_loads_racing_saves_in_another_process_see_one_whole_checkpoint(tmp_path):
+    root = tmp_path / "ck"
     _save_x(root, X, step=0)
-    saves: list[str] = []
-
-    def saver() -> None:
-        k = 0
-        while not stop.is_set():
-            k += 1
-            _save_x(root, X + k, step=k)
-            saves.append("saved")
-
-    t = threading.Thread(target=saver)
-    t.start()
-    loads, retried, deadline = 0, 0, time.monotonic() + 3.0
+    saver = subprocess.Popen([sys.executable, "-c", _SAVER, str(root), "3"], stdout=subprocess.PIPE, text=True)
+    loads, restarts, deadline = 0, 0, time.monotonic() + 120
     try:
-        while time.monotonic() < deadline:
+        while _index(root)["leaves"][1]["value"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the saver has started
+        while saver.poll() is None and time.monotonic() < deadline:
             try:
                 x, step = _load_x(root)
             except fshard.CheckpointError as exc:  # the one failure a load racing saves may report
-                retried += 1
                 if "changed during load 3 times in a row" not in str(exc):
                     raise
+                restarts += 1
                 continue
             assert torch.equal(x, X + step)
             loads += 1
     finally:
-        stop.set()
-        t.join(30)
+        if saver.poll() is None:
+            saver.kill()
+        out, _ = saver.communicate(timeout=30)
+    assert saver.returncode == 0
+    assert int(out) > 1
     assert loads > 0
-    assert saves
 
 
 # -- C-3: declared sizes are checked against the files before anything is allocated -------------
