@@ -121,6 +121,20 @@ def test_a_save_while_another_holds_the_path_is_refused_and_writes_nothing(tmp_p
     assert _listing(root) == ["data", "index"]  # the lock file goes with the save that took it
 
 
+@pytest.mark.parametrize("committed_before", [True, False], ids=["over-a-checkpoint", "new-directory"])
+def test_a_lock_file_left_by_a_killed_save_holds_nothing(tmp_path, committed_before):
+    root = tmp_path / "ck"
+    if committed_before:
+        _save_x(root, step=1)
+    root.mkdir(exist_ok=True)
+    (root / "save.lock").touch()  # its saver was killed: the kernel released the lock, the file stays
+    if committed_before:
+        assert _load_x(root)[1] == 1  # load ignores it
+    _save_x(root, X + 1, step=2)
+    assert _load_x(root)[1] == 2
+    assert _listing(root) == ["data", "index"]
+
+
 def test_a_save_racing_a_slow_save_to_the_same_path_is_refused(tmp_path, monkeypatch):
     root, inside, go = tmp_path / "ck", threading.Event(), threading.Event()
     real, outcome = _write.save_file, {}

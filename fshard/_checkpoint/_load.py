@@ -119,7 +119,12 @@ def _sources(saved: _Saved, layout: Layout, shards: Any) -> tuple[Any, dict[int,
 
 
 def _fill(
-    saved: _Saved, layout: Layout, out: dict[int, torch.Tensor], reader: _Reader, bar: Any, sources: tuple[Any, Any]
+    saved: _Saved,
+    layout: Layout,
+    out: dict[int, torch.Tensor],
+    reader: _Reader,
+    bar: Any,
+    sources: tuple[Any, dict[int, list[int]]],
 ) -> None:
     """Writes the saved values into the shards ``out`` (indices into ``layout``), reading only overlaps.
 
