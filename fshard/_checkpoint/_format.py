@@ -78,10 +78,18 @@ def _box_text(offsets: Sequence[int], sizes: Sequence[int]) -> str:
     return ",".join(f"{o}:{o + n}" for o, n in zip(offsets, sizes))
 
 
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a lazy conjugate or negation applied: the values it shows, in memory that holds them.
+
+    ``z.conj()`` and ``z.conj().imag`` only set a bit on ``z``'s memory; its bytes are not their values.
+    """
+    return t.resolve_conj().resolve_neg()
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` with row-major strides. ``contiguous()`` keeps any stride on a dim of size 1, so a
     one-element view such as ``torch.arange(4.0)[::2][:1]`` (stride 2) needs a copy to be seen as bytes."""
-    t = t.contiguous()
+    t = _resolved(t).contiguous()
     want, step = [], 1
     for n in reversed(t.shape):
         want.append(step)
@@ -161,6 +169,27 @@ def check_flag(what: str, value: Any, *, optional: bool = False) -> None:
         raise TypeError(f"{what} must be {allowed}, got {value!r} ({type(value).__name__}).")
 
 
+def _inside(root: Path, path: Path) -> None:
+    """Refuses ``path`` (the index or a data file) if it resolves outside the checkpoint directory ``root``.
+
+    A symlink there would make ``load`` read, and return, any file this process can read. ``path`` is
+    ``root`` (or a directory already checked) joined with one checked name (never ``..``), so only a
+    link at ``path`` itself can lead out, and anything else costs one ``lstat``.
+    """
+    if not path.is_symlink():
+        return
+    try:
+        real, top = path.resolve(), root.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13
+        raise CheckpointError(f"Checkpoint path {path} cannot be resolved: {exc}.") from None
+    if not real.is_relative_to(top):
+        msg = (
+            f"{path} resolves to {real}, outside the checkpoint directory {top}: load reads only files inside "
+            "the checkpoint. Replace the link with the file it points to, or copy the checkpoint."
+        )
+        raise CheckpointError(msg)
+
+
 def _read_index(root: Path) -> tuple[dict[str, Any], str]:
     """``index.json`` with its top level and digest checked, and the SHA-256 of its bytes as read.
 
@@ -168,12 +197,15 @@ def _read_index(root: Path) -> tuple[dict[str, Any], str]:
     """
     where = root / INDEX
     try:
-        found, is_dir = where.is_file(), root.is_dir()
+        found, is_dir, exists = where.is_file(), root.is_dir(), where.exists()
     except OSError as exc:
         raise CheckpointError(f"Checkpoint path {root} cannot be read: {exc.strerror or exc}.") from exc
+    if exists and not found:
+        raise CheckpointError(f"{where} is not a file: {root} is not an fshard checkpoint, or its index was replaced.")
     if not found:
         hint = " (an interrupted save leaves no index)" if is_dir else ""
         raise CheckpointError(f"{where} does not exist{hint}: {root} is not an fshard checkpoint.")
+    _inside(root, where)
     try:
         raw = where.read_bytes()
         index = json.loads(raw.decode("utf-8"))

@@ -105,16 +105,32 @@ def _target_saved(saved: _Saved, backend: Backend | None) -> _Target:
     return _Target("array", saved.layout, b)
 
 
-def _fill(saved: _Saved, layout: Layout, out: dict[int, torch.Tensor], reader: _Reader, bar: Any) -> None:
-    """Writes the saved values into the shards ``out`` (indices into ``layout``), reading only overlaps."""
-    if not out or layout.numel == 0:
-        return
+def _sources(saved: _Saved, layout: Layout, shards: Any) -> tuple[Any, dict[int, list[int]]]:
+    """The plan from the saved boxes to ``layout``, and per saved box the rows that feed ``shards``."""
+    if not shards or layout.numel == 0:
+        return None, {}
     assert saved.source is not None
     p = plan(saved.source, layout)
     rows: dict[int, list[int]] = {}
     for k, j in enumerate(p.dst_shard.tolist()):
-        if j in out:
+        if j in shards:
             rows.setdefault(int(p.src_shard[k]), []).append(k)
+    return p, rows
+
+
+def _fill(
+    saved: _Saved,
+    layout: Layout,
+    out: dict[int, torch.Tensor],
+    reader: _Reader,
+    bar: Any,
+    sources: tuple[Any, dict[int, list[int]]],
+) -> None:
+    """Writes the saved values into the shards ``out`` (indices into ``layout``), reading only overlaps.
+
+    ``sources``: ``_sources(saved, layout, out)``.
+    """
+    p, rows = sources
     for src, ks in rows.items():
         box = saved.boxes[src]
         whole = reader.whole(box, saved) if reader.verify else None
@@ -141,8 +157,11 @@ def _read_leaf(saved: _Saved, target: _Target, reader: _Reader, bar: Any) -> Any
     first: dict[tuple[Any, ...], int] = {}
     for i in index:
         first.setdefault(boxes[i], i)
+    sources = _sources(saved, layout, set(first.values()))
+    for src in sources[1]:  # every file's size checked against the index before anything is allocated from it
+        reader.open_box(saved.boxes[src], saved)
     out = {i: _new(layout, i, saved.dtype, target) for i in first.values()}
-    _fill(saved, layout, out, reader, bar)
+    _fill(saved, layout, out, reader, bar, sources)
     data = [out[i] if i in out else out[first[boxes[i]]].clone() for i in index]
     data = [t.requires_grad_() if target.requires_grad else t for t in data]
     if target.kind == "tensor":
@@ -221,7 +240,8 @@ def load(
         CheckpointError: a missing index or file, an index that was edited (it no
             longer matches its digest) or is malformed (naming the field), a
             truncated or tampered file, a tree, shape or dtype that does not
-            match (naming file and tensor), or "changed during load" when saves
+            match (naming file and tensor), an index or data file that resolves outside
+            the checkpoint directory (a symlink), or "changed during load" when saves
             replaced the checkpoint three times during one load.
         SpecError: a target layout with a pending reduction (``Partial``).
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from fshard._checkpoint._format import _CODES, _hashing, _Saved, _sha256
+from fshard._checkpoint._format import _CODES, _hashing, _inside, _Saved, _sha256
 from fshard._errors import CheckpointError
 
 
@@ -19,8 +19,10 @@ class _Reader:
     """Opens checkpoint files on first use; reads, checks and verifies boxes."""
 
     def __init__(self, data: Path, files: dict[str, Any], verify: bool, stack: contextlib.ExitStack) -> None:
+        _inside(data.parent, data)  # then only a file that is itself a link can lead out (see _handle)
         self.data, self.files, self.verify, self.stack = data, files, verify, stack
         self.open: dict[str, Any] = {}
+        self.slices: dict[tuple[str, str], Any] = {}
         self.pool = stack.enter_context(_hashing()) if verify else None
         self.pending: list[tuple[Future[str], dict[str, Any], _Saved]] = []
 
@@ -28,27 +30,41 @@ class _Reader:
         name = box["file"]
         if name not in self.open:
             path = self.data / name
-            tensor = box["tensor"]
-            try:
-                size = path.stat().st_size
-                want = self.files[name]["bytes"]
-                if size != want:
-                    msg = (
-                        f"Checkpoint file {path} has {size} bytes, index.json records {want}: it was truncated or "
-                        f"replaced (needed for tensor {tensor!r} of leaf {saved.where})."
-                    )
-                    raise CheckpointError(msg)
-                handle = safe_open(str(path), framework="pt")
-            except FileNotFoundError:
-                msg = f"Checkpoint file {path} is missing (it holds tensor {tensor!r} of leaf {saved.where})."
-                raise CheckpointError(msg) from None
-            except (OSError, SafetensorError) as exc:
-                raise CheckpointError(f"Checkpoint file {path} is not a readable safetensors file: {exc}.") from None
+            _inside(self.data.parent, path)
             # An open file stays readable if a later save deletes it (POSIX): a load sees one checkpoint.
-            self.open[name] = self.stack.enter_context(handle)
+            self.open[name] = self.stack.enter_context(self._open(path, box["tensor"], saved))
         return self.open[name]
 
+    def _open(self, path: Path, tensor: str, saved: _Saved) -> Any:
+        """``safe_open(path)`` once its size matches the index; ``tensor`` and ``saved`` name what needs it."""
+        try:
+            size = path.stat().st_size
+            want = self.files[path.name]["bytes"]
+            if size != want:
+                msg = (
+                    f"Checkpoint file {path} has {size} bytes, index.json records {want}: it was truncated or "
+                    f"replaced (needed for tensor {tensor!r} of leaf {saved.where})."
+                )
+                raise CheckpointError(msg)
+            return safe_open(str(path), framework="pt")
+        except FileNotFoundError:
+            msg = f"Checkpoint file {path} is missing (it holds tensor {tensor!r} of leaf {saved.where})."
+            raise CheckpointError(msg) from None
+        except RuntimeError as exc:  # torch maps the file by its name again, so it can vanish since the stat
+            if path.exists():
+                raise CheckpointError(f"Checkpoint file {path} cannot be mapped: {exc}.") from None
+            msg = f"Checkpoint file {path} vanished while it was opened (it holds {tensor!r} of leaf {saved.where})."
+            raise CheckpointError(msg) from None
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"Checkpoint file {path} is not a readable safetensors file: {exc}.") from None
+
     def _slice(self, box: dict[str, Any], saved: _Saved) -> Any:
+        key = (box["file"], box["tensor"])
+        if key not in self.slices:
+            self.slices[key] = self._checked_slice(box, saved)
+        return self.slices[key]
+
+    def _checked_slice(self, box: dict[str, Any], saved: _Saved) -> Any:
         path, name = self.data / box["file"], box["tensor"]
         try:
             part = self._handle(box, saved).get_slice(name)
@@ -64,6 +80,10 @@ class _Reader:
             )
             raise CheckpointError(msg)
         return part
+
+    def open_box(self, box: dict[str, Any], saved: _Saved) -> None:
+        """Opens the file holding ``box`` and checks its size, and the box's dtype and shape, against the index."""
+        self._slice(box, saved)
 
     def whole(self, box: dict[str, Any], saved: _Saved) -> torch.Tensor:
         """The whole saved box; its sha256 is checked against the index in a thread (see ``check``)."""

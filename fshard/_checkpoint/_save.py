@@ -15,8 +15,9 @@ from fshard._array.array import ShardedArray
 from fshard._checkpoint._agreement import _check_same, _prepare
 from fshard._checkpoint._collective import _agree, _agree_on
 from fshard._checkpoint._format import FORMAT, INDEX, VERSION, _index_digest, check_flag, checkpoint_path
+from fshard._checkpoint._lock import save_lock
 from fshard._checkpoint._tree import _flatten
-from fshard._checkpoint._write import _assign, _Box, _commit, _committed, _write_files
+from fshard._checkpoint._write import _assign, _Box, _check_root, _commit, _committed, _write_files
 from fshard._errors import CheckpointError, SpecError
 from fshard._exec.collective import collective
 from fshard.backends import Backend, default_backend
@@ -62,9 +63,12 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
         TypeError: ``path`` is not a str or an ``os.PathLike``, ``progress`` not a bool or
             ``None``, or a leaf or container cannot be saved (named by its path).
         SpecError: an array with a pending reduction (``Partial``): reshard it first.
-        CheckpointError: ``path`` is a file, a foreign directory or lies under a file; ranks gave different
-            paths, trees, plain tensors or scalars; or another rank failed (a rank that
-            fails re-raises its own error; the others raise this, naming it).
+        CheckpointError: ``path`` is a file, a foreign directory or lies under a file, or its
+            ``index.json`` is not a file; another save holds ``path`` (one save at a time per path);
+            writing a file failed (a full disk, a file-size limit: naming the file and the cause);
+            ranks gave different paths, trees, plain tensors or scalars; or another rank failed
+            (a rank that fails re-raises its own error; the others raise this, naming it). A
+            failure after the index is renamed into place fails nothing: the save returns.
 
     >>> import tempfile, torch, fshard
     >>> x = fshard.shard(torch.arange(12.0).reshape(3, 4), fshard.Chunk(0, [0, 1, 2]))
@@ -91,17 +95,30 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
     boxes = _assign(leaves, holders)
     known_box = {b.name: known[b.leaf] for b in boxes if b.shard is None and b.leaf in known}
     data = root / f"data.{token}"
-    try:
-        write = lambda: _write_files(root, data, leaves, boxes, backend, progress, known_box)  # noqa: E731
-        files = {k: v for w in _agree(backend, "fshard.save", write, share=True) for k, v in w.items()}
-        commit = lambda: _commit(root, _index(structure, leaves, boxes, files, data.name), token)  # noqa: E731
-        _agree(backend, "fshard.save (index)", commit if leader else lambda: None)
-    except BaseException:
-        if leader and not _committed(root, data.name):
-            shutil.rmtree(data, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                (root / f"{INDEX}.{token}.tmp").unlink(missing_ok=True)
-        raise
+    with contextlib.ExitStack() as lock:
+
+        def write() -> dict[str, Any]:
+            if leader:  # the rank that commits holds the path from before it writes until the old data is gone
+                _check_root(root, data.name)
+                lock.enter_context(save_lock(root))
+            return _write_files(root, data, leaves, boxes, backend, progress, known_box)
+
+        try:
+            files = {k: v for w in _agree(backend, "fshard.save", write, share=True) for k, v in w.items()}
+            commit = lambda: _commit(root, _index(structure, leaves, boxes, files, data.name), token)  # noqa: E731
+            _agree(backend, "fshard.save (index)", commit if leader else lambda: None)
+        except BaseException as exc:
+            if _committed(root, data.name):
+                # The rename is the commit: a failure after it (the leader killed or failing while it
+                # tidies up, which the others see as a lost peer) fails nothing. Interrupts still propagate.
+                if isinstance(exc, Exception):
+                    return
+                raise
+            if leader:
+                shutil.rmtree(data, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    (root / f"{INDEX}.{token}.tmp").unlink(missing_ok=True)
+            raise
 
 
 def _local_holders(leaves: Sequence[tuple[str, Any]]) -> list[int]:

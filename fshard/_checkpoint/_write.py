@@ -8,11 +8,12 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from fshard._array.array import ShardedArray
@@ -27,8 +28,10 @@ from fshard._checkpoint._format import (
     _file_name,
     _fsync,
     _hashing,
+    _resolved,
     _sha256,
 )
+from fshard._checkpoint._lock import LOCK
 from fshard._errors import CheckpointError
 from fshard._layout.layout import Layout
 from fshard.backends import Backend
@@ -99,7 +102,7 @@ def _box_data(box: _Box, held: dict[int | None, torch.Tensor], backend: Backend)
     if box.shard is None and not backend.holds(box.rank):
         return None
     t = held.get(box.shard)
-    return None if t is None else t.detach().to("cpu").contiguous()
+    return None if t is None else _resolved(t.detach().to("cpu")).contiguous()
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -128,8 +131,16 @@ def _check_root(root: Path, own: str) -> None:
         above = next(p for p in root.absolute().parents if p.exists())
         if not above.is_dir():
             raise CheckpointError(f"Checkpoint path {root} lies under {above}, which is not a directory.")
-    if is_dir and not (root / INDEX).exists():
-        foreign = sorted(p.name for p in root.iterdir() if not (p.name == own or _ours(p) or _TMP_RE.match(p.name)))
+    index = root / INDEX
+    if is_dir and (index.is_symlink() or index.exists()) and not index.is_file():
+        msg = (
+            f"Checkpoint path {root} holds {index}, which is not a file: remove or rename it (it is no index "
+            "fshard wrote), or save to another path."
+        )
+        raise CheckpointError(msg)
+    if is_dir and not index.exists():
+        spare = {own, LOCK}
+        foreign = sorted(p.name for p in root.iterdir() if not (p.name in spare or _ours(p) or _TMP_RE.match(p.name)))
         if foreign:
             msg = (
                 f"Checkpoint path {root} is a non-empty directory without {INDEX} (it holds {foreign[:3]}): "
@@ -158,7 +169,8 @@ def _write_files(
         t = _box_data(box, held[box.leaf], backend)
         if t is not None:
             per_file.setdefault(box.rank, {})[box.name] = t
-    data.mkdir(parents=True, exist_ok=True)
+    with _writing(root, data):
+        data.mkdir(parents=True, exist_ok=True)
     written = {}
     total = sum(t.nbytes for d in per_file.values() for t in d.values())
     with _progress("fshard.save", total, progress, backend) as bar, _hashing() as pool:
@@ -167,26 +179,68 @@ def _write_files(
         synced = []
         for (rank, tensors), digests in zip(files, hashes):
             target = data / _file_name(rank)
-            save_file(_unshared(tensors), str(target), metadata={"format": FORMAT, "rank": str(rank)})
-            synced.append(pool.submit(_fsync, target))  # flushes while the next file is written
+            with _writing(root, target):
+                save_file(_unshared(tensors), str(target), metadata={"format": FORMAT, "rank": str(rank)})
+                synced.append((target, pool.submit(_fsync, target)))  # flushes while the next file is written
+                size = target.stat().st_size
             sha = {n: digests[n].result() if n in digests else known[n] for n in tensors}
-            written[target.name] = {"rank": rank, "bytes": target.stat().st_size, "sha256": sha}
+            written[target.name] = {"rank": rank, "bytes": size, "sha256": sha}
             bar.update(sum(t.nbytes for t in tensors.values()))
-        for f in synced:
-            f.result()
-    _fsync(data, directory=True)  # the files' directory entries, before an index can name them
+        for target, f in synced:
+            with _writing(root, target):
+                f.result()
+    with _writing(root, data):
+        _fsync(data, directory=True)  # the files' directory entries, before an index can name them
     return written
+
+
+@contextlib.contextmanager
+def _writing(root: Path, path: Path) -> Iterator[None]:
+    """Turns a failure to write ``path`` (a full disk, a file-size limit, a read-only file system) into a
+    ``CheckpointError`` naming it and the cause; nothing is committed, so the previous checkpoint stands."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        cause = f"{exc.strerror} (errno {exc.errno})" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        msg = (
+            f"Saving checkpoint {root} failed writing {path}: {cause}. Nothing was committed: the previous "
+            "checkpoint there (if any) is unchanged. Free space or fix the file system, then save again."
+        )
+        raise CheckpointError(msg) from exc
+
+
+def _check_present(data: Path, files: dict[str, Any]) -> None:
+    """Refuses to commit an index whose data files are not all there with their recorded sizes.
+
+    The committing rank holds the save lock, but other ranks wrote their files before it was taken:
+    a save to this path that committed in between deleted them as old data.
+    """
+    for name, record in files.items():
+        try:
+            size = (data / name).stat().st_size
+        except OSError:
+            size = None
+        if size != record["bytes"]:
+            msg = (
+                f"Checkpoint file {data / name} is {'gone' if size is None else f'{size} bytes'} before the commit "
+                f"(written with {record['bytes']} bytes): another save to {data.parent} deleted it. One save at a "
+                "time per path; nothing was committed."
+            )
+            raise CheckpointError(msg)
 
 
 def _commit(root: Path, index: dict[str, Any], token: str) -> None:
     """Writes ``index.json`` atomically (temporary file, fsync, rename), then drops older data."""
     tmp = root / f"{INDEX}.{token}.tmp"
-    _fsync(root, directory=True)  # the data directory's entry, before the index that names it
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / INDEX)
+    _check_present(root / index["data"], index["files"])
+    with _writing(root, tmp):
+        _fsync(root, directory=True)  # the data directory's entry, before the index that names it
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    with _writing(root, root / INDEX):
+        os.replace(tmp, root / INDEX)
     _fsync(root, directory=True)
     # The commit is done: what follows only tidies up, and a failure there fails nothing.
     for p in root.iterdir():
