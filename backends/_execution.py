@@ -74,12 +74,12 @@ def device_of(name: str) -> torch.device:
 
 def shard_device(layout: Any, i: int) -> torch.device:
     """The torch device of shard ``i`` of ``layout``."""
-    return device_of(layout._devices[i])
+    return device_of(layout.columns.devices[i])
 
 
 def new_shard(layout: Any, i: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised contiguous tensor for shard ``i``, with ``like``'s dtype."""
-    return new_tensor(tuple(layout._sz[i].tolist()), like.dtype, shard_device(layout, i))
+    return new_tensor(tuple(layout.columns.sz[i].tolist()), like.dtype, shard_device(layout, i))
 
 
 Index = tuple[slice, ...]
@@ -227,25 +227,27 @@ def slice_shards(full: torch.Tensor, layout: Any, index: Iterable[int]) -> tuple
 @cached(1024)
 def _slicing(layout: Any, i: int) -> Recipe:
     """Shard ``i`` of ``layout`` read out of the global tensor."""
-    return recipe([layout.shape], [(tuple(layout._sz[i].tolist()), layout._devices[i])], _scattered(layout, [i]))
+    return recipe(
+        [layout.shape], [(tuple(layout.columns.sz[i].tolist()), layout.columns.devices[i])], _scattered(layout, [i])
+    )
 
 
 @cached(64)
 def scattering(layout: Any) -> Recipe:
     """Every shard of ``layout`` read out of the global tensor."""
-    return recipe([layout.shape], outputs(layout), _scattered(layout, range(len(layout._rank))))
+    return recipe([layout.shape], outputs(layout), _scattered(layout, range(len(layout.columns.rank))))
 
 
 def _scattered(layout: Any, index: Iterable[int]) -> list[Piece]:
     # An empty shard may sit past the end, where a slice would clip: it reads nothing.
-    lo, sz = layout._lo.tolist(), layout._sz.tolist()
+    lo, sz = layout.columns.lo.tolist(), layout.columns.sz.tolist()
     zero = (0,) * layout.ndim
     return [(0, (tuple(lo[i]), tuple(sz[i])), j, zero) for j, i in enumerate(index) if all(sz[i])]
 
 
 def outputs(layout: Any) -> list[tuple[Sizes, str]]:
     """(sizes, device) of every shard of ``layout``, from its columns."""
-    return list(zip(map(tuple, layout._sz.tolist()), layout._devices))
+    return list(zip(map(tuple, layout.columns.sz.tolist()), layout.columns.devices))
 
 
 def span_slice(start: int, size: int) -> slice:

@@ -45,9 +45,9 @@ def _copying(plan: Any) -> tuple[Recipe, ...]:
     from its boxes in the source shards, as the ranks' schedules list them, or, for a small
     array where that takes fewer torch calls, two: the whole array from the source shards,
     then the destination shards cut out of it."""
-    ins = list(map(tuple, plan.src._sz.tolist()))
+    ins = list(map(tuple, plan.src.columns.sz.tolist()))
     direct = (recipe(ins, outputs(plan.dst), _arrivals(plan)[0]),)
-    devices = {*plan.src._devices, *plan.dst._devices}
+    devices = {*plan.src.columns.devices, *plan.dst.columns.devices}
     if plan.dst.numel > _SMALL_NUMEL or len(devices) != 1 or plan.src.partial or plan.dst.partial:
         return direct  # (copies of a pending sum are summands: no one box stands for them all)
     whole = (_assembly(plan.src, device_of(devices.pop())), scattering(plan.dst))
@@ -71,8 +71,8 @@ def _arrivals(plan: Any) -> tuple[list[Piece], int]:
 
 def _located(plan: Any, m: Any) -> list[tuple[int, Sizes, int, Sizes, Sizes]]:
     """Each move of ``m`` as (source shard, offsets in it, destination shard, offsets in it, sizes)."""
-    read = map(tuple, (m.lo - plan.src._lo[m.src_shard]).tolist())
-    write = map(tuple, (m.lo - plan.dst._lo[m.dst_shard]).tolist())
+    read = map(tuple, (m.lo - plan.src.columns.lo[m.src_shard]).tolist())
+    write = map(tuple, (m.lo - plan.dst.columns.lo[m.dst_shard]).tolist())
     return list(zip(m.src_shard.tolist(), read, m.dst_shard.tolist(), write, map(tuple, m.size.tolist())))
 
 
@@ -103,7 +103,7 @@ class Reduction:
 
     def run(self, p: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The destination shards of phase ``p`` from its source shards ``tensors``."""
-        out = [new_shard(p.dst, j, like) for j in range(len(p.dst._rank))]
+        out = [new_shard(p.dst, j, like) for j in range(len(p.dst.columns.rank))]
         for j in self.fill:
             out[j].fill_(identity(self.op, like.dtype))
         done: set[int] = set()
@@ -137,7 +137,7 @@ def reduction(p: Any) -> Reduction:
     def target(j: int, lo: Sizes, size: Sizes) -> Target:
         return j, _at(lo, size), numbers.setdefault((j, lo, size), len(numbers))
 
-    covered = np.zeros(len(p.dst._rank), np.int64)
+    covered = np.zeros(len(p.dst.columns.rank), np.int64)
     crossing = 0
     for r in p.dst.ranks:
         s = p.for_rank(r)
@@ -156,7 +156,7 @@ def reduction(p: Any) -> Reduction:
         for key in sorted(regions):
             sources, targets = regions[key]
             messages.append((tuple(sources.items()), tuple(targets.values())))
-    fill = frozenset(np.flatnonzero(covered < rows_prod(p.dst._sz)).tolist())
+    fill = frozenset(np.flatnonzero(covered < rows_prod(p.dst.columns.sz)).tolist())
     return Reduction(str(p.op), fill, tuple(local), tuple(messages), crossing)
 
 
@@ -167,9 +167,9 @@ def _at(lo: Sizes, size: Sizes) -> Index:
 @cached(256)
 def held(layout: Any, rank: int | None = None) -> int:
     """Elements held, summed over ranks (or on ``rank`` only): a box held twice by a rank counts once."""
-    keep = rows_all(layout._sz > 0) & (True if rank is None else layout._rank == rank)
-    first, _ = unique_rows(np.c_[layout._lo, layout._sz, layout._rank][keep])
-    return int(np.prod(layout._sz[keep][first], axis=1).sum())
+    keep = rows_all(layout.columns.sz > 0) & (True if rank is None else layout.columns.rank == rank)
+    first, _ = unique_rows(np.c_[layout.columns.lo, layout.columns.sz, layout.columns.rank][keep])
+    return int(np.prod(layout.columns.sz[keep][first], axis=1).sum())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +218,7 @@ class LocalBackend:
 
     def addressable(self, layout: Any) -> tuple[int, ...]:
         """Every shard."""
-        return _every(len(layout._rank))
+        return _every(len(layout.columns.rank))
 
     def check_layout(self, layout: Any) -> None:
         """Checks that every placed rank is in the group and every placed device exists here."""
@@ -314,14 +314,14 @@ def _every(n: int) -> tuple[int, ...]:
 
 @cached(256)
 def _check_devices(layout: Any) -> None:
-    for p in set(layout._devices):
+    for p in set(layout.columns.devices):
         device_of(p)
 
 
 @cached(64)
 def _assembly(layout: Any, device: torch.device) -> Recipe:
     """The global tensor of ``layout`` on ``device``, from one copy of every non-empty box."""
-    lo, sz = layout._lo, layout._sz
+    lo, sz = layout.columns.lo, layout.columns.sz
     nonempty = rows_all(sz > 0)
     first, _ = unique_rows(np.c_[lo, sz][nonempty])
     rows = np.flatnonzero(nonempty)[first].tolist()

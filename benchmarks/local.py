@@ -57,8 +57,8 @@ def floor_copies(array: fshard.ShardedArray, dst: fshard.Layout) -> list[tuple[t
     for k in range(len(p)):
         i, j = int(p.src_shard[k]), int(p.dst_shard[k])
         lo, size = p.lo[k].tolist(), p.size[k].tolist()
-        read = box_slices(lo, size, p.src._lo[i].tolist())
-        write = box_slices(lo, size, p.dst._lo[j].tolist())
+        read = box_slices(lo, size, p.src.columns.lo[i].tolist())
+        write = box_slices(lo, size, p.dst.columns.lo[j].tolist())
         pairs.append((out[j][write], src[i][read]))
     return pairs
 

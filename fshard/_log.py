@@ -33,7 +33,7 @@ def plan_message(plan: Any) -> str:
     """One line about ``plan``: its shape, shards and the elements sent between ranks (every
     plan sends the minimum)."""
     return (
-        f"plan {plan.src.shape}: {len(plan.src._rank)} -> {len(plan.dst._rank)} shards, "
+        f"plan {plan.src.shape}: {len(plan.src.columns.rank)} -> {len(plan.dst.columns.rank)} shards, "
         f"{plan.min_elements_sent} elements sent between ranks (the minimum)"
     )
 

@@ -95,7 +95,7 @@ def test_intersect_pairs_matches_brute_force(sets: tuple) -> None:
 @given(shapes.flatmap(lambda s: st.tuples(layouts(s), layouts(s))))
 def test_intersect_pairs_of_tilings(pair: tuple[Layout, Layout]) -> None:
     a, b = pair
-    lo_a, hi_a, lo_b, hi_b = a._lo, a._lo + a._sz, b._lo, b._lo + b._sz
+    lo_a, hi_a, lo_b, hi_b = a.columns.lo, a.columns.lo + a.columns.sz, b.columns.lo, b.columns.lo + b.columns.sz
     ia, ib = _boxes.intersect_pairs(lo_a, hi_a, lo_b, hi_b)
     assert set(zip(ia.tolist(), ib.tolist())) == brute_pairs(lo_a, hi_a, lo_b, hi_b)
 

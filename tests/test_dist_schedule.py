@@ -122,7 +122,7 @@ PAIRS = [(a, b) for a, b in itertools.product(LAYOUTS, LAYOUTS) if a != b]
 
 
 def _at(layout, shard, lo, size):
-    start = (np.asarray(lo) - layout._lo[shard]).tolist()
+    start = (np.asarray(lo) - layout.columns.lo[shard]).tolist()
     return int(shard), tuple(slice(a, a + n) for a, n in zip(start, np.asarray(size).tolist()))
 
 
@@ -164,7 +164,7 @@ def _span_of(layout, boxes):
     if not boxes or len({j for j, _ in boxes}) != 1:
         return None
     j = boxes[0][0]
-    flat = torch.arange(int(np.prod(layout._sz[j]))).reshape(tuple(layout._sz[j].tolist()))
+    flat = torch.arange(int(np.prod(layout.columns.sz[j]))).reshape(tuple(layout.columns.sz[j].tolist()))
     views = [flat[at] for _, at in boxes]
     if any(v.numel() == 0 or not v.is_contiguous() for v in views):
         return None
@@ -218,7 +218,7 @@ def _rows_all_contiguous(p):
     rows = np.flatnonzero(p.src_rank != p.dst_rank)
     if not rows.size or not p.dst.ndim:
         return True
-    shape, size = p.dst._sz[p.dst_shard[rows]], p.size[rows]
+    shape, size = p.dst.columns.sz[p.dst_shard[rows]], p.size[rows]
     big = size > 1
     lead = np.argmax(big, axis=1)
     after = np.arange(p.dst.ndim)[None, :] > lead[:, None]

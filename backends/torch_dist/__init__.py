@@ -366,7 +366,7 @@ class TorchDistBackend:
 @cached(256)
 def _on_wire(p: Plan, wire: torch.device) -> bool:
     """Whether every shard of both layouts is placed on the wire's device type (as every rank sees)."""
-    return all(torch.device(d).type == wire.type for d in {*p.src._devices, *p.dst._devices})
+    return all(torch.device(d).type == wire.type for d in {*p.src.columns.devices, *p.dst.columns.devices})
 
 
 @cached(256)

@@ -137,19 +137,19 @@ def rows_in_order(layout: Layout, order: tuple[int, ...], wire: str) -> bool:
     False
     """
     n, shape = len(order), layout.shape
-    if layout.partial is not None or not layout.ndim or len(layout._rank) != n or shape[0] % n or not all(shape):
+    if layout.partial is not None or not layout.ndim or len(layout.columns.rank) != n or shape[0] % n or not all(shape):
         return False
-    if any(torch.device(d).type != wire for d in set(layout._devices)):
+    if any(torch.device(d).type != wire for d in set(layout.columns.devices)):
         return False
     ranks = np.asarray(order, np.int64)
     sort = np.argsort(ranks)
-    at = np.minimum(np.searchsorted(ranks[sort], layout._rank), n - 1)
+    at = np.minimum(np.searchsorted(ranks[sort], layout.columns.rank), n - 1)
     k = sort[at]  # each shard's position in the group
-    if not (ranks[k] == layout._rank).all() or len(np.unique(k)) != n:
+    if not (ranks[k] == layout.columns.rank).all() or len(np.unique(k)) != n:
         return False
     rows = shape[0] // n
     whole = np.asarray(shape[1:], np.int64)
-    lo, sz = layout._lo, layout._sz
+    lo, sz = layout.columns.lo, layout.columns.sz
     return bool((lo[:, 0] == k * rows).all() and (sz[:, 0] == rows).all() and not lo[:, 1:].any()
                 and (sz[:, 1:] == whole).all())  # fmt: skip
 
@@ -187,7 +187,7 @@ def step(p: Plan, rank: int, ranks: tuple[int, ...], one_per_box: bool, alltoall
     return Step(
         p.src.indices_on(rank),
         dst,
-        tuple(tuple(p.dst._sz[j].tolist()) for j in dst),
+        tuple(tuple(p.dst.columns.sz[j].tolist()) for j in dst),
         tuple(shard_device(p.dst, j) for j in dst),
         schedule(p, rank, ranks),
         p.min_elements_sent > 0,

@@ -204,7 +204,7 @@ class _Boxes:
     def of(cls, layout: Layout, shard: np.ndarray, lo: np.ndarray, size: np.ndarray, position: np.ndarray) -> _Boxes:
         shard = np.asarray(shard, np.int64)
         shape = (len(shard), layout.ndim)
-        lo = np.asarray(lo, np.int64).reshape(shape) - layout._lo[shard]
+        lo = np.asarray(lo, np.int64).reshape(shape) - layout.columns.lo[shard]
         return cls(shard, lo, np.asarray(size, np.int64).reshape(shape), np.asarray(position, np.int64))
 
     @property
@@ -223,7 +223,7 @@ class _Boxes:
         return merged, k
 
     def span(self, layout: Layout) -> Span | None:
-        return _span(layout, self.shard, self.lo + layout._lo[self.shard], self.size)
+        return _span(layout, self.shard, self.lo + layout.columns.lo[self.shard], self.size)
 
 
 def _exchange(
@@ -322,7 +322,7 @@ def _distinct(m: Moves, position: np.ndarray) -> tuple[np.ndarray, list[list[int
 
 def _at(layout: Layout, shard: np.ndarray, lo: np.ndarray, size: np.ndarray) -> list[Index]:
     """Each box as (shard, slices into that shard's tensor), built dim by dim (few Python objects)."""
-    start = lo - layout._lo[shard]
+    start = lo - layout.columns.lo[shard]
     stop = start + size
     if not layout.ndim:
         return [(j, ()) for j in shard.tolist()]
@@ -352,7 +352,7 @@ def _span(layout: Layout, shard: np.ndarray, lo: np.ndarray, size: np.ndarray) -
     if not shard.size or np.unique(shard).size != 1:
         return None
     j = int(shard[0])
-    sizes, lo = layout._sz[j], lo - layout._lo[j]
+    sizes, lo = layout.columns.sz[j], lo - layout.columns.lo[j]
     if not (size > 0).all():
         return None
     if not sizes.size:  # a 0-d array: one box, its single element

@@ -121,8 +121,8 @@ def reduce_schedule(p: Any, me: int, order: tuple[int, ...]) -> ReduceSchedule:
 def _columns(m: Moves, src: Layout, dst: Layout) -> Any:
     """(source shard, destination shard, lo, size, lo in the source shard, lo in the destination
     shard) of each row of ``m``, as Python values."""
-    read = (m.lo - src._lo[m.src_shard]).tolist()
-    write = (m.lo - dst._lo[m.dst_shard]).tolist()
+    read = (m.lo - src.columns.lo[m.src_shard]).tolist()
+    write = (m.lo - dst.columns.lo[m.dst_shard]).tolist()
     return zip(m.src_shard.tolist(), m.dst_shard.tolist(), m.lo.tolist(), m.size.tolist(), read, write)
 
 
@@ -148,7 +148,7 @@ def _needs_fill(rs: RankSchedule, dst: Layout) -> frozenset[int]:
     covered = np.zeros(len(dst.shards), np.int64)
     np.add.at(covered, j[first], numel[first])
     own = np.array(dst.indices_on(rs.rank), np.int64)
-    short = covered[own] < rows_prod(dst._sz[own]) if len(own) else np.zeros(0, bool)
+    short = covered[own] < rows_prod(dst.columns.sz[own]) if len(own) else np.zeros(0, bool)
     return frozenset(own[short].tolist())
 
 
@@ -263,7 +263,7 @@ def collective_kind(p: Any, order: tuple[int, ...], nccl: bool = True) -> str | 
 
 
 def _one_each(layout: Layout, order: tuple[int, ...]) -> bool:
-    ranks = layout._rank.tolist()
+    ranks = layout.columns.rank.tolist()
     return len(ranks) == len(order) and set(ranks) == set(order)
 
 

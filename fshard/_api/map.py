@@ -522,7 +522,7 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
 @opaque  # layout arithmetic in numpy: run eagerly under torch.compile
 def _infer_layout(layout: Layout, sizes: dict[int, tuple[int, ...]]) -> Layout:
     """The layout of ``map_local``'s result, from the shapes of the result shards known here."""
-    if all(s == tuple(layout._sz[i].tolist()) for i, s in sizes.items()):
+    if all(s == tuple(layout.columns.sz[i].tolist()) for i, s in sizes.items()):
         return layout
     if any(len(s) != layout.ndim for s in sizes.values()):
         msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."

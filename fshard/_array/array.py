@@ -289,7 +289,7 @@ def _check_tensor(layout: Layout, i: int, t: Any) -> None:
     if not isinstance(t, torch.Tensor):
         msg = f"Shard {i} of a ShardedArray must be a torch.Tensor, got {type(t).__name__}."
         raise TypeError(msg)
-    sizes = tuple(layout._sz[i].tolist())
+    sizes = tuple(layout.columns.sz[i].tolist())
     if tuple(t.shape) != sizes:
         msg = (
             f"Shard {i} tensor has shape {tuple(t.shape)} but the layout gives it sizes "

@@ -27,8 +27,8 @@ def groups(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
     Boxes are numbered in lexicographic order of (offsets, sizes).
     """
-    idx = np.flatnonzero(_boxes.rows_all(layout._sz > 0))
-    first, inverse = _boxes.unique_rows(np.c_[layout._lo[idx], layout._sz[idx]])
+    idx = np.flatnonzero(_boxes.rows_all(layout.columns.sz > 0))
+    first, inverse = _boxes.unique_rows(np.c_[layout.columns.lo[idx], layout.columns.sz[idx]])
     return idx[first], idx, inverse
 
 
@@ -125,7 +125,7 @@ class Index:
 def index(layout: Layout) -> Index:
     """The cached ``Index`` of ``layout`` (O(n log n) once per layout)."""
     first, idx, box = groups(layout)
-    ranks, code = np.unique(layout._rank, return_inverse=True)
+    ranks, code = np.unique(layout.columns.rank, return_inverse=True)
     code = code.reshape(-1)
     n_ranks = max(len(ranks), 1)
     order = np.lexsort((idx, code[idx], box))
@@ -137,11 +137,11 @@ def index(layout: Layout) -> Index:
     n_boxes = len(first)
     count = np.bincount(held_box, minlength=n_boxes)
     copy_count = np.bincount(box, minlength=n_boxes)
-    box_of = np.full(len(layout._rank), -1, np.int64)
+    box_of = np.full(len(layout.columns.rank), -1, np.int64)
     box_of[idx] = box
-    lo = layout._lo[first]
-    hi = lo + layout._sz[first]
-    by_rank = np.argsort(layout._rank, kind="stable")
+    lo = layout.columns.lo[first]
+    hi = lo + layout.columns.sz[first]
+    by_rank = np.argsort(layout.columns.rank, kind="stable")
     return Index(
         lo=lo,
         hi=hi,
@@ -157,7 +157,7 @@ def index(layout: Layout) -> Index:
         copy_start=np.cumsum(copy_count) - copy_count,
         copy_count=copy_count,
         by_rank=by_rank,
-        rank_sorted=layout._rank[by_rank],
+        rank_sorted=layout.columns.rank[by_rank],
     )
 
 

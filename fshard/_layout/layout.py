@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
@@ -26,7 +26,21 @@ from fshard._layout.validate import (
     validate_memo,
 )
 
-__all__ = ["Layout", "ShardMeta", "ShardMetaLike", "as_metas", "with_partial"]
+__all__ = ["Columns", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "with_partial"]
+
+
+class Columns(NamedTuple):
+    """A layout's shards as read-only numpy columns, in layout order (``Layout.columns``).
+
+    ``lo`` and ``sz`` are the offsets and sizes, (shards x ndim) int64; ``rank`` the
+    ranks, (shards,) int64; ``devices`` one device string per shard. Planning, indexes
+    and backends read layouts through these, without making ``ShardMeta`` values.
+    """
+
+    lo: np.ndarray
+    sz: np.ndarray
+    rank: np.ndarray
+    devices: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -94,6 +108,7 @@ class Layout:
     _devices: tuple[str, ...] = dataclasses.field(init=False, repr=False)
     _hash: int = dataclasses.field(init=False, repr=False)
     _metas: tuple[ShardMeta, ...] | None = dataclasses.field(init=False, repr=False)
+    columns: Columns = dataclasses.field(init=False, repr=False)
 
     def __init__(self, shape: Iterable[int], shards: Iterable[ShardMetaLike], partial: str | None = None) -> None:
         shape = check_shape(shape)
@@ -121,6 +136,7 @@ class Layout:
         for name, value in (("shape", shape), ("partial", partial), ("_lo", lo), ("_sz", sz), ("_rank", rank),
                             ("_devices", devices), ("_metas", metas)):  # fmt: skip
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "columns", Columns(lo, sz, rank, devices))
         object.__setattr__(self, "_hash", hash((shape, lo.tobytes(), sz.tobytes(), rank.tobytes(), devices, partial)))
 
     @classmethod

@@ -90,8 +90,12 @@ def _drawn_dims(layout: Layout) -> tuple[int, ...] | None:
     if layout.ndim <= 2:
         return tuple(range(layout.ndim))
     full = np.array(layout.shape, np.int64)
-    live = (layout._sz > 0).all(axis=1)
-    split = [d for d in range(layout.ndim) if ((layout._sz[live, d] != full[d]) | (layout._lo[live, d] != 0)).any()]
+    live = (layout.columns.sz > 0).all(axis=1)
+    split = [
+        d
+        for d in range(layout.ndim)
+        if ((layout.columns.sz[live, d] != full[d]) | (layout.columns.lo[live, d] != 0)).any()
+    ]
     if len(split) > 2:
         return None
     return tuple(split) or (0,)
@@ -198,10 +202,14 @@ def _header(layout: Layout, dims: tuple[int, ...]) -> str:
 
 def _summary(layout: Layout, why: str) -> tuple[str, ...]:
     """A few lines in place of a picture: how each dim is split and what each rank holds."""
-    live = np.flatnonzero((layout._sz > 0).all(axis=1))
+    live = np.flatnonzero((layout.columns.sz > 0).all(axis=1))
     lines = [f"<{layout.ndim}-D layout of shape {layout.shape}, {len(layout.shards)} shards: {why}>"]
     for d in range(layout.ndim):
-        cuts = np.unique(np.r_[layout._lo[live, d], layout._lo[live, d] + layout._sz[live, d], 0, layout.shape[d]])
+        cuts = np.unique(
+            np.r_[
+                layout.columns.lo[live, d], layout.columns.lo[live, d] + layout.columns.sz[live, d], 0, layout.shape[d]
+            ]
+        )
         sizes = np.diff(cuts).tolist()
         shown = ", ".join(map(str, sizes[:8])) + (f", ... ({len(sizes)} blocks)" if len(sizes) > 8 else "")
         lines.append(f"  dim {d}: whole" if len(sizes) == 1 else f"  dim {d}: blocks of {shown}")
@@ -292,9 +300,9 @@ def span(ranks: tuple[int, ...]) -> str:
 def _layout_digest(layout: Layout) -> str:
     h = hashlib.blake2b(digest_size=6)
     h.update(repr((layout.shape, layout.partial)).encode())
-    for a in (layout._lo, layout._sz, layout._rank):
+    for a in (layout.columns.lo, layout.columns.sz, layout.columns.rank):
         h.update(np.ascontiguousarray(a, np.int64).tobytes())
-    h.update("|".join(layout._devices).encode())
+    h.update("|".join(layout.columns.devices).encode())
     return h.hexdigest()
 
 

@@ -156,12 +156,12 @@ class Plan:
     @property
     def src_rank(self) -> np.ndarray:
         """Rank of each transfer's source shard."""
-        return self.src._rank[self.src_shard]
+        return self.src.columns.rank[self.src_shard]
 
     @property
     def dst_rank(self) -> np.ndarray:
         """Rank of each transfer's destination shard."""
-        return self.dst._rank[self.dst_shard]
+        return self.dst.columns.rank[self.dst_shard]
 
     @property
     def numel(self) -> np.ndarray:
@@ -194,7 +194,7 @@ class Plan:
 
     def traffic(self) -> np.ndarray:
         """A world x world matrix: elements sent from rank i (row) to rank j (column), every phase."""
-        world = int(max(self.src._rank.max(initial=-1), self.dst._rank.max(initial=-1))) + 1
+        world = int(max(self.src.columns.rank.max(initial=-1), self.dst.columns.rank.max(initial=-1))) + 1
         out = np.zeros((world, world), np.int64)
         for p in self.phases:
             cross = p._crossing
@@ -254,17 +254,17 @@ def _transfer_order(src: Layout, dst: Layout, src_shard: np.ndarray, dst_shard: 
     """Rows sorted by (source rank, destination rank, source shard, destination shard)."""
     s_rank, d_rank, width = _rank_codes(src, dst)
     ranks = s_rank[src_shard] * width + d_rank[dst_shard]
-    shards = src_shard * max(len(dst._rank), 1) + dst_shard
+    shards = src_shard * max(len(dst.columns.rank), 1) + dst_shard
     return np.lexsort((shards, ranks))
 
 
 def _rank_codes(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray, int]:
     """Ranks of both layouts as small ints (order kept) and their bound, safe to multiply."""
-    width = int(max(src._rank.max(initial=0), dst._rank.max(initial=0))) + 1
+    width = int(max(src.columns.rank.max(initial=0), dst.columns.rank.max(initial=0))) + 1
     if width <= 1 << 24:
-        return src._rank, dst._rank, width
-    ranks, inverse = np.unique(np.r_[src._rank, dst._rank], return_inverse=True)
-    return inverse[: len(src._rank)], inverse[len(src._rank) :], len(ranks)
+        return src.columns.rank, dst.columns.rank, width
+    ranks, inverse = np.unique(np.r_[src.columns.rank, dst.columns.rank], return_inverse=True)
+    return inverse[: len(src.columns.rank)], inverse[len(src.columns.rank) :], len(ranks)
 
 
 def min_elements(src: Layout, dst: Layout) -> int:

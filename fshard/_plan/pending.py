@@ -197,7 +197,7 @@ def _owners(src: Layout, dst: Layout) -> Layout:
         part_lo[at, axis[row]] += off
         part_size[at, axis[row]] = length
     first = di.first[di.find(v[row], owner)]
-    devices = dst._devices
+    devices = dst.columns.devices
     placed = devices[0] if len(set(devices)) == 1 else [devices[j] for j in first.tolist()]
     return Layout.from_arrays(dst.shape, part_lo, part_size, owner, placed or "cpu")
 
@@ -271,7 +271,7 @@ def global_rows(rule: str, src: Layout, dst: Layout) -> Rows:
         r, i = r[r2], i[r2]
     elif rule == "regroup":
         r, i = _every_copy(si, u)
-        j = _regroup_target(src, dst, u[r], v[r], src._rank[i], i)
+        j = _regroup_target(src, dst, u[r], v[r], src.columns.rank[i], i)
     else:
         r = np.arange(len(u))
         i, j = _make_ends(src, dst, u, v, _first_shared(si, di, u, v))
@@ -316,7 +316,7 @@ def _make_ends(
 
 
 def _sorted(src: Layout, dst: Layout, i: np.ndarray, j: np.ndarray, lo: np.ndarray, size: np.ndarray) -> Rows:
-    order = _canonical(src._rank[i], dst._rank[j], i, j, lo)
+    order = _canonical(src.columns.rank[i], dst.columns.rank[j], i, j, lo)
     arrays = (i[order], j[order], lo[order], size[order])
     for a in arrays:
         a.setflags(write=False)
@@ -344,7 +344,7 @@ def rank_schedule(rule: str, src: Layout, dst: Layout, rank: int) -> RankSchedul
     rank holds both boxes or takes a turn, the walk that finds the lowest shared rank.
     """
     i, j, lo, size = {"reduce": _reduce_rank, "regroup": _regroup_rank, "make": _make_rank}[rule](src, dst, int(rank))
-    s_rank, d_rank = src._rank[i], dst._rank[j]
+    s_rank, d_rank = src.columns.rank[i], dst.columns.rank[j]
     order = _canonical(s_rank, d_rank, i, j, lo)
     side = ((s_rank == rank) + 2 * (d_rank == rank))[order]  # 1: sent, 2: received, 3: local
     send, recv, local = (order[side == k] for k in (1, 2, 3))
@@ -380,7 +380,7 @@ def _reduce_rank(src: Layout, dst: Layout, rank: int) -> Rows:
     r, i = _copies_on(si, u, _mine(len(u), rank))
     r2, j = _every_copy(di, v[r])
     r, i = r[r2], i[r2]
-    away = dst._rank[j] != rank
+    away = dst.columns.rank[j] != rank
     sent = (i[away], j[away], lo[r[away]], size[r[away]])
     v, u, lo, size = pieces(di, si, _own(di, rank))
     r, j = _copies_on(di, v, _mine(len(v), rank))

@@ -30,7 +30,7 @@ def source_shards(src: Layout, dst: Layout, u: np.ndarray, v: np.ndarray, dst_sh
       holders, so the senders are balanced, and one rank of ``v`` receives a piece once.
     """
     si, di = index(src), index(dst)
-    rank = dst._rank[dst_shard]
+    rank = dst.columns.rank[dst_shard]
     held = si.find(u, rank)
     out = np.empty(len(u), np.int64)
     here = np.flatnonzero(held >= 0)
@@ -51,8 +51,8 @@ def copy_on(
     start, stop = ix.copies_of(box, rank)
     out = ix.copies[start] if len(start) else np.zeros(0, np.int64)
     for k in np.flatnonzero(stop - start > 1).tolist():  # a rank holding a box on several devices
-        device = other._devices[int(shard[k])]
-        same = [int(c) for c in ix.copies[start[k] : stop[k]] if layout._devices[int(c)] == device]
+        device = other.columns.devices[int(shard[k])]
+        same = [int(c) for c in ix.copies[start[k] : stop[k]] if layout.columns.devices[int(c)] == device]
         out[k] = same[0] if same else out[k]
     return out
 

@@ -194,7 +194,7 @@ def _receives(src: Layout, dst: Layout, rank: int) -> tuple[Moves, Moves]:
     u, v, lo, size = u[row], v[row], lo[row], size[row]
     dst_shard = di.copies[start[row] + k]
     src_shard = source_shards(src, dst, u, v, dst_shard)
-    peer = src._rank[src_shard]
+    peer = src.columns.rank[src_shard]
     here = peer == rank
     local = np.flatnonzero(here)
     away = np.flatnonzero(~here)
