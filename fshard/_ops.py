@@ -55,19 +55,50 @@ def resolve_backend(backend: Backend | None) -> Backend:
 def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}.")
-    if tensor.layout != torch.strided:
-        raise SpecError(f"{what} has layout {tensor.layout}; only torch.strided tensors can be sharded.")
+    _check_plain(tensor, what)
     return tensor
 
 
-def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tuple[int, ...], torch.Tensor]:
+def _check_plain(tensor: torch.Tensor, what: str) -> None:
+    """Raises ``SpecError`` for a tensor whose elements are not plain values in strided memory."""
+    if tensor.layout != torch.strided:
+        raise SpecError(f"{what} has layout {tensor.layout}; only torch.strided tensors can be sharded.")
+    if tensor.is_nested:
+        msg = f"{what} is a nested tensor; only dense tensors can be sharded: pad it first (x.to_padded_tensor(0))."
+        raise SpecError(msg)
+    if tensor.is_quantized:
+        msg = f"{what} has quantized dtype {tensor.dtype}, which fshard cannot shard: dequantize it (x.dequantize())."
+        raise SpecError(msg)
+
+
+def _resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with a pending conjugation or negation applied (``z.conj()``, ``z.conj().imag``):
+    such views cannot be viewed as bytes, which sending them takes. No copy for other tensors."""
+    return tensor.resolve_conj().resolve_neg()
+
+
+def _meta_problem(tensor: torch.Tensor, layout: Layout, what: str) -> str | None:
+    """Why ``tensor`` cannot be sliced into ``layout``: on the meta device it has no values to put
+    anywhere but on meta placements."""
+    if tensor.device.type != "meta":
+        return None
+    devices = sorted({d for d in layout._devices if torch.device(d).type != "meta"})
+    if not devices:
+        return None
+    return (
+        f"{what} is on the meta device, which holds no values, but the spec places shards on {devices}: "
+        "place them on the meta device too ('rank:0/meta'), or pass a tensor that holds values."
+    )
+
+
+def _source(tensor: torch.Tensor | None, src: int, spec: Any, backend: Backend) -> tuple[tuple[int, ...], torch.Tensor]:
     """Agrees on ``src`` across ranks; returns the global shape and the tensor (a stand-in off src).
 
     Rank ``src`` checks its tensor before the exchange and sends what is wrong with it,
     so a bad source tensor raises on every rank instead of leaving the others waiting.
     """
     mine = backend.holds(src)
-    problem = _source_problem(tensor, src) if mine else None
+    problem = _source_problem(tensor, src, spec) if mine else None
     info = (
         (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, problem)
         if mine and problem is None and tensor is not None
@@ -84,12 +115,12 @@ def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tu
     # Entries follow group order, not global ranks: the owner is the one that sent a shape.
     owner = next(s for s in seen if s[1] is not None)
     if mine:
-        return owner[1], tensor  # type: ignore[return-value]
+        return owner[1], _resolved(tensor)  # type: ignore[arg-type]
     # The stand-in requires grad like the source, so every rank's shards join autograd alike.
     return owner[1], torch.empty(0, dtype=owner[2], requires_grad=owner[3])
 
 
-def _source_problem(tensor: Any, src: int) -> tuple[str, str] | None:
+def _source_problem(tensor: Any, src: int, spec: Any) -> tuple[str, str] | None:
     """What is wrong with rank ``src``'s source tensor, as (exception type, message), or ``None``."""
     if tensor is None:
         return "SpecError", f"shard(..., src={src}) needs a tensor on rank {src}, got None."
@@ -104,7 +135,14 @@ def _source_problem(tensor: Any, src: int) -> tuple[str, str] | None:
         _check_tensor(tensor, f"shard() input on rank {src}")
     except (TypeError, ValueError) as exc:
         return type(exc).__name__, str(exc)
-    return None
+    if tensor.device.type != "meta":
+        return None
+    try:
+        layout = as_layout(spec, tuple(tensor.shape))
+    except (TypeError, ValueError):
+        return None  # every rank raises it after the exchange, where the shape is known
+    problem = _meta_problem(tensor, layout, f"shard() input on rank {src}")
+    return None if problem is None else ("SpecError", problem)
 
 
 @collective("shard", local=("tensor",))
@@ -144,12 +182,15 @@ def shard(
     if src is not None:
         src = backend.check_rank(src, "src")
     if src is None:
-        full = _check_tensor(tensor, "shard() input")
+        full = _resolved(_check_tensor(tensor, "shard() input"))
         shape: tuple[int, ...] = tuple(full.shape)
     else:
-        shape, full = _source(tensor, src, backend)
+        shape, full = _source(tensor, src, spec, backend)
     target = as_layout(spec, shape)
     backend.check_layout(target)
+    problem = _meta_problem(full, target, "shard() input") if src is None else None
+    if problem is not None:
+        raise SpecError(problem)
     # A pending reduction: slice into copies that all hold the value, then keep one of each.
     layout = target if target.partial is None else with_partial(target, None) if src is None else _on(target, src)
     data, link = _autograd.scatter(full, layout, backend, src)
@@ -272,17 +313,19 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
     if not outs:
         return None, []
     if all(type(o) is torch.Tensor and o.layout == torch.strided for o in outs):  # the common case: one tensor each
-        leaves = [tuple(outs)]
+        for o in outs:
+            _check_plain(o, "map_local() fn result")
+        leaves = [tuple(_resolved(o) for o in outs)]
         tree = _LEAF
     else:
         flat = [optree.tree_flatten(o) for o in outs]
         tree = flat[0][1]
         if any(spec != tree for _, spec in flat):
             raise SpecError(f"map_local() fn returned different structures on different shards: {tree} and others.")
-        leaves = [tuple(f[0][n] for f in flat) for n in range(tree.num_leaves)]
-        for leaf in leaves:
-            for t in leaf:
-                _check_tensor(t, "map_local() fn result")
+        leaves = [
+            tuple(_resolved(_check_tensor(f[0][n], "map_local() fn result")) for f in flat)
+            for n in range(tree.num_leaves)
+        ]
     for leaf in leaves:
         if len(leaf) > 1 and len({t.dtype for t in leaf}) > 1:
             raise SpecError(
