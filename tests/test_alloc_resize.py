@@ -99,3 +99,31 @@ def test_threads_never_share_a_live_block() -> None:
         th.join(timeout=60)
     assert bad == []
     assert not any(th.is_alive() for th in threads)
+
+
+def _dist_outputs_resize() -> list[tuple[int, int]]:
+    import torch.distributed as dist
+
+    ranks = list(range(dist.get_world_size()))
+    big = torch.arange(float(1024 * COLS)).reshape(1024, COLS)  # 4 MiB; 1 MiB per rank's row chunk
+    rows = fshard.shard(big, fshard.Chunk(0, ranks))
+    outs = [
+        fshard.reshard(rows, fshard.Chunk(1, ranks)).addressable_shards[0].data,
+        fshard.reshard(rows, fshard.Replicated(ranks)).addressable_shards[0].data,
+        fshard.gather(fshard.reshard(rows, fshard.Chunk(1, ranks))),
+    ]
+    sizes = []
+    for t in outs:
+        assert t.nbytes >= POOL_MIN_BYTES
+        n = t.numel()
+        t.resize_(2 * n)  # grows: new memory, the values kept
+        t.untyped_storage().resize_(0)
+        sizes.append((n, t.untyped_storage().nbytes()))
+    return sizes
+
+
+@pytest.mark.multiprocess
+def test_torch_dist_outputs_resize(dist_pool) -> None:
+    n = 1024 * COLS
+    want = [(n // 4, 0), (n, 0), (n, 0)]
+    assert dist_pool.run(_dist_outputs_resize, timeout=60) == [want] * 4
