@@ -350,6 +350,8 @@ def _slot_index(layout: Layout) -> dict[int, Slot]:
 
 def _flatten_results(results: list[tuple[Slot, Any]], what: str) -> tuple[list[dict[Slot, torch.Tensor]], Any]:
     """Per result leaf, its block at each slot held here; and the results' tree structure."""
+    from fshard._ops import _check_plain, _resolved
+
     tree = None
     leaves: list[dict[Slot, torch.Tensor]] = []
     for slot, out in results:
@@ -361,7 +363,8 @@ def _flatten_results(results: list[tuple[Slot, Any]], what: str) -> tuple[list[d
         for n, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
                 raise SpecError(f"{what} fn must return tensors (or a pytree of them), got a {type(t).__name__}.")
-            leaves[n][slot] = t
+            _check_plain(t, f"{what} fn result")
+            leaves[n][slot] = _resolved(t)
     if tree is None:  # no slot here: the structure comes from the specs
         return [], None
     return leaves, tree

@@ -133,3 +133,18 @@ def test_map_local_results_that_are_conjugate_views_hold_their_values() -> None:
     pair = fshard.map_local(lambda t: (t.conj(), t.conj().imag), a)
     assert not any(s.data.is_conj() or s.data.is_neg() for p in pair for s in p.addressable_shards)
     assert torch.equal(fshard.gather(pair[1]), -Z.imag)
+
+
+def test_results_through_out_spec_and_shard_map_are_checked_and_resolved() -> None:
+    x = fshard.shard(torch.ones(4, 4), HALVES)
+    q = _quantized()
+    with pytest.raises(SpecError, match=re.escape("map_local() fn result has quantized dtype torch.quint8")):
+        fshard.map_local(lambda t: q[: t.shape[0]], x, out_spec=HALVES)
+    with pytest.raises(SpecError, match=re.escape("shard_map() fn result has layout torch.sparse_coo")):
+        fshard.shard_map(lambda t: t.to_sparse(), HALVES, HALVES)(x)
+    with pytest.raises(SpecError, match=re.escape("shard_map() fn result is a nested tensor")):
+        fshard.shard_map(lambda t: torch.nested.nested_tensor(list(t)), HALVES, HALVES)(x)
+    z = fshard.shard(Z, HALVES)
+    for y in (fshard.map_local(torch.conj, z, out_spec=HALVES), fshard.shard_map(torch.conj, HALVES, HALVES)(z)):
+        assert not any(s.data.is_conj() for s in y.addressable_shards)
+        assert torch.equal(fshard.gather(y), Z.conj().resolve_conj())
