@@ -74,7 +74,9 @@ def _check_plain(tensor: torch.Tensor, what: str) -> None:
 def _resolved(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` with a pending conjugation or negation applied (``z.conj()``, ``z.conj().imag``):
     such views cannot be viewed as bytes, which sending them takes. No copy for other tensors."""
-    return tensor.resolve_conj().resolve_neg()
+    if tensor.is_conj() or tensor.is_neg():  # asking costs a fifth of resolving
+        return tensor.resolve_conj().resolve_neg()
+    return tensor
 
 
 def _meta_problem(tensor: torch.Tensor, layout: Layout, what: str) -> str | None:
@@ -312,10 +314,8 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
     """The results' tree structure (``None`` when there is none here) and each leaf's shards."""
     if not outs:
         return None, []
-    if all(type(o) is torch.Tensor and o.layout == torch.strided for o in outs):  # the common case: one tensor each
-        for o in outs:
-            _check_plain(o, "map_local() fn result")
-        leaves = [tuple(_resolved(o) for o in outs)]
+    if all(type(o) is torch.Tensor and _is_plain(o) for o in outs):  # the common case: one plain tensor each
+        leaves = [tuple(outs)]
         tree = _LEAF
     else:
         flat = [optree.tree_flatten(o) for o in outs]
@@ -332,6 +332,11 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
                 f"map_local() fn returned dtypes {sorted({str(t.dtype) for t in leaf})} on different shards."
             )
     return tree, leaves
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    """Strided, not nested, quantized, conjugated or negated: kept as it is, unchecked."""
+    return t.layout == torch.strided and not (t.is_nested or t.is_quantized or t.is_conj() or t.is_neg())
 
 
 @opaque  # layout arithmetic in numpy: run eagerly under torch.compile
