@@ -44,6 +44,7 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _listed_refs(blocks: list[torch.UntypedStorage], k: int) -> int:
+    """The refcount of ``blocks[k]`` seen from here (the same count wherever this is called)."""
     return sys.getrefcount(blocks[k])
 
 
@@ -65,15 +66,16 @@ class _Pool:
 
     A fresh large allocation costs a page fault per 4 KiB page on first write, which
     takes longer than the copy that fills it (about 3x for 256 MiB here). Outputs are
-    views of torch-owned byte storages that the pool keeps, so every output is an ordinary
-    torch tensor: ``resize_``, ``out=`` and ``untyped_storage().resize_(0)`` work on it.
-    A block is free again once the pool holds its only reference. The weak reference to the
-    tensor handed out tells when to look: its callback runs while the dying tensor still holds
-    the storage, so the block is looked at on the pool's next call (a later callback, a take,
-    ``clear()``). A block that something else still uses then (a view's storage held alone)
-    is looked at again on each take that finds nothing to reuse. A block whose storage a
-    user resized is dropped. Like torch's CUDA caching allocator, memory stays reserved after
-    its arrays die, up to ``POOL_LIMIT_BYTES``; ``empty_cache()`` hands it back.
+    tensors on torch-owned byte storages (blocks) that the pool keeps, so every output is an
+    ordinary torch tensor: ``resize_``, ``out=`` and ``untyped_storage().resize_(0)`` work
+    on it. A block is free again once the pool holds its only reference. The weak reference
+    to the tensor handed out tells when to look: its callback runs while the dying tensor
+    still holds the storage, so the block is looked at on the pool's next call (a later
+    callback, a take, ``clear()``). A block that something else still uses then (its storage
+    object kept alone, a tensor made on it with ``set_``) is looked at again on each take
+    that finds nothing to reuse. A block whose storage a user resized or shared is dropped.
+    Like torch's CUDA caching allocator, memory stays reserved after its arrays die, up to
+    ``POOL_LIMIT_BYTES``; ``empty_cache()`` hands it back.
 
     >>> pool = _Pool()
     >>> a = pool.empty((1024, 1024), torch.float32)
