@@ -21,6 +21,7 @@ VIEWS = {
     "conj": lambda: Z.conj(),
     "conj-imag": lambda: Z.conj().imag,
     "conj-columns": lambda: Z.conj()[:, 1:3],
+    "neg-view": lambda: torch._neg_view(Z.real.contiguous()),  # contiguous, so sent in place
 }
 
 
