@@ -20,6 +20,9 @@ rank of -1). Two outcomes are not about the arguments and pass: the allocator re
 terabytes that a valid shape asks for, and the local backend's refusal to make torch's
 distributed types.
 
+Conjugate and negative views (``z.conj()``, ``z.conj().imag``) are valid input: a separate
+property test checks that their values, not their lazy bits, are what gets sharded.
+
 Input classes that once broke the contract are listed in ``KNOWN``, each with the
 fix it needed: ``test_once_failing_input`` pins one concrete input of each as a
 regression test, and the fuzz draws them like any other input.
@@ -76,6 +79,7 @@ DELIBERATE = (TypeError, NotImplementedError, IndexError)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     T34 = torch.arange(12.0).reshape(3, 4)
+    Z34 = torch.complex(T34, -T34)
     TENSORS = (
         T34,
         torch.zeros(3, 4, dtype=torch.int64),
@@ -94,6 +98,14 @@ with warnings.catch_warnings():
         torch.ones(1, 2, 1, 2, 1),
         torch.full((3, 4), float("nan")),
         torch.nn.Parameter(torch.ones(3, 4)),
+        # Lazy views (their values are sharded), and kinds fshard refuses: quantized, nested.
+        Z34.conj(),
+        Z34.conj().imag,
+        torch._neg_view(T34),
+        Z34.conj().t(),
+        torch.ones(3, 4, dtype=torch.complex64).to("meta").conj(),
+        torch.quantize_per_tensor(T34, 0.5, 0, torch.quint8),
+        torch.nested.nested_tensor([torch.ones(4), torch.ones(3)]),
     )
     ROWS = fshard.shard(T34, Chunk(0, [0, 1]))
     ARRAYS = (
@@ -169,6 +181,12 @@ with warnings.catch_warnings():
     )
 
 
+def _quantized() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantized tensors
+        return torch.quantize_per_tensor(T34, 0.5, 0, torch.quint8)
+
+
 def _meta_array() -> fshard.ShardedArray:
     """An array on the meta device (built per draw: it has no values to show in a repr)."""
     return fshard.shard(torch.ones(3, 4, device="meta"), Chunk(0, ["rank:0/meta", "rank:1/meta"]))
@@ -221,7 +239,9 @@ junk = st.recursive(
     ),
     max_leaves=6,
 )
-int_tuples = st.lists(ints, max_size=4).map(tuple)
+# Empty shapes whose other extents overflow (torch refuses to make them), and products past int64.
+OVERFLOWING = ((2**40, 2**40, 0), (2**62, 4, 0), (0, 2**40, 2**40), (2**32, 2**32), (2**21, 2**21, 2**21))
+int_tuples = st.one_of(st.lists(ints, max_size=4).map(tuple), st.sampled_from(OVERFLOWING))
 garbage = st.one_of(junk, int_tuples, st.lists(ints, max_size=4))
 rank_junk = st.one_of(garbage, st.sampled_from((True, False, 1.0, -1, 7, 2**63, "0", np.int64(1))))
 shard_junk = st.one_of(garbage, st.sampled_from((*BAD_SHARDS, ON_RANK_5)))
@@ -254,6 +274,11 @@ def _not_a_rank(value: Any) -> bool:
 
 def _bad_shard_list(value: Any) -> bool:
     return any(value is bad for bad in BAD_SHARDS)
+
+
+def _not_plain(value: Any) -> bool:
+    """A tensor whose elements fshard cannot shard: quantized or nested."""
+    return isinstance(value, torch.Tensor) and (value.is_quantized or value.is_nested)
 
 
 def _not_optional_dtype(value: Any) -> bool:
@@ -473,7 +498,7 @@ def entries(base: Path) -> dict[str, Entry]:
         "shard": Entry(
             fshard.shard,
             (
-                Arg("tensor", one(T34)),
+                Arg("tensor", one(T34), reject=_not_plain),
                 Arg("spec", one(Chunk(0, [0, 1]), Replicated([0, 1]), ROWS.layout)),
                 rank("src"),
                 BACKEND,
@@ -681,6 +706,8 @@ def _short(value: Any) -> str:
 
 
 def _tensor_text(t: torch.Tensor) -> str:
+    if t.is_nested:
+        return f"nested tensor(dtype={t.dtype}, device={t.device})"
     return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}, layout={t.layout})"
 
 
@@ -738,6 +765,9 @@ ALIASES = {
 def _tokens(value: Any, depth: int = 0) -> Iterator[str]:
     """Texts whose appearance in a message names ``value``: its repr, str and type name (and its items')."""
     yield type(value).__name__
+    if isinstance(value, torch.Tensor) and value.is_nested:  # its shape raises
+        yield "nested"
+        return
     if isinstance(value, torch.Tensor):
         yield from (str(value.dtype), str(value.device), str(value.layout), str(tuple(value.shape)))
         if value.device.type != "meta" and value.layout == torch.strided:
@@ -1024,6 +1054,36 @@ KNOWN: tuple[Known, ...] = (
         "fshard/_api/map.py map_local: linear= that is not a bool is read for its truth value",
     ),
     Known(
+        "quantized-or-nested-tensor",
+        (("shard", "tensor"),),
+        _not_plain,
+        _quantized(),
+        "fshard/_api/shard.py shard: a quantized tensor was accepted (repr and reshard then raised inside torch), "
+        "a nested one raised torch's RuntimeError",
+    ),
+    Known(
+        "meta-tensor-onto-cpu",
+        (("shard", "tensor"),),
+        lambda v: isinstance(v, torch.Tensor) and v.device.type == "meta",
+        torch.ones(3, 4, device="meta"),
+        "fshard/_api/shard.py shard: a meta tensor was copied onto cpu placements (torch's NotImplementedError)",
+    ),
+    Known(
+        "empty-shape-overflowing",
+        tuple((c, "shape") for c in CREATORS),
+        lambda v: isinstance(v, tuple) and 0 in v and all(isinstance(n, int) and n >= 0 for n in v),
+        (2**40, 2**40, 0),
+        "fshard/_api/creation.py _check_sizes: an empty shard's other extents were not counted "
+        "(torch's 'Storage size calculation overflowed')",
+    ),
+    Known(
+        "devices-item-unhashable",
+        (("Layout.from_arrays", "devices"),),
+        lambda v: not isinstance(v, str) and not _not_iterable(v) and any(_unhashable(d) for d in v),
+        [["cpu"], "cpu"],
+        "fshard/_layout/validate.py device_column: set() of the names raises Python's TypeError for a list item",
+    ),
+    Known(
         "plan-unhashable",
         (("plan", "src"), ("plan", "dst")),
         _unhashable,
@@ -1115,3 +1175,26 @@ def _print_report() -> None:
         print(f"  {name:28s} {v:5d} {kind}\n      e.g. {SAMPLES[(name, kind)]}")
     for (name, kind), v in sorted(skipped.items()):
         print(f"  skipped {name:20s} {v:5d} {kind}")
+
+
+# -- lazy views: accepted, and their values (not their bits) are what is sharded ---------------
+
+VIEWS: dict[str, Callable[[], torch.Tensor]] = {
+    "conj": lambda: torch.complex(T34, -T34).conj(),
+    "conj-imag": lambda: torch.complex(T34, -T34).conj().imag,
+    "neg-view": lambda: torch._neg_view(T34),
+    "conj-transposed": lambda: torch.complex(T34, T34 + 1).conj().t(),
+    "conj-rows": lambda: torch.complex(T34, T34 + 1).conj()[1:],
+}
+VIEW_SPECS = (Chunk(0, [0, 1]), Chunk(1, [0, 1, 2]), Replicated([0, 1]), Single(1), Partial(Replicated([0, 1])))
+
+
+@FUZZ
+@given(view=st.sampled_from(sorted(VIEWS)), spec=st.sampled_from(VIEW_SPECS), src=st.sampled_from((None, 0, 1)))
+def test_lazy_views_shard_to_their_values(view: str, spec: Any, src: int | None) -> None:
+    x = VIEWS[view]()
+    want = x.resolve_conj().resolve_neg()
+    a = fshard.shard(x, spec, src=src)
+    assert not any(t.is_conj() or t.is_neg() for t in a.addressable_data)
+    assert torch.equal(fshard.gather(a), want)
+    assert torch.equal(fshard.gather(fshard.map_local(torch.conj, a, linear=True)), want.conj().resolve_conj())

@@ -14,7 +14,7 @@ from fshard._base.alloc import POOL_MIN_BYTES, _Pool
 SHAPE = (512, 1024)  # 2 MiB at 4 bytes an element: above POOL_MIN_BYTES for every dtype of 2 bytes or more
 
 
-@pytest.mark.parametrize("dtype", sorted(_alloc._CARRIER, key=str))
+@pytest.mark.parametrize("dtype", sorted(_alloc._PLAIN, key=str))
 def test_every_plain_dtype_gets_an_aligned_contiguous_block(dtype: torch.dtype) -> None:
     pool = _Pool()
     shape = (1024, 1024) if dtype.itemsize == 1 else SHAPE

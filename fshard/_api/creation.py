@@ -75,13 +75,18 @@ def _check_grad(requires_grad: Any, dtype: torch.dtype) -> None:
 
 
 def _check_sizes(layout: Layout, index: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Raises ``LayoutError`` for a shard too large for one tensor (more than 2**63 - 1 bytes)."""
+    """Raises ``LayoutError`` for a shard too large for one tensor (more than 2**63 - 1 bytes).
+
+    An empty shard counts its other extents: torch multiplies every extent before the 0
+    and refuses ``torch.zeros(2**40, 2**40, 0)`` as it refuses ``torch.zeros(2**40, 2**40)``.
+    """
     for i in index:
         sizes = layout._shard(i).sizes
-        if math.prod(sizes) * dtype.itemsize > MAX_EXTENT:
+        if math.prod(s for s in sizes if s) * dtype.itemsize > MAX_EXTENT:
+            empty = " (it is empty, but torch counts the extents other than 0 all the same)" if 0 in sizes else ""
             msg = (
                 f"shape {layout.shape} gives shard {i} sizes {sizes}: more than 2**63 - 1 bytes of {dtype}, "
-                "the most one tensor holds. Use a smaller shape or more shards."
+                f"the most one tensor holds{empty}. Use a smaller shape or more shards."
             )
             raise LayoutError(msg)
 

@@ -22,7 +22,7 @@ from typing import Any, cast
 import optree
 import torch
 
-from fshard._api.move import check_tensor, reshard
+from fshard._api.move import check_plain, check_tensor, reshard, resolved
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
@@ -360,7 +360,8 @@ def _flatten_results(results: list[tuple[Slot, Any]], what: str) -> tuple[list[d
         for n, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
                 raise SpecError(f"{what} fn must return tensors (or a pytree of them), got a {type(t).__name__}.")
-            leaves[n][slot] = t
+            check_plain(t, f"{what} fn result")
+            leaves[n][slot] = resolved(t)
     if tree is None:  # no slot here: the structure comes from the specs
         return [], None
     return leaves, tree
@@ -499,7 +500,7 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
     """The results' tree structure (``None`` when there is none here) and each leaf's shards."""
     if not outs:
         return None, []
-    if all(type(o) is torch.Tensor and o.layout == torch.strided for o in outs):  # the common case: one tensor each
+    if all(type(o) is torch.Tensor and _is_plain(o) for o in outs):  # the common case: one plain tensor each
         leaves = [tuple(outs)]
         tree = _LEAF
     else:
@@ -507,16 +508,21 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
         tree = flat[0][1]
         if any(spec != tree for _, spec in flat):
             raise SpecError(f"map_local() fn returned different structures on different shards: {tree} and others.")
-        leaves = [tuple(f[0][n] for f in flat) for n in range(tree.num_leaves)]
-        for leaf in leaves:
-            for t in leaf:
-                check_tensor(t, "map_local() fn result")
+        leaves = [
+            tuple(resolved(check_tensor(f[0][n], "map_local() fn result")) for f in flat)
+            for n in range(tree.num_leaves)
+        ]
     for leaf in leaves:
         if len(leaf) > 1 and len({t.dtype for t in leaf}) > 1:
             raise SpecError(
                 f"map_local() fn returned dtypes {sorted({str(t.dtype) for t in leaf})} on different shards."
             )
     return tree, leaves
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    """Strided, not nested, quantized, conjugated or negated: kept as it is, unchecked."""
+    return t.layout == torch.strided and not (t.is_nested or t.is_quantized or t.is_conj() or t.is_neg())
 
 
 @opaque  # layout arithmetic in numpy: run eagerly under torch.compile

@@ -24,11 +24,13 @@ from fshard.backends import Backend, default_backend
 
 __all__ = [
     "allclose",
+    "check_plain",
     "check_tensor",
     "equal",
     "from_local_shards_and_layout",
     "gather",
     "reshard",
+    "resolved",
     "resolve_backend",
     "whole_on",
 ]
@@ -45,10 +47,30 @@ def resolve_backend(backend: Backend | None) -> Backend:
 
 
 def check_tensor(tensor: Any, what: str) -> torch.Tensor:
+    """``tensor``, or ``TypeError``/``SpecError`` naming ``what`` when it is no plain torch tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}.")
+    check_plain(tensor, what)
+    return tensor
+
+
+def check_plain(tensor: torch.Tensor, what: str) -> None:
+    """Raises ``SpecError`` for a tensor whose elements are not plain values in strided memory."""
     if tensor.layout != torch.strided:
         raise SpecError(f"{what} has layout {tensor.layout}; only torch.strided tensors can be sharded.")
+    if tensor.is_nested:
+        msg = f"{what} is a nested tensor; only dense tensors can be sharded: pad it first (x.to_padded_tensor(0))."
+        raise SpecError(msg)
+    if tensor.is_quantized:
+        msg = f"{what} has quantized dtype {tensor.dtype}, which fshard cannot shard: dequantize it (x.dequantize())."
+        raise SpecError(msg)
+
+
+def resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with a pending conjugation or negation applied (``z.conj()``, ``z.conj().imag``):
+    such views cannot be viewed as bytes, which sending them takes. No copy for other tensors."""
+    if tensor.is_conj() or tensor.is_neg():  # asking costs a fifth of resolving
+        return tensor.resolve_conj().resolve_neg()
     return tensor
 
 

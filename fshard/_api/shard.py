@@ -6,14 +6,14 @@ from typing import Any
 
 import torch
 
-from fshard._api.move import check_tensor, reshard, resolve_backend, whole_on
+from fshard._api.move import check_tensor, reshard, resolve_backend, resolved, whole_on
 from fshard._array.array import ShardedArray
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec.collective import collective
 from fshard._interop.torch_objects import shard_sharded_tensor
-from fshard._layout.layout import with_partial
+from fshard._layout.layout import Layout, with_partial
 from fshard._layout.specs import as_layout
 from fshard._layout.torch_meta import is_sharded_tensor
 from fshard.backends import Backend
@@ -21,14 +21,28 @@ from fshard.backends import Backend
 __all__ = ["shard"]
 
 
-def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tuple[int, ...], torch.Tensor]:
+def _meta_problem(tensor: torch.Tensor, layout: Layout, what: str) -> str | None:
+    """Why ``tensor`` cannot be sliced into ``layout``: on the meta device it has no values to put
+    anywhere but on meta placements."""
+    if tensor.device.type != "meta":
+        return None
+    devices = sorted({d for d in layout.columns.devices if torch.device(d).type != "meta"})
+    if not devices:
+        return None
+    return (
+        f"{what} is on the meta device, which holds no values, but the spec places shards on {devices}: "
+        "place them on the meta device too ('rank:0/meta'), or pass a tensor that holds values."
+    )
+
+
+def _source(tensor: torch.Tensor | None, src: int, spec: Any, backend: Backend) -> tuple[tuple[int, ...], torch.Tensor]:
     """Agrees on ``src`` across ranks; returns the global shape and the tensor (a stand-in off src).
 
     Rank ``src`` checks its tensor before the exchange and sends what is wrong with it,
     so a bad source tensor raises on every rank instead of leaving the others waiting.
     """
     mine = backend.holds(src)
-    problem = _source_problem(tensor, src) if mine else None
+    problem = _source_problem(tensor, src, spec) if mine else None
     info = (
         (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, problem)
         if mine and problem is None and tensor is not None
@@ -45,12 +59,12 @@ def _source(tensor: torch.Tensor | None, src: int, backend: Backend) -> tuple[tu
     # Entries follow group order, not global ranks: the owner is the one that sent a shape.
     owner = next(s for s in seen if s[1] is not None)
     if mine:
-        return owner[1], tensor  # type: ignore[return-value]
+        return owner[1], resolved(tensor)  # type: ignore[arg-type]
     # The stand-in requires grad like the source, so every rank's shards join autograd alike.
     return owner[1], torch.empty(0, dtype=owner[2], requires_grad=owner[3])
 
 
-def _source_problem(tensor: Any, src: int) -> tuple[str, str] | None:
+def _source_problem(tensor: Any, src: int, spec: Any) -> tuple[str, str] | None:
     """What is wrong with rank ``src``'s source tensor, as (exception type, message), or ``None``."""
     if tensor is None:
         return "SpecError", f"shard(..., src={src}) needs a tensor on rank {src}, got None."
@@ -65,7 +79,14 @@ def _source_problem(tensor: Any, src: int) -> tuple[str, str] | None:
         check_tensor(tensor, f"shard() input on rank {src}")
     except (TypeError, ValueError) as exc:
         return type(exc).__name__, str(exc)
-    return None
+    if tensor.device.type != "meta":
+        return None
+    try:
+        layout = as_layout(spec, tuple(tensor.shape))
+    except (TypeError, ValueError):
+        return None  # every rank raises it after the exchange, where the shape is known
+    problem = _meta_problem(tensor, layout, f"shard() input on rank {src}")
+    return None if problem is None else ("SpecError", problem)
 
 
 @collective("shard", local=("tensor",))
@@ -103,12 +124,15 @@ def shard(
     if src is not None:
         src = backend.check_rank(src, "src")
     if src is None:
-        full = check_tensor(tensor, "shard() input")
+        full = resolved(check_tensor(tensor, "shard() input"))
         shape: tuple[int, ...] = tuple(full.shape)
     else:
-        shape, full = _source(tensor, src, backend)
+        shape, full = _source(tensor, src, spec, backend)
     target = as_layout(spec, shape)
     backend.check_layout(target)
+    problem = _meta_problem(full, target, "shard() input") if src is None else None
+    if problem is not None:
+        raise SpecError(problem)
     # A pending reduction: slice into copies that all hold the value, then keep one of each.
     layout = target if target.partial is None else with_partial(target, None) if src is None else whole_on(target, src)
     data, link = _autograd.scatter(full, layout, backend, src)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 __all__ = ["POOL_LIMIT_BYTES", "POOL_MIN_BYTES", "empty_cache", "new"]
@@ -19,23 +19,46 @@ POOL_LIMIT_BYTES = 1 << 30
 # threads (Gloo's) allocating, it may trim them and fault again on every call (docs/performance.md,
 # "Output memory"), so the pool starts at 1 MiB.
 POOL_MIN_BYTES = 1 << 20
-_ALIGN = 64
-# Plain element types, which a byte buffer can be viewed as (not quantized ones, say), and the
-# numpy type of the same size that carries each (numpy's views cost less than torch's).
-_CARRIER = {
-    torch.bool: np.bool_,
-    torch.uint8: np.uint8,
-    torch.int8: np.int8,
-    torch.int16: np.int16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-    torch.float16: np.float16,
-    torch.bfloat16: np.int16,
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
+# Plain element types, which a byte block can hold (not quantized ones, say), each with an
+# empty tensor whose ``new()`` starts an output (faster than ``torch.empty(0, dtype=...)``).
+_PLAIN = {
+    d: torch.empty(0, dtype=d)
+    for d in (
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    )
 }
+# How many tensors (and Python storage objects) use a storage; without it (a torch that lacks
+# this private call) the pool cannot tell a dead block from a live one and stays out of the way.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _listed_refs(blocks: list[torch.UntypedStorage], k: int) -> int:
+    """The refcount of ``blocks[k]`` seen from here (the same count wherever this is called)."""
+    return sys.getrefcount(blocks[k])
+
+
+# The references to a block held in one list and nothing else, as ``_listed_refs`` counts them.
+_LISTED = _listed_refs([torch.UntypedStorage(0)], 0)
+
+
+def _in_use(blocks: list[torch.UntypedStorage], k: int) -> bool:
+    """Whether anything besides ``blocks`` uses ``blocks[k]``.
+
+    Tensors count in the storage's use count. ``t.untyped_storage()`` returns the very Python
+    object the pool holds, so a storage object kept alone counts in its refcount only.
+    """
+    return _use_count(blocks[k]._cdata) > 1 or _listed_refs(blocks, k) > _LISTED  # type: ignore[misc]
 
 
 class _Pool:
@@ -43,10 +66,15 @@ class _Pool:
 
     A fresh large allocation costs a page fault per 4 KiB page on first write, which
     takes longer than the copy that fills it (about 3x for 256 MiB here). Outputs are
-    carved from numpy blocks through ``torch.from_numpy``, which keeps the block alive
-    exactly as long as any tensor or view of it; a weak reference's callback then returns
-    the block here, and the next output of the same byte size reuses it, already mapped. Like
-    torch's CUDA caching allocator, memory stays reserved after its arrays die, up to
+    tensors on torch-owned byte storages (blocks) that the pool keeps, so every output is an
+    ordinary torch tensor: ``resize_``, ``out=`` and ``untyped_storage().resize_(0)`` work
+    on it. A block is free again once the pool holds its only reference. The weak reference
+    to the tensor handed out tells when to look: its callback runs while the dying tensor
+    still holds the storage, so the block is looked at on the pool's next call (a later
+    callback, a take, ``clear()``). A block that something else still uses then (its storage
+    object kept alone, a tensor made on it with ``set_``) is looked at again on each take
+    that finds nothing to reuse. A block whose storage a user resized or shared is dropped.
+    Like torch's CUDA caching allocator, memory stays reserved after its arrays die, up to
     ``POOL_LIMIT_BYTES``; ``empty_cache()`` hands it back.
 
     >>> pool = _Pool()
@@ -61,44 +89,64 @@ class _Pool:
     """
 
     def __init__(self) -> None:
-        self._free: dict[int, list[tuple[np.ndarray, int]]] = {}  # bytes -> (block, aligned start)
-        self._live: dict[int, tuple[weakref.ref, np.ndarray, int, int]] = {}  # by id: the arrays torch holds
+        self._free: dict[int, list[torch.UntypedStorage]] = {}  # bytes -> blocks no tensor uses
+        self._live: dict[int, tuple[weakref.ref, torch.UntypedStorage]] = {}  # by id: blocks of living outputs
+        self._dying: list[torch.UntypedStorage] = []  # outputs died: look at the next call
+        self._held: list[torch.UntypedStorage] = []  # outputs died but something else used the block
         self._cached = 0
         self._lock = threading.RLock()  # a weakref callback may run inside a locked section
 
     def empty(self, sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor (recycled memory where possible)."""
         nbytes = math.prod(sizes) * dtype.itemsize
-        carrier = _CARRIER.get(dtype)
-        if nbytes < POOL_MIN_BYTES or carrier is None:
+        if nbytes < POOL_MIN_BYTES or dtype not in _PLAIN or _use_count is None:
             return torch.empty(sizes, dtype=dtype)
-        block, start = self._take(nbytes)
-        held = block[start : start + nbytes].view(carrier).reshape(sizes)  # its death returns ``block``
-        ref = weakref.ref(held, self._dead)
+        block = self._take(nbytes)
+        t = _PLAIN[dtype].new().set_(block, 0, sizes)
+        ref = weakref.ref(t, self._dead)
         with self._lock:
-            self._live[id(ref)] = (ref, block, start, nbytes)
-        t = torch.from_numpy(held)
-        return t if t.dtype == dtype else t.view(dtype)
+            self._live[id(ref)] = (ref, block)
+        return t
 
-    def _take(self, nbytes: int) -> tuple[np.ndarray, int]:
+    def _take(self, nbytes: int) -> torch.UntypedStorage:
         with self._lock:
+            self._settle(self._dying)
+            if not self._free.get(nbytes):
+                self._settle(self._held)  # a miss pays for a fresh block: look for blocks freed late too
             blocks = self._free.get(nbytes)
             if blocks:
                 self._cached -= nbytes
                 return blocks.pop()
-        block = np.empty(nbytes + _ALIGN, np.uint8)
-        return block, -block.ctypes.data % _ALIGN  # torch's own allocator aligns to 64 bytes; numpy's to 16
+        return torch.UntypedStorage(nbytes)  # torch's allocator aligns to 64 bytes
+
+    def _settle(self, blocks: list[torch.UntypedStorage]) -> None:
+        """Frees the blocks of ``blocks`` that only the pool uses; keeps the others in ``_held``."""
+        if not blocks:
+            return
+        looked, blocks[:] = list(blocks), []
+        for k in range(len(looked)):  # by index: a loop variable would count as a reference
+            if _in_use(looked, k):
+                self._held.append(looked[k])
+            elif self._keeps(looked[k]):
+                self._free.setdefault(looked[k].nbytes(), []).append(looked[k])
+                self._cached += looked[k].nbytes()
+
+    def _keeps(self, block: torch.UntypedStorage) -> bool:
+        """Whether a dead block goes back to the free lists: unresized, unshared and within the limit."""
+        nbytes = block.nbytes()
+        return nbytes >= POOL_MIN_BYTES and not block.is_shared() and self._cached + nbytes <= POOL_LIMIT_BYTES
 
     def _dead(self, ref: weakref.ref) -> None:
         with self._lock:
-            _, block, start, nbytes = self._live.pop(id(ref))
-            if self._cached + nbytes <= POOL_LIMIT_BYTES:
-                self._free.setdefault(nbytes, []).append((block, start))
-                self._cached += nbytes
+            _, block = self._live.pop(id(ref))
+            self._settle(self._dying)  # their tensors are gone by now
+            self._dying.append(block)
 
     def clear(self) -> None:
         """Drops every cached block."""
         with self._lock:
+            self._settle(self._dying)
+            self._settle(self._held)
             self._free.clear()
             self._cached = 0
 

@@ -149,6 +149,10 @@ def device_column(devices: str | Sequence[str], n: int) -> tuple[str, ...]:
         raise LayoutError(
             f"Layout.from_arrays devices must be one str or {n} of them (one per shard), got {len(names)}."
         )
+    bad = next((d for d in names if not isinstance(d, str)), None)
+    if bad is not None:  # before the set below, which would raise Python's TypeError for a list
+        kind = type(bad).__name__
+        raise TypeError(f"Layout.from_arrays devices must be a str or a sequence of str, got an item {bad!r} ({kind}).")
     spelled = {name: Placement(0, name).device for name in set(names)}
     if isinstance(devices, str):
         return (spelled[devices],) * n
