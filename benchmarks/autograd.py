@@ -137,9 +137,11 @@ class AutogradCase:
 
     @property
     def name(self) -> str:
+        """The case's name in the tables."""
         return f"{self.move}, {self.mib:g} MiB float32"
 
     def run(self, settings: Settings) -> list[Row]:
+        """Measures every implementation of the case; one row each."""
         ranks, side = [0, 1, 2, 3], _side(self.mib)
         forward, backward = build(MOVES[self.move], side, ranks)
         samples = interleaved({"forward": forward, "backward": backward}, settings)
@@ -206,9 +208,11 @@ class GlooCase:
 
     @property
     def name(self) -> str:
+        """The case's name in the tables."""
         return f"{self.move}, {self.mib:g} MiB float32, {self.batch.world} processes"
 
     def run(self, settings: Settings) -> list[Row]:
+        """Measures every implementation of the case; one row each."""
         parts = self.batch.result((self.move, self.mib))
         slowest = {k: [max(v) for v in zip(*(p["times"][k] for p in parts))] for k in ("forward", "backward")}
         sent = (sum(p["sent"][0] for p in parts), sum(p["sent"][1] for p in parts))

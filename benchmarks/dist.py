@@ -119,8 +119,10 @@ class Scenario:
 
     @property
     def target(self) -> float | None:
-        """The largest fshard / floor ratio that meets the goal (a scatter or a collective
-        reduction counts as a gather); ``None`` for a fixed-cost scenario, which reports."""
+        """The largest fshard / floor ratio that meets the goal; ``None`` for a fixed-cost scenario.
+
+        A scatter or a collective reduction counts as a gather; a fixed-cost scenario only reports.
+        """
         if self.kind == "fixed":
             return None
         return RESHARD_TARGET if self.kind == "reshard" else GATHER_TARGET
@@ -146,8 +148,10 @@ BY_KEY = {s.key: s for s in SCENARIOS}
 
 
 def jobs(world: int, sizes: Sequence[float]) -> list[tuple[str, float]]:
-    """(scenario key, MiB) pairs that ``world`` ranks can run, smallest size first; the
-    fixed-cost scenarios once each, at their own size (``FIXED_MIB``), first."""
+    """(scenario key, MiB) pairs that ``world`` ranks can run, smallest size first.
+
+    The fixed-cost scenarios once each, at their own size (``FIXED_MIB``), first.
+    """
     sized = [s for s in SCENARIOS if s.world_min <= world and s.kind != "fixed"]
     fixed = [(s.key, FIXED_MIB) for s in SCENARIOS if s.world_min <= world and s.kind == "fixed"]
     return fixed + [(s.key, float(mib)) for mib in sizes for s in sized]
@@ -170,7 +174,6 @@ def run(todo: Sequence[tuple[str, float]], world: int, reps: int, peers: bool,
     Rank 0 reports each job's start and end, which ``progress`` receives as they happen.
     A fixed-cost scenario times ``calls`` operations per round.
     """
-
     if not todo:
         return []
     queue = mp.get_context("spawn").SimpleQueue() if progress is not None else None
@@ -325,6 +328,7 @@ class DistCase:
 
     @property
     def name(self) -> str:
+        """The case's name in the tables."""
         return label(self.key, self.mib)
 
     def run(self, settings: Settings) -> list[Row]:
@@ -333,9 +337,11 @@ class DistCase:
 
 
 def cases(settings: Settings) -> list[DistCase]:
-    """The distributed cases: ``settings.sizes`` MiB (default 16 and 256; 1 with ``quick``)
-    on ``settings.world`` processes, ``settings.reps`` rounds (at most 5 with ``quick``),
-    and the fixed-cost cases in a group of their own."""
+    """The distributed cases, and the fixed-cost cases in a group of their own.
+
+    Each runs at ``settings.sizes`` MiB (default 16 and 256; 1 with ``quick``) on ``settings.world``
+    processes, ``settings.reps`` rounds (at most 5 with ``quick``).
+    """
     sizes = settings.sizes or (QUICK_SIZES if settings.quick else SIZES)
     reps = min(QUICK_REPS, settings.reps) if settings.quick else settings.reps
     todo = jobs(settings.world, sizes)

@@ -44,8 +44,10 @@ __all__ = ["build"]
 
 
 def build(key: str, mib: float, env: Env, calls: int = 1) -> Built:
-    """Prepares scenario ``key`` at ``mib`` MiB on this rank (collective: every rank calls it);
-    a fixed-cost scenario makes ``calls`` operations per timed call."""
+    """Prepares scenario ``key`` at ``mib`` MiB on this rank (collective: every rank calls it).
+
+    A fixed-cost scenario makes ``calls`` operations per timed call.
+    """
     side = _side(mib)
     if key.startswith("fixed"):
         return _build_fixed(key, _full(side), env, calls)
@@ -77,9 +79,11 @@ def _repeat(fn: Callable[[Any], Any], calls: int) -> Callable[[Any], Any]:
 
 
 def _build_fixed(key: str, full: Any, env: Env, calls: int) -> Built:
-    """A small array moved ``calls`` times by fshard and by the raw collective on buffers
-    packed before timing: ``reshard`` Chunk(0) -> Chunk(1) against ``all_to_all_single``
-    with the plan's splits, ``gather`` to all against ``all_gather_into_tensor``."""
+    """A small array moved ``calls`` times by fshard and by the raw collective on buffers packed before timing.
+
+    ``reshard`` Chunk(0) -> Chunk(1) against ``all_to_all_single`` with the plan's splits, ``gather`` to all against
+    ``all_gather_into_tensor``.
+    """
     import torch
     import torch.distributed as dist
 

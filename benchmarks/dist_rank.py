@@ -95,8 +95,10 @@ def _measure_memory(impl: Impl, group: Any) -> float | None:
 
 def run_scenario(key: str, mib: float, env: Env, reps: int, calls: int = 1) -> dict[str, Any] | None:
     """Times one scenario on this rank; returns this rank's raw results (``None`` off its group).
-    A sample is the time per operation: a call's time over the operations it makes (``Impl.calls``);
-    ``cpu`` has the calling thread's CPU time per operation the same way."""
+
+    A sample is the time per operation: a call's time over the operations it makes (``Impl.calls``); ``cpu`` has the
+    calling thread's CPU time per operation the same way.
+    """
     import torch.distributed as dist
 
     gc.collect()
@@ -146,8 +148,9 @@ def run_scenario(key: str, mib: float, env: Env, reps: int, calls: int = 1) -> d
 
 def job(jobs: list[tuple[str, float]], reps: int, peers: bool, report: Any = None,
         calls: int = 1) -> list[dict[str, Any] | None]:  # fmt: skip
-    """One rank's whole run: every (scenario, size) of ``jobs``, in order (``calls``: operations
-    per timed call of the fixed-cost scenarios).
+    """One rank's whole run: every (scenario, size) of ``jobs``, in order.
+
+    ``calls`` is the number of operations per timed call of the fixed-cost scenarios.
 
     Rank 0 puts ``("start", k)`` and ``("done", k)`` for job ``k`` on ``report`` (a
     multiprocessing queue, or ``None``), so that the parent can show progress.

@@ -1,6 +1,7 @@
-"""The pieces every distributed scenario shares: what a rank times (``Impl``, ``Built``, ``Env``),
-how results are checked, and the raw-collective floors (``all_to_all_single``, point-to-point)
-that fshard is measured against.
+"""The pieces every distributed scenario shares.
+
+What a rank times (``Impl``, ``Built``, ``Env``), how results are checked, and the raw-collective floors
+(``all_to_all_single``, point-to-point) that fshard is measured against.
 """
 
 from __future__ import annotations
@@ -180,8 +181,10 @@ def _p2p_exchange_floor(p: Any, rank: int, ranks: Sequence[int], full: Any) -> I
 
 
 def _p2p_gather_floor(array: Any, receivers: Sequence[int], rank: int, full: Any, group: Any) -> Impl:
-    """Every piece sent once to each receiver straight into its output (``batch_isend_irecv``);
-    a receiver copies its own pieces in while the messages fly."""
+    """Every piece sent once to each receiver straight into its output (``batch_isend_irecv``).
+
+    A receiver copies its own pieces in while the messages fly.
+    """
     import torch
     import torch.distributed as dist
 
@@ -240,12 +243,12 @@ def _p2p_scatter_floor(layout: Any, rank: int, full: Any) -> Impl:
 
 
 def _pack_a2a(key: str, local: Any, rank: int, world: int, full: Any, expected: Any) -> Impl | str:
-    """The reference a packed ``all_to_all_single`` must reach, written by hand for the case:
-    one strided ``copy_`` packs every outgoing box (this rank's own included, which the
-    collective copies to itself), one ``all_to_all_single`` receives straight into the
-    output where the received boxes lie back to back there, else into a buffer that one
-    strided ``copy_`` unpacks. Buffers are allocated before timing. Returns why not (a
-    string) where the case's shape does not divide evenly.
+    """The reference a packed ``all_to_all_single`` must reach, written by hand for the case.
+
+    One strided ``copy_`` packs every outgoing box (this rank's own included, which the collective copies to itself),
+    one ``all_to_all_single`` receives straight into the output where the received boxes lie back to back there, else
+    into a buffer that one strided ``copy_`` unpacks. Buffers are allocated before timing. Returns why not (a string)
+    where the case's shape does not divide evenly.
     """
     import torch
     import torch.distributed as dist
@@ -302,10 +305,12 @@ def _pack_a2a(key: str, local: Any, rank: int, world: int, full: Any, expected: 
 
 
 def _pack_a2a_boxes(src: Any, dst: Any, local: Any, rank: int, world: int, expected: Any) -> Impl | str:
-    """``_pack_a2a`` for one box per rank on each side whose pieces are whole rows of the
-    source box (``Explicit`` bands -> row chunks): the source shard is the send buffer as
-    it is (its pieces are row ranges in rank order), and one ``copy_`` per received piece
-    unpacks the receive buffer (the pieces are column blocks of unequal widths)."""
+    """``_pack_a2a`` for one box per rank on each side whose pieces are whole rows of the source box.
+
+    For ``Explicit`` bands -> row chunks: the source shard is the send buffer as it is (its
+    pieces are row ranges in rank order), and one ``copy_`` per received piece unpacks the
+    receive buffer (the pieces are column blocks of unequal widths).
+    """
     import torch
     import torch.distributed as dist
 
@@ -351,10 +356,12 @@ def _pack_a2a_boxes(src: Any, dst: Any, local: Any, rank: int, world: int, expec
 
 
 def _copies(p: Any, array: Any, rank: int) -> Impl:
-    """The memory copies of this rank's part of plan ``p`` that no message does: its local
-    boxes, and the boxes it sends or receives that are not contiguous in their shard
-    (Gloo moves contiguous buffers only, so those are packed or unpacked). No
-    communication: next to the floor, it shows what a reshard costs beyond the wire."""
+    """The memory copies of this rank's part of plan ``p`` that no message does.
+
+    Its local boxes, and the boxes it sends or receives that are not contiguous in their shard (Gloo moves contiguous
+    buffers only, so those are packed or unpacked). No communication: next to the floor, it shows what a reshard costs
+    beyond the wire.
+    """
     import torch
 
     src = dict(zip(array.layout.indices_on(rank), (s.data for s in array.addressable_shards)))

@@ -1,5 +1,7 @@
-"""Local backend: ``fshard.reshard`` against a plain ``Tensor.copy_`` of the same boxes, and
-the fixed cost of small calls against the same result written by hand.
+"""Local backend.
+
+``fshard.reshard`` against a plain ``Tensor.copy_`` of the same boxes, and the fixed cost of small calls against the
+same result written by hand.
 
 The floor copies every box of the plan (sent or kept on its rank) from the source
 shards into destination tensors allocated once, before timing. ``reshard`` must also
@@ -78,9 +80,11 @@ class ReshardCase:
 
     @property
     def name(self) -> str:
+        """The case's name in the tables."""
         return f"reshard {self.pair}, {self.mib:g} MiB float32"
 
     def run(self, settings: Settings) -> list[Row]:
+        """Measures every implementation of the case; one row each."""
         side = max(1, int((self.mib * 2**20 // 4) ** 0.5))
         src_spec, dst_spec = SPECS[self.pair]
         x = fshard.shard(torch.rand(side, side), src_spec)
@@ -144,18 +148,22 @@ def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], None]:
 
 @dataclasses.dataclass(frozen=True)
 class SmallCase:
-    """``op`` (reshard, gather or map_local) of a 64x64 float32 on 4 ranks against the same
-    result by hand; each sample times a batch of calls and reports the time per call."""
+    """``op`` (reshard, gather or map_local) of a 64x64 float32 on 4 ranks against the same result by hand.
+
+    Each sample times a batch of calls and reports the time per call.
+    """
 
     op: str
     group: str = SMALL_GROUP
 
     @property
     def name(self) -> str:
+        """The case's name in the tables."""
         what = {"reshard": "reshard dim 0 -> dim 1", "gather": "gather to all", "map_local": "map_local(torch.neg)"}
         return f"{what[self.op]}, {SMALL_SIDE}x{SMALL_SIDE} float32, 4 ranks"
 
     def run(self, settings: Settings) -> list[Row]:
+        """Measures every implementation of the case; one row each."""
         x = fshard.shard(torch.rand(SMALL_SIDE, SMALL_SIDE), fshard.Chunk(0, RANKS))
         hand, ours = _by_hand(self.op, x), _fshard(self.op, x)
         same = all(torch.equal(a, b) for a, b in zip(_tensors(hand()), _tensors(ours()), strict=True))
@@ -185,17 +193,21 @@ class SmallCase:
 
 @dataclasses.dataclass(frozen=True)
 class AllocCase:
-    """A new ``mib`` MiB float32 CPU tensor filled by ``copy_``: ``torch.empty`` against a pooled
-    block (a pool of its own, warmed by the untimed call)."""
+    """A new ``mib`` MiB float32 CPU tensor filled by ``copy_``.
+
+    ``torch.empty`` against a pooled block (a pool of its own, warmed by the untimed call).
+    """
 
     mib: float
     group: str = ALLOC_GROUP
 
     @property
     def name(self) -> str:
+        """The case's name in the tables."""
         return f"new tensor + copy_, {self.mib:g} MiB"
 
     def run(self, settings: Settings) -> list[Row]:
+        """Measures every implementation of the case; one row each."""
         src = torch.rand(int(self.mib * 2**18))
         pool = _Pool()
         fns = {
@@ -215,8 +227,11 @@ class AllocCase:
 
 
 def cases(settings: Settings) -> list[Any]:
-    """``settings.sizes`` MiB (default 16 and 256; 4 and 64 with ``quick``) for each layout pair,
-    the small-array cases and the output-memory cases (1, 4, 16 and 32 MiB; 1 and 32 with ``quick``)."""
+    """The local backend's cases: each layout pair, the small-array cases and the output-memory cases.
+
+    Layout pairs run at ``settings.sizes`` MiB (default 16 and 256; 4 and 64 with ``quick``), the
+    output-memory cases at 1, 4, 16 and 32 MiB (1 and 32 with ``quick``).
+    """
     sizes = settings.sizes or ((4, 64) if settings.quick else (16, 256))
     small = [SmallCase(op) for op in ("reshard", "gather", "map_local")]
     memory = [AllocCase(mib) for mib in ((1, 32) if settings.quick else (1, 4, 16, 32))]

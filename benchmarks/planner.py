@@ -54,7 +54,7 @@ Boxes = tuple[tuple[int, ...], tuple[tuple[tuple[int, ...], tuple[int, ...], int
 
 
 def chunk_boxes(n: int) -> Boxes:
-    """n shards of 4 elements along one dim, shard i on rank i."""
+    """``n`` shards of 4 elements along one dim, shard i on rank i."""
     return (4 * n,), tuple(((4 * i,), (4,), i) for i in range(n))
 
 
@@ -64,7 +64,7 @@ def grid_boxes(k: int) -> Boxes:
 
 
 def adversarial_boxes(n: int) -> Boxes:
-    """n tall columns and one wide row under them: every column meets every other in dim 0."""
+    """``n`` tall columns and one wide row under them: every column meets every other in dim 0."""
     columns = tuple(((0, j), (2 * n, 1), j) for j in range(n))
     return (2 * n + 1, n), (*columns, ((2 * n, 0), (1, n), n))
 
@@ -130,11 +130,13 @@ class ValidationCase:
 
     @property
     def name(self) -> str:
+        """The case's name in the tables."""
         shards = FAMILIES[self.family][1](self.size)
         label = f"{self.size}x{self.size}" if self.family == "grid" else f"n={self.size:,}"
         return f"validate {self.family} {label} ({shards:,} shards)"
 
     def run(self, settings: Settings) -> list[Row]:
+        """Measures every implementation of the case; one row each."""
         boxes = FAMILIES[self.family][0](self.size)
         start = time.perf_counter()
         shards = metas(boxes)
@@ -222,9 +224,11 @@ class PlanCase:
 
     @property
     def name(self) -> str:
+        """The case's name in the tables."""
         return f"plan {self.kind} (~{self.n:,} shards)"
 
     def run(self, settings: Settings) -> list[Row]:
+        """Measures every implementation of the case; one row each."""
         shape, a, b = plan_pair(self.kind, self.n)
         src, dst = Layout(shape, a), Layout(shape, b)
         p = plan(src, dst)
@@ -254,7 +258,6 @@ class PlanCase:
 
 def clear_caches() -> None:
     """Forgets every plan, schedule and layout index, so that the next one is built from scratch."""
-
     fshard._plan._plan.cache_clear()
     _schedule.schedule.cache_clear()
     _index.index.cache_clear()
@@ -263,7 +266,6 @@ def clear_caches() -> None:
 
 def _rows(src: Layout, dst: Layout) -> int:
     """Builds every transfer of the (uncached) plan; ``fshard.plan`` alone computes none."""
-
     return len(fshard._plan._plan.__wrapped__(src, dst))
 
 
@@ -275,8 +277,10 @@ RANK_KINDS = ("Chunk(0) -> Chunk(1)", "Named grid -> rows", "Partial sum -> Chun
 
 
 def rank_pair(kind: str, n: int) -> tuple[Layout, Layout]:
-    """The two layouts of a per-rank case on ``n`` ranks: all-to-all, a k x n/k grid to row blocks,
-    or a pending sum on every rank to row blocks."""
+    """The two layouts of a per-rank case on ``n`` ranks.
+
+    All-to-all, a k x n/k grid to row blocks, or a pending sum on every rank to row blocks.
+    """
     if kind == "Chunk(0) -> Chunk(1)":
         return Chunk(0, range(n)).layout(RANK_SHAPE), Chunk(1, range(n)).layout(RANK_SHAPE)
     if kind == "Named grid -> rows":
@@ -289,8 +293,11 @@ def rank_pair(kind: str, n: int) -> tuple[Layout, Layout]:
 
 @dataclasses.dataclass(frozen=True)
 class RankCase:
-    """``plan(src, dst).for_rank(rank)`` on ``n`` ranks: from the layouts alone (every cache
-    cleared first), and again (cached); the global plan next to it where it is small."""
+    """``plan(src, dst).for_rank(rank)`` on ``n`` ranks.
+
+    From the layouts alone (every cache cleared first), and again (cached); the global plan next to it where it is
+    small.
+    """
 
     kind: str
     n: int
@@ -300,9 +307,11 @@ class RankCase:
 
     @property
     def name(self) -> str:
+        """The case's name in the tables."""
         return f"{self.kind}, {self.n:,} ranks"
 
     def run(self, settings: Settings) -> list[Row]:
+        """Measures every implementation of the case; one row each."""
         src, dst = rank_pair(self.kind, self.n)
         per_call = 1000
         fns: dict[str, Any] = {

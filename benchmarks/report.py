@@ -275,8 +275,10 @@ def load_rows(path: Path) -> list[Row]:
 
 
 def plot_series(rows: Sequence[Row]) -> dict[tuple[str, str], dict[str, list[tuple[float, float]]]]:
-    """(group, series) -> implementation -> sorted (x, seconds) points: what ``plot`` draws
-    (x is ``size_mib``, or ``x`` for the rows that give it)."""
+    """(group, series) -> implementation -> sorted (x, seconds) points.
+
+    What ``plot`` draws (x is ``size_mib``, or ``x`` for the rows that give it).
+    """
     out: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
     for r in rows:
         x = r.x if r.x is not None else r.size_mib
@@ -287,8 +289,10 @@ def plot_series(rows: Sequence[Row]) -> dict[tuple[str, str], dict[str, list[tup
 
 
 def plot(rows: Sequence[Row], paths: Sequence[Path], title: str = "") -> list[Path]:
-    """Draws time against size, one panel per case and one line per implementation (log-log),
-    and writes the PNG to each of ``paths``; returns them (none when no row has a size)."""
+    """Draws time against size (log-log), one panel per case and one line per implementation.
+
+    Writes the PNG to each of ``paths`` and returns them (none when no row has a size).
+    """
     import matplotlib
 
     matplotlib.use("Agg")

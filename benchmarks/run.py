@@ -37,8 +37,10 @@ CASE_MODULES = (
 
 
 def parse(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
-    """The command line of ``fshard bench`` (``prog``: by default as started, ``python -m fshard bench``
-    or ``fshard bench``)."""
+    """The command line of ``fshard bench``.
+
+    ``prog`` is, by default, as started: ``python -m fshard bench`` or ``fshard bench``.
+    """
     description = "Runs every benchmark case; prints the tables; writes JSON, the tables as text and a plot."
     parser = argparse.ArgumentParser(prog=prog or f"{program()} bench", description=description)
     add = parser.add_argument
