@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from fshard import _varying
-from fshard._errors import SpecError
+from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._layout import Layout
 
-__all__ = ["agree", "describe_results", "holds_nothing_somewhere", "link_without_blocks", "merge_results", "untouched"]
+__all__ = [
+    "agree",
+    "as_error",
+    "describe_results",
+    "holds_nothing_somewhere",
+    "link_without_blocks",
+    "merge_results",
+    "untouched",
+]
 
 Meta = tuple[torch.dtype, dict[Any, tuple[int, ...]]]
 
@@ -43,29 +50,39 @@ def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) 
 
     A collective on a multi-process ``backend``: if ``compute`` or ``describe`` raised
     on any process, every process raises, its own error where it had one, else that
-    of the lowest rank that failed (with a note naming that rank).
+    of the lowest rank that failed (with a note naming that rank). An interrupt there
+    (``KeyboardInterrupt``, ``SystemExit``) is a ``CollectiveMismatchError`` here that
+    names the rank; the interrupted process posts it, then goes on being interrupted.
     """
     try:
         result = compute()
         mine = ("ok", describe(result))
-    except Exception as exc:
-        backend.exchange(("error", _portable(exc)))
+    except BaseException as exc:  # an interrupt too: the others would wait for this rank's entry
+        backend.exchange(("error", exc))
         raise
     seen = backend.exchange(mine)
     for rank, (kind, value) in zip(backend.ranks, seen):
         if kind == "error":
-            value.add_note(f"(raised on rank {rank}; this rank's function returned)")
-            raise value
+            error = as_error(value, rank, "function")
+            error.add_note(f"(raised on rank {rank}; this rank's function returned)")
+            raise error
     return result, [value for _, value in seen]
 
 
-def _portable(exc: Exception) -> Exception:
-    """``exc`` if it survives pickling (the exchange pickles it), else a ``RuntimeError`` naming it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc
+def as_error(exc: BaseException, rank: int, where: str) -> Exception:
+    """Rank ``rank``'s error, raised in ``where``, to raise here: an interrupt there is an error here.
+
+    A ``KeyboardInterrupt`` or ``SystemExit`` stops the rank it happened on; the others
+    must not stop as if interrupted themselves, but learn which rank stopped and why.
+    """
+    if isinstance(exc, Exception):
+        return exc
+    what = f"{type(exc).__name__}{f' ({exc})' if str(exc) else ''}"
+    msg = (
+        f"Rank {rank}'s {where} raised {what}, which stops that rank; the group cannot go on without it. "
+        "Stop the job (or catch the interrupt on every rank)."
+    )
+    return CollectiveMismatchError(msg)
 
 
 @contextlib.contextmanager

@@ -240,7 +240,7 @@ class TorchDistBackend:
         self._require_member("exchange")
         with outside_transforms():
             self._check("exchange", ())
-            out = gather_objects(obj, self.group, self.world_size, self._wire)
+            out = gather_objects(obj, self.group, self.world_size, self._wire, self.ranks)
         self.counters.collectives += 1
         return out
 
