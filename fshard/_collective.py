@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,12 +35,25 @@ __all__ = ["call_name", "collective", "describe"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_STACK: list[str] = []
+
+class _Calls(threading.local):
+    """The check-mode calls running in this thread, outermost first.
+
+    Per thread: two threads that drive two process groups each make their own
+    outermost calls, and each call's checks must name that thread's call.
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+
+
+_CALLS = _Calls()
 
 
 def call_name() -> str | None:
-    """The description of the outermost fshard call running in check mode, if any."""
-    return _STACK[0] if _STACK else None
+    """The description of the outermost fshard call running in check mode in this thread, if any."""
+    stack = _CALLS.stack
+    return stack[0] if stack else None
 
 
 def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
@@ -50,20 +64,21 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not _config._current.check_collectives or _STACK:
+            stack = _CALLS.stack
+            if not _config._current.check_collectives or stack:
                 return fn(*args, **kwargs)
             backend = _backend_of(args, kwargs)
             settle = getattr(backend, "settle", None)  # a backend of one process has nothing to agree on
             if settle is None or not backend.spans_processes or not getattr(backend, "member", True):
                 return fn(*args, **kwargs)
             what = _describe_call(name, signature, args, kwargs, local)
-            _STACK.append(what)
+            stack.append(what)
             try:
                 try:
                     out = fn(*args, **kwargs)
                 finally:
-                    _STACK.pop()
-            except Exception as exc:
+                    stack.pop()
+            except BaseException as exc:  # an interrupt too: the others learn of it rather than wait
                 settle(f"{what} raised", exc)
                 raise
             settle(f"{what} returned")

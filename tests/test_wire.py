@@ -7,6 +7,7 @@ import collections
 import json
 import pickle
 import re
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import fshard
+from fshard._collective import call_name, collective
 from fshard._dist_ops import Piece, Report
 from fshard._layout import with_partial
 from fshard.backends.torch_dist import _wire
@@ -164,3 +166,54 @@ def test_no_pickle_in_what_reads_peers_or_the_store(path):
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {"pickle", "cloudpickle", "marshal", "dill"} & imported
+
+
+class _Recorder:
+    """A backend of several processes that records, per thread, the checks a public call settles."""
+
+    spans_processes, member = True, True
+
+    def __init__(self) -> None:
+        self.settled: list[tuple[str, str]] = []
+
+    def settle(self, what: str, error: BaseException | None = None) -> None:
+        self.settled.append((threading.current_thread().name, what))
+
+
+def test_check_mode_calls_are_per_thread():
+    """Two threads inside check-mode calls at once: each names its own call (the stack was process-wide)."""
+    backend, barrier, seen = _Recorder(), threading.Barrier(2), {}
+
+    @collective("op")
+    def op(tag: str, backend: object) -> None:
+        barrier.wait()  # both threads are inside their call here
+        seen[tag] = call_name()
+        barrier.wait()
+
+    old = fshard.config(check_collectives=True)
+    try:
+        threads = [threading.Thread(target=op, args=(t,), kwargs={"backend": backend}, name=t) for t in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        fshard.config(check_collectives=old.check_collectives)
+    assert seen == {"a": "op(tag='a')", "b": "op(tag='b')"}
+    assert sorted(backend.settled) == [("a", "op(tag='a') returned"), ("b", "op(tag='b') returned")]
+
+
+def test_an_interrupt_in_a_check_mode_call_settles_before_it_propagates():
+    backend = _Recorder()
+
+    @collective("op")
+    def op(backend: object) -> None:
+        raise KeyboardInterrupt
+
+    old = fshard.config(check_collectives=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            op(backend=backend)
+    finally:
+        fshard.config(check_collectives=old.check_collectives)
+    assert backend.settled == [(threading.current_thread().name, "op() raised")]

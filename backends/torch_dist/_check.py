@@ -25,10 +25,13 @@ fshard wrote raises ``CollectiveMismatchError`` on every rank that reads it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import datetime
 import hashlib
+import threading
+import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -42,7 +45,7 @@ from fshard._outcome import as_error
 
 from ._wire import decode, encode, refuse
 
-__all__ = ["agreed", "check", "describe_layout"]
+__all__ = ["agreed", "broke_in_flight", "check", "describe_layout", "in_flight"]
 
 
 @dataclasses.dataclass
@@ -53,11 +56,31 @@ class _Channel:
 
 
 _CHANNELS: weakref.WeakKeyDictionary[Any, _Channel] = weakref.WeakKeyDictionary()
+_CHANNELS_LOCK = threading.Lock()  # threads that drive different groups create channels at once
 
 
 def agreed(exc: BaseException) -> bool:
     """Whether every rank raises ``exc`` (or its copy) already: a check raised it."""
     return getattr(exc, "_fshard_agreed", False)
+
+
+def broke_in_flight(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a collective while its messages were in flight (``in_flight``)."""
+    return getattr(exc, "_fshard_in_flight", False)
+
+
+@contextlib.contextmanager
+def in_flight() -> Iterator[None]:
+    """Marks what the collective in the block raises: a peer is gone or the group is broken.
+
+    The other ranks are inside that collective, not at the store, so a check round
+    after it would only wait out ``check_timeout``; the call that ends settles at once.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        exc._fshard_in_flight = True  # type: ignore[attr-defined]
+        raise
 
 
 def check(group: Any, ranks: tuple[int, ...], rank: int, what: str, error: BaseException | None = None) -> None:
@@ -105,17 +128,24 @@ def check(group: Any, ranks: tuple[int, ...], rank: int, what: str, error: BaseE
 
 
 def _wait(store: Any, base: str, keys: list[str], ranks: tuple[int, ...], what: str) -> None:
-    """Waits for every rank's entry; raises naming the ranks whose entry is missing, and why it may be."""
+    """Waits for every rank's entry; raises naming the ranks whose entry is missing, and why it may be.
+
+    Polls rather than ``store.wait``: the store client is one connection per process, and a
+    blocking wait would hold it, so that another thread's check (on another group) could
+    not post its entry until this one timed out.
+    """
     timeout = current().check_timeout
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:  # the store's timeout error
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
-        if not missing:  # every entry arrived just after the wait ran out
-            return
-        off = [r for r in missing if not store.check([f"{base}checking/{r}"])]
-        late = [r for r in missing if r not in off]
-        raise _agree(CollectiveMismatchError(_missing_message(ranks, what, timeout, off, late))) from exc
+    deadline, pause = time.monotonic() + timeout, 1e-4
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+            if not missing:  # every entry arrived just as the wait ran out
+                return
+            off = [r for r in missing if not store.check([f"{base}checking/{r}"])]
+            late = [r for r in missing if r not in off]
+            raise _agree(CollectiveMismatchError(_missing_message(ranks, what, timeout, off, late)))
+        time.sleep(pause)
+        pause = min(2 * pause, 0.005)
 
 
 def _missing_message(ranks: tuple[int, ...], what: str, timeout: float, off: list[int], late: list[int]) -> str:
@@ -158,10 +188,11 @@ def _agree(exc: BaseException) -> BaseException:
 
 def _channel(group: Any, ranks: tuple[int, ...]) -> _Channel:
     pg = group if group is not None else dist.group.WORLD
-    channel = _CHANNELS.get(pg)
-    if channel is None:
-        name = getattr(pg, "group_name", "") or hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
-        channel = _CHANNELS[pg] = _Channel(name)
+    with _CHANNELS_LOCK:
+        channel = _CHANNELS.get(pg)
+        if channel is None:
+            name = getattr(pg, "group_name", "") or hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
+            channel = _CHANNELS[pg] = _Channel(name)
     return channel
 
 

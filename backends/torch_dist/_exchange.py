@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from fshard._errors import SpecError
 
+from ._check import in_flight
 from ._choice import has_alltoall
 from ._wire import MAX_BYTES, Unsendable, decode, encode, refuse
 
@@ -83,8 +84,9 @@ def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -
     """
     mine = torch.from_numpy(row).to(wire)
     out = torch.empty(n * row.size, dtype=torch.uint8, device=wire)
-    if has_alltoall(str(dist.get_backend(group))):
-        dist.all_to_all_single(out, mine.repeat(n), group=group)
-    else:
-        dist.all_gather_into_tensor(out, mine, group=group)
+    with in_flight():
+        if has_alltoall(str(dist.get_backend(group))):
+            dist.all_to_all_single(out, mine.repeat(n), group=group)
+        else:
+            dist.all_gather_into_tensor(out, mine, group=group)
     return out.cpu().numpy().reshape(n, row.size)
