@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -90,7 +91,12 @@ def test_a_pickle_written_to_the_store_is_refused_not_run(dist_pool, tmp_path):
         assert "rank 3's check entry): UnicodeDecodeError" in msg
 
 
-def _no_pickle_loads():
+class Pair(NamedTuple):
+    total: torch.Tensor
+    doubled: torch.Tensor
+
+
+def _no_pickle_loads(path: str):
     """Check mode and exchanges of every kind, with pickle's loaders replaced by ones that raise."""
 
     def refuse(*args, **kwargs):
@@ -108,21 +114,35 @@ def _no_pickle_loads():
         e = fshard.from_local_shards(
             [fshard.Shard(fshard.ShardMeta((2 * r, 0), (2, 12), r), X[2 * r : 2 * r + 2])], X.shape
         )
+        pair = fshard.map_local(lambda t: Pair(t.sum(1, keepdim=True), t * 2), a)  # a named tuple's structure
+        sums = fshard.shard_map(
+            lambda t: {"s": t.sum(1, keepdim=True)}, in_specs=(fshard.Chunk(0, R),), out_specs={"s": fshard.Chunk(0, R)}
+        )(X)
+        fshard.save(path, {"b": b, "x": X})
+        loaded = fshard.load(
+            path, like={"b": fshard.zeros(fshard.Chunk(1, R), 8, 12, dtype=torch.float16), "x": torch.zeros(8, 12)}
+        )
         return (
             fshard.gather(b).sum().item(),
             b.dtype,
             fshard.gather(c)[:, 0].tolist(),
             fshard.equal(d, fshard.shard(X, fshard.Chunk(1, R))),
             fshard.equal(e, fshard.shard(X, fshard.Chunk(0, R))),
+            type(pair).__name__,
+            fshard.gather(pair.doubled).sum().item(),
+            fshard.gather(sums["s"]).ravel().tolist() == X.sum(1).tolist(),
+            fshard.gather(loaded["b"]).tolist() == (X * 2).tolist(),
+            torch.equal(loaded["x"], X),
         )
     finally:
         fshard.config(check_collectives=old.check_collectives, check_timeout=old.check_timeout)
         pickle.loads, pickle.load, pickle.Unpickler = saved
 
 
-def test_check_mode_and_exchanges_never_unpickle(dist_pool):
-    want = ((X * 2).sum().item(), torch.float16, [0.0] * 2 + [1.0] * 2 + [2.0] * 2 + [3.0] * 2, True, True)
-    assert dist_pool.run(_no_pickle_loads, timeout=60) == [want] * 4
+def test_check_mode_and_exchanges_never_unpickle(dist_pool, tmp_path):
+    blocks = [0.0] * 2 + [1.0] * 2 + [2.0] * 2 + [3.0] * 2
+    want = ((X * 2).sum().item(), torch.float16, blocks, True, True, "Pair", (X * 2).sum().item(), True, True, True)
+    assert dist_pool.run(_no_pickle_loads, str(tmp_path / "ckpt"), timeout=90) == [want] * 4
 
 
 def _interrupted_map_local(check: bool, kind: str):
