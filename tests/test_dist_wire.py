@@ -227,3 +227,45 @@ def test_a_transport_error_settles_at_once_in_check_mode():
         assert name == "RuntimeError", msg
         assert "Connection closed by peer" in msg
         assert seconds < 10.0, f"settled after {seconds:.1f} s; check_timeout is 20 s"
+
+
+def _skipped_backward():
+    """Rank 1 skips the backward pass that the others run, and calls equal instead."""
+    group = dist.new_group(R)  # a fresh channel: the ranks part ways on it for good
+    backend = TorchDistBackend(group)
+    x = fshard.shard(X.clone().requires_grad_(), fshard.Chunk(0, R), backend=backend)
+
+    def step():
+        y = fshard.reshard(x, fshard.Chunk(1, R))
+        loss = fshard.gather(y).sum()
+        if dist.get_rank() == 1:
+            fshard.equal(y, y)
+        else:
+            loss.backward()
+
+    return _outcome(step, timeout=20.0)
+
+
+def test_a_skipped_backward_is_named_as_a_backward_pass(dist_pool):
+    got = dist_pool.run(_skipped_backward, timeout=60)
+    for name, msg in got:
+        assert name == "CollectiveMismatchError", msg
+        assert "ranks [0, 2, 3] called a backward pass's exchange() (loss.backward() or torch.autograd.grad)" in msg
+        assert "ranks [1] called equal(" in msg
+
+
+def _rank_3_without_check_mode():
+    """Rank 3 runs shard(src=None), which sends nothing, with check mode off; the others with it on."""
+    group = dist.new_group(R)  # a fresh channel, on which rank 3 never posts
+    backend = TorchDistBackend(group)
+    return _outcome(lambda: fshard.shard(X, fshard.Chunk(0, R), backend=backend), check=dist.get_rank() != 3, timeout=3)
+
+
+def test_a_rank_without_check_mode_is_named_as_such(dist_pool):
+    got = dist_pool.run(_rank_3_without_check_mode, timeout=60)
+    assert got[3] is None
+    for name, msg in got[:3]:
+        assert name == "CollectiveMismatchError", msg
+        assert msg.startswith("Check mode: ranks [3] of process group [0, 1, 2, 3] did not reach shard(")
+        assert "within 3 s (config(check_timeout=...)): ranks [3] never posted a check on this process group: " in msg
+        assert "check mode is off there (call fshard.config(check_collectives=True) on every rank)" in msg

@@ -319,6 +319,8 @@ class TorchDistBackend:
             call = call_name()  # the public call it serves, which describes the arguments already
             if call is not None:
                 what = f"{call}, at {op} #{hashlib.blake2b(what.encode(), digest_size=4).hexdigest()}"
+            elif torch._C._current_graph_task_id() != -1:  # autograd runs it, from no public call
+                what = f"a backward pass's {what} (loss.backward() or torch.autograd.grad)"
             check(self.group, self.ranks, self.rank, what)
 
     def settle(self, what: str, error: BaseException | None = None) -> None:
