@@ -78,8 +78,11 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
                     out = fn(*args, **kwargs)
                 finally:
                     stack.pop()
-            except BaseException as exc:  # an interrupt too: the others learn of it rather than wait
-                settle(f"{what} raised", exc)
+            except BaseException as exc:
+                # An interrupt that the other ranks learned of (``_outcome.agree``) is settled like an
+                # error, since they settle too; any other interrupt (Ctrl-C) stops this rank at once.
+                if isinstance(exc, Exception) or getattr(exc, "_fshard_posted", False):
+                    settle(f"{what} raised", exc)
                 raise
             settle(f"{what} returned")
             return out

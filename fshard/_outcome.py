@@ -59,6 +59,7 @@ def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) 
         mine = ("ok", describe(result))
     except BaseException as exc:  # an interrupt too: the others would wait for this rank's entry
         backend.exchange(("error", exc))
+        exc._fshard_posted = True  # type: ignore[attr-defined]  # the others know: check mode settles it
         raise
     seen = backend.exchange(mine)
     for rank, (kind, value) in zip(backend.ranks, seen):
