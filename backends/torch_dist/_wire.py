@@ -117,33 +117,45 @@ def refuse(source: str, why: str) -> CollectiveMismatchError:
 # -- encoding ---------------------------------------------------------------------------
 
 
-def _enc(x: Any, where: str, depth: int) -> Any:
-    if depth > _MAX_DEPTH:
-        raise SpecError(f"Cannot exchange {where}: nested deeper than {_MAX_DEPTH} levels.")
+def _enc(x: Any, where: Any, depth: int) -> Any:
+    """``x`` as JSON data; ``where`` is its path, ``(parent path, suffix)``, spelled out only in errors."""
     if type(x) in _SCALARS:
         return x
+    if depth > _MAX_DEPTH:
+        raise SpecError(f"Cannot exchange {_path(where)}: nested deeper than {_MAX_DEPTH} levels.")
+    exact = _EXACT.get(type(x))  # the common kinds, without trying each test in turn
+    if exact is not None:
+        return [exact[0], *exact[1](x, where, depth + 1)]
     for kind, test, fn in _ENCODERS:
         if test(x):
             return [kind, *fn(x, where, depth + 1)]
     msg = (
-        f"Cannot exchange {where}, a {type(x).__module__}.{type(x).__qualname__}: ranks exchange only data "
+        f"Cannot exchange {_path(where)}, a {type(x).__module__}.{type(x).__qualname__}: ranks exchange only data "
         "(None, bool, int, float, str, tuples, lists, dicts, dtypes, layouts, tree structures of those, "
         "fshard errors). Return or pass plain data instead."
     )
     raise SpecError(msg)
 
 
-def _items(xs: Any, where: str, depth: int) -> list[Any]:
-    return [_enc(v, f"{where}[{k}]", depth) for k, v in enumerate(xs)]
+def _path(where: Any) -> str:
+    parts = []
+    while isinstance(where, tuple):
+        where, suffix = where
+        parts.append(suffix)
+    return where + "".join(reversed(parts))
 
 
-def _pairs(d: Any, where: str, depth: int) -> list[Any]:
-    return [e for k, v in d.items() for e in (_enc(k, f"{where} key", depth), _enc(v, f"{where}[{k!r}]", depth))]
+def _items(xs: Any, where: Any, depth: int) -> list[Any]:
+    return [_enc(v, (where, f"[{k}]"), depth) for k, v in enumerate(xs)]
 
 
-def _record_fields(x: Any, where: str, depth: int) -> list[Any]:
+def _pairs(d: Any, where: Any, depth: int) -> list[Any]:
+    return [e for k, v in d.items() for e in (_enc(k, (where, " key"), depth), _enc(v, (where, f"[{k!r}]"), depth))]
+
+
+def _record_fields(x: Any, where: Any, depth: int) -> list[Any]:
     name = _record_names()[type(x)]
-    return [name, *_items(_fields(x), f"{where}.{name}", depth)]
+    return [name, *_items(_fields(x), (where, f".{name}"), depth)]
 
 
 def _fields(x: Any) -> tuple[Any, ...]:
@@ -152,18 +164,18 @@ def _fields(x: Any) -> tuple[Any, ...]:
     return tuple(getattr(x, f) for f in x.__dataclass_fields__)
 
 
-def _named_tuple(x: Any, where: str, depth: int) -> list[Any]:
+def _named_tuple(x: Any, where: Any, depth: int) -> list[Any]:
     cls = type(x)
     return [cls.__module__, cls.__qualname__, *_items(x, where, depth)]
 
 
-def _tree(spec: Any, where: str, depth: int) -> list[Any]:
+def _tree(spec: Any, where: Any, depth: int) -> list[Any]:
     # The structure travels as an instance of itself with 0 at every leaf.
     example = optree.tree_unflatten(spec, [0] * spec.num_leaves)
-    return [spec.none_is_leaf, spec.namespace, _enc(example, f"{where} (a tree structure)", depth)]
+    return [spec.none_is_leaf, spec.namespace, _enc(example, (where, " (a tree structure)"), depth)]
 
 
-def _exception(x: BaseException, where: str, depth: int) -> list[Any]:
+def _exception(x: BaseException, where: Any, depth: int) -> list[Any]:
     name = type(x).__name__
     args = list(x.args) if all(type(a) in _SCALARS for a in x.args) else [str(x)]
     if _ERRORS.get(name) is not type(x):
@@ -194,6 +206,14 @@ _ENCODERS: list[tuple[str, Any, Any]] = [
     ("tree", lambda x: isinstance(x, optree.PyTreeSpec), _tree),
     ("exc", lambda x: isinstance(x, BaseException), _exception),
 ]
+
+
+_EXACT: dict[type, tuple[str, Any]] = {
+    tuple: ("t", _items),
+    list: ("l", _items),
+    dict: ("d", _pairs),
+    torch.dtype: ("dtype", _ENCODERS[0][2]),
+}
 
 
 @functools.cache
