@@ -79,7 +79,7 @@ class Backend(Protocol):
         ...
 
     def exchange(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (a small picklable value), in rank order."""
+        """Every rank's ``obj`` (small data: see ``torch_dist._wire`` for the kinds), in rank order."""
         ...
 
 

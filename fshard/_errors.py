@@ -12,6 +12,7 @@ __all__ = [
     "FShardError",
     "LayoutError",
     "SpecError",
+    "as_error",
 ]
 
 
@@ -43,3 +44,19 @@ class CheckpointError(FShardError, RuntimeError):
     """A checkpoint is missing, truncated, tampered with or does not match the request."""
 
     __module__ = "fshard"
+
+
+def as_error(exc: BaseException, rank: int, where: str) -> Exception:
+    """Rank ``rank``'s error, raised in ``where``, to raise here: an interrupt there is an error here.
+
+    A ``KeyboardInterrupt`` or ``SystemExit`` stops the rank it happened on; the others
+    must not stop as if interrupted themselves, but learn which rank stopped and why.
+    """
+    if isinstance(exc, Exception):
+        return exc
+    what = f"{type(exc).__name__}{f' ({exc})' if str(exc) else ''}"
+    msg = (
+        f"Rank {rank}'s {where} raised {what}, which stops that rank; the group cannot go on without it. "
+        "Stop the job (or catch the interrupt on every rank)."
+    )
+    return CollectiveMismatchError(msg)

@@ -57,7 +57,7 @@ from fshard._plan import plan
 from fshard._plan.direct import Plan
 
 from .._execution import Counters, new_shard, shard_device, slice_shards
-from ._check import agreed, check
+from ._check import agreed, broke_in_flight, check, in_flight
 from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
@@ -228,7 +228,8 @@ class TorchDistBackend:
             self._check(op, (p.src, p.dst), like.dtype)
             on = self._warm()  # the group's device: a shard on another GPU is copied there
             out = empty(layout.shape, like.dtype, on)
-            all_gather(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()), group=self.group)
+            with in_flight():
+                all_gather(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()), group=self.group)
             self._count(p.for_rank(self.rank).elements_sent)
             return out.to(self._out_device(layout, like))
         out = {}
@@ -242,7 +243,7 @@ class TorchDistBackend:
         self._require_member("exchange")
         with outside_transforms():
             self._check("exchange", ())
-            out = gather_objects(obj, self.group, self.world_size, self._wire)
+            out = gather_objects(obj, self.group, self.world_size, self._wire, self.ranks)
         self.counters.collectives += 1
         return out
 
@@ -254,7 +255,8 @@ class TorchDistBackend:
         self._check(f"reshard:{kind}", (p.src, p.dst), like.dtype)
         (j,) = self.addressable(p.dst)
         out = empty(p.dst._shard(j).sizes, like.dtype, self._wire)
-        run_collective(kind, p, tensors[0].to(self._wire), out, self.group)
+        with in_flight():
+            run_collective(kind, p, tensors[0].to(self._wire), out, self.group)
         self._count(p.for_rank(self.rank).elements_sent)
         return (out.to(shard_device(p.dst, j)),)
 
@@ -268,7 +270,8 @@ class TorchDistBackend:
         if p.min_elements_sent == 0:  # the phase's bound, which it meets, alike on every rank: no collective
             run_local(sched, src, out, dtype)
             return
-        run_reduce(sched, src, out, dtype, self._warm(), self.group, empty)
+        with in_flight():
+            run_reduce(sched, src, out, dtype, self._warm(), self.group, empty)
         self._count(sched.sent)
 
     def _warm(self) -> torch.device:
@@ -318,12 +321,19 @@ class TorchDistBackend:
             call = call_name()  # the public call it serves, which describes the arguments already
             if call is not None:
                 what = f"{call}, at {op} #{hashlib.blake2b(what.encode(), digest_size=4).hexdigest()}"
+            elif torch._C._current_graph_task_id() != -1:  # autograd runs it, from no public call
+                what = f"a backward pass's {what} (loss.backward() or torch.autograd.grad)"
             check(self.group, self.ranks, self.rank, what)
 
-    def settle(self, what: str, error: Exception | None = None) -> None:
+    def settle(self, what: str, error: BaseException | None = None) -> None:
         """In check mode, the check that ends a public call: how it ended here is ``what``
-        (and ``error``, which the caller raises once every rank has learned of it)."""
-        if not (self.member and current().check_collectives) or (error is not None and agreed(error)):
+        (and ``error``, which the caller raises once every rank has learned of it).
+
+        An error that every rank raises already, or one out of a collective in flight (a
+        peer gone: the others are not at the store), ends the call at once."""
+        if not (self.member and current().check_collectives):
+            return
+        if error is not None and (agreed(error) or broke_in_flight(error)):
             return
         try:
             check(self.group, self.ranks, self.rank, what, error)
@@ -352,7 +362,8 @@ class TorchDistBackend:
         if not s.crosses:  # closed form, alike on every rank (plans are minimal): no collective
             copy_local(s.schedule, src, out)
             return out
-        s.transport(s.schedule, src, out, dtype, self._warm(), self.group)
+        with in_flight():
+            s.transport(s.schedule, src, out, dtype, self._warm(), self.group)
         self._count(s.schedule.sent)
         return out
 

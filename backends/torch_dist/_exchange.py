@@ -1,17 +1,20 @@
-"""Small metadata exchanges: every rank's pickle, in one round where they are small."""
+"""Small metadata exchanges: every rank's encoded value (``_wire``, data only), in one round where they are small."""
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._choice import has_alltoall
+from fshard._errors import SpecError
 
-# ``exchange`` sends pickles up to this many bytes in one round (larger: a second round).
+from ._check import in_flight
+from ._choice import has_alltoall
+from ._wire import MAX_BYTES, Unsendable, decode, encode, refuse
+
+# ``exchange`` sends encodings up to this many bytes in one round (larger: a second round).
 _EXCHANGE_INLINE = 1016
 
 
@@ -24,26 +27,51 @@ def outside_transforms() -> Any:
     return torch._C._DisableFuncTorch()
 
 
-def gather_objects(obj: Any, group: Any, n: int, wire: torch.device) -> list[Any]:
-    """``all_gather_object`` in one round where every pickle is small (metadata).
+def gather_objects(obj: Any, group: Any, n: int, wire: torch.device, ranks: Any = None) -> list[Any]:
+    """``all_gather_object`` in one round where every encoding is small (metadata).
 
-    Each rank sends a fixed-size record: its pickle's length and, when it fits, the
-    pickle itself. Only if some rank's pickle is larger (every rank sees the lengths)
-    does a second round carry the pickles, padded to the longest.
+    Each rank sends a fixed-size record: its encoding's length and, when it fits, the
+    encoding itself. Only if some rank's encoding is larger (every rank sees the lengths)
+    does a second round carry them, padded to the longest. Values are data (``_wire``):
+    what a peer sent is decoded, never unpickled.
+
+    Raises:
+        SpecError: ``obj`` is not data that ``_wire.encode`` takes (on this rank, before sending).
+        CollectiveMismatchError: a peer sent a length or bytes that are not an encoded value.
     """
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    failure = None
+    try:
+        data = encode(obj)
+    except SpecError as exc:  # the others learn of it from the exchange, rather than wait for this rank
+        data, failure = encode(Unsendable(str(exc))), exc
     record = np.zeros(8 + _EXCHANGE_INLINE, np.uint8)
     record[:8] = np.frombuffer(np.int64(len(data)).tobytes(), np.uint8)
     if len(data) <= _EXCHANGE_INLINE:
         record[8 : 8 + len(data)] = np.frombuffer(data, np.uint8)
     got = _all_gather_bytes(record, group, n, wire)
     sizes = got[:, :8].copy().view(np.int64).ravel().tolist()
+    names = [f"rank {r}" for r in ranks] if ranks is not None else [f"group rank {i}" for i in range(n)]
+    for name, k in zip(names, sizes):
+        if not 0 <= k <= MAX_BYTES:  # before a second round allocates max(sizes) bytes
+            raise refuse(name, f"a length of {k} bytes (0 to {MAX_BYTES})")
     if max(sizes) <= _EXCHANGE_INLINE:
-        return [pickle.loads(got[i, 8 : 8 + k].tobytes()) for i, k in enumerate(sizes)]
-    padded = np.zeros(max(sizes), np.uint8)
-    padded[: len(data)] = np.frombuffer(data, np.uint8)
-    rows = _all_gather_bytes(padded, group, n, wire)
-    return [pickle.loads(rows[i, :k].tobytes()) for i, k in enumerate(sizes)]
+        out = [decode(got[i, 8 : 8 + k].tobytes(), names[i]) for i, k in enumerate(sizes)]
+    else:
+        padded = np.zeros(max(sizes), np.uint8)
+        padded[: len(data)] = np.frombuffer(data, np.uint8)
+        rows = _all_gather_bytes(padded, group, n, wire)
+        out = [decode(rows[i, :k].tobytes(), names[i]) for i, k in enumerate(sizes)]
+    return _sendable(out, names, failure)
+
+
+def _sendable(out: list[Any], names: list[str], failure: SpecError | None) -> list[Any]:
+    """``out``, unless some rank could not encode its value: then that rank's error, on every rank."""
+    if failure is not None:
+        raise failure
+    for name, value in zip(names, out):
+        if isinstance(value, Unsendable):
+            raise SpecError(f"{name} could not send its part of an exchange: {value.message}")
+    return out
 
 
 def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -> np.ndarray:
@@ -56,8 +84,9 @@ def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -
     """
     mine = torch.from_numpy(row).to(wire)
     out = torch.empty(n * row.size, dtype=torch.uint8, device=wire)
-    if has_alltoall(str(dist.get_backend(group))):
-        dist.all_to_all_single(out, mine.repeat(n), group=group)
-    else:
-        dist.all_gather_into_tensor(out, mine, group=group)
+    with in_flight():
+        if has_alltoall(str(dist.get_backend(group))):
+            dist.all_to_all_single(out, mine.repeat(n), group=group)
+        else:
+            dist.all_gather_into_tensor(out, mine, group=group)
     return out.cpu().numpy().reshape(n, row.size)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fshard._array.array import Shard, ShardedArray
+from fshard._base.records import record
 from fshard._errors import LayoutError, SpecError
 from fshard._exec.collective import collective
 from fshard._layout.layout import Layout, ShardMeta
@@ -27,6 +28,7 @@ __all__ = ["check_pieces", "from_local_shards", "from_local_tensor"]
 _PROPERTIES = ("dtype", "requires_grad", "pinned", "layout", "device_type")
 
 
+@record
 class Piece(NamedTuple):
     """What one rank tells the others about one of its shards."""
 
@@ -42,6 +44,7 @@ class Piece(NamedTuple):
         return self.device.split(":")[0]
 
 
+@record
 class Report(NamedTuple):
     """One rank's part of the exchange: its rank, the shape it passed, its pieces, its problems."""
 

@@ -22,11 +22,13 @@ from typing import Any
 import torch
 
 from fshard._array.array import ShardedArray
+from fshard._base.records import record
 from fshard._checkpoint._format import _CODES, _DTYPES, _SCALARS, _hashing, _sha256
 from fshard._errors import CheckpointError, SpecError
 from fshard.backends import Backend
 
 
+@record
 @dataclasses.dataclass(frozen=True)
 class _Facts:
     """What one rank was asked to save, in brief: exchanged before anything is written."""

@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from fshard._errors import SpecError
+from fshard._errors import SpecError, as_error
 from fshard._exec import gathered as _varying
 from fshard._layout.layout import Layout
 
-__all__ = ["agree", "describe_results", "holds_nothing_somewhere", "link_without_blocks", "merge_results", "untouched"]
+__all__ = [
+    "agree",
+    "describe_results",
+    "holds_nothing_somewhere",
+    "link_without_blocks",
+    "merge_results",
+    "untouched",
+]
 
 Meta = tuple[torch.dtype, dict[Any, tuple[int, ...]]]
 
@@ -43,29 +49,24 @@ def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) 
 
     A collective on a multi-process ``backend``: if ``compute`` or ``describe`` raised
     on any process, every process raises, its own error where it had one, else that
-    of the lowest rank that failed (with a note naming that rank).
+    of the lowest rank that failed (with a note naming that rank). An interrupt there
+    (``KeyboardInterrupt``, ``SystemExit``) is a ``CollectiveMismatchError`` here that
+    names the rank; the interrupted process posts it, then goes on being interrupted.
     """
     try:
         result = compute()
         mine = ("ok", describe(result))
-    except Exception as exc:
-        backend.exchange(("error", _portable(exc)))
+    except BaseException as exc:  # an interrupt too: the others would wait for this rank's entry
+        backend.exchange(("error", exc))
+        exc._fshard_posted = True  # type: ignore[attr-defined]  # the others know: check mode settles it
         raise
     seen = backend.exchange(mine)
     for rank, (kind, value) in zip(backend.ranks, seen):
         if kind == "error":
-            value.add_note(f"(raised on rank {rank}; this rank's function returned)")
-            raise value
+            error = as_error(value, rank, "function")
+            error.add_note(f"(raised on rank {rank}; this rank's function returned)")
+            raise error
     return result, [value for _, value in seen]
-
-
-def _portable(exc: Exception) -> Exception:
-    """``exc`` if it survives pickling (the exchange pickles it), else a ``RuntimeError`` naming it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc
 
 
 @contextlib.contextmanager

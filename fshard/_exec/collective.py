@@ -58,8 +58,11 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
             try:
                 with calling(what):
                     out = fn(*args, **kwargs)
-            except Exception as exc:
-                settle(f"{what} raised", exc)
+            except BaseException as exc:
+                # An interrupt that the other ranks learned of (``fshard._exec.agree``) is settled like an
+                # error, since they settle too; any other interrupt (Ctrl-C) stops this rank at once.
+                if isinstance(exc, Exception) or getattr(exc, "_fshard_posted", False):
+                    settle(f"{what} raised", exc)
                 raise
             settle(f"{what} returned")
             return out
