@@ -218,8 +218,11 @@ _EXACT: dict[type, tuple[str, Any]] = {
 
 
 def _records() -> dict[str, type]:
-    """The records that ranks exchange, by name: layout values, this codec's own, and those that
-    the modules exchanging them registered (``fshard._base.records``)."""
+    """The records that ranks exchange, by name.
+
+    Layout values, this codec's own, and those that the modules exchanging them registered
+    (``fshard._base.records``).
+    """
     return _known(count())
 
 

@@ -89,16 +89,20 @@ def untouched(tensors: Sequence[torch.Tensor], what: str) -> Iterator[None]:
 
 
 def describe_results(tree: Any, leaves: Sequence[dict[Any, torch.Tensor]]) -> tuple[Any, list[Meta]] | None:
-    """What fn returned on this process, as plain data: its tree, and per leaf the dtype and
-    the shape of the block at each key (a shard index or a slot); ``None`` where it ran on nothing."""
+    """What fn returned on this process, as plain data; ``None`` where it ran on nothing.
+
+    That is its tree, and per leaf the dtype and the shape of the block at each key (a
+    shard index or a slot).
+    """
     if tree is None:
         return None
     return tree, [(next(iter(b.values())).dtype, {k: tuple(t.shape) for k, t in b.items()}) for b in leaves]
 
 
 def merge_results(seen: Sequence[Any], what: str) -> tuple[Any, list[Meta]]:
-    """One tree, and per leaf one dtype and every process's block shapes, from the processes'
-    ``describe_results`` (``(None, [])`` when fn ran nowhere).
+    """One tree, and per leaf one dtype and every process's block shapes.
+
+    Merged from the processes' ``describe_results`` (``(None, [])`` when fn ran nowhere).
 
     Raises:
         SpecError: fn returned different trees, or different dtypes for a leaf, on different ranks.
@@ -120,6 +124,9 @@ def merge_results(seen: Sequence[Any], what: str) -> tuple[Any, list[Meta]]:
 
 
 def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int]) -> torch.Tensor:
-    """A result's 0-element link where fn ran on no block: it joins every argument's link and the
-    gathered tensors fn used on other ranks, so that backward reaches what it reaches there."""
+    """A result's 0-element link where fn ran on no block.
+
+    It joins every argument's link and the gathered tensors fn used on other ranks, so that
+    backward reaches what it reaches there.
+    """
     return _varying.join(functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype), used)
