@@ -59,6 +59,7 @@ from ._check import agreed, check, describe_layout
 from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
+from ._guard import Guard, guard
 from ._reduce import as_bytes, collective_kind, reduce_schedule, run_collective, run_local, run_reduce
 from ._transport import copy_local, empty
 
@@ -226,7 +227,9 @@ class TorchDistBackend:
             self._check(op, (p.src, p.dst), like.dtype)
             on = self._warm()  # the group's device: a shard on another GPU is copied there
             out = empty(layout.shape, like.dtype, on)
-            all_gather(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()), group=self.group)
+            g = self._guard(op, p, like.dtype)
+            g.agree(self.group)
+            g.wait(all_gather(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()), group=self.group, async_op=True))
             self._count(p.for_rank(self.rank).elements_sent)
             return out.to(self._out_device(layout, like))
         out = {}
@@ -252,7 +255,8 @@ class TorchDistBackend:
         self._check(f"reshard:{kind}", (p.src, p.dst), like.dtype)
         (j,) = self.addressable(p.dst)
         out = empty(p.dst._shard(j).sizes, like.dtype, self._wire)
-        run_collective(kind, p, tensors[0].to(self._wire), out, self.group)
+        guarded = self._guard(f"reshard:{kind}", p, like.dtype)
+        run_collective(kind, p, tensors[0].to(self._wire), out, self.group, guarded)
         self._count(p.for_rank(self.rank).elements_sent)
         return (out.to(shard_device(p.dst, j)),)
 
@@ -266,7 +270,7 @@ class TorchDistBackend:
         if p.min_elements_sent == 0:  # the phase's bound, which it meets, alike on every rank: no collective
             run_local(sched, src, out, dtype)
             return
-        run_reduce(sched, src, out, dtype, self._warm(), self.group, empty)
+        run_reduce(sched, src, out, dtype, self._warm(), self.group, empty, self._guard(op, p, dtype))
         self._count(sched.sent)
 
     def _warm(self) -> torch.device:
@@ -350,9 +354,14 @@ class TorchDistBackend:
         if not s.crosses:  # closed form, alike on every rank (plans are minimal): no collective
             copy_local(s.schedule, src, out)
             return out
-        s.transport(s.schedule, src, out, dtype, self._warm(), self.group)
+        s.transport(s.schedule, src, out, dtype, self._warm(), self.group, self._guard(op, p, dtype))
         self._count(s.schedule.sent)
         return out
+
+    def _guard(self, op: str, p: Plan, dtype: torch.dtype) -> Guard:
+        """The movement's header and round (``_guard``): ranks that move differently raise, every one."""
+        g = facts(self.group)
+        return guard(op, p.src, p.dst, dtype, g.ranks, g.rank, self._wire, g.alltoall)
 
     def _count(self, sent: int) -> None:
         """One collective that sent ``sent`` elements from this rank."""
