@@ -90,6 +90,8 @@ def _every_movement(x):
     mine = [fshard.Shard(m, x * (rank + 1)) for m in layout.shards_on(rank)]
     summed = fshard.from_local_shards_and_layout(mine, layout)
     out["reduce-chunk"] = fshard.gather(fshard.reshard(summed, fshard.Chunk(0, RANKS))).equal(x * 10)
+    half = fshard.shard(x.to(torch.bfloat16), fshard.Chunk(0, RANKS))  # a dtype that numpy lacks
+    out["bfloat16"] = fshard.gather(fshard.reshard(half, fshard.Chunk(1, RANKS))).equal(x.to(torch.bfloat16))
     out["reduce-replicated"] = fshard.gather(fshard.reshard(summed, fshard.Replicated(RANKS))).equal(x * 10)
     return out
 
