@@ -46,10 +46,10 @@ import operator
 
 import numpy as np
 
-from fshard import _boxes, _schedule
+from fshard import _schedule
 from fshard._cache import cached
 from fshard._layout import Layout, with_partial
-from fshard._plan import Plan, plan
+from fshard._plan import Plan, numels, plan
 from fshard._schedule import Index, RankSchedule, expand, index, pieces, shared_holders, walk_holders
 
 __all__ = ["PendingPlan", "build", "lower_bound", "rank_schedule"]
@@ -150,7 +150,7 @@ def lower_bound(src: Layout, dst: Layout) -> int:
         need = s_count + d_count - 1 - meet
     else:  # another op: reduce at one destination rank, which keeps the result
         need = s_count - meet
-    numel = _boxes.rows_prod(size)
+    numel = numels(size)  # Python ints where they could wrap around in int64
     if not len(need) or int(need.max()) * int(numel.sum()) < 2**62:  # no int64 overflow
         return int(np.dot(need, numel))
     return sum(map(operator.mul, need.tolist(), numel.tolist()))
