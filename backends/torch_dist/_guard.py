@@ -172,7 +172,7 @@ class Guard:
             self.wait(work, deadline=deadline)
 
     def _late(self, timeout: float, box: np.ndarray | None) -> CollectiveMismatchError:
-        who = f"ranks of process group {list(self.ranks)}"
+        who = f"some ranks of process group {list(self.ranks)}"
         if box is not None:
             tags = box[self.at[:, :2]]
             missing = [r for k, r in enumerate(self.ranks) if r != self.rank and tags[k].tobytes() != _TAG]
