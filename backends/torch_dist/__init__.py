@@ -31,6 +31,12 @@ peers, split sizes, the slices of every box, which boxes need no packing, its sh
 and transport: ``_choice.step``) is computed once per (layouts, rank, group), so a
 repeated call does no index arithmetic.
 
+Every movement that crosses ranks opens with a 16-byte header from each rank to every
+rank (dtype, digests of the operation and both layouts: ``_guard``); ranks that disagree
+raise ``CollectiveMismatchError`` on every rank before reading data. Under Gloo a small
+movement's data travels behind the headers in the same round; ``config(timeout=...)``
+bounds every wait.
+
 Placements name global ranks; a sub-group maps them to group ranks. The wire device
 follows the group: CUDA for an NCCL group, CPU otherwise.
 """

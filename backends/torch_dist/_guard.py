@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -139,10 +140,10 @@ class Guard:
                 parts += (self.header, data[at : at + n])
                 at += n
             env, sizes = torch.from_numpy(np.concatenate(parts)), [HEADER + n for n in sends]
-        box = np.empty(sum(self.slots), np.uint8)
+        box, wire = _box(sum(self.slots))
         if current().timeout is not None:
             box[self.at[:, :2]] = 0  # a header that still lacks its tag after a timeout: that rank did not arrive
-        work = dist.all_to_all_single(torch.from_numpy(box), env, list(self.slots), sizes, group=group, async_op=True)
+        work = dist.all_to_all_single(wire, env, list(self.slots), sizes, group=group, async_op=True)
         return box, work
 
     def verify(self, got: np.ndarray) -> None:
@@ -162,6 +163,8 @@ class Guard:
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():
                 raise
+            if box is not None:  # still in flight: the next round must not receive into it
+                _BOXES.by_size.pop(box.size, None)
             raise self._late(timeout, box) from exc
 
     def wait_all(self, works: Sequence[Any]) -> None:
@@ -262,6 +265,24 @@ def guard(
     return Guard(
         op, src, dst, dtype, ranks, rank, wire, alltoall, inline, header, tiled, tuple(slots), at, data_at, expect
     )
+
+
+# Each thread's receive buffers of Gloo rounds, by size: a round is waited for before the next
+# starts on the same thread, so one buffer serves them all (a fresh one would be mapped and
+# faulted in on every call past malloc's mmap threshold, 128 KiB).
+_BOXES = threading.local()
+
+
+def _box(size: int) -> tuple[np.ndarray, torch.Tensor]:
+    """This thread's receive buffer of ``size`` bytes, as numpy and as torch (one memory)."""
+    boxes = getattr(_BOXES, "by_size", None)
+    if boxes is None:
+        boxes = _BOXES.by_size = {}
+    found = boxes.get(size)
+    if found is None:
+        box = np.empty(size, np.uint8)
+        found = boxes[size] = (box, torch.from_numpy(box))
+    return found
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
