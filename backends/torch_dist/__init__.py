@@ -355,12 +355,15 @@ class TorchDistBackend:
         g = facts(self.group)
         s = step(p, g.rank, g.ranks, direct, g.alltoall)  # from p.for_rank(rank): no global rows
         src = dict(zip(s.src, tensors))
-        if out is None:
-            out = s.outputs(dtype)
         if not s.crosses:  # closed form, alike on every rank (plans are minimal): no collective
+            out = s.outputs(dtype) if out is None else out
             copy_local(s.schedule, src, out)
             return out
-        s.transport(s.schedule, src, out, dtype, self._warm(), self.group, self._guard(op, p, dtype))
+        wire, guarded = self._warm(), self._guard(op, p, dtype)
+        opened = guarded.open(self.group)  # a round of headers alone, in flight while outputs are made
+        if out is None:
+            out = s.outputs(dtype)
+        s.transport(s.schedule, src, out, dtype, wire, self.group, guarded, opened)
         self._count(s.schedule.sent)
         return out
 

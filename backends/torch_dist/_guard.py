@@ -99,11 +99,20 @@ class Guard:
     data_at: tuple[int, ...]  # where the data from each rank starts in that buffer
     expect: bytes  # the header once per rank: what a round that agrees receives
 
-    def start(self, recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, send_split: Any, group: Any) -> Any:
+    def start(
+        self,
+        recvbuf: torch.Tensor,
+        sendbuf: torch.Tensor,
+        recv_split: Any,
+        send_split: Any,
+        group: Any,
+        opened: tuple[Any, Any] | None = None,
+    ) -> Any:
         """Starts the movement's ``all_to_all_single`` (as ``_reduce.all_to_all``): inline behind the
-        headers, or after a round of headers. Returns an object whose ``wait()`` checks the headers."""
+        headers, or after the round of headers (``opened``, else one started here). Returns an
+        object whose ``wait()`` checks the headers."""
         if not self.inline:
-            self.agree(group)
+            self.agree(group, opened)
             return _Bounded(self, all_to_all(recvbuf, sendbuf, recv_split, send_split, group))
         item = sendbuf.element_size()
         sends = [n * item for n in send_split]
@@ -112,20 +121,30 @@ class Guard:
         box, work = self._round(_bytes(sendbuf), sends, group)
         return _Inline(self, work, box, [n * item for n in recv_split], recvbuf)
 
-    def agree(self, group: Any) -> None:
-        """A round of headers alone; returns when every rank sent this movement's header."""
+    def open(self, group: Any) -> tuple[Any, Any] | None:
+        """Starts the round of headers alone (``None`` for an inline movement, whose round is its
+        data's), so that it is in flight while the caller packs; ``agree`` ends it."""
+        if self.inline:
+            return None
         if self.wire.type == "cpu" and self.alltoall:
-            box, work = self._round(None, (), group)
-            self.wait(work, box)
-            self.verify(box[self.at])
-            return
+            return self._round(None, (), group)
         got = torch.empty((len(self.ranks), HEADER), dtype=torch.uint8, device=self.wire)
         if self.alltoall:
             work = dist.all_to_all_single(got.view(-1), self.tiled, group=group, async_op=True)
         else:
             work = dist.all_gather_into_tensor(got.view(-1), self.tiled[:HEADER], group=group, async_op=True)
-        self.wait(work)
-        self.verify(got.cpu().numpy())
+        return got, work
+
+    def agree(self, group: Any, opened: tuple[Any, Any] | None = None) -> None:
+        """Ends the round of headers ``opened`` (or a round started here); returns when every rank
+        sent this movement's header."""
+        got, work = opened or self.open(group) or (None, None)
+        if isinstance(got, np.ndarray):  # a Gloo round
+            self.wait(work, got)
+            self.verify(got[self.at])
+        elif got is not None:
+            self.wait(work)
+            self.verify(got.cpu().numpy())
 
     def _round(self, data: np.ndarray | None, sends: Sequence[int], group: Any) -> tuple[np.ndarray, Any]:
         """Posts one Gloo round: a header, then the next ``sends[k]`` bytes of ``data`` (if given),

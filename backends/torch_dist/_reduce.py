@@ -194,6 +194,7 @@ def run_reduce(
     """Runs a reduce phase: packs combined contributions per peer, exchanges them in one
     ``all_to_all_single`` while combining this rank's own, then combines what arrived.
     ``guard`` (``_guard.Guard``) starts the exchange behind the movement's headers."""
+    opened = guard.open(group)  # a round of headers alone, in flight while this packs
     sendbuf = empty((sum(sched.send_split),), dtype, wire)
     at = 0
     for _, msgs in sched.send:
@@ -206,7 +207,7 @@ def run_reduce(
                     accumulate(sched.op, seg, src[i][read])
             at += seg.numel()
     recvbuf = empty((sum(sched.recv_split),), dtype, wire)
-    work = guard.start(recvbuf, sendbuf, sched.recv_split, sched.send_split, group)
+    work = guard.start(recvbuf, sendbuf, sched.recv_split, sched.send_split, group, opened)
     done = run_local(sched, src, out, dtype)
     work.wait()
     messages = dict(sched.recv)

@@ -33,20 +33,27 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
 
 
 def p2p(
-    sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any, guard: Guard
+    sched: Schedule,
+    src: dict,
+    out: dict,
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    guard: Guard,
+    opened: Any = None,
 ) -> None:
     """One message per box; sent from and received into the tensors where the box is contiguous.
 
     Where some sent box is not (columns of a row chunk), all of them are packed into one
     buffer first, one strided copy per run of boxes (``Schedule.send_runs``). This rank's
     own copies (``sched.local``) run while the messages are in flight. The messages follow
-    the movement's header round (``guard``); where the data fits in that round, it goes
-    there instead (``alltoall``), so small moves take one round.
+    the movement's round of headers (``guard``; ``opened``: that round, already in flight);
+    where the data fits in that round, it goes there instead (``alltoall``), so small moves
+    take one round.
     """
     if guard.inline:
         alltoall(sched, src, out, dtype, wire, group, guard)
         return
-    guard.agree(group)
     ops, staged = [], []
     n = 0
     for peer, boxes in sched.recv:
@@ -68,6 +75,7 @@ def p2p(
             offset += box.numel()
     for peer, tag, box in sent:
         ops.append(dist.P2POp(dist.isend, as_bytes(box), peer, group, tag))
+    guard.agree(group, opened)  # every rank moves the same data, before any message is posted
     works = dist.batch_isend_irecv(ops) if ops else []
     copy_local(sched, src, out)
     guard.wait_all(works)
@@ -138,7 +146,14 @@ def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Ten
 
 
 def alltoall(
-    sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any, guard: Guard
+    sched: Schedule,
+    src: dict,
+    out: dict,
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    guard: Guard,
+    opened: Any = None,
 ) -> None:
     """Packs every box per peer into one buffer and runs a single ``all_to_all_single``.
 
@@ -148,7 +163,7 @@ def alltoall(
     flight, or travel in its own segment of it where that lets every received box land in
     place. ``guard`` carries the movement's headers: with the data where it fits (then the
     own copies never travel, as the round bounds what a segment holds), else in a round of
-    their own first.
+    their own first (``opened``, in flight while this packs).
     """
     ex = sched.plain if guard.inline else sched.exchange
     sendbuf = _in_place(ex.send_span, src, wire)
@@ -158,7 +173,7 @@ def alltoall(
     staged = recvbuf is None
     if staged:
         recvbuf = empty((sum(ex.recv_split),), dtype, wire)
-    work = guard.start(recvbuf, sendbuf, ex.recv_split, ex.send_split, group)
+    work = guard.start(recvbuf, sendbuf, ex.recv_split, ex.send_split, group, opened)
     if not ex.local:
         copy_local(sched, src, out)
     work.wait()
