@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 import fshard
-from fshard.backends.torch_dist import TorchDistBackend
 from fshard.backends.torch_dist._guard import inline_bytes
 
 pytestmark = pytest.mark.multiprocess
