@@ -53,15 +53,22 @@ class Config:
         check_timeout: seconds that check mode lets ranks take to arrive at a
             collective before it reports the ranks still missing; a positive,
             finite number (default 60).
+        timeout: seconds that a rank waits for the others in each movement's
+            collectives (``torch_dist``) before it raises ``CollectiveMismatchError``
+            naming the operation and, where it knows them, the ranks that did not
+            arrive; a positive, finite number, or ``None`` (the default): the
+            process group's own timeout (30 minutes unless set). The collective
+            stays in flight after such an error, so the group cannot be used again.
 
     Raises:
         TypeError: a setting of the wrong type (``check_collectives`` takes only a
             real ``bool``: the string ``"false"`` is refused, not read as true).
-        SpecError: ``check_timeout`` is not positive and finite (a ``ValueError``).
+        SpecError: ``check_timeout`` or ``timeout`` is not positive and finite (a ``ValueError``).
     """
 
     check_collectives: bool = False
     check_timeout: float = 60.0
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if type(self.check_collectives) is not bool:
@@ -73,6 +80,9 @@ class Config:
             raise TypeError(msg)
         _check_seconds("check_timeout", self.check_timeout)
         object.__setattr__(self, "check_timeout", float(self.check_timeout))
+        if self.timeout is not None:
+            _check_seconds("timeout", self.timeout)
+            object.__setattr__(self, "timeout", float(self.timeout))
 
 
 def _check_seconds(name: str, value: Any) -> None:
@@ -96,7 +106,7 @@ def config(**changes: Any) -> Config:
 
     Raises:
         TypeError: an unknown setting, or a value of the wrong type.
-        SpecError: a value out of range (a ``check_timeout`` that is not positive); a ``ValueError``.
+        SpecError: a value out of range (a ``check_timeout`` or ``timeout`` that is not positive); a ``ValueError``.
 
     >>> import fshard
     >>> old = fshard.config(check_collectives=True, check_timeout=5.0)

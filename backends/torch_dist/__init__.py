@@ -31,6 +31,12 @@ peers, split sizes, the slices of every box, which boxes need no packing, its sh
 and transport: ``_choice.step``) is computed once per (layouts, rank, group), so a
 repeated call does no index arithmetic.
 
+Every movement that crosses ranks opens with a 16-byte header from each rank to every
+rank (dtype, digests of the operation and both layouts: ``_guard``); ranks that disagree
+raise ``CollectiveMismatchError`` on every rank before reading data. Under Gloo a small
+movement's data travels behind the headers in the same round; ``config(timeout=...)``
+bounds every wait.
+
 Placements name global ranks; a sub-group maps them to group ranks. The wire device
 follows the group: CUDA for an NCCL group, CPU otherwise.
 """
@@ -61,6 +67,7 @@ from ._check import agreed, broke_in_flight, check, in_flight
 from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
+from ._guard import Guard, guard
 from ._reduce_phase import as_bytes, collective_kind, reduce_schedule, run_collective, run_local, run_reduce
 from ._transport import copy_local, empty
 
@@ -228,8 +235,12 @@ class TorchDistBackend:
             self._check(op, (p.src, p.dst), like.dtype)
             on = self._warm()  # the group's device: a shard on another GPU is copied there
             out = empty(layout.shape, like.dtype, on)
+            g = self._guard(op, p, like.dtype)
             with in_flight():
-                all_gather(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()), group=self.group)
+                g.agree(self.group)
+                g.wait(
+                    all_gather(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()), group=self.group, async_op=True)
+                )
             self._count(p.for_rank(self.rank).elements_sent)
             return out.to(self._out_device(layout, like))
         out = {}
@@ -255,8 +266,9 @@ class TorchDistBackend:
         self._check(f"reshard:{kind}", (p.src, p.dst), like.dtype)
         (j,) = self.addressable(p.dst)
         out = empty(p.dst._shard(j).sizes, like.dtype, self._wire)
+        guarded = self._guard(f"reshard:{kind}", p, like.dtype)
         with in_flight():
-            run_collective(kind, p, tensors[0].to(self._wire), out, self.group)
+            run_collective(kind, p, tensors[0].to(self._wire), out, self.group, guarded)
         self._count(p.for_rank(self.rank).elements_sent)
         return (out.to(shard_device(p.dst, j)),)
 
@@ -270,8 +282,9 @@ class TorchDistBackend:
         if p.min_elements_sent == 0:  # the phase's bound, which it meets, alike on every rank: no collective
             run_local(sched, src, out, dtype)
             return
+        guarded = self._guard(op, p, dtype)
         with in_flight():
-            run_reduce(sched, src, out, dtype, self._warm(), self.group, empty)
+            run_reduce(sched, src, out, dtype, self._warm(), self.group, empty, guarded)
         self._count(sched.sent)
 
     def _warm(self) -> torch.device:
@@ -357,15 +370,24 @@ class TorchDistBackend:
         g = facts(self.group)
         s = step(p, g.rank, g.ranks, direct, g.alltoall)  # from p.for_rank(rank): no global rows
         src = dict(zip(s.src, tensors))
-        if out is None:
-            out = s.outputs(dtype)
         if not s.crosses:  # closed form, alike on every rank (plans are minimal): no collective
+            out = s.outputs(dtype) if out is None else out
             copy_local(s.schedule, src, out)
             return out
+        wire, guarded = self._warm(), self._guard(op, p, dtype)
         with in_flight():
-            s.transport(s.schedule, src, out, dtype, self._warm(), self.group)
+            opened = guarded.open(self.group)  # a round of headers alone, in flight while outputs are made
+        if out is None:
+            out = s.outputs(dtype)
+        with in_flight():
+            s.transport(s.schedule, src, out, dtype, wire, self.group, guarded, opened)
         self._count(s.schedule.sent)
         return out
+
+    def _guard(self, op: str, p: Plan, dtype: torch.dtype) -> Guard:
+        """The movement's header and round (``_guard``): ranks that move differently raise, every one."""
+        g = facts(self.group)
+        return guard(op, p.src, p.dst, dtype, g.ranks, g.rank, self._wire, g.alltoall)
 
     def _count(self, sent: int) -> None:
         """One collective that sent ``sent`` elements from this rank."""

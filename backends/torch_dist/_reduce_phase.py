@@ -182,10 +182,19 @@ def _combine(
 
 
 def run_reduce(
-    sched: ReduceSchedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any, empty: Any
+    sched: ReduceSchedule,
+    src: dict,
+    out: dict,
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    empty: Any,
+    guard: Any,
 ) -> None:
     """Runs a reduce phase: packs combined contributions per peer, exchanges them in one
-    ``all_to_all_single`` while combining this rank's own, then combines what arrived."""
+    ``all_to_all_single`` while combining this rank's own, then combines what arrived.
+    ``guard`` (``_guard.Guard``) starts the exchange behind the movement's headers."""
+    opened = guard.open(group)  # a round of headers alone, in flight while this packs
     sendbuf = empty((sum(sched.send_split),), dtype, wire)
     at = 0
     for _, msgs in sched.send:
@@ -198,7 +207,7 @@ def run_reduce(
                     accumulate(sched.op, seg, src[i][read])
             at += seg.numel()
     recvbuf = empty((sum(sched.recv_split),), dtype, wire)
-    work = all_to_all(recvbuf, sendbuf, sched.recv_split, sched.send_split, group)
+    work = guard.start(recvbuf, sendbuf, sched.recv_split, sched.send_split, group, opened)
     done = run_local(sched, src, out, dtype)
     work.wait()
     messages = dict(sched.recv)
@@ -267,12 +276,15 @@ def _one_each(layout: Layout, order: tuple[int, ...]) -> bool:
     return len(ranks) == len(order) and set(ranks) == set(order)
 
 
-def run_collective(kind: str, p: Any, mine: torch.Tensor, out: torch.Tensor, group: Any) -> None:
-    """Runs ``all_reduce`` or ``reduce_scatter_tensor`` of this rank's summand ``mine`` into ``out``."""
+def run_collective(kind: str, p: Any, mine: torch.Tensor, out: torch.Tensor, group: Any, guard: Any) -> None:
+    """Runs ``all_reduce`` or ``reduce_scatter_tensor`` of this rank's summand ``mine`` into ``out``,
+    after the movement's round of headers (``guard``, a ``_guard.Guard``)."""
     op = _OPS[p.src.partial]
+    guard.agree(group)
     if kind == "all_reduce":
         out.copy_(mine)
-        dist.all_reduce(out, op=op, group=group)
+        work = dist.all_reduce(out, op=op, group=group, async_op=True)
     else:  # reduce_scatter_single replaces the deprecated reduce_scatter_tensor where torch has it
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        scatter(out, mine.contiguous(), op=op, group=group)
+        work = scatter(out, mine.contiguous(), op=op, group=group, async_op=True)
+    guard.wait(work)

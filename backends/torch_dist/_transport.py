@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from fshard._base.alloc import new
 
+from ._guard import Guard
 from ._lowering import Index, Run, Schedule, Span
-from ._reduce_phase import all_to_all, as_bytes
+from ._reduce_phase import as_bytes
 
 
 def _view(tensors: dict[int, torch.Tensor], at: Index) -> torch.Tensor:
@@ -31,13 +32,28 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
     return new(tuple(shape), dtype, device)
 
 
-def p2p(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any) -> None:
+def p2p(
+    sched: Schedule,
+    src: dict,
+    out: dict,
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    guard: Guard,
+    opened: Any = None,
+) -> None:
     """One message per box; sent from and received into the tensors where the box is contiguous.
 
     Where some sent box is not (columns of a row chunk), all of them are packed into one
     buffer first, one strided copy per run of boxes (``Schedule.send_runs``). This rank's
-    own copies (``sched.local``) run while the messages are in flight.
+    own copies (``sched.local``) run while the messages are in flight. The messages follow
+    the movement's round of headers (``guard``; ``opened``: that round, already in flight);
+    where the data fits in that round, it goes there instead (``alltoall``), so small moves
+    take one round.
     """
+    if guard.inline:
+        alltoall(sched, src, out, dtype, wire, group, guard)
+        return
     ops, staged = [], []
     n = 0
     for peer, boxes in sched.recv:
@@ -59,10 +75,10 @@ def p2p(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.d
             offset += box.numel()
     for peer, tag, box in sent:
         ops.append(dist.P2POp(dist.isend, as_bytes(box), peer, group, tag))
+    guard.agree(group, opened)  # every rank moves the same data, before any message is posted
     works = dist.batch_isend_irecv(ops) if ops else []
     copy_local(sched, src, out)
-    for work in works:
-        work.wait()
+    guard.wait_all(works)
     for k, target, got in staged:
         if target is not None:
             target.copy_(got)
@@ -129,16 +145,27 @@ def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Ten
     return base.reshape(-1)[span[1] : span[2]]
 
 
-def alltoall(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: torch.device, group: Any) -> None:
+def alltoall(
+    sched: Schedule,
+    src: dict,
+    out: dict,
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    guard: Guard,
+    opened: Any = None,
+) -> None:
     """Packs every box per peer into one buffer and runs a single ``all_to_all_single``.
 
     ``sched.exchange`` says how: boxes already back to back in one tensor are sent or
     received in place, the others packed or unpacked with one strided copy per run of
     boxes. This rank's own copies (``sched.local``) run while the collective is in
     flight, or travel in its own segment of it where that lets every received box land in
-    place.
+    place. ``guard`` carries the movement's headers: with the data where it fits (then the
+    own copies never travel, as the round bounds what a segment holds), else in a round of
+    their own first (``opened``, in flight while this packs).
     """
-    ex = sched.exchange
+    ex = sched.plain if guard.inline else sched.exchange
     sendbuf = _in_place(ex.send_span, src, wire)
     if sendbuf is None:
         sendbuf = _pack(ex.send_runs, src, empty((sum(ex.send_split),), dtype, wire))
@@ -146,7 +173,7 @@ def alltoall(sched: Schedule, src: dict, out: dict, dtype: torch.dtype, wire: to
     staged = recvbuf is None
     if staged:
         recvbuf = empty((sum(ex.recv_split),), dtype, wire)
-    work = all_to_all(recvbuf, sendbuf, ex.recv_split, ex.send_split, group)
+    work = guard.start(recvbuf, sendbuf, ex.recv_split, ex.send_split, group, opened)
     if not ex.local:
         copy_local(sched, src, out)
     work.wait()

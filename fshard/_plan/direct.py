@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from fshard._plan import routing as _routing
 from fshard._plan import schedule as _schedule
 from fshard._plan.schedule import RankSchedule
 
-__all__ = ["Box", "Plan", "Transfer", "min_elements"]
+__all__ = ["Box", "Plan", "Transfer", "min_elements", "numels"]
 
 _groups = _index.groups  # distinct boxes of a layout, in the numbering plans use
 
@@ -53,8 +54,8 @@ class Transfer:
 
     @property
     def numel(self) -> int:
-        """Number of elements moved."""
-        return int(np.prod(self.box[1], dtype=np.int64))
+        """Number of elements moved (a Python int: exact past 2**63)."""
+        return math.prod(self.box[1])
 
 
 class Plan:
@@ -165,8 +166,9 @@ class Plan:
 
     @property
     def numel(self) -> np.ndarray:
-        """Elements moved by each transfer."""
-        return _boxes.rows_prod(self.size)
+        """Elements moved by each transfer: int64, or Python ints (an object array) where they
+        add up to 2**62 or more (``numels``)."""
+        return numels(self.size)
 
     @functools.cached_property
     def _crossing(self) -> np.ndarray:
@@ -186,7 +188,7 @@ class Plan:
         """Elements that cross between different ranks (every phase)."""
         if self.steps:
             return sum(p.elements_sent for p in self.steps)
-        return int(self.numel[self._crossing].sum())
+        return int(numels(self.size[self._crossing]).sum())
 
     def bytes_sent(self, itemsize: int) -> int:
         """Bytes that cross between ranks for elements of ``itemsize`` bytes."""
@@ -195,10 +197,11 @@ class Plan:
     def traffic(self) -> np.ndarray:
         """A world x world matrix: elements sent from rank i (row) to rank j (column), every phase."""
         world = int(max(self.src.columns.rank.max(initial=-1), self.dst.columns.rank.max(initial=-1))) + 1
-        out = np.zeros((world, world), np.int64)
-        for p in self.phases:
-            cross = p._crossing
-            np.add.at(out, (p.src_rank[cross], p.dst_rank[cross]), p.numel[cross])
+        moved = [(p.src_rank[c], p.dst_rank[c], numels(p.size[c])) for p in self.phases for c in (p._crossing,)]
+        exact = any(n.dtype == object for _, _, n in moved)  # Python ints where int64 could wrap
+        out = np.zeros((world, world), object if exact else np.int64)
+        for src, dst, n in moved:
+            np.add.at(out, (src, dst), n)
         return out
 
     @functools.cached_property
@@ -275,13 +278,26 @@ def min_elements(src: Layout, dst: Layout) -> int:
     own source and destination boxes (found with the rank as one more coordinate).
     """
     si, di = _index.index(src), _index.index(dst)
-    need = int((_boxes.rows_prod(di.hi - di.lo)[di.held // max(len(di.ranks), 1)]).sum())
+    need = int(numels((di.hi - di.lo)[di.held // max(len(di.ranks), 1)]).sum())
     ranks = np.union1d(si.ranks, di.ranks)
     a = _with_rank(si, np.searchsorted(ranks, si.holder))
     b = _with_rank(di, np.searchsorted(ranks, di.holder))
     pa, pb = _boxes.intersect_pairs(*a, *b)
     overlap = np.minimum(a[1][pa], b[1][pb]) - np.maximum(a[0][pa], b[0][pb])
-    return need - int(_boxes.rows_prod(overlap[:, :-1]).sum())
+    return need - int(numels(overlap[:, :-1]).sum())
+
+
+def numels(sizes: np.ndarray) -> np.ndarray:
+    """The elements of each box (rows of extents): int64 where they add up to less than 2**62,
+    else Python ints in an object array, whose sums are exact (a layout may hold 2**63 elements
+    or more: only each extent must fit in int64).
+
+    >>> numels(np.array([[2, 3], [4, 0]])).tolist(), numels(np.array([[2**40, 2**40]])).tolist()
+    ([6, 0], [1208925819614629174706176])
+    """
+    if not sizes.size or np.prod(sizes.astype(np.float64), axis=1).sum() < 2.0**62:
+        return _boxes.rows_prod(sizes)
+    return np.array([math.prod(row) for row in sizes.tolist()], dtype=object)
 
 
 def _with_rank(ix: _index.Index, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

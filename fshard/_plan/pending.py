@@ -46,12 +46,11 @@ import operator
 
 import numpy as np
 
-from fshard._base import boxes as _boxes
 from fshard._base.cache import cached
 from fshard._layout.index import Index, expand, index, pieces
 from fshard._layout.layout import Layout, with_partial
 from fshard._plan import schedule as _schedule
-from fshard._plan.direct import Plan
+from fshard._plan.direct import Plan, numels
 from fshard._plan.routing import copy_on, shared_holders, walk_holders
 from fshard._plan.schedule import RankSchedule
 
@@ -153,7 +152,7 @@ def lower_bound(src: Layout, dst: Layout) -> int:
         need = s_count + d_count - 1 - meet
     else:  # another op: reduce at one destination rank, which keeps the result
         need = s_count - meet
-    numel = _boxes.rows_prod(size)
+    numel = numels(size)  # Python ints where they could wrap around in int64
     if not len(need) or int(need.max()) * int(numel.sum()) < 2**62:  # no int64 overflow
         return int(np.dot(need, numel))
     return sum(map(operator.mul, need.tolist(), numel.tolist()))

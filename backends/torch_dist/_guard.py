@@ -1,0 +1,325 @@
+"""Every movement's fingerprint, carried in its own messages, and waits with a bound.
+
+Ranks that call one movement with different arguments (SPMD misuse: one rank's dtype,
+spec or ``dst`` differs) would otherwise exchange bytes that each side reads by its own
+plan: wrong values on every rank, or Gloo aborting a process that receives a message
+longer than the receive it posted. So every movement that crosses ranks opens with a
+round in which each rank sends every rank of the group a 16-byte header: a tag, the
+dtype and digests of the operation and of both layouts (``Guard``, made once per cached
+movement). Every rank receives every header, so every rank reaches the same verdict
+before it reads any data: all equal, or ``CollectiveMismatchError`` naming which ranks
+sent what.
+
+On Gloo that round is the data exchange itself for small movements: when the plan's
+closed-form bytes (``min_elements_sent``) fit ``inline_bytes(world)``, each segment of the
+``all_to_all_single`` is a header followed by that peer's data. Every rank posts a receive
+of ``HEADER + inline_bytes`` from every peer, and no rank sends more (Gloo accepts a message
+shorter than the receive posted, and aborts on a longer one), so ranks that disagree still
+exchange safely sized messages, then raise. Larger movements run the same round with
+headers alone, then the data; NCCL, whose message sizes must match exactly, runs a round of
+headers alone before every movement.
+
+Waits are bounded by ``config(timeout=...)`` where it is set: a rank that waits longer
+raises ``CollectiveMismatchError`` naming the operation and, in the header round, the
+ranks whose headers did not arrive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fshard._base.cache import cached
+from fshard._config import current
+from fshard._errors import CollectiveMismatchError
+from fshard._layout.layout import Layout
+from fshard._layout.show import describe_layout
+from fshard._plan import plan
+
+from ._reduce_phase import all_to_all
+
+__all__ = ["HEADER", "Guard", "guard", "inline_bytes"]
+
+HEADER = 16
+_TAG = b"fS"  # the first two bytes of every header: a receive slot without it got no header
+# Header fields after the tag: (name, byte range); the dtype is a code into ``_DTYPES``.
+_FIELDS = (("dtype", slice(2, 4)), ("operation", slice(4, 8)), ("source layout", slice(8, 12)),
+           ("destination layout", slice(12, 16)))  # fmt: skip
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+_CPU = torch.device("cpu")
+# A peer's segment carries up to this many bytes of data behind its header, and every rank's
+# receive buffer holds at most about ``_INLINE_TOTAL`` bytes, whatever the group's size.
+_INLINE_MAX = 64 << 10
+_INLINE_TOTAL = 1 << 20
+
+
+def inline_bytes(world: int) -> int:
+    """Bytes of data that may follow a header in one segment of the round (alike on every rank)."""
+    return min(_INLINE_MAX, _INLINE_TOTAL // max(world, 1))
+
+
+@cached(1024)
+def _digest(layout: Layout) -> bytes:
+    """4 bytes that name the layout's shape, pending op and boxes with their ranks (not devices,
+    which ranks may name differently for one layout)."""
+    h = hashlib.blake2b(digest_size=4)
+    h.update(repr((layout.shape, layout.partial)).encode())
+    for a in (layout.columns.lo, layout.columns.sz, layout.columns.rank):
+        h.update(np.ascontiguousarray(a, np.int64).tobytes())
+    return h.digest()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Guard:
+    """One movement's header and how its round runs: ``inline`` (the data follows the headers in
+    one ``all_to_all_single``) or headers alone first. Made once per movement (``guard``)."""
+
+    op: str
+    src: Layout
+    dst: Layout
+    dtype: torch.dtype
+    ranks: tuple[int, ...]
+    rank: int
+    wire: torch.device
+    alltoall: bool
+    inline: bool
+    header: np.ndarray
+    tiled: torch.Tensor  # the header once per rank, on the wire: the send buffer of a header round
+    slots: tuple[int, ...]  # bytes received from each rank in a Gloo round (from itself: a header)
+    at: np.ndarray  # where each rank's header lands in the round's receive buffer, (ranks, HEADER)
+    data_at: tuple[int, ...]  # where the data from each rank starts in that buffer
+    expect: bytes  # the header once per rank: what a round that agrees receives
+
+    def start(
+        self,
+        recvbuf: torch.Tensor,
+        sendbuf: torch.Tensor,
+        recv_split: Any,
+        send_split: Any,
+        group: Any,
+        opened: tuple[Any, Any] | None = None,
+    ) -> Any:
+        """Starts the movement's ``all_to_all_single`` (as ``_reduce.all_to_all``): inline behind the
+        headers, or after the round of headers (``opened``, else one started here). Returns an
+        object whose ``wait()`` checks the headers."""
+        if not self.inline:
+            self.agree(group, opened)
+            return _Bounded(self, all_to_all(recvbuf, sendbuf, recv_split, send_split, group))
+        item = sendbuf.element_size()
+        sends = [n * item for n in send_split]
+        if max(sends, default=0) > max(self.slots) - HEADER or sends[self.ranks.index(self.rank)]:
+            raise RuntimeError(f"fshard internal error: {self.op} sends {sends} bytes inline, past the bound.")
+        box, work = self._round(_bytes(sendbuf), sends, group)
+        return _Inline(self, work, box, [n * item for n in recv_split], recvbuf)
+
+    def open(self, group: Any) -> tuple[Any, Any] | None:
+        """Starts the round of headers alone (``None`` for an inline movement, whose round is its
+        data's), so that it is in flight while the caller packs; ``agree`` ends it."""
+        if self.inline:
+            return None
+        if self.wire.type == "cpu" and self.alltoall:
+            return self._round(None, (), group)
+        got = torch.empty((len(self.ranks), HEADER), dtype=torch.uint8, device=self.wire)
+        if self.alltoall:
+            work = dist.all_to_all_single(got.view(-1), self.tiled, group=group, async_op=True)
+        else:
+            work = dist.all_gather_into_tensor(got.view(-1), self.tiled[:HEADER], group=group, async_op=True)
+        return got, work
+
+    def agree(self, group: Any, opened: tuple[Any, Any] | None = None) -> None:
+        """Ends the round of headers ``opened`` (or a round started here); returns when every rank
+        sent this movement's header."""
+        got, work = opened or self.open(group) or (None, None)
+        if isinstance(got, np.ndarray):  # a Gloo round
+            self.wait(work, got)
+            self.verify(got[self.at])
+        elif got is not None:
+            self.wait(work)
+            self.verify(got.cpu().numpy())
+
+    def _round(self, data: np.ndarray | None, sends: Sequence[int], group: Any) -> tuple[np.ndarray, Any]:
+        """Posts one Gloo round: a header, then the next ``sends[k]`` bytes of ``data`` (if given),
+        to the k-th rank. Every rank receives ``slots[k]`` bytes from the k-th, so no message is
+        longer than its receive (Gloo requires a rank's segment to itself to be exactly as long as
+        sent: a header)."""
+        if data is None:
+            env, sizes = self.tiled, [HEADER] * len(self.ranks)
+        else:
+            parts, at = [], 0
+            for n in sends:  # numpy slices: a tenth of the cost of torch's split and cat
+                parts += (self.header, data[at : at + n])
+                at += n
+            env, sizes = torch.from_numpy(np.concatenate(parts)), [HEADER + n for n in sends]
+        box, wire = _box(sum(self.slots))
+        if current().timeout is not None:
+            box[self.at[:, :2]] = 0  # a header that still lacks its tag after a timeout: that rank did not arrive
+        work = dist.all_to_all_single(wire, env, list(self.slots), sizes, group=group, async_op=True)
+        return box, work
+
+    def verify(self, got: np.ndarray) -> None:
+        """Raises ``CollectiveMismatchError`` unless every row of ``got`` is this movement's header."""
+        if got.tobytes() != self.expect:
+            raise self._mismatch(got)
+
+    def wait(self, work: Any, box: np.ndarray | None = None, deadline: float | None = None) -> None:
+        """``work.wait()``, at most ``config(timeout=...)`` seconds (or until ``deadline``) where set."""
+        timeout = current().timeout
+        if timeout is None:
+            work.wait()
+            return
+        left = timeout if deadline is None else max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=left))
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            if box is not None:  # still in flight: the next round must not receive into it
+                _BOXES.by_size.pop(box.size, None)
+            raise self._late(timeout, box) from exc
+
+    def wait_all(self, works: Sequence[Any]) -> None:
+        """Every ``work.wait()``, all within one ``config(timeout=...)``."""
+        timeout = current().timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for work in works:
+            self.wait(work, deadline=deadline)
+
+    def _late(self, timeout: float, box: np.ndarray | None) -> CollectiveMismatchError:
+        who = f"some ranks of process group {list(self.ranks)}"
+        if box is not None:
+            tags = box[self.at[:, :2]]
+            missing = [r for k, r in enumerate(self.ranks) if r != self.rank and tags[k].tobytes() != _TAG]
+            if missing:
+                who = f"ranks {missing} of process group {list(self.ranks)}"
+        msg = (
+            f"{self.op}: {who} did not arrive within {timeout:g} s (config(timeout=...)): they are "
+            "stopped, slower than this rank, or called fewer fshard functions (every rank must call "
+            "each one, in the same order). The collective stays in flight, so this process group "
+            "cannot be used again: end the job or destroy the group; raise config(timeout=...) if "
+            "those ranks are only slow."
+        )
+        return CollectiveMismatchError(msg)
+
+    def _mismatch(self, got: np.ndarray) -> CollectiveMismatchError:
+        sent: dict[bytes, list[int]] = {}
+        for r, row in zip(self.ranks, got):
+            sent.setdefault(row.tobytes(), []).append(r)
+        differ = [name for name, at in _FIELDS if len({h[at] for h in sent}) > 1]
+        lines = "; ".join(f"ranks {rs} sent {_describe(h)}" for h, rs in sent.items())
+        msg = (
+            f"{self.op}: ranks called it with different arguments on process group {list(self.ranks)}, "
+            f"so no data was read: {lines} (they differ in {', '.join(differ) or 'the tag'}). This rank "
+            f"({self.rank}) moved {_name(self.dtype)} from {describe_layout(self.src)} to "
+            f"{describe_layout(self.dst)}. Every rank must call each fshard function with the same "
+            "arguments, in the same order (SPMD); config(check_collectives=True) names the calls."
+        )
+        return CollectiveMismatchError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bounded:
+    """A started collective whose ``wait()`` is bounded."""
+
+    guard: Guard
+    work: Any
+
+    def wait(self) -> None:
+        self.guard.wait(self.work)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inline:
+    """A started inline round: ``wait()`` checks every header, then copies the data into ``into``."""
+
+    guard: Guard
+    work: Any
+    box: np.ndarray
+    sizes: list[int]
+    into: torch.Tensor
+
+    def wait(self) -> None:
+        g, box = self.guard, self.box
+        g.wait(self.work, box)
+        g.verify(box[g.at])
+        parts = [box[a : a + n] for a, n in zip(g.data_at, self.sizes) if n]
+        if parts:
+            np.concatenate(parts, out=_bytes(self.into))
+
+
+@cached(512)
+def guard(
+    op: str,
+    src: Layout,
+    dst: Layout,
+    dtype: torch.dtype,
+    ranks: tuple[int, ...],
+    rank: int,
+    wire: torch.device,
+    alltoall: bool,
+) -> Guard:
+    """The ``Guard`` of moving ``dtype`` data from ``src`` to ``dst`` by ``op`` on the group of ``ranks``."""
+    code = _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
+    op_digest = hashlib.blake2b(op.encode(), digest_size=4).digest()
+    header = np.frombuffer(_TAG + code.to_bytes(2, "little") + op_digest + _digest(src) + _digest(dst), np.uint8)
+    sent = plan(src, dst).min_elements_sent * dtype.itemsize
+    inline = wire.type == "cpu" and alltoall and 0 < sent <= inline_bytes(len(ranks))
+    tiled = torch.from_numpy(np.tile(header, len(ranks))).to(wire)
+    n = len(ranks)
+    slot = HEADER + (inline_bytes(n) if wire.type == "cpu" and alltoall else 0)
+    slots = [slot] * n
+    if rank in ranks:
+        slots[ranks.index(rank)] = HEADER
+    at = (np.cumsum(slots) - slots)[:, None] + np.arange(HEADER)
+    data_at = tuple((at[:, 0] + HEADER).tolist())
+    expect = header.tobytes() * n
+    return Guard(
+        op, src, dst, dtype, ranks, rank, wire, alltoall, inline, header, tiled, tuple(slots), at, data_at, expect
+    )
+
+
+# Each thread's receive buffers of Gloo rounds, by size: a round is waited for before the next
+# starts on the same thread, so one buffer serves them all (a fresh one would be mapped and
+# faulted in on every call past malloc's mmap threshold, 128 KiB).
+_BOXES = threading.local()
+
+
+def _box(size: int) -> tuple[np.ndarray, torch.Tensor]:
+    """This thread's receive buffer of ``size`` bytes, as numpy and as torch (one memory)."""
+    boxes = getattr(_BOXES, "by_size", None)
+    if boxes is None:
+        boxes = _BOXES.by_size = {}
+    found = boxes.get(size)
+    if found is None:
+        box = np.empty(size, np.uint8)
+        found = boxes[size] = (box, torch.from_numpy(box))
+    return found
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous 1-D CPU tensor's bytes as a numpy view (numpy's views cost less than torch's)."""
+    try:
+        return t.numpy().view(np.uint8)
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), or a tensor that requires grad
+        return t.detach().view(torch.uint8).numpy()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(h: bytes) -> str:
+    """A header as words: the dtype by name, the digests in hex."""
+    if h[:2] != _TAG:
+        return "no fshard movement header (another collective?)"
+    code = int.from_bytes(h[2:4], "little")
+    dtype = _name(_DTYPES[code - 1]) if 0 < code <= len(_DTYPES) else f"dtype #{code}"
+    return f"{dtype}, operation #{h[4:8].hex()}, source #{h[8:12].hex()}, destination #{h[12:16].hex()}"
