@@ -121,3 +121,19 @@ class Pool:
                 if replies[k][0] is False:
                     deadline = min(deadline, time.monotonic() + 10.0)
         return replies
+
+
+def outcome(
+    fn: Callable[[], Any], *, check: bool = True, timeout: float = 60.0, catch: type[BaseException] = Exception
+) -> tuple[str, str, list[str]] | None:
+    """``fn()`` with check mode on (or off): (type name, message, notes) of what it raised (a ``catch``), or None."""
+    import fshard
+
+    old = fshard.config(check_collectives=check, check_timeout=timeout)
+    try:
+        fn()
+    except catch as exc:
+        return type(exc).__name__, str(exc), list(getattr(exc, "__notes__", []))
+    finally:
+        fshard.config(check_collectives=old.check_collectives, check_timeout=old.check_timeout)
+    return None

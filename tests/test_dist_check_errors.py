@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _pool import outcome
 
 import fshard
 from fshard import CollectiveMismatchError, SpecError
@@ -17,16 +18,7 @@ R = [0, 1, 2, 3]
 X = torch.arange(96.0).reshape(8, 12)
 
 
-def _outcome(fn, *, check=True, timeout=60.0):
-    """``fn()`` with check mode on (or off); returns (exception type name, message, notes) or None."""
-    old = fshard.config(check_collectives=check, check_timeout=timeout)
-    try:
-        fn()
-    except Exception as exc:
-        return type(exc).__name__, str(exc), list(getattr(exc, "__notes__", []))
-    finally:
-        fshard.config(check_collectives=old.check_collectives, check_timeout=old.check_timeout)
-    return None
+_outcome = outcome
 
 
 def _rank() -> int:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+from _pool import outcome
 
 import fshard
 from fshard.backends.torch_dist import TorchDistBackend, _check, _exchange
@@ -26,15 +27,9 @@ X = torch.arange(96.0).reshape(8, 12)
 
 
 def _outcome(fn, *, check=True, timeout=60.0):
-    """``fn()`` with check mode on (or off); returns (type name, message) of what it raised, or None."""
-    old = fshard.config(check_collectives=check, check_timeout=timeout)
-    try:
-        fn()
-    except BaseException as exc:
-        return type(exc).__name__, str(exc)
-    finally:
-        fshard.config(check_collectives=old.check_collectives, check_timeout=old.check_timeout)
-    return None
+    """(type name, message) of what ``fn()`` raised, interrupts included, or None (``_pool.outcome``)."""
+    got = outcome(fn, check=check, timeout=timeout, catch=BaseException)
+    return None if got is None else got[:2]
 
 
 class _Evil:
