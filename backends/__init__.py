@@ -68,14 +68,27 @@ class Backend(Protocol):
         ``like`` gives dtype (and device, where a shard's placement does not)."""
         ...
 
-    def scatter(self, full: torch.Tensor | None, layout: Layout, src: int | None) -> tuple[torch.Tensor, ...]:
-        """Slices the global tensor into addressable shards (``src``: only that rank's is read)."""
+    def scatter(
+        self, full: torch.Tensor | None, layout: Layout, src: int | None, plan: Plan | None
+    ) -> tuple[torch.Tensor, ...]:
+        """Slices the global tensor into addressable shards.
+
+        With ``src``, only that rank's tensor is read and ``plan`` moves the whole array on
+        ``src`` (``fshard._layout.specs.whole``) to ``layout``; with ``src=None``, ``plan`` is ``None``.
+        """
+        ...
+
+    def receivers(self, layout: Layout, dst: int | None) -> tuple[int, ...]:
+        """The ranks that ``assemble`` delivers to: ``(dst,)``, or every rank (raises for a bad ``dst``)."""
         ...
 
     def assemble(
-        self, layout: Layout, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
+        self, layout: Layout, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None, plan: Plan
     ) -> torch.Tensor | None:
-        """The global tensor, on every rank (``dst=None``) or on rank ``dst`` (others ``None``)."""
+        """The global tensor, on every rank (``dst=None``) or on rank ``dst`` (others ``None``).
+
+        ``plan`` moves ``layout`` to the whole array on each of ``receivers(layout, dst)``.
+        """
         ...
 
     def exchange(self, obj: Any) -> list[Any]:

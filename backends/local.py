@@ -13,7 +13,9 @@ from fshard._base.alloc import POOL_LIMIT_BYTES, empty_cache
 from fshard._base.boxes import rows_all, rows_prod, unique_rows
 from fshard._base.cache import cached
 from fshard._errors import SpecError
+from fshard._layout.layout import Layout
 from fshard._log import log_move
+from fshard._plan.direct import Plan
 
 from ._execution import (
     Counters,
@@ -165,13 +167,6 @@ def _at(lo: Sizes, size: Sizes) -> Index:
 
 
 @cached(256)
-def held(layout: Any, rank: int | None = None) -> int:
-    """Elements held, summed over ranks (or on ``rank`` only): a box held twice by a rank counts once."""
-    keep = rows_all(layout.columns.sz > 0) & (True if rank is None else layout.columns.rank == rank)
-    first, _ = unique_rows(np.c_[layout.columns.lo, layout.columns.sz, layout.columns.rank][keep])
-    return int(np.prod(layout.columns.sz[keep][first], axis=1).sum())
-
-
 @dataclasses.dataclass(frozen=True)
 class LocalBackend:
     """All ranks in one process: transfers are slice copies; nothing is sent anywhere.
@@ -268,30 +263,33 @@ class LocalBackend:
                 self.counters.elements_sent += run.crossing
         return tuple(tensors)
 
-    def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
-        """Copies each shard's box out of ``full`` (from rank ``src``: counts what other ranks receive)."""
+    def scatter(
+        self, full: torch.Tensor | None, layout: Any, src: int | None, p: Plan | None
+    ) -> tuple[torch.Tensor, ...]:
+        """Copies each shard's box out of ``full``; from rank ``src`` (plan ``p``), counts what other ranks receive."""
         assert full is not None
         if src is not None:
             src = self.check_rank(src, "src")
         out = scattering(layout).run((full,), full.dtype)
-        if src is not None:
-            self.counters.elements_sent += held(layout) - held(layout, src)
+        if p is not None:
+            self.counters.elements_sent += p.min_elements_sent  # the planner sends exactly its lower bound
         return out
 
+    def receivers(self, layout: Layout, dst: int | None) -> tuple[int, ...]:
+        """The ranks a gather delivers to: ``dst``, or every rank of ``layout``."""
+        return layout.ranks if dst is None else (self.check_rank(dst, "dst"),)
+
     def assemble(
-        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
+        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None, p: Plan
     ) -> torch.Tensor:
-        """Writes one copy of every box into a new global tensor (on rank ``dst``'s device)."""
-        if dst is not None:
-            dst = self.check_rank(dst, "dst")
+        """Writes one copy of every box into a new global tensor (on rank ``dst``'s device).
+
+        Counts what the receiving ranks of plan ``p`` lack: rank ``dst``, or every rank of the layout.
+        """
         idx = layout.indices_on(dst) if dst is not None else ()
         device = shard_device(layout, idx[0]) if idx else like.device
         (out,) = _assembly(layout, device).run(tensors, like.dtype)
-        # What each receiving rank lacks: rank dst, or every rank of the layout.
-        if dst is None:
-            self.counters.elements_sent += len(layout.ranks) * layout.numel - held(layout)
-        else:
-            self.counters.elements_sent += layout.numel - held(layout, dst)
+        self.counters.elements_sent += p.min_elements_sent
         return out
 
     def exchange(self, obj: Any) -> list[Any]:

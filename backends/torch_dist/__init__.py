@@ -55,11 +55,9 @@ from fshard._base.cache import cached
 from fshard._base.calls import call_name
 from fshard._config import current
 from fshard._errors import SpecError
-from fshard._layout.layout import Layout, ShardMeta
-from fshard._layout.placement import Placement
+from fshard._layout.layout import Layout
 from fshard._layout.show import describe_layout
 from fshard._log import log_move
-from fshard._plan import plan
 from fshard._plan.direct import Plan
 
 from .._execution import Counters, new_shard, shard_device, slice_shards
@@ -195,7 +193,9 @@ class TorchDistBackend:
             tensors = tuple(out.values())
         return tuple(tensors)
 
-    def scatter(self, full: torch.Tensor | None, layout: Any, src: int | None) -> tuple[torch.Tensor, ...]:
+    def scatter(
+        self, full: torch.Tensor | None, layout: Any, src: int | None, p: Plan | None
+    ) -> tuple[torch.Tensor, ...]:
         """This rank's boxes of ``full``: sliced locally (``src=None``) or sent from rank ``src``.
 
         Only the boxes that other ranks need leave rank ``src``, each straight from
@@ -206,15 +206,20 @@ class TorchDistBackend:
             raise SpecError(
                 f"scatter(src={src}) needs a tensor on every rank (off src, an empty stand-in of the dtype)."
             )
-        if src is None:
+        if src is None or p is None:
             return self._slice(full, layout)
         self._require_member(f"shard(src={src})")
         self.check_rank(src, "src")
-        p, mine = plan(_whole(layout.shape, (src,)), layout), (full,) if self.rank == src else ()
+        mine = (full,) if self.rank == src else ()
         return tuple(self._move(f"shard(src={src})", p, mine, None, full.dtype, direct=True).values())
 
+    def receivers(self, layout: Layout, dst: int | None) -> tuple[int, ...]:
+        """The ranks a gather delivers to: ``dst``, or every rank of the group."""
+        self._require_member(f"gather(dst={dst})")
+        return self.ranks if dst is None else (self.check_rank(dst, "dst"),)
+
     def assemble(
-        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None
+        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None, p: Plan
     ) -> torch.Tensor | None:
         """The global tensor on every rank of the group (``dst=None``) or on rank ``dst`` only.
 
@@ -225,11 +230,8 @@ class TorchDistBackend:
         """
         op = f"gather(dst={dst})"
         self._require_member(op)
-        if dst is not None:
-            self.check_rank(dst, "dst")
-        receivers = self.ranks if dst is None else (dst,)
-        target = _whole(layout.shape, receivers)
-        p = plan(layout, target)
+        target = p.dst
+        receivers = target.ranks
         wire = self._wire.type
         if dst is None and len(receivers) > 1 and wire in ALL_GATHER_WIRES and rows_in_order(layout, receivers, wire):
             self._check(op, (p.src, p.dst), like.dtype)
@@ -400,10 +402,3 @@ class TorchDistBackend:
 def _on_wire(p: Plan, wire: torch.device) -> bool:
     """Whether every shard of both layouts is placed on the wire's device type (as every rank sees)."""
     return all(torch.device(d).type == wire.type for d in {*p.src.columns.devices, *p.dst.columns.devices})
-
-
-@cached(256)
-def _whole(shape: tuple[int, ...], ranks: tuple[int, ...]) -> Layout:
-    """The whole array once on each of ``ranks`` (the layout ``shard(src=)`` and ``gather`` move from or to)."""
-    zero = (0,) * len(shape)
-    return Layout(tuple(shape), tuple(ShardMeta(zero, tuple(shape), Placement(r)) for r in ranks))

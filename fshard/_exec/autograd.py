@@ -37,7 +37,9 @@ from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
 from fshard._layout.batch import with_batch
 from fshard._layout.layout import Layout, ShardMeta, with_partial
+from fshard._layout.specs import whole
 from fshard._plan import plan
+from fshard._plan.direct import Plan
 
 __all__ = ["assemble", "move", "scatter"]
 
@@ -169,7 +171,7 @@ class _Move(torch.autograd.Function):
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
-        return (*backend.scatter(full, layout, src), _link_of(full))
+        return (*backend.scatter(full, layout, src, _scatter_plan(layout, src)), _link_of(full))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -202,7 +204,7 @@ class _Assemble(torch.autograd.Function):
     def forward(
         layout: Layout, backend: Any, dst: int | None, parts: Any, like: torch.Tensor, *tensors: torch.Tensor
     ) -> Any:
-        out = backend.assemble(layout, tensors, like, dst)
+        out = backend.assemble(layout, tensors, like, dst, _assemble_plan(layout, backend, dst))
         # Off rank dst the result is an empty stand-in: the backward still needs a node here.
         return out if out is not None else like.new_empty((0,))
 
@@ -354,3 +356,13 @@ def _with_parts(parts: _varying.Parts, grad: torch.Tensor, backend: Any) -> torc
     mine = mine if mine is not None else torch.zeros_like(grad)
     (summed,), _ = move(summands, whole, backend, (mine,), mine)
     return grad + summed
+
+
+def _scatter_plan(layout: Layout, src: int | None) -> Plan | None:
+    """The plan of ``shard(src=)``: the whole array on ``src`` to ``layout`` (none without ``src``)."""
+    return None if src is None else plan(whole(layout.shape, (src,)), layout)
+
+
+def _assemble_plan(layout: Layout, backend: Any, dst: int | None) -> Plan:
+    """The plan of ``gather``: ``layout`` to the whole array on each receiving rank."""
+    return plan(layout, whole(layout.shape, backend.receivers(layout, dst)))

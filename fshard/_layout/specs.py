@@ -19,9 +19,9 @@ from fshard._layout.torch_meta import box_from_torch, is_shard_metadata, is_torc
 from fshard._layout.validate import REDUCE_OPS, check_shape
 
 __all__ = [
-    "MAX_MESH_SIZE",
     "Chunk",
     "Explicit",
+    "MAX_MESH_SIZE",
     "Mesh",
     "Named",
     "Partial",
@@ -31,6 +31,7 @@ __all__ = [
     "SpecLike",
     "as_layout",
     "is_spec",
+    "whole",
 ]
 
 
@@ -429,3 +430,9 @@ def layout_of_torch_spec(spec: Any, shape: tuple[int, ...]) -> Layout:
         msg = f"torch's {type(spec).__name__} cannot lay out shape {shape}: {exc}"
         raise SpecError(msg) from exc
     return Layout.from_torch_metadata(metadata)
+
+
+@cached(256)
+def whole(shape: tuple[int, ...], ranks: tuple[int, ...]) -> Layout:
+    """The whole array once on each of ``ranks``: what ``shard(src=)`` moves from and ``gather`` to."""
+    return Replicated(list(ranks)).layout(shape)
