@@ -14,6 +14,7 @@ from fshard._base.boxes import rows_all, rows_prod, unique_rows
 from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout
+from fshard._layout.validate import MAX_EXTENT
 from fshard._log import log_move
 from fshard._plan.direct import Plan
 
@@ -166,7 +167,6 @@ def _at(lo: Sizes, size: Sizes) -> Index:
     return tuple(map(span_slice, lo, size))
 
 
-@cached(256)
 @dataclasses.dataclass(frozen=True)
 class LocalBackend:
     """All ranks in one process: transfers are slice copies; nothing is sent anywhere.
@@ -298,9 +298,9 @@ class LocalBackend:
 
 
 def _is_rank(rank: Any) -> bool:
-    """Whether ``rank`` equals a non-negative int (what ``rank in ranks`` accepts, as ``torch_dist`` checks)."""
+    """Whether ``rank`` equals a non-negative int that a layout can hold (int64, as ``torch_dist`` checks)."""
     try:
-        return bool(rank == int(rank)) and int(rank) >= 0
+        return bool(rank == int(rank)) and 0 <= int(rank) < MAX_EXTENT
     except (TypeError, ValueError, OverflowError):
         return False
 
