@@ -35,7 +35,7 @@ def _uneven(shape: tuple[int, int], ranks: list[int]) -> list[fshard.ShardMeta]:
     """Two row bands split into columns of growing width (1 : 2 : 3 ...)."""
     top, bottom = ranks[: (len(ranks) + 1) // 2], ranks[(len(ranks) + 1) // 2 :]
     cut = shape[0] * 3 // 8 if bottom else shape[0]
-    out = []
+    out: list[fshard.ShardMeta] = []
     for r0, r1, band in ((0, cut, top), (cut, shape[0], bottom)):
         weights = list(range(1, len(band) + 1))
         edges = [0] + [shape[1] * sum(weights[: k + 1]) // sum(weights) for k in range(len(band))]
@@ -47,7 +47,8 @@ def run(world: int, backend: Any = None) -> dict[str, Any]:
     """Runs every reshard between the demo layouts; returns rows and verification results."""
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
     layouts = {name: s.layout(SHAPE) for name, s in specs(world).items()}
-    rows, ok = [], True
+    rows: list[tuple[str, str, int, int, float, bool]] = []
+    ok = True
     for src_name, src in layouts.items():
         a = fshard.shard(x, src, backend=backend)
         for dst_name, dst in layouts.items():
@@ -63,9 +64,13 @@ def run(world: int, backend: Any = None) -> dict[str, Any]:
             ok &= same
             p = fshard.plan(src, dst)
             rows.append((src_name, dst_name, sum(sent), p.min_elements_sent, seconds * 1e3, same))
-    y = fshard.map_local(lambda t: t * 2 + 1, fshard.shard(x, layouts["mesh grid"], backend=backend))
+    y = fshard.map_local(_affine, fshard.shard(x, layouts["mesh grid"], backend=backend))
     mapped = bool(torch.equal(fshard.gather(y), x * 2 + 1))
     return {"rows": rows, "ok": ok and mapped, "mapped": mapped}
+
+
+def _affine(t: torch.Tensor) -> torch.Tensor:
+    return t * 2 + 1
 
 
 def report(title: str, result: dict[str, Any], world: int, color: bool | str = False) -> str:

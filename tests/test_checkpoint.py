@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 import fshard
 from fshard._checkpoint import _reader, _write
-from fshard._checkpoint._format import _index_digest
+from fshard._checkpoint._format import index_digest
 
 SHAPE = (10, 12)
 ALL = [0, 1, 2, 3]
@@ -184,9 +184,9 @@ def test_load_reads_only_overlapping_ranges_without_verify(tmp_path, monkeypatch
     x = fshard.shard(_data((40, 10)), fshard.Chunk(0, ALL))
     fshard.save(tmp_path, x)
     read, whole = [], []
-    part, full = _reader._Reader.part, _reader._Reader.whole
-    monkeypatch.setattr(_reader._Reader, "part", lambda self, *a: read.append(t := part(self, *a)) or t)
-    monkeypatch.setattr(_reader._Reader, "whole", lambda self, *a: whole.append(t := full(self, *a)) or t)
+    part, full = _reader.Reader.part, _reader.Reader.whole
+    monkeypatch.setattr(_reader.Reader, "part", lambda self, *a: read.append(t := part(self, *a)) or t)
+    monkeypatch.setattr(_reader.Reader, "whole", lambda self, *a: whole.append(t := full(self, *a)) or t)
     target = fshard.Explicit([((5, 0), (12, 10), 0), ((0, 0), (5, 10), 1), ((17, 0), (23, 10), 1)])
     assert _same(fshard.load(tmp_path, specs=target, verify=False), x)
     assert sum(t.numel() for t in read) == 400
@@ -267,7 +267,7 @@ def _edit_index(root: Path, redigest: bool = True, **changes) -> None:
     """Changes top-level keys of the index; ``redigest`` updates its digest, as a deliberate writer would."""
     index = json.loads((root / "index.json").read_text()) | changes
     if redigest:
-        index["digest"] = _index_digest(index)
+        index["digest"] = index_digest(index)
     (root / "index.json").write_text(json.dumps(index))
 
 
@@ -313,7 +313,7 @@ def _crash_on_call(monkeypatch, target, name, at):
 
 @pytest.mark.parametrize(
     ("target", "name", "at"),
-    [(_write, "save_file", 3), (_write, "_fsync", 2), (_write.os, "replace", 1)],
+    [(_write, "save_file", 3), (_write, "fsync", 2), (_write.os, "replace", 1)],
     ids=["writing-files", "after-a-file", "renaming-index"],
 )
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(saved, monkeypatch, target, name, at):

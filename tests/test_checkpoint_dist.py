@@ -94,13 +94,13 @@ def test_load_on_a_smaller_group(dist_pool, tmp_path, ranks):
 
 def _load_counting_reads(path: str) -> tuple[int, int, bool]:
     read = []
-    part = _reader._Reader.part
-    _reader._Reader.part = lambda self, *a: read.append(t := part(self, *a)) or t  # type: ignore[method-assign]
+    part = _reader.Reader.part
+    _reader.Reader.part = lambda self, *a: read.append(t := part(self, *a)) or t  # type: ignore[method-assign]
     try:
         spec = fshard.Chunk(1, [2, 3, 0, 1])
         out = fshard.load(path, specs={"x": spec, "w": None, "step": None}, verify=False)
     finally:
-        _reader._Reader.part = part  # type: ignore[method-assign]
+        _reader.Reader.part = part  # type: ignore[method-assign]
     mine = sum(s.data.numel() for s in out["x"].addressable_shards)
     return sum(t.numel() for t in read) - W.numel(), mine, _same(fshard.gather(out["x"]), X)
 

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 
 import fshard
 from fshard._checkpoint import _reader, _save, _write
-from fshard._checkpoint._format import _index_digest
+from fshard._checkpoint._format import index_digest
 from fshard.backends.local import LOCAL
 
 X = torch.arange(48.0).reshape(8, 6)
@@ -292,7 +292,7 @@ def test_a_crafted_index_declaring_a_huge_tensor_allocates_nothing(tmp_path, spe
     leaf = index["leaves"][0]
     leaf["shape"] = leaf["boxes"][0]["sizes"] = [n, n]
     index["files"]["rank-00000.safetensors"]["bytes"] = n * n * 4
-    index["digest"] = _index_digest(index)
+    index["digest"] = index_digest(index)
     (root / "index.json").write_text(json.dumps(index))
     real = (root / index["data"] / "rank-00000.safetensors").stat().st_size
     message = f"has {real} bytes, index.json records {n * n * 4}"
@@ -422,13 +422,13 @@ def test_an_index_that_is_a_directory_is_refused_before_anything_is_written(tmp_
 def test_a_failure_after_the_commit_rename_does_not_fail_the_save(tmp_path, monkeypatch):
     root = tmp_path / "ck"
     _save_x(root, step=1)
-    real = _save._commit
+    real = _save.commit
 
     def commit_then_fail(*args: Any) -> None:
         real(*args)
         raise OSError(5, "Input/output error")  # say, the directory fsync after the rename
 
-    monkeypatch.setattr(_save, "_commit", commit_then_fail)
+    monkeypatch.setattr(_save, "commit", commit_then_fail)
     _save_x(root, X + 1, step=2)
     monkeypatch.undo()
     x, step = _load_x(root)
@@ -438,13 +438,13 @@ def test_a_failure_after_the_commit_rename_does_not_fail_the_save(tmp_path, monk
 
 def _save_with_leader_killed_after_commit(path: str, out: str) -> str:
     if dist.get_rank() == 0:
-        real = _save._commit
+        real = _save.commit
 
         def commit_then_die(*args: Any) -> None:
             real(*args)
             os._exit(0)  # killed right after the rename
 
-        _save._commit = commit_then_die
+        _save.commit = commit_then_die
     try:
         fshard.save(path, {"x": fshard.shard(X + 1, fshard.Chunk(0, [0, 1, 2, 3])), "step": 2})
         outcome = "saved"
@@ -473,14 +473,14 @@ def test_survivors_of_a_leader_killed_after_the_commit_report_success(dist_pool,
 def test_a_save_whose_files_another_save_deleted_does_not_commit(tmp_path, monkeypatch):
     root = tmp_path / "ck"
     _save_x(root, step=1)
-    real = _save._write_files
+    real = _save.write_files
 
     def then_deleted(*args: Any) -> Any:
         written = real(*args)
         (args[1] / "rank-00000.safetensors").unlink()  # a save that committed in between took it as old data
         return written
 
-    monkeypatch.setattr(_save, "_write_files", then_deleted)
+    monkeypatch.setattr(_save, "write_files", then_deleted)
     with pytest.raises(
         fshard.CheckpointError, match=r"rank-00000\.safetensors is gone before the commit .* another save"
     ):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fshard
-from fshard._checkpoint._format import _index_digest
+from fshard._checkpoint._format import index_digest
 
 ALL = [0, 1, 2, 3]
 
@@ -35,7 +35,7 @@ def _index(root: Path) -> dict[str, Any]:
 
 def _write(root: Path, index: dict[str, Any], redigest: bool) -> None:
     if redigest:
-        index["digest"] = _index_digest(index)
+        index["digest"] = index_digest(index)
     (root / "index.json").write_text(json.dumps(index, indent=1))
 
 

@@ -23,7 +23,7 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._base.records import record
-from fshard._checkpoint._format import _CODES, _DTYPES, _SCALARS, _hashing, _sha256
+from fshard._checkpoint._format import CODES, DTYPES, SCALARS, hashing, sha256
 from fshard._errors import CheckpointError, SpecError
 from fshard.backends import Backend
 
@@ -65,7 +65,7 @@ def _check_leaf(path: str, leaf: Any) -> None:
             "(fshard.from_dtensor, fshard.from_sharded_tensor) or pass a plain tensor."
         )
         raise TypeError(msg)
-    elif isinstance(leaf, _SCALARS):
+    elif isinstance(leaf, SCALARS):
         return
     else:
         msg = (
@@ -73,8 +73,8 @@ def _check_leaf(path: str, leaf: Any) -> None:
             "bool, int, float, str or None."
         )
         raise TypeError(msg)
-    if dtype not in _CODES:
-        raise TypeError(f"Leaf at {where} has dtype {dtype}; checkpoints store {sorted(_DTYPES)}.")
+    if dtype not in CODES:
+        raise TypeError(f"Leaf at {where} has dtype {dtype}; checkpoints store {sorted(DTYPES)}.")
     if _on_meta(leaf):
         raise TypeError(f"{type(leaf).__name__} at {where} is on the meta device, which holds no values to save.")
 
@@ -84,7 +84,7 @@ def _on_meta(leaf: ShardedArray | torch.Tensor) -> bool:
     return any(t.device.type == "meta" for t in tensors)
 
 
-def _prepare(
+def prepare(
     root: Path,
     structure: dict[str, Any],
     leaves: Sequence[tuple[str, Any]],
@@ -108,8 +108,8 @@ def _plain_hashes(leaves: Sequence[tuple[str, Any]]) -> dict[int, str]:
     plain = [(i, leaf) for i, (_, leaf) in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.numel()]
     if not plain:
         return {}
-    with _hashing() as pool:
-        futures = {i: pool.submit(_sha256, t.detach().to("cpu")) for i, t in plain}
+    with hashing() as pool:
+        futures = {i: pool.submit(sha256, t.detach().to("cpu")) for i, t in plain}
         return {i: f.result() for i, f in futures.items()}
 
 
@@ -126,7 +126,7 @@ def _summary(leaf: Any, sha: str | None) -> str:
     return f"{type(leaf).__name__} {text}"
 
 
-def _check_same(
+def check_same(
     backend: Backend, seen: Sequence[_Facts], summaries: list[str], leaves: Sequence[tuple[str, Any]]
 ) -> None:
     """Raises the same ``CheckpointError`` on every rank if the ranks were given different saves."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from fshard._checkpoint._format import PROGRESS_MIN_BYTES
@@ -12,19 +12,19 @@ from fshard._errors import CheckpointError
 from fshard.backends import Backend
 
 
-def _agree(backend: Backend, what: str, fn: Callable[[], Any], *, share: bool = False) -> Any:
+def agree(backend: Backend, what: str, fn: Callable[[], Any], *, share: bool = False) -> Any:
     """Runs ``fn`` here, then tells every rank whether it failed anywhere: all ranks raise, none hangs.
 
     Returns ``fn``'s result, or with ``share`` every rank's result (one exchange either way).
     """
-    out, shared = _agree_on(backend, what, fn, (lambda o: o) if share else (lambda o: None))
+    out, shared = agree_on(backend, what, fn, (lambda o: o) if share else (lambda o: None))
     return shared if share else out
 
 
-def _agree_on(
+def agree_on(
     backend: Backend, what: str, fn: Callable[[], Any], summary: Callable[[Any], Any]
 ) -> tuple[Any, list[Any]]:
-    """Like ``_agree``; returns ``fn``'s result here and every rank's ``summary`` of its result (rank order)."""
+    """Like ``agree``; returns ``fn``'s result here and every rank's ``summary`` of its result (rank order)."""
     try:
         out, error = fn(), None
     except Exception as exc:
@@ -45,7 +45,7 @@ class _NoBar:
 
 
 @contextlib.contextmanager
-def _progress(desc: str, total: int, enabled: bool | None, backend: Backend) -> Iterator[Any]:
+def progress_bar(desc: str, total: int, enabled: bool | None, backend: Backend) -> Generator[Any, None, None]:
     """A tqdm bar on the first rank, if tqdm is installed and ``enabled`` (``None``: a terminal and a big job)."""
     show = enabled if enabled is not None else (total >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
     tqdm = None

@@ -8,10 +8,10 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 
@@ -46,17 +46,17 @@ INDEX = "index.json"
 PROGRESS_MIN_BYTES = 256 << 20
 
 
-_DATA_RE = re.compile(r"^data\.[0-9a-f]{32}$")
+DATA_RE = re.compile(r"^data\.[0-9a-f]{32}$")
 
 
-_FILE_RE = re.compile(r"^rank-\d{5,}\.safetensors$")
+FILE_RE = re.compile(r"^rank-\d{5,}\.safetensors$")
 
 
-_TMP_RE = re.compile(r"^index\.json\.[0-9a-f]{32}\.tmp$")
+TMP_RE = re.compile(r"^index\.json\.[0-9a-f]{32}\.tmp$")
 
 
 # torch dtype -> safetensors dtype code, for every dtype both sides know.
-_CODES = {
+CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
@@ -64,21 +64,21 @@ _CODES = {
 }  # fmt: skip
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in _CODES}
+DTYPES = {str(d).removeprefix("torch."): d for d in CODES}
 
 
-_SCALARS = (bool, int, float, str, type(None))
+SCALARS = (bool, int, float, str, type(None))
 
 
-def _file_name(rank: int) -> str:
+def file_name(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
 
 
-def _box_text(offsets: Sequence[int], sizes: Sequence[int]) -> str:
+def box_text(offsets: Sequence[int], sizes: Sequence[int]) -> str:
     return ",".join(f"{o}:{o + n}" for o, n in zip(offsets, sizes))
 
 
-def _resolved(t: torch.Tensor) -> torch.Tensor:
+def resolved(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a lazy conjugate or negation applied: the values it shows, in memory that holds them.
 
     ``z.conj()`` and ``z.conj().imag`` only set a bit on ``z``'s memory; its bytes are not their values.
@@ -87,10 +87,14 @@ def _resolved(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with row-major strides. ``contiguous()`` keeps any stride on a dim of size 1, so a
-    one-element view such as ``torch.arange(4.0)[::2][:1]`` (stride 2) needs a copy to be seen as bytes."""
-    t = _resolved(t).contiguous()
-    want, step = [], 1
+    """``t`` with row-major strides.
+
+    ``contiguous()`` keeps any stride on a dim of size 1, so a one-element view such as
+    ``torch.arange(4.0)[::2][:1]`` (stride 2) needs a copy to be seen as bytes.
+    """
+    t = resolved(t).contiguous()
+    want: list[int] = []
+    step = 1
     for n in reversed(t.shape):
         want.append(step)
         step *= n
@@ -105,18 +109,18 @@ def _bytes_of(t: torch.Tensor) -> Any:
     return _dense(t).reshape(-1).view(torch.uint8).numpy()
 
 
-def _sha256(t: torch.Tensor) -> str:
+def sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(_bytes_of(t)).hexdigest()
 
 
 @contextlib.contextmanager
-def _hashing() -> Iterator[ThreadPoolExecutor]:
+def hashing() -> Generator[ThreadPoolExecutor, None, None]:
     """Threads for SHA-256 (hashlib releases the GIL), so hashing overlaps writes, reads and copies."""
     with ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="fshard-sha256") as pool:
         yield pool
 
 
-def _fsync(path: Path, directory: bool = False) -> None:
+def fsync(path: Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
     try:
         os.fsync(fd)
@@ -128,7 +132,7 @@ def _fsync(path: Path, directory: bool = False) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Saved:
+class Saved:
     """One leaf of the index, checked: a scalar's value, or a tensor's dtype, shape, layout and boxes."""
 
     path: str
@@ -145,7 +149,7 @@ class _Saved:
         return self.path or "the root"
 
 
-def _index_digest(index: dict[str, Any]) -> str:
+def index_digest(index: dict[str, Any]) -> str:
     """SHA-256 of the canonical JSON of ``index`` without its ``digest``: sorted keys, no spaces, ASCII."""
     body = {k: v for k, v in index.items() if k != "digest"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
@@ -156,7 +160,7 @@ def checkpoint_path(path: Any, what: str) -> Path:
     """``path`` as a ``Path``, or ``TypeError`` when it is no path (a ``CheckpointError`` for a NUL byte)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{what} path must be a str or an os.PathLike, got {type(path).__name__}.")
-    root = Path(path)
+    root = Path(cast("str | os.PathLike[str]", path))
     if "\x00" in str(root):
         raise CheckpointError(f"{what} path {str(root)!r} holds a NUL character, which no file name can hold.")
     return root
@@ -169,7 +173,7 @@ def check_flag(what: str, value: Any, *, optional: bool = False) -> None:
         raise TypeError(f"{what} must be {allowed}, got {value!r} ({type(value).__name__}).")
 
 
-def _inside(root: Path, path: Path) -> None:
+def inside(root: Path, path: Path) -> None:
     """Refuses ``path`` (the index or a data file) if it resolves outside the checkpoint directory ``root``.
 
     A symlink there would make ``load`` read, and return, any file this process can read. ``path`` is
@@ -190,7 +194,12 @@ def _inside(root: Path, path: Path) -> None:
         raise CheckpointError(msg)
 
 
-def _read_index(root: Path) -> tuple[dict[str, Any], str]:
+def _is_dict(value: object) -> TypeGuard[dict[str, Any]]:
+    """``isinstance(value, dict)``; a parsed JSON object's keys are strings."""
+    return isinstance(value, dict)
+
+
+def read_index(root: Path) -> tuple[dict[str, Any], str]:
     """``index.json`` with its top level and digest checked, and the SHA-256 of its bytes as read.
 
     The leaves are checked by ``_schema.saved_leaves``.
@@ -205,19 +214,19 @@ def _read_index(root: Path) -> tuple[dict[str, Any], str]:
     if not found:
         hint = " (an interrupted save leaves no index)" if is_dir else ""
         raise CheckpointError(f"{where} does not exist{hint}: {root} is not an fshard checkpoint.")
-    _inside(root, where)
+    inside(root, where)
     try:
         raw = where.read_bytes()
         index = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, huge ints
         raise CheckpointError(f"{where} is not valid JSON ({exc}); the checkpoint index is damaged.") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
+    if not _is_dict(index) or index.get("format") != FORMAT:
         raise CheckpointError(f"{where} is not an fshard checkpoint index (no 'format': {FORMAT!r}).")
     version = index.get("version")
     if type(version) is not int or version not in _READS:
         msg = f"{where} has format version {version!r}; this fshard reads {list(_READS)}: upgrade fshard."
         raise CheckpointError(msg)
-    keys = _KEYS | ({"digest"} if version >= 2 else set())
+    keys = _KEYS | ({"digest"} if version >= 2 else set[str]())
     if set(index) != keys:
         msg = (
             f"{where} is malformed: its top-level keys are {sorted(index)}, format {version} has {sorted(keys)}. "
@@ -226,14 +235,14 @@ def _read_index(root: Path) -> tuple[dict[str, Any], str]:
         raise CheckpointError(msg)
     if version >= 2:
         _check_digest(where, index)
-    if type(index["data"]) is not str or not _DATA_RE.match(index["data"]):
+    if type(index["data"]) is not str or not DATA_RE.match(index["data"]):
         raise CheckpointError(f"{where} names data directory {index['data']!r}, not 'data.<32 hex digits>'.")
     return index, hashlib.sha256(raw).hexdigest()
 
 
 def _check_digest(where: Path, index: dict[str, Any]) -> None:
     try:
-        digest = _index_digest(index)
+        digest = index_digest(index)
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{where} cannot be put in canonical form ({exc}); the index is damaged.") from None
     if index["digest"] != digest:
@@ -244,7 +253,7 @@ def _check_digest(where: Path, index: dict[str, Any]) -> None:
         raise CheckpointError(msg)
 
 
-def _human(n: int) -> str:
+def human(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 
-from fshard._checkpoint._format import _human, _read_index, _Saved, checkpoint_path
+from fshard._checkpoint._format import Saved, checkpoint_path, human, read_index
 from fshard._checkpoint._schema import saved_leaves
 
 __all__ = ["checkpoint_info"]
 
 
 def checkpoint_info(path: str | os.PathLike[str]) -> str:
-    """A description of what a checkpoint holds: tree, shapes, dtypes, files and layout pictures.
+    r"""A description of what a checkpoint holds: tree, shapes, dtypes, files and layout pictures.
 
     Reads only ``index.json``.
 
@@ -25,26 +25,26 @@ def checkpoint_info(path: str | os.PathLike[str]) -> str:
     >>> with tempfile.TemporaryDirectory() as d:
     ...     fshard.save(d, {"w": x, "lr": 0.1})
     ...     info = fshard.checkpoint_info(d)
-    >>> print("\\n".join(line for line in info.splitlines()[1:] if not line.startswith("  ")))  # without the pictures
+    >>> print("\n".join(line for line in info.splitlines()[1:] if not line.startswith("  ")))  # without the pictures
     ['w']: array float32 (4, 6), 2 boxes written
     ['lr']: float = 0.1
     files: rank-00000.safetensors (...), rank-00001.safetensors (...)
     """
     root = checkpoint_path(path, "checkpoint_info()")
-    index, _ = _read_index(root)
+    index, _ = read_index(root)
     saved = saved_leaves(root, index)
     total = sum(f["bytes"] for f in index["files"].values())
     files = len(index["files"])
     lines = [
-        f"fshard checkpoint {root} (format {index['version']}): {len(saved)} leaves, {_human(total)} in {files} files"
+        f"fshard checkpoint {root} (format {index['version']}): {len(saved)} leaves, {human(total)} in {files} files"
     ]
     for s in saved:
         lines.extend(_describe_leaf(s))
-    lines.append("files: " + ", ".join(f"{k} ({_human(v['bytes'])})" for k, v in index["files"].items()))
+    lines.append("files: " + ", ".join(f"{k} ({human(v['bytes'])})" for k, v in index["files"].items()))
     return "\n".join(lines)
 
 
-def _describe_leaf(s: _Saved) -> list[str]:
+def _describe_leaf(s: Saved) -> list[str]:
     if s.kind == "scalar":
         return [f"{s.where}: {type(s.value).__name__} = {s.value!r}"]
     dtype = str(s.dtype).removeprefix("torch.")

@@ -7,18 +7,19 @@ import dataclasses
 import hashlib
 import math
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
-from fshard._checkpoint._collective import _agree_on, _progress
-from fshard._checkpoint._format import INDEX, _read_index, _Saved, check_flag, checkpoint_path
-from fshard._checkpoint._reader import _Reader, _slices
+from fshard._checkpoint._collective import agree_on, progress_bar
+from fshard._checkpoint._format import INDEX, Saved, check_flag, checkpoint_path, read_index
+from fshard._checkpoint._reader import Reader, slices
 from fshard._checkpoint._schema import saved_leaves
-from fshard._checkpoint._tree import _match, _unflatten
+from fshard._checkpoint._tree import match, unflatten
 from fshard._errors import CheckpointError, SpecError
 from fshard._exec.collective import collective
 from fshard._layout.layout import Layout, ShardMeta
@@ -39,16 +40,16 @@ class _Target:
 
     kind: str
     layout: Layout | None = None
-    backend: Any = None
+    backend: Backend | None = None
     device: torch.device = _CPU
     requires_grad: bool = False
 
 
-def _mismatch(saved: _Saved, what: str, fix: str) -> CheckpointError:
+def _mismatch(saved: Saved, what: str, fix: str) -> CheckpointError:
     return CheckpointError(f"Leaf {saved.where} of the checkpoint {what}: {fix}.")
 
 
-def _target_like(saved: _Saved, like: Any) -> _Target:
+def _target_like(saved: Saved, like: Any) -> _Target:
     if saved.kind == "scalar":
         if type(like) is not type(saved.value):
             what = f"is the {type(saved.value).__name__} {saved.value!r}, `like` has a {type(like).__name__}"
@@ -69,7 +70,7 @@ def _target_like(saved: _Saved, like: Any) -> _Target:
     return _Target("tensor", device=like.device, requires_grad=like.requires_grad)
 
 
-def _target_spec(saved: _Saved, spec: Any, backend: Backend | None) -> _Target:
+def _target_spec(saved: Saved, spec: Any, backend: Backend | None) -> _Target:
     if saved.kind == "scalar":
         return _Target("value")
     if spec is None:
@@ -81,7 +82,7 @@ def _target_spec(saved: _Saved, spec: Any, backend: Backend | None) -> _Target:
     return _Target("array", layout, b)
 
 
-def _check_not_partial(saved: _Saved, layout: Layout) -> None:
+def _check_not_partial(saved: Saved, layout: Layout) -> None:
     if layout.partial is not None:
         msg = (
             f"Leaf {saved.where}: the target layout has a pending {layout.partial} (partial={layout.partial!r}), "
@@ -90,7 +91,7 @@ def _check_not_partial(saved: _Saved, layout: Layout) -> None:
         raise SpecError(msg)
 
 
-def _target_saved(saved: _Saved, backend: Backend | None) -> _Target:
+def _target_saved(saved: Saved, backend: Backend | None) -> _Target:
     if saved.kind != "array" or saved.layout is None:
         return _Target("value" if saved.kind == "scalar" else "tensor")
     b = default_backend() if backend is None else backend
@@ -105,7 +106,7 @@ def _target_saved(saved: _Saved, backend: Backend | None) -> _Target:
     return _Target("array", saved.layout, b)
 
 
-def _sources(saved: _Saved, layout: Layout, shards: Any) -> tuple[Any, dict[int, list[int]]]:
+def _sources(saved: Saved, layout: Layout, shards: Any) -> tuple[Any, dict[int, list[int]]]:
     """The plan from the saved boxes to ``layout``, and per saved box the rows that feed ``shards``."""
     if not shards or layout.numel == 0:
         return None, {}
@@ -119,10 +120,10 @@ def _sources(saved: _Saved, layout: Layout, shards: Any) -> tuple[Any, dict[int,
 
 
 def _fill(
-    saved: _Saved,
+    saved: Saved,
     layout: Layout,
     out: dict[int, torch.Tensor],
-    reader: _Reader,
+    reader: Reader,
     bar: Any,
     sources: tuple[Any, dict[int, list[int]]],
 ) -> None:
@@ -136,13 +137,13 @@ def _fill(
         whole = reader.whole(box, saved) if reader.verify else None
         for k in ks:
             lo, size, j = p.lo[k].tolist(), p.size[k].tolist(), int(p.dst_shard[k])
-            read = _slices(lo, size, box["offsets"])
+            read = slices(lo, size, box["offsets"])
             piece = whole[read] if whole is not None else reader.part(box, saved, read)
-            out[j][_slices(lo, size, layout.shards[j].offsets)].copy_(piece)
+            out[j][slices(lo, size, layout.shards[j].offsets)].copy_(piece)
             bar.update(piece.nbytes)
 
 
-def _read_leaf(saved: _Saved, target: _Target, reader: _Reader, bar: Any) -> Any:
+def _read_leaf(saved: Saved, target: _Target, reader: Reader, bar: Any) -> Any:
     if target.kind == "value":
         return saved.value
     assert saved.dtype is not None
@@ -151,6 +152,7 @@ def _read_leaf(saved: _Saved, target: _Target, reader: _Reader, bar: Any) -> Any
         index: tuple[int, ...] = (0,)
     else:
         assert target.layout is not None
+        assert target.backend is not None
         layout, index = target.layout, target.backend.addressable(target.layout)
     # Replicas on this process are read once and copied.
     boxes = {i: (layout.shards[i].offsets, layout.shards[i].sizes) for i in index}
@@ -174,15 +176,13 @@ def _new(layout: Layout, i: int, dtype: torch.dtype, target: _Target) -> torch.T
     return new(layout.shards[i].sizes, dtype, device)  # on the CPU, recycled memory where a dead array left some
 
 
-def _targets(
-    saved: list[_Saved], tree: dict[str, Any], like: Any, specs: Any, backend: Backend | None
-) -> list[_Target]:
+def _targets(saved: list[Saved], tree: dict[str, Any], like: Any, specs: Any, backend: Backend | None) -> list[_Target]:
     given: dict[int, Any] = {}
     if like is not None:
-        _match(tree, like, "", given, prefix=False)
+        match(tree, like, "", given, prefix=False)
         return [_target_like(s, given[i]) for i, s in enumerate(saved)]
     if specs is not None:
-        _match(tree, specs, "", given, prefix=True)
+        match(tree, specs, "", given, prefix=True)
         return [_target_spec(s, given[i], backend) for i, s in enumerate(saved)]
     return [_target_saved(s, backend) for s in saved]
 
@@ -255,12 +255,13 @@ def load(
     """
     if like is not None and specs is not None:
         raise TypeError("load() takes like= or specs=, not both.")
-    if backend is not None and not isinstance(backend, Backend):
+    # Checked at run time too: a caller may pass anything, whatever the annotation says.
+    if backend is not None and not isinstance(backend, Backend):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise TypeError(f"load() backend= takes an fshard backend or None, got {type(backend).__name__}.")
     coord = _coordinator(like) or backend or default_backend()
     attempt = lambda: _attempt(path, like, specs, verify, backend, progress, coord)  # noqa: E731
     for _ in range(_ATTEMPTS):
-        tree, seen = _agree_on(coord, "fshard.load", attempt, lambda out: out[:2])
+        tree, seen = agree_on(coord, "fshard.load", attempt, lambda out: out[:2])
         if len(set(seen)) == 1 and not seen[0][1]:
             return tree[2]
     msg = (
@@ -278,7 +279,11 @@ def _coordinator(like: Any) -> Backend | None:
     """The backend of the first array in ``like``: the group that loads together."""
     if isinstance(like, ShardedArray):
         return like.backend
-    children = like.values() if isinstance(like, dict) else like if isinstance(like, (list, tuple)) else ()
+    children: Iterable[Any] = ()
+    if isinstance(like, dict):
+        children = cast("dict[Any, Any]", like).values()
+    elif isinstance(like, (list, tuple)):
+        children = cast("Sequence[Any]", like)
     return next((b for b in map(_coordinator, children) if b is not None), None)
 
 
@@ -289,7 +294,7 @@ def _attempt(
     root = checkpoint_path(path, "load()")
     check_flag("load() verify", verify)
     check_flag("load() progress", progress, optional=True)
-    index, fingerprint = _read_index(root)
+    index, fingerprint = read_index(root)
     saved = saved_leaves(root, index)
     targets = _targets(saved, index["tree"], like, specs, backend)
     try:
@@ -298,7 +303,7 @@ def _attempt(
         if _fingerprint(root) != fingerprint:  # a save replaced the index, then deleted files this read needed
             return fingerprint, True, None
         raise
-    return fingerprint, False, _unflatten(index["tree"], values)
+    return fingerprint, False, unflatten(index["tree"], values)
 
 
 def _fingerprint(root: Path) -> str | None:
@@ -311,23 +316,24 @@ def _fingerprint(root: Path) -> str | None:
 def _read_all(
     root: Path,
     index: dict[str, Any],
-    saved: list[_Saved],
+    saved: list[Saved],
     targets: list[_Target],
     verify: bool,
     progress: Any,
     coord: Backend,
 ) -> list[Any]:
     total = sum(_target_bytes(s, t) for s, t in zip(saved, targets))
-    with contextlib.ExitStack() as stack, _progress("fshard.load", total, progress, coord) as bar:
-        reader = _Reader(root / index["data"], index["files"], verify, stack)
+    with contextlib.ExitStack() as stack, progress_bar("fshard.load", total, progress, coord) as bar:
+        reader = Reader(root / index["data"], index["files"], verify, stack)
         values = [_read_leaf(s, t, reader, bar) for s, t in zip(saved, targets)]
         reader.check()
         return values
 
 
-def _target_bytes(saved: _Saved, target: _Target) -> int:
+def _target_bytes(saved: Saved, target: _Target) -> int:
     if saved.dtype is None or target.kind == "value":
         return 0
     if target.kind == "tensor" or target.layout is None:
         return math.prod(saved.shape) * saved.dtype.itemsize
+    assert target.backend is not None
     return sum(target.layout.shards[i].numel for i in target.backend.addressable(target.layout)) * saved.dtype.itemsize

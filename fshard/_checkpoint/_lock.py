@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 from fshard._errors import CheckpointError
@@ -29,7 +29,7 @@ LOCK = "save.lock"
 
 
 @contextlib.contextmanager
-def save_lock(root: Path) -> Iterator[None]:
+def save_lock(root: Path) -> Generator[None, None, None]:
     """Holds the save lock of the checkpoint directory ``root`` (created if missing).
 
     Raises:

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from fshard._array.array import ShardedArray
-from fshard._checkpoint._agreement import _check_same, _prepare
-from fshard._checkpoint._collective import _agree, _agree_on
-from fshard._checkpoint._format import FORMAT, INDEX, VERSION, _index_digest, check_flag, checkpoint_path
+from fshard._checkpoint._agreement import check_same, prepare
+from fshard._checkpoint._collective import agree, agree_on
+from fshard._checkpoint._format import FORMAT, INDEX, VERSION, check_flag, checkpoint_path, index_digest
 from fshard._checkpoint._lock import save_lock
-from fshard._checkpoint._tree import _flatten
-from fshard._checkpoint._write import _assign, _Box, _check_root, _commit, _committed, _write_files
+from fshard._checkpoint._tree import flatten
+from fshard._checkpoint._write import Box, assign, check_root, commit, committed, write_files
 from fshard._errors import CheckpointError, SpecError
 from fshard._exec.collective import collective
 from fshard.backends import Backend, default_backend
@@ -83,32 +83,32 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
     try:
         root = checkpoint_path(path, "save()")
         check_flag("save() progress", progress, optional=True)
-        structure, backend, failure = _flatten(tree, "", leaves), _save_backend(leaves), None
+        structure, backend, failure = flatten(tree, "", leaves), _save_backend(leaves), None
     except (TypeError, SpecError, CheckpointError) as exc:  # reported through the first exchange, so no rank waits
         structure, backend, failure = {}, default_backend(), exc
-    prepare = lambda: _prepare(root, structure, leaves, backend, failure)  # noqa: E731
-    (_, summaries, known), seen = _agree_on(backend, "fshard.save", prepare, lambda out: out[0])
-    _check_same(backend, seen, summaries, leaves)
+    summarise = lambda: prepare(root, structure, leaves, backend, failure)  # noqa: E731
+    (_, summaries, known), seen = agree_on(backend, "fshard.save", summarise, lambda out: out[0])
+    check_same(backend, seen, summaries, leaves)
     ranks, token = [f.rank for f in seen], seen[0].token
     leader = backend.holds(ranks[0])
     holders = ranks if backend.spans_processes else _local_holders(leaves)
-    boxes = _assign(leaves, holders)
+    boxes = assign(leaves, holders)
     known_box = {b.name: known[b.leaf] for b in boxes if b.shard is None and b.leaf in known}
     data = root / f"data.{token}"
     with contextlib.ExitStack() as lock:
 
         def write() -> dict[str, Any]:
             if leader:  # the rank that commits holds the path from before it writes until the old data is gone
-                _check_root(root, data.name)
+                check_root(root, data.name)
                 lock.enter_context(save_lock(root))
-            return _write_files(root, data, leaves, boxes, backend, progress, known_box)
+            return write_files(root, data, leaves, boxes, backend, progress, known_box)
 
         try:
-            files = {k: v for w in _agree(backend, "fshard.save", write, share=True) for k, v in w.items()}
-            commit = lambda: _commit(root, _index(structure, leaves, boxes, files, data.name), token)  # noqa: E731
-            _agree(backend, "fshard.save (index)", commit if leader else lambda: None)
+            files = {k: v for w in agree(backend, "fshard.save", write, share=True) for k, v in w.items()}
+            write_index = lambda: commit(root, _index(structure, leaves, boxes, files, data.name), token)  # noqa: E731
+            agree(backend, "fshard.save (index)", write_index if leader else lambda: None)
         except BaseException as exc:
-            if _committed(root, data.name):
+            if committed(root, data.name):
                 # The rename is the commit: a failure after it (the leader killed or failing while it
                 # tidies up, which the others see as a lost peer) fails nothing. Interrupts still propagate.
                 if isinstance(exc, Exception):
@@ -129,12 +129,12 @@ def _local_holders(leaves: Sequence[tuple[str, Any]]) -> list[int]:
 def _index(
     structure: dict[str, Any],
     leaves: Sequence[tuple[str, Any]],
-    boxes: Sequence[_Box],
+    boxes: Sequence[Box],
     files: dict[str, Any],
     data: str,
 ) -> dict[str, Any]:
     hashes = {n: h for f in files.values() for n, h in f["sha256"].items()}
-    by_leaf: dict[int, list[_Box]] = {}
+    by_leaf: dict[int, list[Box]] = {}
     for b in boxes:
         by_leaf.setdefault(b.leaf, []).append(b)
     index = {
@@ -145,10 +145,10 @@ def _index(
         "tree": structure,
         "leaves": [_leaf_record(p, leaf, by_leaf.get(i, []), hashes) for i, (p, leaf) in enumerate(leaves)],
     }
-    return {**index, "digest": _index_digest(index)}
+    return {**index, "digest": index_digest(index)}
 
 
-def _leaf_record(path: str, leaf: Any, boxes: Sequence[_Box], hashes: dict[str, str]) -> dict[str, Any]:
+def _leaf_record(path: str, leaf: Any, boxes: Sequence[Box], hashes: dict[str, str]) -> dict[str, Any]:
     if not isinstance(leaf, (ShardedArray, torch.Tensor)):
         value = repr(leaf) if isinstance(leaf, float) else leaf
         return {"path": path, "kind": "scalar", "type": type(leaf).__name__, "value": value}

@@ -13,9 +13,9 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, cast
 
-from fshard._checkpoint._format import _DTYPES, _FILE_RE, INDEX, MAX_DEPTH, _Saved
+from fshard._checkpoint._format import DTYPES, FILE_RE, INDEX, MAX_DEPTH, Saved
 from fshard._errors import CheckpointError, FShardError
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
@@ -32,13 +32,29 @@ class _Bad(Exception):
         super().__init__(f"{field} {problem}")
 
 
-def _json_type(value: Any) -> str:
-    names = {bool: "a bool", int: "an int", float: "a float", str: "a string", list: "a list", dict: "an object"}
+def _json_type(value: object) -> str:
+    names: dict[type[object], str] = {
+        bool: "a bool",
+        int: "an int",
+        float: "a float",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }
     return names.get(type(value), "null" if value is None else type(value).__name__)
 
 
+# The exact-type checks, telling the type checker what parsed JSON holds: string keys, any values.
+def _is_object(value: Any) -> TypeGuard[dict[str, Any]]:
+    return type(value) is dict
+
+
+def _is_list(value: Any) -> TypeGuard[list[Any]]:
+    return type(value) is list
+
+
 def _object(value: Any, field: str, keys: set[str], optional: frozenset[str] = frozenset()) -> dict[str, Any]:
-    if type(value) is not dict:
+    if not _is_object(value):
         raise _Bad(field, f"is {_json_type(value)}, expected an object with keys {sorted(keys)}")
     missing, extra = keys - set(value), set(value) - keys - optional
     if missing or extra:
@@ -47,7 +63,7 @@ def _object(value: Any, field: str, keys: set[str], optional: frozenset[str] = f
 
 
 def _list(value: Any, field: str) -> list[Any]:
-    if type(value) is not list:
+    if not _is_list(value):
         raise _Bad(field, f"is {_json_type(value)} {_short(value)}, expected a list")
     return value
 
@@ -78,7 +94,7 @@ def _ints(value: Any, field: str, length: int, low: int = 0) -> tuple[int, ...]:
     return tuple(_int(v, f"{field}[{k}]", low) for k, v in enumerate(items))
 
 
-def saved_leaves(root: Path, index: dict[str, Any]) -> list[_Saved]:
+def saved_leaves(root: Path, index: dict[str, Any]) -> list[Saved]:
     """Every leaf of ``index`` (whose top-level keys are checked), checked and parsed.
 
     Raises:
@@ -98,12 +114,12 @@ def saved_leaves(root: Path, index: dict[str, Any]) -> list[_Saved]:
 
 def _files(value: Any) -> dict[str, int]:
     """File name -> size in bytes."""
-    if type(value) is not dict:
+    if not _is_object(value):
         raise _Bad("files", f"is {_json_type(value)}, expected an object")
-    out = {}
+    out: dict[str, int] = {}
     for name, record in value.items():
         field = f"files[{name!r}]"
-        if not _FILE_RE.match(name):
+        if not FILE_RE.match(name):
             raise _Bad(field, "is not a file name of the form 'rank-NNNNN.safetensors'")
         record = _object(record, field, {"rank", "bytes"})
         named = int(name.removeprefix("rank-").removesuffix(".safetensors"))
@@ -137,7 +153,7 @@ def _nodes(tree: Any) -> Iterator[tuple[dict[str, Any], str, str, int]]:
     stack = [(tree, "", "tree", 0)]
     while stack:
         node, path, field, depth = stack.pop()
-        if type(node) is not dict or len(node) != 1 or next(iter(node)) not in ("leaf", "dict", "list", "tuple"):
+        if not _is_object(node) or len(node) != 1 or next(iter(node)) not in ("leaf", "dict", "list", "tuple"):
             raise _Bad(field, "is not one of {'leaf': i}, {'dict': [...]}, {'list': [...]}, {'tuple': [...]}")
         yield node, path, field, depth
         kind = next(iter(node))
@@ -146,7 +162,7 @@ def _nodes(tree: Any) -> Iterator[tuple[dict[str, Any], str, str, int]]:
         if kind == "dict":
             seen: set[Any] = set()
             for k, entry in enumerate(children):
-                if type(entry) is not list or len(entry) != 2 or type(entry[0]) not in (str, int):
+                if not _is_list(entry) or len(entry) != 2 or type(entry[0]) not in (str, int):
                     raise _Bad(f"{field}.dict[{k}]", "is not a [key, node] pair with a string or int key")
                 if (type(entry[0]), entry[0]) in seen:
                     raise _Bad(f"{field}.dict[{k}]", f"repeats the key {entry[0]!r}")
@@ -159,18 +175,18 @@ def _nodes(tree: Any) -> Iterator[tuple[dict[str, Any], str, str, int]]:
         stack.extend(reversed(entries))  # children in order: the first problem in the file is reported
 
 
-def _leaf(record: Any, field: str, path: str, files: dict[str, int]) -> _Saved:
-    if type(record) is not dict or record.get("kind") not in ("scalar", "tensor", "array"):
-        kind = record.get("kind") if type(record) is dict else None
+def _leaf(record: Any, field: str, path: str, files: dict[str, int]) -> Saved:
+    if not _is_object(record) or record.get("kind") not in ("scalar", "tensor", "array"):
+        kind = record.get("kind") if _is_object(record) else None
         raise _Bad(f"{field}.kind", f"is {_short(kind)}, expected 'scalar', 'tensor' or 'array'")
     if record.get("path") != path:
         raise _Bad(f"{field}.path", f"is {_short(record.get('path'))}, but the tree places this leaf at {path!r}")
     if record["kind"] == "scalar":
         return _scalar(_object(record, field, {"path", "kind", "type", "value"}), field, path)
-    keys = {"path", "kind", "dtype", "shape", "boxes"} | ({"layout"} if record["kind"] == "array" else set())
+    keys = {"path", "kind", "dtype", "shape", "boxes"} | ({"layout"} if record["kind"] == "array" else set[str]())
     record = _object(record, field, keys)
-    if record["dtype"] not in _DTYPES:
-        raise _Bad(f"{field}.dtype", f"is {_short(record['dtype'])}, expected one of {sorted(_DTYPES)}")
+    if record["dtype"] not in DTYPES:
+        raise _Bad(f"{field}.dtype", f"is {_short(record['dtype'])}, expected one of {sorted(DTYPES)}")
     shape_list = _list(record["shape"], f"{field}.shape")
     if len(shape_list) > 64:
         raise _Bad(f"{field}.shape", f"has {len(shape_list)} dimensions, more than 64")
@@ -179,11 +195,11 @@ def _leaf(record: Any, field: str, path: str, files: dict[str, int]) -> _Saved:
         _box(b, f"{field}.boxes[{k}]", shape, files) for k, b in enumerate(_list(record["boxes"], f"{field}.boxes"))
     )
     layout = _layout(record["layout"], f"{field}.layout", shape) if record["kind"] == "array" else None
-    dtype = _DTYPES[record["dtype"]]
-    return _Saved(path, record["kind"], dtype, shape, layout, boxes, source=_source(boxes, shape, f"{field}.boxes"))
+    dtype = DTYPES[record["dtype"]]
+    return Saved(path, record["kind"], dtype, shape, layout, boxes, source=_source(boxes, shape, f"{field}.boxes"))
 
 
-def _scalar(record: dict[str, Any], field: str, path: str) -> _Saved:
+def _scalar(record: dict[str, Any], field: str, path: str) -> Saved:
     kind = record["type"]
     if kind not in _SCALAR_TYPES:
         raise _Bad(f"{field}.type", f"is {_short(kind)}, expected one of {sorted(_SCALAR_TYPES)}")
@@ -193,13 +209,13 @@ def _scalar(record: dict[str, Any], field: str, path: str) -> _Saved:
         raise _Bad(f"{field}.value", f"is {_json_type(value)} {_short(value)}, expected {want}")
     if kind == "float":
         try:
-            number = float(value)
+            number = float(cast(str, value))  # a float is saved as its repr (checked above)
         except ValueError:
             number = None
         if number is None or repr(number) != value:
             raise _Bad(f"{field}.value", f"is {_short(value)}, not the repr of a float (such as '0.1' or 'nan')")
         value = number
-    return _Saved(path, "scalar", value=value)
+    return Saved(path, "scalar", value=value)
 
 
 def _box(value: Any, field: str, shape: tuple[int, ...], files: dict[str, int]) -> dict[str, Any]:
@@ -230,7 +246,7 @@ def _layout(value: Any, field: str, shape: tuple[int, ...]) -> Layout:
     data = _object(value, field, {"shape", "shards"})
     if _ints(data["shape"], f"{field}.shape", len(shape)) != shape:
         raise _Bad(f"{field}.shape", f"is {data['shape']}, but the leaf's shape is {list(shape)}")
-    metas = []
+    metas: list[ShardMeta] = []
     for k, s in enumerate(_list(data["shards"], f"{field}.shards")):
         where = f"{field}.shards[{k}]"
         s = _object(s, where, {"offsets", "sizes", "placement"})
@@ -249,7 +265,7 @@ def _layout(value: Any, field: str, shape: tuple[int, ...]) -> Layout:
         raise _Bad(field, f"is not a valid layout ({exc})") from None
 
 
-def _check_budget(saved: list[_Saved], files: dict[str, int]) -> None:
+def _check_budget(saved: list[Saved], files: dict[str, int]) -> None:
     """Each file must be large enough for the boxes said to be in it: no shape can ask for more memory."""
     need: dict[str, int] = {}
     seen: set[tuple[str, str]] = set()

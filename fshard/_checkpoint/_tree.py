@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from fshard._checkpoint._format import MAX_DEPTH
 from fshard._errors import CheckpointError
 
 
-def _flatten(tree: Any, path: str, leaves: list[tuple[str, Any]], depth: int = 0) -> dict[str, Any]:
+# ``isinstance`` would narrow a user's tree to containers of unknown items; these say "of any objects".
+def _is_dict(value: Any) -> TypeGuard[dict[Any, Any]]:
+    return isinstance(value, dict)
+
+
+def _is_container(value: Any) -> TypeGuard[dict[Any, Any] | list[Any] | tuple[Any, ...]]:
+    return isinstance(value, (dict, list, tuple))
+
+
+def flatten(tree: Any, path: str, leaves: list[tuple[str, Any]], depth: int = 0) -> dict[str, Any]:
     """The JSON structure of ``tree`` (dicts, lists, tuples); appends ``(path, leaf)`` pairs."""
     if depth > MAX_DEPTH:
         msg = (
@@ -23,11 +32,11 @@ def _flatten(tree: Any, path: str, leaves: list[tuple[str, Any]], depth: int = 0
             if isinstance(k, bool) or not isinstance(k, (str, int)):
                 msg = f"Dict key {k!r} at {path or 'the root'} is a {type(k).__name__}; use str or int keys."
                 raise TypeError(msg)
-        return {"dict": [[k, _flatten(v, f"{path}[{k!r}]", leaves, depth + 1)] for k, v in tree.items()]}
+        return {"dict": [[k, flatten(v, f"{path}[{k!r}]", leaves, depth + 1)] for k, v in tree.items()]}
     if type(tree) in (list, tuple):
         kind = type(tree).__name__
-        return {kind: [_flatten(v, f"{path}[{i}]", leaves, depth + 1) for i, v in enumerate(tree)]}
-    if isinstance(tree, (dict, list, tuple)):
+        return {kind: [flatten(v, f"{path}[{i}]", leaves, depth + 1) for i, v in enumerate(tree)]}
+    if _is_container(tree):
         msg = (
             f"{type(tree).__name__} at {path or 'the root'} is not a plain dict, list or tuple; "
             "convert it first (a namedtuple with ._asdict(), a custom mapping with dict(...))."
@@ -37,13 +46,13 @@ def _flatten(tree: Any, path: str, leaves: list[tuple[str, Any]], depth: int = 0
     return {"leaf": len(leaves) - 1}
 
 
-def _unflatten(node: dict[str, Any], values: Sequence[Any]) -> Any:
+def unflatten(node: dict[str, Any], values: Sequence[Any]) -> Any:
     if "leaf" in node:
         return values[node["leaf"]]
     if "dict" in node:
-        return {k: _unflatten(v, values) for k, v in node["dict"]}
+        return {k: unflatten(v, values) for k, v in node["dict"]}
     kind = "list" if "list" in node else "tuple"
-    return (list if kind == "list" else tuple)(_unflatten(v, values) for v in node[kind])
+    return (list if kind == "list" else tuple)(unflatten(v, values) for v in node[kind])
 
 
 def _leaf_indices(node: dict[str, Any]) -> Iterator[int]:
@@ -64,13 +73,13 @@ def _describe_node(node: dict[str, Any]) -> str:
     return f"a {kind} of {len(node[kind])}"
 
 
-def _match(node: dict[str, Any], tree: Any, path: str, out: dict[int, Any], *, prefix: bool) -> None:
+def match(node: dict[str, Any], tree: Any, path: str, out: dict[int, Any], *, prefix: bool) -> None:
     """Pairs each saved leaf with the entry of ``tree`` at the same place (``prefix``: a leaf covers a subtree)."""
-    if "leaf" in node or (prefix and not isinstance(tree, (dict, list, tuple))):
+    if "leaf" in node or (prefix and not _is_container(tree)):
         out.update(dict.fromkeys(_leaf_indices(node), tree))
         return
     where, given = path or "the root", "specs=" if prefix else "like="
-    if "dict" in node and isinstance(tree, dict):
+    if "dict" in node and _is_dict(tree):
         keys = [k for k, _ in node["dict"]]
         if set(keys) != set(tree):
             msg = (
@@ -80,15 +89,15 @@ def _match(node: dict[str, Any], tree: Any, path: str, out: dict[int, Any], *, p
             )
             raise CheckpointError(msg)
         for k, child in node["dict"]:
-            _match(child, tree[k], f"{path}[{k!r}]", out, prefix=prefix)
+            match(child, tree[k], f"{path}[{k!r}]", out, prefix=prefix)
         return
     kind = "list" if "list" in node else "tuple" if "tuple" in node else None
     if kind is None or type(tree).__name__ != kind or len(tree) != len(node[kind]):
-        got = f"a {type(tree).__name__}" + (f" of {len(tree)}" if isinstance(tree, (list, tuple, dict)) else "")
+        got = f"a {type(tree).__name__}" + (f" of {len(tree)}" if _is_container(tree) else "")
         msg = (
             f"Tree structure differs at {where}: the checkpoint has {_describe_node(node)}, {given} has {got}; "
             "pass a tree shaped like the saved one (fshard.checkpoint_info(path) shows it)."
         )
         raise CheckpointError(msg)
     for i, child in enumerate(node[kind]):
-        _match(child, tree[i], f"{path}[{i}]", out, prefix=prefix)
+        match(child, tree[i], f"{path}[{i}]", out, prefix=prefix)

@@ -8,28 +8,29 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
+from safetensors.torch import save_file  # pyright: ignore[reportUnknownVariableType]  # its stub: a bare PathLike
 
 from fshard._array.array import ShardedArray
-from fshard._checkpoint._collective import _progress
+from fshard._checkpoint._collective import progress_bar
 from fshard._checkpoint._format import (
-    _DATA_RE,
-    _FILE_RE,
-    _TMP_RE,
+    DATA_RE,
+    FILE_RE,
     FORMAT,
     INDEX,
-    _box_text,
-    _file_name,
-    _fsync,
-    _hashing,
-    _resolved,
-    _sha256,
+    TMP_RE,
+    box_text,
+    file_name,
+    fsync,
+    hashing,
+    resolved,
+    sha256,
 )
 from fshard._checkpoint._lock import LOCK
 from fshard._errors import CheckpointError
@@ -38,7 +39,7 @@ from fshard.backends import Backend
 
 
 @dataclasses.dataclass(frozen=True)
-class _Box:
+class Box:
     """One box written once: its leaf, extent, writer (rank and shard index) and tensor name."""
 
     leaf: int
@@ -50,7 +51,7 @@ class _Box:
 
     @property
     def file(self) -> str:
-        return _file_name(self.rank)
+        return file_name(self.rank)
 
 
 def _distinct(layout: Layout) -> dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]]:
@@ -62,13 +63,17 @@ def _distinct(layout: Layout) -> dict[tuple[tuple[int, ...], tuple[int, ...]], l
     return out
 
 
-def _assign(leaves: Sequence[tuple[str, Any]], holders: Sequence[int]) -> list[_Box]:
+# A box to write: (leaf index, box number in the leaf, (offsets, sizes), itemsize, the (rank, shard) that hold it).
+_Candidate = tuple[int, int, tuple[tuple[int, ...], tuple[int, ...]], int, list[tuple[int, int | None]]]
+
+
+def assign(leaves: Sequence[tuple[str, Any]], holders: Sequence[int]) -> list[Box]:
     """Chooses one writer per distinct box: largest boxes first, each to its least-loaded replica.
 
     A pure function of the layouts, shapes and dtypes, so every rank computes the
     same answer without communication. Plain tensors may go to any of ``holders``.
     """
-    items = []
+    items: list[_Candidate] = []
     for li, (_, leaf) in enumerate(leaves):
         if isinstance(leaf, ShardedArray):
             shards = leaf.layout.shards
@@ -78,11 +83,11 @@ def _assign(leaves: Sequence[tuple[str, Any]], holders: Sequence[int]) -> list[_
             box = ((0,) * leaf.ndim, tuple(leaf.shape))
             items.append((li, 0, box, leaf.dtype.itemsize, [(r, None) for r in holders]))
     load: dict[int, int] = {}
-    boxes = []
+    boxes: list[Box] = []
     for li, _, (lo, sz), item, who in sorted(items, key=lambda t: (-math.prod(t[2][1]) * t[3], t[0], t[1])):
         rank, shard = min(who, key=lambda c: (load.get(c[0], 0), c[0], c[1] or 0))
         load[rank] = load.get(rank, 0) + math.prod(sz) * item
-        boxes.append(_Box(li, lo, sz, rank, shard, f"{leaves[li][0]}@{_box_text(lo, sz)}"))
+        boxes.append(Box(li, lo, sz, rank, shard, f"{leaves[li][0]}@{box_text(lo, sz)}"))
     return sorted(boxes, key=lambda b: (b.leaf, b.offsets))
 
 
@@ -97,12 +102,12 @@ def _held(leaves: Sequence[tuple[str, Any]], backend: Backend) -> list[dict[int 
     return out
 
 
-def _box_data(box: _Box, held: dict[int | None, torch.Tensor], backend: Backend) -> torch.Tensor | None:
+def _box_data(box: Box, held: dict[int | None, torch.Tensor], backend: Backend) -> torch.Tensor | None:
     """This process's tensor for ``box`` if it is the box's writer, else ``None``."""
     if box.shard is None and not backend.holds(box.rank):
         return None
     t = held.get(box.shard)
-    return None if t is None else _resolved(t.detach().to("cpu")).contiguous()
+    return None if t is None else resolved(t.detach().to("cpu")).contiguous()
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -116,7 +121,7 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_root(root: Path, own: str) -> None:
+def check_root(root: Path, own: str) -> None:
     """Refuses to write into a path that holds something other than an fshard checkpoint.
 
     ``own`` is this save's data directory, which other ranks may be writing already.
@@ -140,7 +145,10 @@ def _check_root(root: Path, own: str) -> None:
         raise CheckpointError(msg)
     if is_dir and not index.exists():
         spare = {own, LOCK}
-        foreign = sorted(p.name for p in root.iterdir() if not (p.name in spare or _ours(p) or _TMP_RE.match(p.name)))
+        # A data directory still being written by a racing save is no foreign file (the lock settles the race).
+        foreign = sorted(
+            p.name for p in root.iterdir() if not (p.name in spare or _fshard_shaped(p) or TMP_RE.match(p.name))
+        )
         if foreign:
             msg = (
                 f"Checkpoint path {root} is a non-empty directory without {INDEX} (it holds {foreign[:3]}): "
@@ -149,11 +157,11 @@ def _check_root(root: Path, own: str) -> None:
             raise CheckpointError(msg)
 
 
-def _write_files(
+def write_files(
     root: Path,
     data: Path,
     leaves: Sequence[tuple[str, Any]],
-    boxes: Sequence[_Box],
+    boxes: Sequence[Box],
     backend: Backend,
     progress: Any,
     known: dict[str, str],
@@ -162,7 +170,7 @@ def _write_files(
 
     ``known``: SHA-256 of tensors already hashed (by name), not hashed again.
     """
-    _check_root(root, data.name)
+    check_root(root, data.name)
     per_file: dict[int, dict[str, torch.Tensor]] = {}
     held = _held(leaves, backend)
     for box in boxes:
@@ -171,17 +179,17 @@ def _write_files(
             per_file.setdefault(box.rank, {})[box.name] = t
     with _writing(root, data):
         data.mkdir(parents=True, exist_ok=True)
-    written = {}
+    written: dict[str, dict[str, Any]] = {}
     total = sum(t.nbytes for d in per_file.values() for t in d.values())
-    with _progress("fshard.save", total, progress, backend) as bar, _hashing() as pool:
+    with progress_bar("fshard.save", total, progress, backend) as bar, hashing() as pool:
         files = sorted(per_file.items())
-        hashes = [{n: pool.submit(_sha256, t) for n, t in tensors.items() if n not in known} for _, tensors in files]
-        synced = []
+        hashes = [{n: pool.submit(sha256, t) for n, t in tensors.items() if n not in known} for _, tensors in files]
+        synced: list[tuple[Path, Future[None]]] = []
         for (rank, tensors), digests in zip(files, hashes):
-            target = data / _file_name(rank)
+            target = data / file_name(rank)
             with _writing(root, target):
                 save_file(_unshared(tensors), str(target), metadata={"format": FORMAT, "rank": str(rank)})
-                synced.append((target, pool.submit(_fsync, target)))  # flushes while the next file is written
+                synced.append((target, pool.submit(fsync, target)))  # flushes while the next file is written
                 size = target.stat().st_size
             sha = {n: digests[n].result() if n in digests else known[n] for n in tensors}
             written[target.name] = {"rank": rank, "bytes": size, "sha256": sha}
@@ -190,14 +198,17 @@ def _write_files(
             with _writing(root, target):
                 f.result()
     with _writing(root, data):
-        _fsync(data, directory=True)  # the files' directory entries, before an index can name them
+        fsync(data, directory=True)  # the files' directory entries, before an index can name them
     return written
 
 
 @contextlib.contextmanager
-def _writing(root: Path, path: Path) -> Iterator[None]:
-    """Turns a failure to write ``path`` (a full disk, a file-size limit, a read-only file system) into a
-    ``CheckpointError`` naming it and the cause; nothing is committed, so the previous checkpoint stands."""
+def _writing(root: Path, path: Path) -> Generator[None, None, None]:
+    """Turns a failure to write ``path`` into a ``CheckpointError`` naming it and the cause.
+
+    The failure may be a full disk, a file-size limit or a read-only file system. Nothing is
+    committed, so the previous checkpoint stands.
+    """
     try:
         yield
     except (OSError, SafetensorError) as exc:
@@ -229,26 +240,31 @@ def _check_present(data: Path, files: dict[str, Any]) -> None:
             raise CheckpointError(msg)
 
 
-def _commit(root: Path, index: dict[str, Any], token: str) -> None:
+def commit(root: Path, index: dict[str, Any], token: str) -> None:
     """Writes ``index.json`` atomically (temporary file, fsync, rename), then drops older data."""
     tmp = root / f"{INDEX}.{token}.tmp"
     _check_present(root / index["data"], index["files"])
     with _writing(root, tmp):
-        _fsync(root, directory=True)  # the data directory's entry, before the index that names it
+        fsync(root, directory=True)  # the data directory's entry, before the index that names it
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(index, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
     with _writing(root, root / INDEX):
         os.replace(tmp, root / INDEX)
-    _fsync(root, directory=True)
+    fsync(root, directory=True)
     # The commit is done: what follows only tidies up, and a failure there fails nothing.
     for p in root.iterdir():
         if p.name != index["data"] and _ours(p):
             shutil.rmtree(p, ignore_errors=True)
-        elif _TMP_RE.match(p.name) and p.is_file():
+        elif TMP_RE.match(p.name) and p.is_file():
             with contextlib.suppress(OSError):
                 p.unlink()
+
+
+def _fshard_shaped(p: Path) -> bool:
+    """Whether ``p`` is named and made like a save's data directory (``data.<32 hex>``), whatever it holds."""
+    return bool(DATA_RE.match(p.name)) and p.is_dir() and not p.is_symlink()
 
 
 def _ours(p: Path) -> bool:
@@ -256,15 +272,15 @@ def _ours(p: Path) -> bool:
 
     Anything else, even with such a name, is left alone: save never deletes what it did not write.
     """
-    if not _DATA_RE.match(p.name) or p.is_symlink() or not p.is_dir():
+    if not DATA_RE.match(p.name) or p.is_symlink() or not p.is_dir():
         return False
     try:
-        return all(_FILE_RE.match(f.name) and f.is_file() and not f.is_symlink() for f in p.iterdir())
+        return all(FILE_RE.match(f.name) and f.is_file() and not f.is_symlink() for f in p.iterdir())
     except OSError:
         return False
 
 
-def _committed(root: Path, data: str) -> bool:
+def committed(root: Path, data: str) -> bool:
     """Whether the index on disk names the data directory ``data``."""
     try:
         return json.loads((root / INDEX).read_text(encoding="utf-8")).get("data") == data

@@ -14,6 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 __all__ = ["check_main", "free_port", "init_group", "launch", "serve"]
@@ -89,7 +90,9 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120,
     if world < 1:
         raise ValueError(f"launch() needs world >= 1, got {world}.")
     ctx = mp.get_context("spawn")
-    port, procs, conns = free_port(), [], []
+    port = free_port()
+    procs: list[BaseProcess] = []
+    conns: list[Connection] = []
     for rank in range(world):
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_run, args=(rank, world, port, child, (fn, args, timeout, backend)), daemon=True)

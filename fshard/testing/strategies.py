@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import numpy as np
 import torch
@@ -167,7 +167,7 @@ def layout_pairs(
 
 _DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.bfloat16, torch.bool)
 # The numpy dtype that draws each torch dtype's values (bfloat16 through float32, then rounded).
-_NUMPY = {
+_NUMPY: dict[torch.dtype, type[np.generic]] = {
     torch.float16: np.float16,
     torch.float32: np.float32,
     torch.float64: np.float64,
@@ -200,8 +200,11 @@ def dtypes(include: Sequence[torch.dtype] = _DTYPES) -> st.SearchStrategy[torch.
 
 
 def values(dtype: torch.dtype) -> st.SearchStrategy[Any]:
-    """Python scalars for ``dtype``: finite floats (and complex numbers) of any magnitude it
-    holds, -0.0 and subnormals included; integers over its range; booleans."""
+    """Python scalars for ``dtype``: finite floats or complex numbers, integers, or booleans.
+
+    Floats (and complex numbers) take any finite magnitude the dtype holds, -0.0 and
+    subnormals included; integers cover its whole range.
+    """
     kind = _NUMPY[dtype]
     if dtype == torch.bool:
         return st.booleans()
@@ -212,7 +215,7 @@ def values(dtype: torch.dtype) -> st.SearchStrategy[Any]:
     if dtype.is_floating_point:
         top = float(torch.finfo(dtype).max)
         return st.floats(-top, top, allow_nan=False, width=bits)  # type: ignore[arg-type]
-    info = np.iinfo(kind)
+    info = np.iinfo(cast("type[np.integer[Any]]", kind))  # neither bool, float nor complex: an integer type
     return st.integers(int(info.min), int(info.max))
 
 
@@ -220,7 +223,8 @@ def _tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype, element
     kind = _NUMPY[dtype]
     data = draw(hnp.arrays(kind, shape, elements=elements if elements is not None else values(dtype)))
     # np.array copies into a fresh, writable, C-ordered array; a 0-D draw comes back a numpy scalar.
-    return torch.from_numpy(np.array(data, dtype=kind).reshape(shape)).to(dtype)
+    # torch's stub leaves from_numpy's argument untyped.
+    return torch.from_numpy(np.array(data, dtype=kind).reshape(shape)).to(dtype)  # pyright: ignore[reportUnknownMemberType]
 
 
 def _dtype(draw: st.DrawFn, dtype: DtypeLike) -> torch.dtype:
@@ -249,6 +253,7 @@ def arrays(
     """``ShardedArray`` values on the local backend with random layouts, dtypes and contents.
 
     Args:
+        draw: passed by ``st.composite``; callers leave it out.
         shape: a shape, a strategy of shapes, or ``None`` for ``shapes()``.
         dtype: a torch dtype, a strategy of them (``dtypes()``), or ``None`` for ``dtypes()``.
         world: ranks are drawn from ``range(world)``.
