@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future
@@ -144,8 +145,9 @@ def check_root(root: Path, own: str) -> None:
         )
         raise CheckpointError(msg)
     if is_dir and not index.exists():
-        spare = {own, LOCK}
-        # A data directory still being written by a racing save is no foreign file (the lock settles the race).
+        # What a racing save may be writing meanwhile is no foreign file (its lock settles the race): its data
+        # directory, its temporary index, or the index it has just committed.
+        spare = {own, LOCK, INDEX}
         foreign = sorted(
             p.name for p in root.iterdir() if not (p.name in spare or _fshard_shaped(p) or TMP_RE.match(p.name))
         )
@@ -263,8 +265,20 @@ def commit(root: Path, index: dict[str, Any], token: str) -> None:
 
 
 def _fshard_shaped(p: Path) -> bool:
-    """Whether ``p`` is named and made like a save's data directory (``data.<32 hex>``), whatever it holds."""
-    return bool(DATA_RE.match(p.name)) and p.is_dir() and not p.is_symlink()
+    """Whether ``p`` is a save's data directory, finished or still being written.
+
+    That is ``_ours``, or a ``data.<32 hex>`` directory whose other entries are the temporary
+    files that safetensors writes before renaming them (``.tmpXXXXXX``).
+    """
+    if not DATA_RE.match(p.name) or p.is_symlink() or not p.is_dir():
+        return False
+    try:
+        return all((FILE_RE.match(f.name) or _WRITING_RE.match(f.name)) and not f.is_symlink() for f in p.iterdir())
+    except OSError:
+        return False
+
+
+_WRITING_RE = re.compile(r"^\.tmp[A-Za-z0-9_]{6}$")
 
 
 def _ours(p: Path) -> bool:
