@@ -102,7 +102,7 @@ class _Pool:
         if nbytes < POOL_MIN_BYTES or dtype not in _PLAIN or _use_count is None:
             return torch.empty(sizes, dtype=dtype)
         block = self._take(nbytes)
-        t = _PLAIN[dtype].new().set_(block, 0, sizes)
+        t = _PLAIN[dtype].new().set_(block, 0, tuple(sizes), _contiguous_strides(sizes))
         ref = weakref.ref(t, self._dead)
         with self._lock:
             self._live[id(ref)] = (ref, block)
@@ -168,3 +168,12 @@ def new(sizes: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch
     if device.type == "cpu":
         return POOL.empty(sizes, dtype)
     return torch.empty(sizes, dtype=dtype, device=device)
+
+
+def _contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``sizes`` (as ``torch.empty`` gives them)."""
+    out, step = [], 1
+    for n in reversed(sizes):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
