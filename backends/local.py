@@ -264,15 +264,15 @@ class LocalBackend:
         return tuple(tensors)
 
     def scatter(
-        self, full: torch.Tensor | None, layout: Any, src: int | None, p: Plan | None
+        self, full: torch.Tensor | None, layout: Any, src: int | None, plan: Plan | None
     ) -> tuple[torch.Tensor, ...]:
-        """Copies each shard's box out of ``full``; from rank ``src`` (plan ``p``), counts what other ranks receive."""
+        """Copies each shard's box out of ``full``; from rank ``src`` (``plan``), counts what other ranks receive."""
         assert full is not None
         if src is not None:
             src = self.check_rank(src, "src")
         out = scattering(layout).run((full,), full.dtype)
-        if p is not None:
-            self.counters.elements_sent += p.min_elements_sent  # the planner sends exactly its lower bound
+        if plan is not None:
+            self.counters.elements_sent += plan.min_elements_sent  # the planner sends exactly its lower bound
         return out
 
     def receivers(self, layout: Layout, dst: int | None) -> tuple[int, ...]:
@@ -280,16 +280,16 @@ class LocalBackend:
         return layout.ranks if dst is None else (self.check_rank(dst, "dst"),)
 
     def assemble(
-        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None, p: Plan
+        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None, plan: Plan
     ) -> torch.Tensor:
         """Writes one copy of every box into a new global tensor (on rank ``dst``'s device).
 
-        Counts what the receiving ranks of plan ``p`` lack: rank ``dst``, or every rank of the layout.
+        Counts what the receiving ranks of ``plan`` lack: rank ``dst``, or every rank of the layout.
         """
         idx = layout.indices_on(dst) if dst is not None else ()
         device = shard_device(layout, idx[0]) if idx else like.device
         (out,) = _assembly(layout, device).run(tensors, like.dtype)
-        self.counters.elements_sent += p.min_elements_sent
+        self.counters.elements_sent += plan.min_elements_sent
         return out
 
     def exchange(self, obj: Any) -> list[Any]:

@@ -194,7 +194,7 @@ class TorchDistBackend:
         return tuple(tensors)
 
     def scatter(
-        self, full: torch.Tensor | None, layout: Any, src: int | None, p: Plan | None
+        self, full: torch.Tensor | None, layout: Any, src: int | None, plan: Plan | None
     ) -> tuple[torch.Tensor, ...]:
         """This rank's boxes of ``full``: sliced locally (``src=None``) or sent from rank ``src``.
 
@@ -206,12 +206,12 @@ class TorchDistBackend:
             raise SpecError(
                 f"scatter(src={src}) needs a tensor on every rank (off src, an empty stand-in of the dtype)."
             )
-        if src is None or p is None:
+        if src is None or plan is None:
             return self._slice(full, layout)
         self._require_member(f"shard(src={src})")
         self.check_rank(src, "src")
         mine = (full,) if self.rank == src else ()
-        return tuple(self._move(f"shard(src={src})", p, mine, None, full.dtype, direct=True).values())
+        return tuple(self._move(f"shard(src={src})", plan, mine, None, full.dtype, direct=True).values())
 
     def receivers(self, layout: Layout, dst: int | None) -> tuple[int, ...]:
         """The ranks a gather delivers to: ``dst``, or every rank of the group."""
@@ -219,7 +219,7 @@ class TorchDistBackend:
         return self.ranks if dst is None else (self.check_rank(dst, "dst"),)
 
     def assemble(
-        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None, p: Plan
+        self, layout: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, dst: int | None, plan: Plan
     ) -> torch.Tensor | None:
         """The global tensor on every rank of the group (``dst=None``) or on rank ``dst`` only.
 
@@ -230,7 +230,7 @@ class TorchDistBackend:
         """
         op = f"gather(dst={dst})"
         self._require_member(op)
-        target = p.dst
+        p, target = plan, plan.dst
         receivers = target.ranks
         wire = self._wire.type
         if dst is None and len(receivers) > 1 and wire in ALL_GATHER_WIRES and rows_in_order(layout, receivers, wire):
