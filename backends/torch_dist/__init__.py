@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,10 @@ _COUNTERS: dict[int, Counters] = {}
 _CPU = torch.device("cpu")
 _WARM: set[int] = set()
 # all_gather_single replaces the deprecated all_gather_into_tensor where torch has it
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather = cast(
+    "Callable[..., dist.Work]",
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; for older torch
+)
 # The wire device types on which a gather of equal rows in group order goes by ``all_gather``:
 # NCCL's fastest gather. Gloo's is slower than one message per box (2.8x at 256 MiB, 1.3-1.7x at
 # 64 KiB-4 MiB on 4 processes: ``python -m fshard bench --only gather-all``).
@@ -173,10 +176,13 @@ class TorchDistBackend:
         check_layout(layout, facts(self.group), self.member)
 
     def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Runs ``plan``, phase by phase: one ``all_to_all_single`` of packed per-peer buffers, or,
-        when every received box lands in place and the boxes are few and large, one message per
+        """Runs ``plan``, phase by phase.
+
+        A copy phase goes by one ``all_to_all_single`` of packed per-peer buffers, or, when
+        every received box lands in place and the boxes are few and large, one message per
         box; a reduce phase combines contributions (``all_reduce``/``reduce_scatter_tensor``
-        where the layouts are theirs)."""
+        where the layouts are theirs).
+        """
         itemsize = like.element_size()
         log_move("torch_dist", plan, itemsize, facts(self.group).rank)
         if plan.src.partial is not None and self.member:
@@ -245,11 +251,11 @@ class TorchDistBackend:
                 )
             self._count(p.for_rank(self.rank).elements_sent)
             return out.to(self._out_device(layout, like))
-        out = {}
+        whole: dict[int, torch.Tensor] = {}
         if self.rank in receivers:
-            out[target.indices_on(self.rank)[0]] = empty(layout.shape, like.dtype, self._out_device(layout, like))
-        self._move(f"gather(dst={dst})", p, tensors, out, like.dtype, direct=all_contiguous(layout, target))
-        return next(iter(out.values()), None)
+            whole[target.indices_on(self.rank)[0]] = empty(layout.shape, like.dtype, self._out_device(layout, like))
+        self._move(f"gather(dst={dst})", p, tensors, whole, like.dtype, direct=all_contiguous(layout, target))
+        return next(iter(whole.values()), None)
 
     def exchange(self, obj: Any) -> list[Any]:
         """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""
@@ -267,7 +273,7 @@ class TorchDistBackend:
     ) -> tuple[torch.Tensor, ...]:
         self._check(f"reshard:{kind}", (p.src, p.dst), like.dtype)
         (j,) = self.addressable(p.dst)
-        out = empty(p.dst._shard(j).sizes, like.dtype, self._wire)
+        out = empty(p.dst._shard(j).sizes, like.dtype, self._wire)  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
         guarded = self._guard(f"reshard:{kind}", p, like.dtype)
         with in_flight():
             run_collective(kind, p, tensors[0].to(self._wire), out, self.group, guarded)
@@ -293,7 +299,7 @@ class TorchDistBackend:
         """The wire device, with the NCCL communicator created (before the first P2P message)."""
         wire = self._wire
         if wire.type == "cuda" and id(self.group) not in _WARM:
-            dist.all_reduce(torch.zeros(1, device=wire), group=self.group)
+            dist.all_reduce(torch.zeros(1, device=wire), group=self.group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
             _WARM.add(id(self.group))
         return wire
 
@@ -336,16 +342,17 @@ class TorchDistBackend:
             call = call_name()  # the public call it serves, which describes the arguments already
             if call is not None:
                 what = f"{call}, at {op} #{hashlib.blake2b(what.encode(), digest_size=4).hexdigest()}"
-            elif torch._C._current_graph_task_id() != -1:  # autograd runs it, from no public call
+            elif torch._C._current_graph_task_id() != -1:  # pyright: ignore[reportPrivateUsage]  # autograd runs it, from no public call
                 what = f"a backward pass's {what} (loss.backward() or torch.autograd.grad)"
             check(self.group, self.ranks, self.rank, what)
 
     def settle(self, what: str, error: BaseException | None = None) -> None:
-        """In check mode, the check that ends a public call: how it ended here is ``what``
-        (and ``error``, which the caller raises once every rank has learned of it).
+        """In check mode, the check that ends a public call: how it ended here is ``what``.
 
+        ``error`` is the error, which the caller raises once every rank has learned of it.
         An error that every rank raises already, or one out of a collective in flight (a
-        peer gone: the others are not at the store), ends the call at once."""
+        peer gone: the others are not at the store), ends the call at once.
+        """
         if not (self.member and current().check_collectives):
             return
         if error is not None and (agreed(error) or broke_in_flight(error)):

@@ -31,8 +31,8 @@ import hashlib
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -66,7 +66,7 @@ def broke_in_flight(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def in_flight() -> Iterator[None]:
+def in_flight() -> Generator[None, None, None]:
     """Marks what the collective in the block raises: a peer is gone or the group is broken.
 
     The other ranks are inside that collective, not at the store, so a check round
@@ -145,7 +145,7 @@ def _wait(store: Any, base: str, keys: list[str], ranks: tuple[int, ...], what: 
 
 
 def _missing_message(ranks: tuple[int, ...], what: str, timeout: float, off: list[int], late: list[int]) -> str:
-    why = []
+    why: list[str] = []
     if off:
         why.append(
             f"ranks {off} never posted a check on this process group: check mode is off there (call "
@@ -164,7 +164,7 @@ def _entry(value: bytes, key: str, rank: int) -> tuple[str, BaseException | None
     """A check entry read from the store: untrusted bytes, decoded as data and schema-checked."""
     source = f"the rendezvous store (key {key!r}, rank {rank}'s check entry)"
     try:
-        entry = decode(value, source)
+        entry = cast("tuple[Any, ...]", decode(value, source))  # checked below
     except CollectiveMismatchError as exc:  # every rank read the same bytes, so every rank raises this
         raise _agree(exc) from None
     if not (
@@ -193,4 +193,4 @@ def _channel(group: Any, ranks: tuple[int, ...]) -> _Channel:
 
 
 def _store() -> Any:
-    return dist.distributed_c10d._get_default_store()
+    return dist.distributed_c10d._get_default_store()  # pyright: ignore[reportPrivateUsage]  # no public accessor in torch

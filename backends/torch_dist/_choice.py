@@ -43,8 +43,9 @@ _DIRECT_MIN_BYTES = 1 << 20
 
 @cached(512)
 def all_contiguous(src: Layout, dst: Layout) -> bool:
-    """Whether every piece (source box meets destination box) is a contiguous range of its
-    destination shard, as far as the layouts show it (a sufficient condition).
+    """Whether every piece (source box meets destination box) is a contiguous range of its destination shard.
+
+    As far as the layouts show it (a sufficient condition).
 
     A piece is such a range when it is whole in every dim after its first of extent over
     1. Dims in which every source box, or every destination box, has extent 1 give every
@@ -69,7 +70,9 @@ def all_contiguous(src: Layout, dst: Layout) -> bool:
 
 @cached(512)
 def direct(src: Layout, dst: Layout, itemsize: int) -> bool:
-    """Whether ``execute`` sends box by box: every box lands in place on arrival and goes
+    """Whether ``execute`` sends box by box.
+
+    It does when every box lands in place on arrival and goes
     out without packing (``all_contiguous`` both ways: each piece is a range of its
     destination shard and of its source shard), and the boxes are large (each at least
     ``_DIRECT_MIN_BYTES``) and few (at most ``_DIRECT_PIECES_PER_PAIR`` per pair of
@@ -94,10 +97,12 @@ def direct(src: Layout, dst: Layout, itemsize: int) -> bool:
 
 
 def smallest_piece(src: Layout, dst: Layout) -> int:
-    """A lower bound on the elements of every piece (a source box meets a destination box):
-    the product over dims of the shortest overlap of a source extent with a destination
+    """A lower bound on the elements of every piece (a source box meets a destination box).
+
+    It is the product over dims of the shortest overlap of a source extent with a destination
     extent. 0 where a layout's distinct extents in a dim overlap each other (``Explicit``
-    boxes of unequal sizes): then the pairs are not O(boxes) to walk."""
+    boxes of unequal sizes): then the pairs are not O(boxes) to walk.
+    """
     si, di = index(src), index(dst)
     out = 1
     for d in range(src.ndim):
@@ -126,8 +131,9 @@ def _intervals(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray] 
 
 @cached(512)
 def rows_in_order(layout: Layout, order: tuple[int, ...], wire: str) -> bool:
-    """Whether the group's ranks ``order`` hold ``layout`` as ``all_gather_into_tensor`` gathers
-    it: one shard each, on the ``wire`` device type, equal dim-0 chunks whole in every other dim,
+    """Whether the group's ranks ``order`` hold ``layout`` as ``all_gather_into_tensor`` gathers it.
+
+    That is: one shard each, on the ``wire`` device type, equal dim-0 chunks whole in every other dim,
     in group order (so the whole array, not empty, is their shards back to back).
 
     >>> import fshard
@@ -160,10 +166,12 @@ def has_alltoall(backend_name: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """A rank's part of one copy phase: the shards it reads (``src``) and writes (``dst``,
-    of ``sizes`` on ``devices``), its ``schedule``, whether anything crosses ranks (alike
-    on every rank: the plan's closed-form minimum is not 0) and the ``transport`` that
-    carries it (``p2p`` or ``alltoall``)."""
+    """A rank's part of one copy phase.
+
+    The shards it reads (``src``) and writes (``dst``, of ``sizes`` on ``devices``), its
+    ``schedule``, whether anything crosses ranks (alike on every rank: the plan's closed-form
+    minimum is not 0) and the ``transport`` that carries it (``p2p`` or ``alltoall``).
+    """
 
     src: tuple[int, ...]
     dst: tuple[int, ...]
@@ -180,9 +188,11 @@ class Step:
 
 @cached(512)
 def step(p: Plan, rank: int, ranks: tuple[int, ...], one_per_box: bool, alltoall_ok: bool) -> Step:
-    """Rank ``rank``'s ``Step`` of the copy phase ``p`` in the group of ``ranks``: one message per
-    box where ``one_per_box`` or the group has no all-to-all (``alltoall_ok`` false), else one
-    ``all_to_all_single``."""
+    """Rank ``rank``'s ``Step`` of the copy phase ``p`` in the group of ``ranks``.
+
+    One message per box where ``one_per_box`` or the group has no all-to-all (``alltoall_ok``
+    false), else one ``all_to_all_single``.
+    """
     dst = p.dst.indices_on(rank)
     return Step(
         p.src.indices_on(rank),

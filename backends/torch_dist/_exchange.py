@@ -24,7 +24,7 @@ def outside_transforms() -> Any:
     ``exchange`` moves metadata, never differentiated values; inside ``torch.func.grad``
     its wire tensors would otherwise be wrapped, and a collective cannot read a wrapper.
     """
-    return torch._C._DisableFuncTorch()
+    return torch._C._DisableFuncTorch()  # pyright: ignore[reportPrivateUsage]  # torch has no public form
 
 
 def gather_objects(obj: Any, group: Any, n: int, wire: torch.device, ranks: Any = None) -> list[Any]:
@@ -82,11 +82,11 @@ def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -
     are all latency: about 2 ms against 4 ms for 4 Gloo processes on 2 cores, and
     ``all_gather_object``, which gathers the sizes first, takes 8 ms).
     """
-    mine = torch.from_numpy(row).to(wire)
+    mine = torch.from_numpy(row).to(wire)  # pyright: ignore[reportUnknownMemberType]  # torch's stub: untyped parameter
     out = torch.empty(n * row.size, dtype=torch.uint8, device=wire)
     with in_flight():
         if has_alltoall(str(dist.get_backend(group))):
-            dist.all_to_all_single(out, mine.repeat(n), group=group)
+            dist.all_to_all_single(out, mine.repeat(n), group=group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         else:
-            dist.all_gather_into_tensor(out, mine, group=group)
+            dist.all_gather_into_tensor(out, mine, group=group)  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; older torch lacks all_gather_single
     return out.cpu().numpy().reshape(n, row.size)

@@ -1,5 +1,7 @@
-"""A process group as fshard reads it: its facts, read once per group, and layouts checked
-against it once per (layout, group)."""
+"""A process group as fshard reads it.
+
+Its facts are read once per group, and layouts are checked against it once per (layout, group).
+"""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ __all__ = ["Facts", "check_layout", "facts"]
 
 @dataclasses.dataclass(frozen=True)
 class Facts:
-    """What every call asks of a process group, read once: this process's global rank, the
-    group's global ranks in group order, whether messages go through CUDA memory (NCCL) and
-    whether the group's backend runs ``all_to_all_single``."""
+    """What every call asks of a process group, read once.
+
+    This process's global rank, the group's global ranks in group order, whether messages go
+    through CUDA memory (NCCL) and whether the group's backend runs ``all_to_all_single``.
+    """
 
     rank: int
     ranks: tuple[int, ...]
@@ -53,8 +57,10 @@ def facts(group: Any) -> Facts:
 
 @cached(256)
 def check_layout(layout: Layout, group: Facts, member: bool) -> None:
-    """Raises ``SpecError`` if a shard of ``layout`` sits on a rank outside ``group`` or on a device
-    this process lacks; cached, so a layout that passed costs one lookup."""
+    """Raises ``SpecError`` if a shard of ``layout`` sits on a rank outside ``group`` or on a device this process lacks.
+
+    Cached, so a layout that passed costs one lookup.
+    """
     ranks = frozenset(group.ranks)
     for r in layout.ranks:
         if (member and r not in ranks) or (not member and r == group.rank):

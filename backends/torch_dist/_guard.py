@@ -32,7 +32,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -50,6 +50,8 @@ from ._reduce_phase import all_to_all
 __all__ = ["HEADER", "Guard", "guard", "inline_bytes"]
 
 HEADER = 16
+# A round of headers in flight: its receive buffer (numpy for a Gloo round) and its Work.
+Round = tuple[np.ndarray | torch.Tensor, Any]
 _TAG = b"fS"  # the first two bytes of every header: a receive slot without it got no header
 # Header fields after the tag: (name, byte range); the dtype is a code into ``_DTYPES``.
 _FIELDS = (("dtype", slice(2, 4)), ("operation", slice(4, 8)), ("source layout", slice(8, 12)),
@@ -69,8 +71,10 @@ def inline_bytes(world: int) -> int:
 
 @cached(1024)
 def _digest(layout: Layout) -> bytes:
-    """4 bytes that name the layout's shape, pending op and boxes with their ranks (not devices,
-    which ranks may name differently for one layout)."""
+    """4 bytes that name the layout's shape, pending op and boxes with their ranks.
+
+    Not devices, which ranks may name differently for one layout.
+    """
     h = hashlib.blake2b(digest_size=4)
     h.update(repr((layout.shape, layout.partial)).encode())
     for a in (layout.columns.lo, layout.columns.sz, layout.columns.rank):
@@ -80,8 +84,11 @@ def _digest(layout: Layout) -> bytes:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Guard:
-    """One movement's header and how its round runs: ``inline`` (the data follows the headers in
-    one ``all_to_all_single``) or headers alone first. Made once per movement (``guard``)."""
+    """One movement's header and how its round runs.
+
+    ``inline`` (the data follows the headers in one ``all_to_all_single``) or headers alone
+    first. Made once per movement (``guard``).
+    """
 
     op: str
     src: Layout
@@ -106,11 +113,13 @@ class Guard:
         recv_split: Any,
         send_split: Any,
         group: Any,
-        opened: tuple[Any, Any] | None = None,
+        opened: Round | None = None,
     ) -> Any:
-        """Starts the movement's ``all_to_all_single`` (as ``_reduce.all_to_all``): inline behind the
-        headers, or after the round of headers (``opened``, else one started here). Returns an
-        object whose ``wait()`` checks the headers."""
+        """Starts the movement's ``all_to_all_single`` (as ``_reduce.all_to_all``).
+
+        Inline behind the headers, or after the round of headers (``opened``, else one started
+        here). Returns an object whose ``wait()`` checks the headers.
+        """
         if not self.inline:
             self.agree(group, opened)
             return _Bounded(self, all_to_all(recvbuf, sendbuf, recv_split, send_split, group))
@@ -121,23 +130,30 @@ class Guard:
         box, work = self._round(_bytes(sendbuf), sends, group)
         return _Inline(self, work, box, [n * item for n in recv_split], recvbuf)
 
-    def open(self, group: Any) -> tuple[Any, Any] | None:
-        """Starts the round of headers alone (``None`` for an inline movement, whose round is its
-        data's), so that it is in flight while the caller packs; ``agree`` ends it."""
+    def open(self, group: Any) -> Round | None:
+        """Starts the round of headers alone, so that it is in flight while the caller packs.
+
+        ``None`` for an inline movement, whose round is its data's; ``agree`` ends it.
+        """
         if self.inline:
             return None
         if self.wire.type == "cpu" and self.alltoall:
             return self._round(None, (), group)
         got = torch.empty((len(self.ranks), HEADER), dtype=torch.uint8, device=self.wire)
         if self.alltoall:
-            work = dist.all_to_all_single(got.view(-1), self.tiled, group=group, async_op=True)
+            work = cast("dist.Work", dist.all_to_all_single(got.view(-1), self.tiled, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         else:
-            work = dist.all_gather_into_tensor(got.view(-1), self.tiled[:HEADER], group=group, async_op=True)
+            work = cast(
+                "dist.Work",
+                dist.all_gather_into_tensor(got.view(-1), self.tiled[:HEADER], group=group, async_op=True),  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; older torch lacks all_gather_single
+            )
         return got, work
 
-    def agree(self, group: Any, opened: tuple[Any, Any] | None = None) -> None:
-        """Ends the round of headers ``opened`` (or a round started here); returns when every rank
-        sent this movement's header."""
+    def agree(self, group: Any, opened: Round | None = None) -> None:
+        """Ends the round of headers ``opened`` (or a round started here).
+
+        Returns when every rank sent this movement's header.
+        """
         got, work = opened or self.open(group) or (None, None)
         if isinstance(got, np.ndarray):  # a Gloo round
             self.wait(work, got)
@@ -147,22 +163,24 @@ class Guard:
             self.verify(got.cpu().numpy())
 
     def _round(self, data: np.ndarray | None, sends: Sequence[int], group: Any) -> tuple[np.ndarray, Any]:
-        """Posts one Gloo round: a header, then the next ``sends[k]`` bytes of ``data`` (if given),
-        to the k-th rank. Every rank receives ``slots[k]`` bytes from the k-th, so no message is
-        longer than its receive (Gloo requires a rank's segment to itself to be exactly as long as
-        sent: a header)."""
+        """Posts one Gloo round: a header, then the next ``sends[k]`` bytes of ``data`` (if given), to the k-th rank.
+
+        Every rank receives ``slots[k]`` bytes from the k-th, so no message is longer than its
+        receive (Gloo requires a rank's segment to itself to be exactly as long as sent: a header).
+        """
         if data is None:
             env, sizes = self.tiled, [HEADER] * len(self.ranks)
         else:
-            parts, at = [], 0
+            parts: list[np.ndarray] = []
+            at = 0
             for n in sends:  # numpy slices: a tenth of the cost of torch's split and cat
                 parts += (self.header, data[at : at + n])
                 at += n
-            env, sizes = torch.from_numpy(np.concatenate(parts)), [HEADER + n for n in sends]
+            env, sizes = torch.from_numpy(np.concatenate(parts)), [HEADER + n for n in sends]  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         box, wire = _box(sum(self.slots))
         if current().timeout is not None:
             box[self.at[:, :2]] = 0  # a header that still lacks its tag after a timeout: that rank did not arrive
-        work = dist.all_to_all_single(wire, env, list(self.slots), sizes, group=group, async_op=True)
+        work = cast("dist.Work", dist.all_to_all_single(wire, env, list(self.slots), sizes, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         return box, work
 
     def verify(self, got: np.ndarray) -> None:
@@ -272,7 +290,7 @@ def guard(
     header = np.frombuffer(_TAG + code.to_bytes(2, "little") + op_digest + _digest(src) + _digest(dst), np.uint8)
     sent = plan(src, dst).min_elements_sent * dtype.itemsize
     inline = wire.type == "cpu" and alltoall and 0 < sent <= inline_bytes(len(ranks))
-    tiled = torch.from_numpy(np.tile(header, len(ranks))).to(wire)
+    tiled = torch.from_numpy(np.tile(header, len(ranks))).to(wire)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
     n = len(ranks)
     slot = HEADER + (inline_bytes(n) if wire.type == "cpu" and alltoall else 0)
     slots = [slot] * n
@@ -294,13 +312,13 @@ _BOXES = threading.local()
 
 def _box(size: int) -> tuple[np.ndarray, torch.Tensor]:
     """This thread's receive buffer of ``size`` bytes, as numpy and as torch (one memory)."""
-    boxes = getattr(_BOXES, "by_size", None)
+    boxes: dict[int, tuple[np.ndarray, torch.Tensor]] | None = getattr(_BOXES, "by_size", None)
     if boxes is None:
         boxes = _BOXES.by_size = {}
     found = boxes.get(size)
     if found is None:
         box = np.empty(size, np.uint8)
-        found = boxes[size] = (box, torch.from_numpy(box))
+        found = boxes[size] = (box, torch.from_numpy(box))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
     return found
 
 

@@ -16,6 +16,7 @@ The transport choices, which every rank makes alike, are in ``_choice``.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import numpy as np
 
@@ -141,8 +142,10 @@ class Schedule:
 
 
 def schedule(p: Plan, me: int, order: tuple[int, ...]) -> Schedule:
-    """Rank ``me``'s share of ``p`` (a plan without pending reductions: ``p.op`` unset and
-    no ``steps``), peers in the group order ``order``; cached on (layouts, rank, order)."""
+    """Rank ``me``'s share of ``p``, peers in the group order ``order``; cached on (layouts, rank, order).
+
+    ``p`` is a plan without pending reductions: ``p.op`` unset and no ``steps``.
+    """
     if p.op is not None or p.steps or p.src.partial is not None or p.dst.partial is not None:
         raise ValueError("schedule() runs plans without a reduction; see _reduce.reduce_schedule.")
     return _schedule(p.src, p.dst, int(me), tuple(order))
@@ -157,7 +160,7 @@ def _schedule(src: Layout, dst: Layout, me: int, order: tuple[int, ...]) -> Sche
     recv, fan = _distinct(rs.recv, position)
     send_at = _at(src, rs.send.src_shard[send], rs.send.lo[send], rs.send.size[send])
     every_at = _at(dst, rs.recv.dst_shard, rs.recv.lo, rs.recv.size)
-    recv_at = [every_at[k] for k in recv.tolist()]
+    recv_at = [every_at[k] for k in cast("list[int]", recv.tolist())]
     local = rs.local
     sends = _Boxes.of(src, rs.send.src_shard[send], rs.send.lo[send], rs.send.size[send], position[rs.send.peer[send]])
     recvs = _Boxes.of(dst, rs.recv.dst_shard[recv], rs.recv.lo[recv], rs.recv.size[recv], position[rs.recv.peer[recv]])
@@ -192,8 +195,11 @@ def _schedule(src: Layout, dst: Layout, me: int, order: tuple[int, ...]) -> Sche
 
 @dataclasses.dataclass(frozen=True)
 class _Boxes:
-    """Boxes in buffer order: shard, low corner within the shard, extents, and the group
-    position of the peer each goes to or comes from (ascending)."""
+    """Boxes in buffer order.
+
+    Shard, low corner within the shard, extents, and the group position of the peer each goes
+    to or comes from (ascending).
+    """
 
     shard: np.ndarray
     lo: np.ndarray  # relative to the shard's own offsets
@@ -214,7 +220,7 @@ class _Boxes:
 
     def merge(self, other: _Boxes) -> tuple[_Boxes, int]:
         """These boxes with ``other`` (all of one peer) placed in peer order; where ``other`` starts."""
-        k = int(np.searchsorted(self.position, other.position[0], "left"))
+        k = int(np.searchsorted(self.position, other.position[0], "left"))  # pyright: ignore[reportUnknownArgumentType]  # numpy's stub
         merged = _Boxes(
             *(np.concatenate([a[:k], b, a[k:]]) for a, b in zip(
                 (self.shard, self.lo, self.size, self.position),
@@ -236,8 +242,10 @@ def _exchange(
     fanout: tuple[tuple[Index, ...], ...],
     own: tuple[_Boxes, _Boxes] | None = None,
 ) -> Exchange:
-    """The all_to_all of ``sends`` and ``recvs`` (buffer order), with this rank's own copies
-    ``own`` (source boxes, destination boxes) as its own segment when given."""
+    """The all_to_all of ``sends`` and ``recvs`` (buffer order).
+
+    This rank's own copies ``own`` (source boxes, destination boxes) are its own segment when given.
+    """
     sizes = recvs.numel
     offsets = np.cumsum(sizes) - sizes
     shapes = [tuple(r) for r in recvs.size.tolist()]
@@ -262,11 +270,13 @@ def _exchange(
 
 
 def runs(shard: np.ndarray, lo: np.ndarray, size: np.ndarray) -> tuple[Run, ...]:
-    """The boxes (in order: shard, low corner within it, extents) cut into the fewest runs
-    found left to right: consecutive non-empty boxes of one shard and one shape whose low
-    corners advance by the same step, either 0 (one box again) or a positive step in one
-    dim. Equal column blocks of a row chunk (dim 0 -> dim 1) are one run, a whole shard
-    sent to every peer (chunk -> replicated) is one run."""
+    """The boxes (in order: shard, low corner within it, extents) cut into the fewest runs found left to right.
+
+    A run is consecutive non-empty boxes of one shard and one shape whose low corners advance by
+    the same step, either 0 (one box again) or a positive step in one dim. Equal column blocks
+    of a row chunk (dim 0 -> dim 1) are one run, a whole shard sent to every peer (chunk ->
+    replicated) is one run.
+    """
     if not len(shard):
         return ()
     numel = rows_prod(size)
@@ -279,7 +289,8 @@ def runs(shard: np.ndarray, lo: np.ndarray, size: np.ndarray) -> tuple[Run, ...]
         & (numel[:-1] > 0)
         & ((moved == 0) | ((moved == 1) & (step >= 0).all(axis=1)))
     )
-    out, k, n = [], 0, len(shard)
+    out: list[Run] = []
+    k, n = 0, len(shard)
     chained_l, step_l = chained.tolist(), step.tolist()
     while k < n:
         end = k + 1
@@ -306,8 +317,11 @@ def _run(shard: int, lo: np.ndarray, size: np.ndarray, step: list[int] | None, c
 
 
 def _distinct(m: Moves, position: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
-    """The first row of each distinct (source shard, peer, box) of ``m``, peers in group order
-    (rows kept in order within a peer), and every row of each, first row first."""
+    """The first row of each distinct (source shard, peer, box) of ``m``, and every row of each.
+
+    Peers in group order (rows kept in order within a peer); each distinct box's rows come first
+    row first.
+    """
     if not len(m):
         return np.zeros(0, np.int64), []
     first, inverse = unique_rows(np.c_[m.src_shard, m.peer, m.lo, m.size])
@@ -315,7 +329,7 @@ def _distinct(m: Moves, position: np.ndarray) -> tuple[np.ndarray, list[list[int
     group = np.empty(len(first), np.int64)
     group[inverse[rows]] = np.arange(len(rows))
     members: list[list[int]] = [[] for _ in rows]
-    for k, g in enumerate(group[inverse].tolist()):
+    for k, g in enumerate(cast("list[int]", group[inverse].tolist())):
         members[g].append(k)
     return rows, members
 
@@ -347,8 +361,11 @@ def _split(m: Moves, rows: np.ndarray, position: np.ndarray, n: int) -> tuple[in
 
 
 def _span(layout: Layout, shard: np.ndarray, lo: np.ndarray, size: np.ndarray) -> Span | None:
-    """(shard, first element, end) when the boxes, in order, are non-empty ranges that follow
-    each other in one shard stored contiguously (C order), else ``None``."""
+    """(shard, first element, end) when the boxes are ranges back to back in one contiguous shard.
+
+    That is, when the boxes, in order, are non-empty ranges that follow each other in one shard
+    stored contiguously (C order), else ``None``.
+    """
     if not shard.size or np.unique(shard).size != 1:
         return None
     j = int(shard[0])
@@ -369,9 +386,11 @@ def _span(layout: Layout, shard: np.ndarray, lo: np.ndarray, size: np.ndarray) -
 
 
 def _ranges(size: np.ndarray, shape: np.ndarray) -> np.ndarray:
-    """Whether each box of extents ``size`` is one range of a C-order tensor of ``shape``:
-    every extent before some dim is 1, every extent after it is whole."""
+    """Whether each box of extents ``size`` is one range of a C-order tensor of ``shape``.
+
+    It is when every extent before some dim is 1 and every extent after it is whole.
+    """
     big = size > 1
     lead = np.argmax(big, axis=1)
-    after = np.arange(size.shape[1])[None, :] > lead[:, None]
+    after = cast(np.ndarray, np.arange(size.shape[1])[None, :] > lead[:, None])  # numpy's stub: Unknown
     return ((size == shape) | ~after).all(axis=1) | ~big.any(axis=1)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -78,8 +79,10 @@ class ReduceSchedule:
 
 @cached(256)
 def reduce_schedule(p: Any, me: int, order: tuple[int, ...]) -> ReduceSchedule:
-    """Rank ``me``'s share of the reduce phase ``p``, peers in the group order ``order``, from
-    ``p.for_rank(me)`` (the layouts alone: never the global plan's rows)."""
+    """Rank ``me``'s share of the reduce phase ``p``, peers in the group order ``order``.
+
+    From ``p.for_rank(me)`` (the layouts alone: never the global plan's rows).
+    """
     rs = p.for_rank(me)
     if rs.steps or rs.op is None:
         raise ValueError("reduce_schedule() runs one reduce phase (a plan with op set and no steps).")
@@ -119,8 +122,11 @@ def reduce_schedule(p: Any, me: int, order: tuple[int, ...]) -> ReduceSchedule:
 
 
 def _columns(m: Moves, src: Layout, dst: Layout) -> Any:
-    """(source shard, destination shard, lo, size, lo in the source shard, lo in the destination
-    shard) of each row of ``m``, as Python values."""
+    """The rows of ``m`` as Python values.
+
+    Each is (source shard, destination shard, lo, size, lo in the source shard, lo in the
+    destination shard).
+    """
     read = (m.lo - src.columns.lo[m.src_shard]).tolist()
     write = (m.lo - dst.columns.lo[m.dst_shard]).tolist()
     return zip(m.src_shard.tolist(), m.dst_shard.tolist(), m.lo.tolist(), m.size.tolist(), read, write)
@@ -159,9 +165,13 @@ def _split(by_peer: Any, position: dict[int, int]) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def run_local(sched: ReduceSchedule, src: dict, out: dict, dtype: torch.dtype) -> set[int]:
-    """Fills the shards that need it with the identity and combines this rank's own contributions;
-    returns the regions written."""
+def run_local(
+    sched: ReduceSchedule, src: dict[int, torch.Tensor], out: dict[int, torch.Tensor], dtype: torch.dtype
+) -> set[int]:
+    """Fills the shards that need it with the identity and combines this rank's own contributions.
+
+    Returns the regions written.
+    """
     for j in sched.fill:
         out[j].fill_(identity(sched.op, dtype))
     done: set[int] = set()
@@ -183,17 +193,20 @@ def _combine(
 
 def run_reduce(
     sched: ReduceSchedule,
-    src: dict,
-    out: dict,
+    src: dict[int, torch.Tensor],
+    out: dict[int, torch.Tensor],
     dtype: torch.dtype,
     wire: torch.device,
     group: Any,
     empty: Any,
     guard: Any,
 ) -> None:
-    """Runs a reduce phase: packs combined contributions per peer, exchanges them in one
-    ``all_to_all_single`` while combining this rank's own, then combines what arrived.
-    ``guard`` (``_guard.Guard``) starts the exchange behind the movement's headers."""
+    """Runs a reduce phase.
+
+    Packs combined contributions per peer, exchanges them in one ``all_to_all_single`` while
+    combining this rank's own, then combines what arrived. ``guard`` (``_guard.Guard``) starts
+    the exchange behind the movement's headers.
+    """
     opened = guard.open(group)  # a round of headers alone, in flight while this packs
     sendbuf = empty((sum(sched.send_split),), dtype, wire)
     at = 0
@@ -227,16 +240,21 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_to_all(recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, send_split: Any, group: Any) -> Any:
-    """Starts one ``all_to_all_single`` of flat buffers, split in elements per rank of the group,
-    as bytes (so any dtype goes through); returns its ``Work``."""
+    """Starts one ``all_to_all_single`` of flat buffers, split in elements per rank of the group.
+
+    Sent as bytes (so any dtype goes through); returns its ``Work``.
+    """
     item = recvbuf.element_size()
-    work = dist.all_to_all_single(
-        as_bytes(recvbuf),
-        as_bytes(sendbuf),
-        [n * item for n in recv_split],
-        [n * item for n in send_split],
-        group=group,
-        async_op=True,
+    work = cast(
+        "dist.Work | None",
+        dist.all_to_all_single(  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+            as_bytes(recvbuf),
+            as_bytes(sendbuf),
+            [n * item for n in recv_split],
+            [n * item for n in send_split],
+            group=group,
+            async_op=True,
+        ),
     )
     assert work is not None  # async_op=True always returns a Work
     return work
@@ -277,14 +295,19 @@ def _one_each(layout: Layout, order: tuple[int, ...]) -> bool:
 
 
 def run_collective(kind: str, p: Any, mine: torch.Tensor, out: torch.Tensor, group: Any, guard: Any) -> None:
-    """Runs ``all_reduce`` or ``reduce_scatter_tensor`` of this rank's summand ``mine`` into ``out``,
-    after the movement's round of headers (``guard``, a ``_guard.Guard``)."""
+    """Runs ``all_reduce`` or ``reduce_scatter_tensor`` of this rank's summand ``mine`` into ``out``.
+
+    It runs after the movement's round of headers (``guard``, a ``_guard.Guard``).
+    """
     op = _OPS[p.src.partial]
     guard.agree(group)
     if kind == "all_reduce":
         out.copy_(mine)
-        work = dist.all_reduce(out, op=op, group=group, async_op=True)
+        work = cast("dist.Work", dist.all_reduce(out, op=op, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
     else:  # reduce_scatter_single replaces the deprecated reduce_scatter_tensor where torch has it
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter = cast(
+            "Callable[..., dist.Work]",
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; for older torch
+        )
         work = scatter(out, mine.contiguous(), op=op, group=group, async_op=True)
     guard.wait(work)

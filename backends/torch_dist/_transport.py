@@ -22,8 +22,11 @@ def _view(tensors: dict[int, torch.Tensor], at: Index) -> torch.Tensor:
 
 
 def _contiguous(t: torch.Tensor) -> bool:
-    """Whether ``t`` can be viewed as bytes in place: contiguous, and unit-strided even with one
-    element (torch calls a one-element view with any stride contiguous)."""
+    """Whether ``t`` can be viewed as bytes in place.
+
+    It can when contiguous, and unit-strided even with one element (torch calls a one-element
+    view with any stride contiguous).
+    """
     return t.is_contiguous() and (t.numel() != 1 or t.reshape(-1).stride(0) == 1)
 
 
@@ -34,8 +37,8 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
 
 def p2p(
     sched: Schedule,
-    src: dict,
-    out: dict,
+    src: dict[int, torch.Tensor],
+    out: dict[int, torch.Tensor],
     dtype: torch.dtype,
     wire: torch.device,
     group: Any,
@@ -54,7 +57,8 @@ def p2p(
     if guard.inline:
         alltoall(sched, src, out, dtype, wire, group, guard)
         return
-    ops, staged = [], []
+    ops: list[dist.P2POp] = []
+    staged: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (box, its target if not in place, buffer)
     n = 0
     for peer, boxes in sched.recv:
         for tag, at in enumerate(boxes):
@@ -85,22 +89,24 @@ def p2p(
         _fan_out(sched.fanout[k], got, out)
 
 
-def copy_local(sched: Schedule, src: dict, out: dict) -> None:
+def copy_local(sched: Schedule, src: dict[int, torch.Tensor], out: dict[int, torch.Tensor]) -> None:
     """This rank's copies between its own shards (``sched.local``: the schedule's local moves)."""
     for read, write in sched.local:
         _view(out, write).copy_(_view(src, read))
 
 
-def _fan_out(targets: tuple[Index, ...], got: torch.Tensor, out: dict) -> None:
+def _fan_out(targets: tuple[Index, ...], got: torch.Tensor, out: dict[int, torch.Tensor]) -> None:
     """Copies a received box into the other destination shards that want it (replicas on this rank)."""
     for at in targets:
         _view(out, at).copy_(got)
 
 
-def _region(tensors: dict, run: Run) -> torch.Tensor:
-    """The run's boxes as one view of shape (copies, *box shape) of its shard's tensor: one
-    ``as_strided`` of a plain tensor (the strides are the tensor's own, so strided inputs
-    work), else the same view by slicing and ``unfold``."""
+def _region(tensors: dict[int, torch.Tensor], run: Run) -> torch.Tensor:
+    """The run's boxes as one view of shape (copies, *box shape) of its shard's tensor.
+
+    One ``as_strided`` of a plain tensor (the strides are the tensor's own, so strided inputs
+    work), else the same view by slicing and ``unfold``.
+    """
     t = tensors[run.shard]
     if type(t) is torch.Tensor and not (t.is_conj() or t.is_neg()):
         st = t.stride()
@@ -117,7 +123,7 @@ def _region(tensors: dict, run: Run) -> torch.Tensor:
     return view.unfold(run.dim, run.shape[run.dim], run.step).movedim(run.dim, 0).movedim(-1, run.dim + 1)
 
 
-def _pack(runs: tuple[Run, ...], tensors: dict, buf: torch.Tensor) -> torch.Tensor:
+def _pack(runs: tuple[Run, ...], tensors: dict[int, torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
     """Copies the runs' boxes, in order, into the flat ``buf`` (one ``copy_`` per run); returns ``buf``."""
     at = buf.storage_offset()
     for run in runs:
@@ -126,7 +132,7 @@ def _pack(runs: tuple[Run, ...], tensors: dict, buf: torch.Tensor) -> torch.Tens
     return buf
 
 
-def _unpack(runs: tuple[Run, ...], buf: torch.Tensor, tensors: dict) -> None:
+def _unpack(runs: tuple[Run, ...], buf: torch.Tensor, tensors: dict[int, torch.Tensor]) -> None:
     """Copies the flat ``buf``, in order, into the runs' boxes (one ``copy_`` per run)."""
     at = buf.storage_offset()
     for run in runs:
@@ -134,9 +140,11 @@ def _unpack(runs: tuple[Run, ...], buf: torch.Tensor, tensors: dict) -> None:
         at += run.numel
 
 
-def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Tensor | None:
-    """One flat view over boxes that lie back to back in one shard (``span``), when that
-    shard's tensor is contiguous and on the wire device (so they need no packing)."""
+def _in_place(span: Span | None, tensors: dict[int, torch.Tensor], wire: torch.device) -> torch.Tensor | None:
+    """One flat view over boxes that lie back to back in one shard (``span``).
+
+    Only when that shard's tensor is contiguous and on the wire device (so they need no packing).
+    """
     if span is None:
         return None
     base = tensors[span[0]]
@@ -147,8 +155,8 @@ def _in_place(span: Span | None, tensors: dict, wire: torch.device) -> torch.Ten
 
 def alltoall(
     sched: Schedule,
-    src: dict,
-    out: dict,
+    src: dict[int, torch.Tensor],
+    out: dict[int, torch.Tensor],
     dtype: torch.dtype,
     wire: torch.device,
     group: Any,

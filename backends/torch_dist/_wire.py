@@ -25,7 +25,8 @@ import collections
 import functools
 import json
 import sys
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import optree
 import torch
@@ -75,6 +76,9 @@ _ERRORS: dict[str, type[BaseException]] = {
     **{n: getattr(_errors, n) for n in _errors.__all__},
 }
 _SCALARS = (type(None), bool, int, float, str)
+# (value, where, depth) -> the JSON items after the kind; (items, depth) -> the value.
+_Encoder = Callable[[Any, Any, int], list[Any]]
+_Decoder = Callable[[list[Any], int], Any]
 
 
 class Unsendable(NamedTuple):
@@ -118,7 +122,7 @@ def refuse(source: str, why: str) -> CollectiveMismatchError:
 # -- encoding ---------------------------------------------------------------------------
 
 
-def _enc(x: Any, where: Any, depth: int) -> Any:
+def _enc(x: object, where: Any, depth: int) -> Any:
     """``x`` as JSON data; ``where`` is its path, ``(parent path, suffix)``, spelled out only in errors."""
     if type(x) in _SCALARS:
         return x
@@ -139,9 +143,9 @@ def _enc(x: Any, where: Any, depth: int) -> Any:
 
 
 def _path(where: Any) -> str:
-    parts = []
+    parts: list[str] = []
     while isinstance(where, tuple):
-        where, suffix = where
+        where, suffix = cast("tuple[Any, str]", where)
         parts.append(suffix)
     return where + "".join(reversed(parts))
 
@@ -161,11 +165,11 @@ def _record_fields(x: Any, where: Any, depth: int) -> list[Any]:
 
 def _fields(x: Any) -> tuple[Any, ...]:
     if isinstance(x, tuple):
-        return tuple(x)
+        return tuple(cast("tuple[Any, ...]", x))
     return tuple(getattr(x, f) for f in x.__dataclass_fields__)
 
 
-def _named_tuple(x: Any, where: Any, depth: int) -> list[Any]:
+def _named_tuple(x: tuple[Any, ...], where: Any, depth: int) -> list[Any]:
     cls = type(x)
     return [cls.__module__, cls.__qualname__, *_items(x, where, depth)]
 
@@ -186,10 +190,13 @@ def _exception(x: BaseException, where: Any, depth: int) -> list[Any]:
 
 
 def _is_named_tuple(x: Any) -> bool:
-    return isinstance(x, tuple) and (hasattr(type(x), "_fields") or optree.is_structseq(x))
+    if not isinstance(x, tuple):
+        return False
+    t = cast("tuple[Any, ...]", x)
+    return hasattr(type(t), "_fields") or optree.is_structseq(t)
 
 
-_ENCODERS: list[tuple[str, Any, Any]] = [
+_ENCODERS: list[tuple[str, Callable[[Any], bool], _Encoder]] = [
     ("dtype", lambda x: isinstance(x, torch.dtype), lambda x, w, d: [str(x).removeprefix("torch.")]),
     ("size", lambda x: isinstance(x, torch.Size), lambda x, w, d: [int(n) for n in x]),
     ("device", lambda x: isinstance(x, torch.device), lambda x, w, d: [str(x)]),
@@ -209,7 +216,7 @@ _ENCODERS: list[tuple[str, Any, Any]] = [
 ]
 
 
-_EXACT: dict[type, tuple[str, Any]] = {
+_EXACT: dict[type[Any], tuple[str, _Encoder]] = {
     tuple: ("t", _items),
     list: ("l", _items),
     dict: ("d", _pairs),
@@ -248,9 +255,10 @@ def _dec(x: Any, depth: int) -> Any:
         raise ValueError(f"nested deeper than {_MAX_DEPTH} levels")
     if type(x) in _SCALARS:
         return x
-    if type(x) is not list or not x or type(x[0]) is not str or x[0] not in _DECODERS:
-        raise ValueError(f"not an encoded value: {str(x)[:80]}")
-    return _DECODERS[x[0]](x[1:], depth + 1)
+    xs = cast("list[Any]", x)  # JSON: a list, else refused next
+    if type(xs) is not list or not xs or type(xs[0]) is not str or xs[0] not in _DECODERS:
+        raise ValueError(f"not an encoded value: {str(xs)[:80]}")
+    return _DECODERS[xs[0]](xs[1:], depth + 1)
 
 
 def _all(xs: list[Any], depth: int) -> list[Any]:
@@ -292,9 +300,9 @@ def _named(xs: list[Any], depth: int) -> tuple[Any, ...]:
     cls = _loaded_type(module, qualname)
     if optree.is_structseq_class(cls):
         return cls(_all(items, depth))
-    if not (issubclass(cls, tuple) and hasattr(cls, "_fields")):
+    if not (hasattr(cls, "_fields") and issubclass(cls, tuple)):
         raise ValueError(f"{module}.{qualname} is not a named tuple")
-    return cls(*_all(items, depth))
+    return cast("tuple[Any, ...]", cls(*_all(items, depth)))
 
 
 def _loaded_type(module: Any, qualname: Any) -> type:
@@ -322,6 +330,7 @@ def _error(xs: list[Any], depth: int) -> BaseException:
     cls = _ERRORS.get(name) if type(name) is str else None
     if cls is None or type(args) is not list or type(notes) is not list:
         raise ValueError(f"not an allowed exception: {str(name)[:40]!r}")
+    args, notes = cast("list[Any]", args), cast("list[Any]", notes)
     if not all(type(a) in _SCALARS for a in args) or not all(type(n) is str for n in notes):
         raise TypeError("an exception's arguments and notes must be plain scalars")
     try:
@@ -337,10 +346,10 @@ def _layout(xs: list[Any], depth: int) -> Layout:
     (data,) = xs
     if type(data) is not dict:
         raise TypeError("a layout is not a dict")
-    return Layout.from_dict(data)
+    return Layout.from_dict(cast("dict[str, Any]", data))
 
 
-_DECODERS: dict[str, Any] = {
+_DECODERS: dict[str, _Decoder] = {
     "dtype": _dtype,
     "size": lambda xs, d: torch.Size([n for n in xs if type(n) is int or _bad("a size holds a non-int")]),
     "device": lambda xs, d: torch.device(_str(xs)),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -70,7 +70,7 @@ def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) 
 
 
 @contextlib.contextmanager
-def untouched(tensors: Sequence[torch.Tensor], what: str) -> Iterator[None]:
+def untouched(tensors: Sequence[torch.Tensor], what: str) -> Generator[None, None, None]:
     """Raises ``SpecError`` if the code in the block wrote into any of ``tensors`` in place.
 
     A tensor's version counter (shared with its views) counts in-place writes, so a
@@ -114,7 +114,7 @@ def merge_results(seen: Sequence[Any], what: str) -> tuple[Any, list[Meta]]:
     other = next((d[0] for d in held if d[0] != tree), None)
     if other is not None:
         raise SpecError(f"{what} fn returned {tree} on some ranks and {other} on others; return one structure.")
-    metas = []
+    metas: list[Meta] = []
     for n in range(tree.num_leaves):
         kinds = {d[1][n][0] for d in held}
         if len(kinds) > 1:

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
@@ -48,7 +48,7 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not _config._current.check_collectives or call_name() is not None:
+            if not _config._current.check_collectives or call_name() is not None:  # pyright: ignore[reportPrivateUsage]  # one attribute read, not a call
                 return fn(*args, **kwargs)
             backend = _backend_of(args, kwargs)
             settle = getattr(backend, "settle", None)  # a backend of one process has nothing to agree on
@@ -95,7 +95,7 @@ def _describe_call(
         bound = signature.bind(*args, **kwargs)
     except TypeError:
         return f"{name}(<arguments that do not fit its signature>)"
-    parts = []
+    parts: list[str] = []
     for key, value in bound.arguments.items():
         if key in ("backend", "group"):
             continue
@@ -123,12 +123,14 @@ def describe(x: Any, depth: int = 0) -> str:
     if depth > 3:
         return type(x).__name__
     if isinstance(x, (list, tuple)):
-        items = [describe(v, depth + 1) for v in x[:8]]
-        more = f", ... {len(x) - 8} more" if len(x) > 8 else ""
-        return f"{type(x).__name__}[{', '.join(items)}{more}]"
+        seq = cast("list[Any] | tuple[Any, ...]", x)
+        items = [describe(v, depth + 1) for v in seq[:8]]
+        more = f", ... {len(seq) - 8} more" if len(seq) > 8 else ""
+        return f"{type(seq).__name__}[{', '.join(items)}{more}]"
     if isinstance(x, dict):
-        items = [f"{k!r}: {describe(v, depth + 1)}" for k, v in list(x.items())[:8]]
-        return "{" + ", ".join(items) + (", ..." if len(x) > 8 else "") + "}"
+        mapping = cast("dict[Any, Any]", x)
+        items = [f"{k!r}: {describe(v, depth + 1)}" for k, v in list(mapping.items())[:8]]
+        return "{" + ", ".join(items) + (", ..." if len(mapping) > 8 else "") + "}"
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return repr(x)
     if callable(x):

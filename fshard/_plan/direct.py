@@ -145,10 +145,12 @@ class Plan:
         return self.steps or (self,)
 
     def for_rank(self, rank: int) -> RankSchedule:
-        """This rank's sends, receives and local copies (``RankSchedule``), computed from the
-        layouts alone (pure, cached on ``(src, dst, rank)``); a plan with pending reductions
+        """This rank's sends, receives and local copies (``RankSchedule``), computed from the layouts alone.
+
+        Pure, cached on ``(src, dst, rank)``; a plan with pending reductions
         (``fshard._plan.pending.PendingPlan``) computes it by its own rules, from the layouts too,
-        and a plan built from rows alone reads them."""
+        and a plan built from rows alone reads them.
+        """
         rank = _schedule.check_rank(rank)
         if not self.steps and self.op is None and _schedule.is_direct(self.src, self.dst):
             return _schedule.schedule(self.src, self.dst, rank)
@@ -166,8 +168,10 @@ class Plan:
 
     @property
     def numel(self) -> np.ndarray:
-        """Elements moved by each transfer: int64, or Python ints (an object array) where they
-        add up to 2**62 or more (``numels``)."""
+        """Elements moved by each transfer.
+
+        int64, or Python ints (an object array) where they add up to 2**62 or more (``numels``).
+        """
         return numels(self.size)
 
     @functools.cached_property
@@ -236,8 +240,11 @@ class Plan:
 
 
 def _build(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The rows of ``plan(src, dst)`` (neither partial): every piece of a source box in a
-    destination shard, from the source that ``_routing.source_shards`` picks."""
+    """The rows of ``plan(src, dst)`` (neither partial).
+
+    Every piece of a source box in a destination shard, from the source that
+    ``_routing.source_shards`` picks.
+    """
     si, di = _index.index(src), _index.index(dst)
     pu, pv = _boxes.intersect_pairs(si.lo, si.hi, di.lo, di.hi)  # (src box u, dst box v) that share elements
     ilo = np.maximum(si.lo[pu], di.lo[pv])
@@ -288,9 +295,10 @@ def min_elements(src: Layout, dst: Layout) -> int:
 
 
 def numels(sizes: np.ndarray) -> np.ndarray:
-    """The elements of each box (rows of extents): int64 where they add up to less than 2**62,
-    else Python ints in an object array, whose sums are exact (a layout may hold 2**63 elements
-    or more: only each extent must fit in int64).
+    """The elements of each box (rows of extents).
+
+    int64 where they add up to less than 2**62, else Python ints in an object array, whose sums
+    are exact (a layout may hold 2**63 elements or more: only each extent must fit in int64).
 
     >>> numels(np.array([[2, 3], [4, 0]])).tolist(), numels(np.array([[2**40, 2**40]])).tolist()
     ([6, 0], [1208925819614629174706176])

@@ -1,4 +1,4 @@
-"""Plans between layouts with pending reductions (``Layout.partial``).
+r"""Plans between layouts with pending reductions (``Layout.partial``).
 
 A *reduce phase* is a ``Plan`` with ``op`` set: its rows are contributions, and each
 destination region receives the ``op`` of every contribution aimed at it (a region
@@ -13,7 +13,7 @@ one region on another rank are combined on the sender first and sent once.
   Elements sent per element: |S| + |D| - 2 when S and D share a rank, else
   |S| + |D| - 1, which is the lower bound (see ``lower_bound``).
 - partial -> partial (same op): a summand stays on its rank when that rank holds a
-  copy in the destination, else it goes to one destination copy: |S \\ D| per element.
+  copy in the destination, else it goes to one destination copy: |S \ D| per element.
 - non-partial -> partial: one copy of each element holds the value (the identity
   elsewhere), taken from a rank that holds it where possible: 0 or 1 per element.
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import cast
 
 import numpy as np
 
@@ -54,6 +55,8 @@ from fshard._plan.direct import Plan, numels
 from fshard._plan.routing import copy_on, shared_holders, walk_holders
 from fshard._plan.schedule import RankSchedule
 
+_moves = _schedule._moves  # pyright: ignore[reportPrivateUsage]  # schedule's row builder, shared by both planners
+
 __all__ = ["PendingPlan", "build", "lower_bound", "rank_schedule"]
 
 Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # source shard, destination shard, lo, size
@@ -62,10 +65,12 @@ RULES = ("reduce", "regroup", "make")
 
 
 class PendingPlan(Plan):
-    """A plan between layouts with a pending reduction: one phase under ``rule`` (``"reduce"``,
-    ``"regroup"`` or ``"make"``, see ``fshard._plan.pending``), or a chain of phases (``rule`` is
-    ``"chain"``). A phase's rows are computed on first use; ``for_rank`` computes one
-    rank's share from the layouts alone, with the same rule.
+    """A plan between layouts with a pending reduction.
+
+    One phase under ``rule`` (``"reduce"``, ``"regroup"`` or ``"make"``, see
+    ``fshard._plan.pending``), or a chain of phases (``rule`` is ``"chain"``). A phase's rows
+    are computed on first use; ``for_rank`` computes one rank's share from the layouts alone,
+    with the same rule.
     """
 
     rule: str
@@ -85,9 +90,11 @@ class PendingPlan(Plan):
         return global_rows(self.rule, self.src, self.dst)
 
     def for_rank(self, rank: int) -> RankSchedule:
-        """This rank's sends, receives and local copies (every phase), from the layouts alone
-        (pure, cached on ``(src, dst, rank)``): the rows of the global plan that touch this rank,
-        in the plan's order."""
+        """This rank's sends, receives and local copies (every phase), from the layouts alone.
+
+        Pure, cached on ``(src, dst, rank)``: the rows of the global plan that touch this rank,
+        in the plan's order.
+        """
         rank = _schedule.check_rank(rank)
         if self.steps:
             return _chain_schedule(self, rank)
@@ -103,7 +110,6 @@ def _op(rule: str, src: Layout, dst: Layout) -> str | None:
 
 def build(src: Layout, dst: Layout) -> Plan:
     """The plan from ``src`` to ``dst`` when either carries a pending reduction."""
-
     if src.partial is None:
         return _phase("make", src, dst)
     if dst.partial == src.partial:
@@ -129,14 +135,14 @@ def _reduce(src: Layout, dst: Layout) -> Plan:
 
 
 def lower_bound(src: Layout, dst: Layout) -> int:
-    """The fewest elements any schedule must send to turn ``src`` into ``dst``.
+    r"""The fewest elements any schedule must send to turn ``src`` into ``dst``.
 
     Per element with source ranks S (summands, or replicas of a value) and destination
     ranks D: a partial source needs every summand rank but one to send, and every
     destination rank but one to receive after the reduction is complete, so
     |S| + |D| - 1 - [S and D meet] (the bandwidth-optimal all-reduce sends 2(n - 1)
-    per element); a non-partial source needs |D \\ S|; to a partial destination of the
-    same op, |S \\ D| for a partial source and [S and D are disjoint] for a value.
+    per element); a non-partial source needs |D \ S|; to a partial destination of the
+    same op, |S \ D| for a partial source and [S and D are disjoint] for a value.
     """
     si, di = index(src), index(dst)
     u, v, _, size = _regions(si, di)
@@ -197,7 +203,7 @@ def _owners(src: Layout, dst: Layout) -> Layout:
         part_size[at, axis[row]] = length
     first = di.first[di.find(v[row], owner)]
     devices = dst.columns.devices
-    placed = devices[0] if len(set(devices)) == 1 else [devices[j] for j in first.tolist()]
+    placed = devices[0] if len(set(devices)) == 1 else [devices[j] for j in cast("list[int]", first.tolist())]
     return Layout.from_arrays(dst.shape, part_lo, part_size, owner, placed or "cpu")
 
 
@@ -205,8 +211,10 @@ def _owners(src: Layout, dst: Layout) -> Layout:
 
 
 def _regions(si: Index, di: Index) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every non-empty intersection (u, v, lo, size) of a distinct source box ``u`` and a distinct
-    destination box ``v``, sorted by (v, u)."""
+    """Every non-empty intersection (u, v, lo, size) of distinct source box ``u`` and distinct destination box ``v``.
+
+    Sorted by (v, u).
+    """
     u, v = di.query(si.lo, si.hi)
     order = np.lexsort((u, v))
     u, v = u[order], v[order]
@@ -291,9 +299,11 @@ def _regroup_target(
 
 
 def _turn(si: Index, di: Index, u: np.ndarray, v: np.ndarray, rank: np.ndarray) -> np.ndarray:
-    """Position in ``di.held`` of the holder of ``v`` that receives from holder ``rank`` of ``u``:
-    position (p + u + v) mod m among the m holders of ``v``, p the position of ``rank`` among
-    the holders of ``u``."""
+    """Position in ``di.held`` of the holder of ``v`` that receives from holder ``rank`` of ``u``.
+
+    Position (p + u + v) mod m among the m holders of ``v``, p the position of ``rank`` among
+    the holders of ``u``.
+    """
     p = si.find(u, rank) - si.start[u]
     return di.start[v] + (p + u + v) % di.count[v]
 
@@ -301,8 +311,10 @@ def _turn(si: Index, di: Index, u: np.ndarray, v: np.ndarray, rank: np.ndarray) 
 def _make_ends(
     src: Layout, dst: Layout, u: np.ndarray, v: np.ndarray, shared: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(source shard, destination shard) of the one row of each region under ``make``, given the
-    lowest rank holding both boxes (``shared``, -1 where none)."""
+    """(source shard, destination shard) of the one row of each region under ``make``.
+
+    Given the lowest rank holding both boxes (``shared``, -1 where none).
+    """
     si, di = index(src), index(dst)
     i, j = np.empty(len(u), np.int64), np.empty(len(u), np.int64)
     here, away = np.flatnonzero(shared >= 0), np.flatnonzero(shared < 0)
@@ -323,10 +335,12 @@ def _sorted(src: Layout, dst: Layout, i: np.ndarray, j: np.ndarray, lo: np.ndarr
 
 
 def _canonical(s_rank: np.ndarray, d_rank: np.ndarray, i: np.ndarray, j: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    """The order of a reduce phase's rows (source rank and shard ``i``, destination rank and shard
-    ``j``, region ``lo``): by destination shard and region, then the contributions to one region
-    from its own rank first, then by rank and source shard: both backends combine a region's
-    contributions in that order."""
+    """The order of a reduce phase's rows: both backends combine a region's contributions in that order.
+
+    Rows are (source rank and shard ``i``, destination rank and shard ``j``, region ``lo``),
+    ordered by destination shard and region, then the contributions to one region from its own
+    rank first, then by rank and source shard.
+    """
     # np.lexsort: the last key is the primary one.
     return np.lexsort((i, s_rank, s_rank != d_rank, *(lo[:, k] for k in range(lo.shape[1] - 1, -1, -1)), j))
 
@@ -336,8 +350,9 @@ def _canonical(s_rank: np.ndarray, d_rank: np.ndarray, i: np.ndarray, j: np.ndar
 
 @cached(1024)
 def rank_schedule(rule: str, src: Layout, dst: Layout, rank: int) -> RankSchedule:
-    """``rank``'s share of the phase ``rule`` from ``src`` to ``dst``: its rows of the global plan,
-    in that plan's order, from its own boxes alone.
+    """``rank``'s share of the phase ``rule`` from ``src`` to ``dst``.
+
+    Its rows of the global plan, in that plan's order, from its own boxes alone.
 
     Work: O(k log n) for its k boxes, plus its rows; ``make`` adds, for a region where this
     rank holds both boxes or takes a turn, the walk that finds the lowest shared rank.
@@ -351,9 +366,9 @@ def rank_schedule(rule: str, src: Layout, dst: Layout, rank: int) -> RankSchedul
         src,
         dst,
         int(rank),
-        _schedule._moves(i, j, lo, size, d_rank, send),
-        _schedule._moves(i, j, lo, size, s_rank, recv),
-        _schedule._moves(i, j, lo, size, s_rank, local),
+        _moves(i, j, lo, size, d_rank, send),
+        _moves(i, j, lo, size, s_rank, recv),
+        _moves(i, j, lo, size, s_rank, local),
         _op(rule, src, dst),
     )
 
@@ -362,7 +377,7 @@ def rank_schedule(rule: str, src: Layout, dst: Layout, rank: int) -> RankSchedul
 def _chain_schedule(p: PendingPlan, rank: int) -> RankSchedule:
     steps = tuple(s.for_rank(rank) for s in p.steps)
     empty = np.zeros(0, np.int64)
-    none = _schedule._moves(empty, empty, np.zeros((0, p.src.ndim), np.int64), np.zeros((0, p.src.ndim), np.int64),
+    none = _moves(empty, empty, np.zeros((0, p.src.ndim), np.int64), np.zeros((0, p.src.ndim), np.int64),
                             empty, empty)  # fmt: skip
     return RankSchedule(p.src, p.dst, rank, none, none, none, p.op, steps)
 
@@ -372,8 +387,10 @@ def _concat(*parts: Rows) -> Rows:
 
 
 def _reduce_rank(src: Layout, dst: Layout, rank: int) -> Rows:
-    """``reduce``: this rank's copies of ``u`` to every copy of ``v`` elsewhere, and every copy
-    of ``u`` to this rank's copies of ``v``."""
+    """``reduce``: this rank's copies of ``u`` to every copy of ``v`` elsewhere.
+
+    And every copy of ``u`` to this rank's copies of ``v``.
+    """
     si, di = index(src), index(dst)
     u, v, lo, size = pieces(si, di, _own(si, rank))
     r, i = _copies_on(si, u, _mine(len(u), rank))
@@ -389,9 +406,11 @@ def _reduce_rank(src: Layout, dst: Layout, rank: int) -> Rows:
 
 
 def _regroup_rank(src: Layout, dst: Layout, rank: int) -> Rows:
-    """``regroup``: this rank's copies of ``u`` where it holds no ``v`` go to the holder whose turn
-    it is; it keeps its own where it holds ``v``, and receives from the holders of ``u`` outside
-    the holders of ``v`` at positions p = q - u - v (mod m), q its position among them."""
+    """``regroup``: this rank's copies of ``u`` where it holds no ``v`` go to the holder whose turn it is.
+
+    It keeps its own where it holds ``v``, and receives from the holders of ``u`` outside the
+    holders of ``v`` at positions p = q - u - v (mod m), q its position among them.
+    """
     si, di = index(src), index(dst)
     u, v, lo, size = pieces(si, di, _own(si, rank))
     me = _mine(len(u), rank)
@@ -416,9 +435,11 @@ def _regroup_rank(src: Layout, dst: Layout, rank: int) -> Rows:
 
 
 def _make_rank(src: Layout, dst: Layout, rank: int) -> Rows:
-    """``make``: the regions where this rank holds ``u`` and takes the sender's turn, or holds
-    ``v`` and either holds ``u`` too or takes the receiver's turn; the lowest shared rank
-    decides which of them have a row."""
+    """``make``: the regions where this rank holds ``u`` and takes the sender's turn.
+
+    Or where it holds ``v`` and either holds ``u`` too or takes the receiver's turn; the lowest
+    shared rank decides which of them have a row.
+    """
     si, di = index(src), index(dst)
     u, v, lo, size = pieces(si, di, _own(si, rank))
     turn = si.holder[si.start[u] + (u + v) % si.count[u]] == rank
