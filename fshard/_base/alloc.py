@@ -7,6 +7,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -40,7 +41,7 @@ _PLAIN = {
 }
 # How many tensors (and Python storage objects) use a storage; without it (a torch that lacks
 # this private call) the pool cannot tell a dead block from a live one and stays out of the way.
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # pyright: ignore[reportPrivateUsage]
 
 
 def _listed_refs(blocks: list[torch.UntypedStorage], k: int) -> int:
@@ -90,7 +91,8 @@ class _Pool:
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.UntypedStorage]] = {}  # bytes -> blocks no tensor uses
-        self._live: dict[int, tuple[weakref.ref, torch.UntypedStorage]] = {}  # by id: blocks of living outputs
+        # By id: blocks of living outputs.
+        self._live: dict[int, tuple[weakref.ref[torch.Tensor], torch.UntypedStorage]] = {}
         self._dying: list[torch.UntypedStorage] = []  # outputs died: look at the next call
         self._held: list[torch.UntypedStorage] = []  # outputs died but something else used the block
         self._cached = 0
@@ -102,7 +104,8 @@ class _Pool:
         if nbytes < POOL_MIN_BYTES or dtype not in _PLAIN or _use_count is None:
             return torch.empty(sizes, dtype=dtype)
         block = self._take(nbytes)
-        t = _PLAIN[dtype].new().set_(block, 0, sizes)
+        # torch's stub lacks the (storage, offset, size) form that torch accepts.
+        t = cast(torch.Tensor, _PLAIN[dtype].new().set_(block, 0, sizes))  # pyright: ignore[reportCallIssue]
         ref = weakref.ref(t, self._dead)
         with self._lock:
             self._live[id(ref)] = (ref, block)
@@ -136,7 +139,7 @@ class _Pool:
         nbytes = block.nbytes()
         return nbytes >= POOL_MIN_BYTES and not block.is_shared() and self._cached + nbytes <= POOL_LIMIT_BYTES
 
-    def _dead(self, ref: weakref.ref) -> None:
+    def _dead(self, ref: weakref.ref[torch.Tensor]) -> None:
         with self._lock:
             _, block = self._live.pop(id(ref))
             self._settle(self._dying)  # their tensors are gone by now
