@@ -1,5 +1,7 @@
-"""Backends execute plans. ``local`` keeps every rank in this process; ``torch_dist`` uses
-torch.distributed. A backend is a small, hashable object implementing ``Backend``."""
+"""Backends execute plans: ``local`` keeps every rank in this process; ``torch_dist`` uses torch.distributed.
+
+A backend is a small, hashable object implementing ``Backend``.
+"""
 
 from __future__ import annotations
 
@@ -50,8 +52,10 @@ class Backend(Protocol):
         ...
 
     def check_rank(self, rank: Any, what: str) -> int:
-        """``rank`` as an int, or ``SpecError`` naming it (``what``: ``"src"``, ``"dst"``) when no
-        rank of this backend has it."""
+        """``rank`` as an int, or ``SpecError`` naming it when no rank of this backend has it.
+
+        ``what`` names the argument: ``"src"``, ``"dst"``.
+        """
         ...
 
     def addressable(self, layout: Layout) -> tuple[int, ...]:
@@ -65,7 +69,8 @@ class Backend(Protocol):
     def execute(self, plan: Plan, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Runs ``plan``: addressable shards of ``plan.src`` in, of ``plan.dst`` out.
 
-        ``like`` gives dtype (and device, where a shard's placement does not)."""
+        ``like`` gives dtype (and device, where a shard's placement does not).
+        """
         ...
 
     def scatter(

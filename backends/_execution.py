@@ -89,9 +89,11 @@ Box = tuple[Sizes, Sizes]
 
 @dataclasses.dataclass(frozen=True)
 class Fill:
-    """How one new tensor is built from views: ``views`` (positions in a list of views)
-    go to ``writes``; when they tile the result along dim ``dim``, in order, one
-    ``torch.cat`` (or, for one view, one ``clone``) builds it."""
+    """How one new tensor is built from views.
+
+    ``views`` (positions in a list of views) go to ``writes``; when they tile the result
+    along dim ``dim``, in order, one ``torch.cat`` (or, for one view, one ``clone``) builds it.
+    """
 
     sizes: tuple[int, ...]
     device: torch.device
@@ -116,8 +118,9 @@ class Fill:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """New tensors built from boxes of input tensors, worked out once so that running it
-    only takes views and copies them.
+    """New tensors built from boxes of input tensors, worked out once.
+
+    Running it then only takes views and copies them.
 
     The views are taken first: each input in ``cuts`` is split along a dim into the
     given sizes (one ``split_with_sizes`` for all its boxes), then each of ``reads``
@@ -161,8 +164,10 @@ Piece = tuple[int, Box, int, tuple[int, ...]]
 
 
 def recipe(ins: Sequence[Sizes], outs: Sequence[tuple[Sizes, str | torch.device]], pieces: Iterable[Piece]) -> Recipe:
-    """The ``Recipe`` that builds outputs of ``outs`` (sizes, device) from inputs of sizes
-    ``ins`` by copying ``pieces``."""
+    """The ``Recipe`` that builds outputs of ``outs`` (sizes, device) from inputs of sizes ``ins``.
+
+    It copies ``pieces``.
+    """
     pieces = list(pieces)
     boxes: dict[int, list[Box]] = {}
     for i, box, _, _ in pieces:
@@ -217,7 +222,7 @@ def _index(lo: Sequence[int], size: Sequence[int], sizes: Sequence[int]) -> Inde
 
 def slice_shards(full: torch.Tensor, layout: Any, index: Iterable[int]) -> tuple[torch.Tensor, ...]:
     """New tensors holding the boxes of shards ``index`` of ``layout``, copied out of ``full``."""
-    out = []
+    out: list[torch.Tensor] = []
     for i in index:
         (t,) = _slicing(layout, i).run((full,), full.dtype)
         out.append(t)
@@ -247,7 +252,8 @@ def _scattered(layout: Any, index: Iterable[int]) -> list[Piece]:
 
 def outputs(layout: Any) -> list[tuple[Sizes, str]]:
     """(sizes, device) of every shard of ``layout``, from its columns."""
-    return list(zip(map(tuple, layout.columns.sz.tolist()), layout.columns.devices))
+    sizes: list[Sizes] = list(map(tuple, layout.columns.sz.tolist()))
+    return list(zip(sizes, layout.columns.devices))
 
 
 def span_slice(start: int, size: int) -> slice:

@@ -44,11 +44,13 @@ _SMALL_NUMEL = 1 << 15
 
 @cached(64)
 def _copying(plan: Any) -> tuple[Recipe, ...]:
-    """The recipes that run a copy phase, in turn: one that builds every destination shard
-    from its boxes in the source shards, as the ranks' schedules list them, or, for a small
-    array where that takes fewer torch calls, two: the whole array from the source shards,
-    then the destination shards cut out of it."""
-    ins = list(map(tuple, plan.src.columns.sz.tolist()))
+    """The recipes that run a copy phase, in turn.
+
+    One that builds every destination shard from its boxes in the source shards, as the ranks'
+    schedules list them, or, for a small array where that takes fewer torch calls, two: the
+    whole array from the source shards, then the destination shards cut out of it.
+    """
+    ins: list[Sizes] = list(map(tuple, plan.src.columns.sz.tolist()))
     direct = (recipe(ins, outputs(plan.dst), _arrivals(plan)[0]),)
     devices = {*plan.src.columns.devices, *plan.dst.columns.devices}
     if plan.dst.numel > _SMALL_NUMEL or len(devices) != 1 or plan.src.partial or plan.dst.partial:
@@ -59,9 +61,11 @@ def _copying(plan: Any) -> tuple[Recipe, ...]:
 
 @cached(64)
 def _arrivals(plan: Any) -> tuple[list[Piece], int]:
-    """Every box that a copy phase writes, rank by rank: each rank's local copies and
-    receives, as its schedule (``plan.for_rank``) lists them; and the elements that
-    cross ranks, summed over the receivers."""
+    """Every box that a copy phase writes, rank by rank, and the elements that cross ranks.
+
+    The boxes are each rank's local copies and receives, as its schedule (``plan.for_rank``)
+    lists them; the elements that cross ranks are summed over the receivers.
+    """
     pieces: list[Piece] = []
     crossing = 0
     for r in plan.dst.ranks:
@@ -76,7 +80,8 @@ def _located(plan: Any, m: Any) -> list[tuple[int, Sizes, int, Sizes, Sizes]]:
     """Each move of ``m`` as (source shard, offsets in it, destination shard, offsets in it, sizes)."""
     read = map(tuple, (m.lo - plan.src.columns.lo[m.src_shard]).tolist())
     write = map(tuple, (m.lo - plan.dst.columns.lo[m.dst_shard]).tolist())
-    return list(zip(m.src_shard.tolist(), read, m.dst_shard.tolist(), write, map(tuple, m.size.tolist())))
+    sizes: map[Sizes] = map(tuple, m.size.tolist())
+    return list(zip(m.src_shard.tolist(), read, m.dst_shard.tolist(), write, sizes))
 
 
 Source = tuple[int, Index]
@@ -194,7 +199,8 @@ class LocalBackend:
     counters: Counters = dataclasses.field(default_factory=Counters, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 0:
+        # A dataclass field: callers may be untyped, so its type is checked at run time.
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 0:  # pyright: ignore[reportUnnecessaryIsInstance]
             raise SpecError(f"LocalBackend(world_size={self.world_size!r}): give a non-negative int (0: every rank).")
 
     @property
@@ -248,9 +254,12 @@ class LocalBackend:
         raise SpecError(f"{what}={rank!r}: Global rank {rank!r} does not exist in input process group ({ranks}).")
 
     def execute(self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Runs ``plan`` phase by phase, each from every rank's schedule (``plan.for_rank``):
-        builds each destination shard from its boxes in the source shards (one ``torch.cat``
-        where they tile it along one dim), or combines the contributions of a reduce phase."""
+        """Runs ``plan`` phase by phase, each from every rank's schedule (``plan.for_rank``).
+
+        A phase builds each destination shard from its boxes in the source shards (one
+        ``torch.cat`` where they tile it along one dim), or combines the contributions of a
+        reduce phase.
+        """
         log_move("local", plan, like.element_size())
         for p in plan.phases:
             if p.op is None:
@@ -323,9 +332,9 @@ def _assembly(layout: Any, device: torch.device) -> Recipe:
     nonempty = rows_all(sz > 0)
     first, _ = unique_rows(np.c_[lo, sz][nonempty])
     rows = np.flatnonzero(nonempty)[first].tolist()
-    ins = list(map(tuple, sz.tolist()))
+    ins: list[Sizes] = list(map(tuple, sz.tolist()))
     offsets = lo.tolist()
-    pieces = [(i, ((0,) * layout.ndim, ins[i]), 0, tuple(offsets[i])) for i in rows]
+    pieces: list[Piece] = [(i, ((0,) * layout.ndim, ins[i]), 0, tuple(offsets[i])) for i in rows]
     return recipe(ins, [(tuple(layout.shape), device)], pieces)
 
 

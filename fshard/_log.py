@@ -30,8 +30,10 @@ logger.addHandler(logging.NullHandler())
 
 
 def plan_message(plan: Any) -> str:
-    """One line about ``plan``: its shape, shards and the elements sent between ranks (every
-    plan sends the minimum)."""
+    """One line about ``plan``: its shape, shards and the elements sent between ranks.
+
+    Every plan sends the minimum.
+    """
     return (
         f"plan {plan.src.shape}: {len(plan.src.columns.rank)} -> {len(plan.dst.columns.rank)} shards, "
         f"{plan.min_elements_sent} elements sent between ranks (the minimum)"
@@ -39,8 +41,10 @@ def plan_message(plan: Any) -> str:
 
 
 def move_message(backend: str, plan: Any, itemsize: int, rank: int | None = None) -> str:
-    """One line about a plan that a backend runs: the plan and the bytes sent between ranks
-    (all of them, or, for one ``rank``, what its schedule sends and receives)."""
+    """One line about a plan that a backend runs: the plan and the bytes sent between ranks.
+
+    The bytes are all of them, or, for one ``rank``, what its schedule sends and receives.
+    """
     if rank is None:
         sent = plan.min_elements_sent * itemsize
         return f"{backend} runs {plan_message(plan)}: {sent} bytes of {itemsize}-byte elements"

@@ -18,6 +18,9 @@ from fshard._layout.layout import Layout, ShardMeta
 
 __all__ = ["Shard", "ShardedArray"]
 
+# Arguments are checked at run time whatever their annotations say: callers may be untyped.
+# pyright: reportUnnecessaryIsInstance=false
+
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Shard:
@@ -75,10 +78,12 @@ class ShardedArray:
         *,
         requires_grad: bool = False,
     ) -> None:
-        """An array of this process's shard tensors ``data`` (in ``backend.addressable(layout)``
-        order). Where ``data`` is empty, ``dtype`` gives the dtype and ``link`` the link: the one
-        a movement returned, or (``None``) a new leaf that requires grad if ``requires_grad``
-        does; where there is data, ``link`` is not needed and is dropped."""
+        """An array of this process's shard tensors ``data`` (in ``backend.addressable(layout)`` order).
+
+        Where ``data`` is empty, ``dtype`` gives the dtype and ``link`` the link: the one a
+        movement returned, or (``None``) a new leaf that requires grad if ``requires_grad``
+        does; where there is data, ``link`` is not needed and is dropped.
+        """
         if not isinstance(layout, Layout):
             raise TypeError(f"ShardedArray layout must be a Layout, got {type(layout).__name__}.")
         if not callable(getattr(backend, "addressable", None)):
@@ -114,8 +119,10 @@ class ShardedArray:
     def _of(
         cls, layout: Layout, data: tuple[torch.Tensor, ...], backend: Any, dtype: torch.dtype, link: torch.Tensor
     ) -> ShardedArray:
-        """An array from a movement's results, which fit ``layout`` by construction: ``__init__``
-        without its checks (a movement of a small array should not pay for them)."""
+        """An array from a movement's results, which fit ``layout`` by construction: ``__init__`` without its checks.
+
+        A movement of a small array should not pay for them.
+        """
         out = object.__new__(cls)
         set_ = object.__setattr__
         set_(out, "_layout", layout)
@@ -226,7 +233,8 @@ class ShardedArray:
     def addressable_shards(self) -> tuple[Shard, ...]:
         """The shards held by this process: all of them (local) or this rank's (torch_dist)."""
         idx = self._backend.addressable(self._layout)
-        return tuple(Shard(self._layout._shard(i), t) for i, t in zip(idx, self._data))
+        # Layout._shard is fshard-internal: it makes one ShardMeta without making the others.
+        return tuple(Shard(self._layout._shard(i), t) for i, t in zip(idx, self._data))  # pyright: ignore[reportPrivateUsage]
 
     @property
     def addressable_data(self) -> tuple[torch.Tensor, ...]:
@@ -261,13 +269,17 @@ class ShardedArray:
         return self._data[0]
 
     def _first(self) -> torch.Tensor:
-        """The tensor that stands for this array in a movement (its dtype, device and autograd
-        history): the first shard, or the link."""
+        """The tensor that stands for this array in a movement: the first shard, or the link.
+
+        It gives the movement its dtype, device and autograd history.
+        """
         return self._link if self._link is not None else self._data[0]
 
     def _link_view(self) -> torch.Tensor:
-        """A 0-element view of ``_first()``: the link of a result computed from this array
-        that holds no shard on this process."""
+        """A 0-element view of ``_first()``.
+
+        It is the link of a result computed from this array that holds no shard on this process.
+        """
         return self._first().reshape(-1)[:0]
 
     @classmethod
@@ -300,11 +312,12 @@ def _check_tensor(layout: Layout, i: int, t: Any) -> None:
 
 def _children(x: ShardedArray) -> tuple[torch.Tensor, ...]:
     """The pytree children: the addressable shards, or the link on a process that holds none."""
-    return x._data if x._link is None else (x._link,)
+    # This function and _flatten are ShardedArray's own pytree hooks, written outside the class.
+    return x._data if x._link is None else (x._link,)  # pyright: ignore[reportPrivateUsage]
 
 
 def _flatten(x: ShardedArray) -> tuple[tuple[torch.Tensor, ...], tuple[Layout, Any, torch.dtype]]:
-    return _children(x), (x._layout, x._backend, x._dtype)
+    return _children(x), (x._layout, x._backend, x._dtype)  # pyright: ignore[reportPrivateUsage]
 
 
 def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedArray:

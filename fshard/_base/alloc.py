@@ -40,7 +40,7 @@ _PLAIN = {
 }
 # How many tensors (and Python storage objects) use a storage; without it (a torch that lacks
 # this private call) the pool cannot tell a dead block from a live one and stays out of the way.
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # pyright: ignore[reportPrivateUsage]
 
 
 def _listed_refs(blocks: list[torch.UntypedStorage], k: int) -> int:
@@ -90,7 +90,8 @@ class _Pool:
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.UntypedStorage]] = {}  # bytes -> blocks no tensor uses
-        self._live: dict[int, tuple[weakref.ref, torch.UntypedStorage]] = {}  # by id: blocks of living outputs
+        # By id: blocks of living outputs.
+        self._live: dict[int, tuple[weakref.ref[torch.Tensor], torch.UntypedStorage]] = {}
         self._dying: list[torch.UntypedStorage] = []  # outputs died: look at the next call
         self._held: list[torch.UntypedStorage] = []  # outputs died but something else used the block
         self._cached = 0
@@ -136,7 +137,7 @@ class _Pool:
         nbytes = block.nbytes()
         return nbytes >= POOL_MIN_BYTES and not block.is_shared() and self._cached + nbytes <= POOL_LIMIT_BYTES
 
-    def _dead(self, ref: weakref.ref) -> None:
+    def _dead(self, ref: weakref.ref[torch.Tensor]) -> None:
         with self._lock:
             _, block = self._live.pop(id(ref))
             self._settle(self._dying)  # their tensors are gone by now
@@ -172,7 +173,8 @@ def new(sizes: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch
 
 def _contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``sizes`` (as ``torch.empty`` gives them)."""
-    out, step = [], 1
+    out: list[int] = []
+    step = 1
     for n in reversed(sizes):
         out.append(step)
         step *= max(n, 1)

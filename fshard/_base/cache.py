@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -64,8 +64,9 @@ def cache_bytes() -> int:
 
 
 def clear_caches() -> None:
-    """Empties every cache of plans, schedules and layout indexes, and the local backend's
-    pool of reusable CPU memory. Results stay correct; the next calls plan afresh.
+    """Empties every cache of plans, schedules and layout indexes, and the local backend's memory pool.
+
+    The pool holds reusable CPU memory. Results stay correct; the next calls plan afresh.
 
     >>> import fshard
     >>> fshard.clear_caches()
@@ -93,9 +94,11 @@ def _clear(c: _Cache) -> None:
     c.bytes = c.entries = 0
 
 
-def _nbytes(x: Any, depth: int = 0) -> int:
-    """Bytes of the numpy arrays reachable from ``x`` (a few levels deep), plus a small
-    charge per object; a layout counts its columns and its shard objects."""
+def _nbytes(x: object, depth: int = 0) -> int:
+    """Bytes of the numpy arrays reachable from ``x`` (a few levels deep), plus a small charge per object.
+
+    A layout counts its columns and its shard objects.
+    """
     if isinstance(x, np.ndarray):
         return int(x.nbytes) + 112
     if depth > 4 or x is None or isinstance(x, (int, float, str, bool)):
@@ -104,10 +107,12 @@ def _nbytes(x: Any, depth: int = 0) -> int:
     if hook is not None:  # a value that knows its size (a layout: its columns)
         return int(hook(x))
     if isinstance(x, (tuple, list)):
-        sample = x[:64]  # a long sequence is charged as many times its first 64 items
-        return 56 + sum(_nbytes(v, depth + 1) for v in sample) * len(x) // max(len(sample), 1)
+        seq = cast("Sequence[object]", x)
+        sample = seq[:64]  # a long sequence is charged as many times its first 64 items
+        return 56 + sum(_nbytes(v, depth + 1) for v in sample) * len(seq) // max(len(sample), 1)
     if isinstance(x, dict):
-        return 64 + sum(_nbytes(k, depth + 1) + _nbytes(v, depth + 1) for k, v in list(x.items())[:64])
+        items = list(cast("dict[object, object]", x).items())[:64]
+        return 64 + sum(_nbytes(k, depth + 1) + _nbytes(v, depth + 1) for k, v in items)
     fields = getattr(x, "__dict__", None)
     if fields is None and dataclasses.is_dataclass(x):
         fields = {f.name: getattr(x, f.name, None) for f in dataclasses.fields(x)}

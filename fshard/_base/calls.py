@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 
 __all__ = ["call_name", "calling"]
 
@@ -18,7 +18,7 @@ _LOCAL = threading.local()
 
 
 def _stack() -> list[str]:
-    stack = getattr(_LOCAL, "stack", None)
+    stack: list[str] | None = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
     return stack
@@ -31,7 +31,7 @@ def call_name() -> str | None:
 
 
 @contextlib.contextmanager
-def calling(what: str) -> Iterator[None]:
+def calling(what: str) -> Generator[None, None, None]:
     """Marks ``what`` as the call in progress on this thread while the block runs."""
     stack = _stack()
     stack.append(what)

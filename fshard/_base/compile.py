@@ -27,7 +27,8 @@ def opaque(fn: F) -> F:
     >>> step(torch.ones(2))
     [2.0, 2.0]
     """
-    eager = torch.compiler.disable(fn)
+    # torch's stub leaves disable's arguments untyped.
+    eager: Callable[..., Any] = torch.compiler.disable(fn)  # pyright: ignore[reportUnknownMemberType]
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,6 @@
-"""Differentiable data movement. Every movement is one of three autograd functions, and
-the backward of each runs the opposite movement on the gradients:
+"""Differentiable data movement: one of three autograd functions per movement.
+
+The backward of each function runs the opposite movement on the gradients:
 
 - ``Move`` (plan ``A -> B``): backward runs plan ``B -> A``;
 - ``Scatter`` (a global tensor sliced into shards): backward assembles the gradient;
@@ -40,6 +41,7 @@ from fshard._layout.layout import Layout, ShardMeta, with_partial
 from fshard._layout.specs import whole
 from fshard._plan import plan
 from fshard._plan.direct import Plan
+from fshard.backends import Backend
 
 __all__ = ["assemble", "move", "scatter"]
 
@@ -53,7 +55,8 @@ def _dense(layout: Layout, backend: Any, grads: Sequence[Any], like: torch.Tenso
     """``grads`` with every missing (``None``) entry replaced by zeros of its shard's size."""
     idx = backend.addressable(layout)
     return tuple(
-        torch.zeros(layout._shard(i).sizes, dtype=like.dtype, device=like.device) if g is None else g
+        # Layout._shard is fshard-internal: it makes one ShardMeta without making the others.
+        torch.zeros(layout._shard(i).sizes, dtype=like.dtype, device=like.device) if g is None else g  # pyright: ignore[reportPrivateUsage]
         for i, g in zip(idx, grads)
     )
 
@@ -117,13 +120,19 @@ def _observed(args: Sequence[Any]) -> bool:
         for a in args:
             if isinstance(a, torch.Tensor) and a.requires_grad:
                 return True
-    return torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0
+    # torch offers no public check for an active torch.func transform.
+    return torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0  # pyright: ignore[reportPrivateUsage]
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``: a tensor or a tuple of tensors (torch leaves ``apply`` untyped)."""
+    return fn.apply(*args)  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
 
 
 def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)``, or ``fn.forward(*args)`` where nothing can observe the difference."""
     if _observed(args):
-        return fn.apply(*args)
+        return _apply(fn, *args)
     return fn.forward(*args)
 
 
@@ -229,14 +238,14 @@ class _Assemble(torch.autograd.Function):
     def jvp(ctx: Any, *tangents: Any) -> Any:
         layout, backend, dst, dtype, device = ctx.args
         like = _carrier(tangents[4:], dtype, device)
-        return _Assemble.apply(layout, backend, dst, None, like, *_dense(layout, backend, tangents[5:], like))
+        return _apply(_Assemble, layout, backend, dst, None, like, *_dense(layout, backend, tangents[5:], like))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
         layout, backend, dst, _parts, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[5:]))
-        out = _Assemble.apply(with_batch(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
+        out = _apply(_Assemble, with_batch(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
         return (out, 0) if _holds_result(backend, dst) else (out.new_empty((n, 0)), 0)
 
 
@@ -315,7 +324,7 @@ class _Regroup(torch.autograd.Function):
         layout, backend, mode, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-        *out, link = _Regroup.apply(with_batch(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
+        *out, link = _apply(_Regroup, with_batch(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
@@ -328,7 +337,7 @@ def _copy_counts(layout: Layout) -> tuple[int, ...]:
     return tuple(count[(s.offsets, s.sizes)] if 0 not in s.sizes else 1 for s in layout.shards)
 
 
-def _copies(layout: Layout, backend: Any) -> tuple[int, ...]:
+def _copies(layout: Layout, backend: Backend) -> tuple[int, ...]:
     counts = _copy_counts(layout)
     return tuple(counts[i] for i in backend.addressable(layout))
 
@@ -336,8 +345,10 @@ def _copies(layout: Layout, backend: Any) -> tuple[int, ...]:
 def regroup(
     layout: Layout, backend: Any, mode: str, tensors: Sequence[torch.Tensor], like: torch.Tensor
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """``tensors`` unchanged, with a backward that sums (``"sum"``) or shares (``"share"``) the
-    gradients of each box's copies; and the link."""
+    """``tensors`` unchanged, with a backward that combines the gradients of each box's copies; and the link.
+
+    The backward sums (``"sum"``) or shares (``"share"``) those gradients.
+    """
     *out, link = _run(_Regroup, layout, backend, mode, like, *tensors)
     return tuple(out), link
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import optree
@@ -86,16 +86,20 @@ class Usage:
         self.keys: set[int] = set()
 
     def ages(self) -> frozenset[int]:
-        """The used tensors as ages: how many gathers were registered since each. Ranks agree
-        on these as long as they gathered alike since then, even where an earlier program
-        (a failed one, say) left their counts apart."""
+        """The used tensors as ages: how many gathers were registered since each.
+
+        Ranks agree on these as long as they gathered alike since then, even where an earlier
+        program (a failed one, say) left their counts apart.
+        """
         return frozenset(_COUNT[0] - n for n in self.keys)
 
 
 def join(link: torch.Tensor, ages: set[int] | frozenset[int]) -> torch.Tensor:
-    """``link`` (0 elements) joined to the gathered tensors of ``ages`` (``Usage.ages``) still
-    alive here, so that a backward from it reaches their gathers' backward (and its collective)
-    as on the other ranks."""
+    """``link`` (0 elements) joined to the gathered tensors of ``ages`` (``Usage.ages``) still alive here.
+
+    A backward from it thus reaches their gathers' backward (and its collective) as on the
+    other ranks.
+    """
     for age in sorted(ages):
         t = _BY_KEY.get(_COUNT[0] - age)
         if t is not None:
@@ -141,16 +145,19 @@ class _PerShard(TorchFunctionMode):
         if _LIVE.get(key) is not x:
             return x
         if key not in self.views:  # this mode is off while it handles a call: apply() is not intercepted
-            self.views[key] = _SetAside.apply(_PARTS[key], x)
+            self.views[key] = _SetAside.apply(_PARTS[key], x)  # pyright: ignore[reportUnknownMemberType]  # torch: apply is untyped
             if self.usage is not None:
                 self.usage.keys.add(_KEYS[key])
         return self.views[key]
 
 
 @contextlib.contextmanager
-def per_shard(backend: Any, usage: Usage | None = None) -> Iterator[None]:
-    """The context of a per-shard function: on a multi-process backend with gathered tensors
-    alive, their uses become parts of their gradients (and their keys are added to ``usage``)."""
+def per_shard(backend: Any, usage: Usage | None = None) -> Generator[None, None, None]:
+    """The context of a per-shard function.
+
+    On a multi-process backend with gathered tensors alive, their uses become parts of their
+    gradients (and their keys are added to ``usage``).
+    """
     if not backend.spans_processes or not _LIVE:
         yield
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import cast
 
 import numpy as np
 
@@ -164,7 +165,9 @@ def index(layout: Layout) -> Index:
 def _grid(lo: np.ndarray, hi: np.ndarray) -> _Grid | None:
     """The grid of the boxes when each dim's distinct intervals are disjoint and the cells are few."""
     n, d = lo.shape
-    los, his, cell_of = [], [], []
+    los: list[np.ndarray] = []
+    his: list[np.ndarray] = []
+    cell_of: list[np.ndarray] = []
     for k in range(d):
         first, inverse = _boxes.unique_rows(np.c_[lo[:, k], hi[:, k]])
         a, b = lo[first, k], hi[first, k]
@@ -192,7 +195,7 @@ def _grid(lo: np.ndarray, hi: np.ndarray) -> _Grid | None:
 
 def _grid_query(g: _Grid, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``Index.query`` on a grid: per dim, the run of intervals that a region meets, then their product."""
-    n, d = lo.shape
+    n, d = cast("tuple[int, int]", lo.shape)
     first = [np.searchsorted(g.his[k], lo[:, k], side="right") for k in range(d)]
     runs = [np.maximum(np.searchsorted(g.los[k], hi[:, k], side="left") - first[k], 0) for k in range(d)]
     total = np.ones(n, np.int64)

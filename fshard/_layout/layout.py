@@ -218,8 +218,7 @@ class Layout:
         return (_from_columns, (self.shape, self._lo, self._sz, self._rank, devices, self.partial))
 
     def __repr__(self) -> str:
-        """``Layout(shape=..., shards=[(offsets, sizes, placement), ...])``, which rebuilds it; large ones
-        summarised (without making their ``ShardMeta`` values)."""
+        """``Layout(shape=..., shards=[(offsets, sizes, placement), ...])`` that rebuilds it; large ones summarised."""
         if len(self._rank) > MAX_SHARDS:  # without making the shards
             pending = f", partial={self.partial!r}" if self.partial else ""
             return f"Layout(shape={self.shape}, {len(self._rank)} shards on ranks {span(self.ranks)}{pending})"
@@ -246,7 +245,7 @@ class Layout:
 
     def indices_on(self, rank: int) -> tuple[int, ...]:
         """Indices (into ``shards``) of the shards placed on ``rank``."""
-        if isinstance(rank, (int, np.integer)) and 0 <= rank < MAX_EXTENT:  # (ranks are int64)
+        if isinstance(rank, (int, np.integer)) and 0 <= rank < MAX_EXTENT:  # (ranks are int64)  # pyright: ignore[reportUnnecessaryIsInstance]
             return _indices_on(self, int(rank))
         return ()
 
@@ -336,14 +335,14 @@ def with_partial(layout: Layout, partial: str | None) -> Layout:
 
 @cached(256)
 def _ranks(layout: Layout) -> tuple[int, ...]:
-    return tuple(int(r) for r in np.unique(layout._rank))
+    return tuple(int(r) for r in np.unique(layout.columns.rank))
 
 
 @cached(256)
 def _rank_order(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
     """The shard indices sorted by rank (stably: ascending within a rank), and their ranks."""
-    order = np.argsort(layout._rank, kind="stable")
-    return order, layout._rank[order]
+    order = np.argsort(layout.columns.rank, kind="stable")
+    return order, layout.columns.rank[order]
 
 
 @cached(4096)
@@ -364,7 +363,7 @@ def as_metas(shards: Iterable[ShardMetaLike]) -> tuple[ShardMeta, ...]:
     return tuple(_as_meta(s) for s in shards)
 
 
-def _as_meta(s: Any) -> ShardMeta:
+def _as_meta(s: ShardMeta | Sequence[Any]) -> ShardMeta:
     if isinstance(s, ShardMeta):
         return s
     if isinstance(s, (str, bytes)) or not isinstance(s, (tuple, list)) or len(s) != 3:
@@ -391,11 +390,11 @@ class _LazyShards(Sequence[ShardMeta]):
 
     def __iter__(self) -> Any:
         lo, sz, rank, devices = self._cols
-        for o, z, r, dev in zip(map(tuple, lo.tolist()), map(tuple, sz.tolist()), rank.tolist(), devices):
-            yield _checked(ShardMeta, offsets=o, sizes=z, placement=_checked(Placement, rank=r, device=dev))
+        for o, z, r, d in zip(lo.tolist(), sz.tolist(), rank.tolist(), devices):
+            yield _checked(ShardMeta, offsets=tuple(o), sizes=tuple(z), placement=_checked(Placement, rank=r, device=d))
 
 
-def _checked(cls: type, **values: Any) -> Any:
+def _checked(cls: type[Any], **values: Any) -> Any:
     """An instance of a frozen value class from values already validated (its checks skipped)."""
     out = object.__new__(cls)
     for name, value in values.items():

@@ -13,6 +13,9 @@ from fshard._errors import SpecError
 
 __all__ = ["Placement", "PlacementLike", "as_placement"]
 
+# Arguments are checked at run time whatever their annotations say: callers may be untyped.
+# pyright: reportUnnecessaryIsInstance=false
+
 _RANK_RE = re.compile(r"^rank:(\d+)(?:/(.+))?$")
 
 
@@ -75,8 +78,10 @@ PlacementLike = Union[Placement, str, int]
 
 
 def as_placement(value: PlacementLike) -> Placement:
-    """Converts a ``Placement``, a seed string, a plain int (rank on cpu) or torch's
-    ``_remote_device`` (what ``ChunkShardingSpec`` turns its strings into) to a ``Placement``.
+    """Converts a ``Placement``, a seed string, a plain int or torch's ``_remote_device`` to a ``Placement``.
+
+    A plain int is a rank on cpu; a ``_remote_device`` is what ``ChunkShardingSpec`` turns its
+    strings into.
 
     >>> from torch.distributed.remote_device import _remote_device
     >>> as_placement(_remote_device("rank:1/cuda:1"))

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_SHARDS", "MAX_WIDTH", "Picture", "describe_layout", "draw", "layout_repr", "span", "visualize"]
 
+# Arguments are checked at run time whatever their annotations say: callers may be untyped.
+# pyright: reportUnnecessaryIsInstance=false
+
 MAX_SHARDS = 64  # a layout with more shards prints a summary
 
 ColorMode = Union[bool, Literal["auto"]]
@@ -128,7 +131,7 @@ def _grid(
     ys = _positions(rows, shape[0], down, 2)
     xs = _positions(cols, shape[1], across, label + 2)
     canvas = [[" "] * (xs[-1] + 1) for _ in range(ys[-1] + 1)]
-    fills = []
+    fills: list[tuple[int, int, int, int]] = []
     for (r0, r1, c0, c1), t in text.items():
         y0, y1, x0, x1 = ys[rows.index(r0)], ys[rows.index(r1)], xs[cols.index(c0)], xs[cols.index(c1)]
         _box(canvas, y0, y1, x0, x1, t)
@@ -138,8 +141,11 @@ def _grid(
 
 
 def _extent(shape: tuple[int, int], rows: list[int], cols: list[int], width: int, least: int) -> tuple[float, float]:
-    """Canvas width and height: ``shape``'s aspect ratio within ``width`` x ``width / 4``, grown (within
-    those bounds) until the thinnest band is one line tall and the narrowest column fits a label."""
+    """Canvas width and height: ``shape``'s aspect ratio within ``width`` x ``width / 4``, grown to fit.
+
+    It grows (within those bounds) until the thinnest band is one line tall and the narrowest
+    column fits a label.
+    """
     aspect = shape[0] / shape[1] / _CELL  # canvas rows per canvas column
     wide, tall = float(width), max(2.0, width / 4)
     across, down = wide, wide * aspect

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import numpy as np
 import torch
@@ -34,6 +34,8 @@ __all__ = [
     "whole",
 ]
 
+# Arguments are checked at run time whatever their annotations say: callers may be untyped.
+# pyright: reportUnnecessaryIsInstance=false
 
 Placements = Union[Iterable[PlacementLike], PlacementLike]
 
@@ -48,12 +50,13 @@ def _items(values: Any, what: str, expected: str = "a list or tuple") -> tuple[A
     """``values`` as a tuple, or ``SpecError`` naming ``what`` when it is not a collection of items."""
     if not isinstance(values, (str, bytes, bytearray, Mapping)):
         try:
-            items = iter(values)
+            items = iter(cast("Iterable[Any]", values))  # TypeError if it is not
         except TypeError:
             pass
         else:
             return tuple(items)
-    raise SpecError(f"{what} must be {expected}, got {values!r} ({type(values).__name__}).")
+    # The isinstance check above leaves a Mapping's item types unknown to pyright.
+    raise SpecError(f"{what} must be {expected}, got {values!r} ({type(values).__name__}).")  # pyright: ignore[reportUnknownArgumentType]
 
 
 def _placements(values: Placements, what: str) -> tuple[Placement, ...]:
@@ -107,7 +110,7 @@ class Chunk:
         """The layout of an array of ``shape`` under this spec."""
         shape = check_shape(shape)
         dim = _normalize_dim(self.dim, len(shape))
-        shards = []
+        shards: list[ShardMeta] = []
         for p, (off, size) in zip(self.placements, chunk_bounds(shape[dim], len(self.placements))):
             offsets = tuple(off if k == dim else 0 for k in range(len(shape)))
             sizes = tuple(size if k == dim else s for k, s in enumerate(shape))
@@ -182,8 +185,9 @@ def _box(shard: Any, k: int) -> ShardMetaLike:
         return shard
     if is_shard_metadata(shard):
         return ShardMeta(*box_from_torch(shard))
-    if isinstance(shard, (tuple, list)) and len(shard) == 3:
-        return tuple(shard)  # type: ignore[return-value]
+    box = cast("Sequence[Any]", shard)  # kept only as a tuple or list of three
+    if isinstance(box, (tuple, list)) and len(box) == 3:
+        return tuple(box)  # type: ignore[return-value]
     msg = (
         f"Explicit() box {k} is {shard!r} ({type(shard).__name__}): give a ShardMeta, an "
         "(offsets, sizes, placement) tuple, or torch's ShardMetadata."
@@ -294,7 +298,7 @@ class Named:
         parts = self.partition + (None,) * (len(shape) - len(self.partition))
         axes = [() if p is None else ((p,) if isinstance(p, str) else p) for p in parts]
         mesh = self.mesh
-        shards = []
+        shards: list[ShardMeta] = []
         for coord, place in zip(itertools.product(*map(range, mesh.shape)), mesh.ranks):
             bounds = [
                 _split(n, [(mesh.shape[mesh.axis(a)], coord[mesh.axis(a)]) for a in ax]) for n, ax in zip(shape, axes)
@@ -307,8 +311,9 @@ def _entry(p: Any) -> PartitionEntry:
     """One partition entry as ``None``, an axis name or a tuple of names."""
     if p is None or isinstance(p, str):
         return p
-    if isinstance(p, (tuple, list)) and all(isinstance(a, str) for a in p):
-        return tuple(p)
+    names = cast("Sequence[Any]", p)  # kept only as a tuple or list of names
+    if isinstance(names, (tuple, list)) and all(isinstance(a, str) for a in names):
+        return tuple(names)
     raise SpecError(f"Partition entry {p!r} must be a mesh axis name, a tuple of axis names, or None.")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -76,24 +76,25 @@ def read_torch_metadata(metadata: Any) -> tuple[tuple[int, ...], tuple[Box, ...]
     A list of ``ShardMetadata`` is read as an ``EnumerableShardingSpec``'s shards:
     the shape is the extent of their boxes (the end of the farthest box in each dim).
     """
-    if isinstance(metadata, Sequence) and not isinstance(metadata, str) and all(map(is_shard_metadata, metadata)):
-        boxes = tuple(map(box_from_torch, metadata))
+    listed = cast("Sequence[Any]", metadata)  # used only once it is known to be a sequence
+    if isinstance(metadata, Sequence) and not isinstance(metadata, str) and all(map(is_shard_metadata, listed)):
+        boxes = tuple(map(box_from_torch, listed))
         if not boxes:
             raise LayoutError("Layout.from_torch_metadata() got an empty list of ShardMetadata: give at least one.")
         ends = [[o + n for o, n in zip(offsets, sizes)] for offsets, sizes, _ in boxes]
         return tuple(map(max, zip(*ends))), boxes
-    value: Any = metadata  # anything that is not a list of ShardMetadata
+    value = cast(Any, metadata)  # anything that is not a list of ShardMetadata
     try:
         shards = value.shards_metadata
         size = value.size
     except AttributeError as exc:
-        msg = f"Expected a torch ShardedTensorMetadata, got {type(metadata).__name__}."
+        msg = f"Expected a torch ShardedTensorMetadata, got {type(value).__name__}."
         raise LayoutError(msg) from exc
     return tuple(size), tuple(map(box_from_torch, shards))
 
 
 def box_from_torch(shard: Any) -> Box:
-    """torch's ``ShardMetadata`` as a box (its placement must name a rank).
+    """Torch's ``ShardMetadata`` as a box (its placement must name a rank).
 
     >>> from torch.distributed._shard.metadata import ShardMetadata
     >>> box_from_torch(ShardMetadata([0, 4], [2, 4], "rank:1/cpu"))

@@ -10,7 +10,7 @@ import itertools
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -35,6 +35,8 @@ __all__ = [
     "validate_memo",
 ]
 
+# Arguments are checked at run time whatever their annotations say: callers may be untyped.
+# pyright: reportUnnecessaryIsInstance=false
 
 # The pending reductions a layout may carry: its copies of a box are summands (or operands).
 REDUCE_OPS = ("sum", "max", "min")
@@ -210,7 +212,14 @@ def _shape_corners(shape: tuple[int, ...]) -> dict[tuple[int, ...], int]:
     return {tuple(n if e else 0 for n, e in zip(shape, c)): 1 - 2 * (sum(c) % 2) for c in corners}
 
 
-def _check_bounds(shape, shards, lo, sz, bounds, nonempty) -> None:
+def _check_bounds(
+    shape: tuple[int, ...],
+    shards: Sequence[ShardMeta],
+    lo: np.ndarray,
+    sz: np.ndarray,
+    bounds: np.ndarray,
+    nonempty: np.ndarray,
+) -> None:
     """Raises naming the first non-empty shard that extends past ``shape``.
 
     ``lo > bounds - sz`` is ``lo + sz > bounds`` without the int64 overflow of the sum.
@@ -276,7 +285,17 @@ def _check_no_duplicates(shards: Sequence[ShardMeta], rows: np.ndarray) -> None:
     raise LayoutError(msg)
 
 
-def _explain(shape, shards, lo, hi, nonempty, ulo, uhi, got, want) -> None:
+def _explain(
+    shape: tuple[int, ...],
+    shards: Sequence[ShardMeta],
+    lo: np.ndarray,
+    hi: np.ndarray,
+    nonempty: np.ndarray,
+    ulo: np.ndarray,
+    uhi: np.ndarray,
+    got: dict[tuple[int, ...], int],
+    want: dict[tuple[int, ...], int],
+) -> None:
     """Finds an element covered twice or not at all and raises naming the shards."""
     bounds = np.array(shape, np.int64)
     bad = [p for p in set(got) | set(want) if got.get(p, 0) != want.get(p, 0)]
@@ -299,7 +318,9 @@ def _explain(shape, shards, lo, hi, nonempty, ulo, uhi, got, want) -> None:
             owners = nonempty[_boxes.count_containing(lo[nonempty], hi[nonempty], q)]
             a = int(owners[0])
             b = next(
-                int(j) for j in owners if shards[j].offsets != shards[a].offsets or shards[j].sizes != shards[a].sizes
+                j
+                for j in cast("list[int]", owners.tolist())
+                if shards[j].offsets != shards[a].offsets or shards[j].sizes != shards[a].sizes
             )
             msg = (
                 f"Shards {a} {shards[a].box()} and {b} {shards[b].box()} overlap at element "

@@ -30,7 +30,8 @@ def plan(src: Layout, dst: Layout) -> Plan:
     Raises:
         SpecError: if the layouts have different shapes.
     """
-    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+    # A public function: callers may be untyped, so the types are checked at run time.
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise SpecError(f"plan() takes two Layouts, got {type(src).__name__} and {type(dst).__name__}.")
     return _plan(src, dst)
 

@@ -19,8 +19,9 @@ __all__ = ["copy_on", "shared_holders", "source_shards", "walk_holders"]
 
 
 def source_shards(src: Layout, dst: Layout, u: np.ndarray, v: np.ndarray, dst_shard: np.ndarray) -> np.ndarray:
-    """The source shard of each row: the piece of source box ``u`` in destination box ``v``,
-    written into ``dst_shard`` (on rank r).
+    """The source shard of each row: the piece of source box ``u`` in destination box ``v``.
+
+    The piece is written into ``dst_shard`` (on rank r).
 
     - r holds a copy of ``u``: that copy (on the destination shard's device if there is
       one), a local copy;
@@ -43,8 +44,9 @@ def source_shards(src: Layout, dst: Layout, u: np.ndarray, v: np.ndarray, dst_sh
 def copy_on(
     layout: Layout, ix: Index, box: np.ndarray, rank: np.ndarray, other: Layout, shard: np.ndarray
 ) -> np.ndarray:
-    """The copy of ``box[k]`` on ``rank[k]`` (which holds one) on the device of shard ``shard[k]``
-    of ``other``, else the lowest-index copy there.
+    """The copy of ``box[k]`` on ``rank[k]`` (which holds one) on the device of ``other``'s shard ``shard[k]``.
+
+    Where none is on that device, the lowest-index copy on ``rank[k]``.
 
     ``ix.copies`` runs by (box, rank, shard), so the first copy of a run is the lowest.
     """
@@ -83,9 +85,11 @@ def _shared_below(si: Index, di: Index, u: np.ndarray, v: np.ndarray, rank: np.n
 
 
 def shared_holders(si: Index, di: Index, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every (pair, rank) where ``rank`` holds both ``u[pair]`` (in ``si``) and ``v[pair]`` (in
-    ``di``), pairs ascending and ranks ascending within a pair; each pair walks the shorter of
-    its two rank lists."""
+    """Every (pair, rank) where ``rank`` holds both ``u[pair]`` (in ``si``) and ``v[pair]`` (in ``di``).
+
+    Pairs ascend, and ranks ascend within a pair; each pair walks the shorter of its two rank
+    lists.
+    """
     pair, at = expand(np.minimum(si.count[u], di.count[v]))
     return walk_holders(si, di, u, v, pair, at)
 
@@ -93,8 +97,10 @@ def shared_holders(si: Index, di: Index, u: np.ndarray, v: np.ndarray) -> tuple[
 def walk_holders(
     si: Index, di: Index, u: np.ndarray, v: np.ndarray, pair: np.ndarray, at: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The entries ``at`` of the shorter holder list of each ``pair`` that the other list holds
-    too, as (pair, rank)."""
+    """The entries ``at`` of the shorter holder list of each ``pair`` that the other list holds too.
+
+    They come as (pair, rank).
+    """
     from_u = (si.count[u] <= di.count[v])[pair]
     rank = np.empty(len(pair), np.int64)
     hit = np.empty(len(pair), bool)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -38,8 +38,11 @@ __all__ = ["Moves", "RankSchedule", "from_plan", "schedule"]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Moves:
-    """Columns of transfers: source and destination shard, the box ``[lo, lo + size)`` in
-    global coordinates, and the rank on the other side (``peer``; this rank for local copies)."""
+    """Columns of transfers: source and destination shard, a box, and the rank on the other side.
+
+    The box is ``[lo, lo + size)`` in global coordinates; the rank on the other side is
+    ``peer`` (this rank for local copies).
+    """
 
     src_shard: np.ndarray
     dst_shard: np.ndarray
@@ -121,8 +124,11 @@ class RankSchedule:
 
     @functools.cached_property
     def elements_sent(self) -> int:
-        """Elements this rank sends (every phase); a box goes once to a rank that holds it twice,
-        and a reduce phase combines this rank's contributions to a box before sending them."""
+        """Elements this rank sends (every phase).
+
+        A box goes once to a rank that holds it twice, and a reduce phase combines this rank's
+        contributions to a box before sending them.
+        """
         if self.steps:
             return sum(s.elements_sent for s in self.steps)
         return _distinct_numel(self.send, self.op is None)
@@ -236,9 +242,12 @@ def _sends(src: Layout, dst: Layout, rank: int) -> Moves:
 
 @cached(1024)
 def from_plan(p: Plan, rank: int) -> RankSchedule:
-    """``rank``'s share of a built plan, read from its rows (O(rows)). Plans from ``fshard.plan``
-    compute theirs from the layouts instead: ``schedule``, and ``fshard._plan.pending.rank_schedule``
-    between layouts with pending reductions; this is the reference they agree with."""
+    """``rank``'s share of a built plan, read from its rows (O(rows)).
+
+    Plans from ``fshard.plan`` compute theirs from the layouts instead: ``schedule``, and
+    ``fshard._plan.pending.rank_schedule`` between layouts with pending reductions; this is the
+    reference they agree with.
+    """
     rank = int(rank)
     if p.steps:
         steps = tuple(from_plan(s, rank) for s in p.steps)
@@ -264,4 +273,4 @@ def check_rank(rank: Any) -> int:
     """``rank`` as an int, or raises ``SpecError``."""
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < 2**63:
         raise SpecError(f"for_rank() takes a non-negative int rank (int64, as layouts hold them), got {rank!r}.")
-    return int(rank)
+    return int(cast("int | np.integer[Any]", rank))
