@@ -81,7 +81,7 @@ def _check_sizes(layout: Layout, index: tuple[int, ...], dtype: torch.dtype) -> 
     and refuses ``torch.zeros(2**40, 2**40, 0)`` as it refuses ``torch.zeros(2**40, 2**40)``.
     """
     for i in index:
-        sizes = layout._shard(i).sizes  # pyright: ignore[reportPrivateUsage]  # shards[i] without building the rest
+        sizes = layout._shard(i).sizes  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
         if math.prod(s for s in sizes if s) * dtype.itemsize > MAX_EXTENT:
             empty = " (it is empty, but torch counts the extents other than 0 all the same)" if 0 in sizes else ""
             msg = (
@@ -103,7 +103,7 @@ def _create(
     _check_sizes(layout, index, dtype)
     data: list[torch.Tensor] = []
     for i in index:
-        meta = layout._shard(i)  # pyright: ignore[reportPrivateUsage]  # shards[i] without building the rest
+        meta = layout._shard(i)  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
         t = fill(meta, dtype, torch.device(meta.placement.device))
         data.append(t.requires_grad_(requires_grad) if requires_grad else t)
     return ShardedArray(layout, data, backend, dtype, requires_grad=requires_grad)
