@@ -70,8 +70,10 @@ def check_plain(tensor: torch.Tensor, what: str) -> None:
 
 
 def resolved(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with a pending conjugation or negation applied (``z.conj()``, ``z.conj().imag``):
-    such views cannot be viewed as bytes, which sending them takes. No copy for other tensors."""
+    """``tensor`` with a pending conjugation or negation applied (``z.conj()``, ``z.conj().imag``).
+
+    Such views cannot be viewed as bytes, which sending them takes. No copy for other tensors.
+    """
     if tensor.is_conj() or tensor.is_neg():  # asking costs a fifth of resolving
         return tensor.resolve_conj().resolve_neg()
     return tensor
