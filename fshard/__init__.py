@@ -54,7 +54,7 @@ from fshard._layout.specs import Named as Named
 from fshard._layout.specs import Partial as Partial
 from fshard._layout.specs import Replicated as Replicated
 from fshard._layout.specs import Single as Single
-from fshard._log import logger as _logger  # noqa: F401 (the 'fshard' logger gets its NullHandler)
+from fshard._log import logger as _logger  # noqa: F401  # pyright: ignore[reportUnusedImport]  # gives the 'fshard' logger its NullHandler
 from fshard._plan import plan as plan
 from fshard._plan.direct import Plan as Plan
 from fshard._plan.direct import Transfer as Transfer

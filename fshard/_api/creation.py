@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -44,7 +44,7 @@ Fill = Callable[[ShardMeta, torch.dtype, torch.device], torch.Tensor]
 def parse_shape(shape: tuple[Any, ...]) -> tuple[int, ...]:
     """``(10, 20)``, ``([10, 20],)`` or ``((10, 20),)`` to ``(10, 20)``; ``TypeError`` for non-ints."""
     if len(shape) == 1 and isinstance(shape[0], (list, tuple, torch.Size)):
-        shape = tuple(shape[0])
+        shape = tuple(cast("Sequence[Any]", shape[0]))
     return check_shape(shape)
 
 
@@ -81,7 +81,7 @@ def _check_sizes(layout: Layout, index: tuple[int, ...], dtype: torch.dtype) -> 
     and refuses ``torch.zeros(2**40, 2**40, 0)`` as it refuses ``torch.zeros(2**40, 2**40)``.
     """
     for i in index:
-        sizes = layout._shard(i).sizes
+        sizes = layout._shard(i).sizes  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
         if math.prod(s for s in sizes if s) * dtype.itemsize > MAX_EXTENT:
             empty = " (it is empty, but torch counts the extents other than 0 all the same)" if 0 in sizes else ""
             msg = (
@@ -101,9 +101,9 @@ def _create(
     backend.check_layout(layout)
     index = backend.addressable(layout)
     _check_sizes(layout, index, dtype)
-    data = []
+    data: list[torch.Tensor] = []
     for i in index:
-        meta = layout._shard(i)
+        meta = layout._shard(i)  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
         t = fill(meta, dtype, torch.device(meta.placement.device))
         data.append(t.requires_grad_(requires_grad) if requires_grad else t)
     return ShardedArray(layout, data, backend, dtype, requires_grad=requires_grad)
@@ -267,7 +267,7 @@ def randn(
 
 
 def _like(
-    maker: Callable[..., ShardedArray], array: ShardedArray, dtype: Any, requires_grad: bool, **kw: Any
+    maker: Callable[..., ShardedArray], array: object, dtype: Any, requires_grad: bool, **kw: Any
 ) -> ShardedArray:
     if is_sharded_tensor(array):  # torch's ShardedTensor: its layout and process group
         array = from_sharded_tensor(array)

@@ -8,7 +8,7 @@ rank (naming the ranks and shards) instead of leaving some ranks waiting.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -60,10 +60,11 @@ def _backend(group: Any, what: str) -> Backend:
 
 def _describe(shards: Any, shape: Any, rank: int | None) -> Report:
     """This rank's report; bad local input becomes a problem to raise on every rank."""
-    problems, pieces = [], []
+    problems: list[str] = []
+    pieces: list[Piece] = []
     try:
         gshape: tuple[int, ...] | None = check_shape(
-            tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else (shape,)
+            tuple(cast("Sequence[Any]", shape)) if isinstance(shape, (list, tuple, torch.Size)) else (shape,)
         )
     except (TypeError, ValueError) as exc:
         gshape, problems = None, [f"bad global shape {shape!r}: {exc}"]
@@ -90,7 +91,7 @@ def _describe(shards: Any, shape: Any, rank: int | None) -> Report:
 def _sequence(shards: Any) -> list[Any]:
     if isinstance(shards, (Shard, torch.Tensor, str, bytes)) or not isinstance(shards, Iterable):
         raise TypeError(f"from_local_shards() takes a sequence of fshard.Shard, got {type(shards).__name__}.")
-    return list(shards)
+    return list(cast("Iterable[Any]", shards))
 
 
 def _pinned(t: torch.Tensor) -> bool:
@@ -248,7 +249,8 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
         raise SpecError(msg)
     dim %= tensor.ndim
     _check_blocks(seen, dim)
-    offsets, metas = 0, []
+    offsets = 0
+    metas: list[ShardMeta] = []
     for rank, shape_r, *_, device in seen:
         box_offsets = tuple(offsets if k == dim else 0 for k in range(len(shape_r)))
         metas.append(ShardMeta(box_offsets, shape_r, Placement(rank, device)))
@@ -262,7 +264,9 @@ def _from_local_tensor_and_spec(tensor: Any, spec: Any, shape: Any, backend: Bac
     """``from_local_tensor(tensor, spec, shape)``: this rank's tensors are its shards of the spec's layout."""
     if shape is None:
         raise TypeError("from_local_tensor(tensor, spec, shape) needs the global shape with a spec.")
-    gshape = check_shape(tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else (shape,))
+    gshape = check_shape(
+        tuple(cast("Sequence[Any]", shape)) if isinstance(shape, (list, tuple, torch.Size)) else (shape,)
+    )
     try:
         layout = as_layout(spec, gshape)
     except LayoutError as exc:
@@ -292,7 +296,7 @@ def _local_tensors(tensor: Any) -> tuple[torch.Tensor, ...]:
         return ()
     items = (tensor,) if isinstance(tensor, torch.Tensor) else tuple(tensor)
     for k, t in enumerate(items):
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's items
             raise TypeError(f"from_local_tensor() takes torch.Tensors, got {type(t).__name__} (item {k}).")
     return items
 
@@ -304,9 +308,9 @@ def _local_problems(tensors: Sequence[torch.Tensor], layout: Layout, index: Sequ
             f"passed {len(tensors)} local tensor(s) but holds {len(index)} shard(s) of {layout!r}: "
             "pass one tensor per shard, in layout order"
         ]
-    problems = []
+    problems: list[str] = []
     for i, t in zip(index, tensors):
-        meta = layout._shard(i)
+        meta = layout._shard(i)  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
         if tuple(t.shape) != meta.sizes:
             problems.append(f"local tensor of shape {tuple(t.shape)} is not the size of shard {i} {meta.box()}")
         elif not t.is_contiguous():

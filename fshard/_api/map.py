@@ -86,12 +86,12 @@ def map_local(
     """
     if not callable(fn):
         raise TypeError(f"map_local() fn must be callable, got {type(fn).__name__}.")
-    if not isinstance(linear, bool):
+    if not isinstance(linear, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
         raise TypeError(f"map_local() linear must be a bool, got {linear!r} ({type(linear).__name__}).")
     if not arrays:
         raise TypeError("map_local() needs at least one ShardedArray.")
     for k, a in enumerate(arrays):
-        if not isinstance(a, ShardedArray):
+        if not isinstance(a, ShardedArray):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
             raise TypeError(f"map_local() argument {k} takes a ShardedArray, got {type(a).__name__}.")
     _check_backends(arrays, "map_local()")
     pending = _check_partial(arrays, linear)
@@ -141,18 +141,18 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
     >>> y.layout.partial, torch.allclose(fshard.gather(y), x @ w, atol=1e-6)
     ('sum', True)
     """
-
     if not callable(fn):
         raise TypeError(f"shard_map() fn must be callable, got {type(fn).__name__}.")
 
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:
-        specs = in_specs if isinstance(in_specs, (tuple, list)) else (in_specs,)
+        specs = cast("Sequence[Any]", in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
         if len(specs) != len(args):
             msg = f"shard_map() got {len(args)} arguments but in_specs has {len(specs)} entries: give one per argument."
             raise SpecError(msg)
         backend = next((a.backend for a in args if isinstance(a, ShardedArray)), None)
-        arrays, extras = [], []
+        arrays: list[tuple[int, ShardedArray]] = []
+        extras: list[tuple[int, Any]] = []
         for k, (a, spec) in enumerate(zip(args, specs)):
             if spec is None:
                 if isinstance(a, (torch.Tensor, ShardedArray)):
@@ -287,13 +287,13 @@ def _run(
     inputs = [regrouped(a, "sum") for a in arrays]
     held = backend.addressable(first)
     slot_of = _slot_index(first)
-    by_index = [dict(zip(backend.addressable(a.layout), a._data)) for a in inputs]
+    by_index = [dict(zip(backend.addressable(a.layout), a.addressable_data)) for a in inputs]
 
     usage = _varying.Usage()
 
     def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
-        results = []
-        with _varying.per_shard(backend, usage), untouched([t for a in inputs for t in a._data], what):
+        results: list[tuple[Slot, Any]] = []
+        with _varying.per_shard(backend, usage), untouched([t for a in inputs for t in a.addressable_data], what):
             for i in held:
                 p, k = slot_of[i]
                 blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
@@ -303,23 +303,27 @@ def _run(
     # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where
     # it holds none): they share what fn returned, or the error it raised.
     inferred = not all(isinstance(s, Layout) for s in _leaf_specs(out_specs, None, what))
+    leaves: list[dict[Slot, torch.Tensor]]
     if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
-        describe = lambda r: (describe_results(r[1], r[0]), usage.ages())  # noqa: E731
+
+        def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
+            return describe_results(r[1], r[0]), usage.ages()
+
         (leaves, spec_tree), seen = agree(backend, compute, describe)
         merged, metas = merge_results([d for d, _ in seen], what)
         spec_tree = merged if merged is not None else spec_tree
-        used = set().union(*(keys for _, keys in seen))
+        used = cast("set[int]", set().union(*(keys for _, keys in seen)))
     else:
         leaves, spec_tree = compute()
         metas = (describe_results(spec_tree, leaves) or (None, []))[1]
-        used = set()
+        used = set[int]()
     specs = _leaf_specs(out_specs, spec_tree, what)
     if spec_tree is None:  # no slot anywhere: the structure comes from the specs
         spec_tree = _spec_structure(out_specs)
     if not leaves:
         leaves = [{} for _ in specs]
     slots = set(_slot_index(first).values())
-    outs = []
+    outs: list[ShardedArray] = []
     for n, (spec, blocks) in enumerate(zip(specs, leaves)):
         dtype, shapes = metas[n] if n < len(metas) else (arrays[0].dtype, {})
         link = None if held else link_without_blocks(inputs, dtype, used)
@@ -336,9 +340,9 @@ def _spec_structure(out_specs: Any) -> Any:
 
 def regrouped(a: ShardedArray, mode: str) -> ShardedArray:
     """``a`` itself, or with gradients of its copies summed or shared (when it has copies and needs grad)."""
-    if a.layout.partial is not None or not a.requires_grad or max(_autograd._copy_counts(a.layout), default=1) < 2:
+    if a.layout.partial is not None or not a.requires_grad or max(_autograd._copy_counts(a.layout), default=1) < 2:  # pyright: ignore[reportPrivateUsage]
         return a
-    data, link = _autograd.regroup(a.layout, a.backend, mode, a._data, a._first())
+    data, link = _autograd.regroup(a.layout, a.backend, mode, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]  # package-internal
     return ShardedArray(a.layout, data, a.backend, a.dtype, link)
 
 
@@ -354,7 +358,8 @@ def _flatten_results(results: list[tuple[Slot, Any]], what: str) -> tuple[list[d
     for slot, out in results:
         flat, spec = optree.tree_flatten(out)
         if tree is None:
-            tree, leaves = spec, [{} for _ in flat]
+            tree = spec
+            leaves = [{} for _ in flat]
         elif spec != tree:
             raise SpecError(f"{what} fn returned {spec} on placement {slot[0]} but {tree} elsewhere.")
         for n, t in enumerate(flat):
@@ -381,8 +386,10 @@ def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
 def _out_layout(
     spec: Any, shapes: dict[Slot, tuple[int, ...]], slots: set[Slot], pending: str | None, what: str, n: int
 ) -> Layout:
-    """The layout of result ``n``, checked against the block shapes known here (every rank's
-    where they were exchanged) and against the slots where ``fn`` ran."""
+    """The layout of result ``n``, checked against the block shapes and the slots where ``fn`` ran.
+
+    The block shapes are those known here: every rank's where they were exchanged.
+    """
     if spec is None:
         raise SpecError(f"{what} needs an out_spec for result {n}.")
     layout = spec if isinstance(spec, Layout) else as_layout(spec, _infer_shape(spec, shapes, what, n))
@@ -404,10 +411,10 @@ def _out_layout(
         raise SpecError(msg)
     for i, (p, k) in _slot_index(layout).items():
         got = shapes.get((p, k))
-        if got is not None and got != layout._shard(i).sizes:
+        if got is not None and got != layout._shard(i).sizes:  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
             msg = (
                 f"{what} result {n} on placement {p} has shape {got} but out_spec gives that block "
-                f"sizes {layout._shard(i).sizes} (global shape {layout.shape})."
+                f"sizes {layout._shard(i).sizes} (global shape {layout.shape})."  # pyright: ignore[reportPrivateUsage]
             )
             raise SpecError(msg)
     return layout
@@ -430,7 +437,7 @@ def _infer_shape(spec: Any, shapes: dict[Slot, tuple[int, ...]], what: str, n: i
         return tuple(max((m.offsets[d] + m.sizes[d] for m in inner.shards), default=0) for d in range(ndim))
     probe = as_layout(inner, (_PROBE,) * ndim)
     slots = _slot_index(probe)
-    shape = []
+    shape: list[int] = []
     for d in range(ndim):
         seen: dict[int, int] = {}
         for i, m in enumerate(probe.shards):
@@ -467,23 +474,29 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     usage = _varying.Usage()
 
     def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
-        with _varying.per_shard(backend, usage), untouched([t for a in arrays for t in a._data], "map_local()"):
-            outs = tuple(fn(*ts) for ts in zip(*(a._data for a in arrays)))
+        with (
+            _varying.per_shard(backend, usage),
+            untouched([t for a in arrays for t in a.addressable_data], "map_local()"),
+        ):
+            outs = tuple(fn(*ts) for ts in zip(*(a.addressable_data for a in arrays)))
         return _result_leaves(outs)
 
     if holds_nothing_somewhere(backend, first.layout):
-        describe = lambda r: (describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), usage.ages())  # noqa: E731
+
+        def describe(r: tuple[Any, list[tuple[torch.Tensor, ...]]]) -> Any:
+            return describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), usage.ages()
+
         (tree, leaves), seen = agree(backend, compute, describe)
         tree, metas = merge_results([d for d, _ in seen], "map_local()")
-        used = set().union(*(keys for _, keys in seen))
+        used = cast("set[int]", set().union(*(keys for _, keys in seen)))
     else:
         tree, leaves = compute()
         metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
-        used = set()
+        used = set[int]()
     if tree is None:  # no shard anywhere: the result's link joins every argument's
         link = link_without_blocks(arrays, first.dtype, used)
         return ShardedArray(with_partial(first.layout, pending), (), backend, first.dtype, link)
-    results = []
+    results: list[ShardedArray] = []
     for n, (dtype, sizes) in enumerate(metas):
         layout = with_partial(_infer_layout(base, sizes), pending)
         if leaves:
@@ -538,11 +551,13 @@ def _infer_layout(layout: Layout, sizes: dict[int, tuple[int, ...]]) -> Layout:
 
 
 def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int) -> int:
-    """The result's extent along ``d``: the sum of the new sizes of the distinct intervals
-    that tile the dim (one interval when no shard splits it)."""
+    """The result's extent along ``d``: the sum of the new sizes of the distinct intervals that tile the dim.
+
+    There is one interval when no shard splits the dim.
+    """
     new: dict[tuple[int, int], set[int]] = {}
     for i, s in sizes.items():
-        m = layout._shard(i)
+        m = layout._shard(i)  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
         new.setdefault((m.offsets[d], m.sizes[d]), set()).add(s[d])
     if all(k[1] == n for k, v in new.items() for n in v):
         return layout.shape[d]

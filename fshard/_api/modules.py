@@ -1,9 +1,12 @@
 """Module helpers in functional form: shard a state dict, load a tree back into a module."""
 
+# The public functions check their arguments at run time, whatever the annotations promise.
+# pyright: reportUnnecessaryIsInstance=false
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -71,7 +74,7 @@ def _state(module_or_state_dict: Any) -> Mapping[str, Any]:
     if isinstance(module_or_state_dict, torch.nn.Module):
         return {**module_or_state_dict.state_dict(), **sharded_attributes(module_or_state_dict)}
     if isinstance(module_or_state_dict, Mapping):
-        return module_or_state_dict
+        return cast("Mapping[str, Any]", module_or_state_dict)
     kind = type(module_or_state_dict).__name__
     msg = f"shard_params() takes a torch.nn.Module or a mapping of names to tensors, got {kind}."
     raise TypeError(msg)
@@ -91,10 +94,12 @@ def _entry(name: str, value: Any, spec_fn: Callable[[str, Any], Any], backend: B
 
 
 def sharded_attributes(module: torch.nn.Module) -> dict[str, Any]:
-    """The module's ``ShardedArray`` and ``ShardedTensor`` attributes by dotted name (torch's
-    ``state_dict_hook`` adds the latter to a state dict the same way)."""
+    """The module's ``ShardedArray`` and ``ShardedTensor`` attributes by dotted name.
+
+    Torch's ``state_dict_hook`` adds the latter to a state dict the same way.
+    """
     out: dict[str, Any] = {}
-    for prefix, sub in module.named_modules():
+    for prefix, sub in module.named_modules():  # pyright: ignore[reportUnknownVariableType]  # torch leaves its type out
         for attr, value in vars(sub).items():
             if isinstance(value, ShardedArray) or is_sharded_tensor(value):
                 out[f"{prefix}.{attr}" if prefix else attr] = value
@@ -153,7 +158,7 @@ def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict:
     if bad:
         raise TypeError(f"load_state_dict() tree keys must be str names, got {bad[0]!r} ({type(bad[0]).__name__}).")
     known = module.state_dict().keys()
-    rest = {}
+    rest: dict[str, Any] = {}
     for name, value in tree.items():
         if name in known or not _set_sharded_attribute(module, name, value):
             rest[name] = value

@@ -1,10 +1,13 @@
 """Moving arrays: ``reshard``, ``gather``, comparisons, and arrays from shards the caller holds."""
 
+# The public functions check their arguments at run time, whatever the annotations promise.
+# pyright: reportUnnecessaryIsInstance=false
+
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 
@@ -67,8 +70,10 @@ def check_plain(tensor: torch.Tensor, what: str) -> None:
 
 
 def resolved(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with a pending conjugation or negation applied (``z.conj()``, ``z.conj().imag``):
-    such views cannot be viewed as bytes, which sending them takes. No copy for other tensors."""
+    """``tensor`` with a pending conjugation or negation applied (``z.conj()``, ``z.conj().imag``).
+
+    Such views cannot be viewed as bytes, which sending them takes. No copy for other tensors.
+    """
     if tensor.is_conj() or tensor.is_neg():  # asking costs a fifth of resolving
         return tensor.resolve_conj().resolve_neg()
     return tensor
@@ -77,7 +82,7 @@ def resolved(tensor: torch.Tensor) -> torch.Tensor:
 def whole_on(layout: Layout, rank: int) -> Layout:
     """The whole array once, on ``rank`` (on the device of its first shard in ``layout``)."""
     held = layout.indices_on(rank)
-    device = layout._shard(held[0] if held else 0).placement.device
+    device = layout._shard(held[0] if held else 0).placement.device  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
     return Replicated([Placement(rank, device)]).layout(layout.shape)
 
 
@@ -85,7 +90,7 @@ def _reduced(layout: Layout, dst: int | None) -> Layout:
     """Where ``gather`` reduces a pending reduction: a copy on every rank of ``layout`` (or on ``dst``)."""
     if dst is not None:
         return whole_on(layout, dst)
-    firsts = [layout._shard(layout.indices_on(r)[0]).placement for r in layout.ranks]
+    firsts = [layout._shard(layout.indices_on(r)[0]).placement for r in layout.ranks]  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
     return Replicated(firsts).layout(layout.shape)
 
 
@@ -112,7 +117,7 @@ def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | Non
         dst = array.backend.check_rank(dst, "dst")
     if array.layout.partial is not None:
         array = reshard(array, _reduced(array.layout, dst))
-    return _autograd.assemble(array.layout, array.backend, array._data, array._first(), dst)
+    return _autograd.assemble(array.layout, array.backend, array.addressable_data, array._first(), dst)  # pyright: ignore[reportPrivateUsage]  # package-internal
 
 
 @collective("reshard")
@@ -136,8 +141,8 @@ def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
     if layout == array.layout:
         return array
     array.backend.check_layout(layout)
-    data, link = _autograd.move(array.layout, layout, array.backend, array._data, array._first())
-    return ShardedArray._of(layout, data, array.backend, array.dtype, link)
+    data, link = _autograd.move(array.layout, layout, array.backend, array.addressable_data, array._first())  # pyright: ignore[reportPrivateUsage]  # package-internal
+    return ShardedArray._of(layout, data, array.backend, array.dtype, link)  # pyright: ignore[reportPrivateUsage]  # fits by construction
 
 
 def _aligned(a: ShardedArray, b: ShardedArray, what: str) -> tuple[ShardedArray, ShardedArray] | None:
@@ -160,7 +165,7 @@ def equal(a: ShardedArray, b: ShardedArray) -> bool:
     True
     """
     pair = _aligned(a, b, "equal()")
-    ok = pair is not None and all(torch.equal(x, y) for x, y in zip(pair[0]._data, pair[1]._data))
+    ok = pair is not None and all(torch.equal(x, y) for x, y in zip(pair[0].addressable_data, pair[1].addressable_data))
     return all(a.backend.exchange(ok))
 
 
@@ -180,7 +185,8 @@ def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float =
         raise TypeError(f"allclose() equal_nan must be a bool, got {equal_nan!r} ({type(equal_nan).__name__}).")
     pair = _aligned(a, b, "allclose()")
     ok = pair is not None and all(
-        torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan) for x, y in zip(pair[0]._data, pair[1]._data)
+        torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan)
+        for x, y in zip(pair[0].addressable_data, pair[1].addressable_data)
     )
     return all(a.backend.exchange(ok))
 
@@ -234,14 +240,14 @@ def _kind(data: Sequence[torch.Tensor]) -> tuple[torch.dtype, bool] | None:
 
 def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Tensor]:
     """The tensors of this process's shards of ``layout``, in layout order, checked."""
-    shards = list(shards) if isinstance(shards, (list, tuple)) else _listed(shards)
+    shards = list(cast("Sequence[Any]", shards)) if isinstance(shards, (list, tuple)) else _listed(shards)
     given: dict[ShardMeta, list[torch.Tensor]] = {}
     for s in shards:
         if not isinstance(s, Shard):
             raise TypeError(f"Expected fshard.Shard values, got {type(s).__name__}.")
         given.setdefault(s.meta, []).append(check_tensor(s.data, f"The tensor of shard {s.meta}"))
     index = backend.addressable(layout)
-    want = [layout._shard(i) for i in index]
+    want = [layout._shard(i) for i in index]  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
     counts = collections.Counter(want)
     twice = [m for m, ts in given.items() if len(ts) > counts[m] > 0]
     if twice:
@@ -252,11 +258,11 @@ def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Ten
         msg = f"Local shards do not match the layout on this process: missing {missing}, unexpected {extra}."
         raise LayoutError(msg)
     data = [given[m][0] if len(given[m]) == 1 else given[m][k] for m, k in _occurrences(want)]
-    for i, t in zip(index, data):
-        device = torch.device(layout._shard(i).placement.device)
+    for m, t in zip(want, data):
+        device = torch.device(m.placement.device)
         if t.device.type != device.type or device.index not in (None, t.device.index):
             msg = (
-                f"The tensor of shard {layout._shard(i)} is on {t.device}, not on its placement's device "
+                f"The tensor of shard {m} is on {t.device}, not on its placement's device "
                 f"{device}; move it there first."
             )
             raise LayoutError(msg)
@@ -268,7 +274,7 @@ def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Ten
 def _occurrences(metas: Sequence[ShardMeta]) -> list[tuple[ShardMeta, int]]:
     """Each meta with how many equal ones come before it (a layout may list an empty box twice)."""
     seen: collections.Counter[ShardMeta] = collections.Counter()
-    out = []
+    out: list[tuple[ShardMeta, int]] = []
     for m in metas:
         out.append((m, seen[m]))
         seen[m] += 1

@@ -32,8 +32,8 @@ _BINARY: dict[str, tuple[Callable[[Any, Any], Any], str, str | None]] = {
     "add": (operator.add, "+", "add"),
     "sub": (operator.sub, "-", "add"),
     "mul": (operator.mul, "*", "scale"),
-    "truediv": (operator.truediv, "/", "divide"),
-    "pow": (operator.pow, "**", None),
+    "truediv": (operator.truediv, "/", "divide"),  # pyright: ignore[reportUnknownMemberType]  # typeshed leaves it untyped
+    "pow": (operator.pow, "**", None),  # pyright: ignore[reportUnknownMemberType]  # typeshed leaves it untyped
     "eq": (torch.eq, "==", None),
     "ne": (torch.ne, "!=", None),
     "lt": (torch.lt, "<", None),
@@ -83,9 +83,11 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
             return map_local(fn, left, right, linear=linear)
         if isinstance(other, _NUMBERS):
             linear = _linear(rule, symbol, left, right)
-            if reflected:
-                return map_local(lambda t: fn(other, t), self, linear=linear)
-            return map_local(lambda t: fn(t, other), self, linear=linear)
+
+            def with_number(t: torch.Tensor) -> Any:
+                return fn(other, t) if reflected else fn(t, other)
+
+            return map_local(with_number, self, linear=linear)
         return NotImplemented
 
     method.__name__ = f"__{'r' if reflected else ''}{name}__"
@@ -152,7 +154,11 @@ def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keep
             _project(layout.shape, dims, keepdim, full=True),
             [_project_meta(s, dims, keepdim) for s in layout.shards],
         )
-        return map_local(lambda t: t.sum(dim=dims, keepdim=keepdim), self, out_spec=out)
+
+        def block_sum(t: torch.Tensor) -> torch.Tensor:
+            return t.sum(dim=dims, keepdim=keepdim)
+
+        return map_local(block_sum, self, out_spec=out)
     return _partial_sum(self, dims, keepdim)
 
 
@@ -160,9 +166,9 @@ def _dims(dim: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
     if dim is None:
         return tuple(range(ndim))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    out = []
+    out: list[int] = []
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or not -ndim <= d < max(ndim, 1):
+        if isinstance(d, bool) or not isinstance(d, int) or not -ndim <= d < max(ndim, 1):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's dims
             msg = f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {d})"
             raise IndexError(msg)
         out.append(d % ndim if ndim else 0)
@@ -207,7 +213,7 @@ def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> Shard
             "so their sums do not form a layout; reshard to a spec that splits only the summed dims first."
         )
         raise SpecError(msg) from exc
-    data = dict(zip(backend.addressable(layout), x._data))
+    data = dict(zip(backend.addressable(layout), x.addressable_data))
     totals: dict[tuple[Any, ...], torch.Tensor] = {}
     for i, key in contributors:
         if i in data:
@@ -217,4 +223,4 @@ def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> Shard
     mine = backend.addressable(out)
     by_index = {index[k]: t for k, t in totals.items()}
     tensors = tuple(by_index[j] for j in mine)
-    return ShardedArray(out, tensors, backend, x.dtype, None if tensors else x._link_view())
+    return ShardedArray(out, tensors, backend, x.dtype, None if tensors else x._link_view())  # pyright: ignore[reportPrivateUsage]  # package-internal

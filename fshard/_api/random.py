@@ -8,6 +8,7 @@ The hash is SplitMix64, computed with int64 tensor ops on the shard's device.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -67,13 +68,17 @@ def _unit(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _shr(bits, 64 - mant).to(_work_dtype(dtype)) * (2.0**-mant)
 
 
-def box_uniform(seed: int, shape, lo, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def box_uniform(
+    seed: int, shape: Sequence[int], lo: Sequence[int], size: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Uniform [0, 1) values of the box ``[lo, lo + size)`` of a global array of ``shape``."""
     idx = _indices(tuple(shape), tuple(lo), tuple(size), device)
     return _unit(_bits(seed, 0, idx), dtype).to(dtype)
 
 
-def box_normal(seed: int, shape, lo, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def box_normal(
+    seed: int, shape: Sequence[int], lo: Sequence[int], size: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Standard normal values of the box (Box-Muller on two independent uniform streams)."""
     idx = _indices(tuple(shape), tuple(lo), tuple(size), device)
     work = torch.float64 if dtype == torch.float64 else torch.float32

@@ -22,8 +22,10 @@ __all__ = ["shard"]
 
 
 def _meta_problem(tensor: torch.Tensor, layout: Layout, what: str) -> str | None:
-    """Why ``tensor`` cannot be sliced into ``layout``: on the meta device it has no values to put
-    anywhere but on meta placements."""
+    """Why ``tensor`` cannot be sliced into ``layout``.
+
+    On the meta device it has no values to put anywhere but on meta placements.
+    """
     if tensor.device.type != "meta":
         return None
     devices = sorted({d for d in layout.columns.devices if torch.device(d).type != "meta"})

@@ -74,11 +74,14 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
     norm = global_norm(tree)
     scale = torch.clamp(max_norm / (norm + eps), max=1.0).detach()
 
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        return t * scale.to(t.dtype)
+
     def clip(leaf: Any) -> Any:
         if isinstance(leaf, ShardedArray):
-            return map_local(lambda t: t * scale.to(t.dtype), leaf, linear=leaf.layout.partial is not None)
+            return map_local(scaled, leaf, linear=leaf.layout.partial is not None)
         if isinstance(leaf, torch.Tensor):
-            return leaf * scale.to(leaf.dtype)
+            return scaled(leaf)
         return leaf
 
     return optree.tree_map(clip, tree, is_leaf=lambda x: isinstance(x, ShardedArray)), norm

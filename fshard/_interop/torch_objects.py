@@ -21,7 +21,7 @@ from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Mesh, Named
 from fshard._layout.torch_meta import is_sharded_tensor
-from fshard.backends import for_group
+from fshard.backends import Backend, for_group
 
 __all__ = [
     "from_dtensor",
@@ -49,7 +49,7 @@ def _dist_backend(array: ShardedArray, what: str) -> Any:
     return backend
 
 
-def _torch_dist_backend(group: Any) -> Any:
+def _torch_dist_backend(group: Any) -> Backend:
     return for_group(group)
 
 
@@ -103,7 +103,10 @@ def to_sharded_tensor(array: ShardedArray) -> Any:
     meta = _in_bounds(layout).to_torch_metadata(array.dtype, array.requires_grad)
     mine = backend.addressable(layout)
     local = [TorchShard(t.contiguous(), meta.shards_metadata[i]) for i, t in zip(mine, array.addressable_data)]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=backend.group)
+    # torch's one constructor from global metadata; its stubs leave process_group untyped
+    return ShardedTensor._init_from_local_shards_and_global_metadata(  # pyright: ignore[reportPrivateUsage, reportUnknownMemberType]
+        local, meta, process_group=backend.group
+    )
 
 
 def _check_not_partial(array: ShardedArray, what: str, why: str) -> None:
@@ -288,7 +291,8 @@ def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
 
 def _strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Strides of a contiguous tensor of ``shape`` (torch counts a zero extent as one)."""
-    out, step = [], 1
+    out: list[int] = []
+    step = 1
     for n in reversed(shape):
         out.append(step)
         step *= max(n, 1)
