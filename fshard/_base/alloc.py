@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["POOL_LIMIT_BYTES", "POOL_MIN_BYTES", "empty_cache", "new"]
+__all__ = ["POOL_LIMIT_BYTES", "POOL_MIN_BYTES", "contiguous_strides", "empty_cache", "new"]
 
 # Memory of dead CPU output shards kept for reuse, at most this many bytes (see ``_Pool``).
 POOL_LIMIT_BYTES = 1 << 30
@@ -103,7 +103,7 @@ class _Pool:
         if nbytes < POOL_MIN_BYTES or dtype not in _PLAIN or _use_count is None:
             return torch.empty(sizes, dtype=dtype)
         block = self._take(nbytes)
-        t = _PLAIN[dtype].new().set_(block, 0, tuple(sizes), _contiguous_strides(sizes))
+        t = _PLAIN[dtype].new().set_(block, 0, tuple(sizes), contiguous_strides(sizes))
         ref = weakref.ref(t, self._dead)
         with self._lock:
             self._live[id(ref)] = (ref, block)
@@ -171,8 +171,8 @@ def new(sizes: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch
     return torch.empty(sizes, dtype=dtype, device=device)
 
 
-def _contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``sizes`` (as ``torch.empty`` gives them)."""
+def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``sizes``, as ``torch.empty`` gives them (a zero extent counts as one)."""
     out: list[int] = []
     step = 1
     for n in reversed(sizes):

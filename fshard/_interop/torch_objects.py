@@ -15,6 +15,7 @@ import torch
 
 from fshard._api.move import from_local_shards_and_layout, reshard
 from fshard._array.array import Shard, ShardedArray
+from fshard._base.alloc import contiguous_strides
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
 from fshard._layout.layout import Layout, ShardMeta
@@ -285,18 +286,13 @@ def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
     mine = backend.addressable(array.layout)
     local = array.addressable_data[0] if mine else torch.empty(0, dtype=array.dtype, device=array.device)
     return DTensor.from_local(
-        local, device_mesh, placements, run_check=False, shape=torch.Size(array.shape), stride=_strides(array.shape)
+        local,
+        device_mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(array.shape),
+        stride=contiguous_strides(array.shape),
     )
-
-
-def _strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Strides of a contiguous tensor of ``shape`` (torch counts a zero extent as one)."""
-    out: list[int] = []
-    step = 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def _check_placements(dt: Any) -> None:
