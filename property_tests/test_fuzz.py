@@ -1011,7 +1011,7 @@ KNOWN: tuple[Known, ...] = (
         (("ShardedArray.__repr__", "array"),),
         _on_meta,
         _meta_array(),
-        "fshard/_array/repr.py _values: copies shard values off the meta device (NotImplementedError)",
+        "fshard/_array/array.py _values: copies shard values off the meta device (NotImplementedError)",
     ),
     Known(
         "allclose-tolerances",

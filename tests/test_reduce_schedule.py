@@ -21,7 +21,6 @@ import fshard
 from fshard import Chunk, Mesh, Named, Partial, Replicated, Single
 from fshard._plan import direct as _plan
 from fshard._plan import pending as _reduce
-from fshard._plan import schedule as _schedule
 from fshard._plan.schedule import Moves, RankSchedule
 from fshard.backends.local import LocalBackend
 
@@ -98,7 +97,7 @@ def test_schedules_are_the_global_rows_without_building_them(name: str) -> None:
         mine = {r: p.for_rank(r) for r in range(6)}  # ranks 4 and 5 hold nothing
     assert p.src.partial is not None or p.dst.partial is not None
     for r, s in mine.items():
-        assert _same(s, _schedule.from_plan(p, r)), (name, r)
+        assert _same(s, _plan.from_plan(p, r)), (name, r)
         assert p.for_rank(r) is s
     assert sum(s.elements_sent for s in mine.values()) == p.elements_sent
     for phase in p.phases:

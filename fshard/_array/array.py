@@ -11,10 +11,10 @@ import optree.registry
 import torch
 import torch.utils._pytree as torch_pytree
 
-from fshard._array.repr import array_repr
 from fshard._errors import LayoutError
 from fshard._layout.batch import batched_layout
 from fshard._layout.layout import Layout, ShardMeta
+from fshard._layout.show import layout_repr
 
 __all__ = ["Shard", "ShardedArray"]
 
@@ -345,3 +345,41 @@ torch_pytree.register_pytree_node(
     lambda children, aux: _unflatten(aux, children),  # torch passes (children, context)
     serialized_type_name="fshard.ShardedArray",
 )
+
+
+# -- repr: the layout and, where small and all in this process, the values (so that a failing
+# example printed by hypothesis can be pasted back) ----------------------------------------------
+
+MAX_VALUES = 64  # an array that stores more elements prints no values
+
+
+def array_repr(x: ShardedArray) -> str:
+    """``ShardedArray(shape, dtype, backend, layout=Layout(...), values=[...])``.
+
+    The values are shown where the backend holds every shard in this process (the
+    local backend) and the shards store at most ``MAX_VALUES`` elements: the global
+    values, or for a partial layout (whose copies are summands) ``shard_values``, one
+    list per shard in layout order. No value is shown from a process that holds only
+    some shards: that would need the other processes.
+    """
+    layout = x.layout
+    head = f"ShardedArray(shape={tuple(x.shape)}, dtype={x.dtype}, backend={x.backend.name}"
+    values = _values(x)
+    return f"{head}, layout={layout_repr(layout)}{values})"
+
+
+def _values(x: ShardedArray) -> str:
+    layout, shards = x.layout, x.addressable_shards
+    if len(shards) != len(layout.shards) or sum(s.data.numel() for s in shards) > MAX_VALUES:
+        return ""
+    if any(s.data.device.type == "meta" for s in shards):  # no values to show
+        return ""
+    if layout.partial is not None:
+        # torch's stub types tolist() as a bare list, here and below.
+        return f", shard_values={[s.data.detach().cpu().tolist() for s in shards]}"  # pyright: ignore[reportUnknownMemberType]
+    full = torch.zeros(layout.shape, dtype=x.dtype)
+    for s in shards:
+        box = tuple(slice(o, o + n) for o, n in zip(s.meta.offsets, s.meta.sizes))
+        if all(s.meta.sizes):
+            full[box] = s.data.detach().cpu()
+    return f", values={full.tolist()}"  # pyright: ignore[reportUnknownMemberType]

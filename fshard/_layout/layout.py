@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from fshard._layout.torch_meta import read_torch_metadata, to_torch_metadata
 from fshard._layout.validate import (
     MAX_EXTENT,
     MEMO_SHARDS,
+    Columns,
     check_partial,
     check_shape,
     columns_of,
@@ -27,20 +28,6 @@ from fshard._layout.validate import (
 )
 
 __all__ = ["Columns", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "with_partial"]
-
-
-class Columns(NamedTuple):
-    """A layout's shards as read-only numpy columns, in layout order (``Layout.columns``).
-
-    ``lo`` and ``sz`` are the offsets and sizes, (shards x ndim) int64; ``rank`` the
-    ranks, (shards,) int64; ``devices`` one device string per shard. Planning, indexes
-    and backends read layouts through these, without making ``ShardMeta`` values.
-    """
-
-    lo: np.ndarray
-    sz: np.ndarray
-    rank: np.ndarray
-    devices: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -279,7 +266,7 @@ class Layout:
 
     def to_torch_metadata(self, dtype: Any = None, requires_grad: bool = False) -> Any:
         """This layout as torch's ``ShardedTensorMetadata`` (``dtype`` defaults to float32)."""
-        return to_torch_metadata(self, dtype, requires_grad)
+        return to_torch_metadata(self.shape, self.shards, dtype, requires_grad)
 
     @classmethod
     def from_torch_metadata(cls, metadata: Any) -> Layout:

@@ -12,17 +12,34 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from typing import TYPE_CHECKING, Any, Literal, Union
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, Union
 
 import numpy as np
 
 from fshard._base.cache import cached
 from fshard._errors import SpecError
-
-if TYPE_CHECKING:
-    from fshard._layout.layout import Layout
+from fshard._layout.validate import Columns, ShardLike
 
 __all__ = ["MAX_SHARDS", "MAX_WIDTH", "Picture", "describe_layout", "draw", "layout_repr", "span", "visualize"]
+
+
+class Layout(Protocol):
+    """What the pictures and descriptions read of a layout (``fshard.Layout`` is one)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def partial(self) -> str | None: ...
+    @property
+    def ndim(self) -> int: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def shards(self) -> Sequence[ShardLike]: ...
+    @property
+    def columns(self) -> Columns: ...
+
 
 # Arguments are checked at run time whatever their annotations say: callers may be untyped.
 # pyright: reportUnnecessaryIsInstance=false

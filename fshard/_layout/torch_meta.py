@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
 from fshard._errors import LayoutError
 from fshard._layout.placement import Placement
-
-if TYPE_CHECKING:
-    from fshard._layout.layout import Layout
+from fshard._layout.validate import ShardLike
 
 __all__ = [
     "Box",
@@ -57,17 +55,19 @@ def is_torch_spec(value: Any) -> bool:
     return cls is not None and isinstance(value, cls)
 
 
-def to_torch_metadata(layout: Layout, dtype: Any = None, requires_grad: bool = False) -> Any:
-    """``layout`` as torch's ``ShardedTensorMetadata`` with the given tensor properties."""
+def to_torch_metadata(
+    shape: tuple[int, ...], shards: Sequence[ShardLike], dtype: Any = None, requires_grad: bool = False
+) -> Any:
+    """A layout's ``shape`` and ``shards`` as torch's ``ShardedTensorMetadata`` with the given tensor properties."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor.metadata import (
         ShardedTensorMetadata,
         TensorProperties,
     )
 
-    shards = [ShardMetadata(list(s.offsets), list(s.sizes), str(s.placement)) for s in layout.shards]
+    metadata = [ShardMetadata(list(s.offsets), list(s.sizes), str(s.placement)) for s in shards]
     props = TensorProperties(dtype=dtype or torch.float32, requires_grad=requires_grad)
-    return ShardedTensorMetadata(shards, torch.Size(layout.shape), props)
+    return ShardedTensorMetadata(metadata, torch.Size(shape), props)
 
 
 def read_torch_metadata(metadata: Any) -> tuple[tuple[int, ...], tuple[Box, ...]]:

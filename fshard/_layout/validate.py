@@ -10,7 +10,7 @@ import itertools
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
@@ -19,10 +19,9 @@ from fshard._base.cache import cached
 from fshard._errors import LayoutError
 from fshard._layout.placement import Placement
 
-if TYPE_CHECKING:
-    from fshard._layout.layout import ShardMeta
-
 __all__ = [
+    "ShardLike",
+    "Columns",
     "MAX_EXTENT",
     "MEMO_SHARDS",
     "REDUCE_OPS",
@@ -34,6 +33,35 @@ __all__ = [
     "validate",
     "validate_memo",
 ]
+
+
+class ShardLike(Protocol):
+    """What validation and pictures read of a shard (a ``ShardMeta``): its box, owner, size and name in messages."""
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+    @property
+    def sizes(self) -> tuple[int, ...]: ...
+    @property
+    def placement(self) -> Placement: ...
+    @property
+    def numel(self) -> int: ...
+    def box(self) -> str: ...
+
+
+class Columns(NamedTuple):
+    """A layout's shards as read-only numpy columns, in layout order (``Layout.columns``).
+
+    ``lo`` and ``sz`` are the offsets and sizes, (shards x ndim) int64; ``rank`` the
+    ranks, (shards,) int64; ``devices`` one device string per shard. Planning, indexes
+    and backends read layouts through these, without making ``ShardMeta`` values.
+    """
+
+    lo: np.ndarray
+    sz: np.ndarray
+    rank: np.ndarray
+    devices: tuple[str, ...]
+
 
 # Arguments are checked at run time whatever their annotations say: callers may be untyped.
 # pyright: reportUnnecessaryIsInstance=false
@@ -73,7 +101,7 @@ _RANK, _DEVICE = operator.attrgetter("rank"), operator.attrgetter("device")
 
 
 def columns_of(
-    shape: tuple[int, ...], shards: tuple[ShardMeta, ...]
+    shape: tuple[int, ...], shards: tuple[ShardLike, ...]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...]]:
     """Offsets, sizes and ranks as int64 arrays, and the devices; checks every shard has ``len(shape)`` dims.
 
@@ -161,7 +189,7 @@ def device_column(devices: str | Sequence[str], n: int) -> tuple[str, ...]:
     return tuple(map(spelled.__getitem__, names))
 
 
-def _check_ndims(shape: tuple[int, ...], shards: tuple[ShardMeta, ...], ndims: np.ndarray) -> None:
+def _check_ndims(shape: tuple[int, ...], shards: tuple[ShardLike, ...], ndims: np.ndarray) -> None:
     d = len(shape)
     bad = np.flatnonzero(ndims != d)
     if bad.size:
@@ -179,13 +207,13 @@ MEMO_SHARDS = 64
 
 
 @cached(1024)
-def validate_memo(shape: tuple[int, ...], shards: tuple[ShardMeta, ...]) -> None:
+def validate_memo(shape: tuple[int, ...], shards: tuple[ShardLike, ...]) -> None:
     validate(shape, shards, *columns_of(shape, shards))
 
 
 def validate(
     shape: tuple[int, ...],
-    shards: Sequence[ShardMeta],
+    shards: Sequence[ShardLike],
     lo: np.ndarray,
     sz: np.ndarray,
     rank: np.ndarray,
@@ -214,7 +242,7 @@ def _shape_corners(shape: tuple[int, ...]) -> dict[tuple[int, ...], int]:
 
 def _check_bounds(
     shape: tuple[int, ...],
-    shards: Sequence[ShardMeta],
+    shards: Sequence[ShardLike],
     lo: np.ndarray,
     sz: np.ndarray,
     bounds: np.ndarray,
@@ -237,7 +265,7 @@ def _check_bounds(
 
 
 def _distinct_boxes(
-    shards: Sequence[ShardMeta], lo: np.ndarray, sz: np.ndarray, owner: np.ndarray, nonempty: np.ndarray
+    shards: Sequence[ShardLike], lo: np.ndarray, sz: np.ndarray, owner: np.ndarray, nonempty: np.ndarray
 ) -> np.ndarray:
     """Index of the first shard of each distinct non-empty box; raises if two non-empty shards are equal.
 
@@ -272,7 +300,7 @@ def _codes(devices: tuple[str, ...]) -> np.ndarray:
     return np.fromiter(map(index.__getitem__, devices), np.int64, count=len(devices))
 
 
-def _check_no_duplicates(shards: Sequence[ShardMeta], rows: np.ndarray) -> None:
+def _check_no_duplicates(shards: Sequence[ShardLike], rows: np.ndarray) -> None:
     """Raises if two shards are equal (same box and placement); ``rows`` encodes each shard."""
     first, inverse = _boxes.unique_rows(rows)
     if len(first) == len(shards):
@@ -287,7 +315,7 @@ def _check_no_duplicates(shards: Sequence[ShardMeta], rows: np.ndarray) -> None:
 
 def _explain(
     shape: tuple[int, ...],
-    shards: Sequence[ShardMeta],
+    shards: Sequence[ShardLike],
     lo: np.ndarray,
     hi: np.ndarray,
     nonempty: np.ndarray,

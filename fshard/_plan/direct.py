@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 
 from fshard._base import boxes as _boxes
+from fshard._base.cache import cached
 from fshard._layout import index as _index
 from fshard._layout.layout import Layout
 from fshard._plan import routing as _routing
 from fshard._plan import schedule as _schedule
-from fshard._plan.schedule import RankSchedule
+from fshard._plan.schedule import Moves, RankSchedule, moves
 
 __all__ = ["Box", "Plan", "Transfer", "min_elements", "numels"]
 
@@ -154,7 +155,7 @@ class Plan:
         rank = _schedule.check_rank(rank)
         if not self.steps and self.op is None and _schedule.is_direct(self.src, self.dst):
             return _schedule.schedule(self.src, self.dst, rank)
-        return _schedule.from_plan(self, rank)
+        return from_plan(self, rank)
 
     @property
     def src_rank(self) -> np.ndarray:
@@ -312,3 +313,30 @@ def _with_rank(ix: _index.Index, rank: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """Each held (box, rank) as a box with the rank as its last coordinate."""
     box = ix.held // max(len(ix.ranks), 1)
     return np.c_[ix.lo[box], rank], np.c_[ix.hi[box], rank + 1]
+
+
+# -- schedules read from a built plan ----------------------------------------------------------
+
+
+@cached(1024)
+def from_plan(p: Plan, rank: int) -> RankSchedule:
+    """``rank``'s share of a built plan, read from its rows (O(rows)).
+
+    Plans from ``fshard.plan`` compute theirs from the layouts instead: ``schedule``, and
+    ``fshard._plan.pending.rank_schedule`` between layouts with pending reductions; this is the
+    reference they agree with.
+    """
+    rank = int(rank)
+    if p.steps:
+        steps = tuple(from_plan(s, rank) for s in p.steps)
+        empty = _rows_of(p, np.zeros(0, np.int64), p.src_rank)
+        return RankSchedule(p.src, p.dst, rank, empty, empty, empty, p.op, steps)
+    sr, dr = p.src_rank, p.dst_rank
+    send = np.flatnonzero((sr == rank) & (dr != rank))
+    recv = np.flatnonzero((dr == rank) & (sr != rank))
+    local = np.flatnonzero((sr == rank) & (dr == rank))
+    return RankSchedule(p.src, p.dst, rank, _rows_of(p, send, dr), _rows_of(p, recv, sr), _rows_of(p, local, sr), p.op)
+
+
+def _rows_of(p: Plan, rows: np.ndarray, peer: np.ndarray) -> Moves:
+    return moves(p.src_shard, p.dst_shard, p.lo, p.size, peer, rows)

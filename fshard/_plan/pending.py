@@ -53,9 +53,7 @@ from fshard._layout.layout import Layout, with_partial
 from fshard._plan import schedule as _schedule
 from fshard._plan.direct import Plan, numels
 from fshard._plan.routing import copy_on, shared_holders, walk_holders
-from fshard._plan.schedule import RankSchedule
-
-_moves = _schedule._moves  # pyright: ignore[reportPrivateUsage]  # schedule's row builder, shared by both planners
+from fshard._plan.schedule import RankSchedule, moves
 
 __all__ = ["PendingPlan", "build", "lower_bound", "rank_schedule"]
 
@@ -366,9 +364,9 @@ def rank_schedule(rule: str, src: Layout, dst: Layout, rank: int) -> RankSchedul
         src,
         dst,
         int(rank),
-        _moves(i, j, lo, size, d_rank, send),
-        _moves(i, j, lo, size, s_rank, recv),
-        _moves(i, j, lo, size, s_rank, local),
+        moves(i, j, lo, size, d_rank, send),
+        moves(i, j, lo, size, s_rank, recv),
+        moves(i, j, lo, size, s_rank, local),
         _op(rule, src, dst),
     )
 
@@ -377,7 +375,7 @@ def rank_schedule(rule: str, src: Layout, dst: Layout, rank: int) -> RankSchedul
 def _chain_schedule(p: PendingPlan, rank: int) -> RankSchedule:
     steps = tuple(s.for_rank(rank) for s in p.steps)
     empty = np.zeros(0, np.int64)
-    none = _moves(empty, empty, np.zeros((0, p.src.ndim), np.int64), np.zeros((0, p.src.ndim), np.int64),
+    none = moves(empty, empty, np.zeros((0, p.src.ndim), np.int64), np.zeros((0, p.src.ndim), np.int64),
                             empty, empty)  # fmt: skip
     return RankSchedule(p.src, p.dst, rank, none, none, none, p.op, steps)
 

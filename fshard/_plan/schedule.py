@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -27,10 +27,7 @@ from fshard._layout.index import expand, index, pieces
 from fshard._layout.layout import Layout
 from fshard._plan.routing import source_shards
 
-if TYPE_CHECKING:
-    from fshard._plan.direct import Plan
-
-__all__ = ["Moves", "RankSchedule", "from_plan", "schedule"]
+__all__ = ["Moves", "RankSchedule", "moves", "schedule"]
 
 
 # -- one rank's schedule -------------------------------------------------------------------------
@@ -71,7 +68,7 @@ class Moves:
         return f"Moves({len(self)} transfers, {int(self.numel.sum())} elements, peers {_short(self.peers)})"
 
 
-def _moves(src_shard: np.ndarray, dst_shard: np.ndarray, lo: np.ndarray, size: np.ndarray,
+def moves(src_shard: np.ndarray, dst_shard: np.ndarray, lo: np.ndarray, size: np.ndarray,
            peer: np.ndarray, order: np.ndarray) -> Moves:  # fmt: skip
     return Moves(src_shard[order], dst_shard[order], lo[order], size[order], peer[order])
 
@@ -207,8 +204,8 @@ def _receives(src: Layout, dst: Layout, rank: int) -> tuple[Moves, Moves]:
     local = local[np.lexsort((dst_shard[local], src_shard[local]))]
     away = away[np.lexsort((dst_shard[away], src_shard[away], peer[away]))]
     return (
-        _moves(src_shard, dst_shard, lo, size, peer, local),
-        _moves(src_shard, dst_shard, lo, size, peer, away),
+        moves(src_shard, dst_shard, lo, size, peer, local),
+        moves(src_shard, dst_shard, lo, size, peer, away),
     )
 
 
@@ -234,34 +231,7 @@ def _sends(src: Layout, dst: Layout, rank: int) -> Moves:
     dst_shard = di.copies[start[row] + k]
     src_shard = si.first[mine[at[pair]]]
     order = np.lexsort((dst_shard, src_shard, to))
-    return _moves(src_shard, dst_shard, lo[pair], size[pair], to, order)
-
-
-# -- schedules read from a built plan ----------------------------------------------------------
-
-
-@cached(1024)
-def from_plan(p: Plan, rank: int) -> RankSchedule:
-    """``rank``'s share of a built plan, read from its rows (O(rows)).
-
-    Plans from ``fshard.plan`` compute theirs from the layouts instead: ``schedule``, and
-    ``fshard._plan.pending.rank_schedule`` between layouts with pending reductions; this is the
-    reference they agree with.
-    """
-    rank = int(rank)
-    if p.steps:
-        steps = tuple(from_plan(s, rank) for s in p.steps)
-        empty = _rows_of(p, np.zeros(0, np.int64), p.src_rank)
-        return RankSchedule(p.src, p.dst, rank, empty, empty, empty, p.op, steps)
-    sr, dr = p.src_rank, p.dst_rank
-    send = np.flatnonzero((sr == rank) & (dr != rank))
-    recv = np.flatnonzero((dr == rank) & (sr != rank))
-    local = np.flatnonzero((sr == rank) & (dr == rank))
-    return RankSchedule(p.src, p.dst, rank, _rows_of(p, send, dr), _rows_of(p, recv, sr), _rows_of(p, local, sr), p.op)
-
-
-def _rows_of(p: Plan, rows: np.ndarray, peer: np.ndarray) -> Moves:
-    return _moves(p.src_shard, p.dst_shard, p.lo, p.size, peer, rows)
+    return moves(src_shard, dst_shard, lo[pair], size[pair], to, order)
 
 
 def is_direct(src: Layout, dst: Layout) -> bool:
