@@ -27,7 +27,7 @@ from fshard._layout.validate import (
     validate_memo,
 )
 
-__all__ = ["Columns", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "with_partial"]
+__all__ = ["Columns", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "replica_ids", "with_partial"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -318,6 +318,28 @@ def with_partial(layout: Layout, partial: str | None) -> Layout:
     if layout.partial == partial:
         return layout
     return Layout(layout.shape, layout.shards, partial)
+
+
+@cached(256)
+def replica_ids(layout: Layout) -> np.ndarray:
+    """Per shard, an id that two shards share exactly when they must hold equal data.
+
+    Copies of one box are replicas and share an id; the copies of a pending reduction
+    (``partial``) are its summands, each with an id of its own. Read-only, (shards,) int64.
+
+    >>> lay = Layout((4,), [((0,), (2,), 0), ((0,), (2,), 1), ((2,), (2,), 2)])
+    >>> replica_ids(lay).tolist(), replica_ids(with_partial(lay, "sum")).tolist()
+    ([0, 0, 1], [0, 1, 2])
+    """
+    n = len(layout.columns.rank)
+    if layout.partial is not None or n == 0:
+        ids = np.arange(n, dtype=np.int64)
+    else:
+        boxes = np.concatenate([layout.columns.lo, layout.columns.sz], axis=1)
+        _, ids = np.unique(boxes, axis=0, return_inverse=True)
+        ids = ids.reshape(-1).astype(np.int64)
+    ids.flags.writeable = False
+    return ids
 
 
 @cached(256)
