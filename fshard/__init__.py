@@ -31,9 +31,12 @@ from fshard._api.tree import global_norm as global_norm
 from fshard._array.array import Shard as Shard
 from fshard._array.array import ShardedArray as ShardedArray
 from fshard._base.cache import clear_caches as clear_caches
+from fshard._checkpoint import Concat as Concat
+from fshard._checkpoint import Split as Split
 from fshard._checkpoint import checkpoint_info as checkpoint_info
 from fshard._checkpoint import load as load
 from fshard._checkpoint import save as save
+from fshard._checkpoint import save_safetensors as save_safetensors
 from fshard._config import config as config
 from fshard._errors import CheckpointError as CheckpointError
 from fshard._errors import CollectiveMismatchError as CollectiveMismatchError
@@ -68,6 +71,7 @@ __all__ = [
     "CheckpointError",
     "Chunk",
     "CollectiveMismatchError",
+    "Concat",
     "Explicit",
     "FShardError",
     "Layout",
@@ -84,6 +88,7 @@ __all__ = [
     "ShardedArray",
     "Single",
     "SpecError",
+    "Split",
     "Transfer",
     "allclose",
     "backends",
@@ -115,6 +120,7 @@ __all__ = [
     "randn_like",
     "reshard",
     "save",
+    "save_safetensors",
     "shard",
     "shard_map",
     "shard_params",

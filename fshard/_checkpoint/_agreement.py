@@ -127,14 +127,21 @@ def _summary(leaf: Any, sha: str | None) -> str:
 
 
 def check_same(
-    backend: Backend, seen: Sequence[_Facts], summaries: list[str], leaves: Sequence[tuple[str, Any]]
+    backend: Backend,
+    seen: Sequence[_Facts],
+    summaries: list[str],
+    leaves: Sequence[tuple[str, Any]],
+    what: str = "fshard.save",
 ) -> None:
-    """Raises the same ``CheckpointError`` on every rank if the ranks were given different saves."""
+    """Raises the same ``CheckpointError`` on every rank if the ranks were given different saves.
+
+    ``what`` names the call in the message.
+    """
     first = seen[0]
     if any(f.path != first.path for f in seen):
         by = ", ".join(f"rank {f.rank}: {f.path}" for f in seen[:4]) + (", ..." if len(seen) > 4 else "")
         msg = (
-            f"fshard.save was given different paths on different ranks ({by}): every rank must pass the same "
+            f"{what} was given different paths on different ranks ({by}): every rank must pass the same "
             "directory. Compute a timestamp or step in the path once and share it (for example with "
             "torch.distributed.broadcast_object_list from rank 0). Nothing was written."
         )
@@ -143,10 +150,10 @@ def check_same(
         return
     # Every rank saw the difference above, so every rank takes part in this second exchange.
     every = backend.exchange([(p, s) for (p, _), s in zip(leaves, summaries)])
-    raise CheckpointError(_difference(seen, every))
+    raise CheckpointError(_difference(seen, every, what))
 
 
-def _difference(seen: Sequence[_Facts], every: list[list[tuple[str, str]]]) -> str:
+def _difference(seen: Sequence[_Facts], every: list[list[tuple[str, str]]], what: str) -> str:
     """Names the first leaf where some rank's tree differs from the first rank's."""
     ours, head = every[0], f"rank {seen[0].rank}"
     for facts, theirs in zip(seen[1:], every[1:]):
@@ -158,15 +165,15 @@ def _difference(seen: Sequence[_Facts], every: list[list[tuple[str, str]]]) -> s
                 continue
             if a is None or b is None or a[0] != b[0]:
                 return (
-                    f"fshard.save was given trees of different structure: leaf {k} is "
+                    f"{what} was given trees of different structure: leaf {k} is "
                     f"{_place(a)} on {head} and {_place(b)} on {other}. Every rank must pass the same tree. "
                     "Nothing was written."
                 )
             return _leaf_difference(a[0] or "the root", a[1], b[1], head, other)
         if facts.tree != seen[0].tree:
-            msg = f"fshard.save was given trees of different structure on {head} and {other} (the same leaves, "
+            msg = f"{what} was given trees of different structure on {head} and {other} (the same leaves, "
             return msg + "in different containers or under different keys). Nothing was written."
-    return "fshard.save was given different trees on different ranks. Nothing was written."  # pragma: no cover
+    return f"{what} was given different trees on different ranks. Nothing was written."  # pragma: no cover
 
 
 def _place(entry: tuple[str, str] | None) -> str:

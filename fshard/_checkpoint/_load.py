@@ -16,7 +16,9 @@ import torch
 from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
 from fshard._checkpoint._collective import agree_on, progress_bar
+from fshard._checkpoint._detect import checkpoint_kind
 from fshard._checkpoint._format import INDEX, Saved, check_flag, checkpoint_path, read_index
+from fshard._checkpoint._hf import load_hf
 from fshard._checkpoint._reader import Reader, slices
 from fshard._checkpoint._schema import saved_leaves
 from fshard._checkpoint._tree import match, unflatten
@@ -193,6 +195,9 @@ def load(
     like: Any = None,
     specs: Any = None,
     *,
+    dtype: torch.dtype | None = None,
+    rename: Any = None,
+    fuse: Any = None,
     verify: bool = True,
     backend: Backend | None = None,
     progress: bool | None = None,
@@ -212,14 +217,31 @@ def load(
     ranges are read and data tampering goes unnoticed; file sizes, tensor
     names, dtypes and shapes are checked either way.
 
+    ``path`` may also be a Hugging Face checkpoint: one ``.safetensors`` file, a folder
+    with ``model.safetensors.index.json``, or a folder of ``.safetensors`` files. Then
+    ``specs`` maps names to specs (names it lacks, or maps to ``None``, are not read),
+    or is a function ``(name, shape, dtype) -> spec | None``, or one spec for every
+    tensor; ``like`` maps names to arrays (or to tensors, for plain tensors). Every
+    header is checked before any data is read; each rank reads only the byte ranges
+    of its boxes, and a replicated box is read once per job and sent to its other
+    holders. The result is a dict of names to arrays. ``verify`` does not apply (the
+    format has no hashes). See docs/interop.md.
+
     Args:
-        path: a directory written by ``fshard.save``.
+        path: a directory written by ``fshard.save``, or a Hugging Face safetensors
+            file or folder.
         like: a tree shaped like the saved one: a ``ShardedArray`` leaf gives the
             target layout and backend, a tensor gives a plain tensor (on its
             device); shapes and dtypes must match the saved ones.
         specs: instead of ``like``: a tree of specs or ``Layout``s (``None`` for a
             plain tensor). A spec where the checkpoint has a subtree applies to
             every tensor in it; scalars ignore their spec.
+        dtype: Hugging Face only: cast every array to this dtype after reading (default:
+            the dtype of ``like``'s entry, else the file's).
+        rename: Hugging Face only: a mapping of checkpoint names to new names (names it
+            lacks keep theirs) or a function of the name, applied before ``fuse``.
+        fuse: Hugging Face only: a list of ``fshard.Split`` and ``fshard.Concat``, applied
+            in order after ``rename``: one tensor read as several arrays, or several as one.
         verify: check per-box sha256 hashes.
         backend: for ``specs`` (and for neither): the backend of the new arrays
             (default: torch_dist when initialised, else local). Without ``like``
@@ -245,6 +267,11 @@ def load(
             replaced the checkpoint three times during one load.
         SpecError: a target layout with a pending reduction (``Partial``).
 
+    Raises for Hugging Face checkpoints: ``CheckpointError`` for a header or index that is
+    malformed, oversized or lies about the data (naming file and tensor), for names that
+    ``specs``, ``like`` or ``fuse`` give but the checkpoint lacks, and when ranks read
+    different files; ``TypeError`` without ``specs`` and ``like``.
+
     >>> import tempfile, torch, fshard
     >>> x = fshard.shard(torch.arange(8), fshard.Chunk(0, [0, 1, 2, 3]))
     >>> with tempfile.TemporaryDirectory() as d:
@@ -259,6 +286,12 @@ def load(
     if backend is not None and not isinstance(backend, Backend):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise TypeError(f"load() backend= takes an fshard backend or None, got {type(backend).__name__}.")
     coord = _coordinator(like) or backend or default_backend()
+    kind = checkpoint_kind(checkpoint_path(path, "load()"))
+    if kind != "fshard":
+        options = {"dtype": dtype, "rename": rename, "fuse": fuse, "backend": backend, "progress": progress}
+        return _load_foreign(kind, Path(path), like, specs, options, coord)
+    if (dtype, rename, fuse) != (None, None, None):
+        raise TypeError("load() dtype=, rename= and fuse= apply to Hugging Face checkpoints, not to fshard's own.")
     attempt = lambda: _attempt(path, like, specs, verify, backend, progress, coord)  # noqa: E731
     for _ in range(_ATTEMPTS):
         tree, seen = agree_on(coord, "fshard.load", attempt, lambda out: out[:2])
@@ -269,6 +302,13 @@ def load(
         "Load again once that save has finished."
     )
     raise CheckpointError(msg)
+
+
+def _load_foreign(kind: str, root: Path, like: Any, specs: Any, options: dict[str, Any], coord: Backend) -> Any:
+    """A checkpoint in another library's format: a Hugging Face safetensors file or folder, a torch DCP folder."""
+    if kind in ("hf-file", "hf-folder"):
+        return load_hf(root, kind, like, specs, options, coord)
+    raise CheckpointError(f"{root} is a torch DCP checkpoint (it holds .metadata), which this fshard does not read.")
 
 
 # Loads that meet a concurrent save start over (on every rank) at most this many times in all.
