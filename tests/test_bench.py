@@ -115,6 +115,7 @@ def test_collect_has_every_module_and_filters() -> None:
         "fshard.benchmarks.local",
         "fshard.benchmarks.autograd",
         "fshard.benchmarks.dist",
+        "fshard.benchmarks.hf",
     )
     everything = run.collect(Settings(quick=True))
     assert {c.group.split(":")[0].split(",")[0] for c in everything} >= {
@@ -399,3 +400,35 @@ def test_tiny_real_run() -> None:
     assert progress.events[4:8] == ["start Partial(Replicated) -> Replicated, 0.015625 MiB", "done",
                                     "start Partial(rows, sum over y) -> Chunk(1), 0.015625 MiB", "done"]  # fmt: skip
     assert progress.events[8:] == ["start per call: reshard 64x64 dim 0 -> dim 1", "done"]
+
+
+# -- Hugging Face checkpoints ------------------------------------------------------------------
+
+
+def test_hf_cases_three_per_size() -> None:
+    from fshard.benchmarks import hf
+
+    cases = hf.cases(Settings(sizes=(8.0, 32.0)))
+    assert [c.name for c in cases] == [
+        f"{what}, {mib} MiB"
+        for mib in (8, 32)
+        for what in ("folder -> Chunk(0)", "folder -> Replicated", "save_safetensors")
+    ]
+    assert {c.group for c in cases} == {"checkpoint: Hugging Face safetensors, 4 Gloo processes"}
+    assert hf.cases(Settings(quick=True))[0].name == "folder -> Chunk(0), 16 MiB"
+
+
+def test_hf_cases_run_on_two_processes() -> None:
+    from fshard.benchmarks import hf
+
+    rows = [r for c in hf.cases(Settings(sizes=(1.0,), reps=1, world=2)) for r in c.run(Settings())]
+    fshard_rows = [r for r in rows if r.impl.startswith("fshard")]
+    assert [r.impl for r in fshard_rows] == [
+        "fshard.load -> Chunk(0)",
+        "fshard.load -> Replicated",
+        "fshard.save_safetensors",
+    ]
+    assert all(r.verified for r in fshard_rows)
+    assert "disk bytes read 1.0 MiB = 1.000x distinct boxes" in fshard_rows[0].note
+    assert "disk bytes read 1.0 MiB = 1.000x one copy" in fshard_rows[1].note
+    assert "2 files, one per rank" in fshard_rows[2].note

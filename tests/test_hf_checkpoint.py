@@ -360,6 +360,16 @@ def test_one_file_is_byte_for_byte_what_safetensors_writes(tmp_path: Path) -> No
     assert (tmp_path / "ck" / "model.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("piece", [1, 7, 100, 1 << 20])
+def test_files_moved_in_pieces_of_any_size_are_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int
+) -> None:
+    monkeypatch.setattr(_hf_save, "PIECE_BYTES", piece)
+    fshard.save_safetensors(tmp_path / "ck", _arrays())
+    save_file(TENSORS, tmp_path / "reference.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
 def test_sharded_files_and_index_as_huggingface_hub_cuts_them(tmp_path: Path) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
 

@@ -143,24 +143,35 @@ def test_ranks_asking_for_different_layouts_all_raise(dist_pool: Any, folder: Pa
 # -- save_safetensors from 4 ranks ----------------------------------------------------------------
 
 
-def _save(path: str, max_shard_size: Any) -> tuple[list[str], list[str]]:
-    """The folder's files after the save, and those this rank wrote."""
+def _save(path: str, max_shard_size: Any, piece: int = 64 << 20) -> tuple[list[str], list[str]]:
+    """The folder's files after the save, and those this rank wrote (moved ``piece`` bytes at a time)."""
     tree = {n: fshard.shard(t, SPECS[n]) for n, t in TENSORS.items()}
     tree["plain"] = torch.arange(5.0)  # one value that every rank holds
     mine: list[str] = []
-    real = _hf_save._write_file
-    _hf_save._write_file = lambda p, *a: mine.append(p.name) or real(p, *a)  # type: ignore[assignment]
+    real, pieces = _hf_save._Output.__init__, _hf_save.PIECE_BYTES
+
+    def record(self: Any, path: Path, *args: Any) -> None:
+        mine.append(path.name)
+        real(self, path, *args)
+
+    _hf_save._Output.__init__, _hf_save.PIECE_BYTES = record, piece  # type: ignore[method-assign]
     try:
         fshard.save_safetensors(path, tree, max_shard_size=max_shard_size)
     finally:
-        _hf_save._write_file = real  # type: ignore[assignment]
+        _hf_save._Output.__init__, _hf_save.PIECE_BYTES = real, pieces  # type: ignore[method-assign]
     return sorted(p.name for p in Path(path).iterdir()), mine
 
 
-@pytest.mark.parametrize("max_shard_size", [100, "5GB"], ids=["four-files", "one-file"])
-def test_save_from_four_ranks_reads_back_with_safetensors(dist_pool: Any, tmp_path: Path, max_shard_size: Any) -> None:
+@pytest.mark.parametrize(
+    ("max_shard_size", "piece"),
+    [(100, 1 << 20), (100, 48), (40, 16), ("5GB", 1 << 20)],
+    ids=["four-files", "in-pieces", "two-rounds", "one-file"],
+)
+def test_save_from_four_ranks_reads_back_with_safetensors(
+    dist_pool: Any, tmp_path: Path, max_shard_size: Any, piece: int
+) -> None:
     path = tmp_path / "hf"
-    listings, written = zip(*dist_pool.run(_save, str(path), max_shard_size, timeout=TIMEOUT))
+    listings, written = zip(*dist_pool.run(_save, str(path), max_shard_size, piece, timeout=TIMEOUT))
     assert all(files == listings[0] for files in listings)
     assert sorted(n for w in written for n in w) == [n for n in listings[0] if n.endswith(".safetensors")]
     expected = {**TENSORS, "plain": torch.arange(5.0)}
@@ -173,25 +184,31 @@ def test_save_from_four_ranks_reads_back_with_safetensors(dist_pool: Any, tmp_pa
         assert len(listings[0]) == 5
         assert "model.safetensors.index.json" in listings[0]
         assert [len(w) for w in written] == [1, 1, 1, 1]  # four files, written by four ranks
+    elif max_shard_size == 40:
+        assert [len(w) for w in written] == [1, 1, 1, 2]  # five files: rank 3 writes two, one round each
     else:
         assert listings[0] == ["model.safetensors"]
         save_file(expected, tmp_path / "ref.safetensors", metadata={"format": "pt"})
         assert (path / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["hf", *(["ref.safetensors"] if max_shard_size != 100 else [])]
+        ["hf", *(["ref.safetensors"] if max_shard_size == "5GB" else [])]
     )
 
 
-def _save_failing_on_rank_one(path: str) -> str:
+def _save_failing_on_rank_one(path: str, max_shard_size: int) -> str:
     real = _hf_save.write_runs
+    calls = []
 
     def broken(*args: Any) -> None:
-        raise OSError(28, "No space left on device")
+        calls.append(1)
+        if len(calls) == 2:  # the first piece of the first file went well
+            raise OSError(28, "No space left on device")
+        real(*args)
 
     if dist.get_rank() == 1:
         _hf_save.write_runs = broken  # type: ignore[assignment]
     try:
-        _save(path, 100)
+        _save(path, max_shard_size, 32)
     except fshard.CheckpointError as exc:
         return str(exc)
     finally:
@@ -199,8 +216,12 @@ def _save_failing_on_rank_one(path: str) -> str:
     return "saved"
 
 
-def test_a_rank_failing_mid_save_fails_every_rank_and_leaves_nothing(dist_pool: Any, tmp_path: Path) -> None:
-    errors = dist_pool.run(_save_failing_on_rank_one, str(tmp_path / "hf"), timeout=TIMEOUT)
-    assert re.search(r"failed at .*model-0000\d-of-00004\.safetensors: No space left on device", errors[1])
+@pytest.mark.parametrize("max_shard_size", [100, 40], ids=["one-round", "two-rounds"])
+def test_a_rank_failing_mid_save_fails_every_rank_and_leaves_nothing(
+    dist_pool: Any, tmp_path: Path, max_shard_size: int
+) -> None:
+    # With 40 bytes per file, rank 3 writes two files: rank 1, failing in the first round, still moves in the second.
+    errors = dist_pool.run(_save_failing_on_rank_one, str(tmp_path / "hf"), max_shard_size, timeout=TIMEOUT)
+    assert re.search(r"failed at .*model-\d{5}-of-\d{5}\.safetensors: No space left on device", errors[1])
     assert all(e.startswith("fshard.save_safetensors failed on rank 1: CheckpointError") for e in errors[::2])
     assert list(tmp_path.iterdir()) == []

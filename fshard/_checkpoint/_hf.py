@@ -1,11 +1,12 @@
 """``fshard.load`` of a Hugging Face safetensors file or folder into target layouts (collective).
 
-Three steps, each agreed by every rank so that a failure anywhere raises everywhere:
+Two steps, so that a failure anywhere raises everywhere and nothing hangs:
 
 1. every rank reads and checks every header, applies ``rename``/``fuse``, resolves the
-   targets and plans the reads (``_hf_plan``); the ranks compare a digest of the plan;
-2. each rank reads the boxes it was given, only their byte ranges, into new buffers;
-3. one ``reshard`` of the load's byte array sends each replicated box from its reader
+   targets and plans the reads (``_hf_plan``), then reads the boxes it was given, only
+   their byte ranges, into new buffers; one exchange then tells every rank whether any
+   rank failed, and compares a digest of the ranks' plans;
+2. one ``reshard`` of the load's byte array sends each replicated box from its reader
    to its other holders; each rank then views its bytes as its shards.
 """
 
@@ -24,7 +25,7 @@ import torch
 from fshard._api.move import reshard
 from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
-from fshard._checkpoint._collective import agree, agree_on, progress_bar
+from fshard._checkpoint._collective import agree_on, progress_bar
 from fshard._checkpoint._fuse import View, apply_fuse, rename_all
 from fshard._checkpoint._hf_files import Source, catalog
 from fshard._checkpoint._hf_plan import ReadPlan, plan_reads
@@ -75,16 +76,19 @@ def load_hf(root: Path, kind: str, like: Any, specs: Any, options: dict[str, Any
     dtype = options["dtype"]
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"load() dtype= takes a torch.dtype or None, got {dtype!r}.")
-    prepare = lambda: _prepare(root, kind, like, specs, options, coord)  # noqa: E731
-    prepared, seen = agree_on(coord, "fshard.load", prepare, lambda out: out.digest)
+
+    def prepare_and_read() -> tuple[_Prepared, list[torch.Tensor]]:
+        prepared = _prepare(root, kind, like, specs, options, coord)
+        with progress_bar("fshard.load", _bytes_here(prepared, coord), options["progress"], coord) as bar:
+            return prepared, _read_boxes(prepared, coord, bar)
+
+    (prepared, data), seen = agree_on(coord, "fshard.load", prepare_and_read, lambda out: out[0].digest)
     if len(set(seen)) > 1:
         msg = (
             f"fshard.load of {root}: the ranks read different checkpoints or targets; give every rank the same "
             "files and arguments."
         )
         raise CheckpointError(msg)
-    with progress_bar("fshard.load", _bytes_here(prepared, coord), options["progress"], coord) as bar:
-        data = agree(coord, "fshard.load", lambda: _read_boxes(prepared, coord, bar))
     return _assemble(prepared, data, coord)
 
 

@@ -6,7 +6,8 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,8 @@ from fshard._checkpoint._agreement import check_same, prepare
 from fshard._checkpoint._collective import agree, agree_on
 from fshard._checkpoint._format import checkpoint_path, resolved
 from fshard._checkpoint._hf_commit import check_target, commit, discard, stage_for, writing
-from fshard._checkpoint._hf_write import (
-    FileRound,
-    file_names,
-    header_bytes,
-    parse_size,
-    plan_round,
-    shard_files,
-    write_order,
-)
+from fshard._checkpoint._hf_gather import FilePlan, Piece, piece, pieces, plan_file
+from fshard._checkpoint._hf_write import file_names, header_bytes, parse_size, shard_files, write_order
 from fshard._checkpoint._lock import save_lock
 from fshard._checkpoint._ranges import Runs, byte_view, whole, write_runs
 from fshard._errors import CheckpointError, SpecError
@@ -82,6 +76,7 @@ def save_safetensors(path: str | os.PathLike[str], tree: Any, *, max_shard_size:
     try:
         root = Path(os.path.abspath(checkpoint_path(path, "save_safetensors()")))
         _flatten(tree, "", leaves)
+        _check_unique(leaves)
         limit = parse_size(max_shard_size)
         backend, failure = _backend_of(leaves), None
     except (TypeError, SpecError, CheckpointError) as exc:  # reported through the first exchange, so no rank waits
@@ -107,12 +102,18 @@ def _flatten(tree: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
         if isinstance(value, Mapping):
             _flatten(value, name, out)
         elif isinstance(value, (ShardedArray, torch.Tensor)):
-            if name in {n for n, _ in out}:
-                raise TypeError(f"save_safetensors() tree names {name!r} twice (nested dicts join keys with '.').")
             out.append((name, value))
         else:
             msg = f"save_safetensors() tree holds a {type(value).__name__} at {name!r}: give ShardedArrays or tensors."
             raise TypeError(msg)
+
+
+def _check_unique(leaves: Sequence[tuple[str, Any]]) -> None:
+    seen: set[str] = set()
+    for name, _ in leaves:
+        if name in seen:
+            raise TypeError(f"save_safetensors() tree names {name!r} twice (nested dicts join keys with '.').")
+        seen.add(name)
 
 
 def _backend_of(leaves: Sequence[tuple[str, Any]]) -> Backend:
@@ -171,9 +172,12 @@ def _write_all(
                 with writing(stage):
                     stage.mkdir()
 
-        def write() -> list[str]:
-            rounds = _rounds(writers, backend.spans_processes)
-            return [name for r in rounds for name in _round(r, files, names, writers, leaves, backend, stage)]
+        def write() -> None:
+            failed: list[CheckpointError] = []
+            for chosen in _rounds(writers, backend.spans_processes):
+                _round(chosen, files, names, writers, leaves, backend, stage, failed)
+            if failed:  # raised once every movement is done: the other ranks are not left waiting
+                raise failed[0]
 
         def finish() -> None:
             if leader:
@@ -196,6 +200,10 @@ def _index(leaves: list[tuple[str, Any]], files: list[list[int]], names: list[st
     return json.dumps(index, indent=2, sort_keys=True) + "\n"
 
 
+# Bytes of a file moved to its writer at once: a writer holds at most two pieces, not a whole file.
+PIECE_BYTES = 64 << 20
+
+
 def _round(
     chosen: list[int],
     files: list[list[int]],
@@ -204,50 +212,106 @@ def _round(
     leaves: list[tuple[str, Any]],
     backend: Backend,
     stage: Path,
-) -> list[str]:
-    """Moves the files ``chosen`` to their writers and writes those this process writes; returns their names."""
+    failed: list[CheckpointError],
+) -> None:
+    """Moves the files ``chosen`` to their writers a piece at a time; writes those this process writes.
+
+    A write that fails here is recorded in ``failed``, and this process goes on moving (every
+    rank takes part in every movement) but writes nothing more.
+    """
     values = [leaf for _, leaf in leaves]
-    plan = plan_round(values, [files[k] for k in chosen], [writers[k] for k in chosen])
-    packed = _move(plan, values, backend)
-    done: list[str] = []
-    for j, k in enumerate(chosen):
-        if not backend.holds(writers[k]):
-            continue
-        data = packed.pop(plan.ranges[j][0], None)
-        data = torch.empty(0, dtype=torch.uint8) if data is None else data.cpu()
-        entries = [(leaves[i][0], values[i].dtype, tuple(values[i].shape)) for i in files[k]]
-        _write_file(stage / names[k], entries, data, plan.spans[j])
-        done.append(names[k])
-    return done
+    plans = [plan_file(values, files[k], writers[k]) for k in chosen]
+    with ThreadPoolExecutor(1, thread_name_prefix="fshard-write") as pool:
+        out: dict[int, _Output] = {}
+        for j, k in enumerate(chosen):
+            if backend.holds(writers[k]):
+                entries = [(leaves[i][0], values[i].dtype, tuple(values[i].shape)) for i in files[k]]
+                out[j] = _Output(stage / names[k], header_bytes(entries), failed)
+        try:
+            for s in range(pieces(plans, PIECE_BYTES)):
+                part = piece(plans, s, PIECE_BYTES)
+                moved = {} if part is None else _move(part, plans, values, backend)
+                for j, o in out.items():
+                    got = None if part is None else part.files[j]
+                    if got is not None:
+                        o.write(pool, got[1], moved[got[0]])
+        finally:
+            for o in out.values():
+                o.finish()
 
 
-def _shard_bytes(leaf: Any, shard: int | None, backend: Backend) -> torch.Tensor:
-    t = leaf.addressable_data[backend.addressable(leaf.layout).index(shard)] if isinstance(leaf, ShardedArray) else leaf
+class _Output:
+    """A file this process writes: its header at once, then its pieces in a thread, fsynced at the end."""
+
+    def __init__(self, path: Path, head: bytes, failed: list[CheckpointError]) -> None:
+        self.path, self.failed, self.base = path, failed, len(head)
+        self.fd: int | None = None
+        self.pending: Future[None] | None = None
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+        def start() -> None:
+            self.fd = os.open(path, flags, 0o644)
+            write_runs(self.fd, 0, whole(len(head)), memoryview(head))
+
+        self._guard(start)
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        if self.failed:
+            return
+        try:
+            with writing(self.path):
+                fn()
+        except CheckpointError as exc:
+            self.failed.append(exc)
+
+    def write(self, pool: ThreadPoolExecutor, spans: Runs, data: torch.Tensor) -> None:
+        """Writes the runs of one piece, in the thread, once the previous piece is written."""
+        self._wait()
+        fd = self.fd
+        if self.failed or fd is None:
+            return
+        data = data if data.device.type == "cpu" else data.cpu()
+        self.pending = pool.submit(self._guard, lambda: write_runs(fd, self.base, spans, byte_view(data)))
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def finish(self) -> None:
+        """Waits for the last piece, fsyncs and closes."""
+        self._wait()
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            self._guard(lambda: os.fsync(fd))
+            os.close(fd)
+
+
+def _held(leaf: Any, backend: Backend) -> dict[int | None, torch.Tensor]:
+    """This process's tensors of ``leaf`` by shard index (``None`` for a plain tensor)."""
+    if isinstance(leaf, ShardedArray):
+        return dict(zip(backend.addressable(leaf.layout), leaf.addressable_data))
+    return {None: leaf}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
     return resolved(t.detach()).contiguous().reshape(-1).view(torch.uint8)
 
 
-def _move(plan: FileRound, values: list[Any], backend: Backend) -> dict[int, torch.Tensor]:
-    """This process's packed files of the round, by their start in the round's byte range."""
-    if plan.source is None or plan.target is None:
-        return {}
-    rows = backend.addressable(plan.source)
-    data = [_shard_bytes(values[plan.sources[r][0]], plan.sources[r][1], backend) for r in rows]
-    moved = reshard(ShardedArray(plan.source, data, backend, torch.uint8), plan.target)
-    target = plan.target
-    return {target.shards[i].offsets[0]: t for i, t in zip(backend.addressable(target), moved.addressable_data)}
-
-
-def _write_file(
-    path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], data: torch.Tensor, spans: Runs
-) -> None:
-    """Writes the header of ``entries``, then each run of the packed bytes ``data`` to its place; fsyncs."""
-    head = header_bytes(entries)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
-    with writing(path):
-        fd = os.open(path, flags, 0o644)
-        try:
-            write_runs(fd, 0, whole(len(head)), memoryview(head))
-            write_runs(fd, len(head), spans, byte_view(data))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _move(part: Piece, plans: list[FilePlan], values: list[Any], backend: Backend) -> dict[int, torch.Tensor]:
+    """One piece of every file of a round on its writer: this process's, by their start in the piece's bytes."""
+    held: dict[int, dict[int | None, torch.Tensor]] = {}
+    packed: dict[tuple[int, int | None], torch.Tensor] = {}
+    data: list[torch.Tensor] = []
+    for r in backend.addressable(part.source):
+        j, k, skip = part.rows[r]
+        li, shard = plans[j].sources[k]
+        if li not in held:
+            held[li] = _held(values[li], backend)
+        if (li, shard) not in packed:
+            packed[li, shard] = _bytes(held[li][shard])
+        n = int(part.source.columns.sz[r, 0])
+        data.append(packed[li, shard][skip : skip + n])
+    moved = reshard(ShardedArray(part.source, data, backend, torch.uint8), part.target)
+    starts = part.target.columns.lo[:, 0]
+    return {int(starts[i]): t for i, t in zip(backend.addressable(part.target), moved.addressable_data)}
