@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fshard
-from fshard._checkpoint import _hf_save, _safetensors
+from fshard._checkpoint import _hf_round, _safetensors
 from fshard._checkpoint._hf_write import parse_size, shard_files
 from fshard.backends.local import LOCAL
 
@@ -364,7 +364,7 @@ def test_one_file_is_byte_for_byte_what_safetensors_writes(tmp_path: Path) -> No
 def test_files_moved_in_pieces_of_any_size_are_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int
 ) -> None:
-    monkeypatch.setattr(_hf_save, "PIECE_BYTES", piece)
+    monkeypatch.setattr(_hf_round, "PIECE_BYTES", piece)
     fshard.save_safetensors(tmp_path / "ck", _arrays())
     save_file(TENSORS, tmp_path / "reference.safetensors", metadata={"format": "pt"})
     assert (tmp_path / "ck" / "model.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
@@ -457,7 +457,7 @@ def test_a_failed_write_leaves_no_folder_and_no_staging(tmp_path: Path, monkeypa
     def broken(*args: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_hf_save, "write_runs", broken)
+    monkeypatch.setattr(_hf_round, "write_runs", broken)
     with pytest.raises(
         fshard.CheckpointError, match=re.escape("No space left on device (errno 28). Nothing was committed")
     ):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import fshard
-from fshard._checkpoint import _hf_save, _safetensors
+from fshard._checkpoint import _hf_round, _safetensors
 
 pytestmark = pytest.mark.multiprocess
 
@@ -148,17 +148,17 @@ def _save(path: str, max_shard_size: Any, piece: int = 64 << 20) -> tuple[list[s
     tree = {n: fshard.shard(t, SPECS[n]) for n, t in TENSORS.items()}
     tree["plain"] = torch.arange(5.0)  # one value that every rank holds
     mine: list[str] = []
-    real, pieces = _hf_save._Output.__init__, _hf_save.PIECE_BYTES
+    real, pieces = _hf_round._Output.__init__, _hf_round.PIECE_BYTES
 
     def record(self: Any, path: Path, *args: Any) -> None:
         mine.append(path.name)
         real(self, path, *args)
 
-    _hf_save._Output.__init__, _hf_save.PIECE_BYTES = record, piece  # type: ignore[method-assign]
+    _hf_round._Output.__init__, _hf_round.PIECE_BYTES = record, piece  # type: ignore[method-assign]
     try:
         fshard.save_safetensors(path, tree, max_shard_size=max_shard_size)
     finally:
-        _hf_save._Output.__init__, _hf_save.PIECE_BYTES = real, pieces  # type: ignore[method-assign]
+        _hf_round._Output.__init__, _hf_round.PIECE_BYTES = real, pieces  # type: ignore[method-assign]
     return sorted(p.name for p in Path(path).iterdir()), mine
 
 
@@ -196,7 +196,7 @@ def test_save_from_four_ranks_reads_back_with_safetensors(
 
 
 def _save_failing_on_rank_one(path: str, max_shard_size: int) -> str:
-    real = _hf_save.write_runs
+    real = _hf_round.write_runs
     calls = []
 
     def broken(*args: Any) -> None:
@@ -206,13 +206,13 @@ def _save_failing_on_rank_one(path: str, max_shard_size: int) -> str:
         real(*args)
 
     if dist.get_rank() == 1:
-        _hf_save.write_runs = broken  # type: ignore[assignment]
+        _hf_round.write_runs = broken  # type: ignore[assignment]
     try:
         _save(path, max_shard_size, 32)
     except fshard.CheckpointError as exc:
         return str(exc)
     finally:
-        _hf_save.write_runs = real  # type: ignore[assignment]
+        _hf_round.write_runs = real  # type: ignore[assignment]
     return "saved"
 
 
