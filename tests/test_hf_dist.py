@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -130,14 +131,18 @@ def _load_different_specs(path: str) -> str:
     spec = fshard.Chunk(0, ALL if dist.get_rank() else ALL[::-1])
     try:
         fshard.load(path, specs={"a": spec})
-    except fshard.CheckpointError as exc:
-        return str(exc)
+    except (fshard.CheckpointError, fshard.CollectiveMismatchError) as exc:
+        return f"{type(exc).__name__}: {exc}"
     return "loaded"
 
 
 def test_ranks_asking_for_different_layouts_all_raise(dist_pool: Any, folder: Path) -> None:
     errors = dist_pool.run(_load_different_specs, str(folder), timeout=TIMEOUT)
-    assert all("the ranks read different checkpoints or targets" in e for e in errors)
+    if fshard.config().check_collectives or os.environ.get("FSHARD_CHECK") == "1":  # check mode finds it first
+        assert all(e.startswith("CollectiveMismatchError: Ranks called different collectives") for e in errors)
+    else:
+        assert all(e.startswith("CheckpointError: fshard.load of ") for e in errors)
+        assert all("the ranks read different checkpoints or targets" in e for e in errors)
 
 
 # -- save_safetensors from 4 ranks ----------------------------------------------------------------
