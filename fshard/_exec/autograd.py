@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
@@ -43,7 +44,7 @@ from fshard._plan import plan
 from fshard._plan.direct import Plan
 from fshard.backends import Backend
 
-__all__ = ["assemble", "move", "scatter"]
+__all__ = ["assemble", "move", "scatter", "summed_uses"]
 
 
 def _stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -367,6 +368,49 @@ def _with_parts(parts: _varying.Parts, grad: torch.Tensor, backend: Any) -> torc
     mine = mine if mine is not None else torch.zeros_like(grad)
     (summed,), _ = move(summands, whole, backend, (mine,), mine)
     return grad + summed
+
+
+class _SumUses(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks of ``layout``.
+
+    A tensor from outside a per-shard function (closed over) is one value that each
+    rank uses on its own blocks: its gradient is the sum of every rank's uses.
+    """
+
+    @staticmethod
+    def forward(layout: Layout, backend: Any, t: torch.Tensor) -> Any:
+        return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.args = inputs[:2]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        layout, backend = ctx.args
+        g = grads[0]
+        summands, total, device = _over_ranks(layout, tuple(g.shape), backend.rank)
+        here = g.to(device)
+        (out,), _ = move(summands, total, backend, (here,), here)
+        return None, None, out.to(g.device)
+
+
+@cached(256)
+def _over_ranks(layout: Layout, shape: tuple[int, ...], rank: int) -> tuple[Layout, Layout, torch.device]:
+    """A whole ``shape`` on each rank of ``layout`` (on its first shard's device), as summands and as replicas.
+
+    Also this rank's device there.
+    """
+    found, firsts = np.unique(layout.columns.rank, return_index=True)
+    ranks: list[int] = found.tolist()
+    devices: list[str] = [layout.columns.devices[i] for i in firsts.tolist()]
+    shards = [ShardMeta((0,) * len(shape), shape, f"rank:{r}/{d}") for r, d in zip(ranks, devices)]
+    return Layout(shape, shards, "sum"), Layout(shape, shards), torch.device(devices[ranks.index(rank)])
+
+
+def summed_uses(t: torch.Tensor, layout: Layout, backend: Any) -> torch.Tensor:
+    """``t`` (a view), whose gradient is summed over the ranks of ``layout`` (a collective in the backward)."""
+    return _apply(_SumUses, layout, backend, t)
 
 
 def _scatter_plan(layout: Layout, src: int | None) -> Plan | None:
