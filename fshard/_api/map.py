@@ -23,13 +23,14 @@ import numpy as np
 import optree
 import torch
 
-from fshard._api.move import check_plain, check_tensor, reshard, resolved
+from fshard._api.move import check_plain, check_tensor, resolved
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
+from fshard._exec import fused as _fused
 from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
     agree,
@@ -165,6 +166,7 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
             raise SpecError(msg)
         backend = next((a.backend for a in args if isinstance(a, ShardedArray)), None)
         arrays: list[tuple[int, ShardedArray]] = []
+        targets: list[Layout | None] = []  # where each array argument moves (None: a tensor, sharded there)
         extras: list[tuple[int, Any]] = []
         for k, (a, spec) in enumerate(zip(args, specs)):
             if spec is None:
@@ -173,9 +175,11 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
                     raise SpecError(msg)
                 extras.append((k, a))
             elif isinstance(a, ShardedArray):
-                arrays.append((k, _reshard(a, spec)))
+                arrays.append((k, a))
+                targets.append(_target(a, spec))
             elif isinstance(a, torch.Tensor):
                 arrays.append((k, shard(a, spec, backend=backend)))
+                targets.append(None)
             else:
                 msg = (
                     f"shard_map() argument {k} is a {type(a).__name__}: give a ShardedArray or a tensor, "
@@ -184,8 +188,8 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
                 raise SpecError(msg)
         if not arrays:
             raise SpecError("shard_map() needs at least one array or tensor argument with a spec.")
-        values = tuple(a for _, a in arrays)
-        _check_backends(values, "shard_map()")
+        _check_backends(tuple(a for _, a in arrays), "shard_map()")
+        values = _arguments([a for _, a in arrays], targets)
         pending = _check_partial(values, linear=False, what="shard_map()")
         order = [k for k, _ in arrays]
 
@@ -197,13 +201,48 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
                 full[k] = v
             return fn(*full)
 
-        return _run(block_fn, values, order, out_specs, pending, one_block=True, what="shard_map()", check=check_vma)
+        return _run(
+            block_fn,
+            values,
+            order,
+            out_specs,
+            pending,
+            one_block=True,
+            what="shard_map()",
+            check=check_vma,
+            grouped=True,
+        )
 
     return call
 
 
-def _reshard(a: ShardedArray, spec: Any) -> ShardedArray:
-    return reshard(a, spec)
+@opaque  # layout arithmetic in numpy: run eagerly under torch.compile
+def _target(a: ShardedArray, spec: Any) -> Layout:
+    """The layout that argument ``a`` moves to, checked against its backend."""
+    layout = as_layout(spec, a.shape)
+    if layout != a.layout:
+        a.backend.check_layout(layout)
+    return layout
+
+
+@opaque  # plans and layouts in numpy: run eagerly under torch.compile
+def _arguments(arrays: Sequence[ShardedArray], targets: Sequence[Layout | None]) -> tuple[ShardedArray, ...]:
+    """The arguments in their ``in_specs``, moved as one tree, each ready for use copy by copy.
+
+    A replicated argument's copies feed computations that differ per copy, so the gradients
+    of its copies are summed: by the backward of its movement where it moves (a
+    reduce-scatter into a split source), else by a regroup; each is one collective per
+    dtype for all the arguments.
+    """
+    moving = [k for k, (a, x) in enumerate(zip(arrays, targets)) if x is not None and x != a.layout]
+    out = list(arrays)
+    moved = _fused.move_tree([arrays[k] for k in moving], [cast(Layout, targets[k]) for k in moving], summing=True)
+    for k, a in zip(moving, moved):
+        out[k] = a
+    staying = [k for k in range(len(out)) if k not in set(moving)]
+    for k, a in zip(staying, _fused.regroup_tree([out[k] for k in staying], "sum")):
+        out[k] = a
+    return tuple(out)
 
 
 # -- checks -------------------------------------------------------------------------------
@@ -292,13 +331,15 @@ def _run(
     one_block: bool,
     what: str,
     check: bool = True,
+    grouped: bool = False,
 ) -> Any:
     names = list(names) or list(range(len(arrays)))
     _check_aligned(arrays, names, one_block, what)
     backend = arrays[0].backend
     first = arrays[0].layout
-    # A replicated argument's copies may feed computations that differ per copy: sum their gradients.
-    inputs = [regrouped(a, "sum") for a in arrays]
+    # A replicated argument's copies may feed computations that differ per copy: sum their gradients
+    # (``grouped``: the caller has).
+    inputs = list(arrays) if grouped else _fused.regroup_tree(arrays, "sum")
     held = backend.addressable(first)
     slot_of = _slot_index(first)
     by_index = [dict(zip(backend.addressable(a.layout), a.addressable_data)) for a in inputs]

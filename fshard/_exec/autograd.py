@@ -44,7 +44,7 @@ from fshard._plan import plan
 from fshard._plan.direct import Plan
 from fshard.backends import Backend
 
-__all__ = ["assemble", "move", "scatter", "summed_uses"]
+__all__ = ["assemble", "move", "move_summing", "regroup", "scatter", "summed_uses"]
 
 
 def _stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -178,6 +178,33 @@ class _Move(torch.autograd.Function):
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
+class _MoveSumming(_Move):
+    """``_Move`` whose backward sums the gradients of the destination's copies.
+
+    The move of an argument that per-shard functions then use copy by copy (each copy in a
+    computation of its own): the gradients of its copies are summed into the source, a
+    reduce-scatter where the source is split, rather than read from one copy.
+    """
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        src, dst, backend, dtype, device = ctx.args
+        like = _carrier(grads, dtype, device)
+        to, frm = _linear(src, dst, "gradient")
+        back, _ = move(with_partial(frm, "sum"), to, backend, _dense(dst, backend, grads[:-1], like), like)
+        return (None, None, None, _link_grad(ctx, 3, like), *back)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        src, dst, backend, like, *tensors = args
+        n = info.batch_size
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
+        out, link = move_summing(
+            with_batch(src, n), with_batch(dst, n), backend, lead, _stand_in(like.dtype, like.device)
+        )
+        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+
+
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
@@ -259,6 +286,14 @@ def move(
     that holds no shard of ``dst`` (see ``ShardedArray``); ``like`` is the source's.
     """
     *out, link = _run(_Move, src, dst, backend, like, *tensors)
+    return tuple(out), link
+
+
+def move_summing(
+    src: Layout, dst: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``move``, whose backward sums the gradients of ``dst``'s copies (``_MoveSumming``)."""
+    *out, link = _run(_MoveSumming, src, dst, backend, like, *tensors)
     return tuple(out), link
 
 
