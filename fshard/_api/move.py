@@ -20,6 +20,7 @@ from fshard._exec.agree import (
     holds_nothing_somewhere,
 )
 from fshard._exec.collective import collective
+from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Replicated, as_layout
@@ -106,6 +107,8 @@ def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | Non
     Each distinct box is read from one replica; uneven and empty shards need no padding.
     A pending reduction (``Partial``) is carried out first, with the fewest elements
     sent: a reduce-scatter then an all-gather (``dst=None``), or a reduce to ``dst``.
+    In check mode the copies of each replicated box are compared first
+    (``fshard.check_replicas``): copies that drifted apart raise ``ReplicaMismatchError``.
 
     >>> import torch, fshard
     >>> x = fshard.shard(torch.arange(6).reshape(2, 3), fshard.Chunk(1, [0, 1, 2, 3]))
@@ -113,6 +116,8 @@ def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | Non
     [[0, 1, 2], [3, 4, 5]]
     """
     _check_array(array, "gather()")
+    if checking():  # copies that drifted apart: gather would return one of them
+        check_leaves([("the array passed to gather()", array)], "gather()")
     if dst is not None:
         dst = array.backend.check_rank(dst, "dst")
     if array.layout.partial is not None:
