@@ -143,3 +143,24 @@ def test_accepted_claims_give_the_same_values_on_both_backends(dist_pool):
 def test_a_refused_claim_raises_on_every_rank(dist_pool):
     for msg in dist_pool.run(_refused_claim, timeout=60):
         assert "replicas along mesh axis 'x'" in msg
+
+
+def _trusted_claim_in_check_mode(honest: bool) -> str:
+    mesh = fshard.Mesh((2, 2))
+    body = (lambda t: t.sum(0, keepdim=True) * 0) if honest else (lambda t: t.sum(0, keepdim=True))
+    old = fshard.config(check_collectives=True)
+    try:
+        y = fshard.shard_map(
+            body, in_specs=fshard.Named(mesh, ("x", "y")), out_specs=fshard.Named(mesh, (None, "y")), check_vma=False
+        )(torch.arange(16.0).reshape(4, 4))
+        return f"ok {tuple(y.shape)}"
+    except fshard.ReplicaMismatchError as e:
+        return str(e)
+    finally:
+        fshard.config(**{"check_collectives": old.check_collectives})
+
+
+def test_check_mode_compares_the_copies_that_check_vma_false_trusts(dist_pool):
+    assert dist_pool.run(_trusted_claim_in_check_mode, True, timeout=60) == ["ok (1, 4)"] * 4
+    for msg in dist_pool.run(_trusted_claim_in_check_mode, False, timeout=60):
+        assert "result 0 of shard_map()" in msg

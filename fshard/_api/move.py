@@ -22,6 +22,7 @@ from fshard._exec.agree import (
     holds_nothing_somewhere,
 )
 from fshard._exec.collective import collective
+from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Replicated, as_layout
@@ -112,6 +113,8 @@ def gather(array: Any, *, dst: int | None = None) -> Any:
     sent: a reduce-scatter then an all-gather (``dst=None``), or a reduce to ``dst``.
     A pytree of arrays gives the pytree of their tensors, the arrays of one dtype
     gathered in one movement (one collective per phase, not one per array).
+    In check mode the copies of each replicated box are compared first
+    (``fshard.check_replicas``): copies that drifted apart raise ``ReplicaMismatchError``.
 
     >>> import torch, fshard
     >>> x = fshard.shard(torch.arange(6).reshape(2, 3), fshard.Chunk(1, [0, 1, 2, 3]))
@@ -122,6 +125,8 @@ def gather(array: Any, *, dst: int | None = None) -> Any:
     """
     if not isinstance(array, ShardedArray):
         return _gather_tree(array, dst)
+    if checking():  # copies that drifted apart: gather would return one of them
+        check_leaves([("the array passed to gather()", array)], "gather()")
     if dst is not None:
         dst = array.backend.check_rank(dst, "dst")
     if array.layout.partial is not None:
@@ -367,6 +372,9 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
     if not leaves:
         empty: Any = optree.tree_unflatten(treedef, cast("list[Any]", []))
         return empty
+    if checking():  # copies that drifted apart: gather would return one of them
+        paths = optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True)
+        check_leaves([(f"the leaf at {p} passed to gather()", a) for p, a in zip(paths, leaves)], "gather()")
     backend = leaves[0].backend
     if dst is not None:
         dst = backend.check_rank(dst, "dst")
