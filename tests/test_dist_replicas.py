@@ -227,16 +227,18 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _data_parallel(per_rank_as_global: bool):
+def _data_parallel(per_rank_as_global: bool, rows: bool = False):
     """docs/training.md's loop on replicated weights, each rank holding its own 8 rows (check mode on).
 
     ``per_rank_as_global``: the rows passed as the batch (wrong); else stacked with
     ``from_local_tensor`` and computed on with ``shard_map`` (docs/distributed.md).
+    ``rows``: the weights split by rows (``Chunk(0)``) instead of replicated: no copies to drift.
     """
     old = fshard.config(check_collectives=True)
     try:
         model = _model()
-        params = fshard.shard_params(model, lambda name, t: fshard.Replicated(R))
+        spec = fshard.Chunk(0, R) if rows else fshard.Replicated(R)
+        params = fshard.shard_params(model, lambda name, t: spec)
         names = list(params)
         opt = torch.optim.AdamW([t.requires_grad_() for t in optree.tree_leaves(params)], lr=1e-2)
         x, y = _batch()
@@ -278,12 +280,15 @@ def _whole_batch_in_one_process() -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.state_dict().items()}
 
 
-def test_per_rank_rows_passed_as_the_batch_drift_and_check_mode_catches_them(dist_pool):
-    got = dist_pool.run(_data_parallel, True, timeout=TIMEOUT)
+@pytest.mark.parametrize("rows", [False, True], ids=["replicated", "rows"])
+def test_per_rank_rows_passed_as_the_batch_are_caught_in_check_mode(dist_pool, rows):
+    got = dist_pool.run(_data_parallel, True, rows, timeout=TIMEOUT)
     assert len({str(g) for g in got}) == 1
     (kind, msg, step), _ = got[0]
-    assert (kind, step) == ("ReplicaMismatchError", 1)  # the first step's update drifted; the next gather raises
-    assert "has 4 values among its 4 copies: ranks [0] hold digest" in msg
+    # The first backward: the gathered weights' gradients differ between ranks, before any update.
+    assert (kind, step) == ("CollectiveMismatchError", 0)
+    assert "The gradient of a gathered tensor" in msg
+    assert "from_local_tensor" in msg
 
 
 def test_per_rank_rows_from_local_tensor_train_on_the_whole_batch(dist_pool):

@@ -37,6 +37,7 @@ import torch.autograd.forward_ad as _forward_ad
 from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
+from fshard._exec.replicas import check_global, checking
 from fshard._layout.batch import with_batch
 from fshard._layout.layout import Layout, ShardMeta, with_partial
 from fshard._layout.specs import whole
@@ -256,6 +257,10 @@ class _Assemble(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, dst = ctx.args[:3]
         grad = grads[0]
+        if dst is None and checking():  # every rank holds the result whole: its gradient must agree
+            check_global(
+                backend, [("The gradient of a gathered tensor (fshard.gather's backward)", grad)], gradient=True
+            )
         if ctx.parts is not None:  # uses inside per-shard functions: their parts summed over ranks
             grad = _with_parts(ctx.parts, grad, backend)
         # Off rank dst the gradient is that of the 0-element stand-in: it only gives the dtype.

@@ -41,12 +41,14 @@ def checking() -> bool:
     return _config.current().check_collectives
 
 
-def check_global(backend: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+def check_global(backend: Any, tensors: Sequence[tuple[str, torch.Tensor]], *, gradient: bool = False) -> None:
     """In check mode, raises on every rank unless every rank passed the same ``tensors``.
 
     ``tensors`` are (description, tensor) pairs, alike in number on every rank. One
     exchange of a digest per tensor (a second only where ranks hold them on different
     device types, which hash differently); nothing outside check mode or in one process.
+    ``gradient``: the tensors are the gradients of a value that every rank holds whole
+    (a gathered tensor), which differ where ranks computed their losses from per-rank data.
 
     Raises:
         CollectiveMismatchError: a tensor differs between ranks, naming it, the ranks
@@ -64,7 +66,8 @@ def check_global(backend: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> N
         for rank, entry in zip(backend.ranks, seen):
             groups.setdefault(entry[n][1], []).append(rank)
         if len(groups) > 1:
-            raise CollectiveMismatchError(_global_message(what, list(groups.items()), len(seen)))
+            message = _gradient_message if gradient else _global_message
+            raise CollectiveMismatchError(message(what, list(groups.items()), len(seen)))
 
 
 def _entries(backend: Any, seen: list[Any], n: int) -> list[Any]:
@@ -92,6 +95,17 @@ def _global_message(what: str, groups: list[tuple[bytes, list[int]]], world: int
         f"would train on 1/{world} of it. Make one array of the per-rank blocks instead: "
         "fshard.from_local_tensor(t, dim=0) stacks them in rank order (and shard_map takes that array as it "
         "is); or pass one rank's tensor with fshard.shard(t, spec, src=k)."
+    )
+
+
+def _gradient_message(what: str, groups: list[tuple[bytes, list[int]]], world: int) -> str:
+    return (
+        f"{what} differs between ranks: {_groups(groups, 'computed')}. Every rank holds that tensor whole "
+        "and must compute the same loss from it (SPMD); each rank would keep its own boxes of a different "
+        "gradient, so the shards would train on different losses. Per-rank data (a DistributedSampler's "
+        "batch) taken as the batch does this: make one array of the per-rank blocks with "
+        f"fshard.from_local_tensor(t, dim=0) and compute the loss of all {world} ranks' rows with shard_map "
+        "and a Partial result."
     )
 
 
