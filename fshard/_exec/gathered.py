@@ -149,10 +149,17 @@ class _PerShard(TorchFunctionMode):
         self.closed, self.own, self.since = closed, own, since
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        call: Any = (args, kwargs)  # a pytree (optree's PyTree type does not spell out tuples of them)
-        args, kwargs = optree.tree_map(self._swap, call, none_is_leaf=True)
+        args = tuple(self._swap_any(a) for a in args)
+        kwargs = {k: self._swap_any(v) for k, v in kwargs.items()} if kwargs else {}
         return func(*args, **kwargs)
+
+    def _swap_any(self, x: Any) -> Any:
+        """``x`` with its tensors swapped: directly for a tensor (most arguments), through its pytree else."""
+        if isinstance(x, torch.Tensor):
+            return self._swap(x)
+        if isinstance(x, (list, tuple, dict)):
+            return optree.tree_map(self._swap, cast(Any, x), none_is_leaf=True)
+        return x
 
     def _swap(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
