@@ -31,7 +31,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: N812  # torch's own spelling
+import torch.nn.functional as F
+
+import fshard
+from fshard.testing.launch import launch
 
 from .common import Row, Settings
 
@@ -79,9 +82,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fshard_program(d: int, style: str) -> tuple[Any, Any]:
-    """fshard's step (DP: replicated parameters; FSDP: split by rows) and its backend."""
-    import fshard
-
+    """The fshard step (DP: replicated parameters; FSDP: split by rows) and its backend."""
     torch.manual_seed(0)
     model = GPT(d)
     ranks = list(range(dist.get_world_size()))
@@ -198,8 +199,6 @@ class TrainingCase:
 
     def run(self, settings: Settings) -> list[Row]:
         """Launches ``settings.world`` Gloo processes and times every program's step."""
-        from fshard.testing.launch import launch
-
         world = settings.world
         reps = max(3, settings.reps // 3) if settings.quick else settings.reps
         per_rank = launch(_rank_job, world, self.d, reps, settings.peers, timeout=TIMEOUT_S)

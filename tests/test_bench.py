@@ -410,7 +410,7 @@ def test_the_training_case_times_every_program_and_counts_fshards_movements() ->
     assert [r.impl for r in rows] == ["fshard DP", "DDP", "fshard FSDP", "FSDP2"]
     assert all(r.seconds is not None and r.seconds > 0 for r in rows)
     dp, fsdp = rows[0], rows[2]
-    assert dp.ratio_to == "DDP" and fsdp.ratio_to == "FSDP2"
+    assert (dp.ratio_to, fsdp.ratio_to) == ("DDP", "FSDP2")
     params = sum(p.numel() for p in training.GPT(16).parameters())
     # Each rank sends half of every gradient (the all-reduce bound on 2 ranks), and for FSDP
     # half of every parameter and half of every gradient; the busiest rank also sends the loss's element.
