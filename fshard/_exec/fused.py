@@ -1,5 +1,8 @@
 """Trees of arrays moved as one: every leaf's plan in one movement of a flat array.
 
+(On a backend that spans processes: in one process a movement is copies alone, and the
+leaves move one by one, to the same values.)
+
 A movement of a tree of arrays (``reshard`` of a tree, ``shard_map``'s arguments, the
 reduction of their gradients) would cost one collective per leaf. Here the leaves of one
 dtype are laid end to end in one 1-D **flat array**: leaf ``l`` takes the range
@@ -183,8 +186,9 @@ def move_tree(
     out = list(arrays)
     move = _autograd.move_summing if summing else _autograd.move
     for found in _groups(arrays, [a.layout != x for a, x in zip(arrays, layouts)], layouts):
+        # In one process a movement is copies alone, which fusing would not save: leaf by leaf there.
         ranges = [k for k in found if _ranges(arrays[k].layout) and _ranges(layouts[k])]
-        group = ranges if len(ranges) > 1 else []
+        group = ranges if len(ranges) > 1 and arrays[found[0]].backend.spans_processes else []
         for k in found:
             if k not in group:  # boxes that are no ranges, or a leaf alone: a movement of its own
                 a = arrays[k]
@@ -219,6 +223,11 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str) -> list[ShardedArray
     for group in _groups(arrays, needs):
         leaves = [arrays[k] for k in group]
         backend = leaves[0].backend
+        if not backend.spans_processes:  # copies in one process: nothing to fuse
+            for k, a in zip(group, leaves):
+                data, link = _autograd.regroup(a.layout, backend, mode, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
+                out[k] = ShardedArray(a.layout, data, backend, a.dtype, link)
+            continue
         layout = box_layout(tuple(a.layout for a in leaves))
         data = tuple(t.reshape(-1) for a in leaves for t in a.addressable_data)
         flat, link = _autograd.regroup(layout, backend, mode, data, _like(leaves))
