@@ -335,7 +335,10 @@ def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
     leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_array, none_is_leaf=True)
     for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True), leaves):
         if not isinstance(leaf, ShardedArray):
-            msg = f"{what} takes a ShardedArray or a pytree of them; the leaf at {path} is a {type(leaf).__name__}."
+            if not path:
+                msg = f"{what} takes a ShardedArray, got {type(leaf).__name__}. A pytree of ShardedArrays is taken too."
+            else:
+                msg = f"{what} takes a ShardedArray or a pytree of them; the leaf at {path} is a {type(leaf).__name__}."
             raise TypeError(msg)
     if leaves:
         _same_backend(leaves, what)
@@ -369,7 +372,9 @@ def _reshard_tree(tree: Any, specs: Any) -> Any:
 
 def _gather_tree(tree: Any, dst: int | None) -> Any:
     leaves, treedef = _leaves(tree, "gather()")
-    if not leaves:
+    if not leaves:  # nothing to gather; dst is still checked, against the default backend
+        if dst is not None:
+            default_backend().check_rank(dst, "dst")
         empty: Any = optree.tree_unflatten(treedef, cast("list[Any]", []))
         return empty
     if checking():  # copies that drifted apart: gather would return one of them
