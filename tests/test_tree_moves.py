@@ -114,3 +114,12 @@ def test_every_distinct_box_has_its_own_range_for_reductions():
     lay = box_layout((mesh, fshard.Chunk(1, [0, 1]).layout((2, 4))))
     assert [(m.offsets[0], m.sizes[0], m.placement.rank) for m in lay.shards] == [
         (0, 6, 0), (0, 6, 1), (6, 6, 2), (6, 6, 3), (12, 4, 0), (16, 4, 1)]  # fmt: skip
+
+
+def test_the_gradient_of_a_gathered_tree_reaches_every_shard():
+    x = torch.randn(8, 3, dtype=torch.float64)
+    tree = {"x": fshard.shard(x, fshard.Chunk(0, R))}
+    for t in tree["x"].addressable_data:
+        t.requires_grad_()
+    (fshard.gather(tree)["x"] ** 2).sum().backward()
+    assert torch.equal(torch.cat([t.grad for t in tree["x"].addressable_data]), 2 * x)

@@ -384,9 +384,11 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
     if dst is not None:
         dst = backend.check_rank(dst, "dst")
     receivers = set(backend.receivers(leaves[0].layout, dst))
-    # Where every receiver holds a shard, the whole array on each (reduced first) is a layout of
-    # the array: those leaves move as one tree. The others go through gather one by one.
-    fused = [k for k, a in enumerate(leaves) if receivers <= set(a.layout.ranks)]
+    # Across processes, where every receiver holds a shard, the whole array on each (reduced first)
+    # is a layout of the array: those leaves move as one tree, and each rank's result is its own
+    # copy (its gradient enters that copy). The others go through gather one by one, as every leaf
+    # does in one process, where one tensor stands for all the copies.
+    fused = [k for k, a in enumerate(leaves) if backend.spans_processes and receivers <= set(a.layout.ranks)]
     out: list[Any] = [None] * len(leaves)
     moved = _fused.move_tree([leaves[k] for k in fused], [_reduced(leaves[k].layout, dst) for k in fused])
     for k, a in zip(fused, moved):
