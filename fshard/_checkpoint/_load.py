@@ -17,8 +17,8 @@ from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
 from fshard._checkpoint._collective import agree_on, progress_bar
 from fshard._checkpoint._dcp import load_dcp
+from fshard._checkpoint._detect import checkpoint_kind
 from fshard._checkpoint._format import INDEX, Saved, check_flag, checkpoint_path, read_index
-from fshard._checkpoint._formats import DCP, checkpoint_format
 from fshard._checkpoint._reader import Reader, slices
 from fshard._checkpoint._schema import saved_leaves
 from fshard._checkpoint._tree import match, unflatten
@@ -257,7 +257,7 @@ def load(
     """
     if like is not None and specs is not None:
         raise TypeError("load() takes like= or specs=, not both.")
-    if checkpoint_format(checkpoint_path(path, "load()")) == DCP:
+    if checkpoint_kind(checkpoint_path(path, "load()")) == "dcp":
         return load_dcp(path, like, specs, backend=backend, progress=progress)
     # Checked at run time too: a caller may pass anything, whatever the annotation says.
     if backend is not None and not isinstance(backend, Backend):  # pyright: ignore[reportUnnecessaryIsInstance]
