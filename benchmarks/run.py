@@ -33,6 +33,7 @@ CASE_MODULES = (
     "fshard.benchmarks.local",
     "fshard.benchmarks.autograd",
     "fshard.benchmarks.dist",
+    "fshard.benchmarks.dcp",
 )
 
 

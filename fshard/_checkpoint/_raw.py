@@ -30,6 +30,7 @@ __all__ = [
     "DTYPE_OF_CODE",
     "Files",
     "Stored",
+    "byte_view",
     "flat_bytes",
     "read_box",
     "row_major_order",
@@ -125,8 +126,8 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)  # a size-1 dim may have any stride: flattened by hand
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable."""
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as a writable memoryview (no copy)."""
     return memoryview(cast("Any", flat_bytes(t).numpy())).cast("B")
 
 
@@ -153,11 +154,11 @@ def _read(files: Files, stored: Stored, lo: tuple[int, ...], size: tuple[int, ..
     first, span = _span(shape, lo, size)
     at = stored.start + first * item
     if span == math.prod(size) and dest.is_contiguous() and dest.device.type == "cpu":
-        files.read_into(stored.path, _bytes_view(dest), at)
+        files.read_into(stored.path, byte_view(dest), at)
         return
     if span * item <= BLOCK or all(n == 1 for n in size):
         buf = torch.empty(span * item, dtype=torch.uint8)
-        files.read_into(stored.path, _bytes_view(buf), at)
+        files.read_into(stored.path, byte_view(buf), at)
         strides = contiguous_strides(shape)
         dest.copy_(buf.view(stored.dtype).as_strided(size, strides))
         return
