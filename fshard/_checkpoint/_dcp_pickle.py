@@ -153,7 +153,7 @@ def unpickle(data: bytes, where: Path) -> Any:
     ...         return (os.system, ("echo never",))
     >>> unpickle(pickle.dumps(Payload()), Path(".metadata"))
     Traceback (most recent call last):
-    fshard._errors.CheckpointError: .metadata names posix.system, which torch.distributed.checkpoint does not ...
+    fshard.CheckpointError: .metadata names ...system, which torch.distributed.checkpoint does not ...
     """
     try:
         return _Unpickler(data, where).load()

@@ -214,6 +214,16 @@ def load(
     ranges are read and data tampering goes unnoticed; file sizes, tensor
     names, dtypes and shapes are checked either way.
 
+    ``path`` may also be a torch DCP folder (``.metadata`` and ``*.distcp``, written by
+    ``torch.distributed.checkpoint``): its metadata is read by an allow-list unpickler, so
+    nothing in it runs. ``specs`` maps DCP's flattened names (``model.layer.weight``) to
+    specs (names it lacks are not read), or is a function ``(name, shape, dtype) -> spec |
+    None`` or one spec for every tensor; ``like`` maps names to arrays or tensors. The
+    result is a dict of names to arrays (plain tensors without ``like`` and ``specs``);
+    entries that are not tensors come back as the raw ``bytes`` DCP stored, never
+    unpickled. Each rank reads only its boxes' byte ranges, a replicated box once per job.
+    ``verify`` does not apply (DCP stores no hashes). See docs/interop-dcp.md.
+
     Args:
         path: a directory written by ``fshard.save``.
         like: a tree shaped like the saved one: a ``ShardedArray`` leaf gives the
