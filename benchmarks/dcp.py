@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+import fshard
+
 from .common import Row, Settings
 
 __all__ = ["ConvertCase", "cases", "peak_rss_mib", "write_model"]
@@ -132,8 +134,6 @@ class ConvertCase:
 
 
 def _same(root: Path) -> bool:
-    import fshard
-
     a, b = fshard.load(root / "dcp"), fshard.load(root / "out")
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -216,8 +216,8 @@ def _result(t: int, p: Pieces, coord: Backend, buffers: _Buffers) -> Any:
         shard = target.layout.shards[i]
         if b < 0:
             data.append(new(shard.sizes, target.entry.dtype, torch.device(shard.placement.device)))
-        else:
-            data.append(buffers[(t, b)] if b not in used else buffers[(t, b)].clone())
+        else:  # in one process, the other copies of a box are copies of the one read (on their own devices)
+            data.append(buffers[(t, b)].to(shard.placement.device, copy=b in used))
             used.add(b)
     data = [d.requires_grad_() if target.requires_grad else d for d in data]
     return ShardedArray(target.layout, data, target.backend, target.entry.dtype, requires_grad=target.requires_grad)
