@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import fshard
-from fshard._checkpoint import _dcp
+from fshard._checkpoint import _dcp, _dcp_exchange
 from fshard.backends.local import LOCAL
 from fshard.backends.torch_dist import TorchDistBackend
 
@@ -170,6 +170,28 @@ def test_each_rank_reads_only_its_own_boxes(dist_pool, saved):
     results = dist_pool.run(_count_reads, saved, "saved", timeout=120)
     assert [bad for _, bad in results] == [[]] * 4
     assert [n for n, _ in results] == [3 * 7 + 3 * 4, 3 * 7 + 3 * 4, 3 * 7 + 3 * 4, 1 * 7]
+
+
+def _load_in_small_batches(path: str) -> tuple[int, list[str]]:
+    """(reshards of the byte space, wrong names) with batches of about 64 replicated bytes."""
+    calls = []
+    real_limit, real_reshard = _dcp.EXCHANGE_BYTES, _dcp_exchange.reshard
+    _dcp.EXCHANGE_BYTES = 64
+    _dcp_exchange.reshard = lambda *a: calls.append(1) or real_reshard(*a)  # type: ignore[assignment]
+    try:
+        specs = {k: fshard.Named(fshard.Mesh((2, 2)), (None,) * d) for k, d in SPECS_2D.items()}  # all replicated
+        out = fshard.load(path, specs=specs)
+    finally:
+        _dcp.EXCHANGE_BYTES, _dcp_exchange.reshard = real_limit, real_reshard  # type: ignore[assignment]
+    return len(calls), _check(out, specs)
+
+
+def test_replicated_boxes_move_in_batches(dist_pool, saved):
+    results = dist_pool.run(_load_in_small_batches, saved, timeout=120)
+    assert [bad for _, bad in results] == [[]] * 4
+    calls = {n for n, _ in results}
+    assert len(calls) == 1  # every rank joins every batch's reshard
+    assert 4 <= calls.pop() <= len(SPECS_2D)  # four of the six tensors hold over 64 bytes: a batch each at least
 
 
 def _load_like(path: str) -> list[bool]:

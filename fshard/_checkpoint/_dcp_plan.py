@@ -41,6 +41,26 @@ class Pieces:
     def nbytes(self, k: int) -> int:
         return math.prod(self.size[k].tolist()) * self.target.entry.dtype.itemsize
 
+    def in_box(self, k: int) -> tuple[slice, ...]:
+        """Piece ``k`` as slices of its box."""
+        origin = self.index.lo[int(self.box[k])]
+        return tuple(slice(int(a - o), int(a - o + n)) for a, n, o in zip(self.lo[k], self.size[k], origin))
+
+    def box_bytes(self, b: int) -> int:
+        return math.prod((self.index.hi[b] - self.index.lo[b]).tolist()) * self.target.entry.dtype.itemsize
+
+    def holders(self, b: int) -> list[int]:
+        """The ranks that hold box ``b``, ascending."""
+        first, count = int(self.index.start[b]), int(self.index.count[b])
+        return [int(r) for r in self.index.holder[first : first + count]]
+
+    def device(self, b: int, rank: int) -> str:
+        """The device of ``rank``'s copy of box ``b`` (a plain tensor's buffer lives on the CPU)."""
+        if self.target.plain:
+            return "cpu"
+        pos = self.index.find(np.array([b]), np.array([rank]))
+        return self.target.layout.columns.devices[int(self.index.first[int(pos[0])])]
+
 
 def plan_pieces(targets: Sequence[Target], spans_processes: bool) -> list[Pieces]:
     """The pieces of every target, readers chosen in turn across all targets (deterministic)."""
