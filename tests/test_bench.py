@@ -116,6 +116,7 @@ def test_collect_has_every_module_and_filters() -> None:
         "fshard.benchmarks.autograd",
         "fshard.benchmarks.dist",
         "fshard.benchmarks.training",
+        "fshard.benchmarks.dcp",
     )
     everything = run.collect(Settings(quick=True))
     assert {c.group.split(":")[0].split(",")[0] for c in everything} >= {

@@ -16,6 +16,8 @@ import torch
 from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
 from fshard._checkpoint._collective import agree_on, progress_bar
+from fshard._checkpoint._dcp import load_dcp
+from fshard._checkpoint._detect import checkpoint_kind
 from fshard._checkpoint._format import INDEX, Saved, check_flag, checkpoint_path, read_index
 from fshard._checkpoint._reader import Reader, slices
 from fshard._checkpoint._schema import saved_leaves
@@ -212,6 +214,16 @@ def load(
     ranges are read and data tampering goes unnoticed; file sizes, tensor
     names, dtypes and shapes are checked either way.
 
+    ``path`` may also be a torch DCP folder (``.metadata`` and ``*.distcp``, written by
+    ``torch.distributed.checkpoint``): its metadata is read by an allow-list unpickler, so
+    nothing in it runs. ``specs`` maps DCP's flattened names (``model.layer.weight``) to
+    specs (names it lacks are not read), or is a function ``(name, shape, dtype) -> spec |
+    None`` or one spec for every tensor; ``like`` maps names to arrays or tensors. The
+    result is a dict of names to arrays (plain tensors without ``like`` and ``specs``);
+    entries that are not tensors come back as the raw ``bytes`` DCP stored, never
+    unpickled. Each rank reads only its boxes' byte ranges, a replicated box once per job.
+    ``verify`` does not apply (DCP stores no hashes). See docs/interop-dcp.md.
+
     Args:
         path: a directory written by ``fshard.save``.
         like: a tree shaped like the saved one: a ``ShardedArray`` leaf gives the
@@ -255,6 +267,8 @@ def load(
     """
     if like is not None and specs is not None:
         raise TypeError("load() takes like= or specs=, not both.")
+    if checkpoint_kind(checkpoint_path(path, "load()")) == "dcp":
+        return load_dcp(path, like, specs, backend=backend, progress=progress)
     # Checked at run time too: a caller may pass anything, whatever the annotation says.
     if backend is not None and not isinstance(backend, Backend):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise TypeError(f"load() backend= takes an fshard backend or None, got {type(backend).__name__}.")

@@ -112,7 +112,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
 
         try:
             files = {k: v for w in agree(backend, "fshard.save", write, share=True) for k, v in w.items()}
-            write_index = lambda: commit(root, _index(structure, leaves, boxes, files, data.name), token)  # noqa: E731
+            write_index = lambda: commit(root, index_record(structure, leaves, boxes, files, data.name), token)  # noqa: E731
             agree(backend, "fshard.save (index)", write_index if leader else lambda: None)
         except BaseException as exc:
             if committed(root, data.name):
@@ -133,13 +133,14 @@ def _local_holders(leaves: Sequence[tuple[str, Any]]) -> list[int]:
     return ranks or [0]
 
 
-def _index(
+def index_record(
     structure: dict[str, Any],
     leaves: Sequence[tuple[str, Any]],
     boxes: Sequence[Box],
     files: dict[str, Any],
     data: str,
 ) -> dict[str, Any]:
+    """The ``index.json`` content (with its digest) of a save that wrote ``boxes`` into ``files`` under ``data``."""
     hashes = {n: h for f in files.values() for n, h in f["sha256"].items()}
     by_leaf: dict[int, list[Box]] = {}
     for b in boxes:
