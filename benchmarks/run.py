@@ -33,6 +33,8 @@ CASE_MODULES = (
     "fshard.benchmarks.local",
     "fshard.benchmarks.autograd",
     "fshard.benchmarks.dist",
+    "fshard.benchmarks.training",
+    "fshard.benchmarks.dcp",
     "fshard.benchmarks.hf",
 )
 

@@ -26,6 +26,7 @@ from fshard._api.move import from_local_shards_and_layout as from_local_shards_a
 from fshard._api.move import gather as gather
 from fshard._api.move import reshard as reshard
 from fshard._api.shard import shard as shard
+from fshard._api.tree import check_replicas as check_replicas
 from fshard._api.tree import clip_grad_norm as clip_grad_norm
 from fshard._api.tree import global_norm as global_norm
 from fshard._array.array import Shard as Shard
@@ -42,6 +43,7 @@ from fshard._errors import CheckpointError as CheckpointError
 from fshard._errors import CollectiveMismatchError as CollectiveMismatchError
 from fshard._errors import FShardError as FShardError
 from fshard._errors import LayoutError as LayoutError
+from fshard._errors import ReplicaMismatchError as ReplicaMismatchError
 from fshard._errors import SpecError as SpecError
 from fshard._interop.torch_objects import from_dtensor as from_dtensor
 from fshard._interop.torch_objects import from_sharded_tensor as from_sharded_tensor
@@ -82,6 +84,7 @@ __all__ = [
     "Placement",
     "Plan",
     "RankSchedule",
+    "ReplicaMismatchError",
     "Replicated",
     "Shard",
     "ShardMeta",
@@ -92,6 +95,7 @@ __all__ = [
     "Transfer",
     "allclose",
     "backends",
+    "check_replicas",
     "checkpoint_info",
     "clear_caches",
     "clip_grad_norm",

@@ -1,4 +1,4 @@
-"""Command line: ``fshard demo`` and ``fshard bench`` (also ``python -m fshard ...``)."""
+"""Command line: ``fshard demo``, ``bench``, ``convert`` and ``info`` (also ``python -m fshard ...``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from fshard._cli import parser, program
+from fshard._convert import main_convert, main_info
 
 # What ``fshard bench`` imports beyond fshard's own dependencies: the ``bench`` extra.
 BENCH_NEEDS = ("rich", "matplotlib", "tqdm")
@@ -22,6 +23,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         from fshard._demo import main as demo  # deferred: the demo imports the whole package
 
         return int(demo(rest, prog=f"{prog} demo") or 0)
+    if args.command == "convert":
+        return main_convert(rest, f"{prog} convert")
+    if args.command == "info":
+        return main_info(rest, f"{prog} info")
     bench = load_bench(prog)
     return 2 if bench is None else int(bench(rest) or 0)
 

@@ -18,15 +18,17 @@ def program() -> str:
 
 
 def parser(prog: str | None = None) -> argparse.ArgumentParser:
-    """``fshard {demo,bench} [options]``; each subcommand parses its own options."""
+    """``fshard {demo,bench,convert,info} [options]``; each subcommand parses its own options."""
     prog = prog or program()
     out = argparse.ArgumentParser(prog=prog, description="fshard command line.")
     out.add_argument("--version", action="version", version=f"fshard {__version__}")
-    sub = out.add_subparsers(dest="command", metavar="{demo,bench}", required=True)
+    sub = out.add_subparsers(dest="command", metavar="{demo,bench,convert,info}", required=True)
     helps = {
         "demo": "shard, reshard, map and gather a real tensor on the local backend and on N Gloo "
         "processes; verify and print layout pictures and a table",
         "bench": "run the benchmarks shipped with fshard (needs the bench extra: pip install 'fshard[bench]')",
+        "convert": "convert a checkpoint (fshard, torch DCP, Hugging Face) to fshard or Hugging Face, tensor by tensor",
+        "info": "list a checkpoint's tensors (fshard, torch DCP or Hugging Face): names, shapes, dtypes, files",
     }
     for name, text in helps.items():
         sub.add_parser(name, help=text, add_help=False)  # its options, --help too, go to the subcommand

@@ -11,6 +11,7 @@ __all__ = [
     "CollectiveMismatchError",
     "FShardError",
     "LayoutError",
+    "ReplicaMismatchError",
     "SpecError",
     "as_error",
 ]
@@ -36,6 +37,12 @@ class SpecError(FShardError, ValueError):
 
 class CollectiveMismatchError(FShardError, RuntimeError):
     """Ranks called the same collective with different arguments (check mode)."""
+
+    __module__ = "fshard"
+
+
+class ReplicaMismatchError(FShardError, RuntimeError):
+    """Copies of a replicated box hold different data (``check_replicas``; ``save`` and ``gather`` in check mode)."""
 
     __module__ = "fshard"
 

@@ -597,6 +597,9 @@ def entries(base: Path) -> dict[str, Entry]:
         ),
         "clear_caches": Entry(fshard.clear_caches, ()),
         "global_norm": Entry(fshard.global_norm, (Arg("tree", one({"w": ROWS, "b": torch.ones(2)}, [ARRAYS[2]])),)),
+        "check_replicas": Entry(
+            fshard.check_replicas, (Arg("tree", one({"w": ROWS, "b": torch.ones(2)}, [ARRAYS[2]])),)
+        ),
         "clip_grad_norm": Entry(
             fshard.clip_grad_norm,
             (Arg("tree", one({"w": ROWS}, [T34])), Arg("max_norm", one(1.0, 3)), Arg("eps", one(1e-6))),

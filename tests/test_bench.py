@@ -115,6 +115,8 @@ def test_collect_has_every_module_and_filters() -> None:
         "fshard.benchmarks.local",
         "fshard.benchmarks.autograd",
         "fshard.benchmarks.dist",
+        "fshard.benchmarks.training",
+        "fshard.benchmarks.dcp",
         "fshard.benchmarks.hf",
     )
     everything = run.collect(Settings(quick=True))
@@ -123,6 +125,7 @@ def test_collect_has_every_module_and_filters() -> None:
         "local backend",
         "autograd",
         "torch_dist",
+        "training",
     }
     only = run.collect(Settings(quick=True), ["dim0-dim1"])  # a scenario key
     assert [(c.group.split(":")[0], c.name) for c in only] == [("torch_dist", "reshard dim 0 -> dim 1, 1 MiB")]
@@ -400,6 +403,21 @@ def test_tiny_real_run() -> None:
     assert progress.events[4:8] == ["start Partial(Replicated) -> Replicated, 0.015625 MiB", "done",
                                     "start Partial(rows, sum over y) -> Chunk(1), 0.015625 MiB", "done"]  # fmt: skip
     assert progress.events[8:] == ["start per call: reshard 64x64 dim 0 -> dim 1", "done"]
+
+
+def test_the_training_case_times_every_program_and_counts_fshards_movements() -> None:
+    from fshard.benchmarks import training
+
+    rows = training.TrainingCase(16).run(Settings(reps=1, world=2, quick=True))
+    assert [r.impl for r in rows] == ["fshard DP", "DDP", "fshard FSDP", "FSDP2"]
+    assert all(r.seconds is not None and r.seconds > 0 for r in rows)
+    dp, fsdp = rows[0], rows[2]
+    assert (dp.ratio_to, fsdp.ratio_to) == ("DDP", "FSDP2")
+    params = sum(p.numel() for p in training.GPT(16).parameters())
+    # Each rank sends half of every gradient (the all-reduce bound on 2 ranks), and for FSDP
+    # half of every parameter and half of every gradient; the busiest rank also sends the loss's element.
+    assert dp.sent_bytes == 4 * (params + 1)
+    assert fsdp.sent_bytes == 4 * (params + 1)
 
 
 # -- Hugging Face checkpoints ------------------------------------------------------------------

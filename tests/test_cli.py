@@ -49,7 +49,7 @@ def test_help_names_the_program_that_ran(
     monkeypatch.setattr(sys, "argv", [argv0, "--help"])
     with pytest.raises(SystemExit):
         cli.main()
-    assert capsys.readouterr().out.startswith(f"usage: {prog} [-h] [--version] {{demo,bench}}")
+    assert capsys.readouterr().out.startswith(f"usage: {prog} [-h] [--version] {{demo,bench,convert,info}}")
 
 
 def test_demo_help_names_the_program(capsys: pytest.CaptureFixture[str]) -> None:
@@ -61,8 +61,8 @@ def test_demo_help_names_the_program(capsys: pytest.CaptureFixture[str]) -> None
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["bogus"], "invalid choice: 'bogus' (choose from 'demo', 'bench')"),
-        ([], "the following arguments are required: {demo,bench}"),
+        (["bogus"], "invalid choice: 'bogus' (choose from 'demo', 'bench', 'convert', 'info')"),
+        ([], "the following arguments are required: {demo,bench,convert,info}"),
         (["demo", "--world", "0"], "--world must be at least 1, got 0"),
         (["demo", "--color", "pink"], "argument --color: invalid choice: 'pink'"),
     ],

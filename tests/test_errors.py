@@ -405,19 +405,19 @@ CASES = [
     pytest.param(
         lambda: fshard.gather(torch.ones(2)),
         TypeError,
-        "gather() takes a ShardedArray, got Tensor.",
+        "gather() takes a ShardedArray, got Tensor. A pytree of ShardedArrays is taken too.",
         id="gather-tensor",
     ),
     pytest.param(
         lambda: fshard.gather(None),
         TypeError,
-        "gather() takes a ShardedArray, got NoneType.",
+        "gather() takes a ShardedArray, got NoneType. A pytree of ShardedArrays is taken too.",
         id="gather-none",
     ),
     pytest.param(
         lambda: fshard.reshard(torch.ones(2), Chunk(0, [0])),
         TypeError,
-        "reshard() takes a ShardedArray, got Tensor.",
+        "reshard() takes a ShardedArray, got Tensor. A pytree of ShardedArrays is taken too.",
         id="reshard-tensor",
     ),
     pytest.param(

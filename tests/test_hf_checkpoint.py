@@ -280,7 +280,6 @@ def test_split_and_concat_are_values() -> None:
 
 
 LOAD_ERRORS = [
-    ({}, TypeError, "needs specs= (a mapping of names to specs, or a function"),
     (
         {"specs": {"nope": fshard.Single(0)}},
         fshard.CheckpointError,
@@ -330,10 +329,12 @@ def test_hugging_face_options_on_an_fshard_checkpoint_are_refused(tmp_path: Path
         fshard.load(tmp_path / "ck", specs={"w": None}, dtype=torch.float64)
 
 
-def test_a_dcp_folder_is_detected(tmp_path: Path) -> None:
+def test_a_dcp_folder_goes_to_the_dcp_reader_and_refuses_hugging_face_options(tmp_path: Path) -> None:
     (tmp_path / ".metadata").write_bytes(b"")
-    with pytest.raises(fshard.CheckpointError, match=re.escape("is a torch DCP checkpoint (it holds .metadata)")):
+    with pytest.raises(fshard.CheckpointError, match=re.escape("is not a readable DCP metadata pickle")):
         fshard.load(tmp_path, specs=fshard.Single(0))
+    with pytest.raises(TypeError, match=re.escape("apply to Hugging Face checkpoints, not to DCP folders")):
+        fshard.load(tmp_path, specs=fshard.Single(0), fuse=[fshard.Split("a", 0, {"b": 1})])
 
 
 # -- save_safetensors ------------------------------------------------------------------------------
@@ -492,3 +493,12 @@ def test_load_after_save_on_the_local_backend_reads_the_same_values_as_safetenso
         backend=LOCAL,
     )
     assert all(_same(fshard.gather(out[n]), t) for n, t in TENSORS.items())
+
+
+def test_without_specs_or_like_every_tensor_is_a_plain_tensor(one_file: Path) -> None:
+    _safetensors.counters.reset()
+    out = fshard.load(one_file)
+    assert all(type(t) is torch.Tensor for t in out.values())
+    assert {n: _same(t, TENSORS[n]) for n, t in out.items()} == dict.fromkeys(TENSORS, True)
+    assert _safetensors.counters.bytes_read == sum(t.nbytes for t in TENSORS.values())
+    assert fshard.load(one_file, dtype=torch.float64)["embed.weight"].dtype == torch.float64

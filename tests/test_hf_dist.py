@@ -230,3 +230,15 @@ def test_a_rank_failing_mid_save_fails_every_rank_and_leaves_nothing(
     assert re.search(r"failed at .*model-\d{5}-of-\d{5}\.safetensors: No space left on device", errors[1])
     assert all(e.startswith("fshard.save_safetensors failed on rank 1: CheckpointError") for e in errors[::2])
     assert list(tmp_path.iterdir()) == []
+
+
+def _load_plain(path: str) -> dict[str, Any]:
+    _safetensors.counters.reset()
+    out = fshard.load(path)
+    return {"read": _safetensors.counters.bytes_read, "sha": {n: _sha(t) for n, t in out.items()}}
+
+
+def test_without_specs_every_rank_gets_every_tensor_read_once_per_job(dist_pool: Any, folder: Path) -> None:
+    results = dist_pool.run(_load_plain, str(folder), timeout=TIMEOUT)
+    assert all(r["sha"] == {n: _sha(t) for n, t in TENSORS.items()} for r in results)
+    assert sum(r["read"] for r in results) == sum(t.nbytes for t in TENSORS.values())

@@ -405,13 +405,13 @@ def test_visualize_uneven_boxes_with_devices():
     ).layout((6, 6))
     assert lay.visualize(width=24) == "\n".join(
         [
-            "+---------------+----------+",
-            "|   r0:cuda:0   |          |",
-            "+---------------+r1:cuda:1 |",
-            "|               |          |",
-            "|   r2:cuda:2   +----------+",
-            "|               |r3:cuda:3 |",
-            "+---------------+----------+",
+            "+------------+----------+",
+            "| r0:cuda:0  |          |",
+            "+------------+r1:cuda:1 |",
+            "|            |          |",
+            "| r2:cuda:2  +----------+",
+            "|            |r3:cuda:3 |",
+            "+------------+----------+",
         ]
     )
 
@@ -431,9 +431,9 @@ def test_visualize_replicas_share_a_box():
 def test_visualize_1d_lists_empty_shards():
     assert Chunk(0, [0, 1, 2, 3]).layout((9,)).visualize(width=20) == "\n".join(
         [
-            "+------+------+------+",
-            "|  r0  |  r1  |  r2  |",
-            "+------+------+------+",
+            "+-----+-----+-----+",
+            "| r0  | r1  | r2  |",
+            "+-----+-----+-----+",
             "(empty shards: r3)",
         ]
     )

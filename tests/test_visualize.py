@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fshard
 from fshard import Chunk, Explicit, Layout, Mesh, Named, Partial, Replicated
@@ -44,6 +46,83 @@ def test_rows_of_3_3_3_1_draw_as_bands_of_3_3_3_1_lines():
     assert _bands(Chunk(0, [0, 1, 2, 3]).layout((10, 20)).visualize()) == [3, 3, 3, 1]
 
 
+def test_rows_of_3_3_3_1_keep_their_proportions_in_a_narrow_picture():
+    """At width 24 the usual height (width / 4 lines) holds 4 bands of one line: the picture grows instead."""
+    assert Chunk(0, [0, 1, 2, 3]).layout((10, 6)).visualize(width=24) == "\n".join(
+        [
+            "+--------------------+",
+            "|                    |",
+            "|         r0         |",
+            "|                    |",
+            "+--------------------+",
+            "|                    |",
+            "|         r1         |",
+            "|                    |",
+            "+--------------------+",
+            "|                    |",
+            "|         r2         |",
+            "|                    |",
+            "+--------------------+",
+            "|         r3         |",
+            "+--------------------+",
+        ]
+    )
+
+
+def test_columns_of_3_3_3_1_keep_their_proportions():
+    one_d = Chunk(0, [0, 1, 2, 3]).layout((10,)).visualize(width=60).splitlines()
+    two_d = Chunk(1, [0, 1, 2, 3]).layout((6, 10)).visualize(width=48).splitlines()
+    assert _widths(one_d[0]) == [17, 17, 17, 5]
+    assert _widths(two_d[0]) == [13, 13, 13, 5]  # 13.5, 13.5, 13.5, 4.5 rounded
+    assert _bands("\n".join(two_d)) == [11]
+
+
+def test_thin_bands_keep_one_line_past_the_tallest_picture():
+    """Rows of 1000 and 1 cannot both be to scale within 60 lines: the thin one keeps its line."""
+    text = Explicit([((0, 0), (1000, 4), 0), ((1000, 0), (1, 4), 1)]).layout((1001, 4)).visualize(width=60)
+    assert _bands(text) == [57, 1]
+    assert len(text.splitlines()) == 61
+
+
+def _widths(border: str) -> list[int]:
+    return [len(s) for s in border.strip("+").split("+")]
+
+
+def _fits_one_scale(sizes: list[int], extents: list[int], least: int) -> bool:
+    """Whether one scale makes every size its extent times the scale, rounded, or ``least`` where that is less."""
+    lo, hi = 0.0, float("inf")
+    for size, extent in zip(sizes, extents):
+        if size < least:
+            return False
+        hi = min(hi, (size + 0.5) / extent)
+        if size > least:
+            lo = max(lo, (size - 0.5) / extent)
+    return lo <= hi + 1e-9
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    mesh=st.sampled_from([(1, 4), (2, 2), (3, 2), (4, 1), (2, 3)]),
+    width=st.integers(16, 90),
+)
+def test_bands_are_to_scale_on_every_grid(rows, cols, mesh, width):
+    """Rows and columns of a grid: one scale per dim gives every band's inside, within rounding."""
+    lay = Named(Mesh(mesh), ("x", "y")).layout((rows, cols))
+    lines = [line for line in lay.visualize(width=width).splitlines() if line[:1] in "+|"]  # not "(empty shards...)"
+    row_cuts = sorted({b for s in lay.shards if s.sizes[0] for b in (s.offsets[0], s.offsets[0] + s.sizes[0])})
+    col_cuts = sorted({b for s in lay.shards if s.sizes[1] for b in (s.offsets[1], s.offsets[1] + s.sizes[1])})
+    label = max(len(w) for line in lines for w in re.findall(r"r\d+", line))
+    heights = _bands("\n".join(line[0] for line in lines))
+    assert _fits_one_scale(heights, [b - a for a, b in itertools.pairwise(row_cuts)], 1)
+    widths = _widths(lines[0])
+    assert _fits_one_scale(widths, [b - a for a, b in itertools.pairwise(col_cuts)], label + 1)
+    if (len(col_cuts) - 1) * (label + 2) <= width:  # the labels fit across
+        assert max(map(len, lines)) <= width + 1
+    assert len(lines) <= max(width + 1, 2 * len(row_cuts) - 1)
+
+
 def test_columns_are_as_wide_as_their_extent():
     first = Chunk(1, [0, 1, 2, 3]).layout((2, 10)).visualize(width=60).splitlines()[0]
     assert [len(s) for s in first.strip("+").split("+")] == [17, 17, 17, 5]
@@ -53,7 +132,7 @@ def test_a_tall_array_draws_tall_and_a_wide_one_wide():
     tall = Chunk(0, [0, 1]).layout((100, 4)).visualize(width=60).splitlines()
     wide = Chunk(0, [0, 1]).layout((4, 100)).visualize(width=60).splitlines()
     assert tall != wide
-    assert (len(tall), max(map(len, tall))) == (17, 5)
+    assert (len(tall), max(map(len, tall))) == (15, 5)
     assert (len(wide), max(map(len, wide))) == (5, 61)
 
 

@@ -19,16 +19,18 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import numpy as np
 import optree
 import torch
 
-from fshard._api.move import check_plain, check_tensor, reshard, resolved
+from fshard._api.move import check_plain, check_tensor, resolved
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
+from fshard._exec import fused as _fused
 from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
     agree,
@@ -39,7 +41,8 @@ from fshard._exec.agree import (
     untouched,
 )
 from fshard._exec.collective import collective
-from fshard._layout.layout import Layout, ShardMeta, with_partial
+from fshard._exec.replicas import check_leaves, checking
+from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Explicit, Partial, as_layout
 
@@ -109,7 +112,7 @@ def map_local(
     return _run(fn, arrays, (), out_spec, pending, one_block=False, what="map_local()")
 
 
-def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vma: bool = True) -> Callable[..., Any]:
     """Turns a function of blocks into a function of sharded arrays.
 
     The returned function reshards each array argument to its entry of ``in_specs``
@@ -120,14 +123,24 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
     ``Layout`` or a pytree of them; ``Partial`` for results that are partial sums,
     such as a row-parallel matmul's). Differentiable, also under ``torch.func``.
 
+    A result is known to be equal on two placements only where every argument gives them
+    the same block (copies of one box): an ``out_specs`` that makes such a result's
+    copies replicas where an argument differs between them is refused, since the array
+    would hold replicas that disagree (JAX's replication check).
+
     Args:
         fn: a function of one block per argument, returning a tensor or a pytree of them.
         in_specs: one spec per positional argument (a single spec when there is one).
         out_specs: the results' specs; each global shape is inferred from the blocks.
+        check_vma: refuse ``out_specs`` that claim replicas the arguments do not imply.
+            ``False`` trusts ``fn`` to return equal results on the claimed copies (for a
+            result that ignores the arguments that differ there); check mode
+            (``fshard.config(check_collectives=True)``) still compares their contents.
 
     Raises:
-        SpecError: an argument's spec gives a placement zero or several blocks, or the
-            results do not fit ``out_specs``.
+        SpecError: an argument's spec gives a placement zero or several blocks, the
+            results do not fit ``out_specs``, or ``out_specs`` claims a replication
+            that the arguments contradict.
 
     >>> import torch, fshard
     >>> ranks = [0, 1]
@@ -143,6 +156,8 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
     """
     if not callable(fn):
         raise TypeError(f"shard_map() fn must be callable, got {type(fn).__name__}.")
+    if not isinstance(check_vma, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
+        raise TypeError(f"shard_map() check_vma must be a bool, got {check_vma!r} ({type(check_vma).__name__}).")
 
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:
@@ -152,6 +167,7 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
             raise SpecError(msg)
         backend = next((a.backend for a in args if isinstance(a, ShardedArray)), None)
         arrays: list[tuple[int, ShardedArray]] = []
+        targets: list[Layout | None] = []  # where each array argument moves (None: a tensor, sharded there)
         extras: list[tuple[int, Any]] = []
         for k, (a, spec) in enumerate(zip(args, specs)):
             if spec is None:
@@ -160,9 +176,11 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
                     raise SpecError(msg)
                 extras.append((k, a))
             elif isinstance(a, ShardedArray):
-                arrays.append((k, _reshard(a, spec)))
+                arrays.append((k, a))
+                targets.append(_target(a, spec))
             elif isinstance(a, torch.Tensor):
                 arrays.append((k, shard(a, spec, backend=backend)))
+                targets.append(None)
             else:
                 msg = (
                     f"shard_map() argument {k} is a {type(a).__name__}: give a ShardedArray or a tensor, "
@@ -171,8 +189,8 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
                 raise SpecError(msg)
         if not arrays:
             raise SpecError("shard_map() needs at least one array or tensor argument with a spec.")
-        values = tuple(a for _, a in arrays)
-        _check_backends(values, "shard_map()")
+        _check_backends(tuple(a for _, a in arrays), "shard_map()")
+        values = _arguments([a for _, a in arrays], targets)
         pending = _check_partial(values, linear=False, what="shard_map()")
         order = [k for k, _ in arrays]
 
@@ -184,13 +202,48 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
                 full[k] = v
             return fn(*full)
 
-        return _run(block_fn, values, order, out_specs, pending, one_block=True, what="shard_map()")
+        return _run(
+            block_fn,
+            values,
+            order,
+            out_specs,
+            pending,
+            one_block=True,
+            what="shard_map()",
+            check=check_vma,
+            grouped=True,
+        )
 
     return call
 
 
-def _reshard(a: ShardedArray, spec: Any) -> ShardedArray:
-    return reshard(a, spec)
+@opaque  # layout arithmetic in numpy: run eagerly under torch.compile
+def _target(a: ShardedArray, spec: Any) -> Layout:
+    """The layout that argument ``a`` moves to, checked against its backend."""
+    layout = as_layout(spec, a.shape)
+    if layout != a.layout:
+        a.backend.check_layout(layout)
+    return layout
+
+
+@opaque  # plans and layouts in numpy: run eagerly under torch.compile
+def _arguments(arrays: Sequence[ShardedArray], targets: Sequence[Layout | None]) -> tuple[ShardedArray, ...]:
+    """The arguments in their ``in_specs``, moved as one tree, each ready for use copy by copy.
+
+    A replicated argument's copies feed computations that differ per copy, so the gradients
+    of its copies are summed: by the backward of its movement where it moves (a
+    reduce-scatter into a split source), else by a regroup; each is one collective per
+    dtype for all the arguments.
+    """
+    moving = [k for k, (a, x) in enumerate(zip(arrays, targets)) if x is not None and x != a.layout]
+    out = list(arrays)
+    moved = _fused.move_tree([arrays[k] for k in moving], [cast(Layout, targets[k]) for k in moving], summing=True)
+    for k, a in zip(moving, moved):
+        out[k] = a
+    staying = [k for k in range(len(out)) if k not in set(moving)]
+    for k, a in zip(staying, _fused.regroup_tree([out[k] for k in staying], "sum")):
+        out[k] = a
+    return tuple(out)
 
 
 # -- checks -------------------------------------------------------------------------------
@@ -278,22 +331,26 @@ def _run(
     *,
     one_block: bool,
     what: str,
+    check: bool = True,
+    grouped: bool = False,
 ) -> Any:
     names = list(names) or list(range(len(arrays)))
     _check_aligned(arrays, names, one_block, what)
     backend = arrays[0].backend
     first = arrays[0].layout
-    # A replicated argument's copies may feed computations that differ per copy: sum their gradients.
-    inputs = [regrouped(a, "sum") for a in arrays]
+    # A replicated argument's copies may feed computations that differ per copy: sum their gradients
+    # (``grouped``: the caller has).
+    inputs = list(arrays) if grouped else _fused.regroup_tree(arrays, "sum")
     held = backend.addressable(first)
     slot_of = _slot_index(first)
     by_index = [dict(zip(backend.addressable(a.layout), a.addressable_data)) for a in inputs]
 
     usage = _varying.Usage()
+    own = [t for a in inputs for t in a.addressable_data]
 
     def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
         results: list[tuple[Slot, Any]] = []
-        with _varying.per_shard(backend, usage), untouched([t for a in inputs for t in a.addressable_data], what):
+        with _per_shard(backend, usage, first, own), untouched(own, what):
             for i in held:
                 p, k = slot_of[i]
                 blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
@@ -307,12 +364,12 @@ def _run(
     if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
 
         def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
-            return describe_results(r[1], r[0]), usage.ages()
+            return describe_results(r[1], r[0]), (usage.ages(), usage.closed)
 
         (leaves, spec_tree), seen = agree(backend, compute, describe)
         merged, metas = merge_results([d for d, _ in seen], what)
         spec_tree = merged if merged is not None else spec_tree
-        used = cast("set[int]", set().union(*(keys for _, keys in seen)))
+        used = _used(backend, first, [u for _, u in seen], what)
     else:
         leaves, spec_tree = compute()
         metas = (describe_results(spec_tree, leaves) or (None, []))[1]
@@ -328,8 +385,44 @@ def _run(
         dtype, shapes = metas[n] if n < len(metas) else (arrays[0].dtype, {})
         link = None if held else link_without_blocks(inputs, dtype, used)
         layout = _out_layout(spec, shapes, slots, pending, what, n)
+        if check:
+            _check_replicas(tuple(a.layout for a in arrays), names, layout, spec, what, n)
         outs.append(_wrap(layout, backend, blocks, link, dtype))
+    if not check and checking():  # replicas that fn was trusted to make equal: compare their contents
+        check_leaves([(f"result {n} of {what}", a) for n, a in enumerate(outs)], what)
     return optree.tree_unflatten(spec_tree, outs)
+
+
+def _per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence[torch.Tensor]) -> Any:
+    """The context of ``fn``'s calls on the blocks ``own`` of arrays laid out like ``layout``.
+
+    A tensor ``fn`` closes over gets the sum of every rank's uses as its gradient.
+    """
+
+    def closed(t: torch.Tensor) -> torch.Tensor:
+        return _autograd.summed_uses(t, layout, backend)
+
+    return _varying.per_shard(backend, usage, closed, own)
+
+
+def _used(backend: Any, layout: Layout, seen: Sequence[tuple[frozenset[int], int]], what: str) -> set[int]:
+    """The gathered tensors (ages) that ``fn`` used on some rank, from every rank's usage.
+
+    Raises:
+        SpecError: on every rank, where ``fn`` used closed-over tensors that need a gradient and some
+            rank holds no block: that rank runs no ``fn``, so their gradients' sum cannot include it.
+    """
+    closed = max((n for _, n in seen), default=0)
+    if closed and holds_nothing_somewhere(backend, layout):
+        empty = [r for r in backend.ranks if r not in set(layout.ranks)]
+        msg = (
+            f"{what} fn uses {closed} tensor(s) from outside its arguments that require grad (closed over), "
+            f"and ranks {empty} hold no block, so they run no fn and cannot take part in summing those gradients "
+            "over the ranks. Pass such tensors as arguments (a replicated spec, e.g. fshard.Replicated(ranks)), "
+            "or lay the arguments out over every rank."
+        )
+        raise SpecError(msg)
+    return cast("set[int]", set().union(*(keys for keys, _ in seen)))
 
 
 def _spec_structure(out_specs: Any) -> Any:
@@ -420,6 +513,71 @@ def _out_layout(
     return layout
 
 
+def _check_replicas(
+    layouts: tuple[Layout, ...], names: Sequence[int], out: Layout, spec: Any, what: str, n: int
+) -> None:
+    """Refuses ``out`` where it makes copies of results whose arguments differ.
+
+    Raises:
+        SpecError: naming the argument, the placements (and the mesh axes of a ``Named``
+            out spec) along which the claimed copies get different blocks, and the fixes.
+    """
+    found = _replica_conflict(layouts, out)
+    if found is None:
+        return
+    k, p, q = found
+    axes = _mesh_axes(spec, p, q)
+    along = f" along mesh axis {axes[0]!r}" if len(axes) == 1 else f" along mesh axes {axes}" if axes else ""
+    partial = f"fshard.Partial(spec, over={tuple(axes)!r})" if axes else "fshard.Partial(spec)"
+    opt_out = "pass check_vma=False" if what.startswith("shard_map") else "use fshard.shard_map(..., check_vma=False)"
+    msg = (
+        f"{what} out_spec {spec!r} makes the copies of result {n} on placements {p} and {q} replicas{along}, "
+        f"but argument {names[k]} gives those placements different blocks, so the results there may differ "
+        "and the array would hold replicas that disagree. Give an out_spec that splits the result"
+        f"{along} (or {partial} if its copies are partial sums), reshard the result afterwards, "
+        f"or {opt_out} if fn returns equal results there."
+    )
+    raise SpecError(msg)
+
+
+@cached(256)
+def _replica_conflict(layouts: tuple[Layout, ...], out: Layout) -> tuple[int, Placement, Placement] | None:
+    """Two placements ``p``, ``q`` that ``out`` gives copies of one value but ``argument`` does not.
+
+    ``(argument, p, q)``, or ``None`` if there are none. Placement by placement, the
+    arguments' blocks (their replica ids) say what a result may depend on: slots with
+    equal blocks of every argument give equal results.
+    """
+    ids = replica_ids(out)
+    keep = np.flatnonzero(np.all(out.columns.sz > 0, axis=1))  # an empty block holds nothing to disagree
+    if len(np.unique(ids[keep])) == len(keep):
+        return None  # no two non-empty blocks are copies: nothing is claimed
+    out_slots = _slot_index(out)
+    # Per kept output shard, the replica id of each argument's block at its slot.
+    blocks = np.array(
+        [[replica_ids(lay)[_slots(lay)[out_slots[i][0]][out_slots[i][1]]] for lay in layouts] for i in keep.tolist()],
+        dtype=np.int64,
+    ).reshape(len(keep), len(layouts))
+    _, first, group = np.unique(ids[keep], return_index=True, return_inverse=True)
+    lead = first[group.reshape(-1)]
+    bad = np.flatnonzero(np.any(blocks != blocks[lead], axis=1))
+    if not len(bad):
+        return None
+    row = int(bad[0])
+    k = int(np.flatnonzero(blocks[row] != blocks[lead[row]])[0])
+    return k, out_slots[int(keep[lead[row]])][0], out_slots[int(keep[row])][0]
+
+
+def _mesh_axes(spec: Any, p: Placement, q: Placement) -> list[str]:
+    """The axes of a ``Named`` spec's mesh along which placements ``p`` and ``q`` lie apart (else none)."""
+    inner = spec.spec if isinstance(spec, Partial) else spec
+    mesh = getattr(inner, "mesh", None)
+    if mesh is None or p not in mesh.ranks or q not in mesh.ranks:
+        return []
+    at = np.unravel_index([mesh.ranks.index(p), mesh.ranks.index(q)], mesh.shape)
+    return [name for name, c in zip(mesh.axis_names, at) if c[0] != c[1]]
+
+
 def _names(slots: list[Slot]) -> str:
     return "[" + ", ".join(f"{p}#{k}" if k else str(p) for p, k in slots) + "]" if slots else "no placement"
 
@@ -472,23 +630,21 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     index = backend.addressable(first.layout)
 
     usage = _varying.Usage()
+    own = [t for a in arrays for t in a.addressable_data]
 
     def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
-        with (
-            _varying.per_shard(backend, usage),
-            untouched([t for a in arrays for t in a.addressable_data], "map_local()"),
-        ):
+        with _per_shard(backend, usage, first.layout, own), untouched(own, "map_local()"):
             outs = tuple(fn(*ts) for ts in zip(*(a.addressable_data for a in arrays)))
         return _result_leaves(outs)
 
     if holds_nothing_somewhere(backend, first.layout):
 
         def describe(r: tuple[Any, list[tuple[torch.Tensor, ...]]]) -> Any:
-            return describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), usage.ages()
+            return describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), (usage.ages(), usage.closed)
 
         (tree, leaves), seen = agree(backend, compute, describe)
         tree, metas = merge_results([d for d, _ in seen], "map_local()")
-        used = cast("set[int]", set().union(*(keys for _, keys in seen)))
+        used = _used(backend, first.layout, [u for _, u in seen], "map_local()")
     else:
         tree, leaves = compute()
         metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]

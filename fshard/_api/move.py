@@ -9,17 +9,20 @@ import collections
 from collections.abc import Sequence
 from typing import Any, cast, overload
 
+import optree
 import torch
 
 from fshard._array.array import Shard, ShardedArray
 from fshard._base.compile import opaque
 from fshard._errors import LayoutError, SpecError
 from fshard._exec import autograd as _autograd
+from fshard._exec import fused as _fused
 from fshard._exec.agree import (
     agree,
     holds_nothing_somewhere,
 )
 from fshard._exec.collective import collective
+from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Replicated, as_layout
@@ -98,21 +101,32 @@ def _reduced(layout: Layout, dst: int | None) -> Layout:
 def gather(array: ShardedArray, *, dst: None = None) -> torch.Tensor: ...
 @overload
 def gather(array: ShardedArray, *, dst: int) -> torch.Tensor | None: ...
+@overload
+def gather(array: Any, *, dst: int | None = None) -> Any: ...
 @collective("gather")
 @opaque
-def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | None:
+def gather(array: Any, *, dst: int | None = None) -> Any:
     """The global tensor: on every rank (``dst=None``) or on rank ``dst`` (others get ``None``).
 
     Each distinct box is read from one replica; uneven and empty shards need no padding.
     A pending reduction (``Partial``) is carried out first, with the fewest elements
     sent: a reduce-scatter then an all-gather (``dst=None``), or a reduce to ``dst``.
+    A pytree of arrays gives the pytree of their tensors, the arrays of one dtype
+    gathered in one movement (one collective per phase, not one per array).
+    In check mode the copies of each replicated box are compared first
+    (``fshard.check_replicas``): copies that drifted apart raise ``ReplicaMismatchError``.
 
     >>> import torch, fshard
     >>> x = fshard.shard(torch.arange(6).reshape(2, 3), fshard.Chunk(1, [0, 1, 2, 3]))
     >>> fshard.gather(x).tolist()
     [[0, 1, 2], [3, 4, 5]]
+    >>> fshard.gather({"x": x, "y": fshard.shard(torch.ones(2), fshard.Replicated([0, 1]))})["y"].tolist()
+    [1.0, 1.0]
     """
-    _check_array(array, "gather()")
+    if not isinstance(array, ShardedArray):
+        return _gather_tree(array, dst)
+    if checking():  # copies that drifted apart: gather would return one of them
+        check_leaves([("the array passed to gather()", array)], "gather()")
     if dst is not None:
         dst = array.backend.check_rank(dst, "dst")
     if array.layout.partial is not None:
@@ -120,9 +134,13 @@ def gather(array: ShardedArray, *, dst: int | None = None) -> torch.Tensor | Non
     return _autograd.assemble(array.layout, array.backend, array.addressable_data, array._first(), dst)  # pyright: ignore[reportPrivateUsage]  # package-internal
 
 
+@overload
+def reshard(array: ShardedArray, spec: Any) -> ShardedArray: ...
+@overload
+def reshard(array: Any, spec: Any) -> Any: ...
 @collective("reshard")
 @opaque
-def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
+def reshard(array: Any, spec: Any) -> Any:
     """The same global values in a new layout; only elements whose owner changes are sent.
 
     From a pending reduction (``Partial``) to a non-partial spec, the copies are
@@ -130,13 +148,23 @@ def reshard(array: ShardedArray, spec: Any) -> ShardedArray:
     combined on each sending rank), followed by an all-gather for replicated
     targets. To a ``Partial`` spec, one copy of each element keeps the value.
 
+    A pytree of arrays takes one spec for every leaf or a matching pytree of specs; the
+    arrays of one dtype move in one movement (one collective per phase, not one per
+    array) wherever their boxes are ranges of their row-major order (dim-0 chunks,
+    replicas, whole arrays), and one by one otherwise.
+
     >>> import torch, fshard
     >>> x = fshard.shard(torch.arange(8.0).reshape(2, 4), fshard.Chunk(0, [0, 1]))
     >>> y = fshard.reshard(x, fshard.Chunk(1, [0, 1]))
     >>> [s.data.tolist() for s in y.addressable_shards]
     [[[0.0, 1.0], [4.0, 5.0]], [[2.0, 3.0], [6.0, 7.0]]]
+    >>> b = fshard.shard(torch.ones(3), fshard.Chunk(0, [0, 1]))
+    >>> tree = fshard.reshard({"x": x, "b": b}, fshard.Replicated([0, 1]))
+    >>> tree["b"].layout == fshard.Replicated([0, 1]).layout((3,))
+    True
     """
-    _check_array(array, "reshard()")
+    if not isinstance(array, ShardedArray):
+        return _reshard_tree(array, spec)
     layout = as_layout(spec, array.shape)
     if layout == array.layout:
         return array
@@ -292,3 +320,79 @@ def _listed(shards: Any) -> list[Any]:
 def _check_array(x: Any, what: str) -> None:
     if not isinstance(x, ShardedArray):
         raise TypeError(f"{what} takes a ShardedArray, got {type(x).__name__}.")
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, ShardedArray)
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, Layout) or hasattr(x, "layout")
+
+
+def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
+    """The arrays of a pytree and its structure; ``TypeError`` naming a leaf that is no array."""
+    leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_array, none_is_leaf=True)
+    for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True), leaves):
+        if not isinstance(leaf, ShardedArray):
+            if not path:
+                msg = f"{what} takes a ShardedArray, got {type(leaf).__name__}. A pytree of ShardedArrays is taken too."
+            else:
+                msg = f"{what} takes a ShardedArray or a pytree of them; the leaf at {path} is a {type(leaf).__name__}."
+            raise TypeError(msg)
+    if leaves:
+        _same_backend(leaves, what)
+    return cast("list[ShardedArray]", leaves), treedef
+
+
+def _same_backend(leaves: Sequence[ShardedArray], what: str) -> None:
+    first = leaves[0].backend
+    other = next((a.backend for a in leaves if a.backend != first), None)
+    if other is not None:
+        raise SpecError(f"{what} takes a tree of arrays of one backend; it holds {first!r} and {other!r}.")
+
+
+def _reshard_tree(tree: Any, specs: Any) -> Any:
+    leaves, treedef = _leaves(tree, "reshard()")
+    if _is_spec(specs):
+        flat_specs = [specs] * len(leaves)
+    else:
+        try:
+            flat_specs = treedef.flatten_up_to(specs)
+        except (ValueError, TypeError) as exc:
+            msg = f"reshard() takes one spec or a pytree of specs matching the arrays ({treedef}): {exc}"
+            raise SpecError(msg) from None
+    layouts = [as_layout(s, a.shape) for a, s in zip(leaves, flat_specs)]
+    for a, x in zip(leaves, layouts):
+        if x != a.layout:
+            a.backend.check_layout(x)
+    moved: list[Any] = _fused.move_tree(leaves, layouts)
+    return optree.tree_unflatten(treedef, moved)
+
+
+def _gather_tree(tree: Any, dst: int | None) -> Any:
+    leaves, treedef = _leaves(tree, "gather()")
+    if not leaves:  # nothing to gather; dst is still checked, against the default backend
+        if dst is not None:
+            default_backend().check_rank(dst, "dst")
+        empty: Any = optree.tree_unflatten(treedef, cast("list[Any]", []))
+        return empty
+    if checking():  # copies that drifted apart: gather would return one of them
+        paths = optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True)
+        check_leaves([(f"the leaf at {p} passed to gather()", a) for p, a in zip(paths, leaves)], "gather()")
+    backend = leaves[0].backend
+    if dst is not None:
+        dst = backend.check_rank(dst, "dst")
+    receivers = set(backend.receivers(leaves[0].layout, dst))
+    # Across processes, where every receiver holds a shard, the whole array on each (reduced first)
+    # is a layout of the array: those leaves move as one tree, and each rank's result is its own
+    # copy (its gradient enters that copy). The others go through gather one by one, as every leaf
+    # does in one process, where one tensor stands for all the copies.
+    fused = [k for k, a in enumerate(leaves) if backend.spans_processes and receivers <= set(a.layout.ranks)]
+    out: list[Any] = [None] * len(leaves)
+    moved = _fused.move_tree([leaves[k] for k in fused], [_reduced(leaves[k].layout, dst) for k in fused])
+    for k, a in zip(fused, moved):
+        out[k] = a.addressable_data[0] if a.addressable_data else None
+    for k in sorted(set(range(len(leaves))) - set(fused)):
+        out[k] = gather(leaves[k], dst=dst)
+    return optree.tree_unflatten(treedef, out)

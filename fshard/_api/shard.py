@@ -12,6 +12,7 @@ from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec.collective import collective
+from fshard._exec.replicas import check_global
 from fshard._interop.torch_objects import shard_sharded_tensor
 from fshard._layout.layout import Layout, with_partial
 from fshard._layout.specs import as_layout
@@ -114,6 +115,9 @@ def shard(
 
     Raises:
         SpecError: the spec does not fit ``tensor.shape``, or ranks disagree on ``src``.
+        CollectiveMismatchError: in check mode, with ``src=None``, ranks passed different
+            tensors (compared bit for bit by digest); per-rank batches belong in
+            ``fshard.from_local_tensor(t, dim=0)``.
 
     >>> import torch, fshard
     >>> x = fshard.shard(torch.arange(10.0), fshard.Chunk(0, [0, 1, 2, 3]))
@@ -128,6 +132,7 @@ def shard(
     if src is None:
         full = resolved(check_tensor(tensor, "shard() input"))
         shape: tuple[int, ...] = tuple(full.shape)
+        check_global(backend, [(f"shard()'s tensor argument ({full.dtype}, shape {tuple(full.shape)})", full)])
     else:
         shape, full = _source(tensor, src, spec, backend)
     target = as_layout(spec, shape)

@@ -14,9 +14,52 @@ from fshard._api.move import gather, reshard
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
+from fshard._exec.replicas import check_leaves
 from fshard._layout.layout import with_partial
 
-__all__ = ["clip_grad_norm", "global_norm"]
+__all__ = ["check_replicas", "clip_grad_norm", "global_norm"]
+
+
+@collective("check_replicas")
+def check_replicas(tree: Any) -> None:
+    """Raises unless the copies of every replicated box of every array in ``tree`` hold equal data.
+
+    A replicated box is held by several shards (``Replicated``, a mesh axis that no
+    dim uses, replicas in an ``Explicit`` layout); they must hold the same bits, since
+    ``gather``, ``reshard`` and ``save`` read one copy. Copies drift apart when ranks
+    update them differently, most often when each rank trains on its own rows as if
+    they were the whole batch. The summands of a pending sum (``Partial``) may differ
+    and are not compared. A collective: each process digests the copies it holds, and
+    one exchange for the whole tree compares them (none on the local backend, none
+    for a tree without copies). ``save`` and ``gather`` run this check in check mode.
+
+    Args:
+        tree: a pytree whose ``ShardedArray`` leaves are checked; other leaves are ignored.
+
+    Raises:
+        ReplicaMismatchError: on every rank, naming the leaf's path in ``tree``, the box,
+            the ranks grouped by the digest of their copy, and the fix.
+
+    >>> import torch, fshard
+    >>> w = fshard.shard(torch.ones(4), fshard.Replicated([0, 1]))
+    >>> fshard.check_replicas({"w": w})
+    >>> lay = w.layout
+    >>> drifted = fshard.from_local_shards_and_layout(
+    ...     [fshard.Shard(m, torch.full((4,), float(m.placement.rank))) for m in lay.shards], lay
+    ... )
+    >>> fshard.check_replicas({"w": drifted})
+    Traceback (most recent call last):
+    ...
+    fshard.ReplicaMismatchError: check_replicas(): the copies of the ShardedArray at ['w'] hold different data. ...
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, ShardedArray))
+    arrays = [(f"the ShardedArray at {_path(p)}", a) for p, a in zip(paths, leaves) if isinstance(a, ShardedArray)]
+    check_leaves(arrays, "check_replicas()")
+
+
+def _path(keys: tuple[Any, ...]) -> str:
+    """A leaf's place in a tree, as indexing spells it: ``['params'][0]`` (the root: ``the root``)."""
+    return "".join(f"[{k!r}]" for k in keys) or "the root"
 
 
 @collective("global_norm")

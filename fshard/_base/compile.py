@@ -9,6 +9,7 @@ compute between them (``map_local`` bodies) is compiled.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,11 +28,18 @@ def opaque(fn: F) -> F:
     >>> step(torch.ones(2))
     [2.0, 2.0]
     """
-    # torch's stub leaves disable's arguments untyped.
-    eager: Callable[..., Any] = torch.compiler.disable(fn)  # pyright: ignore[reportUnknownMemberType]
+    # torch.compiler.disable imports TorchDynamo (about 75 MiB and a second): do it on the first call
+    # that could be traced, i.e. once TorchDynamo has been imported by someone (torch.compile).
+    eager: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return eager(*args, **kwargs)
+        if not eager:
+            if "torch._dynamo" not in sys.modules:  # nothing can be compiling: no need to disable
+                return fn(*args, **kwargs)
+            # torch's stub leaves disable's arguments untyped.
+            eager.append(torch.compiler.disable(fn))  # pyright: ignore[reportUnknownMemberType]
+        return eager[0](*args, **kwargs)
 
+    run._torchdynamo_disable = True  # type: ignore[attr-defined]  # TorchDynamo: do not inline, call it
     return run  # type: ignore[return-value]

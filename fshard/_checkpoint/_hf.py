@@ -26,7 +26,7 @@ from fshard._checkpoint._fuse import View, apply_fuse, rename_all
 from fshard._checkpoint._hf_files import Source, catalog
 from fshard._checkpoint._hf_plan import ReadPlan, plan_reads
 from fshard._checkpoint._hf_read import read_boxes
-from fshard._checkpoint._hf_targets import Want, wants_like, wants_specs
+from fshard._checkpoint._hf_targets import Want, wants_like, wants_plain, wants_specs
 from fshard._errors import CheckpointError
 from fshard.backends import Backend
 
@@ -46,12 +46,6 @@ def load_hf(root: Path, kind: str, like: Any, specs: Any, options: dict[str, Any
 
     ``options``: ``dtype``, ``rename``, ``fuse``, ``backend`` and ``progress`` of ``fshard.load``.
     """
-    if like is None and specs is None:
-        msg = (
-            f"load() of the Hugging Face checkpoint {root} needs specs= (a mapping of names to specs, or a function "
-            "(name, shape, dtype) -> spec or None) or like= (a mapping of names to arrays): it holds no layouts."
-        )
-        raise TypeError(msg)
     dtype = options["dtype"]
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"load() dtype= takes a torch.dtype or None, got {dtype!r}.")
@@ -77,6 +71,8 @@ def _prepare(root: Path, kind: str, like: Any, specs: Any, options: dict[str, An
     views = apply_fuse(rename_all(views, options["rename"]), options["fuse"])
     if like is not None:
         wants = wants_like(views, like, options["dtype"], coord)
+    elif specs is None:
+        wants = wants_plain(views, options["dtype"], coord)
     else:
         wants = wants_specs(views, specs, options["dtype"], options["backend"] or coord)
     plan = plan_reads([w.layout for w in wants], [w.view.dtype.itemsize for w in wants])

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from fshard._checkpoint._detect import HF_INDEX
 from fshard._checkpoint._format import INDEX, fsync
-from fshard._checkpoint._hf_files import HF_INDEX
 from fshard._errors import CheckpointError
 
 __all__ = ["check_target", "commit", "discard", "stage_for", "writing"]

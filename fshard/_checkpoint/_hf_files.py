@@ -15,13 +15,11 @@ import re
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from fshard._checkpoint._detect import HF_INDEX
 from fshard._checkpoint._safetensors import MAX_HEADER, Entry, Header, read_header
 from fshard._errors import CheckpointError
 
-__all__ = ["HF_INDEX", "Source", "catalog"]
-
-
-HF_INDEX = "model.safetensors.index.json"
+__all__ = ["Source", "catalog"]
 
 
 _FILE_RE = re.compile(r"^[^/\\\x00]+\.safetensors$")

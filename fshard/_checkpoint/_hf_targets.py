@@ -2,7 +2,8 @@
 
 ``specs`` (a mapping, a function ``(name, shape, dtype) -> spec | None`` or one spec) or
 ``like`` (a mapping of names to arrays or tensors) name the arrays after ``rename`` and
-``fuse``; a name the checkpoint lacks raises ``CheckpointError``.
+``fuse``; a name the checkpoint lacks raises ``CheckpointError``. Without either, every
+tensor comes back whole on every rank, as a plain tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from fshard._layout.layout import Layout
 from fshard._layout.specs import Replicated, as_layout
 from fshard.backends import Backend
 
-__all__ = ["Want", "wants_like", "wants_specs"]
+__all__ = ["Want", "wants_like", "wants_plain", "wants_specs"]
+
+
+_CPU = torch.device("cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +82,7 @@ def wants_like(views: dict[str, View], like: Any, dtype: torch.dtype | None, coo
     missing = [str(k) for k in given if k not in views]
     if missing:
         raise _missing(missing, views, "like=")
-    ranks: tuple[int, ...] = getattr(coord, "ranks", (0,))
+    ranks = _plain_ranks(coord)
     out: list[Want] = []
     for name, view in views.items():
         if name not in given:
@@ -99,6 +103,18 @@ def wants_like(views: dict[str, View], like: Any, dtype: torch.dtype | None, coo
             layout = Replicated(list(ranks)).layout(view.shape)
             out.append(Want(name, view, layout, dtype or x.dtype, x.device, x.requires_grad))
     return out
+
+
+def wants_plain(views: dict[str, View], dtype: torch.dtype | None, coord: Backend) -> list[Want]:
+    """Every tensor as a plain tensor, whole on every rank (each read once per job, sent to the others)."""
+    ranks = _plain_ranks(coord)
+    return [Want(n, v, Replicated(list(ranks)).layout(v.shape), dtype or v.dtype, _CPU) for n, v in views.items()]
+
+
+def _plain_ranks(coord: Backend) -> tuple[int, ...]:
+    """The ranks that each get a whole plain tensor: every rank of the group (rank 0 in one process)."""
+    ranks: tuple[int, ...] = getattr(coord, "ranks", (0,))
+    return ranks
 
 
 def _check_not_partial(name: str, layout: Layout) -> None:

@@ -16,6 +16,7 @@ import torch
 from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
 from fshard._checkpoint._collective import agree_on, progress_bar
+from fshard._checkpoint._dcp import load_dcp
 from fshard._checkpoint._detect import checkpoint_kind
 from fshard._checkpoint._format import INDEX, Saved, check_flag, checkpoint_path, read_index
 from fshard._checkpoint._hf import load_hf
@@ -217,19 +218,27 @@ def load(
     ranges are read and data tampering goes unnoticed; file sizes, tensor
     names, dtypes and shapes are checked either way.
 
-    ``path`` may also be a Hugging Face checkpoint: one ``.safetensors`` file, a folder
-    with ``model.safetensors.index.json``, or a folder of ``.safetensors`` files. Then
-    ``specs`` maps names to specs (names it lacks, or maps to ``None``, are not read),
-    or is a function ``(name, shape, dtype) -> spec | None``, or one spec for every
-    tensor; ``like`` maps names to arrays (or to tensors, for plain tensors). Every
-    header is checked before any data is read; each rank reads only the byte ranges
-    of its boxes, and a replicated box is read once per job and sent to its other
-    holders. The result is a dict of names to arrays. ``verify`` does not apply (the
-    format has no hashes). See docs/interop.md.
+    ``path`` may also be a checkpoint of another library, read into any spec on any world
+    size, each rank reading only the byte ranges of its boxes and each replicated box read
+    once per job; ``verify`` does not apply (neither format stores hashes). The result is
+    a dict of names to arrays (plain tensors without ``like`` and ``specs``). ``specs``
+    maps names to specs (names it lacks are not read), or is a function ``(name, shape,
+    dtype) -> spec | None`` or one spec for every tensor; ``like`` maps names to arrays or
+    tensors.
+
+    - A Hugging Face checkpoint: one ``.safetensors`` file, a folder with
+      ``model.safetensors.index.json``, or a folder of ``.safetensors`` files. Every header
+      is checked before any data is read; ``dtype``, ``rename`` and ``fuse`` apply. See
+      docs/interop.md.
+    - A torch DCP folder (``.metadata`` and ``*.distcp``, written by
+      ``torch.distributed.checkpoint``): its metadata is read by an allow-list unpickler,
+      so nothing in it runs. Names are DCP's flattened ones (``model.layer.weight``);
+      entries that are not tensors come back as the raw ``bytes`` DCP stored, never
+      unpickled. See docs/interop-dcp.md.
 
     Args:
-        path: a directory written by ``fshard.save``, or a Hugging Face safetensors
-            file or folder.
+        path: a directory written by ``fshard.save``, a Hugging Face safetensors file or
+            folder, or a torch DCP folder.
         like: a tree shaped like the saved one: a ``ShardedArray`` leaf gives the
             target layout and backend, a tensor gives a plain tensor (on its
             device); shapes and dtypes must match the saved ones.
@@ -270,7 +279,7 @@ def load(
     Raises for Hugging Face checkpoints: ``CheckpointError`` for a header or index that is
     malformed, oversized or lies about the data (naming file and tensor), for names that
     ``specs``, ``like`` or ``fuse`` give but the checkpoint lacks, and when ranks read
-    different files; ``TypeError`` without ``specs`` and ``like``.
+    different files.
 
     >>> import tempfile, torch, fshard
     >>> x = fshard.shard(torch.arange(8), fshard.Chunk(0, [0, 1, 2, 3]))
@@ -285,13 +294,13 @@ def load(
     # Checked at run time too: a caller may pass anything, whatever the annotation says.
     if backend is not None and not isinstance(backend, Backend):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise TypeError(f"load() backend= takes an fshard backend or None, got {type(backend).__name__}.")
-    coord = _coordinator(like) or backend or default_backend()
+    hf = {"dtype": dtype, "rename": rename, "fuse": fuse}
     kind = checkpoint_kind(checkpoint_path(path, "load()"))
     if kind != "fshard":
-        options = {"dtype": dtype, "rename": rename, "fuse": fuse, "backend": backend, "progress": progress}
-        return _load_foreign(kind, Path(path), like, specs, options, coord)
-    if (dtype, rename, fuse) != (None, None, None):
+        return _load_foreign(kind, path, like, specs, hf, backend, progress)
+    if any(v is not None for v in hf.values()):
         raise TypeError("load() dtype=, rename= and fuse= apply to Hugging Face checkpoints, not to fshard's own.")
+    coord = _coordinator(like) or backend or default_backend()
     attempt = lambda: _attempt(path, like, specs, verify, backend, progress, coord)  # noqa: E731
     for _ in range(_ATTEMPTS):
         tree, seen = agree_on(coord, "fshard.load", attempt, lambda out: out[:2])
@@ -304,11 +313,21 @@ def load(
     raise CheckpointError(msg)
 
 
-def _load_foreign(kind: str, root: Path, like: Any, specs: Any, options: dict[str, Any], coord: Backend) -> Any:
-    """A checkpoint in another library's format: a Hugging Face safetensors file or folder, a torch DCP folder."""
-    if kind in ("hf-file", "hf-folder"):
-        return load_hf(root, kind, like, specs, options, coord)
-    raise CheckpointError(f"{root} is a torch DCP checkpoint (it holds .metadata), which this fshard does not read.")
+def _load_foreign(
+    kind: str, path: Any, like: Any, specs: Any, hf: dict[str, Any], backend: Backend | None, progress: Any
+) -> Any:
+    """Another library's checkpoint: a torch DCP folder, or a Hugging Face safetensors file or folder.
+
+    ``hf``: the options of Hugging Face checkpoints only (``dtype``, ``rename``, ``fuse``).
+    """
+    if kind == "dcp":
+        if any(v is not None for v in hf.values()):
+            raise TypeError("load() dtype=, rename= and fuse= apply to Hugging Face checkpoints, not to DCP folders.")
+        return load_dcp(path, like, specs, backend=backend, progress=progress)
+    coord = _coordinator(like) or backend or default_backend()
+    return load_hf(
+        checkpoint_path(path, "load()"), kind, like, specs, {**hf, "backend": backend, "progress": progress}, coord
+    )
 
 
 # Loads that meet a concurrent save start over (on every rank) at most this many times in all.

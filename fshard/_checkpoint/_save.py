@@ -20,6 +20,7 @@ from fshard._checkpoint._tree import flatten
 from fshard._checkpoint._write import Box, assign, check_root, commit, committed, write_files
 from fshard._errors import CheckpointError, SpecError
 from fshard._exec.collective import collective
+from fshard._exec.replicas import check_leaves, checking
 from fshard.backends import Backend, default_backend
 
 __all__ = ["save"]
@@ -49,7 +50,9 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
     Before anything is written the ranks compare what they were given: the same
     ``path``, the same tree, and for every plain tensor and scalar the same value
     (tensors by SHA-256). A difference raises ``CheckpointError`` on every rank,
-    naming the leaf and the ranks, and leaves the previous checkpoint as it was.
+    naming the leaf and the ranks, and leaves the previous checkpoint as it was. In
+    check mode the copies of each replicated box are compared too (one is written):
+    copies that drifted apart raise ``ReplicaMismatchError`` before anything is written.
 
     Args:
         path: the checkpoint directory (created; an existing checkpoint there is replaced).
@@ -69,6 +72,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
             ranks gave different paths, trees, plain tensors or scalars; or another rank failed
             (a rank that fails re-raises its own error; the others raise this, naming it). A
             failure after the index is renamed into place fails nothing: the save returns.
+        ReplicaMismatchError: in check mode, copies of a replicated box hold different data.
 
     >>> import tempfile, torch, fshard
     >>> x = fshard.shard(torch.arange(12.0).reshape(3, 4), fshard.Chunk(0, [0, 1, 2]))
@@ -89,6 +93,9 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
     summarise = lambda: prepare(root, structure, leaves, backend, failure)  # noqa: E731
     (_, summaries, known), seen = agree_on(backend, "fshard.save", summarise, lambda out: out[0])
     check_same(backend, seen, summaries, leaves)
+    if checking():  # one copy of each replicated box is written: the copies must agree
+        arrays = [(f"the ShardedArray at {p or 'the root'}", a) for p, a in leaves if isinstance(a, ShardedArray)]
+        check_leaves(arrays, "fshard.save (nothing was written)")
     ranks, token = [f.rank for f in seen], seen[0].token
     leader = backend.holds(ranks[0])
     holders = ranks if backend.spans_processes else _local_holders(leaves)
@@ -105,7 +112,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, progress: bool | None = Non
 
         try:
             files = {k: v for w in agree(backend, "fshard.save", write, share=True) for k, v in w.items()}
-            write_index = lambda: commit(root, _index(structure, leaves, boxes, files, data.name), token)  # noqa: E731
+            write_index = lambda: commit(root, index_record(structure, leaves, boxes, files, data.name), token)  # noqa: E731
             agree(backend, "fshard.save (index)", write_index if leader else lambda: None)
         except BaseException as exc:
             if committed(root, data.name):
@@ -126,13 +133,14 @@ def _local_holders(leaves: Sequence[tuple[str, Any]]) -> list[int]:
     return ranks or [0]
 
 
-def _index(
+def index_record(
     structure: dict[str, Any],
     leaves: Sequence[tuple[str, Any]],
     boxes: Sequence[Box],
     files: dict[str, Any],
     data: str,
 ) -> dict[str, Any]:
+    """The ``index.json`` content (with its digest) of a save that wrote ``boxes`` into ``files`` under ``data``."""
     hashes = {n: h for f in files.values() for n, h in f["sha256"].items()}
     by_leaf: dict[int, list[Box]] = {}
     for b in boxes:

@@ -19,6 +19,7 @@ import torch
 
 from fshard._errors import SpecError, as_error
 from fshard._exec import gathered as _varying
+from fshard._exec.readonly import read_only
 from fshard._layout.layout import Layout
 
 __all__ = [
@@ -71,19 +72,24 @@ def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) 
 
 @contextlib.contextmanager
 def untouched(tensors: Sequence[torch.Tensor], what: str) -> Generator[None, None, None]:
-    """Raises ``SpecError`` if the code in the block wrote into any of ``tensors`` in place.
+    """Raises ``SpecError`` where the code in the block writes into any of ``tensors`` in place.
 
-    A tensor's version counter (shared with its views) counts in-place writes, so a
-    per-block function that mutated its input block is caught, not silently obeyed.
+    An aten op that would write into one of them (or a view of one) is refused before it
+    runs (``fshard._exec.readonly``), so the tensors keep their values. A write that this
+    check cannot see (a kernel compiled by Inductor, code traced by TorchDynamo) still bumps
+    the tensor's version counter, which its views share: that is read after the block, which
+    then raises, the write done.
     """
     before = [t._version for t in tensors]
-    yield
+    with read_only(tensors, what):
+        yield
     for t, version in zip(tensors, before):
         if t._version != version:
             msg = (
-                f"{what} fn wrote into an input block in place (an in-place op such as t.mul_(10), or out=): "
-                "ShardedArray values are immutable, and other arrays and tensors may share that memory. "
-                "Return a new tensor instead (t * 10)."
+                f"{what} fn wrote into an input block in place (an in-place op such as t.mul_(10), or out=), "
+                "in code that the check before each op does not see (compiled by Inductor, say), so the block "
+                "holds the written values: ShardedArray values are immutable, and other arrays and tensors may "
+                "share that memory. Return a new tensor instead (t * 10)."
             )
             raise SpecError(msg)
 

@@ -30,12 +30,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
+from fshard._exec.replicas import check_global, checking
 from fshard._layout.batch import with_batch
 from fshard._layout.layout import Layout, ShardMeta, with_partial
 from fshard._layout.specs import whole
@@ -43,7 +45,7 @@ from fshard._plan import plan
 from fshard._plan.direct import Plan
 from fshard.backends import Backend
 
-__all__ = ["assemble", "move", "scatter"]
+__all__ = ["assemble", "move", "move_summing", "regroup", "scatter", "summed_uses"]
 
 
 def _stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -177,6 +179,33 @@ class _Move(torch.autograd.Function):
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
+class _MoveSumming(_Move):
+    """``_Move`` whose backward sums the gradients of the destination's copies.
+
+    The move of an argument that per-shard functions then use copy by copy (each copy in a
+    computation of its own): the gradients of its copies are summed into the source, a
+    reduce-scatter where the source is split, rather than read from one copy.
+    """
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        src, dst, backend, dtype, device = ctx.args
+        like = _carrier(grads, dtype, device)
+        to, frm = _linear(src, dst, "gradient")
+        back, _ = move(with_partial(frm, "sum"), to, backend, _dense(dst, backend, grads[:-1], like), like)
+        return (None, None, None, _link_grad(ctx, 3, like), *back)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        src, dst, backend, like, *tensors = args
+        n = info.batch_size
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
+        out, link = move_summing(
+            with_batch(src, n), with_batch(dst, n), backend, lead, _stand_in(like.dtype, like.device)
+        )
+        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+
+
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
@@ -228,6 +257,10 @@ class _Assemble(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, dst = ctx.args[:3]
         grad = grads[0]
+        if dst is None and checking():  # every rank holds the result whole: its gradient must agree
+            check_global(
+                backend, [("The gradient of a gathered tensor (fshard.gather's backward)", grad)], gradient=True
+            )
         if ctx.parts is not None:  # uses inside per-shard functions: their parts summed over ranks
             grad = _with_parts(ctx.parts, grad, backend)
         # Off rank dst the gradient is that of the 0-element stand-in: it only gives the dtype.
@@ -258,6 +291,14 @@ def move(
     that holds no shard of ``dst`` (see ``ShardedArray``); ``like`` is the source's.
     """
     *out, link = _run(_Move, src, dst, backend, like, *tensors)
+    return tuple(out), link
+
+
+def move_summing(
+    src: Layout, dst: Layout, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``move``, whose backward sums the gradients of ``dst``'s copies (``_MoveSumming``)."""
+    *out, link = _run(_MoveSumming, src, dst, backend, like, *tensors)
     return tuple(out), link
 
 
@@ -367,6 +408,49 @@ def _with_parts(parts: _varying.Parts, grad: torch.Tensor, backend: Any) -> torc
     mine = mine if mine is not None else torch.zeros_like(grad)
     (summed,), _ = move(summands, whole, backend, (mine,), mine)
     return grad + summed
+
+
+class _SumUses(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks of ``layout``.
+
+    A tensor from outside a per-shard function (closed over) is one value that each
+    rank uses on its own blocks: its gradient is the sum of every rank's uses.
+    """
+
+    @staticmethod
+    def forward(layout: Layout, backend: Any, t: torch.Tensor) -> Any:
+        return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.args = inputs[:2]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        layout, backend = ctx.args
+        g = grads[0]
+        summands, total, device = _over_ranks(layout, tuple(g.shape), backend.rank)
+        here = g.to(device)
+        (out,), _ = move(summands, total, backend, (here,), here)
+        return None, None, out.to(g.device)
+
+
+@cached(256)
+def _over_ranks(layout: Layout, shape: tuple[int, ...], rank: int) -> tuple[Layout, Layout, torch.device]:
+    """A whole ``shape`` on each rank of ``layout`` (on its first shard's device), as summands and as replicas.
+
+    Also this rank's device there.
+    """
+    found, firsts = np.unique(layout.columns.rank, return_index=True)
+    ranks: list[int] = found.tolist()
+    devices: list[str] = [layout.columns.devices[i] for i in firsts.tolist()]
+    shards = [ShardMeta((0,) * len(shape), shape, f"rank:{r}/{d}") for r, d in zip(ranks, devices)]
+    return Layout(shape, shards, "sum"), Layout(shape, shards), torch.device(devices[ranks.index(rank)])
+
+
+def summed_uses(t: torch.Tensor, layout: Layout, backend: Any) -> torch.Tensor:
+    """``t`` (a view), whose gradient is summed over the ranks of ``layout`` (a collective in the backward)."""
+    return _apply(_SumUses, layout, backend, t)
 
 
 def _scatter_plan(layout: Layout, src: int | None) -> Plan | None:

@@ -17,6 +17,14 @@ This is JAX's rule for ``shard_map`` (an invariant value used where values vary 
 device is broadcast, and the transpose of that broadcast is a sum), applied to the
 tensors that fshard produced.
 
+Every other tensor that a per-shard function uses from outside its arguments (a
+closed-over tensor, a module's parameter reached through a closure) and that needs a
+gradient is such a value too: the mode replaces it by a view (``closed``) whose backward
+sums its gradient over the ranks, so that each rank gets the sum of every rank's uses, as
+the local backend does. A tensor is "from outside" when it is not one of the function's
+blocks and existed before the function ran (a leaf, or made by an autograd node older than
+the call's ``mark``).
+
 The sum is a collective in the gather's backward, so every rank's backward must reach
 that gather. A rank that holds no shard runs no per-shard function; its result then
 joins (``join``) the gathered tensors that the other ranks' functions used, which it
@@ -28,14 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Callable, Collection, Generator
+from typing import Any, cast
 
 import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Parts", "Usage", "join", "per_shard", "register"]
+__all__ = ["Parts", "Usage", "join", "mark", "per_shard", "register"]
 
 
 class Parts:
@@ -80,10 +88,11 @@ def _forget(key: int) -> None:
 class Usage:
     """The keys of the gathered tensors that per-shard functions used."""
 
-    __slots__ = ("keys",)
+    __slots__ = ("closed", "keys")
 
     def __init__(self) -> None:
         self.keys: set[int] = set()
+        self.closed = 0  # closed-over tensors given a summed gradient
 
     def ages(self) -> frozenset[int]:
         """The used tensors as ages: how many gathers were registered since each.
@@ -125,41 +134,85 @@ class _SetAside(torch.autograd.Function):
 
 
 class _PerShard(TorchFunctionMode):
-    """Replaces gathered tensors by set-aside views in every torch call (one view per tensor)."""
+    """Replaces gathered and closed-over tensors by views in every torch call (one view per tensor)."""
 
-    def __init__(self, usage: Usage | None) -> None:
+    def __init__(
+        self,
+        usage: Usage | None,
+        closed: Callable[[torch.Tensor], torch.Tensor] | None,
+        own: Collection[int],
+        since: int,
+    ) -> None:
         super().__init__()
         self.views: dict[int, torch.Tensor] = {}
         self.usage = usage
+        self.closed, self.own, self.since = closed, own, since
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        call: Any = (args, kwargs)  # a pytree (optree's PyTree type does not spell out tuples of them)
-        args, kwargs = optree.tree_map(self._swap, call, none_is_leaf=True)
+        args = tuple(self._swap_any(a) for a in args)
+        kwargs = {k: self._swap_any(v) for k, v in kwargs.items()} if kwargs else {}
         return func(*args, **kwargs)
+
+    def _swap_any(self, x: Any) -> Any:
+        """``x`` with its tensors swapped: directly for a tensor (most arguments), through its pytree else."""
+        if isinstance(x, torch.Tensor):
+            return self._swap(x)
+        if isinstance(x, (list, tuple, dict)):
+            return optree.tree_map(self._swap, cast(Any, x), none_is_leaf=True)
+        return x
 
     def _swap(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
         key = id(x)
-        if _LIVE.get(key) is not x:
-            return x
-        if key not in self.views:  # this mode is off while it handles a call: apply() is not intercepted
-            self.views[key] = _SetAside.apply(_PARTS[key], x)  # pyright: ignore[reportUnknownMemberType]  # torch: apply is untyped
+        seen = self.views.get(key)
+        if seen is not None:
+            return seen
+        # This mode is off while it handles a call: apply() is not intercepted.
+        if _LIVE.get(key) is x:
+            view = cast("torch.Tensor", _SetAside.apply(_PARTS[key], x))  # pyright: ignore[reportUnknownMemberType]  # torch: apply is untyped
             if self.usage is not None:
                 self.usage.keys.add(_KEYS[key])
-        return self.views[key]
+        elif self.closed is not None and x.requires_grad and key not in self.own and _older(x, self.since):
+            view = self.closed(x)
+            if self.usage is not None:
+                self.usage.closed += 1
+        else:
+            return x
+        self.views[key] = view
+        return view
+
+
+def _older(t: torch.Tensor, since: int) -> bool:
+    """Whether ``t`` existed before the autograd node numbered ``since`` (a leaf, or made by an older node)."""
+    node = t.grad_fn
+    return node is None or node._sequence_nr() < since  # pyright: ignore[reportPrivateUsage]  # torch's own node numbering
+
+
+def mark() -> int:
+    """The number of the next autograd node made on this thread (nodes are numbered in order)."""
+    probe = torch.empty(0, requires_grad=True).view(0).grad_fn
+    assert probe is not None  # a view of a tensor that requires grad has a node
+    return probe._sequence_nr() + 1  # pyright: ignore[reportPrivateUsage]
 
 
 @contextlib.contextmanager
-def per_shard(backend: Any, usage: Usage | None = None) -> Generator[None, None, None]:
-    """The context of a per-shard function.
+def per_shard(
+    backend: Any,
+    usage: Usage | None = None,
+    closed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    own: Collection[torch.Tensor] = (),
+) -> Generator[None, None, None]:
+    """The context of a per-shard function whose arguments are ``own``.
 
-    On a multi-process backend with gathered tensors alive, their uses become parts of their
-    gradients (and their keys are added to ``usage``).
+    On a multi-process backend, uses of gathered tensors become parts of their gradients
+    (their keys are added to ``usage``), and, when gradients are recorded, every tensor
+    from outside the arguments that needs a gradient is passed through ``closed`` (counted
+    in ``usage``).
     """
-    if not backend.spans_processes or not _LIVE:
+    closed = closed if closed is not None and torch.is_grad_enabled() else None
+    if not backend.spans_processes or (not _LIVE and closed is None):
         yield
         return
-    with _PerShard(usage):
+    with _PerShard(usage, closed, {id(t) for t in own}, mark() if closed is not None else 0):
         yield

@@ -18,6 +18,7 @@ from fshard._array.array import Shard, ShardedArray
 from fshard._base.alloc import contiguous_strides
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
+from fshard._interop.strided import strided_layout
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Mesh, Named
@@ -304,9 +305,9 @@ def _check_placements(dt: Any) -> None:
                 f"ShardedArray cannot: reduce first with dt.redistribute(dt.device_mesh, [{', '.join(fixed)}])."
             )
             raise SpecError(msg)
-        if not (p.is_replicate() or (p.is_shard() and type(p).__name__ == "Shard")):
+        if not (p.is_replicate() or type(p).__name__ in ("Shard", "_StridedShard")):
             msg = (
-                f"DTensor placement {p!r} on mesh dim {i} is not Shard(dim) or Replicate(): "
+                f"DTensor placement {p!r} on mesh dim {i} is not Shard(dim), _StridedShard(dim) or Replicate(): "
                 "redistribute to Shard/Replicate placements first."
             )
             raise SpecError(msg)
@@ -315,6 +316,11 @@ def _check_placements(dt: Any) -> None:
 @collective("from_dtensor")
 def from_dtensor(dt: Any) -> ShardedArray:
     """A ``ShardedArray`` laid out as the DTensor (``fshard.Named`` on its mesh), sharing its local tensor.
+
+    ``_StridedShard`` placements (FSDP2's ``fully_shard`` over a tensor-parallel module) are
+    read as DTensor lays them out: each rank's local tensor may hold several boxes of the
+    global tensor (uneven sizes), which become that rank's shards of an explicit layout, each
+    a view of the local tensor.
 
     Raises:
         TypeError: ``dt`` is not a ``DTensor``.
@@ -342,10 +348,32 @@ def from_dtensor(dt: Any) -> ShardedArray:
         seen = dict(backend.exchange((backend.rank, str(local.device))))
         devices = [seen[r] for r in device_mesh.mesh.flatten().tolist()]
     mesh = _fshard_mesh(device_mesh, devices)
+    if any(type(p).__name__ == "_StridedShard" for p in dt.placements):
+        return _from_strided(dt, mesh, local, backend)
     choice = [p.dim if p.is_shard() else None for p in dt.placements]
     layout = Named(mesh, _partition(mesh, choice, dt.ndim)).layout(tuple(dt.shape))
     shards = [Shard(layout.shards[i], local) for i in backend.addressable(layout)]
     return from_local_shards_and_layout(shards, layout, backend=backend)
+
+
+def _from_strided(dt: Any, mesh: Mesh, local: torch.Tensor, backend: Backend) -> ShardedArray:
+    """``from_dtensor`` with ``_StridedShard`` placements: a rank's local tensor may be several boxes, each a view."""
+    layout, at = strided_layout(tuple(dt.shape), mesh, [_split_of(p) for p in dt.placements])
+    mine = backend.addressable(layout)
+    shards = [Shard(layout.shards[i], local[_view(at[i], layout.shards[i].sizes)]) for i in mine]
+    return from_local_shards_and_layout(shards, layout, backend=backend)
+
+
+def _split_of(p: Any) -> tuple[str, int, int]:
+    if p.is_replicate():
+        return ("replicate", -1, 1)
+    if type(p).__name__ == "_StridedShard":
+        return ("strided", p.dim, int(p.split_factor))
+    return ("shard", p.dim, 1)
+
+
+def _view(offsets: Any, sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(int(o), int(o) + n) for o, n in zip(offsets, sizes))
 
 
 def _is_dtensor(value: Any) -> bool:

@@ -278,7 +278,10 @@ class Layout:
         """A picture of the layout, to scale: which ranks hold which box.
 
         Widths and heights are proportional to the boxes' extents (like
-        ``jax.debug.visualize_array_sharding``); an N-D layout is drawn over the dims
+        ``jax.debug.visualize_array_sharding``), within rounding: every box gets at least
+        one line and room for its label, and the picture grows taller than its usual
+        ``width / 4`` lines (up to ``width``) where its thinnest band needs that to keep
+        its proportions (``fshard._layout.show``); an N-D layout is drawn over the dims
         its boxes split (a summary where they split more than two), an empty one as a
         line. A partial layout adds a line saying which reduction is pending.
 
@@ -289,17 +292,20 @@ class Layout:
                 is a terminal. Colour needs ``rich`` (the ``bench`` extra); without it
                 the text is plain.
 
-        Rows of 3, 3, 3 and 1 make bands of 2, 2, 2 and 1 lines:
+        Rows of 3, 3, 3 and 1 make bands of 3, 3, 3 and 1 lines:
 
         >>> from fshard import Chunk
         >>> print(Chunk(0, [0, 1, 2, 3]).layout((10, 20)).visualize(width=40))
         +---------------------------------------+
+        |                                       |
         |                  r0                   |
         |                                       |
         +---------------------------------------+
+        |                                       |
         |                  r1                   |
         |                                       |
         +---------------------------------------+
+        |                                       |
         |                  r2                   |
         |                                       |
         +---------------------------------------+

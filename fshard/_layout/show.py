@@ -1,9 +1,19 @@
 """Text pictures of layouts, drawn to scale like ``jax.debug.visualize_array_sharding``.
 
-A 2-D layout is drawn with widths and heights proportional to the boxes' extents
-(a character cell counts as ``_CELL`` times as tall as it is wide), a 1-D layout as
-one band, an N-D layout over the (at most two) dims that its boxes split, and
-anything else as a few lines of summary. The text is plain; ``color`` adds one
+A 2-D layout is drawn to scale, a 1-D layout as one band of one line, an N-D layout
+over the (at most two) dims that its boxes split, and anything else as a few lines of
+summary. The cuts of the boxes split each drawn dim into bands; to scale means:
+
+- each band's inside (the lines or characters between its borders) is proportional to
+  its extent, within rounding, and bands of equal extent are drawn equal;
+- every band gets at least one line and, across, its label and a space, so each box
+  shows its label;
+- the picture is at most ``width + 1`` characters wide; its height follows the array's
+  aspect (a character cell counts as ``_CELL`` times as tall as it is wide) within
+  ``width / 4`` lines, and grows past that, up to ``width`` lines, where the thinnest
+  band needs it to get its one line with the others in proportion. Bands too thin to
+  keep in proportion even then keep their least size (one line; across, their label's
+  room), and the others share the rest in proportion. The text is plain; ``color`` adds one
 terminal colour per rank through ``rich`` when it is installed.
 """
 
@@ -12,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol, Union
 
@@ -137,16 +148,16 @@ def _boxes_over(layout: Layout, dims: tuple[int, ...]) -> dict[tuple[int, int, i
 def _grid(
     layout: Layout, boxes: dict[tuple[int, int, int, int], list[int]], shape: tuple[int, int], width: int, tall: bool
 ) -> Picture | None:
-    """Boxes on a canvas whose cuts sit at positions proportional to the boxes' extents."""
+    """Boxes on a canvas whose bands are as tall and as wide as their extents (see ``_sizes``)."""
     rows = sorted({b for k in boxes for b in k[:2]} | {0, shape[0]})
     cols = sorted({b for k in boxes for b in k[2:]} | {0, shape[1]})
     if len(rows) > _MAX_CUTS or len(cols) > _MAX_CUTS:
         return None
     text = {k: _ranks_label(layout, v) for k, v in boxes.items()}
     label = max(map(len, text.values()), default=1)
-    across, down = _extent(shape, rows, cols, width, label + 2) if tall else (width, 2)
-    ys = _positions(rows, shape[0], down, 2)
-    xs = _positions(cols, shape[1], across, label + 2)
+    heights, widths = _sizes(shape, _gaps(rows), _gaps(cols), width, label + 1, tall)
+    ys = list(itertools.accumulate((h + 1 for h in heights), initial=0))
+    xs = list(itertools.accumulate((w + 1 for w in widths), initial=0))
     canvas = [[" "] * (xs[-1] + 1) for _ in range(ys[-1] + 1)]
     fills: list[tuple[int, int, int, int]] = []
     for (r0, r1, c0, c1), t in text.items():
@@ -157,30 +168,69 @@ def _grid(
     return Picture(tuple("".join(line).rstrip() for line in canvas), tuple(fills))
 
 
-def _extent(shape: tuple[int, int], rows: list[int], cols: list[int], width: int, least: int) -> tuple[float, float]:
-    """Canvas width and height: ``shape``'s aspect ratio within ``width`` x ``width / 4``, grown to fit.
+def _gaps(cuts: list[int]) -> list[int]:
+    return [b - a for a, b in itertools.pairwise(cuts)]
 
-    It grows (within those bounds) until the thinnest band is one line tall and the narrowest
-    column fits a label.
+
+def _sizes(
+    shape: tuple[int, int], rows: list[int], cols: list[int], width: int, least: int, tall: bool
+) -> tuple[list[int], list[int]]:
+    """Lines inside each band of ``rows`` and characters inside each band of ``cols`` (their extents).
+
+    By the rule in the module's docstring: a canvas of ``shape``'s aspect within ``width``
+    across and ``width / 4`` down, grown in both directions where the thinnest band needs
+    room (one line; ``least`` characters, a label and a space), at most ``width`` across
+    and, down, ``width`` or the thinnest row band's need if that is less.
     """
-    aspect = shape[0] / shape[1] / _CELL  # canvas rows per canvas column
-    wide, tall = float(width), max(2.0, width / 4)
-    across, down = wide, wide * aspect
-    if down > tall:
-        down, across = tall, tall / aspect
-    grow = max(
-        1.0,
-        2 * shape[0] / min(b - a for a, b in itertools.pairwise(rows)) / down,
-        least * shape[1] / min(b - a for a, b in itertools.pairwise(cols)) / across,
-    )
-    return min(wide, across * grow), min(tall, down * grow)
+    if not tall:
+        return [1], _fit(cols, width - len(cols), least)
+    aspect = shape[0] / shape[1] / _CELL  # canvas lines per canvas character
+    across, down = float(width), max(2.0, width / 4)
+    if across * aspect > down:
+        across = down / aspect
+    else:
+        down = across * aspect
+    need_down = len(rows) + shape[0] / min(rows)  # the thinnest band one line, the rest in proportion
+    need_across = len(cols) + least * shape[1] / min(cols)
+    grow = max(1.0, need_down / down, need_across / across)
+    across = min(float(width), across * grow)
+    down = min(max(width / 4, min(float(width), need_down)), down * grow)
+    return _lines(rows, round(down) - len(rows)), _fit(cols, round(across) - len(cols), least)
 
 
-def _positions(cuts: list[int], extent: int, span: float, least: int) -> list[int]:
-    """Canvas coordinate of each cut: gaps proportional to size, at least ``least`` apart."""
-    out = [0]
-    for a, b in itertools.pairwise(cuts):
-        out.append(out[-1] + max(least, round((b - a) / extent * span)))
+def _lines(extents: list[int], room: int) -> list[int]:
+    """Lines inside each band of rows, adding up to at most ``room``.
+
+    The thinnest band gets ``k`` lines (as many as fit), each other its extent times ``k``
+    over the thinnest's, rounded; ``_fit`` shares the room where even ``k = 1`` does not fit.
+    """
+    thin = min(extents)
+    for k in range(max(1, room * thin // sum(extents) + 1), 0, -1):
+        out = [math.floor(e * k / thin + 0.5) for e in extents]
+        if sum(out) <= room:
+            return out
+    return _fit(extents, room, 1)
+
+
+def _fit(extents: list[int], room: int, least: int) -> list[int]:
+    """Sizes proportional to ``extents`` within rounding, each at least ``least``, adding up to at most ``room``.
+
+    The largest scale whose rounded sizes fit (by bisection), so equal extents get equal
+    sizes; then the bands of an extent whose next size that scale just missed get it, the
+    widest first, while the room lasts.
+    """
+
+    def sizes(scale: float) -> list[int]:
+        return [max(least, math.floor(e * scale + 0.5)) for e in extents]
+
+    lo, hi = 0.0, max(room, least) / min(extents) + 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(sizes(mid)) <= room else (lo, mid)
+    out, near = sizes(lo), sizes(hi)
+    for e in sorted({e for e, a, b in zip(extents, out, near) if b > a}, reverse=True):
+        if sum(out) + extents.count(e) <= room:
+            out = [n + 1 if x == e else n for x, n in zip(extents, out)]
     return out
 
 

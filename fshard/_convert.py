@@ -1,0 +1,229 @@
+"""``fshard convert``: a checkpoint from one format to another in one process, tensor by tensor.
+
+Sources: an fshard checkpoint, a torch DCP folder, a Hugging Face safetensors file or
+folder. Targets: an fshard checkpoint (every tensor whole, in one file; an fshard
+source keeps its tree and scalars) or a Hugging Face folder. Memory holds one tensor at
+a time, or, for an fshard target with ``max_memory``, one block of at most that many
+bytes: the output is written block by block as the input is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+import fshard
+from fshard._checkpoint._collective import progress_bar
+from fshard._checkpoint._format import checkpoint_path, human
+from fshard._checkpoint._info import checkpoint_info
+from fshard._checkpoint._sources import Source, open_source
+from fshard._checkpoint._stream import save_streamed
+from fshard._errors import CheckpointError, SpecError
+from fshard.backends.local import LOCAL
+
+__all__ = ["convert", "main_convert", "main_info", "parse_size"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """Bytes from an int or a string such as ``"5GB"`` (10**9) or ``"512MiB"`` (2**20).
+
+    >>> parse_size("512MiB"), parse_size("5GB"), parse_size(100)
+    (536870912, 5000000000, 100)
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+    unit = m and _UNITS.get(m[2].upper())
+    if m is None or unit is None or float(m[1]) * unit < 1:
+        raise SpecError(f"{what} must be a positive number of bytes such as 5GB or 512MiB, got {value!r}.")
+    return int(float(m[1]) * unit)
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str | None = None,
+    max_memory: int | str | None = None,
+    max_shard_size: int | str = "5GB",
+    verify: bool = True,
+    progress: bool | None = None,
+) -> str:
+    """Converts the checkpoint ``src`` into a new one at ``dst``; returns a summary line.
+
+    Args:
+        src: an fshard checkpoint, a torch DCP folder, or a Hugging Face file or folder.
+        dst: the new checkpoint (an fshard checkpoint there is replaced; a Hugging Face
+            target must not exist yet).
+        to: ``"fshard"`` or ``"hf"`` (default: ``"hf"`` from an fshard source, else ``"fshard"``).
+        max_memory: bytes of tensor data held at once (default: the largest tensor). An fshard
+            target is then written in blocks; a Hugging Face target in files of at most this.
+        max_shard_size: bytes per Hugging Face file.
+        verify: check an fshard source's sha256 hashes.
+        progress: show a progress bar (``None``: on a terminal, for large jobs).
+
+    Raises:
+        CheckpointError: a damaged source, ``dst`` equal to ``src``, or a target that cannot be written.
+        SpecError: a bad ``to``, ``max_memory`` or ``max_shard_size``.
+    """
+    source_path, target = checkpoint_path(src, "convert()"), checkpoint_path(dst, "convert()")
+    budget = None if max_memory is None else parse_size(max_memory, "max_memory")
+    if source_path.resolve() == target.resolve():
+        raise CheckpointError(f"convert() writes a new checkpoint: the target {target} is the source itself.")
+    with contextlib.ExitStack() as stack:
+        source = open_source(source_path, stack, verify=verify)
+        to = to or ("hf" if source.kind == "fshard" else "fshard")
+        if to == "fshard":
+            tree, item = source.tree()
+
+            def read(leaf: int, lo: tuple[int, ...], size: tuple[int, ...], out: torch.Tensor) -> None:
+                source.read(item[leaf], lo, size, out)
+
+            save_streamed(target, tree, read, budget=budget, progress=progress)
+        elif to == "hf":
+            _to_hf(source, target, parse_size(max_shard_size, "max_shard_size"), budget, progress)
+        else:
+            raise SpecError(f"convert() to= takes 'fshard' or 'hf', got {to!r}.")
+        return _summary(source, source_path, to, target)
+
+
+def _summary(source: Source, src: Path, to: str, dst: Path) -> str:
+    size = human(sum(i.nbytes for i in source.items))
+    line = f"{len(source.items)} tensors ({size}) from {source.kind} {src} to {to} {dst}"
+    if source.others and not (to == "fshard" and source.kind == "fshard"):  # fshard to fshard keeps its scalars
+        more = f" and {len(source.others) - 8} more" if len(source.others) > 8 else ""
+        line += f"; not converted (not tensors): {', '.join(source.others[:8])}{more}"
+    return line
+
+
+def _groups(sizes: Sequence[int], limit: float) -> list[list[int]]:
+    """Consecutive tensors per file, each file at most ``limit`` bytes (a larger tensor alone)."""
+    out: list[list[int]] = []
+    used = 0
+    for k, n in enumerate(sizes):
+        if not out or used + n > limit:
+            out.append([])
+            used = 0
+        out[-1].append(k)
+        used += n
+    return out
+
+
+def _save_safetensors(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """One Hugging Face file of ``tensors``, written by ``fshard.save_safetensors``; returns its path."""
+    save = getattr(fshard, "save_safetensors", None)
+    if save is None:
+        raise CheckpointError("Writing Hugging Face folders needs fshard.save_safetensors, which this fshard lacks.")
+    save(folder, tensors, max_shard_size=max(1, sum(t.nbytes for t in tensors.values())))
+    return folder / "model.safetensors"
+
+
+def _to_hf(source: Source, target: Path, shard_size: int, budget: int | None, progress: bool | None) -> None:
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(f"convert() writes a new Hugging Face folder: {target} exists and is not empty.")
+    too_big = [i.name for i in source.items if budget is not None and i.nbytes > budget]
+    if too_big:
+        msg = (
+            f"A Hugging Face file holds each tensor whole, and {too_big[:3]} hold more than max_memory={budget} "
+            "bytes: raise max_memory, or convert to fshard (written block by block)."
+        )
+        raise CheckpointError(msg)
+    groups = _groups([i.nbytes for i in source.items], min(shard_size, budget or shard_size))
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    )
+    stage = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    stage.mkdir(parents=True)
+    try:
+        total = sum(i.nbytes for i in source.items)
+        with progress_bar("fshard convert", total, progress, LOCAL) as bar:
+            for name, group in zip(names, groups):
+                tensors = {source.items[k].name: _whole(source, k) for k in group}
+                os.replace(_save_safetensors(stage / "part", tensors), stage / name)
+                shutil.rmtree(stage / "part")
+                bar.update(sum(t.nbytes for t in tensors.values()))
+                del tensors
+        if len(groups) > 1:
+            weights = {source.items[k].name: names[g] for g, group in enumerate(groups) for k in group}
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weights.items()))}
+            (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        if target.exists():
+            target.rmdir()
+        os.replace(stage, target)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _whole(source: Source, k: int) -> torch.Tensor:
+    item = source.items[k]
+    out = torch.empty(item.shape, dtype=item.dtype)
+    source.read(k, (0,) * len(item.shape), item.shape, out)
+    return out
+
+
+def main_convert(argv: Sequence[str], prog: str) -> int:
+    """``fshard convert SRC DST``: prints a summary; exit status 1 on a checkpoint error, 2 on bad arguments."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("src", type=Path, help="fshard checkpoint, torch DCP folder, or Hugging Face file or folder")
+    parser.add_argument("dst", type=Path, help="the new checkpoint")
+    parser.add_argument("--to", choices=["fshard", "hf"], help="target format (default: hf from fshard, else fshard)")
+    parser.add_argument("--max-memory", metavar="SIZE", help="bytes of tensor data held at once, e.g. 512MiB")
+    parser.add_argument("--max-shard-size", metavar="SIZE", default="5GB", help="bytes per Hugging Face file (5GB)")
+    parser.add_argument("--no-verify", action="store_true", help="skip an fshard source's sha256 checks")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar")
+    args = parser.parse_args(argv)
+    for option in ("max_memory", "max_shard_size"):
+        try:
+            value = getattr(args, option)
+            if value is not None:
+                parse_size(value, "--" + option.replace("_", "-"))
+        except SpecError as exc:
+            parser.error(str(exc))
+    try:
+        line = convert(
+            args.src,
+            args.dst,
+            to=args.to,
+            max_memory=args.max_memory,
+            max_shard_size=args.max_shard_size,
+            verify=not args.no_verify,
+            progress=args.progress,
+        )
+    except (CheckpointError, SpecError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    print(f"converted {line}")
+    return 0
+
+
+def main_info(argv: Sequence[str], prog: str) -> int:
+    """``fshard info PATH``: prints what a checkpoint of any of the three formats holds."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Lists a checkpoint's tensors: fshard, torch DCP or Hugging Face."
+    )
+    parser.add_argument("path", type=Path, help="fshard checkpoint, torch DCP folder, or Hugging Face file or folder")
+    args = parser.parse_args(argv)
+    try:
+        print(checkpoint_info(args.path))
+    except CheckpointError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    return 0

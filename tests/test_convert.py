@@ -1,0 +1,243 @@
+"""``fshard convert`` and ``fshard info``: DCP, fshard and Hugging Face sources; fshard and Hugging Face targets."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+import fshard
+from fshard import __main__ as cli
+from fshard import _convert
+from fshard._checkpoint import _stream
+from fshard._convert import convert
+
+_G = torch.Generator().manual_seed(5)
+DENSE = {
+    "model.embed": torch.randn(9, 6, generator=_G),
+    "model.proj": torch.randn(8, 5, generator=_G).t(),  # stored transposed by torch.save
+    "model.norm": torch.randn(6, generator=_G).to(torch.bfloat16),
+    "model.ids": torch.arange(7, dtype=torch.int64),
+    "model.empty": torch.zeros(0, 2),
+    "scale": torch.tensor(0.25, dtype=torch.float64),
+}
+HAS_HF_WRITER = hasattr(fshard, "save_safetensors")
+needs_hf_writer = pytest.mark.skipif(not HAS_HF_WRITER, reason="fshard.save_safetensors is not in this build")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def _nested() -> dict[str, object]:
+    model = {k.split(".", 1)[1]: v for k, v in DENSE.items() if k.startswith("model.")}
+    return {"model": model, "scale": DENSE["scale"], "epoch": 3}
+
+
+@pytest.fixture(scope="module")
+def dcp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("src") / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process"
+        dcp.save(_nested(), checkpoint_id=path, no_dist=True)
+    return path
+
+
+def test_dcp_to_fshard(dcp_folder: Path, tmp_path: Path) -> None:
+    line = convert(dcp_folder, tmp_path / "ck")
+    assert line == (
+        f"6 tensors (452 B) from dcp {dcp_folder} to fshard {tmp_path / 'ck'}; not converted (not tensors): epoch"
+    )
+    out = fshard.load(tmp_path / "ck")  # verifies every sha256
+    assert sorted(out) == sorted(DENSE)
+    assert all(_same(out[k], v) for k, v in DENSE.items())
+
+
+def test_blocks_stay_within_max_memory(dcp_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes: list[int] = []
+    write = _stream.SafetensorsWriter.write
+    monkeypatch.setattr(_stream.SafetensorsWriter, "write", lambda self, b: sizes.append(b.nbytes) or write(self, b))
+    convert(dcp_folder, tmp_path / "ck", max_memory=16)
+    assert max(sizes) == 16
+    assert sum(sizes) == sum(t.nbytes for t in DENSE.values())
+    out = fshard.load(tmp_path / "ck")
+    assert all(_same(out[k], v) for k, v in DENSE.items())
+
+
+def test_fshard_to_fshard_keeps_the_tree_and_scalars(tmp_path: Path) -> None:
+    x = fshard.shard(DENSE["model.embed"], fshard.Named(fshard.Mesh((2, 2)), ("x", "y")))
+    fshard.save(tmp_path / "a", {"params": {"x": x, "norm": DENSE["model.norm"]}, "opt": [DENSE["model.ids"], 0.5]})
+    convert(tmp_path / "a", tmp_path / "b", to="fshard", max_memory=40)
+    out = fshard.load(tmp_path / "b")
+    assert _same(out["params"]["x"], DENSE["model.embed"])  # arrays become whole tensors
+    assert _same(out["params"]["norm"], DENSE["model.norm"])
+    assert _same(out["opt"][0], DENSE["model.ids"])
+    assert out["opt"][1] == 0.5
+
+
+def test_a_tampered_fshard_source_is_refused(tmp_path: Path) -> None:
+    fshard.save(tmp_path / "a", {"w": DENSE["model.embed"]})
+    data = next((tmp_path / "a").glob("data.*")) / "rank-00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(fshard.CheckpointError, match=re.escape("does not match its sha256 in index.json")):
+        convert(tmp_path / "a", tmp_path / "b", to="fshard")
+    convert(tmp_path / "a", tmp_path / "c", to="fshard", verify=False)  # on request, as it is
+    assert not torch.equal(fshard.load(tmp_path / "c")["w"], DENSE["model.embed"])
+
+
+def test_hugging_face_file_and_folder_to_fshard(tmp_path: Path) -> None:
+    tensors = {k: v.contiguous() for k, v in DENSE.items() if k != "scale"}
+    save_file(tensors, tmp_path / "one.safetensors")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    names = sorted(tensors)
+    save_file({k: tensors[k] for k in names[:2]}, folder / "model-00001-of-00002.safetensors")
+    save_file({k: tensors[k] for k in names[2:]}, folder / "model-00002-of-00002.safetensors")
+    weight_map = {k: f"model-0000{1 + (i >= 2)}-of-00002.safetensors" for i, k in enumerate(names)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for src in (tmp_path / "one.safetensors", folder):
+        convert(src, tmp_path / "ck")
+        out = fshard.load(tmp_path / "ck")
+        assert sorted(out) == names
+        assert all(_same(out[k], v) for k, v in tensors.items())
+
+
+def _fake_save_safetensors(path: Path, tree: dict[str, torch.Tensor], *, max_shard_size: int) -> None:
+    """Stands in for the Hugging Face writer: one model.safetensors when everything fits."""
+    assert sum(t.nbytes for t in tree.values()) <= max_shard_size
+    Path(path).mkdir(parents=True)
+    save_file(tree, Path(path) / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_to_hugging_face_in_files_of_at_most_max_shard_size(
+    dcp_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fshard, "save_safetensors", _fake_save_safetensors, raising=False)
+    convert(dcp_folder, tmp_path / "hf", to="hf", max_shard_size=100)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n > 2
+    assert files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    for f in files:  # at most 100 bytes per file, or one tensor that alone is larger
+        held = [DENSE[k].nbytes for k, v in index["weight_map"].items() if v == f]
+        assert sum(held) <= 100 or len(held) == 1
+    assert index["metadata"] == {"total_size": sum(t.nbytes for t in DENSE.values())}
+    loaded = {k: v for f in files for k, v in load_file(tmp_path / "hf" / f).items()}
+    assert sorted(loaded) == sorted(DENSE)
+    assert all(_same(loaded[k], v) for k, v in DENSE.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left behind
+
+
+@needs_hf_writer
+@pytest.mark.parametrize("max_shard_size", ["5GB", 100])
+def test_dcp_and_fshard_to_hugging_face(dcp_folder: Path, tmp_path: Path, max_shard_size: object) -> None:
+    convert(dcp_folder, tmp_path / "hf", to="hf", max_shard_size=max_shard_size)  # type: ignore[arg-type]
+    back = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert sorted(back) == sorted(DENSE)
+    assert all(_same(back[k], v) for k, v in DENSE.items())
+    convert(tmp_path / "hf", tmp_path / "ck")
+    convert(tmp_path / "ck", tmp_path / "hf2")  # fshard -> Hugging Face is the default direction
+    again = {k: v for f in sorted((tmp_path / "hf2").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert all(_same(again[k], v) for k, v in DENSE.items())
+
+
+def test_errors(dcp_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(fshard.CheckpointError, match=re.escape("the target")):
+        convert(dcp_folder, dcp_folder)
+    with pytest.raises(fshard.SpecError, match=re.escape("to= takes 'fshard' or 'hf', got 'pt'")):
+        convert(dcp_folder, tmp_path / "x", to="pt")
+    with pytest.raises(fshard.SpecError, match=re.escape("max_memory must be a positive number of bytes")):
+        convert(dcp_folder, tmp_path / "x", max_memory="lots")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    monkeypatch.setattr(fshard, "save_safetensors", _fake_save_safetensors, raising=False)
+    with pytest.raises(fshard.CheckpointError, match=re.escape("exists and is not empty")):
+        convert(dcp_folder, tmp_path / "full", to="hf")
+    with pytest.raises(fshard.CheckpointError, match=re.escape("hold more than max_memory=16 bytes")):
+        convert(dcp_folder, tmp_path / "x", to="hf", max_memory=16)
+
+
+def test_without_the_hugging_face_writer_the_error_says_so(dcp_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delattr(fshard, "save_safetensors", raising=False)
+    with pytest.raises(fshard.CheckpointError, match=re.escape("needs fshard.save_safetensors")):
+        convert(dcp_folder, tmp_path / "hf", to="hf")
+    assert not (tmp_path / "hf").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+
+def test_cli_convert_and_info(dcp_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["convert", str(dcp_folder), str(tmp_path / "ck"), "--max-memory", "1KiB"], prog="fshard") == 0
+    assert capsys.readouterr().out.startswith(f"converted 6 tensors (452 B) from dcp {dcp_folder} to fshard")
+    assert all(_same(fshard.load(tmp_path / "ck")[k], v) for k, v in DENSE.items())
+    assert cli.main(["info", str(dcp_folder)], prog="fshard") == 0
+    text = capsys.readouterr().out.splitlines()
+    assert (
+        text[0]
+        == f"torch DCP checkpoint {dcp_folder} (version 1.0.0): 6 tensors (452 B) and 1 other entries in 1 files"
+    )
+    assert "model.proj: float32 (5, 8), 1 chunk in __0_0.distcp" in text
+    assert "epoch: not a tensor (1261 bytes in __0_0.distcp; fshard.load returns them raw)" in text
+    assert cli.main(["info", str(tmp_path / "ck")], prog="fshard") == 0
+    assert "['model.norm']: tensor bfloat16 (6,), 1 box written" in capsys.readouterr().out
+
+
+def test_cli_info_of_a_hugging_face_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_file({"b": torch.zeros(2, 3), "a": torch.ones(4, dtype=torch.int8)}, tmp_path / "model.safetensors")
+    assert cli.main(["info", str(tmp_path)], prog="fshard") == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"Hugging Face safetensors {tmp_path}: 2 tensors (28 B) in 1 files",
+        "a: int8 (4,) in model.safetensors",
+        "b: float32 (2, 3) in model.safetensors",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["convert", "a"], 2, "the following arguments are required: dst"),
+        (["convert", "a", "b", "--max-memory", "0"], 2, "--max-memory must be a positive number of bytes"),
+        (["convert", "a", "b", "--to", "pt"], 2, "argument --to: invalid choice: 'pt'"),
+        (["convert", "/no/such/dir", "/tmp/x"], 1, "/no/such/dir/index.json does not exist"),
+        (["info", "/no/such/dir"], 1, "/no/such/dir/index.json does not exist"),
+    ],
+    ids=["missing-dst", "bad-size", "bad-to", "missing-src", "info-missing"],
+)
+def test_cli_errors(argv: list[str], code: int, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    if code == 2:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv, prog="fshard")
+        assert exit_.value.code == 2
+    else:
+        assert cli.main(argv, prog="fshard") == 1
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_parse_size() -> None:
+    assert [_convert.parse_size(s) for s in ("1KiB", "1kb", "2.5MB", "3 GiB", 7)] == [1024, 1000, 2_500_000, 3 << 30, 7]
+
+
+def test_no_staging_left_after_a_failed_hugging_face_write(dcp_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    def broken(path: Path, tree: dict[str, torch.Tensor], *, max_shard_size: int) -> None:
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(fshard, "save_safetensors", broken, raising=False)
+    with pytest.raises(OSError, match="disk full"):
+        convert(dcp_folder, tmp_path / "hf", to="hf")
+    assert list(tmp_path.iterdir()) == []
+    shutil.rmtree(tmp_path, ignore_errors=True)

@@ -1,0 +1,166 @@
+"""shard_map and map_local give the same values and gradients on the local backend and on Gloo.
+
+Programs with closed-over tensors (plain ones, module parameters reached through a closure),
+replication claims checked against what the results vary over, each run once on the local
+backend (in this process) and once on 4 Gloo processes, compared exactly (float64).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fshard
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _closed_over_scalar() -> list[float]:
+    x = (torch.arange(8.0, dtype=torch.float64) / 10).requires_grad_()
+    y = (3.0 * x).sum()  # closed over by the body
+    mesh = fshard.Mesh((4,))
+    xs = fshard.shard(x.detach(), fshard.Named(mesh, ("x",)))
+    z = fshard.shard_map(
+        lambda b: 2 * b * y, in_specs=fshard.Named(mesh, ("x",)), out_specs=fshard.Named(mesh, ("x",))
+    )(xs)
+    fshard.gather(z).sum().backward()
+    return x.grad.tolist()
+
+
+def _closed_over_module() -> list[list[float]]:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2, dtype=torch.float64)
+    ranks = [0, 1, 2, 3]
+    data = torch.arange(24.0, dtype=torch.float64).reshape(8, 3) / 7
+    xs = fshard.shard(data, fshard.Chunk(0, ranks))
+    out = fshard.shard_map(
+        lambda b: torch.tanh(lin(b)), in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks)
+    )(xs)
+    (fshard.gather(out) ** 2).sum().backward()
+    return [lin.weight.grad.tolist(), lin.bias.grad.tolist()]
+
+
+def _closed_over_in_map_local() -> list[float]:
+    w = torch.tensor([1.5, -2.0], dtype=torch.float64, requires_grad=True)
+    a = fshard.shard(torch.arange(8.0, dtype=torch.float64).reshape(4, 2), fshard.Chunk(0, [0, 1, 2, 3]))
+    fshard.gather(fshard.map_local(lambda t: t * w, a)).pow(2).sum().backward()
+    return w.grad.tolist()
+
+
+def _closed_over_with_replicas() -> list[float]:
+    # Rows over x, replicated over y: each result copy counts once.
+    mesh = fshard.Mesh((2, 2))
+    spec = fshard.Named(mesh, ("x", None))
+    w = torch.tensor([0.5, 3.0], dtype=torch.float64, requires_grad=True)
+    a = fshard.shard(torch.arange(8.0, dtype=torch.float64).reshape(4, 2), spec)
+    fshard.gather(fshard.shard_map(lambda b: torch.sin(b * w), in_specs=spec, out_specs=spec)(a)).sum().backward()
+    return w.grad.tolist()
+
+
+PROGRAMS = {
+    "closed-over-scalar": _closed_over_scalar,
+    "closed-over-module": _closed_over_module,
+    "closed-over-map-local": _closed_over_in_map_local,
+    "closed-over-with-replicas": _closed_over_with_replicas,
+}
+
+
+def _flat(x) -> list[float]:
+    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
+
+
+def _close(a, b) -> bool:
+    a, b = torch.tensor(_flat(a), dtype=torch.float64), torch.tensor(_flat(b), dtype=torch.float64)
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_gradients_of_closed_over_tensors_are_the_same_on_both_backends(dist_pool, name):
+    local = PROGRAMS[name]()
+    for rank, got in enumerate(dist_pool.run(PROGRAMS[name], timeout=60)):
+        assert _close(got, local), f"rank {rank}: {got} != {local}"
+
+
+def test_closed_over_gradient_is_the_sum_of_its_uses():
+    # loss = sum(2 * b * y) with y = 3 * sum(x): d loss / d x_i = 3 * 2 * sum(x) = 16.8.
+    assert _close(_closed_over_scalar(), [6 * 2.8] * 8)
+
+
+def _closed_over_where_a_rank_holds_no_block() -> str:
+    w = torch.tensor([2.0], requires_grad=True)
+    a = fshard.shard(torch.arange(6.0), fshard.Chunk(0, [0, 1, 2]))
+    try:
+        fshard.map_local(lambda t: t * w, a)
+    except fshard.SpecError as e:
+        return str(e)
+    return "no error"
+
+
+def test_closed_over_tensor_with_a_rank_without_blocks_is_refused_on_every_rank(dist_pool):
+    for msg in dist_pool.run(_closed_over_where_a_rank_holds_no_block, timeout=60):
+        assert "closed over" in msg
+        assert "ranks [3] hold no block" in msg
+        assert "Replicated" in msg
+
+
+def _closed_over_without_grad_where_a_rank_holds_no_block() -> list[float]:
+    w = torch.tensor([2.0])
+    a = fshard.shard(torch.arange(6.0), fshard.Chunk(0, [0, 1, 2]))
+    return fshard.gather(fshard.map_local(lambda t: t * w, a)).tolist()
+
+
+def test_closed_over_tensor_without_grad_needs_no_block_anywhere(dist_pool):
+    for got in dist_pool.run(_closed_over_without_grad_where_a_rank_holds_no_block, timeout=60):
+        assert got == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+def _claimed_replicas() -> list[float]:
+    # Rows over x, replicated over y: the copies along y are replicas the arguments imply.
+    mesh = fshard.Mesh((2, 2))
+    spec = fshard.Named(mesh, ("x", None))
+    y = fshard.shard_map(lambda t: t.cumsum(1), in_specs=spec, out_specs=spec)(torch.arange(12.0).reshape(4, 3))
+    moved = fshard.reshard(y, fshard.Single(3))
+    return [*fshard.gather(y).flatten().tolist(), float(fshard.equal(y, moved))]
+
+
+def _refused_claim() -> str:
+    mesh = fshard.Mesh((2, 2))
+    try:
+        fshard.shard_map(
+            lambda t: 2 * t, in_specs=fshard.Named(mesh, ("x", "y")), out_specs=fshard.Named(mesh, (None, "y"))
+        )(torch.ones(4, 4))
+    except fshard.SpecError as e:
+        return str(e)
+    return "no error"
+
+
+def test_accepted_claims_give_the_same_values_on_both_backends(dist_pool):
+    local = _claimed_replicas()
+    assert local[-1] == 1.0
+    assert dist_pool.run(_claimed_replicas, timeout=60) == [local] * 4
+
+
+def test_a_refused_claim_raises_on_every_rank(dist_pool):
+    for msg in dist_pool.run(_refused_claim, timeout=60):
+        assert "replicas along mesh axis 'x'" in msg
+
+
+def _trusted_claim_in_check_mode(honest: bool) -> str:
+    mesh = fshard.Mesh((2, 2))
+    body = (lambda t: t.sum(0, keepdim=True) * 0) if honest else (lambda t: t.sum(0, keepdim=True))
+    old = fshard.config(check_collectives=True)
+    try:
+        y = fshard.shard_map(
+            body, in_specs=fshard.Named(mesh, ("x", "y")), out_specs=fshard.Named(mesh, (None, "y")), check_vma=False
+        )(torch.arange(16.0).reshape(4, 4))
+        return f"ok {tuple(y.shape)}"
+    except fshard.ReplicaMismatchError as e:
+        return str(e)
+    finally:
+        fshard.config(**{"check_collectives": old.check_collectives})
+
+
+def test_check_mode_compares_the_copies_that_check_vma_false_trusts(dist_pool):
+    assert dist_pool.run(_trusted_claim_in_check_mode, True, timeout=60) == ["ok (1, 4)"] * 4
+    for msg in dist_pool.run(_trusted_claim_in_check_mode, False, timeout=60):
+        assert "result 0 of shard_map()" in msg

@@ -1,0 +1,105 @@
+"""Trees of arrays move as one on 4 Gloo processes: one collective per phase and dtype.
+
+The values equal those of moving the leaves one by one; the elements sent equal the sum of
+the leaves' minimums; a data-parallel and a fully-sharded step reduce their gradients in one
+collective per phase (a reduce-scatter into the shards, not an all-reduce and a slice).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fshard
+from fshard.backends.torch_dist import TorchDistBackend
+
+pytestmark = pytest.mark.multiprocess
+
+R = [0, 1, 2, 3]
+
+
+def _counted(fn):
+    c = TorchDistBackend().counters
+    runs, sent = c.collectives, c.elements_sent
+    out = fn()
+    return out, c.collectives - runs, c.elements_sent - sent
+
+
+def _tree():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": fshard.shard(torch.randn(6, 5, generator=g), fshard.Chunk(0, R)),
+        "b": fshard.shard(torch.randn(5, generator=g), fshard.Chunk(0, R)),
+        "e": fshard.shard(torch.empty(0, 3), fshard.Chunk(0, R)),
+        "r": fshard.shard(torch.randn(3, generator=g), fshard.Replicated([1, 2])),  # on other ranks
+        "h": fshard.shard(torch.randn(3, 4, generator=g, dtype=torch.float64), fshard.Chunk(0, [1, 2])),
+        "c": fshard.shard(torch.randn(4, 6, generator=g), fshard.Chunk(1, R)),  # boxes that are no ranges
+    }
+
+
+def _tree_reshard() -> tuple[list, int, int, int, list]:
+    tree = _tree()
+    moved, runs, sent = _counted(lambda: fshard.reshard(tree, fshard.Replicated(R)))
+    one_by_one, runs_alone, sent_alone = _counted(
+        lambda: {k: fshard.reshard(a, fshard.Replicated(R)) for k, a in tree.items()}
+    )
+    same = [torch.equal(fshard.gather(moved[k]), fshard.gather(one_by_one[k])) for k in tree]
+    return same, runs, sent, sent_alone, [runs_alone]
+
+
+def test_a_tree_moves_in_one_collective_per_dtype_at_the_minimum(dist_pool):
+    for same, runs, sent, sent_alone, (runs_alone,) in dist_pool.run(_tree_reshard, timeout=60):
+        assert all(same)
+        assert sent == sent_alone  # each rank sends what the leaves' plans send, no more
+        assert runs == 3  # float32 ranges (w, b, e, r), float64 (h), and c alone
+        assert runs_alone == 5  # the empty leaf moves nothing
+
+
+def _step(style: str) -> tuple[list[float], int, int, int, int]:
+    torch.manual_seed(0)
+    spec = fshard.Chunk(0, R) if style == "fsdp" else fshard.Replicated(R)
+    params = [fshard.randn(spec, 8, 8, seed=k, dtype=torch.float64) for k in range(6)]
+    for a in params:
+        for t in a.addressable_data:
+            t.requires_grad_()
+    x = fshard.randn(fshard.Chunk(0, R), 8, 8, seed=99, dtype=torch.float64)
+
+    def body(xb, *ws):
+        h = xb
+        for w in ws:
+            h = torch.tanh(h @ w)
+        return h.sum()[None]
+
+    step = fshard.shard_map(body, in_specs=(fshard.Chunk(0, R), *[fshard.Replicated(R)] * 6),
+                            out_specs=fshard.Partial(fshard.Replicated(R)))  # fmt: skip
+    loss, fwd_runs, fwd_sent = _counted(lambda: step(x, *params))
+    _, bwd_runs, bwd_sent = _counted(lambda: fshard.gather(loss).sum().backward())
+    grads = [float(t.grad.sum()) for a in params for t in a.addressable_data]
+    return grads, fwd_runs, fwd_sent, bwd_runs, bwd_sent
+
+
+def test_a_fully_sharded_step_gathers_and_reduce_scatters_once(dist_pool):
+    n = 6 * 64  # elements of the parameters
+    for _, fwd_runs, fwd_sent, bwd_runs, bwd_sent in dist_pool.run(_step, "fsdp", timeout=60):
+        assert fwd_runs == 2  # one all-gather of every parameter (x is in place), one exchange of result shapes
+        assert fwd_sent == 3 * n // 4  # each rank sends its quarter to 3 peers
+        # The parameters' gradients: one reduce-scatter (3/4 of them leave each rank), not an all-reduce
+        # (3/2 of them); the loss's gradient: 1 element per rank, 3 from the rank that reduced it.
+        assert bwd_sent - 3 * n // 4 in (1, 3)
+        assert bwd_runs <= 3
+
+
+def test_a_data_parallel_step_reduces_every_gradient_in_one_collective_per_phase(dist_pool):
+    results = dist_pool.run(_step, "dp", timeout=60)
+    for grads, fwd_runs, _, bwd_runs, _ in results:
+        assert fwd_runs == 1  # the exchange of result shapes: nothing moves
+        assert bwd_runs <= 4  # the loss's gather, and one all-reduce (two phases) for all 6 gradients
+        assert grads == results[0][0]  # every replica holds the total
+
+
+def test_the_fully_sharded_gradients_are_the_data_parallel_ones(dist_pool):
+    dp = dist_pool.run(_step, "dp", timeout=60)[0][0]
+    fsdp = [g for r in dist_pool.run(_step, "fsdp", timeout=60) for g in r[0]]
+    # Rank r holds rows 2r, 2r+1 of each parameter: the sums of its shards add up to the whole gradients'.
+    whole = [sum(fsdp[k + 6 * r] for r in range(4)) for k in range(6)]
+    assert torch.allclose(torch.tensor(whole), torch.tensor(dp), rtol=1e-12)

@@ -1,0 +1,232 @@
+"""Per-block functions cannot write into their input blocks: the write is refused before it runs.
+
+``map_local`` and ``shard_map`` run their function under a dispatch-level check
+(``fshard._exec.readonly``): an aten op that would write into an input block, or into a
+view of one, raises ``SpecError`` naming the op, and the array keeps its values, bit for
+bit. Writes into tensors the function made itself go through.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.func import grad, vmap
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+import fshard
+from fshard import SpecError
+
+ROWS = fshard.Chunk(0, [0, 1])
+X = torch.arange(12.0).reshape(4, 3) / 8 - 0.5  # exact sums and products: results compare bit for bit
+
+
+def _array() -> fshard.ShardedArray:
+    return fshard.shard(X.clone(), ROWS)
+
+
+def _bits(a: fshard.ShardedArray) -> list[tuple[list[int], int]]:
+    """Each addressable block's bytes and version counter: equal before and after means untouched."""
+    return [(s.data.contiguous().view(torch.uint8).flatten().tolist(), s.data._version) for s in a.addressable_shards]
+
+
+# Each write, the op the error names and the argument it writes into.
+WRITES: list[tuple[str, Callable[[torch.Tensor], object], str, str]] = [
+    ("mul_", lambda t: t.mul_(10), "aten::mul_.Tensor", "self"),
+    ("add_ with alpha", lambda t: t.add_(torch.ones_like(t), alpha=2), "aten::add_.Tensor", "self"),
+    ("copy_", lambda t: t.copy_(t * 3), "aten::copy_", "self"),
+    ("setitem", lambda t: t.__setitem__(0, 1), "aten::fill_.Tensor", "self"),
+    ("index_put_", lambda t: t.index_put_((torch.tensor([0]),), torch.tensor(5.0)), "aten::index_put_", "self"),
+    ("out=", lambda t: torch.add(t, 1, out=t), "aten::add.out", "out"),
+    ("a view written", lambda t: t[:1].zero_(), "aten::zero_", "self"),
+    ("a detached alias", lambda t: t.detach().sub_(1), "aten::sub_.Tensor", "self"),
+    ("relu inplace", lambda t: torch.nn.functional.relu(t, inplace=True), "aten::relu_", "self"),
+    ("a list of outputs", lambda t: torch._foreach_add_([t], 1.0), "aten::_foreach_add_.Scalar", "self"),
+]
+
+
+def _refused(what: str, op: str, name: str) -> str:
+    return re.escape(f"{what} fn called {op}, which writes into its argument {name!r} in place")
+
+
+@pytest.mark.parametrize(("write", "op", "name"), [w[1:] for w in WRITES], ids=[w[0] for w in WRITES])
+def test_map_local_refuses_the_write_before_it_happens(write, op, name) -> None:
+    a = _array()
+    before = _bits(a)
+    with pytest.raises(SpecError) as info:
+        fshard.map_local(write, a)
+    assert _bits(a) == before
+    assert torch.equal(fshard.gather(a), X)
+    assert re.match(_refused("map_local()", op, name), str(info.value))
+
+
+@pytest.mark.parametrize(("write", "op", "name"), [w[1:] for w in WRITES], ids=[w[0] for w in WRITES])
+def test_shard_map_refuses_the_write_before_it_happens(write, op, name) -> None:
+    a = _array()
+    before = _bits(a)
+    with pytest.raises(SpecError) as info:
+        fshard.shard_map(write, ROWS, ROWS)(a)
+    assert _bits(a) == before
+    assert re.match(_refused("shard_map()", op, name), str(info.value))
+
+
+def test_a_tensor_argument_of_shard_map_is_not_written() -> None:
+    """shard_map slices a plain tensor argument without copying: its blocks are its memory."""
+    x = X.clone()
+    with pytest.raises(SpecError, match=_refused("shard_map()", "aten::mul_.Tensor", "self")):
+        fshard.shard_map(lambda t: t.mul_(10), ROWS, ROWS)(x)
+    assert torch.equal(x.view(torch.int32), X.view(torch.int32))
+    assert x._version == 0
+
+
+def test_the_second_argument_and_a_refusal_message_that_names_the_fix() -> None:
+    a, b = _array(), _array()
+    before = _bits(b)
+    with pytest.raises(SpecError) as info:
+        fshard.map_local(lambda s, t: t.mul_(s), a, b)
+    assert _bits(b) == before
+    assert "the write was refused before it ran, so the input is unchanged" in str(info.value)
+    assert "Return a new tensor instead (t * 10, not t.mul_(10)" in str(info.value)
+
+
+def test_writes_into_tensors_fn_made_itself_go_through() -> None:
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape)
+        out.copy_(t)
+        y = t * 2
+        y.add_(1)
+        y[0] = 0
+        torch.mul(t, 3, out=out)
+        return out + y
+
+    a = _array()
+    before = _bits(a)
+    want = X * 3 + X * 2 + 1
+    want[[0, 2]] = X[[0, 2]] * 3
+    assert torch.equal(fshard.gather(fshard.map_local(fn, a)), want)
+    assert torch.equal(fshard.gather(fshard.shard_map(fn, ROWS, ROWS)(a)), want)
+    assert _bits(a) == before
+
+
+def test_a_refused_write_leaves_autograd_working() -> None:
+    x = X.clone().requires_grad_(True)
+    a = fshard.shard(x, ROWS)
+    with pytest.raises(SpecError, match=_refused("map_local()", "aten::mul_.Tensor", "self")):
+        fshard.map_local(lambda t: t.mul_(10), a)
+    fshard.gather(fshard.map_local(lambda t: t * t, a)).sum().backward()
+    assert torch.equal(x.grad, 2 * X)
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward records the dispatch modes active while it runs."""
+
+    modes: list[list[str]] = []  # noqa: RUF012
+
+    @staticmethod
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        _Probe.modes.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+        return g
+
+
+def test_the_check_runs_in_the_forward_call_only() -> None:
+    x = X.clone().requires_grad_(True)
+    a = fshard.shard(x, ROWS)
+    seen: list[list[str]] = []
+
+    def body(t: torch.Tensor) -> torch.Tensor:
+        seen.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+        return _Probe.apply(t) * 2
+
+    _Probe.modes.clear()
+    fshard.gather(fshard.map_local(body, a)).sum().backward()
+    assert seen == [["_ReadOnly"], ["_ReadOnly"]]
+    assert _Probe.modes == [[], []]
+    assert torch.equal(x.grad, torch.full_like(X, 2.0))
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_under_vmap_and_grad() -> None:
+    xs = torch.stack([X, 2 * X])
+
+    def per_sample(t: torch.Tensor) -> torch.Tensor:
+        return fshard.gather(fshard.map_local(lambda b: b.mul_(10), fshard.shard(t, ROWS)))
+
+    with pytest.raises(SpecError, match=_refused("map_local()", "aten::mul_.Tensor", "self")):
+        vmap(per_sample)(xs)
+    assert torch.equal(xs, torch.stack([X, 2 * X]))
+    assert xs._version == 0
+
+    def loss(t: torch.Tensor) -> torch.Tensor:
+        return fshard.gather(fshard.map_local(lambda b: b.add_(1) * b, fshard.shard(t, ROWS))).sum()
+
+    x = X.clone()
+    with pytest.raises(SpecError, match=_refused("map_local()", "aten::add_.Tensor", "self")):
+        grad(loss)(x)
+    assert torch.equal(x, X)
+    assert x._version == 0
+    fine = grad(lambda t: fshard.gather(fshard.map_local(lambda b: (b * 1).add_(1) * b, fshard.shard(t, ROWS))).sum())
+    assert torch.equal(fine(x), 2 * X + 1)
+    assert vmap(lambda t: fshard.gather(fshard.map_local(lambda b: b + 1, fshard.shard(t, ROWS))))(xs).shape == (
+        2,
+        4,
+        3,
+    )
+
+
+def test_a_body_compiled_by_dynamo_is_checked_at_run_time() -> None:
+    """The compiled code's ops run under the check (the eager backend runs them one by one)."""
+    torch._dynamo.reset()
+    try:
+        body = torch.compile(lambda t: t.mul_(10), backend="eager")
+        a = _array()
+        before = _bits(a)
+        with pytest.raises(SpecError, match=_refused("map_local()", "aten::mul_.Tensor", "self")):
+            fshard.map_local(body, a)
+        assert _bits(a) == before
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_write_the_check_cannot_see_is_still_caught_after_it() -> None:
+    """With the dispatch modes switched off (as in code compiled by Inductor), the version counter tells."""
+
+    def hidden(t: torch.Tensor) -> torch.Tensor:
+        with _disable_current_modes():
+            return t.mul_(10)
+
+    a = _array()
+    with pytest.raises(SpecError, match=re.escape("map_local() fn wrote into an input block in place")):
+        fshard.map_local(hidden, a)
+    assert torch.equal(fshard.gather(a), X * 10)  # the write happened: this check comes after it
+
+
+# -- 4 Gloo processes ---------------------------------------------------------------------------
+
+
+def _every_rank_refuses(spec: fshard.Chunk) -> tuple[str, str, bool]:
+    a = fshard.shard(X.clone(), spec)
+    before = _bits(a)
+    try:
+        fshard.map_local(lambda t: t.mul_(10), a)
+    except SpecError as exc:
+        error = (type(exc).__name__, str(exc).split(",", 1)[0])
+    else:
+        error = ("no error", "")
+    return *error, _bits(a) == before and torch.equal(fshard.gather(a), X)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ranks", [[0, 1, 2, 3], [0, 1, 2]], ids=["every rank holds a block", "rank 3 holds none"])
+def test_every_rank_raises_and_keeps_its_blocks(dist_pool, ranks) -> None:
+    got = dist_pool.run(_every_rank_refuses, fshard.Chunk(0, ranks), timeout=60)
+    assert got == [("SpecError", "map_local() fn called aten::mul_.Tensor", True)] * 4
