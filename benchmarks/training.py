@@ -117,9 +117,8 @@ def _fshard_program(d: int, style: str) -> tuple[Any, Any]:
     return step, backend
 
 
-def _ddp_program(d: int) -> Any:
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(GPT(d))
+def _torch_step(model: torch.nn.Module) -> Any:
+    """A plain step of ``model`` (wrapped by DDP or FSDP2) on this rank's batch."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     state = {"step": 0}
 
@@ -133,6 +132,11 @@ def _ddp_program(d: int) -> Any:
         return float(loss.detach())
 
     return step
+
+
+def _ddp_program(d: int) -> Any:
+    torch.manual_seed(0)
+    return _torch_step(torch.nn.parallel.DistributedDataParallel(GPT(d)))
 
 
 def _fsdp2_program(d: int) -> Any:
@@ -145,19 +149,7 @@ def _fsdp2_program(d: int) -> Any:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    state = {"step": 0}
-
-    def step() -> float:
-        tokens, targets = _batch(dist.get_rank(), state["step"])
-        state["step"] += 1
-        opt.zero_grad()
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    return step
+    return _torch_step(model)
 
 
 def _rank_job(d: int, reps: int, peers: bool) -> dict[str, Any]:
