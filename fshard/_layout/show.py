@@ -405,10 +405,7 @@ def summands_line(layout: Layout, most: int = 4) -> str:
         for box, terms in boxes.items()
     ]
     more = "; ..." if len(np.unique(np.c_[lo, sz], axis=0)) > len(boxes) else ""
-    return (
-        f"(pending {op} of summands, each held by the ranks in braces, which hold replicas of it: "
-        f"{'; '.join(parts)}{more})"
-    )
+    return f"(pending {op} of summands; the ranks in braces hold replicas of one summand: {'; '.join(parts)}{more})"
 
 
 @cached(1024)
