@@ -375,3 +375,21 @@ def test_a_pending_sum_over_tp_is_not_saved(tmp_path):
     with pytest.raises(fshard.SpecError, match=message):
         fshard.save(tmp_path / "ck", {"p": _summands(OVER_TP)})
     assert not (tmp_path / "ck").exists()
+
+
+# -- DTensor's placements (the conversions themselves run on 4 processes: tests/test_interop.py) ---
+
+
+def test_dtensor_partial_placements_read_as_a_pending_op_over_their_axes():
+    from torch.distributed.tensor import Partial as DPartial
+    from torch.distributed.tensor import Replicate, Shard
+
+    from fshard._interop.pending import pending_of
+
+    assert pending_of([Replicate(), DPartial()], MESH) == ("sum", ("tp",))
+    assert pending_of([DPartial("max"), DPartial("max")], MESH) == ("max", ("dp", "tp"))
+    assert pending_of([Shard(0), Replicate()], MESH) is None
+    with pytest.raises(fshard.SpecError, match=re.escape("reduces by another op than the other partial dims")):
+        pending_of([DPartial("sum"), DPartial("max")], MESH)  # (DTensor refuses to build one)
+    with pytest.raises(fshard.SpecError, match=re.escape("[Replicate(), Shard(dim=0)])")):
+        pending_of([DPartial("avg"), Shard(0)], MESH)
