@@ -393,3 +393,17 @@ def test_dtensor_partial_placements_read_as_a_pending_op_over_their_axes():
         pending_of([DPartial("sum"), DPartial("max")], MESH)  # (DTensor refuses to build one)
     with pytest.raises(fshard.SpecError, match=re.escape("[Replicate(), Shard(dim=0)])")):
         pending_of([DPartial("avg"), Shard(0)], MESH)
+
+
+def test_torch_func_transforms_run_through_a_sum_over_tp():
+    def f(x: torch.Tensor) -> torch.Tensor:
+        p = fshard.reshard(fshard.shard(x, Chunk(0, [0, 1, 2, 3])), OVER_TP)
+        return fshard.gather(fshard.reshard(p, Chunk(1, [0, 1, 2, 3]))) * 3
+
+    g = torch.Generator().manual_seed(8)
+    xs = torch.randn(5, *SHAPE, generator=g, dtype=torch.float64)
+    assert torch.equal(torch.func.vmap(f)(xs), 3 * xs)  # the batch dim: a layout with_batch keeps the terms
+    x, t = xs[0], xs[1]
+    _, tangent = torch.func.jvp(f, (x,), (t,))
+    assert torch.equal(tangent, 3 * t)
+    assert torch.allclose(torch.func.grad(lambda x: f(x).pow(2).sum())(x), 18 * x, rtol=1e-12, atol=1e-12)
