@@ -393,18 +393,19 @@ def summands_line(layout: Layout, most: int = 4) -> str:
     if layout.terms is None:
         return f"(pending {op}: each element is the {op} of its copies)"
     lo, sz, rank = layout.columns.lo, layout.columns.sz, layout.columns.rank
+    nonempty = np.flatnonzero((sz > 0).all(axis=1))
+    _, first, box_of = np.unique(np.c_[lo, sz][nonempty], axis=0, return_index=True, return_inverse=True)
+    shown = np.argsort(first)[:most]  # the first boxes, in layout order: only their shards are read
     boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], dict[int, list[int]]] = {}
-    for i in np.flatnonzero((sz > 0).all(axis=1)).tolist():
+    for i in nonempty[np.isin(box_of.reshape(-1), shown)].tolist():
         box = (tuple(lo[i].tolist()), tuple(sz[i].tolist()))
-        if box not in boxes and len(boxes) == most:
-            continue
         boxes.setdefault(box, {}).setdefault(int(layout.terms[i]), []).append(int(rank[i]))
     parts = [
         ("[" + ", ".join(f"{o}:{o + n}" for o, n in zip(*box)) + "]: " if len(boxes) > 1 or layout.ndim else "")
         + " + ".join("{" + ",".join(f"r{r}" for r in sorted(set(ranks))) + "}" for ranks in terms.values())
         for box, terms in boxes.items()
     ]
-    more = "; ..." if len(np.unique(np.c_[lo, sz], axis=0)) > len(boxes) else ""
+    more = "; ..." if len(first) > len(boxes) else ""
     return f"(pending {op} of summands; the ranks in braces hold replicas of one summand: {'; '.join(parts)}{more})"
 
 
