@@ -337,7 +337,7 @@ def _reduce_rows(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``reduce`` into destination shards ``j`` (on ``rank``) of pieces ``r``: one read of every summand of ``u``.
 
-    Returns the rows as (piece, source shard, destination shard).
+    Returns the rows as (piece, destination shard, source shard).
     """
     si, ss = index(src), summands(src)
     row, t = expand(ss.groups[u])
