@@ -197,3 +197,84 @@ def _replicated_bias_backward():
 
 def test_backward_of_a_gathered_replica_sums_its_uses_over_ranks(dist_pool):
     assert dist_pool.run(_replicated_bias_backward) == [[8.0] * 3] * 4
+
+
+# -- summands with replicas: [Replicate(), Partial()] on a (dp, tp) mesh ---------------------
+
+DPTP = fshard.Mesh((2, 2), axis_names=("dp", "tp"))
+OVER_TP = fshard.Partial(fshard.Named(DPTP, (None,)), over="tp")  # summands along tp, replicas along dp
+OVER_TP_TARGETS = {
+    "chunk-rows": fshard.Chunk(0, R),
+    "replicated": fshard.Replicated(R),  # one full summand per rank: all_reduce over all 4 would add each twice
+    "single": fshard.Single(2),
+    "rows-over-tp": fshard.Named(DPTP, ("tp",)),
+    "every-copy-a-summand": fshard.Partial(fshard.Named(DPTP, (None,))),
+}
+
+
+def _over_tp(leaf: bool = False) -> tuple[fshard.ShardedArray, torch.Tensor]:
+    """Rank (dp, tp) holds a replica of summand ``tp``."""
+    rank = dist.get_rank()
+    mine = _summand(rank % 2).requires_grad_(leaf)
+    layout = OVER_TP.layout(SHAPE)
+    return fshard.from_local_shards_and_layout([fshard.Shard(layout.shards_on(rank)[0], mine)], layout), mine
+
+
+def _reshard_over_tp(name: str):
+    p, _ = _over_tp()
+    y, sent = _sent(fshard.reshard, p, OVER_TP_TARGETS[name])
+    plan = fshard.plan(p.layout, y.layout)
+    return torch.equal(fshard.gather(y), _summand(0) + _summand(1)), sent, plan.elements_sent, plan.min_elements_sent
+
+
+@pytest.mark.parametrize("name", list(OVER_TP_TARGETS))
+def test_a_sum_over_tp_replicated_over_dp_reduces_over_tp_only(dist_pool, name):
+    results = dist_pool.run(_reshard_over_tp, name)
+    assert all(ok for ok, *_ in results), results
+    assert sum(r[1] for r in results) == results[0][2] == results[0][3]
+
+
+def test_a_sum_over_tp_sends_the_lower_bound(dist_pool):
+    numel = SHAPE[0] * SHAPE[1]
+    results = dist_pool.run(_reshard_over_tp, "chunk-rows")
+    assert sum(r[1] for r in results) == numel  # each element: the other summand, from the owner's dp row
+    results = dist_pool.run(_reshard_over_tp, "replicated")
+    assert sum(r[1] for r in results) == 4 * numel  # 2 summands + 4 receivers - 1 - 1
+
+
+def _backward_over_tp() -> bool:
+    p, mine = _over_tp(leaf=True)
+    y = fshard.reshard(p, fshard.Chunk(0, R))
+    w = torch.arange(48.0, dtype=torch.float64).reshape(SHAPE)
+    (fshard.gather(y) * w).sum().backward()
+    return torch.equal(mine.grad, w)
+
+
+def test_the_gradient_of_a_sum_over_tp_reaches_every_copy(dist_pool):
+    assert dist_pool.run(_backward_over_tp) == [True] * 4
+
+
+def _dense_gradient_through_over_tp(target: str) -> bool:
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(9), dtype=torch.float64, requires_grad=True)
+    w = torch.randint(-5, 6, SHAPE, generator=torch.Generator().manual_seed(10)).double()
+    p = fshard.reshard(fshard.shard(x, fshard.Chunk(0, R)), OVER_TP)
+    (fshard.gather(fshard.reshard(p, OVER_TP_TARGETS[target])) ** 2 * w).sum().backward()
+    return torch.allclose(x.grad, 2 * x.detach() * w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", ["chunk-rows", "replicated"])
+def test_a_value_through_a_sum_over_tp_has_the_dense_gradient(dist_pool, target):
+    assert dist_pool.run(_dense_gradient_through_over_tp, target) == [True] * 4
+
+
+def _row_parallel_linear() -> tuple[bool, list[int]]:
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(6, 3, generator=g, dtype=torch.float64)
+    in_specs = (fshard.Named(DPTP, (None, "tp")), fshard.Named(DPTP, ("tp", None)))
+    y = fshard.shard_map(lambda xb, wb: xb @ wb, in_specs=in_specs, out_specs=OVER_TP)(x, w)
+    full = fshard.gather(fshard.reshard(y, fshard.Replicated(R)))
+    return torch.allclose(full, x @ w, rtol=1e-12, atol=1e-12), y.layout.terms.tolist()
+
+
+def test_a_row_parallel_linear_output_replicated_over_dp_reduces_to_the_dense_result(dist_pool):
+    assert dist_pool.run(_row_parallel_linear) == [(True, [0, 1, 0, 1])] * 4

@@ -141,7 +141,7 @@ def _dtensor_errors() -> list[str]:
 
     mesh = init_device_mesh("cpu", (2, 2))
     messages = []
-    partial = DTensor.from_local(torch.ones(2, 3), mesh, [Partial(), Shard(0)], run_check=False)
+    partial = DTensor.from_local(torch.ones(2, 3), mesh, [Partial("avg"), Shard(0)], run_check=False)
     boxes = fshard.shard(
         X, fshard.Explicit([((0, 0), (7, 5), 3), ((0, 5), (7, 7), 1), ((7, 0), (3, 12), 0), ((7, 0), (3, 12), 2)])
     )
@@ -164,6 +164,7 @@ def _dtensor_errors() -> list[str]:
 def test_what_dtensor_cannot_express_raises_naming_why(dist_pool):
     partial, boxes, two, not_a_mesh = dist_pool.run(_dtensor_errors)[0]
     assert "Partial" in partial
+    assert "is a pending 'avg' reduction that fshard does not hold" in partial
     assert "dt.redistribute(dt.device_mesh, [Replicate(), Shard(dim=0)])" in partial
     assert "DTensor cannot express" in boxes
     assert "one box per mesh position" in boxes
@@ -177,3 +178,76 @@ def test_local_arrays_are_refused_with_the_fix(convert):
     x = fshard.shard(X, fshard.Chunk(0, ALL))
     with pytest.raises(fshard.SpecError, match=r"needs an array on the torch_dist backend.*got one on 'local'"):
         convert(x)
+
+
+# -- pending reductions: DTensor's Partial placements ----------------------------------------
+
+EXACT = torch.arange(120.0).reshape(10, 12)  # integers: every order of a sum gives the same bits
+
+
+def _dtensor_partial_cases(mesh: object) -> list[tuple[list, torch.Tensor, fshard.Partial]]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    rank = dist.get_rank()
+    dp, tp = divmod(rank, 2)
+    named = fshard.Mesh((2, 2), axis_names=("dp", "tp"))
+    return [
+        # sum over tp, replicated over dp
+        ([Replicate(), Partial()], EXACT * (tp + 1), fshard.Partial(fshard.Named(named, (None,)), over="tp")),
+        # rows split over dp, sum over tp
+        ([Shard(0), Partial()], EXACT.chunk(2)[dp] * (tp + 1), fshard.Partial(fshard.Named(named, ("dp",)), over="tp")),
+        # every copy a summand
+        ([Partial(), Partial()], EXACT * (rank + 1), fshard.Partial(fshard.Named(named, (None,)))),
+        # a max over dp, columns split over tp
+        (
+            [Partial("max"), Shard(1)],
+            EXACT.chunk(2, dim=1)[tp] * (dp + 1),
+            fshard.Partial(fshard.Named(named, (None, "tp")), "max", over="dp"),
+        ),
+    ]
+
+
+def _dtensor_partial_round_trips() -> list[tuple[bool, bool, bool, bool]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = []
+    for placements, local, spec in _dtensor_partial_cases(mesh):
+        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=EXACT.shape, stride=EXACT.stride())
+        x = fshard.from_dtensor(dt)
+        back = fshard.to_dtensor(x, mesh)
+        out.append(
+            (
+                x.layout == spec.layout(tuple(EXACT.shape)),
+                torch.equal(fshard.gather(x), dt.full_tensor()),
+                tuple(back.placements) == tuple(dt.placements),
+                torch.equal(back.to_local(), local) and torch.equal(back.full_tensor(), dt.full_tensor()),
+            )
+        )
+    return out
+
+
+@pytest.mark.multiprocess
+def test_partial_placements_round_trip_as_pending_reductions(dist_pool):
+    assert dist_pool.run(_dtensor_partial_round_trips) == [[(True, True, True, True)] * 4] * 4
+
+
+def _crossed_summands_error() -> str:
+    # Summands {0, 3} and {1, 2}: not along one mesh axis.
+    layout = fshard.Layout((2, 3), [((0, 0), (2, 3), r) for r in ALL], "sum", terms=[0, 1, 1, 0])
+    shard = fshard.Shard(layout.shards[dist.get_rank()], torch.ones(2, 3))
+    crossed = fshard.from_local_shards_and_layout([shard], layout)
+    try:
+        fshard.to_dtensor(crossed, MESH)
+    except fshard.SpecError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_summands_not_along_mesh_axes_raise_naming_the_fix(dist_pool):
+    message = dist_pool.run(_crossed_summands_error)[0]
+    assert "DTensor cannot express" in message
+    assert "summands of a pending reduction along whole mesh axes (Partial)" in message
+    assert "Reshard first: fshard.reshard(x, fshard.Named(mesh, partition))" in message

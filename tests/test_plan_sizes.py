@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import fshard
-from fshard import Chunk, Partial, Replicated
+from fshard import Chunk, Mesh, Named, Partial, Replicated
 
 N = 2**62  # a 1-D extent whose copies on three ranks add up past 2**63
 SIDE = 2**40  # a 2-D shape of 2**80 elements: one box is past 2**63 by itself
@@ -27,6 +27,18 @@ CASES = {
         Replicated([0, 1, 2]),
         (SIDE, SIDE),
         4 * 2**80,  # |S| + |D| - 2 per element
+    ),
+    "2-D pending sum over y, replicated over x, to rows": (
+        Partial(Named(Mesh((2, 2)), (None,)), over="y"),
+        Chunk(0, [0, 1, 2, 3]),
+        (SIDE, SIDE),
+        2**80,  # two summands, each read from one of its replicas: one crosses
+    ),
+    "2-D pending sum over y, replicated over x, to four replicas": (
+        Partial(Named(Mesh((2, 2)), (None,)), over="y"),
+        Replicated([0, 1, 2, 3]),
+        (SIDE, SIDE),
+        4 * 2**80,  # summands + |D| - 2 per element
     ),
 }
 

@@ -19,6 +19,7 @@ import torch
 
 import fshard
 from fshard import Chunk, Mesh, Named, Partial, Replicated, Single
+from fshard._layout.layout import replica_ids
 from fshard._plan import direct as _plan
 from fshard._plan import pending as _reduce
 from fshard._plan.schedule import Moves, RankSchedule
@@ -44,6 +45,27 @@ CASES = {
     "partial sum -> partial max (two phases)": (Partial(Replicated(R4)), Partial(Chunk(0, [0, 1]), "max")),
     "partial max -> replicated on two ranks": (Partial(Replicated(R4), "max"), Replicated([0, 3])),
     "partial min -> single": (Partial(Chunk(1, [0, 1, 1, 2]), "min"), Single(3)),
+    # Summands along y, replicas along x (DTensor's [Replicate(), Partial()]).
+    "partial over y -> chunk rows": (Partial(Named(Mesh((2, 2)), (None,)), over="y"), Chunk(0, R4)),
+    "partial over y -> replicated (two phases)": (Partial(Named(Mesh((2, 2)), (None,)), over="y"), Replicated(R4)),
+    "partial over y -> rows over y, replicas": (
+        Partial(Named(Mesh((2, 2)), (None, None)), over="y"),
+        Named(Mesh((2, 2)), ("y", None)),
+    ),
+    "partial over y -> every copy a summand": (
+        Partial(Named(Mesh((2, 2)), (None,)), over="y"),
+        Partial(Named(Mesh((2, 2)), (None,))),
+    ),
+    "partial over y -> partial over x (two phases)": (
+        Partial(Named(Mesh((2, 2)), (None,)), over="y"),
+        Partial(Named(Mesh((2, 2)), (None,)), over="x"),
+    ),
+    "partial max over x -> single": (Partial(Named(Mesh((2, 2)), (None, "y")), "max", over="x"), Single(1)),
+    "value -> partial over y": (Chunk(1, R4), Partial(Named(Mesh((2, 2)), (None,)), over="y")),
+    "partial over y to itself": (
+        Partial(Named(Mesh((2, 2)), (None,)), over="y"),
+        Partial(Named(Mesh((2, 2)), (None,)), over="y"),
+    ),
 }
 
 
@@ -163,7 +185,9 @@ def _summands(layout: fshard.Layout, exact: bool) -> list[torch.Tensor]:
     if layout.partial is None:
         full = draw(layout.shape)
         return [full[tuple(slice(o, o + n) for o, n in zip(m.offsets, m.sizes))].clone() for m in layout.shards]
-    return [draw(m.sizes) for m in layout.shards]
+    drawn: dict[int, torch.Tensor] = {}  # replicas of a summand (Layout.terms) hold one draw
+    ids = replica_ids(layout).tolist()
+    return [drawn.setdefault(k, draw(m.sizes)).clone() for k, m in zip(ids, layout.shards)]
 
 
 def _array(layout: fshard.Layout, exact: bool, rank: int | None, backend: object = None) -> fshard.ShardedArray:

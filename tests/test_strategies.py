@@ -72,3 +72,18 @@ def test_arrays_and_layouts_share_a_shape(pair: tuple[fshard.ShardedArray, fshar
 def test_arrays_reject_a_dtype_they_cannot_fill() -> None:
     with pytest.raises(ValueError, match=re.escape("arrays() cannot fill dtype torch.float8_e4m3fn")):
         find(fst.arrays(dtype=torch.float8_e4m3fn), lambda x: True)
+
+
+@given(st.data())
+def test_partial_specs_resolve_to_pending_reductions(data: st.DataObject) -> None:
+    shape = data.draw(fst.shapes(max_dims=2))
+    spec = data.draw(fst.partial_specs(shape))
+    layout = spec.layout(shape)
+    assert layout.partial == spec.op
+    assert spec.over is None or isinstance(spec.spec, fshard.Named)
+
+
+def test_partial_specs_draw_summands_with_replicas() -> None:
+    spec = find(fst.partial_specs((4, 2)), lambda p: p.layout((4, 2)).terms is not None)
+    assert spec.over is not None
+    assert spec.layout((4, 2)).terms is not None

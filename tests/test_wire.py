@@ -61,6 +61,15 @@ def test_layout_round_trip_keeps_partial():
     assert decode(encode(layout)) == layout
 
 
+def test_layout_round_trip_keeps_which_copies_are_summands():
+    mesh = fshard.Mesh((2, 2), axis_names=("dp", "tp"))
+    layout = fshard.Partial(fshard.Named(mesh, (None,)), over="tp").layout((3,))
+    back = decode(encode(layout))
+    assert back == layout
+    assert back.terms.tolist() == [0, 1, 0, 1]
+    assert back != fshard.Partial(fshard.Named(mesh, (None,))).layout((3,))
+
+
 def test_errors_travel_as_their_type_with_notes():
     err = fshard.SpecError("bad dim")
     err.add_note("(on rank 2)")

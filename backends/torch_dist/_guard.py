@@ -71,12 +71,14 @@ def inline_bytes(world: int) -> int:
 
 @cached(1024)
 def _digest(layout: Layout) -> bytes:
-    """4 bytes that name the layout's shape, pending op and boxes with their ranks.
+    """4 bytes that name the layout's shape, pending op (and its terms) and boxes with their ranks.
 
     Not devices, which ranks may name differently for one layout.
     """
     h = hashlib.blake2b(digest_size=4)
     h.update(repr((layout.shape, layout.partial)).encode())
+    if layout.terms is not None:
+        h.update(layout.terms.tobytes())
     for a in (layout.columns.lo, layout.columns.sz, layout.columns.rank):
         h.update(np.ascontiguousarray(a, np.int64).tobytes())
     return h.digest()

@@ -265,13 +265,15 @@ def collective_kind(p: Any, order: tuple[int, ...], nccl: bool = True) -> str | 
     """``"all_reduce"``, ``"reduce_scatter"`` or ``None``: whether a collective runs plan ``p``.
 
     Both need a full-shape summand on every rank of the group (one each) and no other
-    shards; ``all_reduce`` a full copy on every rank, ``reduce_scatter`` equal dim-0
+    shards, every copy a summand of its own (no ``terms``: replicas of a summand would be
+    summed once per copy by a collective over the whole group); ``all_reduce`` a full copy
+    on every rank, ``reduce_scatter`` equal dim-0
     chunks in group order (one each), and NCCL: Gloo's reduce-scatter is slower than
     the packed all-to-all that carries the same bytes (66 ms against 36 ms at 16 MiB
     on 4 processes, ``python -m fshard bench --only partial-chunk``).
     """
     src, dst = p.src, p.dst
-    if src.partial is None or dst.partial is not None or not _one_each(src, order):
+    if src.partial is None or src.terms is not None or dst.partial is not None or not _one_each(src, order):
         return None
     if not all(s.sizes == src.shape for s in src.shards):
         return None

@@ -23,7 +23,7 @@ from fshard._exec.agree import (
 )
 from fshard._exec.collective import collective
 from fshard._exec.replicas import check_leaves, checking
-from fshard._layout.layout import Layout, ShardMeta
+from fshard._layout.layout import Layout, ShardMeta, with_terms
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Replicated, as_layout
 from fshard.backends import Backend, default_backend
@@ -38,6 +38,7 @@ __all__ = [
     "reshard",
     "resolved",
     "resolve_backend",
+    "split_replicas",
     "whole_on",
 ]
 
@@ -171,6 +172,27 @@ def reshard(array: Any, spec: Any) -> Any:
     array.backend.check_layout(layout)
     data, link = _autograd.move(array.layout, layout, array.backend, array.addressable_data, array._first())  # pyright: ignore[reportPrivateUsage]  # package-internal
     return ShardedArray._of(layout, data, array.backend, array.dtype, link)  # pyright: ignore[reportPrivateUsage]  # fits by construction
+
+
+def split_replicas(array: ShardedArray) -> ShardedArray:
+    """A partial ``array`` with every copy a summand of its own (``Layout.terms`` dropped).
+
+    Where copies are replicas of one summand, one of them keeps it and the others hold the
+    op's identity: nothing is sent. A function that runs copy by copy (a linear map of a
+    pending sum) then counts each summand once.
+
+    >>> import torch, fshard
+    >>> mesh = fshard.Mesh((2, 2), axis_names=("dp", "tp"))
+    >>> p = fshard.reshard(fshard.shard(torch.ones(2), fshard.Replicated(range(4))),
+    ...                    fshard.Partial(fshard.Named(mesh, (None,)), over="tp"))
+    >>> q = split_replicas(p)
+    >>> q.layout.terms is None, [s.data.tolist() for s in q.addressable_shards], fshard.gather(q).tolist()
+    (True, [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]], [1.0, 1.0])
+    """
+    layout = array.layout
+    if layout.terms is None:
+        return array
+    return reshard(array, with_terms(layout, None))
 
 
 def _aligned(a: ShardedArray, b: ShardedArray, what: str) -> tuple[ShardedArray, ShardedArray] | None:

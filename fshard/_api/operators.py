@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fshard._api.map import map_local, regrouped
+from fshard._api.move import split_replicas
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout, ShardMeta, with_partial
@@ -80,6 +81,8 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
                 )
                 raise SpecError(msg)
             linear = _linear(rule, symbol, left, right)
+            if linear:  # copy by copy: each summand counted once
+                left, right = split_replicas(left), split_replicas(right)
             return map_local(fn, left, right, linear=linear)
         if isinstance(other, _NUMBERS):
             linear = _linear(rule, symbol, left, right)
@@ -87,7 +90,7 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
             def with_number(t: torch.Tensor) -> Any:
                 return fn(other, t) if reflected else fn(t, other)
 
-            return map_local(with_number, self, linear=linear)
+            return map_local(with_number, split_replicas(self) if linear else self, linear=linear)
         return NotImplemented
 
     method.__name__ = f"__{'r' if reflected else ''}{name}__"
@@ -99,7 +102,9 @@ def _neg(self: ShardedArray) -> ShardedArray:
     """Unary minus, shard by shard (linear, so a pending sum stays one)."""
     if self.layout.partial not in (None, "sum"):
         raise _refuse("unary -", self)
-    return map_local(operator.neg, self, linear=self.layout.partial is not None)
+    if self.layout.partial is None:
+        return map_local(operator.neg, self)
+    return map_local(operator.neg, split_replicas(self), linear=True)
 
 
 def _bool(self: ShardedArray) -> bool:
@@ -190,6 +195,7 @@ def _project_meta(s: ShardMeta, dims: tuple[int, ...], keepdim: bool) -> ShardMe
 
 def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> ShardedArray:
     """The per-shard sums as a pending sum: one summand per (placement, box), each element once."""
+    x = split_replicas(x)  # replicas of a summand: one keeps it, the others hold 0
     layout, backend = x.layout, x.backend
     # Of a value's replicas only the first contributes; their gradients are then summed to all.
     x = regrouped(x, "sum")

@@ -10,7 +10,7 @@ import optree
 import torch
 
 from fshard._api.map import map_local
-from fshard._api.move import gather, reshard
+from fshard._api.move import gather, reshard, split_replicas
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
@@ -122,7 +122,9 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
 
     def clip(leaf: Any) -> Any:
         if isinstance(leaf, ShardedArray):
-            return map_local(scaled, leaf, linear=leaf.layout.partial is not None)
+            if leaf.layout.partial is None:
+                return map_local(scaled, leaf)
+            return map_local(scaled, split_replicas(leaf), linear=True)
         if isinstance(leaf, torch.Tensor):
             return scaled(leaf)
         return leaf

@@ -39,7 +39,7 @@ from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
 from fshard._exec.replicas import check_global, checking
 from fshard._layout.batch import with_batch
-from fshard._layout.layout import Layout, ShardMeta, with_partial
+from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
 from fshard._layout.specs import whole
 from fshard._plan import plan
 from fshard._plan.direct import Plan
@@ -371,11 +371,14 @@ class _Regroup(torch.autograd.Function):
 
 @cached(256)
 def _copy_counts(layout: Layout) -> tuple[int, ...]:
-    """Per shard, how many shards hold its box (1 for an empty one)."""
-    count: dict[tuple[Any, ...], int] = {}
-    for s in layout.shards:
-        count[(s.offsets, s.sizes)] = count.get((s.offsets, s.sizes), 0) + 1
-    return tuple(count[(s.offsets, s.sizes)] if 0 not in s.sizes else 1 for s in layout.shards)
+    """Per shard, how many shards hold replicas of its data (1 for an empty one).
+
+    The copies of its box, or in a partial layout the copies of its summand: 1 each
+    without ``terms``, the copies with its box and term with them (``replica_ids``).
+    """
+    ids = replica_ids(layout)
+    counts = np.bincount(ids)[ids] if len(ids) else ids
+    return tuple(np.where((layout.columns.sz > 0).all(axis=1), counts, 1).tolist())
 
 
 def _copies(layout: Layout, backend: Backend) -> tuple[int, ...]:

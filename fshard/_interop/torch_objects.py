@@ -18,6 +18,7 @@ from fshard._array.array import Shard, ShardedArray
 from fshard._base.alloc import contiguous_strides
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
+from fshard._interop.pending import PARTIAL, dtensor_placement, pending_of, summand_key, with_pending
 from fshard._interop.strided import strided_layout
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
@@ -222,7 +223,7 @@ def _device_mesh(mesh: Any, array: ShardedArray) -> tuple[Any, Mesh]:
 _DEVICE_MESHES: dict[tuple[Mesh, str], tuple[Any, Any]] = {}
 
 
-def _partition(mesh: Mesh, choice: Sequence[int | None], ndim: int) -> tuple[Any, ...]:
+def _partition(mesh: Mesh, choice: Sequence[int | str | None], ndim: int) -> tuple[Any, ...]:
     """Per tensor dim, the mesh axes (in mesh order) that shard it: DTensor's placements as a partition."""
     assert mesh.axis_names is not None
     out: list[Any] = []
@@ -233,18 +234,31 @@ def _partition(mesh: Mesh, choice: Sequence[int | None], ndim: int) -> tuple[Any
 
 
 def _placements_for(layout: Layout, mesh: Mesh) -> tuple[Any, ...]:
-    """The Shard/Replicate placements whose layout on ``mesh`` is ``layout``; raises if none is."""
+    """The Shard/Replicate/Partial placements whose layout on ``mesh`` is ``layout``; raises if none is.
+
+    A pending reduction's summands lie along the ``Partial`` dims, its replicas along the
+    ``Replicate`` ones (``fshard._interop.pending``).
+    """
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor import Shard as DShard
 
-    want = _boxes(layout)
-    for choice in itertools.product([None, *range(layout.ndim)], repeat=len(mesh.shape)):
-        if _boxes(Named(mesh, _partition(mesh, choice, layout.ndim)).layout(layout.shape)) == want:
-            return tuple(Replicate() if c is None else DShard(c) for c in choice)
+    want, key = _boxes(layout), summand_key(layout)
+    options: list[int | str | None] = [None, *range(layout.ndim)] + ([PARTIAL] if layout.partial else [])
+    for choice in itertools.product(options, repeat=len(mesh.shape)):
+        over = tuple(a for a, c in zip(mesh.axis_names, choice) if c == PARTIAL)
+        pending = (str(layout.partial), over) if over else None
+        spec = with_pending(Named(mesh, _partition(mesh, choice, layout.ndim)), pending)
+        candidate = spec.layout(layout.shape)
+        if _boxes(candidate) == want and summand_key(candidate) == key:
+            return tuple(
+                Replicate() if c is None else dtensor_placement(str(layout.partial)) if c == PARTIAL else DShard(c)
+                for c in choice
+            )
     msg = (
         f"DTensor cannot express {layout!r} on a mesh of shape {mesh.shape} over ranks "
         f"{[p.rank for p in mesh.ranks or ()]}: a DTensor holds one box per mesh position, splitting each dim by "
-        "torch.chunk over whole mesh axes (Shard) or not at all (Replicate), and these boxes are not of that form. "
+        "torch.chunk over whole mesh axes (Shard) or not at all (Replicate), with the summands of a pending "
+        "reduction along whole mesh axes (Partial), and these boxes are not of that form. "
         "Reshard first: fshard.reshard(x, fshard.Named(mesh, partition))."
     )
     raise SpecError(msg)
@@ -255,17 +269,19 @@ def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
     """The array as a ``DTensor`` on ``mesh`` (an ``fshard.Mesh`` or a torch ``DeviceMesh``), sharing shards.
 
     The layout must be what some ``Shard``/``Replicate`` placements give on the
-    mesh (that is, ``fshard.Named(mesh, partition)`` for some partition); those
-    placements are found and used (``Replicate()`` where a mesh axis of size 1
-    makes ``Shard`` and ``Replicate`` the same). The first call with an
+    mesh (that is, ``fshard.Named(mesh, partition)`` for some partition), or for a
+    pending reduction ``Shard``/``Replicate``/``Partial`` placements
+    (``fshard.Partial(Named(mesh, partition), op, over=axes)``, the ``Partial`` dims
+    being ``axes``); those placements are found and used (``Replicate()`` where a mesh
+    axis of size 1 makes ``Shard`` and ``Replicate`` the same). The first call with an
     ``fshard.Mesh`` builds its ``DeviceMesh``, which is collective (torch
     creates sub-groups); later calls reuse it.
 
     Raises:
         TypeError: ``array`` is not a ``ShardedArray``.
         SpecError: ``mesh`` is neither an ``fshard.Mesh`` nor a ``DeviceMesh``, the array is
-            not on the torch_dist backend, holds a pending reduction (``fshard.Partial``), or
-            DTensor cannot express its layout on the mesh (arbitrary boxes, several boxes per rank).
+            not on the torch_dist backend, or DTensor cannot express its layout on the mesh
+            (arbitrary boxes, several boxes per rank, summands that are not along whole mesh axes).
 
     >>> import torch, torch.distributed as dist, fshard
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -277,7 +293,6 @@ def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
     >>> dist.destroy_process_group()
     """
     _check_array(array, "to_dtensor()")
-    _check_not_partial(array, "to_dtensor()", "which to_dtensor() does not convert")
     _check_mesh(mesh)
     backend = _dist_backend(array, "to_dtensor()")
     from torch.distributed.tensor import DTensor
@@ -298,13 +313,8 @@ def to_dtensor(array: ShardedArray, mesh: Any) -> Any:
 
 def _check_placements(dt: Any) -> None:
     for i, p in enumerate(dt.placements):
-        if p.is_partial():
-            fixed = ["Replicate()" if q.is_partial() else repr(q) for q in dt.placements]
-            msg = (
-                f"DTensor placement {p!r} on mesh dim {i} holds partial values (pending a reduction), which a "
-                f"ShardedArray cannot: reduce first with dt.redistribute(dt.device_mesh, [{', '.join(fixed)}])."
-            )
-            raise SpecError(msg)
+        if p.is_partial():  # a pending reduction (``fshard._interop.pending``)
+            continue
         if not (p.is_replicate() or type(p).__name__ in ("Shard", "_StridedShard")):
             msg = (
                 f"DTensor placement {p!r} on mesh dim {i} is not Shard(dim), _StridedShard(dim) or Replicate(): "
@@ -320,12 +330,14 @@ def from_dtensor(dt: Any) -> ShardedArray:
     ``_StridedShard`` placements (FSDP2's ``fully_shard`` over a tensor-parallel module) are
     read as DTensor lays them out: each rank's local tensor may hold several boxes of the
     global tensor (uneven sizes), which become that rank's shards of an explicit layout, each
-    a view of the local tensor.
+    a view of the local tensor. ``Partial`` placements (of a sum, max or min) become a pending
+    reduction over their mesh dims: ``fshard.Partial(Named(mesh, partition), op, over=axes)``,
+    replicated along the ``Replicate()`` dims.
 
     Raises:
         TypeError: ``dt`` is not a ``DTensor``.
-        SpecError: a ``Partial`` placement (the message gives the ``redistribute``
-            call that fixes it) or another placement than ``Shard``/``Replicate``.
+        SpecError: a ``Partial`` of another op (the message gives the ``redistribute``
+            call that fixes it) or another placement than ``Shard``/``Replicate``/``Partial``.
 
     >>> import torch, torch.distributed as dist, fshard
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -348,10 +360,19 @@ def from_dtensor(dt: Any) -> ShardedArray:
         seen = dict(backend.exchange((backend.rank, str(local.device))))
         devices = [seen[r] for r in device_mesh.mesh.flatten().tolist()]
     mesh = _fshard_mesh(device_mesh, devices)
+    pending = pending_of(dt.placements, mesh)
     if any(type(p).__name__ == "_StridedShard" for p in dt.placements):
+        if pending is not None:
+            fixed = ["Replicate()" if q.is_partial() else repr(q) for q in dt.placements]
+            msg = (
+                f"from_dtensor() reads _StridedShard placements or Partial ones, not both, got {dt.placements}: "
+                f"reduce first with dt.redistribute(dt.device_mesh, [{', '.join(fixed)}])."
+            )
+            raise SpecError(msg)
         return _from_strided(dt, mesh, local, backend)
     choice = [p.dim if p.is_shard() else None for p in dt.placements]
-    layout = Named(mesh, _partition(mesh, choice, dt.ndim)).layout(tuple(dt.shape))
+    spec = with_pending(Named(mesh, _partition(mesh, choice, dt.ndim)), pending)
+    layout = spec.layout(tuple(dt.shape))
     shards = [Shard(layout.shards[i], local) for i in backend.addressable(layout)]
     return from_local_shards_and_layout(shards, layout, backend=backend)
 

@@ -63,4 +63,4 @@ def batched_layout(layout: Layout, children: Sequence[torch.Tensor], index: Sequ
 def with_batch(layout: Layout, batch: int) -> Layout:
     """``layout`` with a leading dim of size ``batch`` that every shard spans whole."""
     shards = tuple(ShardMeta((0, *s.offsets), (batch, *s.sizes), s.placement) for s in layout.shards)
-    return Layout((batch, *layout.shape), shards, layout.partial)
+    return Layout((batch, *layout.shape), shards, layout.partial, layout.terms)

@@ -17,7 +17,7 @@ from fshard._base import boxes as _boxes
 from fshard._base.cache import cached
 from fshard._layout.layout import Layout
 
-__all__ = ["Index", "expand", "groups", "index", "pieces"]
+__all__ = ["Holders", "Index", "expand", "groups", "index", "pieces"]
 
 
 # -- a layout's index: distinct boxes, who holds them, and how to find them ---------------------
@@ -43,8 +43,52 @@ class _Grid:
     cell: np.ndarray  # box at each cell, -1 where none
 
 
+class Holders:
+    """Groups held by ranks, and lookups of (group, rank) pairs.
+
+    ``held`` lists each (group, rank) as the sorted key ``group * len(ranks) + code``
+    (``code``: the rank's position in the sorted ``ranks``); a group's holders are the run
+    ``held[start[g] : start[g] + count[g]]``, ranks ascending (``holder``). An ``Index``
+    groups a layout's copies by distinct box, a ``Summands`` (``fshard._layout.summands``)
+    a partial layout's summands by the ranks that hold replicas of them.
+    """
+
+    ranks: np.ndarray
+    held: np.ndarray
+    holder: np.ndarray
+    start: np.ndarray
+    count: np.ndarray
+
+    @functools.cached_property
+    def _dense(self) -> bool:
+        """Whether ``ranks`` is ``0 .. len(ranks) - 1``, so that a rank is its own code."""
+        return not len(self.ranks) or int(self.ranks[-1]) == len(self.ranks) - 1
+
+    def code(self, rank: np.ndarray) -> np.ndarray:
+        """Position of each rank in ``ranks``, or -1 for ranks that hold no shard."""
+        if self._dense:
+            return np.where(rank < len(self.ranks), rank, -1)
+        pos = np.searchsorted(self.ranks, rank)
+        clipped = np.minimum(pos, max(len(self.ranks) - 1, 0))
+        ok = (pos < len(self.ranks)) & (self.ranks[clipped] == rank) if len(self.ranks) else pos < 0
+        return np.where(ok, pos, -1)
+
+    def key(self, group: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        """The key of each (group, rank), or -1 where the rank holds no shard."""
+        code = self.code(rank)
+        return np.where(code >= 0, group * len(self.ranks) + code, -1)
+
+    def find(self, group: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        """Position in ``held`` of each (group, rank), or -1 where that rank holds none of the group."""
+        key = self.key(group, rank)
+        pos = np.minimum(np.searchsorted(self.held, key), max(len(self.held) - 1, 0))
+        if not len(self.held):
+            return np.full(len(key), -1, np.int64)
+        return np.where((key >= 0) & (self.held[pos] == key), pos, -1)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class Index:
+class Index(Holders):
     """A layout's distinct non-empty boxes, the ranks holding each, and a lookup by region.
 
     ``held`` lists each (box, rank) holding a copy as the key ``box * len(ranks) + code``
@@ -74,33 +118,6 @@ class Index:
     def grid(self) -> _Grid | None:
         """The boxes as the cells of one partition per dim, when they are (every spec but ``Explicit``)."""
         return _grid(self.lo, self.hi)
-
-    @functools.cached_property
-    def _dense(self) -> bool:
-        """Whether ``ranks`` is ``0 .. len(ranks) - 1``, so that a rank is its own code."""
-        return not len(self.ranks) or int(self.ranks[-1]) == len(self.ranks) - 1
-
-    def code(self, rank: np.ndarray) -> np.ndarray:
-        """Position of each rank in ``ranks``, or -1 for ranks that hold no shard."""
-        if self._dense:
-            return np.where(rank < len(self.ranks), rank, -1)
-        pos = np.searchsorted(self.ranks, rank)
-        clipped = np.minimum(pos, max(len(self.ranks) - 1, 0))
-        ok = (pos < len(self.ranks)) & (self.ranks[clipped] == rank) if len(self.ranks) else pos < 0
-        return np.where(ok, pos, -1)
-
-    def key(self, box: np.ndarray, rank: np.ndarray) -> np.ndarray:
-        """The key of each (box, rank), or -1 where the rank holds no shard."""
-        code = self.code(rank)
-        return np.where(code >= 0, box * len(self.ranks) + code, -1)
-
-    def find(self, box: np.ndarray, rank: np.ndarray) -> np.ndarray:
-        """Position in ``held`` of each (box, rank), or -1 where that rank holds no copy of the box."""
-        key = self.key(box, rank)
-        pos = np.minimum(np.searchsorted(self.held, key), max(len(self.held) - 1, 0))
-        if not len(self.held):
-            return np.full(len(key), -1, np.int64)
-        return np.where((key >= 0) & (self.held[pos] == key), pos, -1)
 
     def copies_of(self, box: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(start, stop) in ``copies`` of the shards of each box on each rank (empty where none)."""

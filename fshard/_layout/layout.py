@@ -12,7 +12,8 @@ import numpy as np
 from fshard._base.cache import cached
 from fshard._errors import LayoutError
 from fshard._layout.placement import Placement, PlacementLike, as_placement
-from fshard._layout.show import MAX_SHARDS, layout_repr, span, visualize
+from fshard._layout.show import MAX_SHARDS, layout_repr, span, summands_line, visualize
+from fshard._layout.terms import canonical_terms
 from fshard._layout.torch_meta import read_torch_metadata, to_torch_metadata
 from fshard._layout.validate import (
     MAX_EXTENT,
@@ -27,7 +28,7 @@ from fshard._layout.validate import (
     validate_memo,
 )
 
-__all__ = ["Columns", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "replica_ids", "with_partial"]
+__all__ = ["Columns", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "replica_ids", "with_partial", "with_terms"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -76,6 +77,12 @@ class Layout:
     With ``partial="sum"`` (or ``"max"``, ``"min"``) the copies of a box are not
     replicas but **summands** (operands) of a pending reduction: the array's value
     is their elementwise sum (max, min). ``fshard.Partial(spec)`` resolves to one.
+    ``terms`` (one int per shard, with ``partial`` only) says which copies are summands:
+    copies of a box with the same term are replicas of one summand, copies with different
+    terms are different summands (``None``: every copy is a summand of its own). It is
+    kept canonical (``fshard._layout.terms``): each box's summands numbered 0, 1, ... in
+    order of first appearance, and ``None`` where no two copies are replicas.
+    ``fshard.Partial(Named(mesh, ...), over=axes)`` resolves to one.
 
     >>> lay = Layout((4, 6), [ShardMeta((0, 0), (2, 6), 0), ShardMeta((2, 0), (2, 6), 1)])
     >>> lay.ranks, lay.numel
@@ -83,12 +90,20 @@ class Layout:
     >>> Layout.from_dict(lay.to_dict()) == lay
     True
 
+    A pending sum of two summands, each held by two ranks (ranks 0 and 2 hold one, 1 and 3
+    the other):
+
+    >>> p = Layout((3,), [((0,), (3,), r) for r in range(4)], "sum", terms=[0, 1, 0, 1])
+    >>> p.terms.tolist(), replica_ids(p).tolist()
+    ([0, 1, 0, 1], [0, 1, 0, 1])
+
     Raises:
         LayoutError: naming the offending shards and the fix.
     """
 
     shape: tuple[int, ...]
     partial: str | None
+    terms: np.ndarray | None = dataclasses.field(init=False, repr=False)
     _lo: np.ndarray = dataclasses.field(init=False, repr=False)
     _sz: np.ndarray = dataclasses.field(init=False, repr=False)
     _rank: np.ndarray = dataclasses.field(init=False, repr=False)
@@ -97,7 +112,9 @@ class Layout:
     _metas: tuple[ShardMeta, ...] | None = dataclasses.field(init=False, repr=False)
     columns: Columns = dataclasses.field(init=False, repr=False)
 
-    def __init__(self, shape: Iterable[int], shards: Iterable[ShardMetaLike], partial: str | None = None) -> None:
+    def __init__(
+        self, shape: Iterable[int], shards: Iterable[ShardMetaLike], partial: str | None = None, terms: Any = None
+    ) -> None:
         shape = check_shape(shape)
         shards = as_metas(shards)
         check_partial(partial)
@@ -106,7 +123,7 @@ class Layout:
             validate_memo(shape, shards)
         else:
             validate(shape, shards, lo, sz, rank, devices)
-        self._set(shape, partial, lo, sz, rank, devices, shards)
+        self._set(shape, partial, lo, sz, rank, devices, shards, canonical_terms(terms, lo, sz, rank, partial))
 
     def _set(
         self,
@@ -117,14 +134,17 @@ class Layout:
         rank: np.ndarray,
         devices: tuple[str, ...],
         metas: tuple[ShardMeta, ...] | None,
+        terms: np.ndarray | None,
     ) -> None:
         for arr in (lo, sz, rank):
             arr.setflags(write=False)
-        for name, value in (("shape", shape), ("partial", partial), ("_lo", lo), ("_sz", sz), ("_rank", rank),
-                            ("_devices", devices), ("_metas", metas)):  # fmt: skip
+        for name, value in (("shape", shape), ("partial", partial), ("terms", terms), ("_lo", lo), ("_sz", sz),
+                            ("_rank", rank), ("_devices", devices), ("_metas", metas)):  # fmt: skip
             object.__setattr__(self, name, value)
         object.__setattr__(self, "columns", Columns(lo, sz, rank, devices))
-        object.__setattr__(self, "_hash", hash((shape, lo.tobytes(), sz.tobytes(), rank.tobytes(), devices, partial)))
+        summands = None if terms is None else terms.tobytes()
+        key = (shape, lo.tobytes(), sz.tobytes(), rank.tobytes(), devices, partial, summands)
+        object.__setattr__(self, "_hash", hash(key))
 
     @classmethod
     def from_arrays(
@@ -135,13 +155,14 @@ class Layout:
         ranks: Any,
         devices: str | Sequence[str] = "cpu",
         partial: str | None = None,
+        terms: Any = None,
     ) -> Layout:
         """A layout from columns: ``offsets`` and ``sizes`` of shape (n, ndim), ``ranks`` of shape (n,).
 
         Validated like the constructor, with numpy only: no ``ShardMeta`` is made until
         ``shards`` is read, so a layout of 100,000 shards builds in milliseconds.
         ``devices`` is one device for every shard or one per shard. The result equals
-        (and hashes, pickles and serialises like) ``Layout(shape, shards, partial)``.
+        (and hashes, pickles and serialises like) ``Layout(shape, shards, partial, terms)``.
 
         >>> import numpy as np
         >>> lay = Layout.from_arrays((4, 6), [[0, 0], [2, 0]], [[2, 6], [2, 6]], [0, 1])
@@ -159,7 +180,7 @@ class Layout:
         devs = device_column(devices, len(rank))
         validate(shape, _LazyShards(lo, sz, rank, devs), lo, sz, rank, devs)
         out = object.__new__(cls)
-        out._set(shape, partial, lo, sz, rank, devs, None)
+        out._set(shape, partial, lo, sz, rank, devs, None, canonical_terms(terms, lo, sz, rank, partial))
         return out
 
     @property
@@ -191,6 +212,7 @@ class Layout:
             and self._rank.tobytes() == other._rank.tobytes()
             and self._devices == other._devices
             and self.partial == other.partial
+            and _same_terms(self.terms, other.terms)
         )
 
     def __hash__(self) -> int:
@@ -198,16 +220,19 @@ class Layout:
 
     def __fshard_nbytes__(self) -> int:
         """What a cache entry holding this layout costs: its columns, and (once made) a ShardMeta per shard."""
-        return 160 * len(self._lo) + sum(int(a.nbytes) for a in (self._lo, self._sz, self._rank))
+        terms = 0 if self.terms is None else int(self.terms.nbytes)
+        return 160 * len(self._lo) + sum(int(a.nbytes) for a in (self._lo, self._sz, self._rank)) + terms
 
     def __reduce__(self) -> tuple[Any, ...]:
         devices = self._devices[0] if len(set(self._devices)) == 1 else self._devices
-        return (_from_columns, (self.shape, self._lo, self._sz, self._rank, devices, self.partial))
+        return (_from_columns, (self.shape, self._lo, self._sz, self._rank, devices, self.partial, self.terms))
 
     def __repr__(self) -> str:
         """``Layout(shape=..., shards=[(offsets, sizes, placement), ...])`` that rebuilds it; large ones summarised."""
         if len(self._rank) > MAX_SHARDS:  # without making the shards
             pending = f", partial={self.partial!r}" if self.partial else ""
+            if self.terms is not None:
+                pending += f", up to {int(self.terms.max()) + 1} summands per box"
             return f"Layout(shape={self.shape}, {len(self._rank)} shards on ranks {span(self.ranks)}{pending})"
         return layout_repr(self)
 
@@ -252,6 +277,8 @@ class Layout:
         }
         if self.partial is not None:
             out["partial"] = self.partial
+        if self.terms is not None:
+            out["terms"] = self.terms.tolist()
         return out
 
     @classmethod
@@ -259,7 +286,7 @@ class Layout:
         """Inverse of ``to_dict``."""
         try:
             shards = [ShardMeta(s["offsets"], s["sizes"], s["placement"]) for s in data["shards"]]
-            return cls(tuple(data["shape"]), tuple(shards), data.get("partial"))
+            return cls(tuple(data["shape"]), tuple(shards), data.get("partial"), data.get("terms"))
         except (KeyError, TypeError, IndexError, AttributeError) as exc:
             msg = f"Not a layout dict (want keys 'shape' and 'shards'): {exc!r}"
             raise LayoutError(msg) from exc
@@ -283,7 +310,8 @@ class Layout:
         ``width / 4`` lines (up to ``width``) where its thinnest band needs that to keep
         its proportions (``fshard._layout.show``); an N-D layout is drawn over the dims
         its boxes split (a summary where they split more than two), an empty one as a
-        line. A partial layout adds a line saying which reduction is pending.
+        line. A partial layout adds a line saying which reduction is pending and, where
+        some copies are replicas of one summand (``terms``), which copies are summands.
 
         Args:
             width: the picture's width at most, in characters (at least 4).
@@ -314,16 +342,49 @@ class Layout:
         """
         text = visualize(self, width, color)  # type: ignore[arg-type]
         if self.partial is not None:
-            text += f"\n(pending {self.partial}: each element is the {self.partial} of its copies)"
+            text += "\n" + summands_line(self)  # type: ignore[arg-type]
         return text
 
 
 @cached(1024)
 def with_partial(layout: Layout, partial: str | None) -> Layout:
-    """``layout`` with its copies read as summands of ``partial`` (``None``: as replicas)."""
+    """``layout`` with its copies read as summands of ``partial`` (``None``: as replicas).
+
+    Dropping the reduction drops the ``terms``; changing its op keeps them.
+    """
     if layout.partial == partial:
         return layout
-    return Layout(layout.shape, layout.shards, partial)
+    check_partial(partial)
+    return _derived(layout, partial, None if partial is None else layout.terms)
+
+
+def with_terms(layout: Layout, terms: Any) -> Layout:
+    """The partial ``layout`` with ``terms`` (one int per shard; ``None``: every copy a summand).
+
+    >>> lay = with_partial(Layout((2,), [((0,), (2,), r) for r in range(4)]), "sum")
+    >>> with_terms(lay, [0, 0, 1, 1]).terms.tolist(), with_terms(lay, None) == lay
+    ([0, 0, 1, 1], True)
+
+    Raises:
+        LayoutError: ``layout`` is not partial, or ``terms`` is not a valid column for it.
+    """
+    return _derived(layout, layout.partial, terms)
+
+
+def _derived(layout: Layout, partial: str | None, terms: Any) -> Layout:
+    """``layout``'s validated boxes with another pending op and terms (the boxes are not checked again)."""
+    lo, sz, rank, devices = layout.columns
+    out = object.__new__(Layout)
+    # Layout._set is this module's own: the columns are read-only and shared.
+    out._set(layout.shape, partial, lo, sz, rank, devices, layout._metas,  # pyright: ignore[reportPrivateUsage]
+             canonical_terms(terms, lo, sz, rank, partial))  # fmt: skip
+    return out
+
+
+def _same_terms(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.tobytes() == b.tobytes()
 
 
 @cached(256)
@@ -331,18 +392,24 @@ def replica_ids(layout: Layout) -> np.ndarray:
     """Per shard, an id that two shards share exactly when they must hold equal data.
 
     Copies of one box are replicas and share an id; the copies of a pending reduction
-    (``partial``) are its summands, each with an id of its own. Read-only, (shards,) int64.
+    (``partial``) are its summands, each with an id of its own, except that copies of
+    one summand (same box and same term, ``Layout.terms``) are replicas and share one.
+    Read-only, (shards,) int64.
 
     >>> lay = Layout((4,), [((0,), (2,), 0), ((0,), (2,), 1), ((2,), (2,), 2)])
     >>> replica_ids(lay).tolist(), replica_ids(with_partial(lay, "sum")).tolist()
     ([0, 0, 1], [0, 1, 2])
+    >>> replica_ids(with_terms(with_partial(lay, "sum"), [0, 0, 0])).tolist()
+    [0, 0, 1]
     """
     n = len(layout.columns.rank)
-    if layout.partial is not None or n == 0:
+    if (layout.partial is not None and layout.terms is None) or n == 0:
         ids = np.arange(n, dtype=np.int64)
     else:
-        boxes = np.concatenate([layout.columns.lo, layout.columns.sz], axis=1)
-        _, ids = np.unique(boxes, axis=0, return_inverse=True)
+        columns = [layout.columns.lo, layout.columns.sz]
+        if layout.terms is not None:
+            columns.append(layout.terms[:, None])
+        _, ids = np.unique(np.concatenate(columns, axis=1), axis=0, return_inverse=True)
         ids = ids.reshape(-1).astype(np.int64)
     ids.flags.writeable = False
     return ids
@@ -424,6 +491,7 @@ def _from_columns(
     rank: np.ndarray,
     devices: str | Sequence[str],
     partial: str | None,
+    terms: np.ndarray | None = None,
 ) -> Layout:
     """Unpickles a layout (validated again)."""
-    return Layout.from_arrays(shape, lo, sz, rank, devices, partial)
+    return Layout.from_arrays(shape, lo, sz, rank, devices, partial, terms)

@@ -32,7 +32,17 @@ from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._layout.validate import Columns, ShardLike
 
-__all__ = ["MAX_SHARDS", "MAX_WIDTH", "Picture", "describe_layout", "draw", "layout_repr", "span", "visualize"]
+__all__ = [
+    "MAX_SHARDS",
+    "MAX_WIDTH",
+    "Picture",
+    "describe_layout",
+    "draw",
+    "layout_repr",
+    "span",
+    "summands_line",
+    "visualize",
+]
 
 
 class Layout(Protocol):
@@ -42,6 +52,8 @@ class Layout(Protocol):
     def shape(self) -> tuple[int, ...]: ...
     @property
     def partial(self) -> str | None: ...
+    @property
+    def terms(self) -> np.ndarray | None: ...
     @property
     def ndim(self) -> int: ...
     @property
@@ -355,6 +367,8 @@ def layout_repr(layout: Any) -> str:
     if len(layout.shards) > MAX_SHARDS:
         ranks = span(layout.ranks)
         return f"Layout(shape={layout.shape}, {len(layout.shards)} shards on ranks {ranks}{pending})"
+    if layout.terms is not None:
+        pending += f", terms={layout.terms.tolist()}"
     shards = ", ".join(f"({m.offsets}, {m.sizes}, {_placement(m.placement)})" for m in layout.shards)
     return f"Layout(shape={layout.shape}, shards=[{shards}]{pending})"
 
@@ -369,10 +383,38 @@ def span(ranks: tuple[int, ...]) -> str:
     return ",".join(map(str, ranks))
 
 
+def summands_line(layout: Layout, most: int = 4) -> str:
+    """The line under a partial layout's picture: the pending op and which copies are its summands.
+
+    Where copies of one summand are replicas (``terms``), each box's summands are listed as
+    the ranks that hold them, for the first ``most`` boxes.
+    """
+    op = layout.partial
+    if layout.terms is None:
+        return f"(pending {op}: each element is the {op} of its copies)"
+    lo, sz, rank = layout.columns.lo, layout.columns.sz, layout.columns.rank
+    nonempty = np.flatnonzero((sz > 0).all(axis=1))
+    _, first, box_of = np.unique(np.c_[lo, sz][nonempty], axis=0, return_index=True, return_inverse=True)
+    shown = np.argsort(first)[:most]  # the first boxes, in layout order: only their shards are read
+    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], dict[int, list[int]]] = {}
+    for i in nonempty[np.isin(box_of.reshape(-1), shown)].tolist():
+        box = (tuple(lo[i].tolist()), tuple(sz[i].tolist()))
+        boxes.setdefault(box, {}).setdefault(int(layout.terms[i]), []).append(int(rank[i]))
+    parts = [
+        ("[" + ", ".join(f"{o}:{o + n}" for o, n in zip(*box)) + "]: " if len(boxes) > 1 or layout.ndim else "")
+        + " + ".join("{" + ",".join(f"r{r}" for r in sorted(set(ranks))) + "}" for ranks in terms.values())
+        for box, terms in boxes.items()
+    ]
+    more = "; ..." if len(first) > len(boxes) else ""
+    return f"(pending {op} of summands; the ranks in braces hold replicas of one summand: {'; '.join(parts)}{more})"
+
+
 @cached(1024)
 def _layout_digest(layout: Layout) -> str:
     h = hashlib.blake2b(digest_size=6)
     h.update(repr((layout.shape, layout.partial)).encode())
+    if layout.terms is not None:
+        h.update(layout.terms.tobytes())
     for a in (layout.columns.lo, layout.columns.sz, layout.columns.rank):
         h.update(np.ascontiguousarray(a, np.int64).tobytes())
     h.update("|".join(layout.columns.devices).encode())
@@ -387,4 +429,5 @@ def describe_layout(layout: Layout, most: int = 6) -> str:
     ]
     more = f" ... {len(layout.shards) - most} more" if len(layout.shards) > most else ""
     pending = f" partial {layout.partial}" if layout.partial else ""
+    pending += " over terms" if layout.terms is not None else ""
     return f"shape {layout.shape}{pending}: {' '.join(boxes)}{more} #{_layout_digest(layout)}"

@@ -13,7 +13,7 @@ import torch
 
 from fshard._base.cache import cached
 from fshard._errors import SpecError
-from fshard._layout.layout import Layout, ShardMeta, ShardMetaLike, as_metas, with_partial
+from fshard._layout.layout import Layout, ShardMeta, ShardMetaLike, as_metas, with_partial, with_terms
 from fshard._layout.placement import Placement, PlacementLike, as_placement
 from fshard._layout.torch_meta import box_from_torch, is_shard_metadata, is_torch_spec
 from fshard._layout.validate import REDUCE_OPS, check_shape
@@ -340,8 +340,24 @@ class Partial:
     its copies of each box. ``Partial(Replicated(R))`` holds a full-shape partial
     result on every rank of ``R`` (a row-parallel matmul's output);
     ``Partial(Named(mesh, ("x", None)))`` splits rows over ``x`` and sums over the
-    mesh axes that no dim uses. ``gather`` and ``reshard`` to a non-partial spec
-    carry out the reduction with the fewest elements sent.
+    mesh axes that no dim uses (every copy is a summand). ``gather`` and ``reshard`` to
+    a non-partial spec carry out the reduction with the fewest elements sent.
+
+    ``over`` (a mesh axis name of a ``Named`` spec, or a tuple of them) makes only the
+    copies along those axes summands: the copies along the other axes that no dim uses
+    are replicas of each summand. On a ``(dp, tp)`` mesh,
+    ``Partial(Named(mesh, (None,)), over="tp")`` is DTensor's ``[Replicate(), Partial()]``
+    and JAX's "unreduced over tp, replicated over dp": the value is the sum over ``tp``
+    only. The resolved layout records it in ``Layout.terms``.
+
+    Args:
+        spec: the copies' boxes: a spec or a non-partial ``Layout``.
+        op: the pending reduction.
+        over: mesh axes of ``spec`` (a ``Named``) along which copies are summands.
+
+    Raises:
+        SpecError: a partial or unknown spec, an unknown op, or an ``over`` that is not
+            unused axes of a ``Named`` spec's mesh (each at most once).
 
     >>> import torch, fshard
     >>> lay = Partial(Replicated([0, 1])).layout((3,))
@@ -353,8 +369,9 @@ class Partial:
 
     spec: Any
     op: str
+    over: tuple[str, ...] | None
 
-    def __init__(self, spec: Any, op: str = "sum") -> None:
+    def __init__(self, spec: Any, op: str = "sum", *, over: str | Iterable[str] | None = None) -> None:
         if isinstance(spec, Partial) or (isinstance(spec, Layout) and spec.partial is not None):
             raise SpecError(f"Partial() takes a non-partial spec, got {spec!r}: pending reductions do not nest.")
         if not is_spec(spec):
@@ -362,11 +379,46 @@ class Partial:
             raise SpecError(msg)
         if op not in REDUCE_OPS:
             raise SpecError(f"Partial op={op!r} is not a reduction; use one of {list(REDUCE_OPS)}.")
-        _set(self, spec=spec, op=op)
+        _set(self, spec=spec, op=op, over=None if over is None else _over(spec, over))
 
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec (its ``partial`` is ``op``)."""
-        return with_partial(as_layout(self.spec, shape), self.op)
+        layout = with_partial(as_layout(self.spec, shape), self.op)
+        if self.over is None:
+            return layout
+        mesh = cast("Named", self.spec).mesh
+        axes = [mesh.axis(a) for a in self.over]
+        coords = np.unravel_index(np.arange(len(mesh.ranks)), mesh.shape)
+        terms = np.ravel_multi_index(tuple(coords[k] for k in axes), tuple(mesh.shape[k] for k in axes))
+        return with_terms(layout, terms)
+
+
+def _over(spec: Any, over: Any) -> tuple[str, ...]:
+    """``over`` as a tuple of distinct mesh axes that ``spec`` (a ``Named``) leaves unused."""
+    if not isinstance(spec, Named):
+        msg = (
+            f"Partial(..., over={over!r}) names mesh axes, so it needs a Named spec, got {spec!r}. Without a "
+            "mesh every copy is a summand: drop over=, or give fshard.Named(mesh, partition)."
+        )
+        raise SpecError(msg)
+    axes = (over,) if isinstance(over, str) else _items(over, "Partial over=", "a mesh axis name or a tuple of them")
+    if not axes or not all(isinstance(a, str) for a in axes):
+        msg = f"Partial over= takes mesh axis names of {spec.mesh.axis_names}, such as over='y', got {over!r}."
+        raise SpecError(msg)
+    if len(set(axes)) != len(axes):
+        raise SpecError(f"Partial over={over!r} names a mesh axis twice; name each axis once.")
+    used = {a for p in spec.partition if p is not None for a in ((p,) if isinstance(p, str) else p)}
+    for a in axes:
+        if a not in spec.mesh.axis_names:
+            msg = f"Partial over={over!r}: the mesh has no axis {a!r}; its axes are {spec.mesh.axis_names}."
+            raise SpecError(msg)
+        if a in used:
+            msg = (
+                f"Partial over={over!r}: mesh axis {a!r} splits a dim of {spec.partition}, so its copies are "
+                f"different boxes, not summands; give over= axes that no dim uses, or drop {a!r} from the partition."
+            )
+            raise SpecError(msg)
+    return axes
 
 
 Spec = Union[Chunk, Named, Replicated, Single, Explicit, Partial]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from fshard._base import boxes as _boxes
-from fshard._layout.index import Index, expand, index
+from fshard._layout.index import Holders, Index, expand, index
 from fshard._layout.layout import Layout
 
 __all__ = ["copy_on", "shared_holders", "source_shards", "walk_holders"]
@@ -84,7 +84,7 @@ def _shared_below(si: Index, di: Index, u: np.ndarray, v: np.ndarray, rank: np.n
     return np.searchsorted(keys, query) - np.searchsorted(keys, inverse * width)
 
 
-def shared_holders(si: Index, di: Index, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def shared_holders(si: Holders, di: Holders, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every (pair, rank) where ``rank`` holds both ``u[pair]`` (in ``si``) and ``v[pair]`` (in ``di``).
 
     Pairs ascend, and ranks ascend within a pair; each pair walks the shorter of its two rank
@@ -95,7 +95,7 @@ def shared_holders(si: Index, di: Index, u: np.ndarray, v: np.ndarray) -> tuple[
 
 
 def walk_holders(
-    si: Index, di: Index, u: np.ndarray, v: np.ndarray, pair: np.ndarray, at: np.ndarray
+    si: Holders, di: Holders, u: np.ndarray, v: np.ndarray, pair: np.ndarray, at: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """The entries ``at`` of the shorter holder list of each ``pair`` that the other list holds too.
 

@@ -31,7 +31,7 @@ from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
-from fshard._layout.specs import Chunk, Explicit, Mesh, Named, Replicated, Single
+from fshard._layout.specs import Chunk, Explicit, Mesh, Named, Partial, Replicated, Single
 
 __all__ = [
     "arrays",
@@ -42,6 +42,7 @@ __all__ = [
     "layout_pairs",
     "layouts",
     "named_specs",
+    "partial_specs",
     "placements",
     "shapes",
     "specs",
@@ -149,6 +150,30 @@ def specs(draw: st.DrawFn, shape: tuple[int, ...], world: int = 4) -> Chunk | Na
     if kind == "single":
         return Single(draw(st.integers(0, world - 1)))
     return Explicit(draw(guillotine_layouts(shape, world)).shards)
+
+
+@st.composite
+def partial_specs(draw: st.DrawFn, shape: tuple[int, ...], world: int = 4) -> Partial:
+    """``Partial`` specs for ``shape``: a pending sum, max or min over the copies of any spec.
+
+    Half of them are over a ``Named`` spec, and where its mesh has unused axes, ``over=`` may
+    name some of them: the copies along those are summands, those along the others replicas
+    of each summand (DTensor's ``[Replicate(), Partial()]``).
+
+    >>> from hypothesis import find
+    >>> spec = find(partial_specs((4, 2)), lambda p: p.layout((4, 2)).terms is not None)
+    >>> spec.layout((4, 2)).partial in ("sum", "max", "min")
+    True
+    """
+    spec = draw(named_specs(len(shape), world) if draw(st.booleans()) else specs(shape, world))
+    op = draw(st.sampled_from(["sum", "max", "min"]))
+    if not isinstance(spec, Named):
+        return Partial(spec, op)
+    used = {a for p in spec.partition if p is not None for a in ((p,) if isinstance(p, str) else p)}
+    unused = [a for a in spec.mesh.axis_names if a not in used]
+    if not unused or draw(st.booleans()):
+        return Partial(spec, op)
+    return Partial(spec, op, over=tuple(draw(st.lists(st.sampled_from(unused), min_size=1, unique=True))))
 
 
 def layouts(shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]], world: int = 4) -> st.SearchStrategy[Layout]:
