@@ -273,11 +273,6 @@ def test_split_replicas_keeps_one_copy_of_each_summand():
     assert [float(s.data.sum()) for s in q.addressable_shards] == [float(BASE.sum()), 2 * float(BASE.sum()), 0, 0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="map_local's same-layout path rebuilds a pending result's layout from with_partial(.., None): "
-    "it must keep the arguments' terms (fshard/_api/map.py map_same)",
-)
 def test_map_local_linear_keeps_the_summands():
     y = fshard.map_local(lambda t: 2 * t, _summands(OVER_TP), linear=True)
     assert y.layout == OVER_TP.layout(SHAPE)
@@ -345,11 +340,6 @@ def test_a_row_parallel_linear_on_dp_tp_reduces_over_tp():
     assert torch.allclose(fshard.gather(fshard.reshard(y, Replicated([0, 1, 2, 3]))), x @ w, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shard_map shares a replicated result's gradient among its copies (map.py regrouped 'share'), but not "
-    "yet among the replicas of a summand: regrouped() skips every partial layout",
-)
 def test_a_row_parallel_linear_has_the_dense_gradient():
     def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         linear = fshard.shard_map(

@@ -42,7 +42,7 @@ from fshard._exec.agree import (
 )
 from fshard._exec.collective import collective
 from fshard._exec.replicas import check_leaves, checking
-from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
+from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial, with_terms
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Explicit, Partial, as_layout
 
@@ -98,6 +98,7 @@ def map_local(
             raise TypeError(f"map_local() argument {k} takes a ShardedArray, got {type(a).__name__}.")
     _check_backends(arrays, "map_local()")
     pending = _check_partial(arrays, linear)
+    _check_terms(arrays)
     base = with_partial(arrays[0].layout, None)
     if out_spec is None and all(with_partial(a.layout, None) == base for a in arrays):
         return map_same(fn, arrays, pending)
@@ -279,6 +280,22 @@ def _check_partial(arrays: Sequence[ShardedArray], linear: bool, what: str = "ma
     return "sum" if any(a.layout.partial for a in arrays) else None
 
 
+def _check_terms(arrays: Sequence[ShardedArray]) -> None:
+    """Raises unless the pending arguments hold their summands alike (``Layout.terms``)."""
+    pending = [(k, a.layout.terms) for k, a in enumerate(arrays) if a.layout.partial is not None]
+    for k, terms in pending[1:]:
+        first = pending[0][1]
+        if (terms is None) != (first is None) or (
+            terms is not None and first is not None and terms.tobytes() != first.tobytes()
+        ):
+            msg = (
+                f"map_local() arguments {pending[0][0]} and {k} are pending sums whose copies are summands in "
+                "different ways (Layout.terms): reshard one to the other's layout first, "
+                "fshard.reshard(x, other.layout)."
+            )
+            raise SpecError(msg)
+
+
 # -- slots ----------------------------------------------------------------------------------
 
 
@@ -433,7 +450,9 @@ def _spec_structure(out_specs: Any) -> Any:
 
 def regrouped(a: ShardedArray, mode: str) -> ShardedArray:
     """``a`` itself, or with gradients of its copies summed or shared (when it has copies and needs grad)."""
-    if a.layout.partial is not None or not a.requires_grad or max(_autograd._copy_counts(a.layout), default=1) < 2:  # pyright: ignore[reportPrivateUsage]
+    # A pending sum's replicas of a summand (Layout.terms) share a result's gradient; its summands never sum theirs.
+    copies = max(_autograd._copy_counts(a.layout), default=1)  # pyright: ignore[reportPrivateUsage]
+    if (mode == "sum" and a.layout.partial is not None) or not a.requires_grad or copies < 2:
         return a
     data, link = _autograd.regroup(a.layout, a.backend, mode, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]  # package-internal
     return ShardedArray(a.layout, data, a.backend, a.dtype, link)
@@ -628,6 +647,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     first = arrays[0]
     backend, base = first.backend, with_partial(first.layout, None)
     index = backend.addressable(first.layout)
+    terms = next((a.layout.terms for a in arrays if a.layout.partial is not None), None)
 
     usage = _varying.Usage()
     own = [t for a in arrays for t in a.addressable_data]
@@ -651,15 +671,20 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
         used = set[int]()
     if tree is None:  # no shard anywhere: the result's link joins every argument's
         link = link_without_blocks(arrays, first.dtype, used)
-        return ShardedArray(with_partial(first.layout, pending), (), backend, first.dtype, link)
+        return ShardedArray(_pending(base, pending, terms), (), backend, first.dtype, link)
     results: list[ShardedArray] = []
     for n, (dtype, sizes) in enumerate(metas):
-        layout = with_partial(_infer_layout(base, sizes), pending)
+        layout = _pending(_infer_layout(base, sizes), pending, terms)
         if leaves:
             results.append(ShardedArray(layout, leaves[n], backend, dtype))
         else:
             results.append(ShardedArray(layout, (), backend, dtype, link_without_blocks(arrays, dtype, used)))
     return optree.tree_unflatten(tree, results)
+
+
+def _pending(layout: Layout, pending: str | None, terms: Any) -> Layout:
+    """``layout`` with the pending op of a linear map of pending sums, and their summands' terms."""
+    return layout if pending is None else with_terms(with_partial(layout, pending), terms)
 
 
 _LEAF = optree.tree_structure(cast(Any, 0))  # the structure of a single leaf

@@ -83,6 +83,8 @@ def flat_layouts(src: tuple[Layout, ...], dst: tuple[Layout, ...]) -> Flat | Non
     """
     if len({x.partial for x in src}) > 1 or len({x.partial for x in dst}) > 1:
         return None
+    if any(x.terms is not None for x in (*src, *dst)):  # summands with replicas: each leaf its own plan
+        return None
     ranges_src = [flat_range(x) for x in src]
     ranges_dst = [flat_range(x) for x in dst]
     if any(r is None for r in ranges_src) or any(r is None for r in ranges_dst):
@@ -187,7 +189,7 @@ def move_tree(
     move = _autograd.move_summing if summing else _autograd.move
     for found in _groups(arrays, [a.layout != x for a, x in zip(arrays, layouts)], layouts):
         # In one process a movement is copies alone, which fusing would not save: leaf by leaf there.
-        ranges = [k for k in found if _ranges(arrays[k].layout) and _ranges(layouts[k])]
+        ranges = [k for k in found if _fusable(arrays[k].layout) and _fusable(layouts[k])]
         group = ranges if len(ranges) > 1 and arrays[found[0]].backend.spans_processes else []
         for k in found:
             if k not in group:  # boxes that are no ranges, or a leaf alone: a movement of its own
@@ -240,9 +242,13 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str) -> list[ShardedArray
 
 
 @cached(1024)
-def _ranges(layout: Layout) -> bool:
-    """Whether every box of ``layout`` is a range of its row-major order (``flat_range``)."""
-    return flat_range(layout) is not None
+def _fusable(layout: Layout) -> bool:
+    """Whether ``layout`` can join a flat array.
+
+    Every box a range of its row-major order (``flat_range``), and its copies all replicas
+    or all summands (no ``terms``).
+    """
+    return layout.terms is None and flat_range(layout) is not None
 
 
 @cached(1024)
