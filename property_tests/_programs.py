@@ -21,7 +21,8 @@ summands, so the ranks' gradients add up to the whole one).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ import torch.distributed as dist
 
 import fshard
 from fshard import Chunk, Mesh, Named, Partial, Replicated
+from fshard._api import move as _move
+from fshard._exec import collective as _collective
+from fshard.backends.local import LocalBackend
 
 __all__ = ["FNS", "MATMULS", "SHAPE_FNS", "Env", "data", "run"]
 
@@ -68,6 +72,12 @@ MATMULS: dict[str, Callable[[tuple[int, ...]], tuple[tuple[Any, Any], Any]]] = {
         Partial(Named(_mesh(r), ("x", None))),
     ),
     "grid_rows": lambda r: ((Named(_mesh(r), ("x", None)), Replicated(list(r))), Named(_mesh(r), ("x", None))),
+}
+# shard_map out_specs that claim replicas: along y where the argument's copies are (accepted), and along
+# x where the argument is split (refused: the copies would disagree).
+CLAIMS: dict[str, Callable[[tuple[int, ...]], tuple[Any, Any]]] = {
+    "implied": lambda r: (Named(_mesh(r), ("x", None)), Named(_mesh(r), ("x", None))),
+    "contradicted": lambda r: (Named(_mesh(r), ("x", "y")), Named(_mesh(r), (None, "y"))),
 }
 BIASES: dict[str, Callable[[tuple[int, ...]], tuple[tuple[Any, Any], Any]]] = {
     "rows": lambda r: ((Chunk(0, list(r)), Replicated(list(r))), Chunk(0, list(r))),
@@ -126,6 +136,16 @@ class Env:
         captured = fshard.gather(self.values[g])
         return fshard.map_local(lambda t: CLOSURES[fn](t, captured), self.values[v])
 
+    def _closed(self, v: int, t: int, fn: str) -> fshard.ShardedArray:
+        """``fn`` of each block of ``v`` and the plain tensor ``t``, closed over (not an argument)."""
+        captured = self.values[t]
+        return fshard.map_local(lambda blk: CLOSURES[fn](blk, captured), self.values[v])
+
+    def _claim(self, v: int, ranks: tuple[int, ...], claim: str) -> fshard.ShardedArray:
+        """``shard_map`` of ``2 * t`` whose ``out_specs`` claims replicas (``CLAIMS``): refused where they differ."""
+        in_spec, out_spec = CLAIMS[claim](ranks)
+        return fshard.shard_map(lambda t: 2 * t, in_specs=in_spec, out_specs=out_spec)(self.values[v])
+
     def _matmul(self, x: int, w: int, kind: str, ranks: tuple[int, ...]) -> fshard.ShardedArray:
         in_specs, out_specs = MATMULS[kind](ranks)
         return fshard.shard_map(torch.matmul, in_specs, out_specs)(self.values[x], self.values[w])
@@ -174,8 +194,32 @@ def _weights(shape: tuple[int, ...], k: int) -> torch.Tensor:
     return data(shape, 10_000 + k)
 
 
+@contextlib.contextmanager
+def _four_ranks() -> Iterator[None]:
+    """Outside torch.distributed, the default backend is a local world of the pool's 4 ranks.
+
+    ``LocalBackend(world_size=4)`` checks ranks (and ranks without blocks) as the 4 Gloo
+    processes do, so both sides refuse the same programs.
+    """
+    if dist.is_initialized():
+        yield
+        return
+    four = LocalBackend(world_size=4)
+    saved = (_move.default_backend, _collective.default_backend)
+    _move.default_backend = _collective.default_backend = lambda: four
+    try:
+        yield
+    finally:
+        _move.default_backend, _collective.default_backend = saved
+
+
 def run(program: tuple[Any, Any]) -> dict[str, Any]:
     """Runs ``program`` on the default backend; see the module docstring for the result."""
+    with _four_ranks():
+        return _run(program)
+
+
+def _run(program: tuple[Any, Any]) -> dict[str, Any]:
     inputs, ops = program
     env = Env(inputs)
     out: dict[str, Any] = {"error": None, "layouts": [], "values": [], "grads": None}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _programs import BIASES, CLOSURES, FNS, MATMULS, SHAPE_FNS, Env, run
+from _programs import BIASES, CLAIMS, CLOSURES, FNS, MATMULS, SHAPE_FNS, Env, run
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -47,8 +47,16 @@ def specs(draw: st.DrawFn, shape: tuple[int, ...], partial: float = 0.0) -> obje
     else:
         spec = draw(fst.specs(shape, world=4))
     if partial and draw(st.floats(0, 1)) < partial:
-        return Partial(spec, draw(st.sampled_from(["sum", "sum", "sum", "max", "min"])))
+        op = draw(st.sampled_from(["sum", "sum", "sum", "max", "min"]))
+        unused = [a for a in ("x", "y") if isinstance(spec, Named) and not _uses(spec, a)]
+        if unused and draw(st.booleans()):  # summands along some axes, replicas along the others
+            return Partial(spec, op, over=draw(st.sampled_from(unused)))
+        return Partial(spec, op)
     return spec
+
+
+def _uses(spec: Named, axis: str) -> bool:
+    return any(p == axis or (isinstance(p, tuple) and axis in p) for p in spec.partition)
 
 
 def _shape(env: Env, i: int) -> tuple[int, ...]:
@@ -77,6 +85,8 @@ def ops(draw: st.DrawFn, env: Env) -> tuple[object, ...]:
         kinds += ["reshard", "reshard", "gather", "map", "map_shape", "map2"]
         kinds += ["operator", "operator"] if HAS_OPERATORS else []
     kinds += ["closure", "closure"] if arrays else []
+    kinds += ["closed"] if arrays and tensors else []
+    kinds += ["claim"] if [i for i in arrays if len(_shape(env, i)) == 2] else []
     kinds += ["matmul", "matmul"] if matmuls else []
     kinds += ["bias", "bias"] if biases else []
     kind = draw(st.sampled_from(kinds))
@@ -99,8 +109,15 @@ def ops(draw: st.DrawFn, env: Env) -> tuple[object, ...]:
         x, b = draw(st.sampled_from(biases))
         name = draw(st.sampled_from(sorted(BIASES)))
         return ("bias", x, b, name, tuple(draw(st.permutations(R4))) if name == "grid" else _ranks(draw))
+    if kind == "claim":
+        v = draw(st.sampled_from([i for i in arrays if len(_shape(env, i)) == 2]))
+        return ("claim", v, tuple(draw(st.permutations(R4))), draw(st.sampled_from(sorted(CLAIMS))))
     v = draw(st.sampled_from(arrays))
     a = env.values[v]
+    if kind == "closed":
+        row = [t for t in tensors if a.ndim and _shape(env, t) == a.shape[-1:] and a.ndim - 1 in _unsplit(a.layout)]
+        t = draw(st.sampled_from(row or tensors))
+        return ("closed", v, t, draw(st.sampled_from(sorted(CLOSURES))) if row else "scalar")
     if kind == "reshard":
         return ("reshard", v, draw(specs(a.shape, partial=0.25)))
     if kind == "gather":
@@ -261,6 +278,21 @@ KNOWN = {
         (((4, 3), 1226), ((3, 1), 2898), ((1,), 1324)),
         (("bias", 1, 2, "rows", (2,)), ("closure", 3, 3, "scalar")),
     ),
+    # a plain tensor closed over by a per-shard function: its gradient is the sum of every rank's uses.
+    "closed-over-plain-tensor": (
+        (((4, 3), 5), ((3, 2), 6), ((3,), 7)),
+        (("shard", 0, Chunk(0, [0, 1, 2, 3])), ("closed", 3, 2, "row"), ("closed", 3, 1, "scalar")),
+    ),
+    # out_specs that claim replicas: implied by the argument's copies, or contradicted (refused on every rank).
+    "replication-claims": (
+        (((4, 4), 8), ((4, 2), 9), ((2,), 10)),
+        (("shard", 0, Named(Mesh((2, 2)), ("x", None))), ("claim", 3, R4, "implied"), ("claim", 3, R4, "contradicted")),
+    ),  # fmt: skip
+    # a pending sum over y replicated over x, reduced: the sum over y only, and its gradient.
+    "partial-over-one-axis": (
+        (((4, 3), 11), ((3, 2), 12), ((2,), 13)),
+        (("shard", 0, Partial(Named(Mesh((2, 2)), ("x", None)), over="y")), ("reshard", 3, Chunk(0, [0, 1, 2, 3]))),
+    ),
     # the sum of all elements when one box is non-empty and another is empty.
     "sum-with-an-empty-shard": ((((1, 4), 0), *TINY[1:]), (("shard", 0, Chunk(0, [0, 1])), ("sum", 3, None))),
 }
@@ -282,6 +314,7 @@ def test_programs_cover_every_kind_of_op():
         seen.update(op[0] for op in program[1])
 
     collect()
-    kinds = {"shard", "shard_src", "partial", "reshard", "gather", "map", "map_shape", "map2", "closure"}
+    kinds = {"shard", "shard_src", "partial", "reshard", "gather", "map", "map_shape", "map2", "closure", "closed"}
+    kinds |= {"claim"}
     kinds |= {"matmul", "bias"}
     assert kinds <= seen, sorted(kinds - seen)

@@ -164,3 +164,20 @@ def test_check_mode_compares_the_copies_that_check_vma_false_trusts(dist_pool):
     assert dist_pool.run(_trusted_claim_in_check_mode, True, timeout=60) == ["ok (1, 4)"] * 4
     for msg in dist_pool.run(_trusted_claim_in_check_mode, False, timeout=60):
         assert "result 0 of shard_map()" in msg
+
+
+def test_a_local_world_of_four_refuses_the_closure_as_four_processes_do():
+    from fshard.backends.local import LocalBackend
+
+    four = LocalBackend(world_size=4)
+    w = torch.tensor([2.0], requires_grad=True)
+    a = fshard.shard(torch.arange(6.0), fshard.Chunk(0, [0, 1, 2]), backend=four)
+    with pytest.raises(fshard.SpecError, match=r"ranks \[3\] hold no block"):
+        fshard.map_local(lambda t: t * w, a)
+    v = torch.ones(3, requires_grad=True)
+    g = fshard.gather(fshard.shard(v, fshard.Replicated([0, 1, 2]), backend=four))
+    assert g.requires_grad
+    fshard.map_local(lambda t: t * g.sum(), a)  # a gathered tensor is no closure: accepted alike
+    every = fshard.shard(torch.arange(8.0), fshard.Chunk(0, [0, 1, 2, 3]), backend=four)
+    fshard.gather(fshard.map_local(lambda t: t * w, every)).sum().backward()
+    assert w.grad.tolist() == [28.0]

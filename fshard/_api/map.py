@@ -390,6 +390,7 @@ def _run(
     else:
         leaves, spec_tree = compute()
         metas = (describe_results(spec_tree, leaves) or (None, []))[1]
+        _refuse_closed(backend, first, usage.closed, what)
         used = set[int]()
     specs = _leaf_specs(out_specs, spec_tree, what)
     if spec_tree is None:  # no slot anywhere: the structure comes from the specs
@@ -413,25 +414,40 @@ def _run(
 def _per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence[torch.Tensor]) -> Any:
     """The context of ``fn``'s calls on the blocks ``own`` of arrays laid out like ``layout``.
 
-    A tensor ``fn`` closes over gets the sum of every rank's uses as its gradient.
+    A tensor ``fn`` closes over gets the sum of every rank's uses as its gradient: across
+    processes by a view whose backward sums over the ranks; in one process autograd sums
+    them, and such tensors are only counted where some rank of a known world holds no
+    block (``_refuse_closed``), so that both backends refuse alike.
     """
 
     def closed(t: torch.Tensor) -> torch.Tensor:
         return _autograd.summed_uses(t, layout, backend)
 
-    return _varying.per_shard(backend, usage, closed, own)
+    if backend.spans_processes:
+        return _varying.per_shard(backend, usage, closed, own)
+    return _varying.per_shard(backend, usage, _unchanged if _blockless(backend, layout) else None, own)
 
 
-def _used(backend: Any, layout: Layout, seen: Sequence[tuple[frozenset[int], int]], what: str) -> set[int]:
-    """The gathered tensors (ages) that ``fn`` used on some rank, from every rank's usage.
+def _unchanged(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _blockless(backend: Any, layout: Layout) -> list[int]:
+    """The ranks of ``backend``'s group (a ``LocalBackend(world_size=n)``'s n ranks) that hold no block of ``layout``."""
+    ranks = backend.ranks if backend.spans_processes else range(getattr(backend, "world_size", 0))
+    held = set(layout.ranks)
+    return [r for r in ranks if r not in held]
+
+
+def _refuse_closed(backend: Any, layout: Layout, closed: int, what: str) -> None:
+    """Raises where ``fn`` used ``closed`` tensors that need a gradient from outside its arguments and
+    some rank holds no block: that rank runs no ``fn``, so their gradients' sum cannot include it.
 
     Raises:
-        SpecError: on every rank, where ``fn`` used closed-over tensors that need a gradient and some
-            rank holds no block: that rank runs no ``fn``, so their gradients' sum cannot include it.
+        SpecError: on every rank (``closed`` is every rank's largest count).
     """
-    closed = max((n for _, n in seen), default=0)
-    if closed and holds_nothing_somewhere(backend, layout):
-        empty = [r for r in backend.ranks if r not in set(layout.ranks)]
+    empty = _blockless(backend, layout) if closed else []
+    if empty:
         msg = (
             f"{what} fn uses {closed} tensor(s) from outside its arguments that require grad (closed over), "
             f"and ranks {empty} hold no block, so they run no fn and cannot take part in summing those gradients "
@@ -439,6 +455,15 @@ def _used(backend: Any, layout: Layout, seen: Sequence[tuple[frozenset[int], int
             "or lay the arguments out over every rank."
         )
         raise SpecError(msg)
+
+
+def _used(backend: Any, layout: Layout, seen: Sequence[tuple[frozenset[int], int]], what: str) -> set[int]:
+    """The gathered tensors (ages) that ``fn`` used on some rank, from every rank's usage.
+
+    Raises:
+        SpecError: on every rank, for closed-over tensors where some rank holds no block (``_refuse_closed``).
+    """
+    _refuse_closed(backend, layout, max((n for _, n in seen), default=0), what)
     return cast("set[int]", set().union(*(keys for keys, _ in seen)))
 
 
@@ -668,6 +693,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     else:
         tree, leaves = compute()
         metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
+        _refuse_closed(backend, first.layout, usage.closed, "map_local()")
         used = set[int]()
     if tree is None:  # no shard anywhere: the result's link joins every argument's
         link = link_without_blocks(arrays, first.dtype, used)

@@ -112,8 +112,9 @@ def gather(array: Any, *, dst: int | None = None) -> Any:
     Each distinct box is read from one replica; uneven and empty shards need no padding.
     A pending reduction (``Partial``) is carried out first, with the fewest elements
     sent: a reduce-scatter then an all-gather (``dst=None``), or a reduce to ``dst``.
-    A pytree of arrays gives the pytree of their tensors, the arrays of one dtype
-    gathered in one movement (one collective per phase, not one per array).
+    A pytree of arrays gives the pytree of their tensors; where no gradient is recorded
+    (evaluation, checkpoints), the arrays of one dtype are gathered in one movement (one
+    collective per phase, not one per array).
     In check mode the copies of each replicated box are compared first
     (``fshard.check_replicas``): copies that drifted apart raise ``ReplicaMismatchError``.
 
@@ -406,11 +407,14 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
     if dst is not None:
         dst = backend.check_rank(dst, "dst")
     receivers = set(backend.receivers(leaves[0].layout, dst))
-    # Across processes, where every receiver holds a shard, the whole array on each (reduced first)
-    # is a layout of the array: those leaves move as one tree, and each rank's result is its own
-    # copy (its gradient enters that copy). The others go through gather one by one, as every leaf
-    # does in one process, where one tensor stands for all the copies.
-    fused = [k for k, a in enumerate(leaves) if backend.spans_processes and receivers <= set(a.layout.ranks)]
+    # Across processes and without gradients, where every receiver holds a shard, the whole array on
+    # each (reduced first) is a layout of the array: those leaves move as one tree. The others go
+    # through gather one by one (as every leaf does in one process): a gathered tensor that needs a
+    # gradient is one whose per-shard uses gather's backward sums, on every backend alike.
+    grads = torch.is_grad_enabled() and any(a.requires_grad for a in leaves)
+    fused = [
+        k for k, a in enumerate(leaves) if backend.spans_processes and not grads and receivers <= set(a.layout.ranks)
+    ]
     out: list[Any] = [None] * len(leaves)
     moved = _fused.move_tree([leaves[k] for k in fused], [_reduced(leaves[k].layout, dst) for k in fused])
     for k, a in zip(fused, moved):

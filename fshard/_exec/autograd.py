@@ -326,6 +326,8 @@ def assemble(
     out = _run(_Assemble, layout, backend, dst, parts, like, *tensors)
     if parts is not None:
         _varying.register(out, parts)
+    elif dst is None and needs_grad:  # in one process: not closed over, as across processes
+        _varying.mark_gathered(out)
     return out if _holds_result(backend, dst) else None
 
 

@@ -43,7 +43,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Parts", "Usage", "join", "mark", "per_shard", "register"]
+__all__ = ["Parts", "Usage", "join", "mark", "mark_gathered", "per_shard", "register"]
 
 
 class Parts:
@@ -83,6 +83,16 @@ def register(t: torch.Tensor, parts: Parts) -> None:
 def _forget(key: int) -> None:
     _PARTS.pop(key, None)
     _KEYS.pop(key, None)
+
+
+# Gathers' results in one process: they need no parts there (one process runs every use), but a
+# per-shard function's use of one is a gathered use, not a closure, on every backend alike.
+_GATHERED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def mark_gathered(t: torch.Tensor) -> None:
+    """Marks ``t``, a gather's result in one process, as gathered (not closed over) in per-shard functions."""
+    _GATHERED[id(t)] = t
 
 
 class Usage:
@@ -173,7 +183,13 @@ class _PerShard(TorchFunctionMode):
             view = cast("torch.Tensor", _SetAside.apply(_PARTS[key], x))  # pyright: ignore[reportUnknownMemberType]  # torch: apply is untyped
             if self.usage is not None:
                 self.usage.keys.add(_KEYS[key])
-        elif self.closed is not None and x.requires_grad and key not in self.own and _older(x, self.since):
+        elif (
+            self.closed is not None
+            and x.requires_grad
+            and key not in self.own
+            and _GATHERED.get(key) is not x
+            and _older(x, self.since)
+        ):
             view = self.closed(x)
             if self.usage is not None:
                 self.usage.closed += 1
@@ -206,12 +222,12 @@ def per_shard(
     """The context of a per-shard function whose arguments are ``own``.
 
     On a multi-process backend, uses of gathered tensors become parts of their gradients
-    (their keys are added to ``usage``), and, when gradients are recorded, every tensor
-    from outside the arguments that needs a gradient is passed through ``closed`` (counted
-    in ``usage``).
+    (their keys are added to ``usage``); and, when gradients are recorded and ``closed`` is
+    given, every tensor from outside the arguments that needs a gradient is passed through
+    ``closed`` (counted in ``usage``).
     """
     closed = closed if closed is not None and torch.is_grad_enabled() else None
-    if not backend.spans_processes or (not _LIVE and closed is None):
+    if not ((backend.spans_processes and _LIVE) or closed is not None):
         yield
         return
     with _PerShard(usage, closed, {id(t) for t in own}, mark() if closed is not None else 0):
