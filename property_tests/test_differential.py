@@ -286,8 +286,12 @@ KNOWN = {
     # out_specs that claim replicas: implied by the argument's copies, or contradicted (refused on every rank).
     "replication-claims": (
         (((4, 4), 8), ((4, 2), 9), ((2,), 10)),
-        (("shard", 0, Named(Mesh((2, 2)), ("x", None))), ("claim", 3, R4, "implied"), ("claim", 3, R4, "contradicted")),
-    ),  # fmt: skip
+        (
+            ("shard", 0, Named(Mesh((2, 2)), ("x", None))),
+            ("claim", 3, R4, "implied"),
+            ("claim", 3, R4, "contradicted"),
+        ),
+    ),
     # a pending sum over y replicated over x, reduced: the sum over y only, and its gradient.
     "partial-over-one-axis": (
         (((4, 3), 11), ((3, 2), 12), ((2,), 13)),

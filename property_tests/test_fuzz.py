@@ -575,6 +575,22 @@ def entries(base: Path) -> dict[str, Entry]:
                 flag("progress", (None, False)),
             ),
         ),
+        "save_safetensors": Entry(
+            fshard.save_safetensors,
+            (
+                Arg("path", new_dir, junk=path),
+                Arg("tree", one({"w": ROWS, "b": torch.ones(2)}, {"t": T34})),
+                kw("max_shard_size", ("5GB", 1 << 20, "512MiB")),
+            ),
+        ),
+        "Split": Entry(
+            fshard.Split,
+            (Arg("source", one("qkv")), Arg("dim", one(0, 1)), Arg("parts", one({"q": 2, "k": 1}, {"a": 0}))),
+        ),
+        "Concat": Entry(
+            fshard.Concat,
+            (Arg("sources", one(["q", "k"], ("a",))), Arg("dim", one(0, 1)), Arg("name", one("qk"))),
+        ),
         "load": Entry(
             fshard.load,
             (
