@@ -433,15 +433,16 @@ def _unchanged(t: torch.Tensor) -> torch.Tensor:
 
 
 def _blockless(backend: Any, layout: Layout) -> list[int]:
-    """The ranks of ``backend``'s group (a ``LocalBackend(world_size=n)``'s n ranks) that hold no block of ``layout``."""
+    """The ranks of ``backend``'s group that hold no block of ``layout`` (a ``LocalBackend(world_size=n)``: n ranks)."""
     ranks = backend.ranks if backend.spans_processes else range(getattr(backend, "world_size", 0))
     held = set(layout.ranks)
     return [r for r in ranks if r not in held]
 
 
 def _refuse_closed(backend: Any, layout: Layout, closed: int, what: str) -> None:
-    """Raises where ``fn`` used ``closed`` tensors that need a gradient from outside its arguments and
-    some rank holds no block: that rank runs no ``fn``, so their gradients' sum cannot include it.
+    """Refuses ``closed`` tensors that ``fn`` used from outside its arguments where some rank holds no block.
+
+    That rank runs no ``fn``, so the sum of their gradients over the ranks cannot include it.
 
     Raises:
         SpecError: on every rank (``closed`` is every rank's largest count).
