@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fshard
-from fshard._checkpoint import _hf_round, _safetensors
+from fshard._checkpoint import _hf_direct, _safetensors
 from fshard._checkpoint._hf_write import parse_size, shard_files
 from fshard.backends.local import LOCAL
 
@@ -361,14 +361,22 @@ def test_one_file_is_byte_for_byte_what_safetensors_writes(tmp_path: Path) -> No
     assert (tmp_path / "ck" / "model.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("piece", [1, 7, 100, 1 << 20])
-def test_files_moved_in_pieces_of_any_size_are_the_same_bytes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int
-) -> None:
-    monkeypatch.setattr(_hf_round, "PIECE_BYTES", piece)
+def test_every_byte_is_written_once_by_one_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written: list[int] = []
+    real = _hf_direct.write_runs
+
+    def counted(fd: int, base: int, spans: Any, data: Any) -> None:
+        written.append(int(spans[2].sum()))
+        real(fd, base, spans, data)
+
+    monkeypatch.setattr(_hf_direct, "write_runs", counted)
     fshard.save_safetensors(tmp_path / "ck", _arrays())
     save_file(TENSORS, tmp_path / "reference.safetensors", metadata={"format": "pt"})
-    assert (tmp_path / "ck" / "model.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    reference = (tmp_path / "reference.safetensors").read_bytes()
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() == reference
+    header = 8 + int.from_bytes(reference[:8], "little")
+    assert sum(written) == len(reference)  # the header once, and each box of each tensor once
+    assert written[0] == header
 
 
 def test_sharded_files_and_index_as_huggingface_hub_cuts_them(tmp_path: Path) -> None:
@@ -458,7 +466,7 @@ def test_a_failed_write_leaves_no_folder_and_no_staging(tmp_path: Path, monkeypa
     def broken(*args: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_hf_round, "write_runs", broken)
+    monkeypatch.setattr(_hf_direct, "write_runs", broken)
     with pytest.raises(
         fshard.CheckpointError, match=re.escape("No space left on device (errno 28). Nothing was committed")
     ):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import fshard
-from fshard._checkpoint import _hf_round, _safetensors
+from fshard._checkpoint import _hf_direct, _hf_save, _safetensors
 
 pytestmark = pytest.mark.multiprocess
 
@@ -148,49 +148,51 @@ def test_ranks_asking_for_different_layouts_all_raise(dist_pool: Any, folder: Pa
 # -- save_safetensors from 4 ranks ----------------------------------------------------------------
 
 
-def _save(path: str, max_shard_size: Any, piece: int = 64 << 20) -> tuple[list[str], list[str]]:
-    """The folder's files after the save, and those this rank wrote (moved ``piece`` bytes at a time)."""
+def _save(path: str, max_shard_size: Any) -> tuple[list[str], list[str], int]:
+    """The folder's files after the save, those this rank created, and the data bytes this rank wrote."""
     tree = {n: fshard.shard(t, SPECS[n]) for n, t in TENSORS.items()}
     tree["plain"] = torch.arange(5.0)  # one value that every rank holds
     mine: list[str] = []
-    real, pieces = _hf_round._Output.__init__, _hf_round.PIECE_BYTES
+    data = [0]
+    real_create, real_write = _hf_save.create_files, _hf_direct.write_runs
 
-    def record(self: Any, path: Path, *args: Any) -> None:
-        mine.append(path.name)
-        real(self, path, *args)
+    def create(files: Any, names: Any, writers: Any, *args: Any) -> None:
+        mine.extend(n for n, w in zip(names, writers) if w == dist.get_rank())
+        real_create(files, names, writers, *args)
 
-    _hf_round._Output.__init__, _hf_round.PIECE_BYTES = record, piece  # type: ignore[method-assign]
+    def write(fd: int, base: int, spans: Any, buf: Any) -> None:
+        data[0] += int(spans[2].sum()) if base else 0  # a box's runs (the header goes at base 0)
+        real_write(fd, base, spans, buf)
+
+    _hf_save.create_files, _hf_direct.write_runs = create, write  # type: ignore[assignment]
     try:
         fshard.save_safetensors(path, tree, max_shard_size=max_shard_size)
     finally:
-        _hf_round._Output.__init__, _hf_round.PIECE_BYTES = real, pieces  # type: ignore[method-assign]
-    return sorted(p.name for p in Path(path).iterdir()), mine
+        _hf_save.create_files, _hf_direct.write_runs = real_create, real_write  # type: ignore[assignment]
+    return sorted(p.name for p in Path(path).iterdir()), mine, data[0]
 
 
-@pytest.mark.parametrize(
-    ("max_shard_size", "piece"),
-    [(100, 1 << 20), (100, 48), (40, 16), ("5GB", 1 << 20)],
-    ids=["four-files", "in-pieces", "two-rounds", "one-file"],
-)
-def test_save_from_four_ranks_reads_back_with_safetensors(
-    dist_pool: Any, tmp_path: Path, max_shard_size: Any, piece: int
-) -> None:
+@pytest.mark.parametrize("max_shard_size", [100, 40, "5GB"], ids=["four-files", "five-files", "one-file"])
+def test_save_from_four_ranks_reads_back_with_safetensors(dist_pool: Any, tmp_path: Path, max_shard_size: Any) -> None:
     path = tmp_path / "hf"
-    listings, written = zip(*dist_pool.run(_save, str(path), max_shard_size, piece, timeout=TIMEOUT))
+    listings, created, data = zip(*dist_pool.run(_save, str(path), max_shard_size, timeout=TIMEOUT))
     assert all(files == listings[0] for files in listings)
-    assert sorted(n for w in written for n in w) == [n for n in listings[0] if n.endswith(".safetensors")]
+    assert sorted(n for w in created for n in w) == [n for n in listings[0] if n.endswith(".safetensors")]
     expected = {**TENSORS, "plain": torch.arange(5.0)}
     merged: dict[str, torch.Tensor] = {}
     for name in listings[0]:
         if name.endswith(".safetensors"):
             merged |= load_file(path / name)
     assert {n: _sha(merged[n]) for n in expected} == {n: _sha(t) for n, t in expected.items()}
+    # Every data byte written once, by the rank that holds it: nothing else crossed ranks.
+    assert sum(data) == sum(t.numel() * t.element_size() for t in expected.values())
+    assert all(d > 0 for d in data)
     if max_shard_size == 100:
         assert len(listings[0]) == 5
         assert "model.safetensors.index.json" in listings[0]
-        assert [len(w) for w in written] == [1, 1, 1, 1]  # four files, written by four ranks
+        assert [len(w) for w in created] == [1, 1, 1, 1]  # four files, created by four ranks
     elif max_shard_size == 40:
-        assert [len(w) for w in written] == [1, 1, 1, 2]  # five files: rank 3 writes two, one round each
+        assert [len(w) for w in created] == [1, 1, 1, 2]  # five files: rank 3 creates two
     else:
         assert listings[0] == ["model.safetensors"]
         save_file(expected, tmp_path / "ref.safetensors", metadata={"format": "pt"})
@@ -201,31 +203,30 @@ def test_save_from_four_ranks_reads_back_with_safetensors(
 
 
 def _save_failing_on_rank_one(path: str, max_shard_size: int) -> str:
-    real = _hf_round.write_runs
+    real = _hf_direct.write_runs
     calls = []
 
     def broken(*args: Any) -> None:
         calls.append(1)
-        if len(calls) == 2:  # the first piece of the first file went well
+        if len(calls) == 2:  # the first write went well
             raise OSError(28, "No space left on device")
         real(*args)
 
     if dist.get_rank() == 1:
-        _hf_round.write_runs = broken  # type: ignore[assignment]
+        _hf_direct.write_runs = broken  # type: ignore[assignment]
     try:
-        _save(path, max_shard_size, 32)
+        _save(path, max_shard_size)
     except fshard.CheckpointError as exc:
         return str(exc)
     finally:
-        _hf_round.write_runs = real  # type: ignore[assignment]
+        _hf_direct.write_runs = real  # type: ignore[assignment]
     return "saved"
 
 
-@pytest.mark.parametrize("max_shard_size", [100, 40], ids=["one-round", "two-rounds"])
+@pytest.mark.parametrize("max_shard_size", [100, 40], ids=["four-files", "five-files"])
 def test_a_rank_failing_mid_save_fails_every_rank_and_leaves_nothing(
     dist_pool: Any, tmp_path: Path, max_shard_size: int
 ) -> None:
-    # With 40 bytes per file, rank 3 writes two files: rank 1, failing in the first round, still moves in the second.
     errors = dist_pool.run(_save_failing_on_rank_one, str(tmp_path / "hf"), max_shard_size, timeout=TIMEOUT)
     assert re.search(r"failed at .*model-\d{5}-of-\d{5}\.safetensors: No space left on device", errors[1])
     assert all(e.startswith("fshard.save_safetensors failed on rank 1: CheckpointError") for e in errors[::2])

@@ -17,7 +17,7 @@ from fshard._checkpoint._agreement import check_same, prepare
 from fshard._checkpoint._collective import agree, agree_on
 from fshard._checkpoint._format import checkpoint_path
 from fshard._checkpoint._hf_commit import check_target, commit, discard, stage_for, writing
-from fshard._checkpoint._hf_round import write_round
+from fshard._checkpoint._hf_direct import create_files, write_boxes
 from fshard._checkpoint._hf_write import file_names, parse_size, shard_files, write_order
 from fshard._checkpoint._lock import save_lock
 from fshard._errors import CheckpointError, SpecError
@@ -38,9 +38,11 @@ def save_safetensors(path: str | os.PathLike[str], tree: Any, *, max_shard_size:
     ``safetensors.torch.load_file`` and ``fshard.load`` read. Each tensor is whole in
     one file, with ``{"format": "pt"}`` metadata.
 
-    Different ranks write different files at once; each file is assembled on its writer
-    from the owners of its boxes (each replicated box sent once), so no rank holds more
-    than one file's tensors at a time. Files are written under temporary names and
+    Each file is created by one rank (different ranks create different files), and every
+    rank writes the bytes of the boxes it holds straight into the files (each replicated
+    box once, by one holder): nothing crosses ranks, and no rank holds more than its own
+    shards. Every rank must see the folder (one machine or a shared file system, as for
+    ``fshard.save``). Files are written under temporary names and
     appear when every file is complete: a new folder appears whole (one rename); in an
     existing folder (beside a ``config.json``, say) the weight files are replaced one by
     one, the index last, and weight files of an earlier save that the new one does not
@@ -136,20 +138,6 @@ def _writers(sizes: Sequence[int], ranks: Sequence[int]) -> list[int]:
     return out
 
 
-def _rounds(writers: Sequence[int], spans_processes: bool) -> list[list[int]]:
-    """Files moved together: at most one per writer (one per round in one process)."""
-    if not spans_processes:
-        return [[k] for k in range(len(writers))]
-    seen: dict[int, int] = {}
-    rounds: list[list[int]] = []
-    for k, w in enumerate(writers):
-        j = seen[w] = seen.get(w, -1) + 1
-        if j == len(rounds):
-            rounds.append([])
-        rounds[j].append(k)
-    return rounds
-
-
 def _write_all(
     root: Path, leaves: list[tuple[str, Any]], limit: int, backend: Backend, ranks: list[int], token: str
 ) -> None:
@@ -169,12 +157,11 @@ def _write_all(
                 with writing(stage):
                     stage.mkdir()
 
+        def create() -> None:
+            create_files(files, names, writers, leaves, backend, stage)
+
         def write() -> None:
-            failed: list[CheckpointError] = []
-            for chosen in _rounds(writers, backend.spans_processes):
-                write_round(chosen, files, names, writers, leaves, backend, stage, failed)
-            if failed:  # raised once every movement is done: the other ranks are not left waiting
-                raise failed[0]
+            write_boxes(files, names, writers, leaves, backend, stage)
 
         def finish() -> None:
             if leader:
@@ -183,6 +170,7 @@ def _write_all(
 
         try:
             agree(backend, "fshard.save_safetensors", begin)
+            agree(backend, "fshard.save_safetensors", create)
             agree(backend, "fshard.save_safetensors", write)
             agree(backend, "fshard.save_safetensors (commit)", finish)
         except BaseException:

@@ -6,7 +6,7 @@ each file's tensors are laid out as the safetensors library lays them out (by dt
 widest first, then by name), so a file fshard writes is byte for byte the one
 ``safetensors.torch.save_file`` writes for the same tensors.
 
-How the files' bytes reach their writers is ``_hf_gather``.
+Where each process writes its boxes is ``_hf_direct``.
 """
 
 from __future__ import annotations
