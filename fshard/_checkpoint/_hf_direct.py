@@ -35,8 +35,8 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | ge
 _WRITE = os.O_WRONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def _layout_of_file(leaves: list[tuple[str, Any]], file: list[int]) -> tuple[bytes, dict[int, int]]:
-    """A file's header and where each of its tensors starts in it (bytes from the file's start)."""
+def _layout_of_file(leaves: list[tuple[str, Any]], file: list[int]) -> tuple[bytes, dict[int, int], int]:
+    """A file's header, where each of its tensors starts in it (bytes from the file's start), and its size."""
     values = [leaves[i][1] for i in file]
     head = header_bytes([(leaves[i][0], v.dtype, tuple(v.shape)) for i, v in zip(file, values)])
     starts: dict[int, int] = {}
@@ -44,7 +44,7 @@ def _layout_of_file(leaves: list[tuple[str, Any]], file: list[int]) -> tuple[byt
     for i, v in zip(file, values):
         starts[i] = at
         at += math.prod(v.shape) * v.dtype.itemsize
-    return head, starts
+    return head, starts, at
 
 
 def create_files(
@@ -60,10 +60,7 @@ def create_files(
         if not backend.holds(writers[k]):
             continue
         path = stage / names[k]
-        head, starts = _layout_of_file(leaves, file)
-        end = max(
-            (starts[i] + math.prod(leaves[i][1].shape) * leaves[i][1].dtype.itemsize for i in file), default=len(head)
-        )
+        head, _, end = _layout_of_file(leaves, file)
         with writing(path):
             fd = os.open(path, _CREATE, 0o644)
             try:
@@ -87,7 +84,7 @@ def write_boxes(
         if not todo:
             continue
         path = stage / names[k]
-        _, starts = _layout_of_file(leaves, file)
+        _, starts, _ = _layout_of_file(leaves, file)
         with writing(path):
             fd = os.open(path, _WRITE)
             try:
