@@ -65,3 +65,20 @@ def test_a_write_into_a_cuda_block_is_refused_before_it_happens():
     with pytest.raises(fshard.SpecError, match="aten::mul_"):
         fshard.map_local(lambda t: t.mul_(10), a)
     assert all(torch.equal(x, y) for x, y in zip(a.addressable_data, before))
+
+
+def test_hugging_face_save_from_and_load_into_cuda_arrays(tmp_path):
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(1)
+    dense = {"w": torch.randn(8, 6, generator=g), "b": torch.randn(6, generator=g).to(torch.bfloat16)}
+    tree = {
+        "w": fshard.shard(dense["w"].cuda(), fshard.Chunk(0, GPU)),
+        "b": fshard.shard(dense["b"].cuda(), fshard.Replicated(GPU)),
+    }
+    fshard.save_safetensors(tmp_path / "hf", tree)
+    back = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(torch.equal(back[n], t) for n, t in dense.items())
+    loaded = fshard.load(tmp_path / "hf", specs={"w": fshard.Chunk(1, GPU), "b": fshard.Chunk(0, GPU[:2])})
+    assert loaded["w"].addressable_data[0].device.type == "cuda"
+    assert all(torch.equal(fshard.gather(loaded[n]).cpu(), t) for n, t in dense.items())
