@@ -89,15 +89,20 @@ _TORCH_SAVE = (
 
 @dataclasses.dataclass(frozen=True)
 class ConvertCase:
-    """``fshard convert`` of a DCP folder of ``mib`` MiB to an fshard checkpoint: time and peak memory."""
+    """``fshard convert`` of a DCP folder of ``mib`` MiB to an fshard checkpoint or a Hugging Face folder.
+
+    Its time and peak memory.
+    """
 
     mib: float
+    to: str = "fshard"
     group: str = GROUP
 
     @property
     def name(self) -> str:
         """The case's name in the tables."""
-        return f"convert DCP -> fshard, {self.mib:g} MiB float32"
+        target = "Hugging Face" if self.to == "hf" else "fshard"
+        return f"convert DCP -> {target}, {self.mib:g} MiB float32"
 
     def run(self, settings: Settings) -> list[Row]:
         """Converts once per implementation (a child process each); one row each."""
@@ -105,7 +110,9 @@ class ConvertCase:
             root = Path(d)
             largest = write_model(root / "dcp", self.mib) / (1 << 20)
             _, base = peak_rss_mib("import fshard, fshard._convert")
-            seconds, peak = peak_rss_mib(_CLI, "fshard", "convert", str(root / "dcp"), str(root / "out"))
+            seconds, peak = peak_rss_mib(
+                _CLI, "fshard", "convert", str(root / "dcp"), str(root / "out"), "--to", self.to
+            )
             grew = peak - base
             target = f"growth <= largest tensor ({largest:.0f} MiB) + {SLACK_MIB} MiB"
             note = f"peak RSS {peak:.0f} MiB, import-only child {base:.0f} MiB, model {self.mib:g} MiB"
@@ -124,7 +131,7 @@ class ConvertCase:
                     verified=_same(root),
                 )
             ]
-            if settings.peers:
+            if settings.peers and self.to == "fshard":
                 shutil.rmtree(root / "out", ignore_errors=True)
                 _, torch_base = peak_rss_mib("import torch.distributed.checkpoint.format_utils")
                 t_seconds, t_peak = peak_rss_mib(_TORCH_SAVE, str(root / "dcp"), str(root / "model.pt"))
@@ -139,5 +146,6 @@ def _same(root: Path) -> bool:
 
 
 def cases(settings: Settings) -> list[Any]:
-    """One convert case at each of ``settings.sizes`` MiB (default 512; 16 with ``quick``)."""
-    return [ConvertCase(mib) for mib in settings.sizes or ((16,) if settings.quick else (512,))]
+    """Convert cases to fshard and to Hugging Face at each of ``settings.sizes`` MiB (512; 16 with ``quick``)."""
+    sizes = settings.sizes or ((16,) if settings.quick else (512,))
+    return [ConvertCase(mib, to) for mib in sizes for to in ("fshard", "hf")]

@@ -19,13 +19,16 @@ import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-import fshard
 from fshard._checkpoint._collective import progress_bar
 from fshard._checkpoint._format import checkpoint_path, human
+from fshard._checkpoint._hf_commit import writing
+from fshard._checkpoint._hf_write import header_bytes, write_order
 from fshard._checkpoint._info import checkpoint_info
+from fshard._checkpoint._ranges import byte_view, whole, write_runs
 from fshard._checkpoint._sources import Source, open_source
 from fshard._checkpoint._stream import save_streamed
 from fshard._errors import CheckpointError, SpecError
@@ -122,13 +125,30 @@ def _groups(sizes: Sequence[int], limit: float) -> list[list[int]]:
     return out
 
 
-def _save_safetensors(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    """One Hugging Face file of ``tensors``, written by ``fshard.save_safetensors``; returns its path."""
-    save = getattr(fshard, "save_safetensors", None)
-    if save is None:
-        raise CheckpointError("Writing Hugging Face folders needs fshard.save_safetensors, which this fshard lacks.")
-    save(folder, tensors, max_shard_size=max(1, sum(t.nbytes for t in tensors.values())))
-    return folder / "model.safetensors"
+def _write_file(path: Path, source: Source, group: list[int], bar: Any) -> None:
+    """One Hugging Face file of the tensors ``group``, read and written one tensor at a time.
+
+    The header first (tensors in the order the safetensors library lays them out), then each
+    tensor at its offset: at most one tensor in memory.
+    """
+    items = source.items
+    order = [group[j] for j in write_order([items[k].name for k in group], [items[k].dtype for k in group])]
+    head = header_bytes([(items[k].name, items[k].dtype, tuple(items[k].shape)) for k in order])
+    with writing(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+        try:
+            write_runs(fd, 0, whole(len(head)), memoryview(head))
+            at = len(head)
+            for k in order:
+                t = _whole(source, k)
+                if t.numel():
+                    write_runs(fd, at, whole(t.nbytes), byte_view(t))
+                at += t.nbytes
+                bar.update(t.nbytes)
+                del t
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _to_hf(source: Source, target: Path, shard_size: int, budget: int | None, progress: bool | None) -> None:
@@ -153,11 +173,7 @@ def _to_hf(source: Source, target: Path, shard_size: int, budget: int | None, pr
         total = sum(i.nbytes for i in source.items)
         with progress_bar("fshard convert", total, progress, LOCAL) as bar:
             for name, group in zip(names, groups):
-                tensors = {source.items[k].name: _whole(source, k) for k in group}
-                os.replace(_save_safetensors(stage / "part", tensors), stage / name)
-                shutil.rmtree(stage / "part")
-                bar.update(sum(t.nbytes for t in tensors.values()))
-                del tensors
+                _write_file(stage / name, source, group, bar)
         if len(groups) > 1:
             weights = {source.items[k].name: names[g] for g, group in enumerate(groups) for k in group}
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weights.items()))}

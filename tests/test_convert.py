@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -168,12 +169,28 @@ def test_errors(dcp_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         convert(dcp_folder, tmp_path / "x", to="hf", max_memory=16)
 
 
-def test_without_the_hugging_face_writer_the_error_says_so(dcp_folder: Path, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.delattr(fshard, "save_safetensors", raising=False)
-    with pytest.raises(fshard.CheckpointError, match=re.escape("needs fshard.save_safetensors")):
-        convert(dcp_folder, tmp_path / "hf", to="hf")
-    assert not (tmp_path / "hf").exists()
-    assert list(tmp_path.iterdir()) == []
+def test_to_hugging_face_is_what_save_file_writes_one_tensor_at_a_time(
+    dcp_folder: Path, tmp_path: Path, monkeypatch
+) -> None:
+    from safetensors.torch import save_file
+
+    from fshard import _convert
+
+    live, most = [0], [0]
+    real = _convert._whole
+
+    def tracked(source, k):
+        live[0] += 1
+        most[0] = max(most[0], live[0])
+        t = real(source, k)
+        weakref.finalize(t, lambda: live.__setitem__(0, live[0] - 1))
+        return t
+
+    monkeypatch.setattr(_convert, "_whole", tracked)
+    convert(dcp_folder, tmp_path / "hf", to="hf")
+    save_file({k: v.contiguous() for k, v in DENSE.items()}, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert most[0] == 1  # never two tensors in memory at once
 
 
 # -- the command line -------------------------------------------------------------------------------
@@ -233,11 +250,13 @@ def test_parse_size() -> None:
 
 
 def test_no_staging_left_after_a_failed_hugging_face_write(dcp_folder: Path, tmp_path: Path, monkeypatch) -> None:
-    def broken(path: Path, tree: dict[str, torch.Tensor], *, max_shard_size: int) -> None:
-        raise OSError("disk full (injected)")
+    from fshard import _convert
 
-    monkeypatch.setattr(fshard, "save_safetensors", broken, raising=False)
-    with pytest.raises(OSError, match="disk full"):
+    def broken(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_convert, "write_runs", broken)
+    with pytest.raises(fshard.CheckpointError, match="No space left on device"):
         convert(dcp_folder, tmp_path / "hf", to="hf")
     assert list(tmp_path.iterdir()) == []
     shutil.rmtree(tmp_path, ignore_errors=True)
