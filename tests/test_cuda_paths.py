@@ -1,4 +1,4 @@
-"""This session's code paths on CUDA tensors (local backend): tree moves, closures, refused writes.
+"""Code paths on CUDA tensors (local backend): tree moves, closures, refused writes, Hugging Face files.
 
 Skipped without CUDA; run where a GPU is lent.
 """
