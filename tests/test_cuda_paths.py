@@ -1,6 +1,6 @@
 """Code paths on CUDA tensors (local backend): tree moves, closures, refused writes, Hugging Face files.
 
-Skipped without CUDA; run where a GPU is lent.
+Skipped on a machine without CUDA.
 """
 
 from __future__ import annotations
