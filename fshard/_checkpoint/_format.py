@@ -15,7 +15,7 @@ from typing import Any, TypeGuard, cast
 
 import torch
 
-from fshard._errors import CheckpointError
+from fshard._errors import CheckpointError, SpecError
 from fshard._layout.layout import Layout
 
 __all__ = ["FORMAT", "INDEX", "MAX_DEPTH", "PROGRESS_MIN_BYTES", "VERSION"]
@@ -260,3 +260,16 @@ def human(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"  # pragma: no cover
+
+
+def check_not_partial(what: str, layout: Layout) -> None:
+    """Raises ``SpecError`` if ``layout`` (the target of ``what``, a leaf or tensor) is a pending reduction.
+
+    A checkpoint holds values, not summands.
+    """
+    if layout.partial is not None:
+        msg = (
+            f"{what}: the target layout has a pending {layout.partial} (partial={layout.partial!r}), but "
+            "a checkpoint holds values, not summands: load into the spec without Partial(...)."
+        )
+        raise SpecError(msg)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fshard._array.array import ShardedArray
+from fshard._checkpoint._format import check_not_partial
 from fshard._checkpoint._fuse import View
 from fshard._errors import CheckpointError, SpecError
 from fshard._layout.layout import Layout
@@ -67,7 +68,7 @@ def wants_specs(views: dict[str, View], specs: Any, dtype: torch.dtype | None, b
             layout = as_layout(spec, view.shape)
         except SpecError as exc:
             raise SpecError(f"Tensor {name!r} ({view.dtype}, shape {view.shape}): {exc}") from None
-        _check_not_partial(name, layout)
+        check_not_partial(f"Tensor {name!r}", layout)
         backend.check_layout(layout)
         out.append(Want(name, view, layout, dtype or view.dtype))
     return out
@@ -97,7 +98,7 @@ def wants_like(views: dict[str, View], like: Any, dtype: torch.dtype | None, coo
         if isinstance(x, ShardedArray):
             if x.backend != coord:
                 raise SpecError(f"load() like= holds {name!r} on backend {x.backend!r}, others on {coord!r}: use one.")
-            _check_not_partial(name, x.layout)
+            check_not_partial(f"Tensor {name!r}", x.layout)
             out.append(Want(name, view, x.layout, dtype or x.dtype, requires_grad=x.requires_grad))
         else:
             layout = Replicated(list(ranks)).layout(view.shape)
@@ -115,12 +116,3 @@ def _plain_ranks(coord: Backend) -> tuple[int, ...]:
     """The ranks that each get a whole plain tensor: every rank of the group (rank 0 in one process)."""
     ranks: tuple[int, ...] = getattr(coord, "ranks", (0,))
     return ranks
-
-
-def _check_not_partial(name: str, layout: Layout) -> None:
-    if layout.partial is not None:
-        msg = (
-            f"Tensor {name!r}: the target layout has a pending {layout.partial} (partial={layout.partial!r}), but "
-            "a checkpoint holds values, not summands: load into the spec without Partial(...)."
-        )
-        raise SpecError(msg)

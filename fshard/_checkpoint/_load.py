@@ -18,7 +18,7 @@ from fshard._base.alloc import new
 from fshard._checkpoint._collective import agree_on, progress_bar
 from fshard._checkpoint._dcp import load_dcp
 from fshard._checkpoint._detect import checkpoint_kind
-from fshard._checkpoint._format import INDEX, Saved, check_flag, checkpoint_path, read_index
+from fshard._checkpoint._format import INDEX, Saved, check_flag, check_not_partial, checkpoint_path, read_index
 from fshard._checkpoint._hf import load_hf
 from fshard._checkpoint._reader import Reader, slices
 from fshard._checkpoint._schema import saved_leaves
@@ -68,7 +68,7 @@ def _target_like(saved: Saved, like: Any) -> _Target:
         )
         raise _mismatch(saved, what, "give the saved shape and dtype, and convert after loading")
     if isinstance(like, ShardedArray):
-        _check_not_partial(saved, like.layout)
+        check_not_partial(f"Leaf {saved.where}", like.layout)
         return _Target("array", like.layout, like.backend, requires_grad=like.requires_grad)
     return _Target("tensor", device=like.device, requires_grad=like.requires_grad)
 
@@ -80,18 +80,9 @@ def _target_spec(saved: Saved, spec: Any, backend: Backend | None) -> _Target:
         return _Target("tensor")
     b = default_backend() if backend is None else backend
     layout = as_layout(spec, saved.shape)
-    _check_not_partial(saved, layout)
+    check_not_partial(f"Leaf {saved.where}", layout)
     b.check_layout(layout)
     return _Target("array", layout, b)
-
-
-def _check_not_partial(saved: Saved, layout: Layout) -> None:
-    if layout.partial is not None:
-        msg = (
-            f"Leaf {saved.where}: the target layout has a pending {layout.partial} (partial={layout.partial!r}), "
-            "but a checkpoint holds values, not summands: load into the spec without Partial(...)."
-        )
-        raise SpecError(msg)
 
 
 def _target_saved(saved: Saved, backend: Backend | None) -> _Target:

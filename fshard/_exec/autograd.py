@@ -156,11 +156,7 @@ class _Move(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        src, dst, backend, dtype, device = ctx.args
-        like = _carrier(grads, dtype, device)
-        to, frm = _linear(src, dst, "gradient")
-        back, _ = move(frm, to, backend, _dense(dst, backend, grads[:-1], like), like)
-        return (None, None, None, _link_grad(ctx, 3, like), *back)
+        return _move_back(ctx, grads, summing=False)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -172,11 +168,7 @@ class _Move(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
-        src, dst, backend, like, *tensors = args
-        n = info.batch_size
-        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-        out, link = move(with_batch(src, n), with_batch(dst, n), backend, lead, _stand_in(like.dtype, like.device))
-        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+        return _move_batched(info, in_dims, args, move)
 
 
 class _MoveSumming(_Move):
@@ -189,21 +181,30 @@ class _MoveSumming(_Move):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        src, dst, backend, dtype, device = ctx.args
-        like = _carrier(grads, dtype, device)
-        to, frm = _linear(src, dst, "gradient")
-        back, _ = move(with_partial(frm, "sum"), to, backend, _dense(dst, backend, grads[:-1], like), like)
-        return (None, None, None, _link_grad(ctx, 3, like), *back)
+        return _move_back(ctx, grads, summing=True)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
-        src, dst, backend, like, *tensors = args
-        n = info.batch_size
-        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-        out, link = move_summing(
-            with_batch(src, n), with_batch(dst, n), backend, lead, _stand_in(like.dtype, like.device)
-        )
-        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+        return _move_batched(info, in_dims, args, move_summing)
+
+
+def _move_back(ctx: Any, grads: Sequence[Any], summing: bool) -> Any:
+    """The backward of a move: the opposite move of the gradients, copies read as replicas (or summed)."""
+    src, dst, backend, dtype, device = ctx.args
+    like = _carrier(grads, dtype, device)
+    to, frm = _linear(src, dst, "gradient")
+    frm = with_partial(frm, "sum") if summing else frm
+    back, _ = move(frm, to, backend, _dense(dst, backend, grads[:-1], like), like)
+    return (None, None, None, _link_grad(ctx, 3, like), *back)
+
+
+def _move_batched(info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...], how: Any) -> Any:
+    """The batching rule of a move (``how``: ``move`` or ``move_summing``): the batch a leading dim no shard splits."""
+    src, dst, backend, like, *tensors = args
+    n = info.batch_size
+    lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
+    out, link = how(with_batch(src, n), with_batch(dst, n), backend, lead, _stand_in(like.dtype, like.device))
+    return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
 class _Scatter(torch.autograd.Function):
