@@ -59,6 +59,10 @@ class Config:
             arrive; a positive, finite number, or ``None`` (the default): the
             process group's own timeout (30 minutes unless set). The collective
             stays in flight after such an error, so the group cannot be used again.
+        bucket_cap_mb: the size, in MiB, of the buckets in which ``shard_map`` sums the
+            gradients of replicated arguments across processes while the backward runs
+            (DDP's ``bucket_cap_mb``; the first bucket is at most 1 MiB); a positive, finite
+            number (default 25). A larger bucket sends fewer messages and overlaps less.
 
     Raises:
         TypeError: a setting of the wrong type (``check_collectives`` takes only a
@@ -69,6 +73,7 @@ class Config:
     check_collectives: bool = False
     check_timeout: float = 60.0
     timeout: float | None = None
+    bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if type(self.check_collectives) is not bool:
@@ -83,14 +88,20 @@ class Config:
         if self.timeout is not None:
             _check_seconds("timeout", self.timeout)
             object.__setattr__(self, "timeout", float(self.timeout))
+        _check_positive("bucket_cap_mb", self.bucket_cap_mb, "MiB, such as 25.0")
+        object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
 
 
 def _check_seconds(name: str, value: Any) -> None:
+    _check_positive(name, value, "seconds, such as 60.0")
+
+
+def _check_positive(name: str, value: Any, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        msg = f"fshard setting {name}={value!r} is a {type(value).__name__}: give a number of seconds, such as 60.0."
+        msg = f"fshard setting {name}={value!r} is a {type(value).__name__}: give a number of {unit}."
         raise TypeError(msg)
     if not (math.isfinite(value) and value > 0):
-        raise SpecError(f"fshard setting {name}={value!r}: give a positive, finite number of seconds, such as 60.0.")
+        raise SpecError(f"fshard setting {name}={value!r}: give a positive, finite number of {unit}.")
 
 
 _current = Config(check_collectives=parse_bool_env("FSHARD_CHECK", os.environ.get("FSHARD_CHECK")))
@@ -106,7 +117,8 @@ def config(**changes: Any) -> Config:
 
     Raises:
         TypeError: an unknown setting, or a value of the wrong type.
-        SpecError: a value out of range (a ``check_timeout`` or ``timeout`` that is not positive); a ``ValueError``.
+        SpecError: a value out of range (a ``check_timeout``, ``timeout`` or ``bucket_cap_mb`` that is not
+            positive); a ``ValueError``.
 
     >>> import fshard
     >>> old = fshard.config(check_collectives=True, check_timeout=5.0)

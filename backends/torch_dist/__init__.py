@@ -66,7 +66,15 @@ from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
 from ._guard import Guard, guard
-from ._reduce_phase import as_bytes, collective_kind, reduce_schedule, run_collective, run_local, run_reduce
+from ._reduce_phase import (
+    as_bytes,
+    collective_kind,
+    reduce_schedule,
+    run_collective,
+    run_local,
+    run_reduce,
+    start_all_reduce,
+)
 from ._transport import copy_local, empty
 
 __all__ = ["TorchDistBackend"]
@@ -198,6 +206,36 @@ class TorchDistBackend:
                 self._reduce("reshard", p, tensors, out, like.dtype)
             tensors = tuple(out.values())
         return tuple(tensors)
+
+    def launch(
+        self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+    ) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """Starts ``plan`` and returns a function that waits for it and gives its result (``execute``'s).
+
+        A pending sum into a full copy on every rank of the group (data parallel's
+        gradients) runs as an ``all_reduce`` left in flight after the movement's round of
+        headers, so computation goes on while it runs; any other plan runs here, at once.
+        """
+        if plan.src.partial is not None and self.member:
+            wire = self._wire
+            if collective_kind(plan, self.ranks, wire.type == "cuda") == "all_reduce" and _on_wire(plan, wire):
+                op = "reshard:all_reduce"
+                self._check(op, (plan.src, plan.dst), like.dtype)
+                (j,) = self.addressable(plan.dst)
+                out = empty(plan.dst._shard(j).sizes, like.dtype, wire)  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
+                guarded = self._guard(op, plan, like.dtype)
+                with in_flight():
+                    work = start_all_reduce(plan, tensors[0].to(wire), out, self.group, guarded)
+
+                def done() -> tuple[torch.Tensor, ...]:
+                    with in_flight():
+                        guarded.wait(work)
+                    self._count(plan.for_rank(self.rank).elements_sent)
+                    return (out.to(shard_device(plan.dst, j)),)
+
+                return done
+        result = self.execute(plan, tensors, like)
+        return lambda: result
 
     def scatter(
         self, full: torch.Tensor | None, layout: Any, src: int | None, plan: Plan | None

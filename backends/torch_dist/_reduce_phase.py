@@ -40,6 +40,7 @@ __all__ = [
     "run_collective",
     "run_local",
     "run_reduce",
+    "start_all_reduce",
 ]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -296,17 +297,24 @@ def _one_each(layout: Layout, order: tuple[int, ...]) -> bool:
     return len(ranks) == len(order) and set(ranks) == set(order)
 
 
+def start_all_reduce(p: Any, mine: torch.Tensor, out: torch.Tensor, group: Any, guard: Any) -> dist.Work:
+    """``all_reduce`` of this rank's summand ``mine`` into ``out``, in flight after the round of headers (``guard``)."""
+    guard.agree(group)
+    out.copy_(mine)
+    return cast("dist.Work", dist.all_reduce(out, op=_OPS[p.src.partial], group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+
+
 def run_collective(kind: str, p: Any, mine: torch.Tensor, out: torch.Tensor, group: Any, guard: Any) -> None:
     """Runs ``all_reduce`` or ``reduce_scatter_tensor`` of this rank's summand ``mine`` into ``out``.
 
     It runs after the movement's round of headers (``guard``, a ``_guard.Guard``).
     """
     op = _OPS[p.src.partial]
-    guard.agree(group)
     if kind == "all_reduce":
-        out.copy_(mine)
-        work = cast("dist.Work", dist.all_reduce(out, op=op, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
-    else:  # reduce_scatter_single replaces the deprecated reduce_scatter_tensor where torch has it
+        work = start_all_reduce(p, mine, out, group, guard)
+    else:
+        guard.agree(group)
+        # reduce_scatter_single replaces the deprecated reduce_scatter_tensor where torch has it
         scatter = cast(
             "Callable[..., dist.Work]",
             getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; for older torch

@@ -45,7 +45,18 @@ from fshard._plan import plan
 from fshard._plan.direct import Plan
 from fshard.backends import Backend
 
-__all__ = ["assemble", "move", "move_summing", "regroup", "scatter", "summed_uses"]
+__all__ = [
+    "apply",
+    "assemble",
+    "carrier",
+    "link_grad",
+    "link_of",
+    "move",
+    "move_summing",
+    "regroup",
+    "scatter",
+    "summed_uses",
+]
 
 
 def _stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -84,12 +95,12 @@ def _lead(t: torch.Tensor, dim: int | None, n: int) -> torch.Tensor:
     return t.expand(n, *t.shape) if dim is None else t.movedim(dim, 0)
 
 
-def _link_of(like: torch.Tensor) -> torch.Tensor:
+def link_of(like: torch.Tensor) -> torch.Tensor:
     """A new 0-element output: autograd makes it require grad when any input does."""
     return like.new_empty((0,))
 
 
-def _carrier(grads: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def carrier(grads: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 0-element slice of the incoming gradients (or tangents), for a backward's own movement.
 
     It passes on what the gradients carry besides values: their batching under
@@ -100,7 +111,7 @@ def _carrier(grads: Sequence[Any], dtype: torch.dtype, device: torch.device) -> 
     return _stand_in(dtype, device) if g is None else g.unsqueeze(0)[:0].reshape(0)  # a view: nothing is copied
 
 
-def _link_grad(ctx: Any, k: int, carrier: torch.Tensor) -> torch.Tensor | None:
+def link_grad(ctx: Any, k: int, carrier: torch.Tensor) -> torch.Tensor | None:
     """The gradient of input ``k`` (``like``) when it is a 0-element link with history.
 
     A process without shards reaches the backward collectives through it; a real
@@ -126,7 +137,7 @@ def _observed(args: Sequence[Any]) -> bool:
     return torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0  # pyright: ignore[reportPrivateUsage]
 
 
-def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)``: a tensor or a tuple of tensors (torch leaves ``apply`` untyped)."""
     return fn.apply(*args)  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
 
@@ -134,7 +145,7 @@ def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
 def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)``, or ``fn.forward(*args)`` where nothing can observe the difference."""
     if _observed(args):
-        return _apply(fn, *args)
+        return apply(fn, *args)
     return fn.forward(*args)
 
 
@@ -146,7 +157,7 @@ def _holds_result(backend: Any, dst: int | None) -> bool:
 class _Move(torch.autograd.Function):
     @staticmethod
     def forward(src: Layout, dst: Layout, backend: Any, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        return (*backend.execute(plan(src, dst), tensors, like), _link_of(like))
+        return (*backend.execute(plan(src, dst), tensors, like), link_of(like))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -161,7 +172,7 @@ class _Move(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         src, dst, backend, dtype, device = ctx.args
-        like = _carrier(tangents[3:], dtype, device)
+        like = carrier(tangents[3:], dtype, device)
         _linear(src, dst, "forward derivative")
         out, link = move(src, dst, backend, _dense(src, backend, tangents[4:], like), like)
         return (*out, link)
@@ -191,11 +202,11 @@ class _MoveSumming(_Move):
 def _move_back(ctx: Any, grads: Sequence[Any], summing: bool) -> Any:
     """The backward of a move: the opposite move of the gradients, copies read as replicas (or summed)."""
     src, dst, backend, dtype, device = ctx.args
-    like = _carrier(grads, dtype, device)
+    like = carrier(grads, dtype, device)
     to, frm = _linear(src, dst, "gradient")
     frm = with_partial(frm, "sum") if summing else frm
     back, _ = move(frm, to, backend, _dense(dst, backend, grads[:-1], like), like)
-    return (None, None, None, _link_grad(ctx, 3, like), *back)
+    return (None, None, None, link_grad(ctx, 3, like), *back)
 
 
 def _move_batched(info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...], how: Any) -> Any:
@@ -210,7 +221,7 @@ def _move_batched(info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...], ho
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(layout: Layout, backend: Any, src: int | None, full: torch.Tensor) -> Any:
-        return (*backend.scatter(full, layout, src, _scatter_plan(layout, src)), _link_of(full))
+        return (*backend.scatter(full, layout, src, _scatter_plan(layout, src)), link_of(full))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -220,7 +231,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, src, dtype, device = ctx.args
-        like = _carrier(grads, dtype, device)
+        like = carrier(grads, dtype, device)
         return None, None, None, assemble(layout, backend, _dense(layout, backend, grads[:-1], like), like, src)
 
     @staticmethod
@@ -266,20 +277,20 @@ class _Assemble(torch.autograd.Function):
             grad = _with_parts(ctx.parts, grad, backend)
         # Off rank dst the gradient is that of the 0-element stand-in: it only gives the dtype.
         shards, _ = scatter(grad, layout, backend, dst)
-        return (None, None, None, None, _link_grad(ctx, 4, _carrier(grads, *ctx.args[3:])), *shards)
+        return (None, None, None, None, link_grad(ctx, 4, carrier(grads, *ctx.args[3:])), *shards)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         layout, backend, dst, dtype, device = ctx.args
-        like = _carrier(tangents[4:], dtype, device)
-        return _apply(_Assemble, layout, backend, dst, None, like, *_dense(layout, backend, tangents[5:], like))
+        like = carrier(tangents[4:], dtype, device)
+        return apply(_Assemble, layout, backend, dst, None, like, *_dense(layout, backend, tangents[5:], like))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
         layout, backend, dst, _parts, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[5:]))
-        out = _apply(_Assemble, with_batch(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
+        out = apply(_Assemble, with_batch(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
         return (out, 0) if _holds_result(backend, dst) else (out.new_empty((n, 0)), 0)
 
 
@@ -344,7 +355,7 @@ class _Regroup(torch.autograd.Function):
 
     @staticmethod
     def forward(layout: Layout, backend: Any, mode: str, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        return (*(t.view_as(t) for t in tensors), _link_of(like))
+        return (*(t.view_as(t) for t in tensors), link_of(like))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -355,20 +366,20 @@ class _Regroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, mode, dtype, device = ctx.args
-        like = _carrier(grads, dtype, device)
+        like = carrier(grads, dtype, device)
         dense = _dense(layout, backend, grads[:-1], like)
         if mode == "sum":
             back, _ = move(with_partial(layout, "sum"), layout, backend, dense, like)
         else:
             back = tuple(g / n for g, n in zip(dense, _copies(layout, backend)))
-        return (None, None, None, _link_grad(ctx, 3, like), *back)
+        return (None, None, None, link_grad(ctx, 3, like), *back)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
         layout, backend, mode, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-        *out, link = _apply(_Regroup, with_batch(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
+        *out, link = apply(_Regroup, with_batch(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
@@ -456,7 +467,7 @@ def _over_ranks(layout: Layout, shape: tuple[int, ...], rank: int) -> tuple[Layo
 
 def summed_uses(t: torch.Tensor, layout: Layout, backend: Any) -> torch.Tensor:
     """``t`` (a view), whose gradient is summed over the ranks of ``layout`` (a collective in the backward)."""
-    return _apply(_SumUses, layout, backend, t)
+    return apply(_SumUses, layout, backend, t)
 
 
 def _scatter_plan(layout: Layout, src: int | None) -> Plan | None:

@@ -34,10 +34,11 @@ import torch
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
 from fshard._exec import autograd as _autograd
+from fshard._exec import buckets as _buckets
 from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.validate import Columns
 
-__all__ = ["Flat", "box_layout", "flat_layouts", "flat_range", "move_tree", "regroup_tree"]
+__all__ = ["Flat", "flat_layouts", "flat_range", "move_tree", "regroup_tree"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -106,30 +107,6 @@ def _virtual(layouts: Sequence[Layout], ranges: Sequence[np.ndarray], base: np.n
     rank = np.concatenate([x.columns.rank for x in layouts])
     devices = [d for x in layouts for d in x.columns.devices]
     return Layout.from_arrays((total,), lo[:, None], sz[:, None], rank, devices, layouts[0].partial)
-
-
-@cached(256)
-def box_layout(layouts: tuple[Layout, ...]) -> Layout:
-    """A 1-D layout in which every distinct box of every leaf has a range of its own, held where the leaf holds it.
-
-    Copies of a box share its range. Leaves with pending reductions must not be given here.
-    """
-    los: list[np.ndarray] = []
-    base = 0
-    for x in layouts:
-        ids = replica_ids(x)
-        numel = np.prod(x.columns.sz, axis=1) if x.ndim else np.ones(len(ids), np.int64)
-        _, first = np.unique(ids, return_index=True)
-        per_box = numel[first]
-        starts = base + np.cumsum(per_box) - per_box
-        los.append(np.where(numel > 0, starts[np.searchsorted(ids[first], ids)], 0))
-        base += int(per_box.sum())
-    sz = np.concatenate(
-        [np.prod(x.columns.sz, axis=1) if x.ndim else np.ones(len(x.columns.rank), np.int64) for x in layouts]
-    )
-    rank = np.concatenate([x.columns.rank for x in layouts])
-    devices = [d for x in layouts for d in x.columns.devices]
-    return Layout.from_arrays((base,), np.concatenate(los)[:, None], sz[:, None], rank, devices)
 
 
 def flatten(data: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
@@ -230,14 +207,27 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str) -> list[ShardedArray
                 data, link = _autograd.regroup(a.layout, backend, mode, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
                 out[k] = ShardedArray(a.layout, data, backend, a.dtype, link)
             continue
-        layout = box_layout(tuple(a.layout for a in leaves))
-        data = tuple(t.reshape(-1) for a in leaves for t in a.addressable_data)
-        flat, link = _autograd.regroup(layout, backend, mode, data, _like(leaves))
+        layouts = tuple(a.layout for a in leaves)
+        data = tuple(t for a in leaves for t in a.addressable_data)
+        bucketed = None
+        if mode == "sum" and not torch._C._are_functorch_transforms_active():  # pyright: ignore[reportPrivateUsage]  # no public check
+            bucketed = _buckets.sum_in_buckets(layouts, backend, data, _like(leaves))
+        if bucketed is not None:  # the blocks as they come: the function's uses of them are tapped
+            flat, link = bucketed
+        else:
+            flat, link = _autograd.regroup(
+                _buckets.box_layout(layouts), backend, mode, tuple(t.reshape(-1) for t in data), _like(leaves)
+            )
         at = 0
         for k, a in zip(group, leaves):
-            shards = tuple(flat[at + n].view(t.shape) for n, t in enumerate(a.addressable_data))
-            at += len(shards)
-            out[k] = ShardedArray(a.layout, shards, backend, a.dtype, link)
+            n = len(a.addressable_data)
+            shards = (
+                flat[at : at + n]
+                if bucketed is not None
+                else tuple(f.view(t.shape) for f, t in zip(flat[at:], a.addressable_data))
+            )
+            at += n
+            out[k] = ShardedArray(a.layout, tuple(shards), backend, a.dtype, link)
     return out
 
 

@@ -43,7 +43,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Parts", "Usage", "join", "mark", "mark_gathered", "per_shard", "register"]
+__all__ = ["Parts", "Usage", "join", "mark", "mark_gathered", "per_shard", "register", "register_tap"]
 
 
 class Parts:
@@ -93,6 +93,22 @@ _GATHERED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDic
 def mark_gathered(t: torch.Tensor) -> None:
     """Marks ``t``, a gather's result in one process, as gathered (not closed over) in per-shard functions."""
     _GATHERED[id(t)] = t
+
+
+# Blocks whose first use in a per-shard function goes through a function of theirs (``register_tap``);
+# the function is the block's own attribute, so it goes with the block.
+_TAPPED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def register_tap(t: torch.Tensor, tap: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Makes per-shard functions use ``tap(t)`` wherever they use ``t``, made at the first use.
+
+    Made there, the tap's autograd node is numbered among the function's own nodes, so the
+    backward runs it as soon as the gradients of ``t``'s uses are in, not after every node
+    made later (the engine runs the ready node with the highest number first).
+    """
+    _TAPPED[id(t)] = t
+    setattr(t, "_fshard_tap", tap)  # noqa: B010  # the block carries its tap: it goes when the block goes
 
 
 class Usage:
@@ -179,7 +195,10 @@ class _PerShard(TorchFunctionMode):
         if seen is not None:
             return seen
         # This mode is off while it handles a call: apply() is not intercepted.
-        if _LIVE.get(key) is x:
+        if _TAPPED.get(key) is x:
+            tap = cast("Callable[[torch.Tensor], torch.Tensor]", getattr(x, "_fshard_tap"))  # noqa: B009  # set by register_tap
+            view = tap(x)
+        elif _LIVE.get(key) is x:
             view = cast("torch.Tensor", _SetAside.apply(_PARTS[key], x))  # pyright: ignore[reportUnknownMemberType]  # torch: apply is untyped
             if self.usage is not None:
                 self.usage.keys.add(_KEYS[key])
@@ -227,7 +246,7 @@ def per_shard(
     ``closed`` (counted in ``usage``).
     """
     closed = closed if closed is not None and torch.is_grad_enabled() else None
-    if not ((backend.spans_processes and _LIVE) or closed is not None):
+    if not ((backend.spans_processes and (_LIVE or _TAPPED)) or closed is not None):
         yield
         return
     with _PerShard(usage, closed, {id(t) for t in own}, mark() if closed is not None else 0):

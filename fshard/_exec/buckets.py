@@ -1,0 +1,368 @@
+"""The gradients of replicated arguments, summed in buckets while the backward runs.
+
+A ``shard_map`` argument whose copies feed computations that differ per copy (data
+parallel's parameters) gets the sum of its copies' gradients. Summed after the whole
+backward, that is one collective that nothing overlaps; DDP sums in **buckets** instead,
+each launched as soon as its gradients are in. Here:
+
+- the arguments of one dtype are cut into buckets of about ``config().bucket_cap_mb``
+  (the last arguments first, as the backward produces their gradients first; the first
+  bucket smaller, so that communication starts early). Each bucket lays its boxes end to
+  end, and boxes held by the same ranks make one range (``run_layout``): where every
+  rank holds every argument, a bucket is one ``all_reduce`` of one buffer;
+- each block's first use in the function goes through a **tap** (``gathered.register_tap``)
+  whose backward copies the block's gradient into its bucket and passes nothing on; when a
+  bucket is full, and the buckets before it have left, it is launched (``launch``), and runs
+  while the backward goes on;
+- the backward of the arguments' own node (``_SumBuckets``) runs last. It adds the
+  gradients that reached the blocks some other way (code that runs outside the function's
+  torch-function mode, such as an activation checkpoint's recomputation) to the buckets not
+  launched yet, launches the rest in order, waits, and gives each block its sum. The last
+  bucket always leaves from there, carrying one more element: the number of gradients that
+  arrived after their bucket had left. Where that count is not zero on some rank, every rank
+  sums those gradients too, in one more movement. So every rank runs the same collectives in
+  the same order, and the result is the sum of every use, whichever way it came.
+
+Gradients of gradients (``create_graph=True``) pass taps by; they then all arrive at the
+last node and are summed there, by a differentiable movement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from fshard._base.cache import cached
+from fshard._config import current
+from fshard._exec import autograd as _autograd
+from fshard._exec import gathered as _gathered
+from fshard._layout.layout import Layout, replica_ids, with_partial
+from fshard._plan import plan as _plan
+
+__all__ = ["Bucket", "box_layout", "buckets", "run_layout", "run_parts", "sum_in_buckets"]
+
+_FIRST_CAP = 1 << 20  # bytes: the first bucket, as DDP's
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Bucket:
+    """One bucket of a tree's gradients, as one rank sees it.
+
+    Attributes:
+        runs: its 1-D layout (``run_layout`` of its leaves).
+        positions: this rank's shards of its leaves, as positions among the rank's shards of the tree.
+        parts: per range of ``runs`` held here, positions (into ``positions``) of its boxes, in order.
+        flag: where the last bucket keeps its count (a position into ``positions``), else ``None``.
+    """
+
+    runs: Layout
+    positions: tuple[int, ...]
+    parts: tuple[tuple[int, ...], ...]
+    flag: int | None
+
+
+@cached(256)
+def box_layout(layouts: tuple[Layout, ...]) -> Layout:
+    """A 1-D layout in which every distinct box of every leaf has a range of its own, held where the leaf holds it.
+
+    Copies of a box share its range. Leaves with pending reductions must not be given here.
+    """
+    los: list[np.ndarray] = []
+    base = 0
+    for x in layouts:
+        ids = replica_ids(x)
+        numel = np.prod(x.columns.sz, axis=1) if x.ndim else np.ones(len(ids), np.int64)
+        _, first = np.unique(ids, return_index=True)
+        per_box = numel[first]
+        starts = base + np.cumsum(per_box) - per_box
+        los.append(np.where(numel > 0, starts[np.searchsorted(ids[first], ids)], 0))
+        base += int(per_box.sum())
+    sz = np.concatenate(
+        [np.prod(x.columns.sz, axis=1) if x.ndim else np.ones(len(x.columns.rank), np.int64) for x in layouts]
+    )
+    rank = np.concatenate([x.columns.rank for x in layouts])
+    devices = [d for x in layouts for d in x.columns.devices]
+    return Layout.from_arrays((base,), np.concatenate(los)[:, None], sz[:, None], rank, devices)
+
+
+@cached(256)
+def run_layout(layouts: tuple[Layout, ...]) -> Layout | None:
+    """``box_layout`` with every run of consecutive boxes held by the same ranks made one range.
+
+    Where every rank holds every leaf (data parallel), that is one range, held whole by
+    every rank: the sum of its copies is one ``all_reduce``. ``None`` where a rank holds
+    some box twice. Leaves with pending reductions must not be given here.
+    """
+    c = box_layout(layouts).columns
+    lo, sz, rank = c.lo[:, 0], c.sz[:, 0], c.rank
+    holders: dict[int, list[tuple[int, str]]] = {}
+    ends: dict[int, int] = {}
+    for i in np.lexsort((rank, lo)).tolist():
+        if sz[i] > 0:
+            holders.setdefault(int(lo[i]), []).append((int(rank[i]), str(cast(Any, c.devices)[i])))
+            ends[int(lo[i])] = int(lo[i] + sz[i])
+    spans: list[tuple[int, int, tuple[tuple[int, str], ...]]] = []
+    for start in sorted(holders):
+        who = tuple(holders[start])
+        if len({r for r, _ in who}) < len(who):
+            return None
+        if spans and spans[-1][1] == start and spans[-1][2] == who:
+            spans[-1] = (spans[-1][0], ends[start], who)
+        else:
+            spans.append((start, ends[start], who))
+    rows = [(a, b - a, r, d) for a, b, who in spans for r, d in who]
+    total = int(box_layout(layouts).shape[0])
+    at, size, ranks, devices = zip(*rows) if rows else ((), (), (), ())
+    column = functools.partial(np.array, dtype=np.int64)
+    return Layout.from_arrays(
+        (total,), column(at).reshape(-1, 1), column(size).reshape(-1, 1), column(ranks), list(devices)
+    )
+
+
+@cached(256)
+def run_parts(layouts: tuple[Layout, ...], rank: int) -> tuple[tuple[int, ...], ...]:
+    """Per range of ``run_layout`` held by ``rank``, the positions of its boxes among the rank's shards.
+
+    The rank's shards are its shards of every leaf, leaf by leaf (``box_layout``'s order);
+    each range lists its boxes in their order in the range. Empty shards are in no range.
+    """
+    boxes = box_layout(layouts)
+    runs = run_layout(layouts)
+    assert runs is not None  # only called where the ranges exist
+    mine = boxes.indices_on(rank)
+    lo, sz = boxes.columns.lo[list(mine), 0], boxes.columns.sz[list(mine), 0]
+    out: list[tuple[int, ...]] = []
+    for j in runs.indices_on(rank):
+        start, size = int(runs.columns.lo[j, 0]), int(runs.columns.sz[j, 0])
+        inside = np.flatnonzero((sz > 0) & (lo >= start) & (lo < start + size))
+        out.append(tuple(inside[np.argsort(lo[inside], kind="stable")].tolist()))
+    return tuple(out)
+
+
+@cached(256)
+def _flag_layout(layouts: tuple[Layout, ...]) -> Layout:
+    """One element held by every rank that holds a shard of leaf 0 (every leaf's ranks), on that shard's device."""
+    devices: dict[int, str] = {}
+    for r, d in zip(layouts[0].columns.rank.tolist(), layouts[0].columns.devices):  # every rank holds leaf 0
+        devices.setdefault(int(r), d)
+    ranks = sorted(devices)
+    n = len(ranks)
+    lo, sz = np.zeros((n, 1), np.int64), np.ones((n, 1), np.int64)
+    return Layout.from_arrays((1,), lo, sz, np.array(ranks, np.int64), [devices[r] for r in ranks])
+
+
+@cached(256)
+def buckets(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> tuple[Bucket, ...] | None:
+    """The buckets of a tree of leaves with ``layouts``, in launch order, as rank ``rank`` sees them.
+
+    ``None`` where some bucket's boxes make no ranges (``run_layout``).
+    """
+    held = [len(x.indices_on(rank)) for x in layouts]
+    base = np.cumsum([0, *held]).tolist()
+    groups: list[list[int]] = [[]]
+    size, limit = 0, min(cap, _FIRST_CAP)
+    for leaf in reversed(range(len(layouts))):
+        if groups[-1] and size + layouts[leaf].numel * itemsize > limit:
+            groups.append([])
+            size, limit = 0, cap
+        groups[-1].append(leaf)
+        size += layouts[leaf].numel * itemsize
+    out: list[Bucket] = []
+    for k, leaves in enumerate(groups):
+        last = k == len(groups) - 1
+        members = tuple(layouts[leaf] for leaf in leaves) + ((_flag_layout(layouts),) if last else ())
+        runs = run_layout(members)
+        if runs is None:
+            return None
+        positions = tuple(p for leaf in leaves for p in range(base[leaf], base[leaf + 1]))
+        out.append(Bucket(runs, positions, run_parts(members, rank), len(positions) if last else None))
+    return tuple(out)
+
+
+class _State:
+    """One call's buckets: their buffers as the gradients come in, and those in flight."""
+
+    def __init__(self, plan: tuple[Bucket, ...], backend: Any, shapes: Sequence[torch.Size], like: torch.Tensor):
+        self.plan, self.backend, self.shapes = plan, backend, tuple(shapes)
+        self.dtype, self.device = like.dtype, like.device
+        self.where: dict[int, tuple[int, int, int]] = {}  # position -> (bucket, range, offset)
+        for b, bucket in enumerate(plan):
+            for j, part in enumerate(bucket.parts):
+                at = 0
+                for q in part:
+                    self.where[-1 if q == bucket.flag else bucket.positions[q]] = (b, j, at)
+                    at += self._width(bucket, q)
+        self.reset()
+
+    def _numel(self, position: int) -> int:
+        return int(np.prod(self.shapes[position], dtype=np.int64))
+
+    def _width(self, bucket: Bucket, q: int) -> int:
+        """Elements of entry ``q`` of ``bucket`` in its range: its box's, or 1 for the count."""
+        return 1 if q == bucket.flag else self._numel(bucket.positions[q])
+
+    def reset(self) -> None:
+        self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
+        self.missing = [len(bucket.positions) for bucket in self.plan]
+        self.given: set[int] = set()
+        self.flights: list[Callable[[], tuple[torch.Tensor, ...]]] = []
+
+    def _buffer(self, b: int) -> list[torch.Tensor]:
+        buf = self.buffers[b]
+        if buf is None:
+            bucket = self.plan[b]
+            sizes = [sum(self._width(bucket, q) for q in part) for part in bucket.parts]
+            buf = self.buffers[b] = [self._zeros(n) for n in sizes]
+        return buf
+
+    def _slot(self, position: int) -> torch.Tensor:
+        b, j, at = self.where[position]
+        return self._buffer(b)[j][at : at + (1 if position == -1 else self._numel(position))]
+
+    def take(self, position: int, grad: torch.Tensor) -> bool:
+        """Adds ``grad`` to its bucket unless that bucket has left; launches the buckets now full.
+
+        Returns whether it was taken.
+        """
+        if position not in self.where:  # an empty box: no range holds it
+            return True
+        b = self.where[position][0]
+        if b < len(self.flights):
+            return False
+        self._slot(position).add_(grad.reshape(-1))
+        if position not in self.given:
+            self.given.add(position)
+            self.missing[b] -= 1
+        while len(self.flights) < len(self.plan) - 1 and self.missing[len(self.flights)] == 0:
+            self._launch(len(self.flights))
+        return True
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _like(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return tensors[0] if tensors else self._zeros(0)
+
+    def _launch(self, b: int) -> None:
+        runs = self.plan[b].runs
+        start = getattr(self.backend, "launch", None)
+        tensors = tuple(self._buffer(b))
+        if start is None:
+            done, _ = _autograd.move(with_partial(runs, "sum"), runs, self.backend, tensors, self._like(tensors))
+            self.flights.append(lambda: done)
+        else:
+            self.flights.append(start(_plan(with_partial(runs, "sum"), runs), tensors, self._like(tensors)))
+
+    def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
+        outside = [k for k, g in enumerate(late) if g is not None and not self.take(k, g)]
+        self._slot(-1).fill_(len(outside))
+        while len(self.flights) < len(self.plan):
+            self._launch(len(self.flights))
+        summed = [flight() for flight in self.flights]
+        out = [self._zeros(*shape) for shape in self.shapes]
+        for position, (b, j, at) in self.where.items():
+            if position >= 0:
+                out[position] = summed[b][j][at : at + self._numel(position)].view(self.shapes[position])
+        b, j, at = self.where[-1]
+        if bool(summed[b][j][at] != 0):  # some rank had gradients after their bucket left: sum them all
+            extra = [g if k in outside and g is not None else torch.zeros_like(out[k]) for k, g in enumerate(late)]
+            out = [a + e for a, e in zip(out, self.sum_all(extra))]
+        self.reset()
+        return out
+
+    def sum_all(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``grads`` (one per position) summed over the ranks that hold copies, bucket by bucket, at once."""
+        out = list(grads)
+        for bucket in self.plan:
+            at = bucket.positions
+            packed = tuple(
+                torch.cat([self._zeros(1) if q == bucket.flag else grads[at[q]].reshape(-1) for q in part])
+                for part in bucket.parts
+            )
+            runs = bucket.runs
+            done, _ = _autograd.move(with_partial(runs, "sum"), runs, self.backend, packed, self._like(packed))
+            for part, total in zip(bucket.parts, done):
+                pieces = torch.split(total, [self._width(bucket, q) for q in part])
+                for q, piece in zip(part, pieces):
+                    if q != bucket.flag:
+                        out[at[q]] = piece.view(self.shapes[at[q]])
+        return out
+
+
+class _Tap(torch.autograd.Function):
+    """Identity forward; backward hands the gradient to its bucket (``_State.take``) and passes nothing on.
+
+    Its forward takes ``ctx`` (no ``setup_context``): ``apply`` then binds no signature, which
+    matters at one call per block and step.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: _State, position: int, t: torch.Tensor) -> torch.Tensor:
+        ctx.state, ctx.position = state, position
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        (g,) = grads
+        if g is None or torch.is_grad_enabled() or not ctx.state.take(ctx.position, g):
+            return None, None, g  # gradients of gradients, or a bucket gone: summed by the last node
+        return None, None, None
+
+
+class _SumBuckets(torch.autograd.Function):
+    """Identity forward; backward gives each block the sum of its copies' gradients (``_State.finish``)."""
+
+    @staticmethod
+    def forward(state: _State, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        return (*(t.view_as(t) for t in tensors), _autograd.link_of(like))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        state, like = inputs[:2]
+        ctx.state = state
+        ctx.set_materialize_grads(False)  # a block whose uses were all tapped gets None here, not zeros
+        ctx.like_shape = like.shape
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        state: _State = ctx.state
+        like = _autograd.carrier(grads, state.dtype, state.device)
+        if torch.is_grad_enabled():  # gradients of gradients: one differentiable movement of them all
+            zeros = [torch.zeros(s, dtype=state.dtype, device=state.device) for s in state.shapes]
+            back = state.sum_all([z if g is None else g for g, z in zip(grads[:-1], zeros)])
+        else:
+            back = state.finish(grads[:-1])
+        return (None, _autograd.link_grad(ctx, 1, like), *back)
+
+
+def sum_in_buckets(
+    layouts: tuple[Layout, ...], backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor] | None:
+    """``tensors`` (this rank's shards of ``layouts``, leaf by leaf), whose copies' gradients sum in buckets.
+
+    Their uses in per-shard functions go through taps (``gathered.register_tap``). ``None``
+    where some rank of the backend holds no shard of some leaf, or the buckets' boxes make no
+    ranges; the caller then sums another way.
+    """
+    group = set(backend.ranks)
+    if any(set(x.ranks) != group for x in layouts):  # a rank without some leaf: summed another way
+        return None
+    cap = int(current().bucket_cap_mb * (1 << 20))
+    plan = buckets(layouts, like.element_size(), max(cap, 1), backend.rank)
+    if plan is None:
+        return None
+    state = _State(plan, backend, [t.shape for t in tensors], like)
+    *out, link = _autograd.apply(_SumBuckets, state, like, *tensors)
+    for k, t in enumerate(out):
+        _gathered.register_tap(t, functools.partial(_tap, state, k))
+    return tuple(out), link
+
+
+def _tap(state: _State, position: int, t: torch.Tensor) -> torch.Tensor:
+    return _autograd.apply(_Tap, state, position, t)

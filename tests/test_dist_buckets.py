@@ -1,0 +1,135 @@
+"""Gradients of replicated arguments summed in buckets while the backward runs (4 Gloo processes).
+
+A data-parallel step: every parameter ``Replicated`` on the 4 ranks, each rank on its own
+rows, the loss a ``Partial`` sum. Each rank's gradient must be the sum of every rank's
+uses, as on the local backend (float64, to 1e-12), however the gradients reach the
+arguments: through the function's own uses (the buckets leave during the backward), through an
+activation checkpoint's recomputation, through a custom autograd function whose inputs no
+torch-function mode sees (after their buckets left: summed once more, on every rank), as gradients of gradients, or from ranks that use different parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import fshard
+from fshard._exec import buckets as _buckets
+from fshard.backends.local import LocalBackend
+from fshard.backends.torch_dist import TorchDistBackend
+
+pytestmark = pytest.mark.multiprocess
+
+R = [0, 1, 2, 3]
+D = 6
+
+
+def _weights() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(D, D, generator=g, dtype=torch.float64) * 0.5 for _ in range(5)]
+
+
+def _rows(rank: int) -> torch.Tensor:
+    return torch.randn(3, D, generator=torch.Generator().manual_seed(10 + rank), dtype=torch.float64)
+
+
+class _MatMul(torch.autograd.Function):
+    """``x @ w`` as a custom autograd function: torch-function modes do not see its inputs."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.T, x.T @ g
+
+
+def _body(style: str):
+    def body(x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        for k, w in enumerate(ws):
+            if style == "checkpoint" and k % 2:
+                x = checkpoint(lambda x, w=w: torch.tanh(x @ w), x, use_reentrant=False)
+            elif style == "reentrant" and k % 2:  # a second use, recomputed outside the function: arrives late
+                x = torch.tanh(x @ w)
+                x = checkpoint(lambda x, w=w: torch.tanh(x @ w), x, use_reentrant=True)
+            elif style == "function" and k % 2:  # a second use that reaches the argument untapped
+                x = torch.tanh(_MatMul.apply(torch.tanh(x @ w), w))
+            elif style == "skip" and k == 2 and x.sum() > 0:  # data-dependent: some ranks skip this weight
+                continue
+            else:
+                x = torch.tanh(x @ w)
+        return (x**2).sum()[None]
+
+    return body
+
+
+def _grads(style: str, backend, x: fshard.ShardedArray) -> list[torch.Tensor]:
+    """Each parameter's gradient on this process, after one backward (and its gradient of gradients)."""
+    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(_body(style), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+    loss = fshard.gather(step(x, *params))
+    if style == "double":  # the gradient of the squared gradient norm: gradients of gradients
+        grads = torch.autograd.grad(loss, leaves, create_graph=True)
+        sum(g.pow(2).sum() for g in grads[: len(grads) // len(params)]).backward()
+        return [t.grad for t in leaves[:: len(leaves) // len(params)]]
+    loss.backward()
+    return [t.grad for t in leaves[:: len(leaves) // len(params)]]
+
+
+def _local(style: str) -> list[torch.Tensor]:
+    backend = LocalBackend(world_size=4)
+    x = fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=backend)
+    return _grads(style, backend, x)
+
+
+def _on_rank(style: str, cap_mb: float) -> tuple[list[torch.Tensor], int]:
+    old = fshard.config(bucket_cap_mb=cap_mb)
+    try:
+        backend = TorchDistBackend()
+        x = fshard.from_local_tensor(_rows(backend.rank), dim=0)
+        before = backend.counters.collectives
+        grads = _grads(style, backend, x)
+        return grads, backend.counters.collectives - before
+    finally:
+        fshard.config(**{"bucket_cap_mb": old.bucket_cap_mb})
+
+
+@pytest.mark.parametrize("style", ["plain", "checkpoint", "reentrant", "function", "skip", "double"])
+@pytest.mark.parametrize("cap_mb", [25.0, 1e-4])  # one bucket, or one per parameter
+def test_gradients_summed_in_buckets_equal_the_local_backends(dist_pool, style, cap_mb):
+    expected = _local(style)
+    for grads, _ in dist_pool.run(_on_rank, style, cap_mb, timeout=120):
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_buckets_leave_one_collective_each(dist_pool):
+    """5 parameters of 288 bytes: one bucket each at a cap below that, one for all at 25 MiB."""
+    few = dist_pool.run(_on_rank, "plain", 25.0, timeout=120)
+    many = dist_pool.run(_on_rank, "plain", 1e-4, timeout=120)
+    assert {runs for _, runs in many} == {runs + 4 for _, runs in few}
+
+
+def test_a_bucket_plan_is_one_range_per_bucket_where_every_rank_holds_every_leaf():
+    layouts = tuple(fshard.Replicated(R).layout((D, D)) for _ in range(5))
+    plan = _buckets.buckets(layouts, 8, 2 * D * D * 8, rank=1)
+    assert plan is not None
+    assert [len(b.positions) for b in plan] == [2, 2, 1]  # the last leaves first; two per bucket
+    assert [b.positions for b in plan] == [(4, 3), (2, 1), (0,)]
+    for b in plan:
+        assert len(b.runs.indices_on(1)) == 1 and len(b.parts) == 1  # one range: one all_reduce
+    assert plan[-1].flag == 1 and plan[-1].runs.shape == (D * D + 1,)  # the count rides on the last
+
+
+def test_the_bucket_size_is_a_checked_setting():
+    with pytest.raises(fshard.SpecError, match="bucket_cap_mb"):
+        fshard.config(bucket_cap_mb=0)
+    with pytest.raises(TypeError, match="bucket_cap_mb"):
+        fshard.config(bucket_cap_mb="25")
