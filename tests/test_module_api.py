@@ -262,7 +262,7 @@ def test_a_rule_that_chunks_num_batches_tracked_names_it() -> None:
 
 
 def test_buffers_that_no_rule_names_are_replicated_over_the_parameters_ranks() -> None:
-    params, buffers = fshard.shard_module(
+    _, buffers = fshard.shard_module(
         bn_model(), {"*.weight": fshard.Chunk(0, [0, 1]), "*.bias": fshard.Replicated([0, 1])}
     )
     assert buffers["1.running_mean"].layout == fshard.Replicated([0, 1]).layout((6,))
@@ -297,7 +297,7 @@ def test_fully_sharded_replicates_what_is_too_small_to_split() -> None:
             {"blocks.9.*": fshard.Replicated(RANKS), "*": fshard.Replicated(RANKS)},
             "rule 'blocks.9.*' names no parameter or buffer of the module",
             id="names-nothing",
-        ),  # fmt: skip
+        ),
         pytest.param(
             {"*": fshard.Chunk(2, RANKS)}, "parameter 'wte.weight' (shape (16, 8), torch.float64)", id="does-not-fit"
         ),
