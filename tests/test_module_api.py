@@ -148,6 +148,17 @@ def test_a_tied_gpt_trains_like_the_dense_model(rules: str) -> None:
     assert dense.head.weight is dense.wte.weight  # the dense model trained one tensor too
 
 
+def test_trained_tied_parameters_load_back_into_a_module() -> None:
+    model, dense = gpt(), gpt()
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
+    fshard_steps(model, params, buffers, 2, RANKS)
+    dense_steps(dense, 2)
+    fresh = gpt()
+    fshard.load_state_dict(fresh, {**params, **buffers})
+    assert fresh.head.weight is fresh.wte.weight
+    torch.testing.assert_close(fresh.wte.weight, dense.wte.weight, rtol=0, atol=ATOL)
+
+
 def test_the_module_is_not_changed() -> None:
     model = gpt()
     before = {k: v.clone() for k, v in model.state_dict().items()}
