@@ -449,7 +449,7 @@ def test_the_example_on_4_gloo_processes(dist_pool) -> None:
     assert dist_pool.run(_example_on_gloo, timeout=120) == [True] * 4
 
 
-def test_copy_of_the_module_is_not_needed_between_calls() -> None:
+def test_the_structure_is_read_once_per_module_and_again_after_a_change() -> None:
     """The structure is read once per module object: a second call reuses it, a replaced tensor is seen."""
     from fshard._api.module_rules import structure
 

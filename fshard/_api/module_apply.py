@@ -40,14 +40,19 @@ class _Parameters(dict[str, Any]):
     """A clone's ``_parameters``: refuses a read from inside the forward of a reentrant checkpoint.
 
     That forward runs without grad and its backward recomputes in a nested backward pass that
-    would reach the arrays' movements once per checkpointed block.
+    would reach the arrays' movements once per checkpointed block. ``guard``: the clone runs
+    with grad enabled, so a read without grad is worth a look at the call stack.
     """
 
-    __slots__ = ()
+    __slots__ = ("guard",)
+
+    def __init__(self, items: Any, guard: bool) -> None:
+        super().__init__(items)
+        self.guard = guard
 
     def __getitem__(self, name: str) -> Any:
         value = super().__getitem__(name)
-        if not torch.is_grad_enabled() and value is not None and value.requires_grad and _in_reentrant_checkpoint():
+        if self.guard and not torch.is_grad_enabled() and value is not None and _in_reentrant_checkpoint():
             msg = (
                 f"apply_module(): parameter {name!r} was read inside torch.utils.checkpoint with use_reentrant=True "
                 "(torch's default), whose backward recomputes in a nested backward pass that the movements of "
@@ -74,9 +79,8 @@ def functional_clone(
     A submodule reached twice is copied once, and a tied tensor fills every place it is reached.
     Returns the clone and the copies by the ``id`` of their originals.
     """
-    found = structure(module)
     memo: dict[int, torch.nn.Module] = {}
-    return _copy(module, found, params, buffers, memo), memo
+    return _copy(module, structure(module), params, buffers, memo, torch.is_grad_enabled()), memo
 
 
 def _copy(
@@ -85,20 +89,24 @@ def _copy(
     params: Mapping[str, Any],
     buffers: Mapping[str, Any],
     memo: dict[int, torch.nn.Module],
+    guard: bool,
 ) -> torch.nn.Module:
     done = memo.get(id(module))
     if done is not None:
         return done
     out = copy.copy(module)
     memo[id(module)] = out
-    own_params, own_buffers = found.slots[id(module)]
+    own_params, own_buffers = (dict(kind) for kind in found.slots[id(module)])
+    old = vars(module)
     state = vars(out)
-    state["_parameters"] = _Parameters({local: params[key] for local, key in own_params})
-    state["_parameters"].update({k: None for k, v in vars(module)["_parameters"].items() if v is None})
-    state["_buffers"] = {local: buffers[key] for local, key in own_buffers}
-    state["_buffers"].update({k: None for k, v in vars(module)["_buffers"].items() if v is None})
-    children = cast("dict[str, torch.nn.Module | None]", vars(module)["_modules"])
-    state["_modules"] = {k: None if m is None else _copy(m, found, params, buffers, memo) for k, m in children.items()}
+    state["_parameters"] = _Parameters(
+        {k: None if v is None else params[own_params[k]] for k, v in old["_parameters"].items()}, guard
+    )
+    state["_buffers"] = {k: None if v is None else buffers[own_buffers[k]] for k, v in old["_buffers"].items()}
+    children = cast("dict[str, torch.nn.Module | None]", old["_modules"])
+    state["_modules"] = {
+        k: None if m is None else _copy(m, found, params, buffers, memo, guard) for k, m in children.items()
+    }
     return out
 
 
@@ -129,7 +137,8 @@ def apply_module(
     of the placements' updates (a counter advances by their mean, rounded down), computed the
     same on every rank: data parallelism without SyncBatchNorm, with the running statistics
     averaged over the ranks. Only the persistent buffers of submodules in training mode may
-    change; the others are read-only. Unchanged buffers are the arrays passed in.
+    change (they take part in one reduction per call, so register constants with
+    ``persistent=False``); the others are read-only. Unchanged buffers are the arrays passed in.
 
     Args:
         module: the ``torch.nn.Module`` whose structure (and code) runs.
@@ -177,7 +186,8 @@ def apply_module(
         bs = dict(zip(bnames, blocks[len(pnames) : len(pnames) + len(bnames)]))
         olds = {name: bs[name] for name in updated}
         bs.update({name: t.clone() for name, t in olds.items()})
-        clone, memo = functional_clone(module, ps, bs)
+        memo: dict[int, torch.nn.Module] = {}
+        clone = _copy(module, found, ps, bs, memo, torch.is_grad_enabled())
         rest = blocks[len(pnames) + len(bnames) :]
         call_args, call_kwargs = rest[:n_args], dict(zip(keys, rest[n_args:]))
         out = clone(*call_args, **call_kwargs) if method is None else method(clone, *call_args, **call_kwargs)
@@ -195,7 +205,8 @@ def _check_names(what: str, given: Mapping[str, Any], names: Sequence[str]) -> N
     if not isinstance(given, Mapping):
         raise TypeError(f"apply_module() {what} must be a mapping of names to arrays, got {type(given).__name__}.")
     missing = [n for n in names if n not in given]
-    extra = [n for n in given if n not in set(names)]
+    known = set(names)
+    extra = [n for n in given if n not in known]
     if missing or extra:
         msg = (
             f"apply_module() {what} do not fit the module: missing {missing[:5]}, "
@@ -237,7 +248,7 @@ def _default_out_specs(first: ShardedArray | None, placements: list[Placement]) 
 
 def _read_back(found: Structure, memo: Mapping[int, torch.nn.Module], name: str) -> torch.Tensor:
     owner, local = found.homes[name]
-    return vars(memo[id(owner)])["_buffers"][local]
+    return vars(memo[owner])["_buffers"][local]
 
 
 def _delta(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

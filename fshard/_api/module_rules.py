@@ -38,7 +38,8 @@ class Structure:
     ``slots`` holds, per submodule object (by ``id``), its parameters' and buffers' local
     names paired with the dotted name of the array that fills them: a tied tensor's first
     name (``named_parameters()`` order) in every place it is reached. ``homes`` gives each
-    buffer's first (submodule, local name), where an in-place update is read back.
+    buffer's first (submodule ``id``, local name), where an in-place update is read back.
+    It holds no reference to the module or its tensors.
     """
 
     params: tuple[str, ...]
@@ -46,39 +47,40 @@ class Structure:
     ties: tuple[tuple[str, str], ...]  # (alias, the name of the array it reads)
     updated: tuple[str, ...]  # buffers the forward may update: persistent, of a module in training mode
     slots: Mapping[int, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]]
-    homes: Mapping[str, tuple[torch.nn.Module, str]]
-    tensors: tuple[tuple[torch.nn.Module, str, Any], ...]  # what the module held: a change invalidates the cache
-
-    def fresh(self) -> bool:
-        """Whether every submodule still holds the tensors it held when this was read."""
-        return all(_holds(m, key, t) for m, key, t in self.tensors)
+    homes: Mapping[str, tuple[int, str]]
 
 
-def _holds(module: torch.nn.Module, key: str, value: Any) -> bool:
-    kind, _, local = key.partition(":")
-    return vars(module)[kind].get(local, None) is value
-
-
-_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[bool, ...], Structure]] = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], Structure]] = weakref.WeakKeyDictionary()
 
 
 def structure(module: torch.nn.Module) -> Structure:
-    """The module's ``Structure``, cached on the module object while its tensors and modes stay."""
-    modes = tuple(m.training for m in module.modules())
+    """The module's ``Structure``, cached on the module object while what it holds stays the same."""
+    key = _fingerprint(module)
     hit = _CACHE.get(module)
-    if hit is not None and hit[0] == modes and hit[1].fresh():
+    if hit is not None and hit[0] == key:
         return hit[1]
     built = _read(module)
-    _CACHE[module] = (modes, built)
+    _CACHE[module] = (key, built)
     return built
+
+
+def _fingerprint(module: torch.nn.Module) -> tuple[Any, ...]:
+    """Every submodule's mode, and the names and identities of what it holds: all that ``_read`` reads."""
+    out: list[Any] = []
+    for sub in module.modules():
+        state = vars(sub)
+        out.append((id(sub), sub.training, tuple(state["_non_persistent_buffers_set"])))
+        out.extend(
+            tuple((k, id(v)) for k, v in state[kind].items()) for kind in ("_parameters", "_buffers", "_modules")
+        )
+    return tuple(out)
 
 
 def _read(module: torch.nn.Module) -> Structure:
     first: dict[int, str] = {}
     ties: list[tuple[str, str]] = []
     slots: dict[int, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {}
-    homes: dict[str, tuple[torch.nn.Module, str]] = {}
-    seen: list[tuple[torch.nn.Module, str, Any]] = []
+    homes: dict[str, tuple[int, str]] = {}
     updated: list[str] = []
     buffers: list[str] = []
     for path, sub in module.named_modules(remove_duplicate=False):  # pyright: ignore[reportUnknownVariableType]
@@ -87,7 +89,6 @@ def _read(module: torch.nn.Module) -> Structure:
         fill = not params and not bufs
         for kind, table, out in (("_parameters", sub._parameters, params), ("_buffers", sub._buffers, bufs)):  # pyright: ignore[reportPrivateUsage]
             for local, t in table.items():
-                seen.append((sub, f"{kind}:{local}", t))
                 if t is None:
                     continue
                 name = f"{path}.{local}" if path else local
@@ -96,16 +97,14 @@ def _read(module: torch.nn.Module) -> Structure:
                     ties.append((name, key))
                 elif kind == "_buffers":
                     buffers.append(name)
-                    homes[name] = (sub, local)
+                    homes[name] = (id(sub), local)
                     if sub.training and local not in sub._non_persistent_buffers_set and _number(t):  # pyright: ignore[reportPrivateUsage]
                         updated.append(name)
                 if fill:
                     out.append((local, key))
-        for local, child in sub._modules.items():  # pyright: ignore[reportPrivateUsage]
-            seen.append((sub, f"_modules:{local}", child))
     params_names = tuple(n for n in dict.fromkeys(first.values()) if n not in homes)
     frozen = {k: (tuple(p), tuple(b)) for k, (p, b) in slots.items()}
-    return Structure(params_names, tuple(buffers), tuple(ties), tuple(updated), frozen, homes, tuple(seen))
+    return Structure(params_names, tuple(buffers), tuple(ties), tuple(updated), frozen, homes)
 
 
 def _number(t: torch.Tensor) -> bool:
