@@ -18,6 +18,10 @@ from fshard._api.dist import from_local_shards as from_local_shards
 from fshard._api.dist import from_local_tensor as from_local_tensor
 from fshard._api.map import map_local as map_local
 from fshard._api.map import shard_map as shard_map
+from fshard._api.module_apply import apply_module as apply_module
+from fshard._api.module_rules import fully_sharded as fully_sharded
+from fshard._api.module_rules import replicated as replicated
+from fshard._api.module_rules import shard_module as shard_module
 from fshard._api.modules import load_state_dict as load_state_dict
 from fshard._api.modules import shard_params as shard_params
 from fshard._api.move import allclose as allclose
@@ -94,6 +98,7 @@ __all__ = [
     "Split",
     "Transfer",
     "allclose",
+    "apply_module",
     "backends",
     "check_replicas",
     "checkpoint_info",
@@ -110,6 +115,7 @@ __all__ = [
     "from_sharded_tensor",
     "full",
     "full_like",
+    "fully_sharded",
     "gather",
     "global_norm",
     "load",
@@ -122,11 +128,13 @@ __all__ = [
     "rand_like",
     "randn",
     "randn_like",
+    "replicated",
     "reshard",
     "save",
     "save_safetensors",
     "shard",
     "shard_map",
+    "shard_module",
     "shard_params",
     "to_dtensor",
     "to_sharded_tensor",

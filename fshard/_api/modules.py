@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import torch
 
+from fshard._api.module_rules import structure
 from fshard._api.move import gather, reshard
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
@@ -122,7 +123,8 @@ def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict:
 
     Args:
         module: changed in place, as ``torch.nn.Module.load_state_dict`` does.
-        tree: names as in ``module.state_dict()``, plus its sharded attributes.
+        tree: names as in ``module.state_dict()``, plus its sharded attributes; a tied
+            tensor may appear under its first name only (as ``fshard.shard_module`` gives it).
         strict: as in ``torch.nn.Module.load_state_dict``.
 
     Returns:
@@ -163,6 +165,9 @@ def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict:
         if name in known or not _set_sharded_attribute(module, name, value):
             rest[name] = value
     full = {name: gather(v) if isinstance(v, ShardedArray) else v for name, v in rest.items()}
+    for alias, name in structure(module).ties:  # shard_module keeps a tied tensor under its first name only
+        if alias not in full and name in full:
+            full[alias] = full[name]
     try:
         return module.load_state_dict(full, strict=strict)
     except RuntimeError as exc:

@@ -1,0 +1,279 @@
+"""Running a module on sharded parameters: a functional clone of the module per placement, inside ``shard_map``.
+
+The clone is shallow: each submodule is ``copy.copy``'d with fresh ``_parameters``,
+``_buffers`` and ``_modules`` dicts that hold the placement's blocks. Nothing is swapped into
+the module and back, so code that runs the module again later (the recomputation of
+``torch.utils.checkpoint`` in the backward) sees the same tensors as the forward did.
+"""
+
+# The public functions check their arguments at run time, whatever the annotations promise.
+# pyright: reportUnnecessaryIsInstance=false
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+import torch.utils.checkpoint
+
+from fshard._api.map import map_local, shard_map
+from fshard._api.module_rules import Structure, structure
+from fshard._api.move import reshard
+from fshard._array.array import ShardedArray
+from fshard._errors import SpecError
+from fshard._exec.collective import collective
+from fshard._layout.placement import Placement
+from fshard._layout.specs import Chunk, Partial, Replicated
+
+__all__ = ["apply_module", "functional_clone"]
+
+_REENTRANT: Any = cast(
+    Any, torch.utils.checkpoint.CheckpointFunction
+).forward.__code__  # the forward of use_reentrant=True
+
+
+class _Parameters(dict[str, Any]):
+    """A clone's ``_parameters``: refuses a read from inside the forward of a reentrant checkpoint.
+
+    That forward runs without grad and its backward recomputes in a nested backward pass that
+    would reach the arrays' movements once per checkpointed block. ``guard``: the clone runs
+    with grad enabled, so a read without grad is worth a look at the call stack.
+    """
+
+    __slots__ = ("guard",)
+
+    def __init__(self, items: Any, guard: bool) -> None:
+        super().__init__(items)
+        self.guard = guard
+
+    def __getitem__(self, name: str) -> Any:
+        value = super().__getitem__(name)
+        if self.guard and not torch.is_grad_enabled() and value is not None and _in_reentrant_checkpoint():
+            msg = (
+                f"apply_module(): parameter {name!r} was read inside torch.utils.checkpoint with use_reentrant=True "
+                "(torch's default), whose backward recomputes in a nested backward pass that the movements of "
+                "sharded parameters cannot take part in. Pass use_reentrant=False to checkpoint()."
+            )
+            raise SpecError(msg)
+        return value
+
+
+def _in_reentrant_checkpoint() -> bool:
+    frame = sys._getframe(2)  # pyright: ignore[reportPrivateUsage]  # the one way to read the call stack cheaply
+    while frame is not None:
+        if frame.f_code is _REENTRANT:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def functional_clone(
+    module: torch.nn.Module, params: Mapping[str, Any], buffers: Mapping[str, Any]
+) -> tuple[torch.nn.Module, dict[int, torch.nn.Module]]:
+    """A shallow copy of ``module``'s tree whose parameters and buffers are ``params`` and ``buffers`` (by name).
+
+    A submodule reached twice is copied once, and a tied tensor fills every place it is reached.
+    Returns the clone and the copies by the ``id`` of their originals.
+    """
+    memo: dict[int, torch.nn.Module] = {}
+    return _copy(module, structure(module), params, buffers, memo, torch.is_grad_enabled()), memo
+
+
+def _copy(
+    module: torch.nn.Module,
+    found: Structure,
+    params: Mapping[str, Any],
+    buffers: Mapping[str, Any],
+    memo: dict[int, torch.nn.Module],
+    guard: bool,
+) -> torch.nn.Module:
+    done = memo.get(id(module))
+    if done is not None:
+        return done
+    out = copy.copy(module)
+    memo[id(module)] = out
+    own_params, own_buffers = (dict(kind) for kind in found.slots[id(module)])
+    old = vars(module)
+    state = vars(out)
+    state["_parameters"] = _Parameters(
+        {k: None if v is None else params[own_params[k]] for k, v in old["_parameters"].items()}, guard
+    )
+    state["_buffers"] = {k: None if v is None else buffers[own_buffers[k]] for k, v in old["_buffers"].items()}
+    children = cast("dict[str, torch.nn.Module | None]", old["_modules"])
+    state["_modules"] = {
+        k: None if m is None else _copy(m, found, params, buffers, memo, guard) for k, m in children.items()
+    }
+    return out
+
+
+@collective("apply_module")
+def apply_module(
+    module: torch.nn.Module,
+    params: Mapping[str, ShardedArray],
+    buffers: Mapping[str, ShardedArray],
+    *args: Any,
+    out_specs: Any = None,
+    method: Callable[..., Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Any, dict[str, ShardedArray]]:
+    """Runs ``module`` on sharded parameters and inputs: ``(out, new_buffers)``; the module is not changed.
+
+    The arrays among ``args`` and ``kwargs`` (a per-rank batch: ``fshard.from_local_tensor``,
+    or ``Chunk(0)``) say where the module runs: once per placement of the first one, on that
+    placement's blocks. Tensors are whole on every placement; other values are passed as they
+    are. The parameters and buffers move as one tree to ``Replicated`` on those placements
+    (a fully-sharded program gathers them here, and its backward reduce-scatters their
+    gradients; a replicated one moves nothing and all-reduces them). The module runs as a
+    functional clone holding the placement's blocks, so ``torch.utils.checkpoint`` with
+    ``use_reentrant=False`` recomputes with the same tensors (``use_reentrant=True`` is
+    refused); tied parameters are one array used in every place.
+
+    Buffers that the forward updates in place (BatchNorm's running statistics) come back in
+    ``new_buffers``: each placement updates them from its own rows, and the result is the mean
+    of the placements' updates (a counter advances by their mean, rounded down), computed the
+    same on every rank: data parallelism without SyncBatchNorm, with the running statistics
+    averaged over the ranks. Only the persistent buffers of submodules in training mode may
+    change (they take part in one reduction per call, so register constants with
+    ``persistent=False``); the others are read-only. Unchanged buffers are the arrays passed in.
+
+    Args:
+        module: the ``torch.nn.Module`` whose structure (and code) runs.
+        params: names to arrays, from ``fshard.shard_module`` (or ``fshard.load`` of them).
+        buffers: names to arrays, as ``params``.
+        args: the forward's arguments.
+        out_specs: the result's spec(s), a pytree matching it: ``fshard.Partial(...)`` for a loss
+            summed over placements. Default: ``Chunk(0)`` over the placements when the first
+            array argument is laid out that way, ``Replicated`` when it is replicated.
+        method: runs ``method(clone, *args, **kwargs)`` instead of the forward (a loss of the
+            module's output, say).
+        kwargs: the forward's keyword arguments.
+
+    Returns:
+        The result as arrays laid out by ``out_specs``, and the buffers after the forward.
+
+    Raises:
+        SpecError: a parameter or buffer of the module is missing from ``params``/``buffers``,
+            the default ``out_specs`` does not apply, or the checks of ``fshard.shard_map``.
+
+    >>> import torch, fshard
+    >>> torch.manual_seed(0) and None
+    >>> model, ranks = torch.nn.Linear(4, 2), [0, 1]
+    >>> params, buffers = fshard.shard_module(model, fshard.fully_sharded(ranks))
+    >>> x = torch.randn(6, 4)
+    >>> out, _ = fshard.apply_module(model, params, buffers, fshard.shard(x, fshard.Chunk(0, ranks)))
+    >>> torch.allclose(fshard.gather(out), model(x))
+    True
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"apply_module() takes a torch.nn.Module, got {type(module).__name__}.")
+    found = structure(module)
+    _check_names("params", params, found.params)
+    _check_names("buffers", buffers, found.buffers)
+    pnames, bnames, keys = list(found.params), list(found.buffers), list(kwargs)
+    inputs = [*args, *kwargs.values()]
+    placements = _placements(inputs, params)
+    everywhere = Replicated(placements)
+    in_specs = [*([everywhere] * (len(pnames) + len(bnames))), *(_in_spec(v, everywhere) for v in inputs)]
+    updated = found.updated
+    n_args = len(args)
+
+    def body(*blocks: Any) -> Any:
+        ps = dict(zip(pnames, blocks))
+        bs = dict(zip(bnames, blocks[len(pnames) : len(pnames) + len(bnames)]))
+        olds = {name: bs[name] for name in updated}
+        bs.update({name: t.clone() for name, t in olds.items()})
+        memo: dict[int, torch.nn.Module] = {}
+        clone = _copy(module, found, ps, bs, memo, torch.is_grad_enabled())
+        rest = blocks[len(pnames) + len(bnames) :]
+        call_args, call_kwargs = rest[:n_args], dict(zip(keys, rest[n_args:]))
+        out = clone(*call_args, **call_kwargs) if method is None else method(clone, *call_args, **call_kwargs)
+        return out, {name: _delta(_read_back(found, memo, name), olds[name]) for name in updated}
+
+    first = next((v for v in inputs if isinstance(v, ShardedArray)), None)
+    specs = (_default_out_specs(first, placements) if out_specs is None else out_specs,
+             {name: Partial(everywhere) for name in updated})  # fmt: skip
+    run = shard_map(body, in_specs=tuple(in_specs), out_specs=specs)
+    out, deltas = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
+    return out, _updated_buffers(buffers, deltas, len(placements))
+
+
+def _check_names(what: str, given: Mapping[str, Any], names: Sequence[str]) -> None:
+    if not isinstance(given, Mapping):
+        raise TypeError(f"apply_module() {what} must be a mapping of names to arrays, got {type(given).__name__}.")
+    missing = [n for n in names if n not in given]
+    known = set(names)
+    extra = [n for n in given if n not in known]
+    if missing or extra:
+        msg = (
+            f"apply_module() {what} do not fit the module: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}. Build them with fshard.shard_module(module, rules) (a tied parameter is "
+            "one entry, under its first name)."
+        )
+        raise SpecError(msg)
+    bad = next((n for n in names if not isinstance(given[n], ShardedArray)), None)
+    if bad is not None:
+        raise SpecError(f"apply_module() {what}[{bad!r}] is a {type(given[bad]).__name__}, not a ShardedArray.")
+
+
+def _placements(inputs: Sequence[Any], params: Mapping[str, ShardedArray]) -> list[Placement]:
+    """Where the module runs: the placements of the first array argument, else of the first parameter."""
+    first = next((v for v in inputs if isinstance(v, ShardedArray)), None)
+    first = next(iter(params.values()), None) if first is None else first
+    if first is None:
+        raise SpecError("apply_module() needs an array among the arguments or the parameters to know where to run.")
+    return list(dict.fromkeys(s.placement for s in first.layout.shards))
+
+
+def _in_spec(value: Any, everywhere: Replicated) -> Any:
+    if isinstance(value, ShardedArray):
+        return value.layout
+    return everywhere if isinstance(value, torch.Tensor) else None
+
+
+def _default_out_specs(first: ShardedArray | None, placements: list[Placement]) -> Any:
+    if first is None or first.layout == Replicated(placements).layout(first.shape):
+        return Replicated(placements)
+    if first.ndim and first.layout == Chunk(0, placements).layout(first.shape):
+        return Chunk(0, placements)
+    msg = (
+        f"apply_module() cannot choose the result's layout from the first array argument's ({first.layout!r}): "
+        "pass out_specs= (e.g. fshard.Partial(fshard.Replicated(ranks)) for a loss summed over the placements)."
+    )
+    raise SpecError(msg)
+
+
+def _read_back(found: Structure, memo: Mapping[int, torch.nn.Module], name: str) -> torch.Tensor:
+    owner, local = found.homes[name]
+    return vars(memo[owner])["_buffers"][local]
+
+
+def _delta(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """What the forward added to a buffer: exactly zero where it left an element as it was (inf included)."""
+    new = new.detach()
+    if not new.is_floating_point():
+        return new - old
+    return torch.where(new == old, torch.zeros_like(new), new - old)
+
+
+def _updated_buffers(
+    buffers: Mapping[str, ShardedArray], deltas: Mapping[str, ShardedArray], n: int
+) -> dict[str, ShardedArray]:
+    """The buffers plus the mean of the placements' updates: one reduction for the whole tree."""
+    out = dict(buffers)
+    if not deltas:
+        return out
+    names = list(deltas)
+    summed = reshard([deltas[k] for k in names], [buffers[k].layout for k in names])
+    for name, d in zip(names, cast("list[ShardedArray]", summed)):
+        out[name] = map_local(functools.partial(_mean_update, n=n), buffers[name], d)
+    return out
+
+
+def _mean_update(old: torch.Tensor, summed: torch.Tensor, n: int) -> torch.Tensor:
+    if not old.is_floating_point():
+        return old + torch.div(summed, n, rounding_mode="floor")
+    return torch.where(summed == 0, old, old + summed / n)

@@ -1,0 +1,284 @@
+"""A module's parameters and buffers as arrays, sharded by rules: name patterns, or a function, to specs.
+
+A module's structure (which names its parameters and buffers have, which names are tied to
+one tensor, which buffers its forward may update) is read once per module object and cached
+on its identity; it is read again when a tensor or submodule of the module was replaced.
+"""
+
+# The public functions check their arguments at run time, whatever the annotations promise.
+# pyright: reportUnnecessaryIsInstance=false
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+
+from fshard._api.shard import shard
+from fshard._array.array import ShardedArray
+from fshard._errors import SpecError
+from fshard._exec.collective import collective
+from fshard._layout.layout import Layout
+from fshard._layout.specs import Chunk, Replicated, as_layout
+from fshard.backends import Backend
+
+__all__ = ["Structure", "fully_sharded", "replicated", "shard_module", "structure"]
+
+Rules = Mapping[str, Any] | Callable[[str, torch.Tensor], Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Structure:
+    """What a module's forward reads: one entry per (submodule, local name), and the names of its tensors.
+
+    ``slots`` holds, per submodule object (by ``id``), its parameters' and buffers' local
+    names paired with the dotted name of the array that fills them: a tied tensor's first
+    name (``named_parameters()`` order) in every place it is reached. ``homes`` gives each
+    buffer's first (submodule ``id``, local name), where an in-place update is read back.
+    It holds no reference to the module or its tensors.
+    """
+
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    ties: tuple[tuple[str, str], ...]  # (alias, the name of the array it reads)
+    updated: tuple[str, ...]  # buffers the forward may update: persistent, of a module in training mode
+    slots: Mapping[int, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]]
+    homes: Mapping[str, tuple[int, str]]
+
+
+_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], Structure]] = weakref.WeakKeyDictionary()
+
+
+def structure(module: torch.nn.Module) -> Structure:
+    """The module's ``Structure``, cached on the module object while what it holds stays the same."""
+    key = _fingerprint(module)
+    hit = _CACHE.get(module)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    built = _read(module)
+    _CACHE[module] = (key, built)
+    return built
+
+
+def _fingerprint(module: torch.nn.Module) -> tuple[Any, ...]:
+    """Every submodule's mode, and the names and identities of what it holds: all that ``_read`` reads."""
+    out: list[Any] = []
+    for sub in module.modules():
+        state = vars(sub)
+        out.append((id(sub), sub.training, tuple(state["_non_persistent_buffers_set"])))
+        out.extend(
+            tuple((k, id(v)) for k, v in state[kind].items()) for kind in ("_parameters", "_buffers", "_modules")
+        )
+    return tuple(out)
+
+
+def _read(module: torch.nn.Module) -> Structure:
+    first: dict[int, str] = {}
+    ties: list[tuple[str, str]] = []
+    slots: dict[int, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {}
+    homes: dict[str, tuple[int, str]] = {}
+    updated: list[str] = []
+    buffers: list[str] = []
+    for path, sub in module.named_modules(remove_duplicate=False):  # pyright: ignore[reportUnknownVariableType]
+        sub = cast("torch.nn.Module", sub)
+        params, bufs = slots.setdefault(id(sub), ([], []))
+        fill = not params and not bufs
+        for kind, table, out in (("_parameters", sub._parameters, params), ("_buffers", sub._buffers, bufs)):  # pyright: ignore[reportPrivateUsage]
+            for local, t in table.items():
+                if t is None:
+                    continue
+                name = f"{path}.{local}" if path else local
+                key = first.setdefault(id(t), name)
+                if key != name:
+                    ties.append((name, key))
+                elif kind == "_buffers":
+                    buffers.append(name)
+                    homes[name] = (id(sub), local)
+                    if sub.training and local not in sub._non_persistent_buffers_set and _number(t):  # pyright: ignore[reportPrivateUsage]
+                        updated.append(name)
+                if fill:
+                    out.append((local, key))
+    params_names = tuple(n for n in dict.fromkeys(first.values()) if n not in homes)
+    frozen = {k: (tuple(p), tuple(b)) for k, (p, b) in slots.items()}
+    return Structure(params_names, tuple(buffers), tuple(ties), tuple(updated), frozen, homes)
+
+
+def _number(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or (not t.is_complex() and t.dtype != torch.bool)
+
+
+# -- rules ------------------------------------------------------------------------------------
+
+
+def replicated(ranks: Sequence[Any]) -> Callable[[str, torch.Tensor], Any]:
+    """The rules of data parallelism: every parameter and buffer ``Replicated`` over ``ranks``.
+
+    >>> import torch, fshard
+    >>> params, buffers = fshard.shard_module(torch.nn.Linear(4, 2), fshard.replicated([0, 1]))
+    >>> params["weight"].layout.is_fully_replicated
+    True
+    """
+    spec = Replicated(list(ranks))
+    return lambda name, t: spec
+
+
+def fully_sharded(ranks: Sequence[Any], dim: int = 0) -> Callable[[str, torch.Tensor], Any]:
+    """The rules of a fully-sharded program: every tensor split ``Chunk(dim)`` over ``ranks``.
+
+    A 0-D tensor, or one whose ``dim`` is shorter than the number of ranks (some rank would
+    hold nothing: a LayerNorm's weight on more ranks than features, a counter), is
+    ``Replicated`` over ``ranks`` instead.
+
+    >>> import torch, fshard
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    >>> params, buffers = fshard.shard_module(model, fshard.fully_sharded([0, 1]))
+    >>> [tuple(s.data.shape) for s in params["0.weight"].addressable_shards]
+    [(3, 4), (3, 4)]
+    >>> buffers["1.num_batches_tracked"].layout.is_fully_replicated
+    True
+    """
+    split, whole = Chunk(dim, list(ranks)), Replicated(list(ranks))
+    n = len(split.placements)
+
+    def rule(name: str, t: torch.Tensor) -> Any:
+        return split if t.ndim and t.shape[dim] >= n else whole
+
+    return rule
+
+
+@collective("shard_module")
+def shard_module(
+    module: torch.nn.Module, rules: Rules, *, backend: Backend | None = None
+) -> tuple[dict[str, ShardedArray], dict[str, ShardedArray]]:
+    """A module's parameters and buffers as two dicts of arrays, each laid out by the first rule that names it.
+
+    ``rules`` is a mapping of ``fnmatch`` patterns (``"blocks.*.fc.weight"``, ``"*"``) to
+    specs, tried in order, or a function ``(name, tensor) -> spec | None`` (``None``: no
+    rule). Every parameter needs a rule; a buffer that none names is ``Replicated`` over the
+    parameters' placements. A parameter reached under several names (tied weights: a
+    language model's embedding and head) is one array, under its first name: ``apply_module``
+    uses it in every place, so its gradient is the sum of its uses. Parameter arrays
+    require grad where the module's parameters do; buffers never do.
+
+    Pure: the module is not changed and the arrays share no memory with it. Every rank
+    passes the full tensors and slices its own boxes: nothing is sent.
+
+    Args:
+        module: the ``torch.nn.Module`` to read.
+        rules: patterns to specs, or a function of name and tensor; ``fshard.replicated(ranks)``
+            and ``fshard.fully_sharded(ranks)`` give the common ones.
+        backend: for the arrays (default: torch_dist when initialised, else local).
+
+    Returns:
+        ``(params, buffers)``: dotted names (``named_parameters()`` order) to ``ShardedArray``.
+
+    Raises:
+        SpecError: a parameter that no rule names, a pattern that names nothing, or a spec
+            that does not fit its tensor; the message names the entry and the fix.
+
+    >>> import torch, fshard
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    >>> rules = {"0.weight": fshard.Chunk(0, [0, 1]), "*": fshard.Replicated([0, 1])}
+    >>> params, buffers = fshard.shard_module(model, rules)
+    >>> list(params), list(buffers)
+    (['0.weight', '0.bias', '1.weight', '1.bias'], ['1.running_mean', '1.running_var', '1.num_batches_tracked'])
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"shard_module() takes a torch.nn.Module, got {type(module).__name__}.")
+    rule_of = _rule_function(rules)
+    found = structure(module)
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    specs = {name: rule_of(name, tensors[name]) for name in (*found.params, *found.buffers)}
+    _check_unused(rules, (*found.params, *found.buffers, *(a for a, _ in found.ties)))
+    missing = [name for name in found.params if specs[name] is None]
+    if missing:
+        msg = (
+            f"shard_module() rules give no spec for parameter {missing[0]!r} ({len(missing)} without one: "
+            f"{missing[:5]}); add a rule that names it, or a catch-all '*' last."
+        )
+        raise SpecError(msg)
+    layouts = {name: _fit(name, spec, tensors[name]) for name, spec in specs.items() if spec is not None}
+    default = _default_buffer_spec(layouts, found)
+    params = {name: _param(tensors[name], layouts[name], backend) for name in found.params}
+    buffers = {n: _buffer(n, tensors[n], layouts, default, backend) for n in found.buffers}
+    return params, buffers
+
+
+def _rule_function(rules: Any) -> Callable[[str, torch.Tensor], Any]:
+    if isinstance(rules, Mapping):
+        table = list(cast("Mapping[Any, Any]", rules).items())
+        bad = next((k for k, _ in table if not isinstance(k, str)), None)
+        if bad is not None:
+            raise TypeError(f"shard_module() rules keys must be fnmatch patterns (str), got {bad!r}.")
+        return lambda name, t: next((spec for pattern, spec in table if fnmatch.fnmatchcase(name, pattern)), None)
+    if callable(rules):
+        return cast("Callable[[str, torch.Tensor], Any]", rules)
+    msg = (
+        "shard_module() rules must be a mapping of name patterns to specs or a function (name, tensor) -> spec, "
+        f"got {type(rules).__name__}."
+    )
+    raise TypeError(msg)
+
+
+def _check_unused(rules: Any, names: Sequence[str]) -> None:
+    if not isinstance(rules, Mapping):
+        return
+    for pattern in cast("Mapping[str, Any]", rules):
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            msg = (
+                f"shard_module() rule {pattern!r} names no parameter or buffer of the module (it has "
+                f"{list(names)[:6]}{'...' if len(names) > 6 else ''}); fix the pattern or remove the rule."
+            )
+            raise SpecError(msg)
+
+
+def _fit(name: str, spec: Any, t: torch.Tensor) -> Layout:
+    kind = "buffer" if not isinstance(t, torch.nn.Parameter) else "parameter"
+    try:
+        return as_layout(spec, tuple(t.shape))
+    except (ValueError, TypeError, IndexError) as exc:
+        msg = (
+            f"shard_module() rules give {kind} {name!r} (shape {tuple(t.shape)}, {t.dtype}) the spec {spec!r}, "
+            f"which does not fit it: {exc} Give it another spec with an earlier rule "
+            f"(e.g. {{{name!r}: fshard.Replicated(ranks), ...}}), or use fshard.fully_sharded(ranks), "
+            "which replicates tensors too small to split."
+        )
+        raise SpecError(msg) from exc
+
+
+def _default_buffer_spec(layouts: Mapping[str, Layout], found: Structure) -> Callable[[str, torch.Tensor], Layout]:
+    placements = list(dict.fromkeys(s.placement for n in found.params for s in layouts[n].shards))
+
+    def default(name: str, t: torch.Tensor) -> Layout:
+        if not placements:
+            msg = (
+                f"shard_module() rules give no spec for buffer {name!r} and the module has no parameters "
+                "to replicate it over: add a rule for it."
+            )
+            raise SpecError(msg)
+        return Replicated(placements).layout(tuple(t.shape))
+
+    return default
+
+
+def _param(p: torch.Tensor, layout: Layout, backend: Backend | None) -> ShardedArray:
+    out = shard(p.detach(), layout, backend=backend)
+    if p.requires_grad:
+        for t in out.addressable_data:
+            t.requires_grad_()
+    return out
+
+
+def _buffer(
+    name: str,
+    t: torch.Tensor,
+    layouts: Mapping[str, Layout],
+    default: Callable[[str, torch.Tensor], Layout],
+    backend: Backend | None,
+) -> ShardedArray:
+    layout = layouts.get(name)
+    return shard(t.detach(), default(name, t) if layout is None else layout, backend=backend)

@@ -1,0 +1,460 @@
+"""shard_module and apply_module against dense models (float64): tied weights, buffers, checkpointing, DP, FSDP.
+
+Each program trains with SGD through the module API and is compared with the same steps
+on the unsharded model, on the local backend (4 ranks in this process) and on 4 Gloo
+processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from test_examples import example
+
+import fshard
+
+RANKS = [0, 1, 2, 3]
+VOCAB, SEQ, D, BATCH = 16, 6, 8, 8
+ATOL = 1e-12
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.qkv, self.proj = torch.nn.LayerNorm(D), torch.nn.Linear(D, 3 * D), torch.nn.Linear(D, D)
+        self.fc, self.out = torch.nn.Linear(D, 2 * D), torch.nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln(x)).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(x)))
+
+
+class GPT(torch.nn.Module):
+    """4 blocks; the head tied to the token embedding when ``tie``; blocks checkpointed when ``reentrant`` is a bool."""
+
+    def __init__(self, tie: bool = True, reentrant: bool | None = None) -> None:
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(VOCAB, D), torch.nn.Embedding(SEQ, D)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+        self.ln, self.head = torch.nn.LayerNorm(D), torch.nn.Linear(D, VOCAB, bias=False)
+        if tie:
+            self.head.weight = self.wte.weight
+        self.reentrant = reentrant
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            if self.reentrant is None:
+                x = block(x)
+            else:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(self.ln(x))
+
+
+def gpt(**kwargs: bool | None) -> GPT:
+    torch.manual_seed(0)
+    return GPT(**kwargs).double()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_sum(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), reduction="sum")[None]
+
+
+def sgd(params: dict[str, fshard.ShardedArray], lr: float = 0.1) -> torch.optim.SGD:
+    return torch.optim.SGD([t for a in params.values() for t in a.addressable_data], lr=lr)
+
+
+def fshard_steps(model, params, buffers, steps, ranks, rows=None, first_step=0):
+    """``steps`` SGD steps through apply_module; the losses. ``rows(t)``: the per-rank batch array of ``t``."""
+    rows = rows or (lambda t: fshard.shard(t, fshard.Chunk(0, ranks)))
+    opt, losses = sgd(params), []
+    for step in range(first_step, first_step + steps):
+        tokens, targets = batch(step)
+        loss, buffers = fshard.apply_module(
+            model, params, buffers, rows(tokens), rows(targets),
+            method=loss_sum, out_specs=fshard.Partial(fshard.Replicated(ranks)),
+        )  # fmt: skip
+        loss = fshard.gather(loss)[0] / targets.numel()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, buffers
+
+
+def dense_steps(model, steps, first_step=0):
+    opt, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
+    for step in range(first_step, first_step + steps):
+        tokens, targets = batch(step)
+        loss = loss_sum(model, tokens, targets)[0] / targets.numel()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def assert_params_equal(params, model) -> None:
+    want = dict(model.named_parameters())
+    assert list(params) == list(want)  # named_parameters() lists a tied parameter once
+    for name, a in params.items():
+        torch.testing.assert_close(fshard.gather(a), want[name].detach(), rtol=0, atol=ATOL)
+
+
+# -- tied weights ---------------------------------------------------------------------------
+
+
+def test_a_tied_parameter_is_one_array_whose_gradient_is_the_sum_of_its_uses() -> None:
+    model = gpt()
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
+    assert "wte.weight" in params
+    assert "head.weight" not in params
+    assert buffers == {}
+    tokens, targets = batch(0)
+    rows = fshard.Chunk(0, RANKS)
+    loss, _ = fshard.apply_module(
+        model, params, buffers, fshard.shard(tokens, rows), fshard.shard(targets, rows),
+        method=loss_sum, out_specs=fshard.Partial(fshard.Replicated(RANKS)),
+    )  # fmt: skip
+    fshard.gather(loss).sum().backward()
+    loss_sum(model, tokens, targets).sum().backward()
+    for s in params["wte.weight"].addressable_shards:
+        box = tuple(slice(o, o + n) for o, n in zip(s.meta.offsets, s.meta.sizes))
+        torch.testing.assert_close(s.data.grad, model.wte.weight.grad[box], rtol=0, atol=ATOL)
+    assert model.wte.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("rules", ["replicated", "fully_sharded"])
+def test_a_tied_gpt_trains_like_the_dense_model(rules: str) -> None:
+    model, dense = gpt(), gpt()
+    params, buffers = fshard.shard_module(model, getattr(fshard, rules)(RANKS))
+    losses, _ = fshard_steps(model, params, buffers, 3, RANKS)
+    assert losses == pytest.approx(dense_steps(dense, 3), rel=0, abs=ATOL)
+    assert_params_equal(params, dense)
+    assert dense.head.weight is dense.wte.weight  # the dense model trained one tensor too
+
+
+def test_trained_tied_parameters_load_back_into_a_module() -> None:
+    model, dense = gpt(), gpt()
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
+    fshard_steps(model, params, buffers, 2, RANKS)
+    dense_steps(dense, 2)
+    fresh = gpt()
+    fshard.load_state_dict(fresh, {**params, **buffers})
+    assert fresh.head.weight is fresh.wte.weight
+    torch.testing.assert_close(fresh.wte.weight, dense.wte.weight, rtol=0, atol=ATOL)
+
+
+def test_the_module_is_not_changed() -> None:
+    model = gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
+    fshard_steps(model, params, buffers, 1, RANKS)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# -- activation checkpointing ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rules", ["replicated", "fully_sharded"])
+def test_a_checkpointed_gpt_trains_like_the_dense_model_for_5_steps(rules: str) -> None:
+    model, dense = gpt(reentrant=False), gpt(reentrant=False)
+    params, buffers = fshard.shard_module(model, getattr(fshard, rules)(RANKS))
+    losses, _ = fshard_steps(model, params, buffers, 5, RANKS)
+    assert losses == pytest.approx(dense_steps(dense, 5), rel=0, abs=ATOL)
+    assert_params_equal(params, dense)
+
+
+def test_reentrant_checkpointing_is_refused() -> None:
+    model = gpt(reentrant=True)
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    with pytest.raises(fshard.SpecError, match=re.escape("Pass use_reentrant=False to checkpoint()")):
+        fshard_steps(model, params, buffers, 1, RANKS)
+
+
+# -- buffers --------------------------------------------------------------------------------
+
+
+def bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(), torch.nn.Linear(6, 1)
+    ).double()
+
+
+def bn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64)
+
+
+def bn_dense_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, n: int
+) -> float:
+    """Data parallelism by hand: each of ``n`` row blocks normalised by its own statistics, running stats averaged."""
+    start, ends, loss = dict(model.named_buffers()), [], 0
+    for xb, yb in zip(x.chunk(n), y.chunk(n)):
+        mine = {k: b.clone() for k, b in start.items()}  # each block's forward updates its own copy
+        loss = loss + F.mse_loss(torch.func.functional_call(model, mine, (xb,)), yb, reduction="sum")
+        ends.append(mine)
+    with torch.no_grad():
+        for k, b in start.items():
+            b.copy_(sum(e[k] for e in ends) // n if not b.is_floating_point() else sum(e[k] for e in ends) / n)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def bn_fshard_step(model, params, buffers, opt, x, y, ranks):
+    rows = fshard.Chunk(0, ranks)
+
+    def loss(m, xb, yb):
+        return F.mse_loss(m(xb), yb, reduction="sum")[None]
+
+    out, buffers = fshard.apply_module(
+        model, params, buffers, fshard.shard(x, rows), fshard.shard(y, rows),
+        method=loss, out_specs=fshard.Partial(fshard.Replicated(ranks)),
+    )  # fmt: skip
+    total = fshard.gather(out)[0]
+    opt.zero_grad()
+    total.backward()
+    opt.step()
+    return float(total.detach()), buffers
+
+
+def test_batchnorm_trains_data_parallel_with_running_stats_averaged_over_the_ranks() -> None:
+    model, dense = bn_model(), bn_model()
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    assert sorted(buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    assert not any(t.requires_grad for a in buffers.values() for t in a.addressable_data)
+    opt, dense_opt = sgd(params), torch.optim.SGD(dense.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = bn_batch(step)
+        got, buffers = bn_fshard_step(model, params, buffers, opt, x, y, RANKS)
+        assert got == pytest.approx(bn_dense_step(dense, dense_opt, x, y, len(RANKS)), rel=0, abs=ATOL)
+    assert_params_equal(params, dense)
+    for name, b in dense.named_buffers():
+        shards = [s.data for s in buffers[name].addressable_shards]
+        assert len(shards) == len(RANKS)
+        assert all(torch.equal(s, shards[0]) for s in shards)  # every replica bit-identical
+        torch.testing.assert_close(shards[0], b, rtol=0, atol=ATOL)
+    assert int(fshard.gather(buffers["1.num_batches_tracked"])) == 3
+    assert int(model[1].num_batches_tracked) == 0  # the module's own buffers are untouched
+
+
+def test_buffers_of_a_module_in_eval_mode_come_back_unchanged() -> None:
+    model = bn_model().eval()
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    x, _ = bn_batch(0)
+    out, new = fshard.apply_module(model, params, buffers, fshard.shard(x, fshard.Chunk(0, RANKS)))
+    assert all(new[k] is buffers[k] for k in buffers)
+    torch.testing.assert_close(fshard.gather(out), model(x), rtol=0, atol=ATOL)
+
+
+def test_a_rule_that_chunks_num_batches_tracked_names_it() -> None:
+    with pytest.raises(fshard.SpecError, match=re.escape("buffer '1.num_batches_tracked' (shape (), torch.int64)")):
+        fshard.shard_module(bn_model(), {"*": fshard.Chunk(0, RANKS)})
+
+
+def test_buffers_that_no_rule_names_are_replicated_over_the_parameters_ranks() -> None:
+    _, buffers = fshard.shard_module(
+        bn_model(), {"*.weight": fshard.Chunk(0, [0, 1]), "*.bias": fshard.Replicated([0, 1])}
+    )
+    assert buffers["1.running_mean"].layout == fshard.Replicated([0, 1]).layout((6,))
+    assert buffers["1.num_batches_tracked"].dtype == torch.int64
+
+
+# -- rules ----------------------------------------------------------------------------------
+
+
+def test_the_first_matching_pattern_wins() -> None:
+    params, _ = fshard.shard_module(
+        gpt(), {"blocks.*.fc.weight": fshard.Chunk(0, RANKS), "*": fshard.Replicated(RANKS)}
+    )
+    assert params["blocks.2.fc.weight"].layout == fshard.Chunk(0, RANKS).layout((2 * D, D))
+    assert params["blocks.2.fc.bias"].layout.is_fully_replicated
+
+
+def test_fully_sharded_replicates_what_is_too_small_to_split() -> None:
+    params, _ = fshard.shard_module(torch.nn.Linear(8, 3), fshard.fully_sharded(RANKS))
+    assert params["weight"].layout.is_fully_replicated  # 3 rows on 4 ranks
+    params, _ = fshard.shard_module(torch.nn.Linear(3, 8), fshard.fully_sharded(RANKS))
+    assert [tuple(s.data.shape) for s in params["weight"].addressable_shards] == [(2, 3)] * 4
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        pytest.param(
+            {"wte.*": fshard.Replicated(RANKS)}, "rules give no spec for parameter 'wpe.weight'", id="uncovered"
+        ),
+        pytest.param(
+            {"blocks.9.*": fshard.Replicated(RANKS), "*": fshard.Replicated(RANKS)},
+            "rule 'blocks.9.*' names no parameter or buffer of the module",
+            id="names-nothing",
+        ),
+        pytest.param(
+            {"*": fshard.Chunk(2, RANKS)}, "parameter 'wte.weight' (shape (16, 8), torch.float64)", id="does-not-fit"
+        ),
+    ],
+)
+def test_bad_rules_name_the_entry(rules, message: str) -> None:
+    with pytest.raises(fshard.SpecError, match=re.escape(message)):
+        fshard.shard_module(gpt(), rules)
+
+
+def test_a_rule_may_name_a_tied_alias() -> None:
+    params, _ = fshard.shard_module(gpt(), {"head.weight": fshard.Replicated(RANKS), "*": fshard.Chunk(0, RANKS)})
+    assert params["wte.weight"].layout.shards[0].sizes == (4, D)  # the array is named and laid out by its first name
+
+
+def test_apply_module_refuses_parameters_of_another_module() -> None:
+    params, buffers = fshard.shard_module(gpt(tie=False), fshard.replicated(RANKS))
+    tokens, _ = batch(0)
+    with pytest.raises(fshard.SpecError, match=re.escape("unexpected ['head.weight']")):
+        fshard.apply_module(gpt(), params, buffers, fshard.shard(tokens, fshard.Chunk(0, RANKS)))
+
+
+def test_the_default_out_spec_follows_the_rows() -> None:
+    model = gpt()
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
+    tokens, _ = batch(0)
+    out, _ = fshard.apply_module(model, params, buffers, fshard.shard(tokens, fshard.Chunk(0, RANKS)))
+    assert out.layout == fshard.Chunk(0, RANKS).layout((BATCH, SEQ, VOCAB))
+    torch.testing.assert_close(fshard.gather(out), model(tokens), rtol=0, atol=ATOL)
+
+
+# -- resume, Gloo, the example --------------------------------------------------------------
+
+
+def test_resume_on_2_ranks_from_a_checkpoint_saved_on_4() -> None:
+    model, dense = gpt(reentrant=False), gpt(reentrant=False)
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
+    fshard_steps(model, params, buffers, 2, RANKS)
+    with tempfile.TemporaryDirectory() as path:
+        fshard.save(path, {"params": params, "buffers": buffers})
+        like = dict(zip(("params", "buffers"), fshard.shard_module(gpt(), fshard.fully_sharded([0, 1]))))
+        tree = fshard.load(path, like=like)
+    for t in (t for a in tree["params"].values() for t in a.addressable_data):
+        t.requires_grad_()
+    losses, _ = fshard_steps(model, tree["params"], tree["buffers"], 2, [0, 1], first_step=2)
+    want = dense_steps(dense, 4)[2:]
+    assert losses == pytest.approx(want, rel=0, abs=ATOL)
+    assert_params_equal(tree["params"], dense)
+
+
+def test_batchnorm_buffers_resume_on_2_ranks() -> None:
+    model = bn_model()
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    x, y = bn_batch(0)
+    _, buffers = bn_fshard_step(model, params, buffers, sgd(params), x, y, RANKS)
+    with tempfile.TemporaryDirectory() as path:
+        fshard.save(path, {"params": params, "buffers": buffers})
+        like = dict(zip(("params", "buffers"), fshard.shard_module(bn_model(), fshard.replicated([0, 1]))))
+        tree = fshard.load(path, like=like)
+    for name, b in buffers.items():
+        assert tree["buffers"][name].layout == fshard.Replicated([0, 1]).layout(b.shape)
+        assert torch.equal(fshard.gather(tree["buffers"][name]), fshard.gather(b))
+
+
+def _gloo_gpt(style: str) -> dict[str, object]:
+    """On each rank: DP or FSDP of the checkpointed, tied GPT with per-rank rows (from_local_tensor)."""
+    import torch.distributed as dist
+
+    ranks = list(range(dist.get_world_size()))
+    model = gpt(reentrant=False)
+    params, buffers = fshard.shard_module(model, (fshard.replicated if style == "dp" else fshard.fully_sharded)(ranks))
+
+    def rows(t: torch.Tensor) -> fshard.ShardedArray:
+        return fshard.from_local_tensor(t.chunk(len(ranks))[dist.get_rank()].contiguous(), dim=0)
+
+    losses, _ = fshard_steps(model, params, buffers, 3, ranks, rows=rows)
+    return {"losses": losses, "params": {k: fshard.gather(a).detach() for k, a in params.items()}}
+
+
+def _gloo_batchnorm() -> dict[str, object]:
+    import torch.distributed as dist
+
+    ranks = list(range(dist.get_world_size()))
+    model = bn_model()
+    params, buffers = fshard.shard_module(model, fshard.replicated(ranks))
+    opt = sgd(params)
+    for step in range(2):
+        x, y = bn_batch(step)
+        _, buffers = bn_fshard_step(model, params, buffers, opt, x, y, ranks)
+    return {k: b.local_tensor() for k, b in buffers.items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("style", ["dp", "fsdp"])
+def test_gpt_on_4_gloo_processes_trains_like_the_dense_model(dist_pool, style: str) -> None:
+    dense = gpt(reentrant=False)
+    want = dense_steps(dense, 3)
+    for got in dist_pool.run(_gloo_gpt, style, timeout=120):
+        assert got["losses"] == pytest.approx(want, rel=0, abs=ATOL)
+        for name, p in dense.named_parameters():
+            torch.testing.assert_close(got["params"][name], p.detach(), rtol=0, atol=ATOL)
+
+
+@pytest.mark.multiprocess
+def test_batchnorm_buffers_on_4_gloo_processes_are_identical_and_match_local(dist_pool) -> None:
+    model = bn_model()
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    opt = sgd(params)
+    for step in range(2):
+        x, y = bn_batch(step)
+        _, buffers = bn_fshard_step(model, params, buffers, opt, x, y, RANKS)
+    per_rank = dist_pool.run(_gloo_batchnorm, timeout=120)
+    for name, b in buffers.items():
+        assert all(torch.equal(r[name], per_rank[0][name]) for r in per_rank)
+        torch.testing.assert_close(per_rank[0][name], fshard.gather(b), rtol=0, atol=ATOL)
+
+
+def test_the_example_trains_dp_and_fsdp_like_the_dense_model() -> None:
+    gpt_modules = example("gpt_modules")
+    result = gpt_modules.check(range(4))
+    assert result["ok"], result
+    assert result["DP"] == pytest.approx(result["dense"], rel=0, abs=ATOL)
+
+
+def test_the_example_program_is_at_most_25_lines() -> None:
+    lines, _ = inspect.getsourcelines(example("gpt_modules").program)
+    assert len(lines) <= 25
+
+
+def _example_on_gloo() -> bool:
+    import torch.distributed as dist
+
+    return example("gpt_modules").check(range(dist.get_world_size()))["ok"]
+
+
+@pytest.mark.multiprocess
+def test_the_example_on_4_gloo_processes(dist_pool) -> None:
+    assert dist_pool.run(_example_on_gloo, timeout=120) == [True] * 4
+
+
+def test_the_structure_is_read_once_per_module_and_again_after_a_change() -> None:
+    """The structure is read once per module object: a second call reuses it, a replaced tensor is seen."""
+    from fshard._api.module_rules import structure
+
+    model = gpt()
+    first = structure(model)
+    assert structure(model) is first
+    model.head.weight = torch.nn.Parameter(copy.deepcopy(model.wte.weight.detach()))
+    assert "head.weight" in structure(model).params
