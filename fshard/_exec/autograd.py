@@ -35,6 +35,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
+from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
 from fshard._exec.replicas import check_global, checking
@@ -155,6 +156,7 @@ class _Move(torch.autograd.Function):
         ctx.like_shape = like.shape
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         return _move_back(ctx, grads, summing=False)
 
@@ -180,6 +182,7 @@ class _MoveSumming(_Move):
     """
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         return _move_back(ctx, grads, summing=True)
 
@@ -218,6 +221,7 @@ class _Scatter(torch.autograd.Function):
         ctx.args = (layout, backend, src, full.dtype, full.device)
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, src, dtype, device = ctx.args
         like = _carrier(grads, dtype, device)
@@ -255,6 +259,7 @@ class _Assemble(torch.autograd.Function):
         ctx.like_shape = like.shape
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, dst = ctx.args[:3]
         grad = grads[0]
@@ -353,6 +358,7 @@ class _Regroup(torch.autograd.Function):
         ctx.like_shape = like.shape
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, mode, dtype, device = ctx.args
         like = _carrier(grads, dtype, device)
@@ -432,6 +438,7 @@ class _SumUses(torch.autograd.Function):
         ctx.args = inputs[:2]
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend = ctx.args
         g = grads[0]
