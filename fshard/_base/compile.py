@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -35,6 +36,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # torch's frame-evaluation hook (TorchDynamo's entry), a C module without a public form.
 _frames: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)  # pyright: ignore[reportPrivateUsage]
+
+
+_NOT_A_LEAF = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
 
 
 class _Caller(threading.local):
@@ -95,7 +99,10 @@ def body(fn: F) -> F:
             return fn(*args, **kwargs)
         _frames.set_eval_frame(hook)
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                # TorchDynamo reads .grad of every tensor it guards on, and the blocks are not leaves.
+                warnings.filterwarnings("ignore", _NOT_A_LEAF, UserWarning)
+                return fn(*args, **kwargs)
         finally:
             _frames.set_eval_frame(None)
 
