@@ -29,6 +29,8 @@ from fshard._api.move import equal as equal
 from fshard._api.move import from_local_shards_and_layout as from_local_shards_and_layout
 from fshard._api.move import gather as gather
 from fshard._api.move import reshard as reshard
+from fshard._api.optim import load_optimizer_state as load_optimizer_state
+from fshard._api.optim import optimizer_state as optimizer_state
 from fshard._api.shard import shard as shard
 from fshard._api.tree import check_replicas as check_replicas
 from fshard._api.tree import clip_grad_norm as clip_grad_norm
@@ -119,10 +121,12 @@ __all__ = [
     "gather",
     "global_norm",
     "load",
+    "load_optimizer_state",
     "load_state_dict",
     "map_local",
     "ones",
     "ones_like",
+    "optimizer_state",
     "plan",
     "rand",
     "rand_like",

@@ -27,7 +27,7 @@ from fshard._api.move import check_plain, check_tensor, resolved
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
-from fshard._base.compile import opaque
+from fshard._base.compile import opaque, with_body
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec import fused as _fused
@@ -56,6 +56,7 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, Layout) or hasattr(x, "layout")
 
 
+@with_body  # fn is compiled where the caller is
 @collective("map_local")
 def map_local(
     fn: Callable[..., Any], *arrays: ShardedArray, out_spec: Any = None, linear: bool = False
@@ -113,6 +114,7 @@ def map_local(
     return _run(fn, arrays, (), out_spec, pending, one_block=False, what="map_local()")
 
 
+@with_body  # fn is compiled where the caller is
 def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vma: bool = True) -> Callable[..., Any]:
     """Turns a function of blocks into a function of sharded arrays.
 

@@ -19,6 +19,7 @@ import torch
 from fshard._api.map import map_local, regrouped
 from fshard._api.move import split_replicas
 from fshard._array.array import ShardedArray
+from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout, ShardMeta, with_partial
 
@@ -116,15 +117,15 @@ def _bool(self: ShardedArray) -> bool:
 
 
 def install() -> None:
-    """Adds the operators to ``ShardedArray``."""
+    """Adds the operators to ``ShardedArray``, each a graph break under ``torch.compile`` (``opaque``)."""
     for name in _BINARY:
-        setattr(ShardedArray, f"__{name}__", _binary(name))
+        setattr(ShardedArray, f"__{name}__", opaque(_binary(name)))
         if name in ("add", "sub", "mul", "truediv", "pow"):
-            setattr(ShardedArray, f"__r{name}__", _binary(name, reflected=True))
-    ShardedArray.__neg__ = _neg  # type: ignore[method-assign]
+            setattr(ShardedArray, f"__r{name}__", opaque(_binary(name, reflected=True)))
+    ShardedArray.__neg__ = opaque(_neg)  # type: ignore[method-assign]
     ShardedArray.__bool__ = _bool  # type: ignore[method-assign,assignment]
     ShardedArray.__hash__ = object.__hash__  # type: ignore[method-assign,assignment]  # identity, as torch.Tensor
-    ShardedArray.sum = array_sum  # type: ignore[attr-defined]
+    ShardedArray.sum = opaque(array_sum)  # type: ignore[attr-defined]
 
 
 # -- sum ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import optree.registry
 import torch
 import torch.utils._pytree as torch_pytree
 
+from fshard._base.compile import opaque
 from fshard._errors import LayoutError
 from fshard._layout.batch import batched_layout
 from fshard._layout.layout import Layout, ShardMeta
@@ -68,6 +69,7 @@ class ShardedArray:
     # tensor that stands for the array, and the constructor takes the movement's.
     _link: torch.Tensor | None
 
+    @opaque  # checks shards against the layout in numpy: run eagerly under torch.compile
     def __init__(
         self,
         layout: Layout,
@@ -142,6 +144,7 @@ class ShardedArray:
     def __reduce__(self) -> tuple[Any, ...]:
         return (ShardedArray, (self._layout, self._data, self._backend, self._dtype))
 
+    @opaque
     def __repr__(self) -> str:
         return array_repr(self)
 
@@ -230,6 +233,7 @@ class ShardedArray:
         return any(t.requires_grad for t in self._data)
 
     @property
+    @opaque  # builds ShardMetas from the layout's columns
     def addressable_shards(self) -> tuple[Shard, ...]:
         """The shards held by this process: all of them (local) or this rank's (torch_dist)."""
         idx = self._backend.addressable(self._layout)
@@ -241,6 +245,7 @@ class ShardedArray:
         """The tensors of ``addressable_shards``."""
         return self._data
 
+    @opaque
     def local_tensor(self) -> torch.Tensor:
         """The one addressable shard's tensor.
 
@@ -316,10 +321,13 @@ def _children(x: ShardedArray) -> tuple[torch.Tensor, ...]:
     return x._data if x._link is None else (x._link,)  # pyright: ignore[reportPrivateUsage]
 
 
+# The pytree hooks are opaque: optree and torch call them back from code that TorchDynamo traces or runs.
+@opaque
 def _flatten(x: ShardedArray) -> tuple[tuple[torch.Tensor, ...], tuple[Layout, Any, torch.dtype]]:
     return _children(x), (x._layout, x._backend, x._dtype)  # pyright: ignore[reportPrivateUsage]
 
 
+@opaque
 def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedArray:
     children = tuple(children)
     layout, backend, dtype = aux
@@ -341,8 +349,8 @@ _GLOBAL = getattr(optree.registry, "__GLOBAL_NAMESPACE", "fshard")
 optree.register_pytree_node(ShardedArray, _flatten, lambda aux, ch: _unflatten(aux, ch), namespace=_GLOBAL)  # type: ignore[arg-type]
 torch_pytree.register_pytree_node(
     ShardedArray,
-    lambda x: (list(_children(x)), (x._layout, x._backend, x._dtype)),
-    lambda children, aux: _unflatten(aux, children),  # torch passes (children, context)
+    opaque(lambda x: (list(_children(x)), (x._layout, x._backend, x._dtype))),
+    opaque(lambda children, aux: _unflatten(aux, children)),  # torch passes (children, context)
     serialized_type_name="fshard.ShardedArray",
 )
 

@@ -1,45 +1,136 @@
-"""The ``torch.compile`` boundary: code that TorchDynamo should run eagerly.
+"""The ``torch.compile`` boundary: fshard's own code runs eagerly, the functions it is handed compile.
 
-Data movement (``shard``, ``reshard``, ``gather``) resolves layouts and plans with
-cached numpy code that TorchDynamo should not trace: ``opaque`` runs such a
-function eagerly, so a compiled step graph-breaks around each movement while the
-compute between them (``map_local`` bodies) is compiled.
+Layouts, plans and collectives are cached numpy code and process-group calls, a few
+Python calls per step, that TorchDynamo cannot trace and need not. Every public
+function (``fshard._exec.collective.collective`` applies ``opaque``) and every
+``backward`` that autograd calls back into is ``opaque``:
+
+- while TorchDynamo traces a step, a call to it is a graph break (the
+  ``_torchdynamo_disable`` mark, read without running any code of ours);
+- while the compiled step runs, the call runs with TorchDynamo off, in its frame and
+  every frame below it, as under ``torch.compiler.disable``;
+- except the per-block functions it was handed (``map_local``'s and ``shard_map``'s
+  ``fn``, marked ``body``): TorchDynamo is on again while they run, with the hook of
+  the compiled caller (its backend, options and cache), so the computation on the
+  blocks is compiled where the step around it is.
+
+Nothing here imports TorchDynamo (about 75 MiB and a second): the frame-evaluation hook
+is read and set through torch's C module, as ``torch.compiler.disable`` does, and only
+once TorchDynamo is loaded (before that nothing can be compiling).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["opaque"]
+__all__ = ["body", "opaque", "with_body"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# torch's frame-evaluation hook (TorchDynamo's entry), a C module without a public form.
+_frames: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)  # pyright: ignore[reportPrivateUsage]
+
+
+_NOT_A_LEAF = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+
+
+class _Caller(threading.local):
+    """The hook that was on where the outermost opaque call of this thread began (``None``: not compiling)."""
+
+    hook: Any = None
+
+
+_caller = _Caller()
 
 
 def opaque(fn: F) -> F:
     """``fn`` run eagerly under ``torch.compile`` (a graph break), with its name and docstring.
 
     >>> import torch
-    >>> step = torch.compile(lambda t: opaque(torch.Tensor.tolist)(t * 2))
+    >>> tolist = opaque(torch.Tensor.tolist)
+    >>> step = torch.compile(lambda t: tolist(t * 2))
     >>> step(torch.ones(2))
     [2.0, 2.0]
     """
-    # torch.compiler.disable imports TorchDynamo (about 75 MiB and a second): do it on the first call
-    # that could be traced, i.e. once TorchDynamo has been imported by someone (torch.compile).
-    eager: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if not eager:
-            if "torch._dynamo" not in sys.modules:  # nothing can be compiling: no need to disable
-                return fn(*args, **kwargs)
-            # torch's stub leaves disable's arguments untyped.
-            eager.append(torch.compiler.disable(fn))  # pyright: ignore[reportUnknownMemberType]
-        return eager[0](*args, **kwargs)
+        if "torch._dynamo" not in sys.modules or _frames is None:  # nothing can be compiling
+            return fn(*args, **kwargs)
+        prior = _frames.set_eval_frame(None)
+        outer = _caller.hook
+        if prior is not None:
+            _caller.hook = prior
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _caller.hook = outer
+            _frames.set_eval_frame(prior)
 
     run._torchdynamo_disable = True  # type: ignore[attr-defined]  # TorchDynamo: do not inline, call it
     return run  # type: ignore[return-value]
+
+
+def body(fn: F) -> F:
+    """``fn``, a per-block function that an opaque call runs, compiled wherever that call's caller is.
+
+    Outside an opaque call of a compiled caller it is ``fn`` itself, run as it is.
+    Non-callables pass through unchanged (the caller refuses them).
+
+    >>> import torch
+    >>> twice = body(lambda t: t * 2)
+    >>> opaque(lambda t: twice(t) + 1)(torch.ones(2))
+    tensor([3., 3.])
+    """
+    if not callable(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def enter(*args: Any, **kwargs: Any) -> Any:
+        hook = _caller.hook
+        if hook is None:
+            return fn(*args, **kwargs)
+        _frames.set_eval_frame(hook)
+        try:
+            with warnings.catch_warnings():
+                # TorchDynamo reads .grad of every tensor it guards on, and the blocks are not leaves.
+                warnings.filterwarnings("ignore", _NOT_A_LEAF, UserWarning)
+                return fn(*args, **kwargs)
+        finally:
+            _frames.set_eval_frame(None)
+
+    return enter  # type: ignore[return-value]
+
+
+def with_body(fn: F) -> F:
+    """``opaque(fn)``, whose first argument (or ``fn=``) is a per-block function: passed on as ``body(it)``."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            return fn(body(args[0]), *args[1:], **kwargs)
+        if "fn" in kwargs:
+            kwargs["fn"] = body(kwargs["fn"])
+        return fn(*args, **kwargs)
+
+    return opaque(call)  # type: ignore[return-value]
+
+
+def _skip_own_frames() -> None:
+    """TorchDynamo never compiles the frames of the wrappers above (they switch it off and on themselves)."""
+    strategy = getattr(_frames, "_FrameExecStrategy", None)
+    if strategy is None:  # an older torch: TorchDynamo compiles these small frames, to a graph break
+        return
+    skip = strategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT)
+    for code in (opaque(len).__code__, body(len).__code__):
+        _frames.set_code_exec_strategy(code, skip)
+
+
+_skip_own_frames()

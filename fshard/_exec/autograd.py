@@ -35,6 +35,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
+from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
 from fshard._exec.replicas import check_global, checking
@@ -166,6 +167,7 @@ class _Move(torch.autograd.Function):
         ctx.like_shape = like.shape
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         return _move_back(ctx, grads, summing=False)
 
@@ -191,6 +193,7 @@ class _MoveSumming(_Move):
     """
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         return _move_back(ctx, grads, summing=True)
 
@@ -229,6 +232,7 @@ class _Scatter(torch.autograd.Function):
         ctx.args = (layout, backend, src, full.dtype, full.device)
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, src, dtype, device = ctx.args
         like = carrier(grads, dtype, device)
@@ -266,6 +270,7 @@ class _Assemble(torch.autograd.Function):
         ctx.like_shape = like.shape
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, dst = ctx.args[:3]
         grad = grads[0]
@@ -364,6 +369,7 @@ class _Regroup(torch.autograd.Function):
         ctx.like_shape = like.shape
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend, mode, dtype, device = ctx.args
         like = carrier(grads, dtype, device)
@@ -443,6 +449,7 @@ class _SumUses(torch.autograd.Function):
         ctx.args = inputs[:2]
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, backend = ctx.args
         g = grads[0]

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from fshard._base.cache import cached
+from fshard._base.compile import opaque
 from fshard._config import current
 from fshard._exec import autograd as _autograd
 from fshard._exec import gathered as _gathered
@@ -308,6 +309,7 @@ class _Tap(torch.autograd.Function):
         return t.view_as(t)
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         (g,) = grads
         if g is None or torch.is_grad_enabled() or not ctx.state.take(ctx.position, g):
@@ -330,6 +332,7 @@ class _SumBuckets(torch.autograd.Function):
         ctx.like_shape = like.shape
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         state: _State = ctx.state
         like = _autograd.carrier(grads, state.dtype, state.device)

@@ -31,6 +31,7 @@ import torch
 from fshard import _config
 from fshard._array.array import ShardedArray
 from fshard._base.calls import call_name, calling
+from fshard._base.compile import opaque
 from fshard._layout.layout import Layout
 from fshard._layout.show import describe_layout
 from fshard.backends import default_backend, for_group
@@ -41,7 +42,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
-    """Marks ``fn`` as the public function ``name`` whose calls the ranks agree on in check mode."""
+    """Marks ``fn`` as the public function ``name`` whose calls the ranks agree on in check mode.
+
+    The call is also ``opaque``: under ``torch.compile`` it is a graph break and runs eagerly
+    (``fshard._base.compile``), so every public function is a boundary of the compiled graph.
+    """
 
     def mark(fn: F) -> F:
         signature = inspect.signature(fn)
@@ -67,7 +72,7 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
             settle(f"{what} returned")
             return out
 
-        return call  # type: ignore[return-value]
+        return opaque(call)  # type: ignore[return-value]
 
     return mark
 

@@ -43,6 +43,8 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
+from fshard._base.compile import opaque
+
 __all__ = ["Parts", "Usage", "join", "mark", "mark_gathered", "per_shard", "register", "register_tap"]
 
 
@@ -154,6 +156,7 @@ class _SetAside(torch.autograd.Function):
         ctx.parts = inputs[0]
 
     @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         ctx.parts.add(grad_outputs[0])
         return None, None

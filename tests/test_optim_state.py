@@ -1,0 +1,206 @@
+"""Optimizer state as a tree of arrays (fshard.optimizer_state, fshard.load_optimizer_state).
+
+A run saves parameters and optimizer state on 4 ranks, resumes on 2 or 3 and trains on: its
+losses and parameters are those of the run that never stopped (float64). Also: SGD with
+momentum, parameter groups, an optimizer that has not stepped, and the refusals.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import fshard
+
+X = torch.randn(32, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+Y = torch.randn(32, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+
+
+def _params(ranks: list[int]) -> dict[str, fshard.ShardedArray]:
+    return fshard.shard_params(_model(), lambda name, t: fshard.Chunk(0, ranks))
+
+
+def _leaves(params: Any) -> list[torch.Tensor]:
+    return [t.requires_grad_() for t in optree.tree_leaves(params)]
+
+
+def _train(params: dict[str, fshard.ShardedArray], opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    model, losses = _model(), []
+    for _ in range(steps):
+        opt.zero_grad()
+        full = fshard.gather(params)
+        loss = torch.nn.functional.mse_loss(torch.func.functional_call(model, full, (X,)), Y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(_leaves(params), lr=1e-2, weight_decay=0.1)
+
+
+def _gathered(params: dict[str, fshard.ShardedArray]) -> dict[str, torch.Tensor]:
+    return {k: fshard.gather(v) for k, v in params.items()}
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-12)
+
+
+def _resume(path: str, ranks: list[int], make_opt: Any) -> tuple[dict[str, fshard.ShardedArray], torch.optim.Optimizer]:
+    """The user's resume: params from the checkpoint, a new optimizer over them, its state loaded."""
+    params = fshard.load(f"{path}/params", like=_params(ranks))
+    opt = make_opt(params)
+    fshard.load_optimizer_state(opt, params, fshard.load(f"{path}/optim", like=fshard.optimizer_state(opt, params)))
+    return params, opt
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_adamw_resumed_on_another_world_size_trains_as_the_run_that_never_stopped(tmp_path, world) -> None:
+    params = _params([0, 1, 2, 3])
+    opt = _adamw(params)
+    _train(params, opt, 3)
+    fshard.save(tmp_path / "params", params)
+    fshard.save(tmp_path / "optim", fshard.optimizer_state(opt, params))
+    params2, opt2 = _resume(str(tmp_path), list(range(world)), _adamw)
+    assert params2["0.weight"].layout == fshard.Chunk(0, list(range(world))).layout((16, 8))
+    assert opt2.state[params2["0.weight"].addressable_data[0]]["exp_avg"].shape == (16 // world + (16 % world > 0), 8)
+    resumed = _train(params2, opt2, 2)
+    assert resumed == pytest.approx(_train(params, opt, 2), abs=1e-12, rel=0)
+    _assert_same(_gathered(params2), _gathered(params))
+
+
+def test_the_state_tree_holds_arrays_in_the_parameters_layouts_scalars_and_hyperparameters() -> None:
+    params = _params([0, 1, 2, 3])
+    opt = _adamw(params)
+    _train(params, opt, 2)
+    state = fshard.optimizer_state(opt, params)
+    assert sorted(state["state"]) == ["exp_avg", "exp_avg_sq", "step"]
+    for name, a in params.items():
+        m = state["state"]["exp_avg"][name]
+        assert m.layout == a.layout
+        for s, t in zip(m.addressable_data, a.addressable_data):  # the optimizer's own tensors, not copies
+            assert s.data_ptr() == opt.state[t]["exp_avg"].data_ptr()
+        assert torch.equal(state["state"]["step"][name], torch.tensor(2.0))
+    (group,) = state["param_groups"]
+    assert (group["lr"], group["weight_decay"], group["betas"]) == (1e-2, 0.1, (0.9, 0.999))
+    assert group["arrays"] == ["['0.bias']", "['0.weight']", "['2.bias']", "['2.weight']"]  # optree's key order
+
+
+def test_sgd_with_momentum_resumes_on_three_ranks(tmp_path) -> None:
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(_leaves(params), lr=0.05, momentum=0.9, dampening=0.1)
+
+    params = _params([0, 1, 2, 3])
+    opt = sgd(params)
+    _train(params, opt, 2)
+    assert sorted(fshard.optimizer_state(opt, params)["state"]) == ["momentum_buffer"]
+    fshard.save(tmp_path / "params", params)
+    fshard.save(tmp_path / "optim", fshard.optimizer_state(opt, params))
+    params2, opt2 = _resume(str(tmp_path), [0, 1, 2], sgd)
+    assert _train(params2, opt2, 2) == pytest.approx(_train(params, opt, 2), abs=1e-12, rel=0)
+
+
+def test_parameter_groups_keep_their_hyperparameters(tmp_path) -> None:
+    def grouped(params: Any, lr: float = 1e-2) -> torch.optim.Optimizer:
+        weights = [t.requires_grad_() for k in ("0.weight", "2.weight") for t in optree.tree_leaves(params[k])]
+        biases = [t.requires_grad_() for k in ("0.bias", "2.bias") for t in optree.tree_leaves(params[k])]
+        return torch.optim.AdamW(
+            [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0, "lr": lr}]
+        )
+
+    params = _params([0, 1, 2, 3])
+    opt = grouped(params, lr=3e-2)
+    _train(params, opt, 2)
+    saved = fshard.optimizer_state(opt, params)
+    assert [g["arrays"] for g in saved["param_groups"]] == [
+        ["['0.weight']", "['2.weight']"],
+        ["['0.bias']", "['2.bias']"],
+    ]
+    fshard.save(tmp_path / "params", params)
+    fshard.save(tmp_path / "optim", saved)
+    params2, opt2 = _resume(str(tmp_path), [0, 1], grouped)  # built with the default lr: the saved one wins
+    assert [g["lr"] for g in opt2.param_groups] == [1e-3, 3e-2]  # AdamW's default, and the saved 3e-2
+    assert _train(params2, opt2, 2) == pytest.approx(_train(params, opt, 2), abs=1e-12, rel=0)
+
+
+def test_an_optimizer_that_has_not_stepped_gets_its_state_with_the_parameters_unchanged() -> None:
+    params = _params([0, 1, 2, 3])
+    before = _gathered(params)
+    opt = _adamw(params)
+    state = fshard.optimizer_state(opt, params)
+    _assert_same(_gathered(params), before)
+    assert all(t.grad is None for t in optree.tree_leaves(params))
+    assert torch.equal(fshard.gather(state["state"]["exp_avg_sq"]["2.weight"]), torch.zeros(4, 16, dtype=torch.float64))
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_a_leaf_the_optimizer_does_not_know_is_named() -> None:
+    params = _params([0, 1, 2, 3])
+    opt = _adamw({k: v for k, v in params.items() if k != "2.bias"})
+    msg = "params['2.bias'] has a shard tensor that the optimizer does not optimize"
+    with pytest.raises(fshard.SpecError, match=re.escape(msg)):
+        fshard.optimizer_state(opt, params)
+
+
+def test_optimizer_parameters_outside_the_tree_are_refused() -> None:
+    params = _params([0, 1, 2, 3])
+    opt = _adamw(params)
+    msg = "The optimizer has 16 parameters but params has 8 leaves"
+    with pytest.raises(fshard.SpecError, match=re.escape(msg)):
+        fshard.optimizer_state(opt, {k: params[k] for k in ("0.weight", "0.bias")})
+
+
+def test_state_in_other_layouts_or_groups_is_refused() -> None:
+    params = _params([0, 1, 2, 3])
+    opt = _adamw(params)
+    _train(params, opt, 1)
+    state = fshard.optimizer_state(opt, params)
+    params2 = _params([0, 1])
+    opt2 = _adamw(params2)
+    with pytest.raises(
+        fshard.SpecError, match=re.escape("load the state with like=fshard.optimizer_state(opt, params)")
+    ):
+        fshard.load_optimizer_state(opt2, params2, state)
+    two = torch.optim.AdamW([{"params": _leaves(params2)[:4]}, {"params": _leaves(params2)[4:]}])
+    with pytest.raises(fshard.SpecError, match=re.escape("state has 1 parameter groups, the optimizer 2")):
+        fshard.load_optimizer_state(two, params2, fshard.optimizer_state(_adamw(params2), params2))
+
+
+# -- 4 Gloo processes, resumed on 2 -------------------------------------------------------------
+
+
+def _save_on_four_resume_on_two(path: str) -> dict[str, Any]:
+    params = _params([0, 1, 2, 3])
+    opt = _adamw(params)
+    _train(params, opt, 3)
+    fshard.save(f"{path}/params", params)
+    fshard.save(f"{path}/optim", fshard.optimizer_state(opt, params))
+    params2, opt2 = _resume(path, [0, 1], _adamw)
+    resumed = _train(params2, opt2, 2)
+    return {
+        "resumed": resumed,
+        "uninterrupted": _train(params, opt, 2),
+        "held": len(params2["0.weight"].addressable_data),
+    }
+
+
+@pytest.mark.multiprocess
+def test_state_saved_on_four_gloo_processes_resumes_on_two(dist_pool, tmp_path) -> None:
+    results = dist_pool.run(_save_on_four_resume_on_two, str(tmp_path), timeout=120)
+    assert [r["held"] for r in results] == [1, 1, 0, 0]  # ranks 2 and 3 hold no shard now
+    for r in results:
+        assert r["resumed"] == pytest.approx(r["uninterrupted"], abs=1e-12, rel=0)
+    assert all(r["resumed"] == results[0]["resumed"] for r in results)
