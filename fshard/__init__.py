@@ -18,6 +18,8 @@ from fshard._api.dist import from_local_shards as from_local_shards
 from fshard._api.dist import from_local_tensor as from_local_tensor
 from fshard._api.map import map_local as map_local
 from fshard._api.map import shard_map as shard_map
+from fshard._api.psum import pmean as pmean
+from fshard._api.psum import psum as psum
 from fshard._api.modules import load_state_dict as load_state_dict
 from fshard._api.modules import shard_params as shard_params
 from fshard._api.move import allclose as allclose
@@ -118,6 +120,8 @@ __all__ = [
     "ones",
     "ones_like",
     "plan",
+    "pmean",
+    "psum",
     "rand",
     "rand_like",
     "randn",

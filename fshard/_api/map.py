@@ -23,6 +23,7 @@ import numpy as np
 import optree
 import torch
 
+from fshard._api import psum as _psum
 from fshard._api.move import check_plain, check_tensor, resolved
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
@@ -30,6 +31,7 @@ from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
+from fshard._exec import body as _body
 from fshard._exec import fused as _fused
 from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
@@ -160,9 +162,11 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
     if not isinstance(check_vma, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
         raise TypeError(f"shard_map() check_vma must be a bool, got {check_vma!r} ({type(check_vma).__name__}).")
 
+    specs = cast("Sequence[Any]", in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
+    reducing = Reducing(specs)
+
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:
-        specs = cast("Sequence[Any]", in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
         if len(specs) != len(args):
             msg = f"shard_map() got {len(args)} arguments but in_specs has {len(specs)} entries: give one per argument."
             raise SpecError(msg)
@@ -213,6 +217,7 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
             what="shard_map()",
             check=check_vma,
             grouped=True,
+            reducing=reducing,
         )
 
     return call
@@ -350,6 +355,7 @@ def _run(
     what: str,
     check: bool = True,
     grouped: bool = False,
+    reducing: Reducing | None = None,
 ) -> Any:
     names = list(names) or list(range(len(arrays)))
     _check_aligned(arrays, names, one_block, what)
@@ -366,12 +372,12 @@ def _run(
     own = [t for a in inputs for t in a.addressable_data]
 
     def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
-        results: list[tuple[Slot, Any]] = []
-        with _per_shard(backend, usage, first, own), untouched(own, what):
-            for i in held:
-                p, k = slot_of[i]
-                blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
-                results.append(((p, k), fn(*blocks)))
+        calls: list[tuple[Slot, list[torch.Tensor]]] = []
+        for i in held:
+            p, k = slot_of[i]
+            calls.append(((p, k), [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]))
+        with untouched(own, what):
+            results = _bodies(fn, calls, lambda: _per_shard(backend, usage, first, own), reducing, first, backend)
         return _flatten_results(results, what)
 
     # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where
@@ -409,6 +415,66 @@ def _run(
     if not check and checking():  # replicas that fn was trusted to make equal: compare their contents
         check_leaves([(f"result {n} of {what}", a) for n, a in enumerate(outs)], what)
     return optree.tree_unflatten(spec_tree, outs)
+
+
+class Reducing:
+    """What the bodies of one ``shard_map`` need to reduce inside (``psum``): its in_specs.
+
+    ``threaded`` is set once a body of it has reduced on the local backend, where its bodies
+    then run concurrently from the start.
+    """
+
+    __slots__ = ("specs", "threaded")
+
+    def __init__(self, specs: Sequence[Any]) -> None:
+        self.specs = tuple(specs)
+        self.threaded = False
+
+
+def _bodies(
+    fn: Callable[..., Any],
+    calls: Sequence[tuple[Slot, list[torch.Tensor]]],
+    context: Callable[[], Any],
+    reducing: Reducing | None,
+    layout: Layout,
+    backend: Any,
+) -> list[tuple[Slot, Any]]:
+    """``fn`` on each slot's blocks: one after another, or concurrently where a body reduces in one process."""
+    if reducing is None:
+        with context():
+            return [(slot, fn(*blocks)) for slot, blocks in calls]
+    placements = tuple(_slots(layout))
+    mesh = _psum.body_mesh(reducing.specs, placements)
+    position = _positions(layout)
+    if backend.spans_processes or not reducing.threaded:
+        try:
+            out: list[tuple[Slot, Any]] = []
+            with context():
+                for slot, blocks in calls:
+                    with _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
+                        out.append((slot, fn(*blocks)))
+        except _body.NeedsThreads:
+            reducing.threaded = True
+        else:
+            return out
+    if _body.in_transform():
+        msg = "psum() cannot run under a torch.func transform (grad, vmap, jvp); use loss.backward() instead."
+        raise SpecError(msg)
+    meeting = _body.Rendezvous(placements)
+
+    def run(slot: Slot, blocks: list[torch.Tensor]) -> Callable[[], tuple[Slot, Any]]:
+        def body() -> tuple[Slot, Any]:
+            with context(), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
+                return slot, fn(*blocks)
+
+        return body
+
+    return _body.run_threaded([run(slot, blocks) for slot, blocks in calls], meeting)
+
+
+@cached(256)
+def _positions(layout: Layout) -> dict[Placement, int]:
+    return {p: i for i, p in enumerate(_slots(layout))}
 
 
 def _per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence[torch.Tensor]) -> Any:
