@@ -18,8 +18,6 @@ from fshard._api.dist import from_local_shards as from_local_shards
 from fshard._api.dist import from_local_tensor as from_local_tensor
 from fshard._api.map import map_local as map_local
 from fshard._api.map import shard_map as shard_map
-from fshard._api.psum import pmean as pmean
-from fshard._api.psum import psum as psum
 from fshard._api.modules import load_state_dict as load_state_dict
 from fshard._api.modules import shard_params as shard_params
 from fshard._api.move import allclose as allclose
@@ -27,6 +25,8 @@ from fshard._api.move import equal as equal
 from fshard._api.move import from_local_shards_and_layout as from_local_shards_and_layout
 from fshard._api.move import gather as gather
 from fshard._api.move import reshard as reshard
+from fshard._api.psum import pmean as pmean
+from fshard._api.psum import psum as psum
 from fshard._api.shard import shard as shard
 from fshard._api.tree import check_replicas as check_replicas
 from fshard._api.tree import clip_grad_norm as clip_grad_norm

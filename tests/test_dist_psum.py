@@ -14,6 +14,7 @@ import fshard
 
 pytestmark = pytest.mark.multiprocess
 
+
 def _on_four(name: str) -> bool:
     return programs.CASES[name][0] in ((2, 2), (4,))
 

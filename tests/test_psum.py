@@ -133,9 +133,13 @@ def test_psum_outside_a_body_is_refused():
 )
 def test_an_axis_the_mesh_does_not_have_is_refused(axis, mesh_axes):
     f = fshard.shard_map(
-        lambda b: fshard.psum(b, axis), in_specs=fshard.Named(MESH, ("dp", "tp")), out_specs=fshard.Named(MESH, ("dp", "tp"))
+        lambda b: fshard.psum(b, axis),
+        in_specs=fshard.Named(MESH, ("dp", "tp")),
+        out_specs=fshard.Named(MESH, ("dp", "tp")),
     )
-    with pytest.raises(fshard.SpecError, match=re.escape(f"psum() axis {axis!r}: the body's mesh has axes {mesh_axes}")):
+    with pytest.raises(
+        fshard.SpecError, match=re.escape(f"psum() axis {axis!r}: the body's mesh has axes {mesh_axes}")
+    ):
         f(torch.ones(2, 2))
 
 

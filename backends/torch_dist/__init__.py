@@ -66,8 +66,8 @@ from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
 from ._guard import Guard, guard
-from ._subgroups import all_reduce_among
 from ._reduce_phase import as_bytes, collective_kind, reduce_schedule, run_collective, run_local, run_reduce
+from ._subgroups import all_reduce_among
 from ._transport import copy_local, empty
 
 __all__ = ["TorchDistBackend"]

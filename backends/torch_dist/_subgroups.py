@@ -28,7 +28,7 @@ def subgroup(ranks: tuple[int, ...]) -> Any:
         if dist.get_world_size() == len(ranks):
             found = dist.group.WORLD
         else:
-            found = dist.new_group(list(ranks), use_local_synchronization=True)
+            found = dist.new_group(list(ranks), use_local_synchronization=True)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         _GROUPS[key] = found
     return found
 

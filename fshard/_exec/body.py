@@ -82,11 +82,11 @@ def in_transform() -> bool:
     return _functorch.peek_interpreter_stack() is not None
 
 
-class NeedsThreads(BaseException):  # noqa: N818  # a signal, not an error: no user handler may swallow it
+class NeedsThreads(BaseException):  # a signal, not an error: no user handler may swallow it
     """A body reduced where the bodies of one process run one after another: run them concurrently."""
 
 
-class _Aborted(BaseException):  # noqa: N818
+class _Aborted(BaseException):
     """Another body failed: this one stops at its next rendezvous."""
 
 
@@ -213,7 +213,7 @@ def run_threaded(calls: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> 
             with _modes(grad, functions, dispatch):
                 results[i] = calls[i]()
             rendezvous.finish(i)
-        except BaseException as e:  # noqa: BLE001  # handed to the caller's thread
+        except BaseException as e:  # handed to the caller's thread
             errors[i] = e
             rendezvous.fail()
 
