@@ -59,7 +59,7 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     ...     check_vma=False,  # the result is equal along tp: psum made it so
     ... )
     >>> fshard.gather(f(torch.arange(8.0).reshape(2, 4))).tolist()
-    [[1.0, 1.0], [9.0, 9.0]]
+    [[2.0, 4.0], [10.0, 12.0]]
     """
     body, axes = _enter("psum", x, axis)
     groups, of = _groups(body.mesh, body.placements, axes)
