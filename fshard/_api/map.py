@@ -443,9 +443,9 @@ def _bodies(
     if reducing is None:
         with context():
             return [(slot, fn(*blocks)) for slot, blocks in calls]
-    placements = tuple(_slots(layout))
-    mesh = _psum.body_mesh(reducing.specs, placements)
     position = _positions(layout)
+    placements = tuple(position)
+    mesh = _psum.body_mesh(reducing.specs, placements)
     if backend.spans_processes or not reducing.threaded:
         try:
             out: list[tuple[Slot, Any]] = []

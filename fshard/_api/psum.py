@@ -114,7 +114,12 @@ def body_mesh(specs: Sequence[Any], placements: Sequence[Placement]) -> Mesh:
     if len(meshes) > 1:
         msg = f"shard_map() in_specs lie on different meshes ({meshes[0]!r} and {meshes[1]!r}): give them one mesh."
         raise SpecError(msg)
-    return meshes[0] if meshes else Mesh((len(placements),), ranks=list(placements))
+    return meshes[0] if meshes else _flat_mesh(tuple(placements))
+
+
+@cached(256)
+def _flat_mesh(placements: tuple[Placement, ...]) -> Mesh:
+    return Mesh((len(placements),), ranks=list(placements))
 
 
 def _enter(what: str, x: Any, axis: Any) -> tuple[_body.Body, tuple[str, ...]]:
