@@ -39,15 +39,34 @@ def _copies(mesh_shape, names, partition, axes) -> int:
     return math.prod(n for n, a in zip(mesh_shape, names) if a in axes and a not in partition)
 
 
-def inputs(dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(dtype=torch.float64, shape: tuple[int, ...] = SHAPE) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    return torch.randn(SHAPE, generator=g, dtype=dtype), torch.randn(SHAPE, generator=g, dtype=dtype)
+    return torch.randn(shape, generator=g, dtype=dtype), torch.randn(shape, generator=g, dtype=dtype)
 
 
-def dense(name: str) -> tuple[list, list]:
+def random_case(seed: int) -> tuple[tuple, tuple[int, ...]]:
+    """A random program: 1 to 3 mesh axes, 1 to 3 array dims split by some of them, psum over some axes."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(n: int) -> int:
+        return int(torch.randint(n, (), generator=g))
+
+    mesh_shape = tuple((1, 2, 2, 3)[pick(4)] for _ in range(1 + pick(3)))
+    names = tuple(f"a{i}" for i in range(len(mesh_shape)))
+    ndim = 1 + pick(3)
+    free = list(names)
+    partition = []
+    for _ in range(ndim):
+        partition.append(free.pop(pick(len(free))) if free and pick(2) else None)
+    axes = tuple(n for n in names if pick(2)) or (names[pick(len(names))],)
+    shape = tuple(1 + pick(6) for _ in range(ndim))
+    return (mesh_shape, names, tuple(partition), axes), shape
+
+
+def dense(name: str, case: tuple | None = None, shape: tuple[int, ...] = SHAPE) -> tuple[list, list]:
     """The reference: value and gradient of ``(y * r).sum()`` with respect to ``x``, unsharded."""
-    mesh_shape, names, partition, axes = CASES[name]
-    x, r = inputs()
+    mesh_shape, names, partition, axes = case or CASES[name]
+    x, r = inputs(shape=shape)
     x.requires_grad_()
     dims = _split_dims(partition, axes)
     s = (torch.sin(x) * x).sum(dims, keepdim=True) if dims else torch.sin(x) * x
@@ -56,9 +75,11 @@ def dense(name: str) -> tuple[list, list]:
     return y.detach().tolist(), x.grad.tolist()
 
 
-def sharded(name: str, dtype=torch.float64) -> tuple[list, list]:
+def sharded(
+    name: str, dtype=torch.float64, case: tuple | None = None, shape: tuple[int, ...] = SHAPE
+) -> tuple[list, list]:
     """The program with psum in its body, on the default backend."""
-    mesh_shape, names, partition, axes = CASES[name]
+    mesh_shape, names, partition, axes = case or CASES[name]
     mesh = fshard.Mesh(mesh_shape, axis_names=names)
     spec = fshard.Named(mesh, partition)
     dims = _split_dims(partition, axes)
@@ -68,7 +89,7 @@ def sharded(name: str, dtype=torch.float64) -> tuple[list, list]:
         s = (torch.sin(b) * b).sum(dims, keepdim=True) if dims else torch.sin(b) * b
         return b * torch.tanh(fshard.psum(s, psum_axes))
 
-    x, r = inputs(dtype)
+    x, r = inputs(dtype, shape)
     x.requires_grad_()
     y = fshard.shard_map(body, in_specs=spec, out_specs=spec)(x)
     full = fshard.gather(y)

@@ -6,6 +6,8 @@ the two agree within float64 rounding (1e-12), and both match the dense referenc
 
 from __future__ import annotations
 
+import math
+
 import psum_programs as programs
 import pytest
 import torch
@@ -31,6 +33,20 @@ def test_gloo_matches_local_and_dense(dist_pool, name):
         assert _max_error(value, local[0]) <= 1e-12, f"rank {rank}"
         assert _max_error(grad, local[1]) <= 1e-12, f"rank {rank}"
         assert _max_error(grad, dense[1]) <= 1e-12, f"rank {rank}"
+
+
+RANDOM_ON_FOUR = [s for s in range(64) if math.prod(programs.random_case(s)[0][0]) == 4][:4]
+
+
+@pytest.mark.parametrize("seed", RANDOM_ON_FOUR)
+def test_random_programs_on_gloo_match_local_and_dense(dist_pool, seed):
+    case, shape = programs.random_case(seed)
+    local = programs.sharded("random", case=case, shape=shape)
+    dense = programs.dense("random", case=case, shape=shape)
+    for rank, (value, grad) in enumerate(dist_pool.run(programs.sharded, "random", case=case, shape=shape, timeout=60)):
+        assert _max_error(value, local[0]) <= 1e-12, f"rank {rank}: {case}"
+        assert _max_error(grad, local[1]) <= 1e-12, f"rank {rank}: {case}"
+        assert _max_error(grad, dense[1]) <= 1e-12, f"rank {rank}: {case}"
 
 
 def _flat_psum_counts() -> tuple[list[float], int, int]:

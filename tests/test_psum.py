@@ -32,6 +32,15 @@ def test_values_and_gradients_match_the_dense_program(name):
     assert _max_error(grad, want_grad) <= 1e-12
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_random_programs_match_the_dense_program(seed):
+    case, shape = programs.random_case(seed)
+    value, grad = programs.sharded("random", case=case, shape=shape)
+    want_value, want_grad = programs.dense("random", case=case, shape=shape)
+    assert _max_error(value, want_value) <= 1e-12, case
+    assert _max_error(grad, want_grad) <= 1e-12, case
+
+
 def test_two_runs_are_bit_identical():
     first = programs.sharded("2d-over-both", dtype=torch.float32)
     second = programs.sharded("2d-over-both", dtype=torch.float32)
