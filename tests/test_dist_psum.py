@@ -65,3 +65,45 @@ def test_one_all_reduce_per_psum(dist_pool):
     for got, collectives, sent in dist_pool.run(_flat_psum_counts, timeout=60):
         assert got == [12.0, 16.0] * 4
         assert (collectives, sent) == (1, 3)  # one all-reduce of 2 elements: 2 * 3 * 2 // 4 sent per rank
+
+
+def _in_check_mode(fn):
+    old = fshard.config(check_collectives=True)
+    try:
+        return fn()
+    except fshard.CollectiveMismatchError as exc:
+        return str(exc)
+    finally:
+        fshard.config(check_collectives=old.check_collectives)
+
+
+def _checked_program():
+    return _in_check_mode(lambda: programs.sharded("2d-over-tp"))
+
+
+def test_check_mode_passes_a_program_that_reduces_alike(dist_pool):
+    local = programs.sharded("2d-over-tp")
+    for value, grad in dist_pool.run(_checked_program, timeout=60):
+        assert _max_error(value, local[0]) <= 1e-12
+        assert _max_error(grad, local[1]) <= 1e-12
+
+
+def _checked_dtype_mismatch():
+    import torch.distributed as dist
+
+    ranks = [0, 1, 2, 3]
+    wide = dist.get_rank() == 3
+
+    def body(b):
+        return fshard.psum(b.double() if wide else b, "x").float()
+
+    f = fshard.shard_map(body, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))
+    return _in_check_mode(lambda: f(torch.arange(4.0)))
+
+
+def test_check_mode_names_a_psum_whose_dtype_differs_on_one_rank(dist_pool):
+    for rank, msg in enumerate(dist_pool.run(_checked_dtype_mismatch, timeout=60)):
+        assert isinstance(msg, str), f"rank {rank} raised nothing"
+        assert "ranks [0, 1, 2] called shard_map[" in msg
+        assert "ranks [3] called shard_map[" in msg
+        assert "at psum #" in msg
