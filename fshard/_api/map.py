@@ -125,6 +125,8 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
     placement's blocks, and its results are wrapped as ``out_specs`` (a spec, a
     ``Layout`` or a pytree of them; ``Partial`` for results that are partial sums,
     such as a row-parallel matmul's). Differentiable, also under ``torch.func``.
+    ``fn`` may reduce over mesh axes inside with ``fshard.psum``/``fshard.pmean``; on
+    the local backend the bodies of a call that does run concurrently, a thread each.
 
     A result is known to be equal on two placements only where every argument gives them
     the same block (copies of one box): an ``out_specs`` that makes such a result's

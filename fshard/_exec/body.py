@@ -14,7 +14,8 @@ A body that raises, or returns while the others wait at a reduction, aborts the
 rendezvous: no thread waits for ever, and the call raises the first placement's error.
 The thread running a body gets the caller's grad mode and its torch-function and
 torch-dispatch modes (the read-only check of input blocks among them), since torch keeps
-those per thread.
+those per thread. ``torch.func`` transforms (also per thread) are not
+carried over: ``psum`` refuses to run under them.
 """
 
 from __future__ import annotations
