@@ -95,3 +95,20 @@ def sharded(
     full = fshard.gather(y)
     (full * r).sum().backward()
     return full.detach().tolist(), x.grad.tolist()
+
+
+def closed_over(sharded_run: bool = True) -> list[float]:
+    """The gradient of a weight the body closes over (not an argument), with a psum between its uses."""
+    w = torch.tensor([0.5, -1.5], dtype=torch.float64, requires_grad=True)
+    x, r = torch.arange(8.0, dtype=torch.float64).reshape(4, 2) / 3, torch.linspace(-1, 1, 8).reshape(4, 2).double()
+
+    def body(b: torch.Tensor) -> torch.Tensor:
+        return torch.sin(fshard.psum((b * w).sum(0), "x") * b * w)
+
+    if sharded_run:
+        spec = fshard.Named(fshard.Mesh((4,)), ("x", None))
+        y = fshard.gather(fshard.shard_map(body, in_specs=spec, out_specs=spec)(x))
+    else:
+        y = torch.sin((x * w).sum(0) * x * w)
+    (y * r).sum().backward()
+    return w.grad.tolist()

@@ -107,3 +107,9 @@ def test_check_mode_names_a_psum_whose_dtype_differs_on_one_rank(dist_pool):
         assert "ranks [0, 1, 2] called shard_map[" in msg
         assert "ranks [3] called shard_map[" in msg
         assert "at psum #" in msg
+
+
+def test_a_closed_over_weight_gets_the_sum_of_its_uses_on_gloo(dist_pool):
+    dense = programs.closed_over(sharded_run=False)
+    for rank, grad in enumerate(dist_pool.run(programs.closed_over, timeout=60)):
+        assert _max_error(grad, dense) <= 1e-12, f"rank {rank}"

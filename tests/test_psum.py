@@ -203,3 +203,7 @@ def test_psum_under_torch_func_is_refused():
     )  # fmt: skip
     with pytest.raises(fshard.SpecError, match=re.escape("cannot run under a torch.func transform")):
         torch.func.grad(lambda x: fshard.gather(f(x)).sum())(torch.ones(2))
+
+
+def test_a_closed_over_weight_gets_the_sum_of_its_uses():
+    assert _max_error(programs.closed_over(), programs.closed_over(sharded_run=False)) <= 1e-12
