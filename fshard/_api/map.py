@@ -16,7 +16,8 @@ gradient (each counts 1/copies), which together give the exact gradient by linea
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, cast
 
 import numpy as np
@@ -475,8 +476,9 @@ def _bodies(
 
 
 @cached(256)
-def _positions(layout: Layout) -> dict[Placement, int]:
-    return {p: i for i, p in enumerate(_slots(layout))}
+def _positions(layout: Layout) -> Mapping[Placement, int]:
+    """Each placement's position among the layout's placements (in order of first appearance), read-only."""
+    return MappingProxyType({p: i for i, p in enumerate(_slots(layout))})
 
 
 def _per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence[torch.Tensor]) -> Any:
