@@ -220,6 +220,222 @@ class TrainingCase:
         return rows
 
 
-def cases(settings: Settings) -> list[TrainingCase]:
-    """The training cases: d_model 128, and 512 unless ``--quick``."""
-    return [TrainingCase(128)] + ([] if settings.quick else [TrainingCase(512)])
+def cases(settings: Settings) -> list[TrainingCase | TPTrainingCase]:
+    """The training cases: d_model 128, and 512 unless ``--quick``; TP+DP where the world is even."""
+    sizes = [128] + ([] if settings.quick else [512])
+    tp = [TPTrainingCase(d) for d in sizes] if settings.world % 2 == 0 else []
+    return [*(TrainingCase(d) for d in sizes), *tp]
+
+
+# -- tensor and data parallelism -------------------------------------------------------------------
+#
+# The model of examples/gpt_tp.py (separate q, k, v Linears, so that a split by output feature
+# gives each tp rank whole heads; the views take the local head count with -1), trained on a
+# (dp, tp = 2) mesh: fshard's one shard_map per step with psum over tp after each row-parallel
+# Linear, against torch's parallelize_module (ColwiseParallel / RowwiseParallel) and DDP over dp.
+
+_COLUMN, _ROW = ("q", "k", "v", "fc"), ("proj", "out")
+
+
+class _TPBlock(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.q, self.k, self.v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.proj, self.fc, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (lin(h).view(b, t, -1, d // HEADS).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TPGPT(GPT):
+    """``GPT`` with separate ``q``, ``k``, ``v`` Linears in its blocks (whole heads per tp rank)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__(d)
+        self.blocks = torch.nn.ModuleList(_TPBlock(d) for _ in range(BLOCKS))
+
+
+def _tp_forward(p: dict[str, torch.Tensor], tokens: torch.Tensor, d: int) -> torch.Tensor:
+    """``TPGPT``'s forward as a function of its parameters, row-parallel outputs summed over ``tp``."""
+
+    def linear(name: str, x: torch.Tensor, reduce: bool = False) -> torch.Tensor:
+        y = F.linear(x, p[f"{name}.weight"])
+        return (fshard.psum(y, "tp") if reduce else y) + p[f"{name}.bias"]
+
+    def norm(name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], p[f"{name}.weight"], p[f"{name}.bias"])
+
+    b, t = tokens.shape
+    x = F.embedding(tokens, p["wte.weight"]) + p["wpe.weight"][:t]
+    for i in range(BLOCKS):
+        h = norm(f"blocks.{i}.ln1", x)
+        q, k, v = (linear(f"blocks.{i}.{n}", h).view(b, t, -1, d // HEADS).transpose(1, 2) for n in "qkv")
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + linear(f"blocks.{i}.proj", a, reduce=True)
+        x = x + linear(f"blocks.{i}.out", F.gelu(linear(f"blocks.{i}.fc", norm(f"blocks.{i}.ln2", x))), reduce=True)
+    return F.linear(norm("ln", x), p["head.weight"])
+
+
+def _tp_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ``BATCH`` sequences per dp rank, the same tensor on every rank."""
+    g = torch.Generator().manual_seed(1000 * step)
+    tokens = torch.randint(VOCAB, (BATCH * dp, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _tp_specs(mesh: fshard.Mesh) -> Any:
+    def spec(name: str, t: torch.Tensor) -> fshard.Named:
+        layer, kind = name.split(".")[-2:]
+        if layer in _COLUMN:
+            return fshard.Named(mesh, ("tp", None) if kind == "weight" else ("tp",))
+        if layer in _ROW and kind == "weight":
+            return fshard.Named(mesh, (None, "tp"))
+        return fshard.Named(mesh, (None,) * t.ndim)
+
+    return spec
+
+
+def _fshard_tp_program(d: int, dp: int) -> tuple[Any, Any]:
+    """The fshard TP+DP step (examples/gpt_tp.py's program) on a (dp, 2) mesh, and its backend."""
+    torch.manual_seed(0)
+    mesh = fshard.Mesh((dp, 2), axis_names=("dp", "tp"))
+    params = fshard.shard_params(TPGPT(d), _tp_specs(mesh))
+    names, spec = list(params), _tp_specs(mesh)
+    leaves = [t.requires_grad_() for a in params.values() for t in a.addressable_data]
+    opt = torch.optim.SGD(leaves, lr=1e-3)
+
+    def body(tokens: torch.Tensor, targets: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        logits = _tp_forward(dict(zip(names, ws)), tokens, d)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")[None]
+
+    rows = fshard.Named(mesh, ("dp", None))
+    loss_of = fshard.shard_map(
+        body, in_specs=(rows, rows, *[spec(n, a) for n, a in params.items()]),
+        out_specs=fshard.Partial(fshard.Named(mesh, (None,)), over=("dp",)), check_vma=False,
+    )  # fmt: skip
+    state = {"step": 0}
+
+    def step() -> float:
+        tokens, targets = _tp_batch(state["step"], dp)
+        state["step"] += 1
+        opt.zero_grad()
+        loss = fshard.gather(loss_of(tokens, targets, *params.values())) / targets.numel()
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return step, next(iter(params.values())).backend
+
+
+def _torch_tp_program(d: int, dp: int) -> Any:
+    """The torch TP+DP step: ``parallelize_module`` over tp on a (dp, 2) device mesh, DDP over dp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform  # pyright: ignore[reportPrivateUsage]
+
+    torch.manual_seed(0)
+    model = TPGPT(d)
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    plan: dict[str, Any] = {}
+    for i in range(BLOCKS):
+        plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in _COLUMN})
+        plan.update({f"blocks.{i}.{n}": RowwiseParallel() for n in _ROW})
+    parallelize_module(model, mesh["tp"], plan)
+    _pre_dp_module_transform(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    state = {"step": 0}
+    rows = slice(mesh["dp"].get_local_rank() * BATCH, (mesh["dp"].get_local_rank() + 1) * BATCH)
+
+    def step() -> float:
+        tokens, targets = _tp_batch(state["step"], dp)
+        state["step"] += 1
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(tokens[rows]).flatten(0, 1), targets[rows].flatten())
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return step
+
+
+def _tp_rank_job(d: int, reps: int, peers: bool) -> dict[str, Any]:
+    """On every rank: each TP+DP program once untimed, then ``reps`` interleaved rounds of one step each."""
+    torch.set_num_threads(1)
+    dp = dist.get_world_size() // 2
+    ours, backend = _fshard_tp_program(d, dp)
+    programs: dict[str, Any] = {"fshard TP+DP": ours}
+    if peers:
+        programs["TP+DDP"] = _torch_tp_program(d, dp)
+    counters = backend.counters
+    before = (counters.collectives, counters.elements_sent)
+    losses = {name: step() for name, step in programs.items()}
+    moved = (counters.collectives - before[0], counters.elements_sent - before[1])
+    samples: dict[str, list[float]] = {name: [] for name in programs}
+    for _ in range(reps):
+        for name, step in programs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - start)
+    params = sum(p.numel() for p in TPGPT(d).parameters())
+    return {"samples": samples, "moved": moved, "params": params, "losses": losses}
+
+
+def _tp_bound(d: int, world: int, params: int) -> float:
+    """Elements each rank sends per TP+DP step at the collectives' bounds.
+
+    Four all-reduces over tp=2 per block (two psums forward, their transposes backward) of one
+    rank's activations, ``BATCH * SEQ * d`` each (an all-reduce over 2 ranks sends half, twice);
+    and the all-reduce over dp of a rank's gradients, 2(dp-1)/dp of them. A tp rank holds the
+    replicated parameters and half of the split ones.
+    """
+    dp = world // 2
+    split = BLOCKS * (4 * d * d + 4 * d + 8 * d * d + 4 * d)  # q, k, v, proj, fc, out weights and split biases
+    per_rank = params - split // 2
+    return 4 * BLOCKS * BATCH * SEQ * d + 2 * (dp - 1) * per_rank / dp
+
+
+@dataclasses.dataclass(frozen=True)
+class TPTrainingCase:
+    """fshard's TP+DP step against torch's ``parallelize_module`` + DDP: time, collectives, elements."""
+
+    d: int
+    group: str = "training"
+
+    @property
+    def name(self) -> str:
+        """The case's name in the tables."""
+        return f"GPT d_model {self.d}, TP+DP (tp=2)"
+
+    def run(self, settings: Settings) -> list[Row]:
+        """Launches ``settings.world`` Gloo processes (a (world/2, 2) mesh) and times both programs' steps."""
+        world = settings.world
+        reps = max(3, settings.reps // 3) if settings.quick else settings.reps
+        per_rank = launch(_tp_rank_job, world, self.d, reps, settings.peers, timeout=TIMEOUT_S)
+        names = list(per_rank[0]["samples"])
+        rounds = {n: [max(r["samples"][n][k] for r in per_rank) for k in range(reps)] for n in names}
+        median = {n: statistics.median(v) for n, v in rounds.items()}
+        bound = _tp_bound(self.d, world, per_rank[0]["params"])
+        runs = max(r["moved"][0] for r in per_rank)
+        elements = max(r["moved"][1] for r in per_rank)
+        note = (
+            f"{runs} collectives per step; {elements:,} elements sent by the busiest rank, bound "
+            f"{math.ceil(bound):,} (Megatron's: activations over tp, gradients over dp) + the loss's; "
+            "the replicated parameters' gradients are also summed over their tp copies, each a part"
+        )
+        peer = "TP+DDP" if "TP+DDP" in median else ""
+        rows = [
+            Row(self.group, self.name, "fshard TP+DP", median["fshard TP+DP"], reps=reps,
+                ratio=median["fshard TP+DP"] / median[peer] if peer else None, ratio_to=peer, note=note,
+                samples=tuple(rounds["fshard TP+DP"]), sent_bytes=elements * 4, min_bytes=int(bound) * 4)
+        ]  # fmt: skip
+        if peer:
+            rows.append(Row(self.group, self.name, peer, median[peer], reps=reps, samples=tuple(rounds[peer])))
+        return rows

@@ -31,6 +31,8 @@ from fshard._api.move import gather as gather
 from fshard._api.move import reshard as reshard
 from fshard._api.optim import load_optimizer_state as load_optimizer_state
 from fshard._api.optim import optimizer_state as optimizer_state
+from fshard._api.psum import pmean as pmean
+from fshard._api.psum import psum as psum
 from fshard._api.shard import shard as shard
 from fshard._api.tree import check_replicas as check_replicas
 from fshard._api.tree import clip_grad_norm as clip_grad_norm
@@ -128,6 +130,8 @@ __all__ = [
     "ones_like",
     "optimizer_state",
     "plan",
+    "pmean",
+    "psum",
     "rand",
     "rand_like",
     "randn",

@@ -420,6 +420,23 @@ def test_the_training_case_times_every_program_and_counts_fshards_movements() ->
     assert fsdp.sent_bytes == 4 * (params + 1)
 
 
+def test_the_tp_training_case_times_both_programs_and_counts_fshards_movements() -> None:
+    from fshard.benchmarks import training
+
+    rows = training.TPTrainingCase(16).run(Settings(reps=1, world=2, quick=True))
+    assert [r.impl for r in rows] == ["fshard TP+DP", "TP+DDP"]
+    assert all(r.seconds is not None and r.seconds > 0 for r in rows)
+    assert rows[0].ratio_to == "TP+DDP"
+    # dp=1, tp=2: four all-reduces over tp per block of 8 x 32 x 16 activations (each rank sends
+    # half of each, twice), the gradients of the 9,120 replicated parameters summed over their two
+    # copies, and the loss's element.
+    activations = 4 * training.BLOCKS * training.BATCH * training.SEQ * 16
+    replicated = 4096 + 512 + training.BLOCKS * (4 * 16 + 2 * 16) + 2 * 16 + 4096
+    assert rows[0].sent_bytes == 4 * (activations + replicated + 1)
+    assert rows[0].min_bytes == 4 * activations
+    assert "21 collectives per step" in rows[0].note
+
+
 # -- Hugging Face checkpoints ------------------------------------------------------------------
 
 

@@ -3,16 +3,16 @@
 A data-parallel step: every parameter ``Replicated`` on the 4 ranks, each rank on its own
 rows, the loss a ``Partial`` sum. Each rank's gradient must be the sum of every rank's
 uses, as on the local backend (float64, to 1e-12), however the gradients reach the
-arguments: through the function's own uses (the buckets leave during the backward), through an
-activation checkpoint's recomputation, through a custom autograd function whose inputs no
-torch-function mode sees (after their buckets left: summed once more, on every rank), as gradients of gradients, or from ranks that use different parameters.
+arguments: through the function's own uses (the buckets leave during the backward);
+through an activation checkpoint's recomputation; through a custom autograd function,
+whose inputs no torch-function mode sees (they arrive after their buckets left: every rank
+sums them once more); as gradients of gradients; or from ranks that use different parameters.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fshard
@@ -124,8 +124,10 @@ def test_a_bucket_plan_is_one_range_per_bucket_where_every_rank_holds_every_leaf
     assert [len(b.positions) for b in plan] == [2, 2, 1]  # the last leaves first; two per bucket
     assert [b.positions for b in plan] == [(4, 3), (2, 1), (0,)]
     for b in plan:
-        assert len(b.runs.indices_on(1)) == 1 and len(b.parts) == 1  # one range: one all_reduce
-    assert plan[-1].flag == 1 and plan[-1].runs.shape == (D * D + 1,)  # the count rides on the last
+        assert len(b.runs.indices_on(1)) == 1
+        assert len(b.parts) == 1
+    assert plan[-1].flag == 1
+    assert plan[-1].runs.shape == (D * D + 1,)
 
 
 def test_the_bucket_size_is_a_checked_setting():

@@ -75,6 +75,7 @@ from ._reduce_phase import (
     run_reduce,
     start_all_reduce,
 )
+from ._subgroups import all_reduce_among
 from ._transport import copy_local, empty
 
 __all__ = ["TorchDistBackend"]
@@ -353,6 +354,20 @@ class TorchDistBackend:
     def _out_device(self, layout: Layout, like: torch.Tensor) -> torch.device:
         mine = self.addressable(layout)
         return shard_device(layout, mine[0]) if mine else (like.device if like.device == self._wire else self._wire)
+
+    def all_reduce_among(self, t: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+        """The sum of ``t`` over the processes of global ``ranks`` (``psum`` in a ``shard_map`` body).
+
+        Every rank of the group calls it alike, each with the ranks it sums with (this rank
+        among them); one ``all_reduce`` on the process group of those ranks.
+        """
+        self._require_member("psum")
+        self._check("psum", (), t.dtype)
+        with in_flight():
+            out = all_reduce_among(t, ranks, self._wire)
+        n = len(ranks)
+        self._count(2 * (n - 1) * t.numel() // n)  # a ring all-reduce's elements from each rank
+        return out
 
     def check_rank(self, rank: Any, what: str) -> int:
         """``rank`` as an int; raises ``SpecError`` unless it is a global rank of the group."""

@@ -16,13 +16,15 @@ gradient (each counts 1/copies), which together give the exact gradient by linea
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, cast
 
 import numpy as np
 import optree
 import torch
 
+from fshard._api import psum as _psum
 from fshard._api.move import check_plain, check_tensor, resolved
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
@@ -30,6 +32,7 @@ from fshard._base.cache import cached
 from fshard._base.compile import opaque, with_body
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
+from fshard._exec import body as _body
 from fshard._exec import fused as _fused
 from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
@@ -125,6 +128,8 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
     placement's blocks, and its results are wrapped as ``out_specs`` (a spec, a
     ``Layout`` or a pytree of them; ``Partial`` for results that are partial sums,
     such as a row-parallel matmul's). Differentiable, also under ``torch.func``.
+    ``fn`` may reduce over mesh axes inside with ``fshard.psum``/``fshard.pmean``; on
+    the local backend the bodies of a call that does run concurrently, a thread each.
 
     A result is known to be equal on two placements only where every argument gives them
     the same block (copies of one box): an ``out_specs`` that makes such a result's
@@ -162,9 +167,11 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
     if not isinstance(check_vma, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
         raise TypeError(f"shard_map() check_vma must be a bool, got {check_vma!r} ({type(check_vma).__name__}).")
 
+    specs = cast("Sequence[Any]", in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
+    reducing = Reducing(specs)
+
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:
-        specs = cast("Sequence[Any]", in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
         if len(specs) != len(args):
             msg = f"shard_map() got {len(args)} arguments but in_specs has {len(specs)} entries: give one per argument."
             raise SpecError(msg)
@@ -215,6 +222,7 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
             what="shard_map()",
             check=check_vma,
             grouped=True,
+            reducing=reducing,
         )
 
     return call
@@ -352,6 +360,7 @@ def _run(
     what: str,
     check: bool = True,
     grouped: bool = False,
+    reducing: Reducing | None = None,
 ) -> Any:
     names = list(names) or list(range(len(arrays)))
     _check_aligned(arrays, names, one_block, what)
@@ -368,12 +377,12 @@ def _run(
     own = [t for a in inputs for t in a.addressable_data]
 
     def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
-        results: list[tuple[Slot, Any]] = []
-        with _per_shard(backend, usage, first, own), untouched(own, what):
-            for i in held:
-                p, k = slot_of[i]
-                blocks = [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]
-                results.append(((p, k), fn(*blocks)))
+        calls: list[tuple[Slot, list[torch.Tensor]]] = []
+        for i in held:
+            p, k = slot_of[i]
+            calls.append(((p, k), [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]))
+        with untouched(own, what):
+            results = _bodies(fn, calls, lambda: _per_shard(backend, usage, first, own), reducing, first, backend)
         return _flatten_results(results, what)
 
     # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where
@@ -411,6 +420,67 @@ def _run(
     if not check and checking():  # replicas that fn was trusted to make equal: compare their contents
         check_leaves([(f"result {n} of {what}", a) for n, a in enumerate(outs)], what)
     return optree.tree_unflatten(spec_tree, outs)
+
+
+class Reducing:
+    """What the bodies of one ``shard_map`` need to reduce inside (``psum``): its in_specs.
+
+    ``threaded`` is set once a body of it has reduced on the local backend, where its bodies
+    then run concurrently from the start.
+    """
+
+    __slots__ = ("specs", "threaded")
+
+    def __init__(self, specs: Sequence[Any]) -> None:
+        self.specs = tuple(specs)
+        self.threaded = False
+
+
+def _bodies(
+    fn: Callable[..., Any],
+    calls: Sequence[tuple[Slot, list[torch.Tensor]]],
+    context: Callable[[], Any],
+    reducing: Reducing | None,
+    layout: Layout,
+    backend: Any,
+) -> list[tuple[Slot, Any]]:
+    """``fn`` on each slot's blocks: one after another, or concurrently where a body reduces in one process."""
+    if reducing is None:
+        with context():
+            return [(slot, fn(*blocks)) for slot, blocks in calls]
+    position = _positions(layout)
+    placements = tuple(position)
+    mesh = _psum.body_mesh(reducing.specs, placements)
+    if backend.spans_processes or not reducing.threaded:
+        try:
+            out: list[tuple[Slot, Any]] = []
+            with context():
+                for slot, blocks in calls:
+                    with _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
+                        out.append((slot, fn(*blocks)))
+        except _body.NeedsThreads:
+            reducing.threaded = True
+        else:
+            return out
+    if _body.in_transform():
+        msg = "psum() cannot run under a torch.func transform (grad, vmap, jvp); use loss.backward() instead."
+        raise SpecError(msg)
+    meeting = _body.Rendezvous(placements)
+
+    def run(slot: Slot, blocks: list[torch.Tensor]) -> Callable[[], tuple[Slot, Any]]:
+        def body() -> tuple[Slot, Any]:
+            with context(), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
+                return slot, fn(*blocks)
+
+        return body
+
+    return _body.run_threaded([run(slot, blocks) for slot, blocks in calls], meeting)
+
+
+@cached(256)
+def _positions(layout: Layout) -> Mapping[Placement, int]:
+    """Each placement's position among the layout's placements (in order of first appearance), read-only."""
+    return MappingProxyType({p: i for i, p in enumerate(_slots(layout))})
 
 
 def _per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence[torch.Tensor]) -> Any:

@@ -45,7 +45,17 @@ from torch.overrides import TorchFunctionMode
 
 from fshard._base.compile import opaque
 
-__all__ = ["Parts", "Usage", "join", "mark", "mark_gathered", "per_shard", "register", "register_tap"]
+__all__ = [
+    "Parts",
+    "Usage",
+    "is_per_shard_mode",
+    "join",
+    "mark",
+    "mark_gathered",
+    "per_shard",
+    "register",
+    "register_tap",
+]
 
 
 class Parts:
@@ -219,6 +229,11 @@ class _PerShard(TorchFunctionMode):
             return x
         self.views[key] = view
         return view
+
+
+def is_per_shard_mode(mode: Any) -> bool:
+    """Whether ``mode`` is the mode of ``per_shard`` (a thread that runs a body enters its own)."""
+    return isinstance(mode, _PerShard)
 
 
 def _older(t: torch.Tensor, since: int) -> bool:

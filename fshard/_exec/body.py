@@ -1,0 +1,290 @@
+"""The body of a ``shard_map`` while it runs, and the rendezvous of its reductions (``psum``).
+
+``shard_map`` runs its function once per placement. A reduction inside it (``psum``) needs
+every placement's value before any placement goes on:
+
+- across processes each process runs its own placement's body, and the reduction is one
+  all-reduce on the process group of the placements it sums over;
+- in one process the bodies of a call that reduces run concurrently, a thread per
+  placement; each reduction is a rendezvous at which the last thread to arrive sums
+  every group in placement order (so values are the same run to run) as one autograd
+  node over all placements' tensors, and the others wait for it.
+
+A body that raises, or returns while the others wait at a reduction, aborts the
+rendezvous: no thread waits for ever, and the call raises the first placement's error.
+The thread running a body gets the caller's grad mode and its torch-function and
+torch-dispatch modes (the read-only check of input blocks among them), since torch keeps
+those per thread. ``torch.func`` transforms (also per thread) are not
+carried over: ``psum`` refuses to run under them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, cast
+
+import torch
+from torch.overrides import _get_current_function_mode_stack  # pyright: ignore[reportPrivateUsage]
+from torch.utils._python_dispatch import (  # pyright: ignore[reportPrivateUsage]
+    _get_current_dispatch_mode_stack,  # pyright: ignore[reportPrivateUsage]
+    _pop_mode,  # pyright: ignore[reportPrivateUsage]
+    _push_mode,  # pyright: ignore[reportPrivateUsage]
+)
+
+from fshard._errors import CollectiveMismatchError
+from fshard._exec import gathered as _gathered
+from fshard._layout.placement import Placement
+
+__all__ = ["Body", "NeedsThreads", "Rendezvous", "current", "entered", "in_transform", "run_threaded"]
+
+_functorch: Any = getattr(torch._C, "_functorch")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """One placement's body of a ``shard_map`` call.
+
+    ``placements`` are the call's placements in order, ``index`` this body's among them,
+    ``mesh`` the mesh that names the axes a reduction sums over, ``rendezvous`` where the
+    bodies of one process meet (``None`` where they run one after another).
+    """
+
+    placements: tuple[Placement, ...]
+    index: int
+    mesh: Any
+    backend: Any
+    rendezvous: Rendezvous | None = None
+
+
+_STATE = threading.local()
+
+
+def current() -> Body | None:
+    """The body running on this thread, or ``None`` outside every ``shard_map`` body."""
+    return getattr(_STATE, "body", None)
+
+
+@contextlib.contextmanager
+def entered(body: Body) -> Generator[None, None, None]:
+    """The context of ``body``'s function on this thread."""
+    outer = current()
+    _STATE.body = body
+    try:
+        yield
+    finally:
+        _STATE.body = outer
+
+
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, jvp) is active on this thread."""
+    return _functorch.peek_interpreter_stack() is not None
+
+
+class NeedsThreads(BaseException):  # a signal, not an error: no user handler may swallow it
+    """A body reduced where the bodies of one process run one after another: run them concurrently."""
+
+
+class _Aborted(BaseException):
+    """Another body failed: this one stops at its next rendezvous."""
+
+
+class Rendezvous:
+    """Where the ``n`` bodies of one process meet at each reduction, in the order they reduce."""
+
+    def __init__(self, placements: Sequence[Placement]) -> None:
+        self.placements = tuple(placements)
+        self._cond = threading.Condition()
+        self._pending: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._done: set[int] = set()
+        self._round = 0
+        self._last: Sequence[torch.Tensor] = ()
+        self._failed = False
+
+    def reduce(
+        self,
+        index: int,
+        axes: tuple[str, ...],
+        t: torch.Tensor,
+        groups: tuple[tuple[int, ...], ...],
+        combine: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
+    ) -> torch.Tensor:
+        """Body ``index``'s share of the reduction over ``axes`` that every body calls now.
+
+        The last body to arrive runs ``combine`` on every body's tensor, in placement order.
+
+        Raises:
+            CollectiveMismatchError: the bodies reduce over different axes, the members of a
+                group give different shapes or dtypes, or a body returned without reducing.
+        """
+        with self._cond:
+            if self._failed:
+                raise _Aborted
+            if self._done:
+                self._mismatch(self._unfinished_message(min(self._done), index))
+            self._pending[index] = (axes, t)
+            mine = self._round
+            if len(self._pending) == len(self.placements):
+                self._complete(groups, combine)
+            while self._round == mine and not self._failed:
+                self._cond.wait()
+            if self._round == mine:
+                raise _Aborted
+            return self._last[index]
+
+    def _complete(
+        self, groups: tuple[tuple[int, ...], ...], combine: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]
+    ) -> None:
+        got = [self._pending[i] for i in range(len(self.placements))]
+        odd = next((i for i, (axes, _) in enumerate(got) if axes != got[0][0]), None)
+        if odd is not None:
+            self._mismatch(self._differ(0, odd, f"over axes {got[0][0]}", f"over axes {got[odd][0]}"))
+        for members in groups:
+            lead = got[members[0]][1]
+            odd = next((j for j in members if (got[j][1].shape, got[j][1].dtype) != (lead.shape, lead.dtype)), None)
+            if odd is not None:
+                t = got[odd][1]
+                self._mismatch(
+                    self._differ(members[0], odd, f"{tuple(lead.shape)} {lead.dtype}", f"{tuple(t.shape)} {t.dtype}")
+                )
+        try:
+            self._last = combine([t for _, t in got])
+        except BaseException:
+            self._failed = True
+            self._cond.notify_all()
+            raise
+        self._pending = {}
+        self._round += 1
+        self._cond.notify_all()
+
+    def _differ(self, i: int, j: int, a: str, b: str) -> str:
+        return (
+            f"psum() call {self._round + 1} of a shard_map body differs between placements "
+            f"{self.placements[i]} ({a}) and {self.placements[j]} ({b}): every placement's body must reduce over "
+            "the same axes, in the same order, and the placements summed together must give tensors of one shape "
+            "and dtype."
+        )
+
+    def finish(self, index: int) -> None:
+        """Body ``index`` returned: a reduction that waits for it now never completes."""
+        with self._cond:
+            self._done.add(index)
+            if self._pending and not self._failed:
+                waiting = min(self._pending)
+                self._failed = True
+                self._cond.notify_all()
+                raise CollectiveMismatchError(self._unfinished_message(index, waiting))
+
+    def fail(self) -> None:
+        """Aborts every reduction, now and later (a body raised)."""
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
+    def _mismatch(self, msg: str) -> None:
+        self._failed = True
+        self._cond.notify_all()
+        raise CollectiveMismatchError(msg)
+
+    def _unfinished_message(self, done: int, waiting: int) -> str:
+        return (
+            f"shard_map body on placement {self.placements[done]} returned after {self._round} psum() call(s), "
+            f"while the body on placement {self.placements[waiting]} called psum() once more: every placement's "
+            "body must call psum() the same number of times (in SPMD code, a reduction is not skipped on some "
+            "placements)."
+        )
+
+
+def run_threaded(calls: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Any]:
+    """Runs ``calls`` concurrently, each in its own thread under this thread's modes; their results in order.
+
+    Raises:
+        BaseException: the first call's error, in call order (the others are aborted).
+    """
+    grad = torch.is_grad_enabled()
+    functions = [m for m in _get_current_function_mode_stack() if not _gathered.is_per_shard_mode(m)]
+    dispatch = _get_current_dispatch_mode_stack()
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            with _modes(grad, functions, dispatch):
+                results[i] = calls[i]()
+            rendezvous.finish(i)
+        except BaseException as e:  # handed to the caller's thread
+            errors[i] = e
+            rendezvous.fail()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"fshard-body-{i}", daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None and not isinstance(e, _Aborted)), None)
+    if first is not None:
+        raise first
+    return results
+
+
+@contextlib.contextmanager
+def _modes(grad: bool, functions: Sequence[Any], dispatch: Sequence[Any]) -> Generator[None, None, None]:
+    """The caller's grad mode and torch-function / torch-dispatch modes, on this thread."""
+    for m in functions:
+        torch._C._push_on_torch_function_stack(m)  # pyright: ignore[reportPrivateUsage]
+    for m in dispatch:
+        _push_mode(m)
+    try:
+        with torch.set_grad_enabled(grad):
+            yield
+    finally:
+        for _ in dispatch:
+            _pop_mode()
+        for _ in functions:
+            torch._C._pop_torch_function_stack()  # pyright: ignore[reportPrivateUsage]
+
+
+class GroupSum(torch.autograd.Function):
+    """``out[i]`` = the sum of ``tensors[j]`` over ``j`` in ``i``'s group, in group order; its own transpose."""
+
+    @staticmethod
+    def forward(groups: tuple[tuple[int, ...], ...], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return group_sums(groups, tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.groups = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return (None, *GroupSum.apply(ctx.groups, *grads))  # pyright: ignore[reportUnknownMemberType]
+
+
+def group_sums(groups: tuple[tuple[int, ...], ...], tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Per tensor, the sum over its group (``groups``: the members of each group, in order), on its device."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for members in groups:
+        total = tensors[members[0]]
+        for j in members[1:]:
+            total = total + tensors[j].to(total.device)
+        for j in members:
+            out[j] = total.to(tensors[j].device, copy=True)
+    return tuple(cast("list[torch.Tensor]", out))
+
+
+class AllReduce(torch.autograd.Function):
+    """The sum over the processes of ``ranks`` (``backend.all_reduce_among``); its own transpose."""
+
+    @staticmethod
+    def forward(backend: Any, ranks: tuple[int, ...], t: torch.Tensor) -> torch.Tensor:
+        return backend.all_reduce_among(t, ranks)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.backend, ctx.ranks = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return None, None, AllReduce.apply(ctx.backend, ctx.ranks, grads[0])  # pyright: ignore[reportUnknownMemberType]

@@ -1,0 +1,115 @@
+"""psum inside shard_map bodies on 4 Gloo processes: the local backend's values and gradients.
+
+Each program of tests/psum_programs.py runs once here (local backend) and once on the pool;
+the two agree within float64 rounding (1e-12), and both match the dense reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import psum_programs as programs
+import pytest
+import torch
+
+import fshard
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _on_four(name: str) -> bool:
+    return programs.CASES[name][0] in ((2, 2), (4,))
+
+
+def _max_error(a: list, b: list) -> float:
+    return float((torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)).abs().max())
+
+
+@pytest.mark.parametrize("name", sorted(n for n in programs.CASES if _on_four(n)))
+def test_gloo_matches_local_and_dense(dist_pool, name):
+    local = programs.sharded(name)
+    dense = programs.dense(name)
+    for rank, (value, grad) in enumerate(dist_pool.run(programs.sharded, name, timeout=60)):
+        assert _max_error(value, local[0]) <= 1e-12, f"rank {rank}"
+        assert _max_error(grad, local[1]) <= 1e-12, f"rank {rank}"
+        assert _max_error(grad, dense[1]) <= 1e-12, f"rank {rank}"
+
+
+RANDOM_ON_FOUR = [s for s in range(64) if math.prod(programs.random_case(s)[0][0]) == 4][:4]
+
+
+@pytest.mark.parametrize("seed", RANDOM_ON_FOUR)
+def test_random_programs_on_gloo_match_local_and_dense(dist_pool, seed):
+    case, shape = programs.random_case(seed)
+    local = programs.sharded("random", case=case, shape=shape)
+    dense = programs.dense("random", case=case, shape=shape)
+    for rank, (value, grad) in enumerate(dist_pool.run(programs.sharded, "random", case=case, shape=shape, timeout=60)):
+        assert _max_error(value, local[0]) <= 1e-12, f"rank {rank}: {case}"
+        assert _max_error(grad, local[1]) <= 1e-12, f"rank {rank}: {case}"
+        assert _max_error(grad, dense[1]) <= 1e-12, f"rank {rank}: {case}"
+
+
+def _flat_psum_counts() -> tuple[list[float], int, int]:
+    ranks = [0, 1, 2, 3]
+    out = fshard.Chunk(0, ranks).layout((8,))  # a Layout: no exchange of the blocks' shapes
+    f = fshard.shard_map(lambda b: fshard.psum(b, "x"), in_specs=fshard.Chunk(0, ranks), out_specs=out)
+    x = fshard.shard(torch.arange(8.0), fshard.Chunk(0, ranks))
+    counters = x.backend.counters
+    before = (counters.collectives, counters.elements_sent)
+    y = f(x)
+    moved = (counters.collectives - before[0], counters.elements_sent - before[1])
+    return fshard.gather(y).tolist(), *moved
+
+
+def test_one_all_reduce_per_psum(dist_pool):
+    for got, collectives, sent in dist_pool.run(_flat_psum_counts, timeout=60):
+        assert got == [12.0, 16.0] * 4
+        assert (collectives, sent) == (1, 3)  # one all-reduce of 2 elements: 2 * 3 * 2 // 4 sent per rank
+
+
+def _in_check_mode(fn):
+    old = fshard.config(check_collectives=True)
+    try:
+        return fn()
+    except fshard.CollectiveMismatchError as exc:
+        return str(exc)
+    finally:
+        fshard.config(check_collectives=old.check_collectives)
+
+
+def _checked_program():
+    return _in_check_mode(lambda: programs.sharded("2d-over-tp"))
+
+
+def test_check_mode_passes_a_program_that_reduces_alike(dist_pool):
+    local = programs.sharded("2d-over-tp")
+    for value, grad in dist_pool.run(_checked_program, timeout=60):
+        assert _max_error(value, local[0]) <= 1e-12
+        assert _max_error(grad, local[1]) <= 1e-12
+
+
+def _checked_dtype_mismatch():
+    import torch.distributed as dist
+
+    ranks = [0, 1, 2, 3]
+    wide = dist.get_rank() == 3
+
+    def body(b):
+        return fshard.psum(b.double() if wide else b, "x").float()
+
+    f = fshard.shard_map(body, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))
+    return _in_check_mode(lambda: f(torch.arange(4.0)))
+
+
+def test_check_mode_names_a_psum_whose_dtype_differs_on_one_rank(dist_pool):
+    for rank, msg in enumerate(dist_pool.run(_checked_dtype_mismatch, timeout=60)):
+        assert isinstance(msg, str), f"rank {rank} raised nothing"
+        assert "ranks [0, 1, 2] called shard_map[" in msg
+        assert "ranks [3] called shard_map[" in msg
+        assert "at psum #" in msg
+
+
+def test_a_closed_over_weight_gets_the_sum_of_its_uses_on_gloo(dist_pool):
+    dense = programs.closed_over(sharded_run=False)
+    for rank, grad in enumerate(dist_pool.run(programs.closed_over, timeout=60)):
+        assert _max_error(grad, dense) <= 1e-12, f"rank {rank}"

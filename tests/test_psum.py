@@ -1,0 +1,209 @@
+"""psum and pmean inside shard_map bodies on the local backend.
+
+Values and gradients against dense float64 references (tests/psum_programs.py), on 1-D
+and (dp, tp) meshes with uneven blocks, over each axis and both; determinism; the
+errors (outside a body, an unknown axis, a body that raises, bodies that reduce
+differently); the caller's modes in the threads that run the bodies.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import psum_programs as programs
+import pytest
+import torch
+
+import fshard
+
+MESH = fshard.Mesh((2, 2), axis_names=("dp", "tp"))
+
+
+def _max_error(a: list, b: list) -> float:
+    return float((torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)).abs().max())
+
+
+@pytest.mark.parametrize("name", sorted(programs.CASES))
+def test_values_and_gradients_match_the_dense_program(name):
+    value, grad = programs.sharded(name)
+    want_value, want_grad = programs.dense(name)
+    assert _max_error(value, want_value) <= 1e-12
+    assert _max_error(grad, want_grad) <= 1e-12
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_programs_match_the_dense_program(seed):
+    case, shape = programs.random_case(seed)
+    value, grad = programs.sharded("random", case=case, shape=shape)
+    want_value, want_grad = programs.dense("random", case=case, shape=shape)
+    assert _max_error(value, want_value) <= 1e-12, case
+    assert _max_error(grad, want_grad) <= 1e-12, case
+
+
+def test_two_runs_are_bit_identical():
+    first = programs.sharded("2d-over-both", dtype=torch.float32)
+    second = programs.sharded("2d-over-both", dtype=torch.float32)
+    assert first == second
+
+
+def test_sums_run_in_placement_order():
+    # float32 sums of 1, 1e8, -1e8 in placement order (1 + 1e8 rounds to 1e8): 0, not 1.
+    ranks = [0, 1, 2]
+    f = fshard.shard_map(
+        lambda b: fshard.psum(b, "x"), in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks)
+    )
+    got = fshard.gather(f(torch.tensor([1.0, 1e8, -1e8])))
+    assert got.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_psum_over_tp_gives_the_blocks_sum_on_each_placement():
+    f = fshard.shard_map(
+        lambda b: fshard.psum(b, "tp"),
+        in_specs=fshard.Named(MESH, ("dp", "tp")),
+        out_specs=fshard.Named(MESH, ("dp", None)),
+        check_vma=False,
+    )
+    assert fshard.gather(f(torch.arange(8.0).reshape(2, 4))).tolist() == [[2.0, 4.0], [10.0, 12.0]]
+
+
+def test_pmean_divides_by_the_group_size():
+    f = fshard.shard_map(
+        lambda b: fshard.pmean(b, ("dp", "tp")),
+        in_specs=fshard.Named(MESH, ("dp", "tp")),
+        out_specs=fshard.Named(MESH, ("dp", "tp")),
+    )
+    assert fshard.gather(f(torch.arange(4.0).reshape(2, 2))).tolist() == [[1.5, 1.5], [1.5, 1.5]]
+
+
+def test_a_result_claimed_replicated_after_psum_needs_check_vma_false():
+    f = fshard.shard_map(
+        lambda b: fshard.psum(b, "tp"),
+        in_specs=fshard.Named(MESH, ("dp", "tp")),
+        out_specs=fshard.Named(MESH, ("dp", None)),
+    )
+    with pytest.raises(fshard.SpecError, match="replicas along mesh axis 'tp'"):
+        f(torch.arange(8.0).reshape(2, 4))
+
+
+def test_bodies_that_do_not_reduce_run_on_the_calling_thread():
+    seen = []
+
+    def body(b):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return b + 1
+
+    ranks = [0, 1, 2]
+    fshard.shard_map(body, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))(torch.zeros(3))
+    assert seen == [True, True, True]
+
+
+def test_bodies_that_reduce_run_under_the_callers_grad_mode():
+    seen = []
+
+    def body(b):
+        seen.append(torch.is_grad_enabled())
+        return fshard.psum(b, "x")
+
+    ranks = [0, 1]
+    f = fshard.shard_map(body, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))
+    x = torch.ones(2, requires_grad=True)
+    with torch.no_grad():
+        y = f(x)
+        f(x)  # the second call starts threads at once
+    assert not y.requires_grad
+    assert seen == [False] * len(seen)
+    assert len(seen) == 5  # a first sequential try, then two placements twice
+
+
+def test_in_place_writes_into_input_blocks_are_refused_in_the_threads():
+    def body(b):
+        s = fshard.psum(b.sum(), "x")
+        b.mul_(s)
+        return b
+
+    ranks = [0, 1]
+    f = fshard.shard_map(body, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))
+    x = torch.ones(4)
+    with pytest.raises(fshard.SpecError, match=re.escape("fn called aten::mul_.Tensor")):
+        f(x)
+    assert x.tolist() == [1.0] * 4
+
+
+def test_psum_outside_a_body_is_refused():
+    with pytest.raises(fshard.SpecError, match=re.escape("psum() was called outside a shard_map body")):
+        fshard.psum(torch.ones(2), "x")
+
+
+@pytest.mark.parametrize(
+    ("axis", "mesh_axes"),
+    [("y", "('dp', 'tp')"), (("tp", "tp"), "('dp', 'tp')"), ((), "('dp', 'tp')")],
+    ids=["unknown", "repeated", "empty"],
+)
+def test_an_axis_the_mesh_does_not_have_is_refused(axis, mesh_axes):
+    f = fshard.shard_map(
+        lambda b: fshard.psum(b, axis),
+        in_specs=fshard.Named(MESH, ("dp", "tp")),
+        out_specs=fshard.Named(MESH, ("dp", "tp")),
+    )
+    with pytest.raises(
+        fshard.SpecError, match=re.escape(f"psum() axis {axis!r}: the body's mesh has axes {mesh_axes}")
+    ):
+        f(torch.ones(2, 2))
+
+
+def test_a_body_without_named_specs_has_the_one_axis_x():
+    ranks = [0, 1]
+    f = fshard.shard_map(
+        lambda b: fshard.psum(b, "tp"), in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks)
+    )
+    with pytest.raises(fshard.SpecError, match="a body without Named in_specs has the one axis 'x'"):
+        f(torch.ones(2))
+
+
+def test_an_error_in_one_body_surfaces_and_stops_the_others():
+    def body(b):
+        s = fshard.psum(b, "x")
+        if b.item() == 2.0:
+            raise ValueError("bad block on placement 2")
+        return fshard.psum(s, "x")
+
+    ranks = [0, 1, 2, 3]
+    f = fshard.shard_map(body, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))
+    with pytest.raises(ValueError, match="bad block on placement 2"):
+        f(torch.arange(4.0))
+    assert not [t for t in threading.enumerate() if t.name.startswith("fshard-body-")]  # every body's thread ended
+
+
+def test_bodies_that_reduce_a_different_number_of_times_are_refused():
+    def body(b):
+        s = fshard.psum(b, "x")
+        return fshard.psum(s, "x") if b.item() == 0.0 else s
+
+    ranks = [0, 1]
+    f = fshard.shard_map(body, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))
+    with pytest.raises(fshard.CollectiveMismatchError, match="returned after 1 psum"):
+        f(torch.arange(2.0))
+
+
+def test_placements_summed_together_with_different_shapes_are_refused():
+    ranks = [0, 1]
+    f = fshard.shard_map(
+        lambda b: fshard.psum(b, "x"), in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks)
+    )
+    with pytest.raises(fshard.CollectiveMismatchError, match=re.escape("rank:0/cpu ((2,) torch.float32)")):
+        f(torch.arange(3.0))
+
+
+def test_psum_under_torch_func_is_refused():
+    ranks = [0, 1]
+    f = fshard.shard_map(
+        lambda b: fshard.psum(b, "x").sum()[None], in_specs=fshard.Chunk(0, ranks),
+        out_specs=fshard.Partial(fshard.Replicated(ranks)),
+    )  # fmt: skip
+    with pytest.raises(fshard.SpecError, match=re.escape("cannot run under a torch.func transform")):
+        torch.func.grad(lambda x: fshard.gather(f(x)).sum())(torch.ones(2))
+
+
+def test_a_closed_over_weight_gets_the_sum_of_its_uses():
+    assert _max_error(programs.closed_over(), programs.closed_over(sharded_run=False)) <= 1e-12
