@@ -53,6 +53,7 @@ from fshard._errors import FShardError as FShardError
 from fshard._errors import LayoutError as LayoutError
 from fshard._errors import ReplicaMismatchError as ReplicaMismatchError
 from fshard._errors import SpecError as SpecError
+from fshard._exec.accumulate import no_sync as no_sync
 from fshard._interop.torch_objects import from_dtensor as from_dtensor
 from fshard._interop.torch_objects import from_sharded_tensor as from_sharded_tensor
 from fshard._interop.torch_objects import to_dtensor as to_dtensor
@@ -126,6 +127,7 @@ __all__ = [
     "load_optimizer_state",
     "load_state_dict",
     "map_local",
+    "no_sync",
     "ones",
     "ones_like",
     "optimizer_state",

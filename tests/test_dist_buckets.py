@@ -11,6 +11,8 @@ sums them once more); as gradients of gradients; or from ranks that use differen
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -135,3 +137,70 @@ def test_the_bucket_size_is_a_checked_setting():
         fshard.config(bucket_cap_mb=0)
     with pytest.raises(TypeError, match="bucket_cap_mb"):
         fshard.config(bucket_cap_mb="25")
+
+
+def _accumulated(style: str, micro: int, world: int | None = None) -> tuple[list[torch.Tensor], int]:
+    """Gradients of ``micro`` micro-batches (each rank's rows, split), all but the last under ``no_sync``.
+
+    Also the elements this rank sent in the backwards (on torch_dist; ``world``: a local backend of that size).
+    """
+    backend = TorchDistBackend() if world is None else LocalBackend(world_size=world)
+    spec = fshard.Chunk(0, R) if style == "fsdp" else fshard.Replicated(R)
+    params = [fshard.shard(w, spec, backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
+    step = fshard.shard_map(_body("plain"), in_specs=(rows, *[rep] * 5), out_specs=fshard.Partial(rep))
+    if world is None:
+        batches = [fshard.from_local_tensor(_rows(backend.rank)[k::micro], dim=0) for k in range(micro)]
+    else:
+        every = [_rows(r) for r in R]
+        batches = [fshard.shard(torch.cat([x[k::micro] for x in every]), rows, backend=backend) for k in range(micro)]
+    sent = 0
+    for k, xb in enumerate(batches):
+        with fshard.no_sync() if k < micro - 1 else contextlib.nullcontext():
+            loss = fshard.gather(step(xb, *params))
+        before = backend.counters.elements_sent
+        loss.backward()
+        sent += backend.counters.elements_sent - before
+    return [t.grad for t in leaves], sent
+
+
+@pytest.mark.parametrize("style", ["dp", "fsdp"])
+def test_micro_batches_under_no_sync_send_the_gradients_of_one_step(dist_pool, style):
+    """4 micro-batches: the gradients of the whole batch, as on the local backend, for the bytes of one backward."""
+    one = dist_pool.run(_accumulated, style, 1, timeout=120)
+    four = dist_pool.run(_accumulated, style, 4, timeout=120)
+    local, _ = _accumulated(style, 4, world=4)
+    for g, want in zip(local, _accumulated(style, 1, world=4)[0]):  # the whole batch's gradient
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    for rank, ((got, sent), (_, sent_once)) in enumerate(zip(four, one)):
+        assert sent == sent_once > 0
+        mine = local[rank::4] if style == "fsdp" else local[::4]
+        for g, want in zip(got, mine):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def _lost() -> str:
+    backend = TorchDistBackend()
+    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
+    step = fshard.shard_map(_body("plain"), in_specs=(rows, *[rep] * 5), out_specs=fshard.Partial(rep))
+    xb = fshard.from_local_tensor(_rows(backend.rank), dim=0)
+
+    def params() -> list[fshard.ShardedArray]:
+        out = [fshard.shard(w, rep) for w in _weights()]
+        for p in out:
+            p.addressable_data[0].requires_grad_()
+        return out
+
+    with fshard.no_sync():
+        fshard.gather(step(xb, *params())).backward()  # these arrays are gone after this line
+    try:
+        fshard.gather(step(xb, *params())).backward()
+    except fshard.SpecError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_gradients_set_aside_for_arrays_that_are_gone_raise_on_every_rank(dist_pool):
+    for message in dist_pool.run(_lost, timeout=120):
+        assert "no longer exist" in message

@@ -38,6 +38,7 @@ from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
+from fshard._exec.accumulate import Key, set_aside, syncing, take_back
 from fshard._exec.replicas import check_global, checking
 from fshard._layout.batch import with_batch
 from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
@@ -193,6 +194,11 @@ class _MoveSumming(_Move):
     """
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _Move.setup_context(ctx, inputs, output)
+        ctx.sync, ctx.key = syncing(), Key(inputs[4:])
+
+    @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         return _move_back(ctx, grads, summing=True)
@@ -208,8 +214,22 @@ def _move_back(ctx: Any, grads: Sequence[Any], summing: bool) -> Any:
     like = carrier(grads, dtype, device)
     to, frm = _linear(src, dst, "gradient")
     frm = with_partial(frm, "sum") if summing else frm
-    back, _ = move(frm, to, backend, _dense(dst, backend, grads[:-1], like), like)
+    dense = _dense(dst, backend, grads[:-1], like)
+    if summing:  # the sum over ranks waits for the syncing micro-batch (``accumulate.no_sync``)
+        dense = _after_aside(ctx, dense)
+        if dense is None:
+            return (None,) * (4 + len(grads) - 1)
+    back, _ = move(frm, to, backend, dense, like)
     return (None, None, None, link_grad(ctx, 3, like), *back)
+
+
+def _after_aside(ctx: Any, dense: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+    """``dense`` plus what earlier micro-batches set aside; ``None`` (set aside too) outside a syncing step."""
+    if not ctx.sync:
+        set_aside(ctx.key, dense)
+        return None
+    earlier = take_back(ctx.key)
+    return dense if earlier is None else tuple(g + e for g, e in zip(dense, earlier))
 
 
 def _move_batched(info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...], how: Any) -> Any:
@@ -367,6 +387,7 @@ class _Regroup(torch.autograd.Function):
         layout, backend, mode, like = inputs[:4]
         ctx.args = (layout, backend, mode, like.dtype, like.device)
         ctx.like_shape = like.shape
+        ctx.sync, ctx.key = syncing(), Key(inputs[4:]) if mode == "sum" else None
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
@@ -375,7 +396,10 @@ class _Regroup(torch.autograd.Function):
         like = carrier(grads, dtype, device)
         dense = _dense(layout, backend, grads[:-1], like)
         if mode == "sum":
-            back, _ = move(with_partial(layout, "sum"), layout, backend, dense, like)
+            summed = _after_aside(ctx, dense)
+            if summed is None:
+                return (None,) * (4 + len(grads) - 1)
+            back, _ = move(with_partial(layout, "sum"), layout, backend, summed, like)
         else:
             back = tuple(g / n for g, n in zip(dense, _copies(layout, backend)))
         return (None, None, None, link_grad(ctx, 3, like), *back)

@@ -42,6 +42,7 @@ from fshard._base.compile import opaque
 from fshard._config import current
 from fshard._exec import autograd as _autograd
 from fshard._exec import gathered as _gathered
+from fshard._exec.accumulate import Key, set_aside, syncing, take_back
 from fshard._layout.layout import Layout, replica_ids, with_partial
 from fshard._plan import plan as _plan
 
@@ -188,8 +189,9 @@ def buckets(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> 
 class _State:
     """One call's buckets: their buffers as the gradients come in, and those in flight."""
 
-    def __init__(self, plan: tuple[Bucket, ...], backend: Any, shapes: Sequence[torch.Size], like: torch.Tensor):
-        self.plan, self.backend, self.shapes = plan, backend, tuple(shapes)
+    def __init__(self, plan: tuple[Bucket, ...], backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor):
+        self.plan, self.backend, self.shapes = plan, backend, tuple(t.shape for t in tensors)
+        self.sync, self.key = syncing(), Key(tensors)  # outside a syncing step, nothing leaves: all is set aside
         self.dtype, self.device = like.dtype, like.device
         self.where: dict[int, tuple[int, int, int]] = {}  # position -> (bucket, range, offset)
         for b, bucket in enumerate(plan):
@@ -212,6 +214,13 @@ class _State:
         self.missing = [len(bucket.positions) for bucket in self.plan]
         self.given: set[int] = set()
         self.flights: list[Callable[[], tuple[torch.Tensor, ...]]] = []
+        self.earlier: list[torch.Tensor] | None = None  # what earlier micro-batches set aside
+        self.fetched = False
+
+    def _earlier(self, position: int) -> torch.Tensor | None:
+        if not self.fetched:
+            self.earlier, self.fetched = take_back(self.key), True
+        return None if self.earlier is None else self.earlier[position]
 
     def _buffer(self, b: int) -> list[torch.Tensor]:
         buf = self.buffers[b]
@@ -230,18 +239,28 @@ class _State:
 
         Returns whether it was taken.
         """
+        if not self.sync:
+            return False
         if position not in self.where:  # an empty box: no range holds it
             return True
         b = self.where[position][0]
         if b < len(self.flights):
             return False
-        self._slot(position).add_(grad.reshape(-1))
+        slot = self._slot(position)
+        slot.add_(grad.reshape(-1))
         if position not in self.given:
+            earlier = self._earlier(position)
+            if earlier is not None:
+                slot.add_(earlier.reshape(-1))
             self.given.add(position)
             self.missing[b] -= 1
         while len(self.flights) < len(self.plan) - 1 and self.missing[len(self.flights)] == 0:
             self._launch(len(self.flights))
         return True
+
+    def dense(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """``grads`` with zeros for the missing ones."""
+        return [self._zeros(*shape) if g is None else g for g, shape in zip(grads, self.shapes)]
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -262,6 +281,10 @@ class _State:
     def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
         outside = [k for k, g in enumerate(late) if g is not None and not self.take(k, g)]
+        for k in range(len(self.shapes)):  # used by earlier micro-batches only
+            earlier = self._earlier(k)
+            if k not in self.given and earlier is not None:
+                self.take(k, torch.zeros_like(earlier))
         self._slot(-1).fill_(len(outside))
         while len(self.flights) < len(self.plan):
             self._launch(len(self.flights))
@@ -336,9 +359,13 @@ class _SumBuckets(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         state: _State = ctx.state
         like = _autograd.carrier(grads, state.dtype, state.device)
+        if not state.sync:  # a micro-batch under no_sync: this rank's gradients wait for the syncing one
+            set_aside(state.key, state.dense(grads[:-1]))
+            return (None, None, *[None] * len(state.shapes))
         if torch.is_grad_enabled():  # gradients of gradients: one differentiable movement of them all
-            zeros = [torch.zeros(s, dtype=state.dtype, device=state.device) for s in state.shapes]
-            back = state.sum_all([z if g is None else g for g, z in zip(grads[:-1], zeros)])
+            dense = state.dense(grads[:-1])
+            earlier = take_back(state.key)
+            back = state.sum_all(dense if earlier is None else [g + e for g, e in zip(dense, earlier)])
         else:
             back = state.finish(grads[:-1])
         return (None, _autograd.link_grad(ctx, 1, like), *back)
@@ -360,7 +387,7 @@ def sum_in_buckets(
     plan = buckets(layouts, like.element_size(), max(cap, 1), backend.rank)
     if plan is None:
         return None
-    state = _State(plan, backend, [t.shape for t in tensors], like)
+    state = _State(plan, backend, tensors, like)
     *out, link = _autograd.apply(_SumBuckets, state, like, *tensors)
     for k, t in enumerate(out):
         _gathered.register_tap(t, functools.partial(_tap, state, k))

@@ -1,0 +1,114 @@
+"""Gradients of several micro-batches summed across ranks once (``no_sync``).
+
+The gradient of a replicated argument of ``shard_map`` is the sum of its copies' gradients
+over the ranks: a collective in the backward of every step. With gradient accumulation,
+each micro-batch's backward would pay it. Under ``no_sync()``, a movement's backward that
+would sum copies across ranks (``buckets``, ``autograd._MoveSumming``) sets this rank's
+gradients aside instead, keyed by the tensors it moved, and gives their arguments none.
+The first such backward outside the context (the last micro-batch) adds what was set aside
+to its own gradients and sums the total once: the bytes of one step, whatever the number
+of micro-batches, as DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync(False)``.
+
+Whether a movement syncs is decided when it runs forward, as DDP decides. Gradients set
+aside for tensors that are gone by then (a step that moved other arrays) cannot be summed
+any more: the syncing backward raises rather than drop them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Generator, Sequence
+
+import torch
+
+from fshard._errors import SpecError
+
+__all__ = ["Key", "no_sync", "set_aside", "syncing", "take_back"]
+
+
+class _Mode(threading.local):
+    depth = 0
+
+
+_MODE = _Mode()
+
+
+@contextlib.contextmanager
+def no_sync() -> Generator[None, None, None]:
+    """Within it, gradients of ``shard_map``'s replicated arguments stay on each rank until a backward outside it.
+
+    The backward of the last micro-batch, run outside, sums every micro-batch's gradients
+    across ranks in one reduction (the collectives of one step). Each rank must run the
+    same micro-batches inside as the others (the context changes no collective's order).
+
+    >>> import torch, fshard
+    >>> from fshard.backends.local import LocalBackend
+    >>> R = [0, 1]
+    >>> w = fshard.shard(torch.ones(3), fshard.Replicated(R), backend=LocalBackend(world_size=2))
+    >>> leaf = w.addressable_data[0].requires_grad_()
+    >>> x = fshard.shard(torch.arange(4.0), fshard.Chunk(0, R), backend=w.backend)
+    >>> step = fshard.shard_map(lambda xb, wb: (xb.sum() * wb).sum()[None], in_specs=(fshard.Chunk(0, R),
+    ...     fshard.Replicated(R)), out_specs=fshard.Partial(fshard.Replicated(R)))
+    >>> with fshard.no_sync():
+    ...     fshard.gather(step(x, w)).sum().backward()
+    >>> fshard.gather(step(x, w)).sum().backward()   # the last micro-batch: sums both
+    >>> leaf.grad
+    tensor([12., 12., 12.])
+    """
+    _MODE.depth += 1
+    try:
+        yield
+    finally:
+        _MODE.depth -= 1
+
+
+def syncing() -> bool:
+    """Whether a movement made now sums its copies' gradients across ranks in its backward."""
+    return _MODE.depth == 0
+
+
+class Key:
+    """The tensors a movement moved, as ids and weak references: what its set-aside gradients belong to."""
+
+    __slots__ = ("ids", "refs")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        bases = [t._base if t._base is not None else t for t in tensors]  # a flat view of a parameter: the parameter
+        self.ids = tuple(id(t) for t in bases)
+        self.refs = tuple(weakref.ref(t) for t in bases)
+
+    def alive(self) -> bool:
+        """Whether every tensor is still there (an id of a dead one may name another)."""
+        return all(r() is not None for r in self.refs)
+
+
+_ASIDE: dict[tuple[int, ...], tuple[Key, list[torch.Tensor]]] = {}
+
+
+def set_aside(key: Key, grads: Sequence[torch.Tensor]) -> None:
+    """Adds ``grads`` to what is set aside for the movement of ``key``'s tensors."""
+    held = _ASIDE.get(key.ids)
+    if held is not None and held[0].alive():
+        grads = [a + g for a, g in zip(held[1], grads)]
+    _ASIDE[key.ids] = (key, list(grads))
+
+
+def take_back(key: Key) -> list[torch.Tensor] | None:
+    """What is set aside for the movement of ``key``'s tensors (forgotten here), or ``None``.
+
+    Raises:
+        SpecError: gradients were set aside for tensors that no longer exist: they would be lost.
+    """
+    lost = [ids for ids, (k, _) in _ASIDE.items() if not k.alive()]
+    for ids in lost:
+        del _ASIDE[ids]
+    if lost:
+        msg = (
+            "Gradients accumulated under fshard.no_sync() belong to arrays that no longer exist, so they "
+            "cannot be summed: pass the same arrays (the ones the optimizer holds) to every micro-batch."
+        )
+        raise SpecError(msg)
+    held = _ASIDE.pop(key.ids, None)
+    return None if held is None else held[1]
