@@ -18,7 +18,8 @@ rank waits at a barrier, a step's time is the slowest rank's, and the table show
 median over rounds. fshard's rows also give the collectives per step and the elements
 each rank sent (``backend.counters``), against the bound of the step's movements: an
 all-reduce of every gradient for DP (2(n-1)/n of the parameters per rank), an all-gather
-and a reduce-scatter for FSDP ((n-1)/n each), plus the loss's few elements.
+and a reduce-scatter for FSDP ((n-1)/n each), plus the loss's few elements (and for DP the
+one element that the last gradient bucket carries: the count of gradients that arrived late).
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ class TrainingCase:
                 note = (
                     f"{runs} collectives per step; {elements:,} elements sent by the busiest rank, "
                     f"bound {math.ceil(bound[n]):,} + the loss's"
+                    + (" + the late-gradient count on the last bucket" if n == "fshard DP" else "")
                 )
                 sent = elements * 4
                 if peer[n] in median:
