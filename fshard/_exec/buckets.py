@@ -186,24 +186,47 @@ def buckets(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> 
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Slots:
+    """Where each of a rank's shards sits in its bucket: ``where[position] = (bucket, range, offset)``.
+
+    ``where[-1]`` is the count's slot; ``numels[position]`` the shard's elements.
+    """
+
+    where: dict[int, tuple[int, int, int]]
+    numels: tuple[int, ...]
+
+
+@cached(256)
+def _slots(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> _Slots:
+    plan = buckets(layouts, itemsize, cap, rank)
+    assert plan is not None  # only asked where the buckets exist
+    numels = tuple(int(np.prod(x.columns.sz[i], dtype=np.int64).item()) for x in layouts for i in x.indices_on(rank))
+    where: dict[int, tuple[int, int, int]] = {}
+    for b, bucket in enumerate(plan):
+        for j, part in enumerate(bucket.parts):
+            at = 0
+            for q in part:
+                flag = q == bucket.flag
+                where[-1 if flag else bucket.positions[q]] = (b, j, at)
+                at += 1 if flag else numels[bucket.positions[q]]
+    return _Slots(where, numels)
+
+
 class _State:
     """One call's buckets: their buffers as the gradients come in, and those in flight."""
 
-    def __init__(self, plan: tuple[Bucket, ...], backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor):
+    def __init__(
+        self, plan: tuple[Bucket, ...], slots: _Slots, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+    ):
         self.plan, self.backend, self.shapes = plan, backend, tuple(t.shape for t in tensors)
         self.sync, self.key = syncing(), Key(tensors)  # outside a syncing step, nothing leaves: all is set aside
         self.dtype, self.device = like.dtype, like.device
-        self.where: dict[int, tuple[int, int, int]] = {}  # position -> (bucket, range, offset)
-        for b, bucket in enumerate(plan):
-            for j, part in enumerate(bucket.parts):
-                at = 0
-                for q in part:
-                    self.where[-1 if q == bucket.flag else bucket.positions[q]] = (b, j, at)
-                    at += self._width(bucket, q)
+        self.where, self.numels = slots.where, slots.numels
         self.reset()
 
     def _numel(self, position: int) -> int:
-        return int(np.prod(self.shapes[position], dtype=np.int64))
+        return self.numels[position]
 
     def _width(self, bucket: Bucket, q: int) -> int:
         """Elements of entry ``q`` of ``bucket`` in its range: its box's, or 1 for the count."""
@@ -387,7 +410,7 @@ def sum_in_buckets(
     plan = buckets(layouts, like.element_size(), max(cap, 1), backend.rank)
     if plan is None:
         return None
-    state = _State(plan, backend, tensors, like)
+    state = _State(plan, _slots(layouts, like.element_size(), max(cap, 1), backend.rank), backend, tensors, like)
     *out, link = _autograd.apply(_SumBuckets, state, like, *tensors)
     for k, t in enumerate(out):
         _gathered.register_tap(t, functools.partial(_tap, state, k))
