@@ -13,6 +13,7 @@ import optree
 import torch
 
 from fshard._array.array import Shard, ShardedArray
+from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import LayoutError, SpecError
 from fshard._exec import autograd as _autograd
@@ -356,6 +357,14 @@ def _is_spec(x: Any) -> bool:
 def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
     """The arrays of a pytree and its structure; ``TypeError`` naming a leaf that is no array."""
     leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_array, none_is_leaf=True)
+    if not all(type(leaf) is ShardedArray for leaf in leaves):  # one pass in C for the common case
+        _check_leaves(tree, leaves, what)
+    if leaves:
+        _same_backend(leaves, what)
+    return cast("list[ShardedArray]", leaves), treedef
+
+
+def _check_leaves(tree: Any, leaves: list[Any], what: str) -> None:
     for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True), leaves):
         if not isinstance(leaf, ShardedArray):
             if not path:
@@ -363,13 +372,12 @@ def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
             else:
                 msg = f"{what} takes a ShardedArray or a pytree of them; the leaf at {path} is a {type(leaf).__name__}."
             raise TypeError(msg)
-    if leaves:
-        _same_backend(leaves, what)
-    return cast("list[ShardedArray]", leaves), treedef
 
 
 def _same_backend(leaves: Sequence[ShardedArray], what: str) -> None:
     first = leaves[0].backend
+    if all(a.backend is first for a in leaves):  # the common case, without an equality test per leaf
+        return
     other = next((a.backend for a in leaves if a.backend != first), None)
     if other is not None:
         raise SpecError(f"{what} takes a tree of arrays of one backend; it holds {first!r} and {other!r}.")
@@ -377,20 +385,48 @@ def _same_backend(leaves: Sequence[ShardedArray], what: str) -> None:
 
 def _reshard_tree(tree: Any, specs: Any) -> Any:
     leaves, treedef = _leaves(tree, "reshard()")
+    if not leaves:
+        empty: Any = optree.tree_unflatten(treedef, cast("list[Any]", []))
+        return empty
+    src = tuple(a.layout for a in leaves)
+    backend = leaves[0].backend
     if _is_spec(specs):
-        flat_specs = [specs] * len(leaves)
+        layouts = _tree_targets(src, specs, None, backend)
     else:
         try:
             flat_specs = treedef.flatten_up_to(specs)
         except (ValueError, TypeError) as exc:
             msg = f"reshard() takes one spec or a pytree of specs matching the arrays ({treedef}): {exc}"
             raise SpecError(msg) from None
-    layouts = [as_layout(s, a.shape) for a, s in zip(leaves, flat_specs)]
-    for a, x in zip(leaves, layouts):
-        if x != a.layout:
-            a.backend.check_layout(x)
+        layouts = _tree_targets(src, None, tuple(flat_specs), backend)
     moved: list[Any] = _fused.move_tree(leaves, layouts)
     return optree.tree_unflatten(treedef, moved)
+
+
+def _tree_targets(src: tuple[Layout, ...], spec: Any, specs: tuple[Any, ...] | None, backend: Backend) -> list[Layout]:
+    """The target layout of each leaf (of layouts ``src``): ``spec`` for all, or ``specs[k]`` for leaf ``k``; checked.
+
+    Cached on the tree's layouts and specs, so that a tree moved again resolves and checks
+    nothing per leaf; specs that cannot be hashed are resolved every time.
+    """
+    try:
+        return list(_cached_targets(src, spec, specs, backend))
+    except TypeError as exc:
+        if "unhashable" not in str(exc):
+            raise
+        return list(_targets(src, spec, specs, backend))
+
+
+def _targets(src: tuple[Layout, ...], spec: Any, specs: tuple[Any, ...] | None, backend: Backend) -> tuple[Layout, ...]:
+    flat_specs = specs if specs is not None else (spec,) * len(src)
+    layouts = tuple(as_layout(s, x.shape) for x, s in zip(src, flat_specs))
+    for a, x in zip(src, layouts):
+        if x != a:
+            backend.check_layout(x)
+    return layouts
+
+
+_cached_targets = cached(256)(_targets)
 
 
 def _gather_tree(tree: Any, dst: int | None) -> Any:
