@@ -27,6 +27,7 @@ from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout, ShardMeta, with_terms
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Replicated, as_layout
+from fshard._layout.torch_meta import is_torch_spec
 from fshard.backends import Backend, default_backend
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "equal",
     "from_local_shards_and_layout",
     "gather",
+    "is_spec",
     "reshard",
     "resolved",
     "resolve_backend",
@@ -350,8 +352,9 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, ShardedArray)
 
 
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, Layout) or hasattr(x, "layout")
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is one spec (or a ``Layout``) rather than a pytree of them."""
+    return x is None or isinstance(x, Layout) or hasattr(x, "layout") or is_torch_spec(x)
 
 
 def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
@@ -390,7 +393,7 @@ def _reshard_tree(tree: Any, specs: Any) -> Any:
         return empty
     src = tuple(a.layout for a in leaves)
     backend = leaves[0].backend
-    if _is_spec(specs):
+    if is_spec(specs):
         layouts = _tree_targets(src, specs, None, backend)
     else:
         try:

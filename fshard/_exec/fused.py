@@ -371,9 +371,11 @@ def _move_flat(
             continue
         # Each stacked shard back as the leaves' shards: views (a copy first where the stack is not dim 0).
         per_shard = [t.view(s).movedim(part.dim, 0).contiguous().unbind(0) for t, s in zip(got, part.sizes)]
-        for n, k in enumerate(part.leaves):
-            shards = tuple(leaf[n] for leaf in per_shard)
-            out[k] = ShardedArray._of(layouts[k], shards, backend, arrays[k].dtype, link)  # pyright: ignore[reportPrivateUsage]
+        of = ShardedArray._of  # pyright: ignore[reportPrivateUsage]  # fits by construction
+        dtype = arrays[part.leaves[0]].dtype
+        shards_of = zip(*per_shard) if per_shard else ((),) * len(part.leaves)
+        for k, shards in zip(part.leaves, shards_of):
+            out[k] = of(layouts[k], shards, backend, dtype, link)
 
 
 def regroup_tree(arrays: Sequence[ShardedArray], mode: str) -> list[ShardedArray]:
