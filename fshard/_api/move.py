@@ -86,6 +86,7 @@ def resolved(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@cached(1024)
 def whole_on(layout: Layout, rank: int) -> Layout:
     """The whole array once, on ``rank`` (on the device of its first shard in ``layout``)."""
     held = layout.indices_on(rank)
@@ -451,13 +452,24 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
     # through gather one by one (as every leaf does in one process): a gathered tensor that needs a
     # gradient is one whose per-shard uses gather's backward sums, on every backend alike.
     grads = torch.is_grad_enabled() and any(a.requires_grad for a in leaves)
-    fused = [
-        k for k, a in enumerate(leaves) if backend.spans_processes and not grads and receivers <= set(a.layout.ranks)
-    ]
+    src = tuple(a.layout for a in leaves)
+    fused, targets = _gather_targets(src, dst, tuple(receivers)) if backend.spans_processes and not grads else ((), ())
     out: list[Any] = [None] * len(leaves)
-    moved = _fused.move_tree([leaves[k] for k in fused], [_reduced(leaves[k].layout, dst) for k in fused])
+    moved = _fused.move_tree([leaves[k] for k in fused], targets)
     for k, a in zip(fused, moved):
         out[k] = a.addressable_data[0] if a.addressable_data else None
     for k in sorted(set(range(len(leaves))) - set(fused)):
         out[k] = gather(leaves[k], dst=dst)
     return optree.tree_unflatten(treedef, out)
+
+
+@cached(256)
+def _gather_targets(
+    src: tuple[Layout, ...], dst: int | None, receivers: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[Layout, ...]]:
+    """The leaves of layouts ``src`` that a gather moves as one tree, and the layouts they move to.
+
+    Those where every receiver holds a shard; each moves to the whole array on every receiver.
+    """
+    fused = tuple(k for k, x in enumerate(src) if set(receivers) <= set(x.ranks))
+    return fused, tuple(_reduced(src[k], dst) for k in fused)

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import optree
 import torch
 
-from fshard._api.move import check_tensor, is_spec, reshard, resolve_backend, resolved, whole_on
+from fshard._api.move import check_plain, check_tensor, is_spec, reshard, resolve_backend, resolved, whole_on
 from fshard._array.array import ShardedArray
+from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec.collective import collective
 from fshard._exec.fused import move_tree
-from fshard._exec.replicas import check_global
+from fshard._exec.replicas import check_global, checking
 from fshard._interop.torch_objects import shard_sharded_tensor
 from fshard._layout.layout import Layout, with_partial
 from fshard._layout.specs import as_layout
@@ -47,13 +48,16 @@ def _source(tensor: Any, src: int, spec: Any, backend: Backend) -> tuple[tuple[i
     Rank ``src`` checks its tensor before the exchange and sends what is wrong with it,
     so a bad source tensor raises on every rank instead of leaving the others waiting.
     Where rank ``src`` passed a pytree of tensors, returns its structure and leaves
-    instead (``_tree_source``): the same one exchange tells every rank.
+    instead (``_Tree``): the same one exchange tells every rank.
     """
     mine = backend.holds(src)
-    tree = mine and _is_tree(tensor)
-    problem = (_tree_problem(tensor, src) if tree else _source_problem(tensor, src, spec)) if mine else None
-    if tree and problem is None:
-        info = (src, None, None, False, None, _tree_info(tensor))
+    found: _Tree | None = None
+    if mine and _is_tree(tensor):
+        found, problem = _flatten(tensor, f" on rank {src}")
+    else:
+        problem = _source_problem(tensor, src, spec) if mine else None
+    if found is not None:
+        info = (src, None, None, False, None, found.info())
     elif mine and problem is None and tensor is not None:
         info = (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, None, None)
     else:
@@ -69,7 +73,7 @@ def _source(tensor: Any, src: int, spec: Any, backend: Backend) -> tuple[tuple[i
     # Entries follow group order, not global ranks: the owner is the one that sent a shape (or a tree).
     owner = next(s for s in seen if s[1] is not None or s[5] is not None)
     if owner[5] is not None:
-        return _tree_source(tensor if mine else None, owner[5])
+        return found if found is not None else _Tree.of(owner[5])
     if mine:
         return owner[1], resolved(cast("torch.Tensor", tensor))
     # The stand-in requires grad like the source, so every rank's shards join autograd alike.
@@ -101,11 +105,15 @@ def _source_problem(tensor: Any, src: int, spec: Any) -> tuple[str, str] | None:
     return None if problem is None else ("SpecError", problem)
 
 
-@collective("shard", local=("tensor",))
-@opaque
+@overload
 def shard(
     tensor: torch.Tensor | None, spec: Any, *, src: int | None = None, backend: Backend | None = None
-) -> ShardedArray:
+) -> ShardedArray: ...
+@overload
+def shard(tensor: Any, spec: Any, *, src: int | None = None, backend: Backend | None = None) -> Any: ...
+@collective("shard", local=("tensor",))
+@opaque
+def shard(tensor: Any, spec: Any, *, src: int | None = None, backend: Backend | None = None) -> Any:
     """Splits a global tensor, or a pytree of them, into ``ShardedArray``s laid out by ``spec``.
 
     Args:
@@ -182,12 +190,11 @@ def shard(
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
-    """One tensor of a tree passed to ``shard``: its place and what every rank learns of it.
+    """One tensor of a tree passed to ``shard``: what every rank learns of it.
 
     ``tensor``: the tensor itself, where this process holds it (``None`` off rank ``src``).
     """
 
-    path: tuple[Any, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
@@ -201,6 +208,32 @@ class _Tree:
 
     treedef: Any
     leaves: tuple[_Leaf, ...]
+
+    @property
+    def paths(self) -> list[tuple[Any, ...]]:
+        """Each leaf's path in the tree (for messages)."""
+        return self.treedef.paths()
+
+    def info(self) -> tuple[Any, ...]:
+        """What rank ``src`` tells the others of its tree, as plain data.
+
+        Its structure, the distinct (shape, dtype, requires_grad, device type) of its leaves,
+        and which of them each leaf has (nothing where they all have the first): a tree of
+        many alike leaves (a model's layers) costs the exchange little.
+        """
+        kinds: dict[tuple[Any, ...], int] = {}
+        which = [kinds.setdefault((x.shape, x.dtype, x.requires_grad, x.device), len(kinds)) for x in self.leaves]
+        return self.treedef, tuple(kinds), tuple(which) if len(kinds) > 1 else ()
+
+    @classmethod
+    def of(cls, info: tuple[Any, ...]) -> _Tree:
+        """The tree ``info()`` describes, without its tensors (off rank ``src``)."""
+        treedef, kinds, which = info
+        leaves = [_Leaf(*kind) for kind in kinds]
+        which = cast("tuple[int, ...]", which)
+        if which or not leaves:
+            return cls(treedef, tuple(leaves[k] for k in which))
+        return cls(treedef, (leaves[0],) * treedef.num_leaves)
 
 
 def _is_tree(x: Any) -> bool:
@@ -220,70 +253,96 @@ def _flatten(tree: Any, where: str) -> tuple[_Tree | None, tuple[str, str] | Non
 
     Every leaf must be a plain strided tensor; ``None`` entries stay ``None`` in the result.
     """
-    paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=_is_value)
+    leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_value)
     out: list[_Leaf] = []
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            msg = (
-                f"shard() takes a tensor or a pytree of tensors{where}; the leaf at {path} is "
-                f"of type {type(leaf).__name__}. Leave it out of the tree, or make it a tensor (torch.as_tensor)."
-            )
-            return None, ("TypeError", msg)
-        try:
-            t = resolved(check_tensor(leaf, f"shard() input at {path}{where}"))
-        except (TypeError, ValueError) as exc:
-            return None, (type(exc).__name__, str(exc))
-        out.append(_Leaf(path, tuple(t.shape), t.dtype, t.requires_grad, t.device.type, t))
+    for k, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided or leaf.is_nested or leaf.is_quantized:
+            return None, _leaf_problem(leaf, treedef.paths()[k], where)  # its path, only where it is needed
+        t = resolved(leaf)
+        out.append(_Leaf(tuple(t.shape), t.dtype, t.requires_grad, t.device.type, t))
     return _Tree(treedef, tuple(out)), None
 
 
-def _tree_problem(tree: Any, src: int) -> tuple[str, str] | None:
-    return _flatten(tree, f" on rank {src}")[1]
-
-
-def _tree_info(tree: Any) -> tuple[Any, tuple[tuple[Any, ...], ...]]:
-    """What rank ``src`` tells the others of its tree, as plain data.
-
-    Its structure, and per leaf its path, shape, dtype, ``requires_grad`` and device type.
-    """
-    found, _ = _flatten(tree, "")
-    assert found is not None  # _tree_problem found nothing wrong
-    return found.treedef, tuple((x.path, x.shape, x.dtype, x.requires_grad, x.device) for x in found.leaves)
-
-
-def _tree_source(tree: Any, info: tuple[Any, tuple[tuple[Any, ...], ...]]) -> _Tree:
-    """The tree every rank works on: rank ``src``'s own leaves there (``tree``), ``info``'s elsewhere."""
-    if tree is None:
-        return _Tree(info[0], tuple(_Leaf(*leaf) for leaf in info[1]))
-    found, _ = _flatten(tree, "")
-    assert found is not None  # checked before the exchange
-    return found
+def _leaf_problem(leaf: Any, path: tuple[Any, ...], where: str) -> tuple[str, str]:
+    """What is wrong with a leaf that is no plain tensor, as (exception type, message)."""
+    if not isinstance(leaf, torch.Tensor):
+        msg = (
+            f"shard() takes a tensor or a pytree of tensors{where}; the leaf at {path} is "
+            f"of type {type(leaf).__name__}. Leave it out of the tree, or make it a tensor (torch.as_tensor)."
+        )
+        return "TypeError", msg
+    try:
+        check_plain(leaf, f"shard() input at {path}{where}")
+    except ValueError as exc:
+        return type(exc).__name__, str(exc)
+    raise AssertionError(f"{leaf!r} is a plain tensor")  # the caller found it is not
 
 
 def _targets(tree: _Tree, spec: Any, backend: Backend) -> list[Layout]:
-    """Each leaf's target layout: ``spec`` for every leaf, or its entry of a pytree of specs; checked."""
-    leaves = tree.leaves
+    """Each leaf's target layout: ``spec`` for every leaf, or its entry of a pytree of specs; checked.
+
+    Cached on the leaves' shapes, device types and specs, so a tree of the same shapes sharded
+    again resolves and checks nothing per leaf; specs that cannot be hashed are resolved every time.
+    """
     if is_spec(spec):
-        specs: list[Any] = [spec] * len(leaves)
+        specs: tuple[Any, ...] | None = None
     else:
         try:
-            specs = tree.treedef.flatten_up_to(spec)
+            specs = tuple(tree.treedef.flatten_up_to(spec))
         except (ValueError, TypeError) as exc:
             msg = f"shard() takes one spec or a pytree of specs matching the tensors ({tree.treedef}): {exc}"
             raise SpecError(msg) from None
-    out: list[Layout] = []
-    for leaf, s in zip(leaves, specs):
+    shapes = tuple(x.shape for x in tree.leaves)
+    devices = tuple(x.device for x in tree.leaves)
+    one = spec if specs is None else None
+    try:
         try:
-            target = as_layout(s, leaf.shape)
+            return list(_cached_layouts(shapes, devices, one, specs, backend))
+        except TypeError as exc:
+            if "unhashable" not in str(exc):
+                raise
+            return list(_layouts(shapes, devices, one, specs, backend))
+    except _AtLeaf as at:
+        error = at.error
+        error.add_note(f"(the tensor at {tree.paths[at.leaf]} of shard()'s tree, shape {shapes[at.leaf]})")
+        raise error from None
+
+
+class _AtLeaf(Exception):
+    """An error in resolving leaf ``leaf``'s spec (so the caller can name its path)."""
+
+    def __init__(self, leaf: int, error: Exception) -> None:
+        super().__init__(leaf, error)
+        self.leaf, self.error = leaf, error
+
+
+def _layouts(
+    shapes: tuple[tuple[int, ...], ...],
+    devices: tuple[str, ...],
+    spec: Any,
+    specs: tuple[Any, ...] | None,
+    backend: Any,
+) -> tuple[Layout, ...]:
+    """The target layouts of leaves of ``shapes`` (on device types ``devices``): ``spec``, or ``specs[k]``.
+
+    Raises:
+        _AtLeaf: with leaf ``k``'s error, where its spec does not fit it.
+    """
+    out: list[Layout] = []
+    for k, (shape, device) in enumerate(zip(shapes, devices)):
+        try:
+            target = as_layout(spec if specs is None else specs[k], shape)
             backend.check_layout(target)
+            problem = _meta_problem(device, target, f"shard() input (leaf {k})")
+            if problem is not None:
+                raise SpecError(problem)
         except (TypeError, ValueError) as exc:
-            exc.add_note(f"(the tensor at {leaf.path} of shard()'s tree, shape {leaf.shape})")
-            raise
-        problem = _meta_problem(leaf.device, target, f"shard() input at {leaf.path}")
-        if problem is not None:
-            raise SpecError(problem)
+            raise _AtLeaf(k, exc) from None
         out.append(target)
-    return out
+    return tuple(out)
+
+
+_cached_layouts = cached(256)(_layouts)
 
 
 def _shard_tree(tree: Any, spec: Any, backend: Backend) -> Any:
@@ -294,8 +353,12 @@ def _shard_tree(tree: Any, spec: Any, backend: Backend) -> Any:
         raise (TypeError if kind == "TypeError" else SpecError)(msg)
     assert found is not None
     fulls = [cast("torch.Tensor", leaf.tensor) for leaf in found.leaves]
-    described = [f"the tensor at {x.path} of shard()'s tree ({x.dtype}, shape {x.shape})" for x in found.leaves]
-    check_global(backend, list(zip(described, fulls)))  # one exchange for the whole tree, in check mode
+    if checking():  # one exchange for the whole tree
+        described = [
+            f"the tensor at {path} of shard()'s tree ({x.dtype}, shape {x.shape})"
+            for path, x in zip(found.paths, found.leaves)
+        ]
+        check_global(backend, list(zip(described, fulls)))
     targets = _targets(found, spec, backend)
     arrays: list[ShardedArray] = []
     for full, target in zip(fulls, targets):
@@ -321,7 +384,7 @@ def _send_tree(tree: _Tree, spec: Any, src: int, backend: Backend) -> Any:
             continue
         device = torch.device(whole.columns.devices[0])
         t = leaf.tensor if leaf.tensor.device == device else leaf.tensor.to(device)
-        arrays.append(ShardedArray(whole, (t,), backend))
+        arrays.append(ShardedArray._of(whole, (t,), backend, t.dtype, t))  # pyright: ignore[reportPrivateUsage]  # fits by construction
     moved = move_tree(arrays, targets)
     for k, (a, b) in enumerate(zip(arrays, moved)):
         if a is b and a.addressable_data:  # already in place (a Single(src) target): a copy, as shard() makes
