@@ -237,10 +237,15 @@ class _Tree:
 
 
 def _is_tree(x: Any) -> bool:
-    """Whether ``x`` is a pytree of tensors (a container) rather than one tensor (or a wrong value)."""
+    """Whether ``x`` is a pytree of tensors rather than one tensor (or a wrong value).
+
+    A container with a tensor among its leaves, or with no leaves. A container of numbers
+    alone (``[1.0, 2.0]``) is a wrong value: it is refused as one, "must be a torch.Tensor".
+    """
     if x is None or isinstance(x, (torch.Tensor, ShardedArray)) or is_sharded_tensor(x):
         return False
-    return not optree.tree_structure(x).is_leaf()
+    leaves, treedef = optree.tree_flatten(x, is_leaf=_is_value)
+    return not treedef.is_leaf() and (not leaves or any(isinstance(t, torch.Tensor) for t in leaves))
 
 
 def _is_value(x: Any) -> bool:
