@@ -55,7 +55,11 @@ against ``all_to_all_single`` of the same bytes packed before timing, and ``gath
 all against ``all_gather_into_tensor``; each round times ``FIXED_CALLS`` operations in a
 row and reports the time per operation, and fshard's row notes its difference in µs, and
 how much of it is CPU time of the calling thread (``time.thread_time``, the median over
-ranks of each rank's median): fshard's own work, where the rest is waiting.
+ranks of each rank's median): fshard's own work, where the rest is waiting. The fixed
+cost of a tree: ``reshard`` of a tree of 70 8x4 float32 arrays, Chunk(0) -> Replicated,
+against ``all_to_all_single`` of the tree's bytes and, interleaved in the same rounds, the
+``reshard`` of one of its arrays ("one leaf"); fshard's row gives the ratio of the two
+medians (target ``TREE_TARGET``).
 
 All processes share this machine's cores: 4 ranks on 2 cores take turns, which is the
 setting the numbers describe.
@@ -88,6 +92,7 @@ IMPLS = (
     "floor p2p",
     "pack+a2a",
     "fshard",
+    "one leaf",
     "fshard packed",
     "copies",
     "all_to_all",
@@ -95,10 +100,11 @@ IMPLS = (
     "DTensor",
 )
 FLOORS = ("floor", "floor p2p")
-DIAGNOSTICS = ("fshard packed", "copies", "all_to_all")
+DIAGNOSTICS = ("one leaf", "fshard packed", "copies", "all_to_all")
 PEERS = ("ShardedTensor", "DTensor")
 REFERENCE = "pack+a2a"
 REFERENCE_TARGET = 1.10
+TREE_TARGET = 2.0  # a tree of small arrays moved as one costs at most this many times one of them
 FIXED_MIB = 1 / 64  # a 64 x 64 float32 matrix: 16 KiB
 FIXED_CALLS = 100  # operations per timed call of a fixed-cost scenario
 QUICK_FIXED_CALLS = 10
@@ -143,6 +149,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("partial-rows-cols", "Partial(rows, sum over y) -> Chunk(1)", "reshard"),
     Scenario("fixed-reshard", "per call: reshard 64x64 dim 0 -> dim 1", "fixed"),
     Scenario("fixed-gather", "per call: gather 64x64 to all ranks", "fixed"),
+    Scenario("fixed-tree", "per call: reshard a tree of 70 8x4 arrays, Chunk(0) -> Replicated", "fixed"),
 )
 BY_KEY = {s.key: s for s in SCENARIOS}
 
@@ -245,6 +252,8 @@ def combine(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
     ref = out["impls"].get(REFERENCE)
     out["ref_ratio"] = out["impls"]["fshard"]["median_s"] / ref["median_s"] if ref and ref["median_s"] > 0 else None
     out["overhead_s"] = out["impls"]["fshard"]["median_s"] - floor
+    leaf = out["impls"].get("one leaf")
+    out["leaf_ratio"] = out["impls"]["fshard"]["median_s"] / leaf["median_s"] if leaf and leaf["median_s"] > 0 else None
     out["bytes_ok"] = out["fshard_bytes"] == out["min_bytes"]
     out["ratio_ok"] = None if scenario.target is None else ratio is not None and ratio <= scenario.target
     return out
@@ -274,6 +283,9 @@ def result_rows(res: dict[str, Any], group: str) -> list[Row]:
             note = f"fshard - floor = {res['overhead_s'] * 1e6:.0f} µs per call"
             if r.get("cpu_s") is not None:
                 note += f"; calling thread's CPU +{(r['cpu_s'] - res['impls']['floor']['cpu_s']) * 1e6:.0f} µs"
+            if res.get("leaf_ratio") is not None:  # a tree: its time against one of its arrays'
+                note += f"; tree / one leaf = {res['leaf_ratio']:.2f}x"
+                target, ok = f"<= {TREE_TARGET:.2f}x one leaf", res["leaf_ratio"] <= TREE_TARGET
         elif name == "fshard":
             target, sent = f"<= {res['target']:.2f}x floor", res["fshard_bytes"]
             ok = res["ratio_ok"] and res["bytes_ok"] and r["verified"] is not False

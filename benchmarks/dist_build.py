@@ -49,6 +49,8 @@ def build(key: str, mib: float, env: Env, calls: int = 1) -> Built:
     A fixed-cost scenario makes ``calls`` operations per timed call.
     """
     side = _side(mib)
+    if key == "fixed-tree":
+        return _build_tree(env, calls)
     if key.startswith("fixed"):
         return _build_fixed(key, _full(side), env, calls)
     if key.startswith("partial"):
@@ -76,6 +78,51 @@ def _repeat(fn: Callable[[Any], Any], calls: int) -> Callable[[Any], Any]:
         return fn(state)
 
     return many
+
+
+TREE_LEAVES = 70  # a tree of this many small arrays (a model's parameters, say) ...
+TREE_LEAF = (8, 4)  # ... of this shape, float32
+
+
+def _build_tree(env: Env, calls: int) -> Built:
+    """A tree of ``TREE_LEAVES`` small arrays resharded Chunk(0) -> Replicated, against one of its arrays alone.
+
+    The floor is ``all_to_all_single`` of the tree's bytes, packed before timing; "one leaf" is fshard's
+    ``reshard`` of one of the arrays, whose time the tree's is compared with (the fixed cost of a tree).
+    """
+    import torch
+
+    ranks = env.ranks
+    src, dst = fshard.Chunk(0, ranks), fshard.Replicated(ranks)
+    fulls = [torch.arange(k, k + TREE_LEAF[0] * TREE_LEAF[1], dtype=torch.float32).view(TREE_LEAF)
+             for k in range(TREE_LEAVES)]  # fmt: skip
+    tree = {f"w{k}": fshard.shard(t, src) for k, t in enumerate(fulls)}
+    one = tree["w0"]
+    leaf = fshard.plan(one.layout, dst.layout(TREE_LEAF))
+    side = torch.cat(fulls, 1)  # the tree's elements as one array, for the floor's splits
+    whole = fshard.plan(src.layout(tuple(side.shape)), dst.layout(tuple(side.shape)))
+    out = Built(tuple(ranks), None, min_elements=TREE_LEAVES * leaf.min_elements_sent,
+                floor_elements=int(whole.traffic().sum()))  # fmt: skip
+    out.floor_op = f"all_to_all_single of the tree's bytes ({TREE_LEAVES} arrays), packed before timing"
+    floor = _alltoall_floor(whole, env.rank, ranks, side)
+
+    def check(moved: Any) -> bool:
+        return all(torch.equal(moved[f"w{k}"].addressable_data[0], t) for k, t in enumerate(fulls))
+
+    def tree_once(_: Any) -> Any:
+        return fshard.reshard(tree, dst)
+
+    def one_once(_: Any) -> Any:
+        return fshard.reshard(one, dst)
+
+    out.impls["floor"] = Impl(_repeat(floor.fn, calls), buffers=floor.buffers, calls=calls)
+    out.impls["fshard"] = Impl(_repeat(tree_once, calls), check=check, calls=calls)
+    first = fulls[0]
+    out.impls["one leaf"] = Impl(_repeat(one_once, calls), check=lambda a: torch.equal(a.addressable_data[0], first),
+                                 calls=calls)  # fmt: skip
+    out.notes["one leaf"] = f"fshard's reshard of one {TREE_LEAF[0]}x{TREE_LEAF[1]} array of the tree"
+    out.fshard_once = _counted(lambda: tree_once(None), one.backend)
+    return out
 
 
 def _build_fixed(key: str, full: Any, env: Env, calls: int) -> Built:

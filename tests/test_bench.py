@@ -29,7 +29,7 @@ ISSUE_CASES = {
     "partial-chunk": "reduce",
     "partial-rows-cols": "reshard",
 }
-FIXED_CASES = {"fixed-reshard": "fixed", "fixed-gather": "fixed"}
+FIXED_CASES = {"fixed-reshard": "fixed", "fixed-gather": "fixed", "fixed-tree": "fixed"}
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -87,7 +87,11 @@ def test_fixed_cost_cases_run_once_in_a_group_of_their_own() -> None:
     cases = [c for c in dist.cases(Settings(sizes=(1.0, 2.0))) if c.key in FIXED_CASES]
     assert [(c.key, c.mib) for c in cases] == [(k, dist.FIXED_MIB) for k in FIXED_CASES]
     assert all(c.group.startswith("torch_dist, fixed cost per call: 4 Gloo processes") for c in cases)
-    assert [c.name for c in cases] == ["per call: reshard 64x64 dim 0 -> dim 1", "per call: gather 64x64 to all ranks"]
+    assert [c.name for c in cases] == [
+        "per call: reshard 64x64 dim 0 -> dim 1",
+        "per call: gather 64x64 to all ranks",
+        "per call: reshard a tree of 70 8x4 arrays, Chunk(0) -> Replicated",
+    ]
     assert dist.cases(Settings())[0].batch.calls == dist.FIXED_CALLS
     assert dist.cases(Settings(quick=True))[0].batch.calls == dist.QUICK_FIXED_CALLS
     only = run.collect(Settings(quick=True), ["fixed"])
@@ -236,6 +240,18 @@ def test_a_fixed_cost_row_reports_the_difference_in_microseconds() -> None:
     assert rows["fshard"].case == "per call: reshard 64x64 dim 0 -> dim 1"
 
 
+def test_the_tree_row_gives_its_ratio_to_one_leaf_against_the_target() -> None:
+    times = {"floor": [100e-6], "fshard": [300e-6], "one leaf": [200e-6]}
+    part = {**_part(times, 10, dict.fromkeys(times)), "key": "fixed-tree", "mib": dist.FIXED_MIB}
+    part["notes"] = {"one leaf": "one array"}
+    res = dist.combine([part])
+    assert res["leaf_ratio"] == pytest.approx(1.5)
+    rows = {r.impl: r for r in dist.result_rows(res, "g")}
+    assert rows["fshard"].note.endswith("; tree / one leaf = 1.50x")
+    assert (rows["fshard"].target, rows["fshard"].ok) == ("<= 2.00x one leaf", True)
+    assert (rows["one leaf"].ratio, rows["one leaf"].target, rows["one leaf"].note) == (2.0, "", "one array")
+
+
 def test_a_fixed_cost_row_without_cpu_times_gives_the_wall_difference_only() -> None:
     """Results saved before the CPU times were recorded still render."""
     times = {"floor": [100e-6, 120e-6], "fshard": [250e-6, 260e-6]}
@@ -379,10 +395,10 @@ def test_run_cases_reports_a_failing_case_and_goes_on() -> None:
 
 
 def test_tiny_real_run() -> None:
-    """Two Gloo processes, five cases at 16 KiB: results verified, bytes sent == minimum."""
+    """Two Gloo processes, six cases at 16 KiB (the tree: 70 8x4 arrays): results verified, bytes sent == minimum."""
     progress = _Recorder()
     todo = [("dim0-dim1", 1 / 64), ("gather-one", 1 / 64), ("partial-repl", 1 / 64), ("partial-rows-cols", 1 / 64),
-            ("fixed-reshard", dist.FIXED_MIB)]  # fmt: skip
+            ("fixed-reshard", dist.FIXED_MIB), ("fixed-tree", dist.FIXED_MIB)]  # fmt: skip
     results = dist.run(todo, world=2, reps=1, peers=False, progress=progress, calls=2)
     assert [(r["key"], r["mib"]) for r in results] == todo
     for res in results:
@@ -398,11 +414,16 @@ def test_tiny_real_run() -> None:
     assert "packed all_to_all" in results[3]["notes"]["fshard"]
     assert results[0]["impls"]["pack+a2a"]["verified"] is True  # the hand-packed reference's result
     assert results[4]["impls"]["floor"]["samples_s"][0] > 0
+    tree = results[5]
+    assert tree["min_bytes"] == 70 * 2 * (8 * 4 // 2) * 4  # each of 2 ranks receives the half of each array it lacks
+    assert tree["impls"]["one leaf"]["verified"] is True
+    assert tree["leaf_ratio"] > 0
     assert progress.events[:4] == ["start reshard dim 0 -> dim 1, 0.015625 MiB", "done",
                                    "start gather to rank 0, even chunks, 0.015625 MiB", "done"]  # fmt: skip
     assert progress.events[4:8] == ["start Partial(Replicated) -> Replicated, 0.015625 MiB", "done",
                                     "start Partial(rows, sum over y) -> Chunk(1), 0.015625 MiB", "done"]  # fmt: skip
-    assert progress.events[8:] == ["start per call: reshard 64x64 dim 0 -> dim 1", "done"]
+    tree_case = "start per call: reshard a tree of 70 8x4 arrays, Chunk(0) -> Replicated"
+    assert progress.events[8:] == ["start per call: reshard 64x64 dim 0 -> dim 1", "done", tree_case, "done"]
 
 
 def test_the_training_case_times_every_program_and_counts_fshards_movements() -> None:

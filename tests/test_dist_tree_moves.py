@@ -55,6 +55,26 @@ def test_a_tree_moves_in_one_collective_per_dtype_at_the_minimum(dist_pool):
         assert runs_alone == 5  # the empty leaf moves nothing
 
 
+def _many_alike() -> tuple[bool, int, int, int, bool]:
+    g = torch.Generator().manual_seed(1)
+    fulls = [torch.randn(8, 4, generator=g) for _ in range(70)]
+    rows = {f"p{k}": fshard.shard(t, fshard.Chunk(0, R)) for k, t in enumerate(fulls)}
+    cols = [fshard.shard(t, fshard.Chunk(1, R)) for t in fulls[:5]]  # boxes that are no ranges
+    moved, runs, sent = _counted(lambda: fshard.reshard({"rows": rows, "cols": cols}, fshard.Replicated(R)))
+    same = all(torch.equal(moved["rows"][f"p{k}"].local_tensor(), t) for k, t in enumerate(fulls))
+    same = same and all(torch.equal(a.local_tensor(), t) for a, t in zip(moved["cols"], fulls))
+    contiguous = all(a.local_tensor().is_contiguous() for a in [*moved["rows"].values(), *moved["cols"]])
+    return same, runs, sent, 75 * 32 * 3 // 4, contiguous
+
+
+def test_many_small_arrays_of_one_layout_move_as_one_stack(dist_pool):
+    for same, runs, sent, bound, contiguous in dist_pool.run(_many_alike, timeout=60):
+        assert same
+        assert contiguous  # each leaf's shard is a contiguous tensor of its own shape
+        assert runs == 2  # the 70 row chunks in the flat array, the 5 column chunks as one stack
+        assert sent == bound  # each rank sends its quarter of every array to 3 peers
+
+
 def _step(style: str) -> tuple[list[float], int, int, int, int]:
     torch.manual_seed(0)
     spec = fshard.Chunk(0, R) if style == "fsdp" else fshard.Replicated(R)

@@ -49,6 +49,27 @@ def test_a_tree_moves_to_the_values_of_its_leaves_moved_one_by_one(spec):
     assert sent == expected
 
 
+@pytest.mark.parametrize("spec", [fshard.Replicated(R), fshard.Chunk(1, R), fshard.Chunk(0, [3, 2, 1, 0])])
+def test_many_arrays_of_one_layout_move_as_one_stack_to_the_values_of_each(spec):
+    g = torch.Generator().manual_seed(2)
+    fulls = [torch.randn(8, 4, generator=g) for _ in range(12)]
+    tree = [fshard.shard(t, fshard.Chunk(0, R)) for t in fulls]
+    moved, sent = _sent(lambda: fshard.reshard(tree, spec))
+    expected = 0
+    for a, b in zip(moved, tree, strict=True):
+        one, n = _sent(lambda b=b: fshard.reshard(b, spec))
+        assert a.layout == one.layout
+        assert all(torch.equal(x, y) and x.is_contiguous() for x, y in zip(a.addressable_data, one.addressable_data))
+        expected += n
+    assert sent == expected
+
+
+def _sent(fn):
+    before = LOCAL.counters.elements_sent
+    out = fn()
+    return out, LOCAL.counters.elements_sent - before
+
+
 def test_a_tree_of_specs_matches_the_tree_of_arrays():
     tree = _tree()
     specs = {name: fshard.Replicated(R) for name in tree} | {"w": fshard.Chunk(1, R), "h": fshard.Single(0)}

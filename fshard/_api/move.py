@@ -13,6 +13,7 @@ import optree
 import torch
 
 from fshard._array.array import Shard, ShardedArray
+from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import LayoutError, SpecError
 from fshard._exec import autograd as _autograd
@@ -26,6 +27,7 @@ from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout, ShardMeta, with_terms
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Replicated, as_layout
+from fshard._layout.torch_meta import is_torch_spec
 from fshard.backends import Backend, default_backend
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "equal",
     "from_local_shards_and_layout",
     "gather",
+    "is_spec",
     "reshard",
     "resolved",
     "resolve_backend",
@@ -83,6 +86,7 @@ def resolved(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@cached(1024)
 def whole_on(layout: Layout, rank: int) -> Layout:
     """The whole array once, on ``rank`` (on the device of its first shard in ``layout``)."""
     held = layout.indices_on(rank)
@@ -349,13 +353,22 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, ShardedArray)
 
 
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, Layout) or hasattr(x, "layout")
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is one spec (or a ``Layout``) rather than a pytree of them."""
+    return x is None or isinstance(x, Layout) or hasattr(x, "layout") or is_torch_spec(x)
 
 
 def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
     """The arrays of a pytree and its structure; ``TypeError`` naming a leaf that is no array."""
     leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_array, none_is_leaf=True)
+    if not all(type(leaf) is ShardedArray for leaf in leaves):  # one pass in C for the common case
+        _check_leaves(tree, leaves, what)
+    if leaves:
+        _same_backend(leaves, what)
+    return cast("list[ShardedArray]", leaves), treedef
+
+
+def _check_leaves(tree: Any, leaves: list[Any], what: str) -> None:
     for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True), leaves):
         if not isinstance(leaf, ShardedArray):
             if not path:
@@ -363,13 +376,12 @@ def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
             else:
                 msg = f"{what} takes a ShardedArray or a pytree of them; the leaf at {path} is a {type(leaf).__name__}."
             raise TypeError(msg)
-    if leaves:
-        _same_backend(leaves, what)
-    return cast("list[ShardedArray]", leaves), treedef
 
 
 def _same_backend(leaves: Sequence[ShardedArray], what: str) -> None:
     first = leaves[0].backend
+    if all(a.backend is first for a in leaves):  # the common case, without an equality test per leaf
+        return
     other = next((a.backend for a in leaves if a.backend != first), None)
     if other is not None:
         raise SpecError(f"{what} takes a tree of arrays of one backend; it holds {first!r} and {other!r}.")
@@ -377,20 +389,48 @@ def _same_backend(leaves: Sequence[ShardedArray], what: str) -> None:
 
 def _reshard_tree(tree: Any, specs: Any) -> Any:
     leaves, treedef = _leaves(tree, "reshard()")
-    if _is_spec(specs):
-        flat_specs = [specs] * len(leaves)
+    if not leaves:
+        empty: Any = optree.tree_unflatten(treedef, cast("list[Any]", []))
+        return empty
+    src = tuple(a.layout for a in leaves)
+    backend = leaves[0].backend
+    if is_spec(specs):
+        layouts = _tree_targets(src, specs, None, backend)
     else:
         try:
             flat_specs = treedef.flatten_up_to(specs)
         except (ValueError, TypeError) as exc:
             msg = f"reshard() takes one spec or a pytree of specs matching the arrays ({treedef}): {exc}"
             raise SpecError(msg) from None
-    layouts = [as_layout(s, a.shape) for a, s in zip(leaves, flat_specs)]
-    for a, x in zip(leaves, layouts):
-        if x != a.layout:
-            a.backend.check_layout(x)
+        layouts = _tree_targets(src, None, tuple(flat_specs), backend)
     moved: list[Any] = _fused.move_tree(leaves, layouts)
     return optree.tree_unflatten(treedef, moved)
+
+
+def _tree_targets(src: tuple[Layout, ...], spec: Any, specs: tuple[Any, ...] | None, backend: Backend) -> list[Layout]:
+    """The target layout of each leaf (of layouts ``src``): ``spec`` for all, or ``specs[k]`` for leaf ``k``; checked.
+
+    Cached on the tree's layouts and specs, so that a tree moved again resolves and checks
+    nothing per leaf; specs that cannot be hashed are resolved every time.
+    """
+    try:
+        return list(_cached_targets(src, spec, specs, backend))
+    except TypeError as exc:
+        if "unhashable" not in str(exc):
+            raise
+        return list(_targets(src, spec, specs, backend))
+
+
+def _targets(src: tuple[Layout, ...], spec: Any, specs: tuple[Any, ...] | None, backend: Backend) -> tuple[Layout, ...]:
+    flat_specs = specs if specs is not None else (spec,) * len(src)
+    layouts = tuple(as_layout(s, x.shape) for x, s in zip(src, flat_specs))
+    for a, x in zip(src, layouts):
+        if x != a:
+            backend.check_layout(x)
+    return layouts
+
+
+_cached_targets = cached(256)(_targets)
 
 
 def _gather_tree(tree: Any, dst: int | None) -> Any:
@@ -412,13 +452,24 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
     # through gather one by one (as every leaf does in one process): a gathered tensor that needs a
     # gradient is one whose per-shard uses gather's backward sums, on every backend alike.
     grads = torch.is_grad_enabled() and any(a.requires_grad for a in leaves)
-    fused = [
-        k for k, a in enumerate(leaves) if backend.spans_processes and not grads and receivers <= set(a.layout.ranks)
-    ]
+    src = tuple(a.layout for a in leaves)
+    fused, targets = _gather_targets(src, dst, tuple(receivers)) if backend.spans_processes and not grads else ((), ())
     out: list[Any] = [None] * len(leaves)
-    moved = _fused.move_tree([leaves[k] for k in fused], [_reduced(leaves[k].layout, dst) for k in fused])
+    moved = _fused.move_tree([leaves[k] for k in fused], targets)
     for k, a in zip(fused, moved):
         out[k] = a.addressable_data[0] if a.addressable_data else None
     for k in sorted(set(range(len(leaves))) - set(fused)):
         out[k] = gather(leaves[k], dst=dst)
     return optree.tree_unflatten(treedef, out)
+
+
+@cached(256)
+def _gather_targets(
+    src: tuple[Layout, ...], dst: int | None, receivers: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[Layout, ...]]:
+    """The leaves of layouts ``src`` that a gather moves as one tree, and the layouts they move to.
+
+    Those where every receiver holds a shard; each moves to the whole array on every receiver.
+    """
+    fused = tuple(k for k, x in enumerate(src) if set(receivers) <= set(x.ranks))
+    return fused, tuple(_reduced(src[k], dst) for k in fused)

@@ -154,42 +154,228 @@ def _like(arrays: Sequence[ShardedArray]) -> torch.Tensor:
     return like
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Part:
+    """Leaves that move as one piece: one leaf, or several stacked along a new dim ``dim``.
+
+    Leaves stacked together have equal layouts before and after the movement, so a rank holds
+    the same shards of each: its shard ``j`` of the stack is the leaves' shards ``j``, stacked.
+    ``sizes``: the piece's destination shards here (of the stacked shape).
+    """
+
+    leaves: tuple[int, ...]
+    dim: int | None
+    sizes: tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Fused:
+    """One movement of several leaves: the layouts it moves between and its parts, in order.
+
+    ``flat``: the parts take the ranges of a flat array (``flat_layouts``); else there is one
+    part, a stack, moved in its stacked layouts.
+    """
+
+    src: Layout
+    dst: Layout
+    parts: tuple[_Part, ...]
+    flat: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Recipe:
+    """How ``move_tree`` moves a tree of arrays, from their layouts alone (cached).
+
+    ``alone``: the leaves that move one by one; ``fused``: the movements of several leaves.
+    The other leaves are already in their layouts.
+    """
+
+    alone: tuple[int, ...]
+    fused: tuple[_Fused, ...]
+
+
+# A leaf of at most this many bytes is stacked with the leaves of its layouts: a movement's
+# cost per leaf (a shard per leaf to pack, unpack and index) is then paid once per stack.
+# Larger leaves move as leaves of the flat array, where stacking would only add a copy.
+STACK_MAX_BYTES = 1 << 20
+
+
+def _stacked(layout: Layout, n: int, dim: int) -> Layout:
+    """``layout`` of ``n`` arrays stacked along a new dim ``dim`` that no shard splits."""
+    c: Columns = layout.columns
+    rows = len(c.rank)
+    lo = np.insert(c.lo.reshape(rows, layout.ndim), dim, 0, axis=1)
+    sz = np.insert(c.sz.reshape(rows, layout.ndim), dim, n, axis=1)
+    shape = (*layout.shape[:dim], n, *layout.shape[dim:])
+    return Layout.from_arrays(shape, lo, sz, c.rank, list(c.devices), layout.partial)
+
+
+def _flat_stack(src: Layout, dst: Layout, n: int) -> tuple[int, Layout, Layout] | None:
+    """Where ``n`` leaves of layouts ``src -> dst`` stack with every box still a range, and the stacked layouts.
+
+    Along a new dim 0 where that keeps them ranges (no copy to unstack), else along dim 1
+    (dim-0 chunks); ``None`` where neither does.
+    """
+    for dim in range(min(src.ndim, 1) + 1):
+        a, b = _stacked(src, n, dim), _stacked(dst, n, dim)
+        if _fusable(a) and _fusable(b):
+            return dim, a, b
+    return None
+
+
+@cached(256)
+def _recipe(src: tuple[Layout, ...], dst: tuple[Layout, ...], dtypes: tuple[torch.dtype, ...], backend: Any) -> _Recipe:
+    """``move_tree``'s plan for leaves of layouts ``src`` and dtypes ``dtypes`` moving to ``dst`` on ``backend``.
+
+    Per dtype (and pending reductions), across processes: the leaves whose boxes are ranges
+    in one flat movement, small leaves of equal layouts stacked in it. Small leaves of equal
+    layouts whose boxes are no ranges stack on their own (one movement per stack), and so do
+    those of one process, where a movement is copies alone but a movement per leaf costs
+    its call. Every other leaf moves alone.
+    """
+    alone: list[int] = []
+    fused: list[_Fused] = []
+    keys: dict[tuple[Any, ...], list[int]] = {}
+    for k, (a, b, t) in enumerate(zip(src, dst, dtypes)):
+        if a != b:
+            keys.setdefault((t, a.partial, b.partial), []).append(k)
+    for (dtype, *_), found in keys.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        ranges: list[int] = []
+        for members in _classes(src, dst, found, itemsize):
+            first = members[0]
+            stack = _stack(src[first], dst[first], members, backend)
+            if stack is not None:
+                fused.append(stack)
+            elif backend.spans_processes and _fusable(src[first]) and _fusable(dst[first]):
+                ranges += members
+            else:
+                alone += members
+        if len(ranges) > 1:
+            fused.append(_fuse(src, dst, ranges, itemsize, backend))
+        else:
+            alone += ranges
+    return _Recipe(tuple(sorted(alone)), tuple(fused))
+
+
+def _classes(src: tuple[Layout, ...], dst: tuple[Layout, ...], found: list[int], itemsize: int) -> list[list[int]]:
+    """``found`` in classes of equal layouts before and after; a large leaf is a class of its own."""
+    classes: dict[Any, list[int]] = {}
+    for k in found:
+        classes.setdefault((src[k], dst[k]) if src[k].numel * itemsize <= STACK_MAX_BYTES else k, []).append(k)
+    return list(classes.values())
+
+
+def _stack(a: Layout, b: Layout, members: list[int], backend: Any) -> _Fused | None:
+    """A movement of its own for a class of leaves stacked along a new dim 0, where one is due.
+
+    It is for several leaves whose boxes are no ranges across processes (they cannot join
+    the flat array), or in one process; not for copies that are summands with replicas.
+    """
+    if len(members) < 2 or a.terms is not None or b.terms is not None:
+        return None
+    if backend.spans_processes and _fusable(a) and _fusable(b):
+        return None  # they join the flat array
+    sa, sb = _stacked(a, len(members), 0), _stacked(b, len(members), 0)
+    return _Fused(sa, sb, (_Part(tuple(members), 0, _sizes(sb, backend)),), flat=False)
+
+
+def _fuse(src: tuple[Layout, ...], dst: tuple[Layout, ...], leaves: list[int], itemsize: int, backend: Any) -> _Fused:
+    """One flat movement of ``leaves`` (boxes that are ranges): small leaves of equal layouts stacked."""
+    parts: list[_Part] = []
+    a_layouts: list[Layout] = []
+    b_layouts: list[Layout] = []
+    for members in _classes(src, dst, leaves, itemsize):
+        first = members[0]
+        stack = _flat_stack(src[first], dst[first], len(members)) if len(members) > 1 else None
+        if stack is None:
+            for k in members:
+                parts.append(_Part((k,), None, _sizes(dst[k], backend)))
+                a_layouts.append(src[k])
+                b_layouts.append(dst[k])
+        else:
+            dim, sa, sb = stack
+            parts.append(_Part(tuple(members), dim, _sizes(sb, backend)))
+            a_layouts.append(sa)
+            b_layouts.append(sb)
+    flat = flat_layouts(tuple(a_layouts), tuple(b_layouts))
+    assert flat is not None  # every box is a range and the leaves share their pending reductions
+    return _Fused(flat.src, flat.dst, tuple(parts), flat=True)
+
+
+def _sizes(layout: Layout, backend: Any) -> tuple[tuple[int, ...], ...]:
+    sz: Any = layout.columns.sz
+    return tuple(tuple(sz[i].tolist()) for i in backend.addressable(layout))
+
+
 def move_tree(
     arrays: Sequence[ShardedArray], layouts: Sequence[Layout], *, summing: bool = False
 ) -> list[ShardedArray]:
     """Every array moved to its layout, the arrays of one dtype in one movement where their boxes allow.
 
     ``summing``: the backward sums the gradients of the destination's copies (``move_summing``).
-    An array already in its layout is returned as it is.
+    An array already in its layout is returned as it is. Which leaves move together, and
+    how they are laid out in the flat array, is computed once per tree of layouts (``_recipe``).
     """
     out = list(arrays)
+    if not arrays:
+        return out
     move = _autograd.move_summing if summing else _autograd.move
-    for found in _groups(arrays, [a.layout != x for a, x in zip(arrays, layouts)], layouts):
-        # In one process a movement is copies alone, which fusing would not save: leaf by leaf there.
-        ranges = [k for k in found if _fusable(arrays[k].layout) and _fusable(layouts[k])]
-        group = ranges if len(ranges) > 1 and arrays[found[0]].backend.spans_processes else []
-        for k in found:
-            if k not in group:  # boxes that are no ranges, or a leaf alone: a movement of its own
-                a = arrays[k]
-                data, link = move(a.layout, layouts[k], a.backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
-                out[k] = ShardedArray._of(layouts[k], data, a.backend, a.dtype, link)  # pyright: ignore[reportPrivateUsage]
-        if not group:
-            continue
-        leaves = [arrays[k] for k in group]
-        src, dst = tuple(a.layout for a in leaves), tuple(layouts[k] for k in group)
-        flat = flat_layouts(src, dst)
-        assert flat is not None  # every box is a range and the leaves share their pending reductions
-        backend = leaves[0].backend
-        data = tuple(t.reshape(-1) for a in leaves for t in a.addressable_data)
-        moved, link = move(flat.src, flat.dst, backend, data, _like(leaves))
-        at = 0
-        for k, x in zip(group, dst):
-            held = backend.addressable(x)
-            sz: Any = x.columns.sz
-            shards = tuple(moved[at + n].view(tuple(sz[i].tolist())) for n, i in enumerate(held))
-            at += len(held)
-            out[k] = ShardedArray._of(x, shards, backend, arrays[k].dtype, link)  # pyright: ignore[reportPrivateUsage]
+    backend = arrays[0].backend
+    if not all(a.backend is backend for a in arrays) and len({a.backend for a in arrays}) > 1:
+        return _per_backend(arrays, layouts, summing)  # arrays of several backends: each backend's apart
+    recipe = _recipe(tuple(a.layout for a in arrays), tuple(layouts), tuple(a.dtype for a in arrays), backend)
+    for k in recipe.alone:
+        a = arrays[k]
+        data, link = move(a.layout, layouts[k], backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
+        out[k] = ShardedArray._of(layouts[k], data, backend, a.dtype, link)  # pyright: ignore[reportPrivateUsage]
+    for group in recipe.fused:
+        _move_flat(group, arrays, layouts, move, out)
     return out
+
+
+def _per_backend(arrays: Sequence[ShardedArray], layouts: Sequence[Layout], summing: bool) -> list[ShardedArray]:
+    out = list(arrays)
+    by: dict[Any, list[int]] = {}
+    for k, a in enumerate(arrays):
+        by.setdefault(a.backend, []).append(k)
+    for ks in by.values():
+        for k, a in zip(ks, move_tree([arrays[k] for k in ks], [layouts[k] for k in ks], summing=summing)):
+            out[k] = a
+    return out
+
+
+def _move_flat(
+    group: _Fused, arrays: Sequence[ShardedArray], layouts: Sequence[Layout], move: Any, out: list[ShardedArray]
+) -> None:
+    """Runs one movement of several leaves: packs its parts, moves them, and hands each leaf its shards."""
+    members = [arrays[k] for part in group.parts for k in part.leaves]
+    backend = members[0].backend
+    data: list[torch.Tensor] = []
+    for part in group.parts:
+        shards = [arrays[k].addressable_data for k in part.leaves]
+        if part.dim is None:
+            data.extend(t.reshape(-1) for t in shards[0])
+        else:  # one stacked tensor per shard held here: torch.stack packs the leaves in one copy
+            stacked = (torch.stack(ts, part.dim) for ts in zip(*shards))
+            data.extend(t.reshape(-1) for t in stacked) if group.flat else data.extend(stacked)
+    moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
+    at = 0
+    for part in group.parts:
+        got = moved[at : at + len(part.sizes)]
+        at += len(part.sizes)
+        if part.dim is None:
+            (k,) = part.leaves
+            shards = tuple(t.view(s) for t, s in zip(got, part.sizes))
+            out[k] = ShardedArray._of(layouts[k], shards, backend, arrays[k].dtype, link)  # pyright: ignore[reportPrivateUsage]
+            continue
+        # Each stacked shard back as the leaves' shards: views (a copy first where the stack is not dim 0).
+        per_shard = [t.view(s).movedim(part.dim, 0).contiguous().unbind(0) for t, s in zip(got, part.sizes)]
+        of = ShardedArray._of  # pyright: ignore[reportPrivateUsage]  # fits by construction
+        dtype = arrays[part.leaves[0]].dtype
+        shards_of = zip(*per_shard) if per_shard else ((),) * len(part.leaves)
+        for k, shards in zip(part.leaves, shards_of):
+            out[k] = of(layouts[k], shards, backend, dtype, link)
 
 
 def regroup_tree(arrays: Sequence[ShardedArray], mode: str) -> list[ShardedArray]:
