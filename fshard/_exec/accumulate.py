@@ -25,11 +25,12 @@ import torch
 
 from fshard._errors import SpecError
 
-__all__ = ["Key", "no_sync", "set_aside", "syncing", "take_back"]
+__all__ = ["Key", "key_of", "no_sync", "set_aside", "sources", "syncing", "take_back"]
 
 
 class _Mode(threading.local):
     depth = 0
+    sources: tuple[torch.Tensor, ...] | None = None
 
 
 _MODE = _Mode()
@@ -82,6 +83,25 @@ class Key:
     def alive(self) -> bool:
         """Whether every tensor is still there (an id of a dead one may name another)."""
         return all(r() is not None for r in self.refs)
+
+
+@contextlib.contextmanager
+def sources(tensors: Sequence[torch.Tensor]) -> Generator[None, None, None]:
+    """Within it, a movement's set-aside gradients belong to ``tensors`` (the arrays' shards it packed).
+
+    A movement of several leaves packs them (a stack is a new tensor each step): the key is
+    the leaves' shard tensors, which are the same at every micro-batch.
+    """
+    outer, _MODE.sources = _MODE.sources, tuple(tensors)
+    try:
+        yield
+    finally:
+        _MODE.sources = outer
+
+
+def key_of(inputs: Sequence[torch.Tensor]) -> Key:
+    """The key of a movement of ``inputs``: the ``sources`` around it where given."""
+    return Key(_MODE.sources if _MODE.sources is not None else inputs)
 
 
 _ASIDE: dict[tuple[int, ...], tuple[Key, list[torch.Tensor]]] = {}

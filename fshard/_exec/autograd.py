@@ -38,7 +38,7 @@ from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
-from fshard._exec.accumulate import Key, set_aside, syncing, take_back
+from fshard._exec.accumulate import key_of, set_aside, syncing, take_back
 from fshard._exec.replicas import check_global, checking
 from fshard._layout.batch import with_batch
 from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
@@ -196,7 +196,7 @@ class _MoveSumming(_Move):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         _Move.setup_context(ctx, inputs, output)
-        ctx.sync, ctx.key = syncing(), Key(inputs[4:])
+        ctx.sync, ctx.key = syncing(), key_of(inputs[4:])
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
@@ -387,7 +387,7 @@ class _Regroup(torch.autograd.Function):
         layout, backend, mode, like = inputs[:4]
         ctx.args = (layout, backend, mode, like.dtype, like.device)
         ctx.like_shape = like.shape
-        ctx.sync, ctx.key = syncing(), Key(inputs[4:]) if mode == "sum" else None
+        ctx.sync, ctx.key = syncing(), key_of(inputs[4:]) if mode == "sum" else None
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on

@@ -33,6 +33,7 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
+from fshard._exec import accumulate as _accumulate
 from fshard._exec import autograd as _autograd
 from fshard._exec import buckets as _buckets
 from fshard._layout.layout import Layout, replica_ids
@@ -359,7 +360,8 @@ def _move_flat(
         else:  # one stacked tensor per shard held here: torch.stack packs the leaves in one copy
             stacked = (torch.stack(ts, part.dim) for ts in zip(*shards))
             data.extend(t.reshape(-1) for t in stacked) if group.flat else data.extend(stacked)
-    moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
+    with _accumulate.sources([t for m in members for t in m.addressable_data]):  # what no_sync keys on
+        moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
     at = 0
     for part in group.parts:
         got = moved[at : at + len(part.sizes)]
