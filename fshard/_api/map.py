@@ -15,7 +15,9 @@ gradient (each counts 1/copies), which together give the exact gradient by linea
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import types
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, cast
@@ -168,7 +170,7 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
         raise TypeError(f"shard_map() check_vma must be a bool, got {check_vma!r} ({type(check_vma).__name__}).")
 
     specs = cast("Sequence[Any]", in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
-    reducing = Reducing(specs)
+    reducing = Reducing(specs, fn)
 
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:
@@ -426,14 +428,25 @@ class Reducing:
     """What the bodies of one ``shard_map`` need to reduce inside (``psum``): its in_specs.
 
     ``threaded`` is set once a body of it has reduced on the local backend, where its bodies
-    then run concurrently from the start.
+    then run concurrently from the start; so is it for a new ``shard_map`` of a function whose
+    code has reduced before (a body that a caller wraps anew at every step).
     """
 
-    __slots__ = ("specs", "threaded")
+    __slots__ = ("code", "specs", "threaded")
 
-    def __init__(self, specs: Sequence[Any]) -> None:
+    def __init__(self, specs: Sequence[Any], fn: Callable[..., Any]) -> None:
         self.specs = tuple(specs)
-        self.threaded = False
+        self.code = getattr(inspect.unwrap(fn), "__code__", None)
+        self.threaded = self.code is not None and self.code in _REDUCED
+
+    def reduced(self) -> None:
+        """Its bodies reduce: from now on they start concurrently, and so do those of its code."""
+        self.threaded = True
+        if self.code is not None:
+            _REDUCED.add(self.code)
+
+
+_REDUCED: set[types.CodeType] = set()  # the code of bodies that reduced (one entry per function written)
 
 
 def _bodies(
@@ -459,7 +472,7 @@ def _bodies(
                     with _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
                         out.append((slot, fn(*blocks)))
         except _body.NeedsThreads:
-            reducing.threaded = True
+            reducing.reduced()
         else:
             return out
     if _body.in_transform():
