@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from test_examples import EXAMPLES, example
 
 import fshard
@@ -161,6 +162,74 @@ def test_five_steps_on_4_gloo_processes_match_the_dense_model_and_resume_on_2_ra
         assert _diff(losses, want) <= TOL, f"rank {rank}"
     assert (path / "index.json").is_file()
     _check_resumed(path)
+
+
+class _Checkpointed(torch.nn.Module):
+    """examples/gpt_modules_tp.py's GPT with every block under torch.utils.checkpoint (use_reentrant=False)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = _gpt().make_model()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        gpt = self.gpt
+        x = gpt.wte(tokens) + gpt.wpe(torch.arange(tokens.shape[1]))
+        for block in gpt.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return gpt.head(gpt.ln(x))
+
+
+def _checkpointed_steps(steps: int) -> tuple[list[float], list[float], float]:
+    """Losses of TP+DP steps of the checkpointed GPT, the dense model's, and the largest parameter difference."""
+    g = _gpt()
+    model = _Checkpointed()
+    ranks = list(range(dist.get_world_size())) if dist.is_initialized() else R4
+    rules = fshard.tensor_parallel(_mesh(ranks), g.PLAN)
+    params, buffers = fshard.shard_module(model, rules)
+    losses = g.train(model, rules, params, buffers, range(steps))
+    want, weights = g.dense(steps)
+    with torch.no_grad():
+        worst = max(float((fshard.gather(a) - weights[n.removeprefix("gpt.")]).abs().max()) for n, a in params.items())
+    return losses, want, worst
+
+
+def test_checkpointed_blocks_train_like_the_dense_model():
+    # The recomputation in the backward runs outside the body: each row-parallel Linear
+    # gives back the sum its forward computed instead of meeting the other placements again.
+    losses, want, worst = _checkpointed_steps(2)
+    assert _diff(losses, want) <= TOL
+    assert worst <= TOL
+
+
+@pytest.mark.multiprocess
+def test_checkpointed_blocks_train_like_the_dense_model_on_4_gloo_processes(dist_pool):
+    for rank, (losses, want, worst) in enumerate(dist_pool.run(_checkpointed_steps, 2, timeout=240)):
+        assert _diff(losses, want) <= TOL, f"rank {rank}"
+        assert worst <= TOL, f"rank {rank}"
+
+
+class _TwiceInOneCheckpoint(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def twice(h: torch.Tensor) -> torch.Tensor:
+            return self.out(self.fc(self.out(self.fc(h))).tanh())
+
+        return torch.utils.checkpoint.checkpoint(twice, x, use_reentrant=False)
+
+
+def test_checkpointing_a_row_parallel_linear_called_twice_is_refused():
+    model = _TwiceInOneCheckpoint().double()
+    rules = fshard.tensor_parallel(_mesh(), {"fc": "colwise", "out": "rowwise"})
+    params, buffers = fshard.shard_module(model, rules)
+    x = fshard.shard(torch.randn(4, 4, dtype=torch.float64), rules.rows)
+    total, _ = fshard.apply_module(
+        model, params, buffers, x, method=lambda m, xb: m(xb).sum()[None], out_specs=rules.summed, rules=rules
+    )
+    with pytest.raises(fshard.SpecError, match=re.escape("but its clone ran 2 times in the forward")):
+        fshard.gather(total)[0].backward()
 
 
 # -- the program stays short --------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from fshard._api.psum import psum
 from fshard._errors import SpecError
+from fshard._exec import body as _body
 from fshard._layout.specs import Mesh, Named, Partial
 
 __all__ = ["TensorParallel", "row_parallel_class", "tensor_parallel"]
@@ -148,7 +149,9 @@ def tensor_parallel(
     ``rules=``; batches go in as ``rules.rows`` (rows split over ``dp``) and a summed loss
     comes out as ``rules.summed``. Attention must reshape with ``-1`` heads
     (``view(b, t, -1, head_dim)``, as Hugging Face's Llama does), since each placement
-    holds ``heads / tp`` of them.
+    holds ``heads / tp`` of them. Under ``torch.utils.checkpoint`` (``use_reentrant=False``) a
+    row-parallel Linear's recomputation reuses the sum its forward computed, so each must be
+    called once per forward.
 
     Args:
         mesh: the mesh of the placements the module runs on.
@@ -197,6 +200,29 @@ def row_parallel_class(cls: type[torch.nn.Linear]) -> type[torch.nn.Linear]:
 
 
 def _row_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    y = psum(F.linear(x, self.weight), vars(self)["_tp_axis"])
+    state, y = vars(self), F.linear(x, self.weight)
+    if _body.current() is None:  # recomputed by torch.utils.checkpoint in the backward
+        y = _forward_sum(state)  # after the product, which saves the tensors the forward saved
+    else:
+        y = psum(y, state["_tp_axis"])
+        state.setdefault("_tp_sums", []).append(y.detach())
     bias = cast("torch.Tensor | None", self.bias)  # None where the Linear was built with bias=False
     return y if bias is None else y + bias
+
+
+def _forward_sum(state: dict[str, Any]) -> torch.Tensor:
+    """The sum this clone's forward computed: a recomputation outside the body cannot meet the other placements.
+
+    ``torch.utils.checkpoint`` (``use_reentrant=False``) recomputes only to refill saved
+    tensors; the backward runs through the forward's own graph, whose sum spans every
+    placement, so the forward's value is what the recomputation needs.
+    """
+    sums = cast("list[torch.Tensor] | None", state.get("_tp_sums"))
+    if sums is None or len(sums) != 1:
+        msg = (
+            "apply_module(): a row-parallel Linear was recomputed outside its shard_map body (activation "
+            f"checkpointing), but its clone ran {0 if sums is None else len(sums)} times in the forward; "
+            "checkpointing under tensor parallelism needs each row-parallel Linear called once per forward."
+        )
+        raise SpecError(msg)
+    return sums[0]
