@@ -193,11 +193,11 @@ def apply_module(
     placements = _placements(inputs, params)
     everywhere = Replicated(placements)
     tp = _tensor_parallel(rules, module, placements)
-    param_specs = [everywhere] * len(pnames) if tp is None else [tp.body_spec(n) for n in pnames]
+    no_rows: Mapping[int, str] = {}
+    param_specs, rows = ([everywhere] * len(pnames), no_rows) if tp is None else _tp_plan(tp, module, found)
     in_specs = [*param_specs, *([everywhere] * len(bnames)), *(_in_spec(v, everywhere) for v in inputs)]
     updated = found.updated
     n_args = len(args)
-    rows: Mapping[int, str] = {} if tp is None else _row_parallel(tp, module, found)
 
     def body(*blocks: Any) -> Any:
         ps = dict(zip(pnames, blocks))
@@ -236,19 +236,20 @@ def _tensor_parallel(rules: Any, module: torch.nn.Module, placements: Sequence[P
     return rules
 
 
-_ROWS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Structure, TensorParallel, Mapping[int, str]]] = (
+_TP: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Structure, TensorParallel, list[Any], Mapping[int, str]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _row_parallel(tp: TensorParallel, module: torch.nn.Module, found: Structure) -> Mapping[int, str]:
-    """``tp.check(module)``, cached while the module's structure and the rules stay the same."""
-    hit = _ROWS.get(module)
+def _tp_plan(tp: TensorParallel, module: torch.nn.Module, found: Structure) -> tuple[list[Any], Mapping[int, str]]:
+    """The parameters' body specs and ``tp.check(module)``, cached while the module and the rules stay the same."""
+    hit = _TP.get(module)
     if hit is not None and hit[0] is found and hit[1] == tp:
-        return hit[2]
+        return hit[2], hit[3]
     rows = tp.check(module)
-    _ROWS[module] = (found, tp, rows)
-    return rows
+    specs = [tp.body_spec(n) for n in found.params]
+    _TP[module] = (found, tp, specs, rows)
+    return specs, rows
 
 
 @contextlib.contextmanager
