@@ -83,6 +83,14 @@ def test_five_steps_on_a_2x2_mesh_match_the_dense_model_locally():
     assert result["ok"]
 
 
+def test_the_script_checks_1_and_2_ranks(capsys: pytest.CaptureFixture[str]):
+    assert _gpt().main(["--ranks", "1", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp=1, tp=1" in out
+    assert "dp=1, tp=2" in out
+    assert "MISMATCH" not in out
+
+
 def test_fsdp_over_dp_trains_like_the_dense_model():
     g = _gpt()
     model = g.make_model()
