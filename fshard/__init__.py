@@ -22,6 +22,8 @@ from fshard._api.module_apply import apply_module as apply_module
 from fshard._api.module_rules import fully_sharded as fully_sharded
 from fshard._api.module_rules import replicated as replicated
 from fshard._api.module_rules import shard_module as shard_module
+from fshard._api.module_tp import TensorParallel as TensorParallel
+from fshard._api.module_tp import tensor_parallel as tensor_parallel
 from fshard._api.modules import load_state_dict as load_state_dict
 from fshard._api.modules import shard_params as shard_params
 from fshard._api.move import allclose as allclose
@@ -101,6 +103,7 @@ __all__ = [
     "Single",
     "SpecError",
     "Split",
+    "TensorParallel",
     "Transfer",
     "allclose",
     "apply_module",
@@ -146,6 +149,7 @@ __all__ = [
     "shard_map",
     "shard_module",
     "shard_params",
+    "tensor_parallel",
     "to_dtensor",
     "to_sharded_tensor",
     "zeros",

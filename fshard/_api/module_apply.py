@@ -11,10 +11,12 @@ the module and back, so code that runs the module again later (the recomputation
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -22,6 +24,7 @@ import torch.utils.checkpoint
 
 from fshard._api.map import map_local, shard_map
 from fshard._api.module_rules import Structure, structure
+from fshard._api.module_tp import TensorParallel, row_parallel_class
 from fshard._api.move import reshard
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
@@ -80,7 +83,7 @@ def functional_clone(
     Returns the clone and the copies by the ``id`` of their originals.
     """
     memo: dict[int, torch.nn.Module] = {}
-    return _copy(module, structure(module), params, buffers, memo, torch.is_grad_enabled()), memo
+    return _copy(module, structure(module), params, buffers, memo, torch.is_grad_enabled(), {}), memo
 
 
 def _copy(
@@ -90,12 +93,17 @@ def _copy(
     buffers: Mapping[str, Any],
     memo: dict[int, torch.nn.Module],
     guard: bool,
+    rows: Mapping[int, str],
 ) -> torch.nn.Module:
     done = memo.get(id(module))
     if done is not None:
         return done
     out = copy.copy(module)
     memo[id(module)] = out
+    axis = rows.get(id(module))
+    if axis is not None:  # a row-parallel Linear: its clone sums its product over the axis
+        out.__class__ = row_parallel_class(type(cast("torch.nn.Linear", module)))
+        vars(out)["_tp_axis"] = axis
     own_params, own_buffers = (dict(kind) for kind in found.slots[id(module)])
     old = vars(module)
     state = vars(out)
@@ -105,7 +113,7 @@ def _copy(
     state["_buffers"] = {k: None if v is None else buffers[own_buffers[k]] for k, v in old["_buffers"].items()}
     children = cast("dict[str, torch.nn.Module | None]", old["_modules"])
     state["_modules"] = {
-        k: None if m is None else _copy(m, found, params, buffers, memo, guard) for k, m in children.items()
+        k: None if m is None else _copy(m, found, params, buffers, memo, guard, rows) for k, m in children.items()
     }
     return out
 
@@ -118,6 +126,7 @@ def apply_module(
     *args: Any,
     out_specs: Any = None,
     method: Callable[..., Any] | None = None,
+    rules: Any = None,
     **kwargs: Any,
 ) -> tuple[Any, dict[str, ShardedArray]]:
     """Runs ``module`` on sharded parameters and inputs: ``(out, new_buffers)``; the module is not changed.
@@ -150,6 +159,10 @@ def apply_module(
             array argument is laid out that way, ``Replicated`` when it is replicated.
         method: runs ``method(clone, *args, **kwargs)`` instead of the forward (a loss of the
             module's output, say).
+        rules: the rules ``params`` were sharded with. Tensor-parallel ones
+            (``fshard.tensor_parallel``) give each parameter its block inside the body instead
+            of the whole tensor, and sum the row-parallel Linears' products over their axis;
+            the default result spec is then ``rules.rows``. Other rules change nothing.
         kwargs: the forward's keyword arguments.
 
     Returns:
@@ -157,7 +170,9 @@ def apply_module(
 
     Raises:
         SpecError: a parameter or buffer of the module is missing from ``params``/``buffers``,
-            the default ``out_specs`` does not apply, or the checks of ``fshard.shard_map``.
+            the default ``out_specs`` does not apply, tensor-parallel ``rules`` that do not fit
+            the module or its placements (or a reshape that fixes the head count), or the
+            checks of ``fshard.shard_map``.
 
     >>> import torch, fshard
     >>> torch.manual_seed(0) and None
@@ -177,7 +192,10 @@ def apply_module(
     inputs = [*args, *kwargs.values()]
     placements = _placements(inputs, params)
     everywhere = Replicated(placements)
-    in_specs = [*([everywhere] * (len(pnames) + len(bnames))), *(_in_spec(v, everywhere) for v in inputs)]
+    tp = _tensor_parallel(rules, module, placements)
+    no_rows: Mapping[int, str] = {}
+    param_specs, rows = ([everywhere] * len(pnames), no_rows) if tp is None else _tp_plan(tp, module, found)
+    in_specs = [*param_specs, *([everywhere] * len(bnames)), *(_in_spec(v, everywhere) for v in inputs)]
     updated = found.updated
     n_args = len(args)
 
@@ -187,18 +205,68 @@ def apply_module(
         olds = {name: bs[name] for name in updated}
         bs.update({name: t.clone() for name, t in olds.items()})
         memo: dict[int, torch.nn.Module] = {}
-        clone = _copy(module, found, ps, bs, memo, torch.is_grad_enabled())
+        clone = _copy(module, found, ps, bs, memo, torch.is_grad_enabled(), rows)
         rest = blocks[len(pnames) + len(bnames) :]
         call_args, call_kwargs = rest[:n_args], dict(zip(keys, rest[n_args:]))
-        out = clone(*call_args, **call_kwargs) if method is None else method(clone, *call_args, **call_kwargs)
+        with _local_heads_hint(tp):
+            out = clone(*call_args, **call_kwargs) if method is None else method(clone, *call_args, **call_kwargs)
         return out, {name: _delta(_read_back(found, memo, name), olds[name]) for name in updated}
 
     first = next((v for v in inputs if isinstance(v, ShardedArray)), None)
-    specs = (_default_out_specs(first, placements) if out_specs is None else out_specs,
+    specs = (_default_out_specs(first, placements, tp) if out_specs is None else out_specs,
              {name: Partial(everywhere) for name in updated})  # fmt: skip
-    run = shard_map(body, in_specs=tuple(in_specs), out_specs=specs)
+    # Under tensor parallelism a result is whole along tp because psum made it so, which the
+    # replication check cannot see; check mode still compares the copies' contents.
+    run = shard_map(body, in_specs=tuple(in_specs), out_specs=specs, check_vma=tp is None)
     out, deltas = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
     return out, _updated_buffers(buffers, deltas, len(placements))
+
+
+def _tensor_parallel(rules: Any, module: torch.nn.Module, placements: Sequence[Placement]) -> TensorParallel | None:
+    """``rules`` when they are tensor-parallel and fit where the module runs; ``None`` for other rules."""
+    if not isinstance(rules, TensorParallel):
+        return None
+    if set(rules.mesh.ranks) != set(placements):
+        msg = (
+            f"apply_module() rules are tensor-parallel on a mesh of {[str(p) for p in rules.mesh.ranks]}, but the "
+            f"module runs on {[str(p) for p in placements]} (the first array argument's placements): shard the "
+            "inputs over the mesh, e.g. fshard.shard(x, rules.rows)."
+        )
+        raise SpecError(msg)
+    return rules
+
+
+_TP: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Structure, TensorParallel, list[Any], Mapping[int, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _tp_plan(tp: TensorParallel, module: torch.nn.Module, found: Structure) -> tuple[list[Any], Mapping[int, str]]:
+    """The parameters' body specs and ``tp.check(module)``, cached while the module and the rules stay the same."""
+    hit = _TP.get(module)
+    if hit is not None and hit[0] is found and hit[1] == tp:
+        return hit[2], hit[3]
+    rows = tp.check(module)
+    specs = [tp.body_spec(n) for n in found.params]
+    _TP[module] = (found, tp, specs, rows)
+    return specs, rows
+
+
+@contextlib.contextmanager
+def _local_heads_hint(tp: TensorParallel | None) -> Generator[None, None, None]:
+    """Names the likely cause when a reshape fails on a placement's share of a column-parallel output."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if tp is None or "is invalid for input of size" not in str(exc):
+            raise
+        msg = (
+            f"apply_module(): a reshape failed on a placement's block ({exc}). Under tensor parallelism a "
+            f"column-parallel Linear gives each placement 1/{tp.mesh.shape[tp.mesh.axis_names.index(tp.tp)]} of "
+            "its output features (its share of the attention heads): reshape with -1 heads "
+            "(x.view(b, t, -1, head_dim)), not a fixed head count, and split a number of heads that tp divides."
+        )
+        raise SpecError(msg) from exc
 
 
 def _check_names(what: str, given: Mapping[str, Any], names: Sequence[str]) -> None:
@@ -234,7 +302,9 @@ def _in_spec(value: Any, everywhere: Replicated) -> Any:
     return everywhere if isinstance(value, torch.Tensor) else None
 
 
-def _default_out_specs(first: ShardedArray | None, placements: list[Placement]) -> Any:
+def _default_out_specs(first: ShardedArray | None, placements: list[Placement], tp: TensorParallel | None) -> Any:
+    if tp is not None and first is not None and first.layout == tp.rows.layout(first.shape):
+        return tp.rows
     if first is None or first.layout == Replicated(placements).layout(first.shape):
         return Replicated(placements)
     if first.ndim and first.layout == Chunk(0, placements).layout(first.shape):

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 
+from fshard._api.module_tp import TensorParallel
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
@@ -169,8 +170,9 @@ def shard_module(
 
     Args:
         module: the ``torch.nn.Module`` to read.
-        rules: patterns to specs, or a function of name and tensor; ``fshard.replicated(ranks)``
-            and ``fshard.fully_sharded(ranks)`` give the common ones.
+        rules: patterns to specs, or a function of name and tensor; ``fshard.replicated(ranks)``,
+            ``fshard.fully_sharded(ranks)`` and ``fshard.tensor_parallel(mesh, plan)`` give the
+            common ones.
         backend: for the arrays (default: torch_dist when initialised, else local).
 
     Returns:
@@ -178,7 +180,8 @@ def shard_module(
 
     Raises:
         SpecError: a parameter that no rule names, a pattern that names nothing, or a spec
-            that does not fit its tensor; the message names the entry and the fix.
+            that does not fit its tensor (a tensor-parallel pattern that names no Linear);
+            the message names the entry and the fix.
 
     >>> import torch, fshard
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
@@ -191,6 +194,8 @@ def shard_module(
         raise TypeError(f"shard_module() takes a torch.nn.Module, got {type(module).__name__}.")
     rule_of = _rule_function(rules)
     found = structure(module)
+    if isinstance(rules, TensorParallel):
+        rules.check(module)
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     specs = {name: rule_of(name, tensors[name]) for name in (*found.params, *found.buffers)}
     _check_unused(rules, (*found.params, *found.buffers, *(a for a, _ in found.ties)))
