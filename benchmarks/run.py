@@ -34,6 +34,7 @@ CASE_MODULES = (
     "fshard.benchmarks.autograd",
     "fshard.benchmarks.dist",
     "fshard.benchmarks.training",
+    "fshard.benchmarks.imports",
     "fshard.benchmarks.dcp",
     "fshard.benchmarks.hf",
 )

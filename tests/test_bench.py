@@ -120,6 +120,7 @@ def test_collect_has_every_module_and_filters() -> None:
         "fshard.benchmarks.autograd",
         "fshard.benchmarks.dist",
         "fshard.benchmarks.training",
+        "fshard.benchmarks.imports",
         "fshard.benchmarks.dcp",
         "fshard.benchmarks.hf",
     )
@@ -130,6 +131,7 @@ def test_collect_has_every_module_and_filters() -> None:
         "autograd",
         "torch_dist",
         "training",
+        "import",
     }
     only = run.collect(Settings(quick=True), ["dim0-dim1"])  # a scenario key
     assert [(c.group.split(":")[0], c.name) for c in only] == [("torch_dist", "reshard dim 0 -> dim 1, 1 MiB")]
@@ -489,3 +491,15 @@ def test_hf_cases_run_on_two_processes() -> None:
     assert "disk bytes read 1.0 MiB = 1.000x distinct boxes" in fshard_rows[0].note
     assert "disk bytes read 1.0 MiB = 1.000x one copy" in fshard_rows[1].note
     assert "2 files, one per rank" in fshard_rows[2].note
+
+
+def test_the_import_case_gives_what_fshard_adds_to_torch_against_its_target() -> None:
+    from fshard.benchmarks import imports
+
+    added, alone = imports.ImportCase().run(Settings(quick=True))
+    assert (added.impl, alone.impl) == ("import fshard (added)", "import torch")
+    assert added.reps == alone.reps == 3
+    assert len(added.samples) == len(alone.samples) == 3
+    assert added.target == "<= +0.2 s and +10 MiB"
+    assert added.ok is (added.seconds <= 0.2 and added.peak_mib <= 10.0)
+    assert alone.seconds > added.seconds > 0  # torch itself costs more than what fshard adds
