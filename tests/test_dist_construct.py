@@ -107,6 +107,37 @@ def test_from_local_tensor(dist_pool):
     dist_pool.run(_from_local_tensor)
 
 
+def _from_local_tree():
+    from fshard.backends.torch_dist import TorchDistBackend
+
+    rank, counters = dist.get_rank(), TorchDistBackend().counters
+    rows, targets = torch.full((rank + 1, 3), float(rank)), torch.arange(rank + 1)
+    before = counters.collectives
+    tree = fshard.from_local_tensor({"x": rows, "y": targets}, dim=0)
+    exchanges = counters.collectives - before
+    alone = [fshard.from_local_tensor(rows), fshard.from_local_tensor(targets)]
+    same = [tree["x"].layout == alone[0].layout, tree["y"].layout == alone[1].layout]
+    same += [torch.equal(fshard.gather(tree[k]), fshard.gather(a)) for k, a in zip("xy", alone)]
+    with pytest.raises(fshard.SpecError, match="trees of different sizes"):
+        fshard.from_local_tensor([rows] * (1 + (rank == 3)), dim=0)
+    return exchanges, same
+
+
+@pytest.mark.multiprocess
+def test_from_local_tensor_of_a_tree_exchanges_once(dist_pool):
+    for exchanges, same in dist_pool.run(_from_local_tree, timeout=60):
+        assert exchanges == 1
+        assert all(same)
+
+
+def test_from_local_tensor_of_a_tree_in_one_process_and_its_refusals():
+    xs, ys = fshard.from_local_tensor((torch.zeros(4, 3), torch.ones(4)), dim=0)
+    assert (tuple(xs.shape), tuple(ys.shape)) == ((4, 3), (4,))
+    for bad in ([], [torch.zeros(2), 3], fshard.shard(torch.zeros(2), fshard.Chunk(0, [0]))):
+        with pytest.raises(TypeError, match="a tuple, list or dict of them"):
+            fshard.from_local_tensor(bad, dim=0)
+
+
 # -- single process: the checks themselves, and the local backend ---------------------------
 
 

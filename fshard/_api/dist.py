@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
+import optree
 import torch
 
 from fshard._array.array import Shard, ShardedArray
@@ -192,8 +193,12 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
 
 
 @collective("from_local_tensor", local=("tensor",))
-def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: Any = None) -> ShardedArray:
+def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: Any = None) -> Any:
     """Builds an array from each rank's local tensor: a block along ``dim``, or its shard of a spec.
+
+    With an int ``dim``, ``tensor`` may also be a tuple, list or dict of tensors (a rank's
+    batch and its targets, say): the result is the same structure of arrays, built with one
+    exchange for all of them.
 
     With an int ``dim``, rank ``i``'s tensor is block ``i`` along ``dim``: blocks
     are stacked in group-rank order; their sizes along ``dim`` may differ (and be
@@ -217,6 +222,9 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
     >>> y = fshard.from_local_tensor([torch.zeros(2, 2), torch.ones(1, 2)], spec, (3, 2))
     >>> fshard.gather(y)[:, 0].tolist(), [s.placement.rank for s in y.layout.shards]
     ([0.0, 0.0, 1.0], [1, 0])
+    >>> xs, ys = fshard.from_local_tensor((torch.zeros(4, 3), torch.ones(4)), dim=0)
+    >>> xs.shape, ys.shape
+    (torch.Size([4, 3]), torch.Size([4]))
 
     Raises:
         SpecError: ``dim`` is out of range, blocks disagree off ``dim`` or in dtype, a
@@ -224,8 +232,8 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
             contiguous ("not a contiguous Tensor").
         LayoutError: a local tensor does not have its shard's sizes, or a rank passes
             more or fewer tensors than it holds shards.
-        TypeError: ``tensor`` is not a ``torch.Tensor``, ``dim`` neither an int nor a spec,
-            or ``group`` not a process group.
+        TypeError: ``tensor`` is not a ``torch.Tensor`` (or, with an int ``dim``, a tree of them),
+            ``dim`` neither an int nor a spec, or ``group`` not a process group.
     """
     if not isinstance(dim, int) or isinstance(dim, bool):
         if not (is_spec(dim) or is_torch_spec(dim)):
@@ -234,11 +242,31 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
         return _from_local_tensor_and_spec(tensor, dim, shape, _backend(group, "from_local_tensor()"))
     if shape is not None:
         raise TypeError(f"from_local_tensor(tensor, dim={dim}) takes no shape; shape goes with a spec.")
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"from_local_tensor() takes a torch.Tensor, got {type(tensor).__name__}.")
+    if isinstance(tensor, torch.Tensor):
+        backend = _backend(group, "from_local_tensor()")
+        return _along(tensor, dim, backend.exchange(_info(tensor, backend)), backend)
+    leaves, treedef = optree.tree_flatten(tensor)
+    if isinstance(tensor, ShardedArray) or not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        msg = (
+            f"from_local_tensor() takes a torch.Tensor, or a tuple, list or dict of them (each rank's "
+            f"blocks of several arrays), got {type(tensor).__name__}."
+        )
+        raise TypeError(msg)
     backend = _backend(group, "from_local_tensor()")
-    info = (backend.rank or 0, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, str(tensor.device))
-    seen = backend.exchange(info)
+    seen = backend.exchange([_info(t, backend) for t in leaves])  # one exchange for the whole tree
+    if len({len(s) for s in seen}) > 1:
+        counts = ", ".join(f"rank {s[0][0]}: {len(s)}" for s in seen if s)
+        raise SpecError(f"from_local_tensor(): ranks passed trees of different sizes ({counts}); pass one structure.")
+    return optree.tree_unflatten(treedef, [_along(t, dim, [s[k] for s in seen], backend) for k, t in enumerate(leaves)])
+
+
+def _info(tensor: torch.Tensor, backend: Backend) -> tuple[Any, ...]:
+    """What ranks exchange about a local block: rank, shape, dtype, requires_grad, device."""
+    return (backend.rank or 0, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, str(tensor.device))
+
+
+def _along(tensor: torch.Tensor, dim: int, seen: Sequence[Any], backend: Backend) -> ShardedArray:
+    """The array whose blocks along ``dim`` are the ranks' tensors, given every rank's ``_info`` (``seen``)."""
     ndims = {len(s[1]) for s in seen}
     if len(ndims) > 1:
         given = ", ".join(f"rank {s[0]} {s[1]}" for s in seen)
