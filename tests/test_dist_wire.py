@@ -97,6 +97,8 @@ def _no_pickle_loads(path: str):
     def refuse(*args, **kwargs):
         raise AssertionError("pickle loader called")
 
+    import torch._dynamo  # torch loads it at a dispatch mode's first call; its import subclasses Unpickler
+
     saved = pickle.loads, pickle.load, pickle.Unpickler
     pickle.loads = pickle.load = pickle.Unpickler = refuse
     old = fshard.config(check_collectives=True, check_timeout=30.0)

@@ -355,16 +355,19 @@ class TorchDistBackend:
         mine = self.addressable(layout)
         return shard_device(layout, mine[0]) if mine else (like.device if like.device == self._wire else self._wire)
 
-    def all_reduce_among(self, t: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+    def all_reduce_among(
+        self, t: torch.Tensor, ranks: tuple[int, ...], partition: tuple[tuple[int, ...], ...] = ()
+    ) -> torch.Tensor:
         """The sum of ``t`` over the processes of global ``ranks`` (``psum`` in a ``shard_map`` body).
 
         Every rank of the group calls it alike, each with the ranks it sums with (this rank
-        among them); one ``all_reduce`` on the process group of those ranks.
+        among them), one group of ``partition`` (every group of the sum); one ``all_reduce``
+        on the process group of those ranks.
         """
         self._require_member("psum")
         self._check("psum", (), t.dtype)
         with in_flight():
-            out = all_reduce_among(t, ranks, self._wire)
+            out = all_reduce_among(t, ranks, self._wire, partition or (ranks,))
         n = len(ranks)
         self._count(2 * (n - 1) * t.numel() // n)  # a ring all-reduce's elements from each rank
         return out

@@ -69,8 +69,9 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
         if _shared_rank(body.placements):
             msg = "psum() on torch_dist needs one placement per process; the body's placements share a rank."
             raise SpecError(msg)
-        ranks = tuple(body.placements[j].rank for j in groups[of[body.index]])
-        return cast(torch.Tensor, _body.AllReduce.apply(body.backend, ranks, x))  # pyright: ignore[reportUnknownMemberType]
+        partition = tuple(tuple(body.placements[j].rank for j in g) for g in groups)
+        ranks = partition[of[body.index]]
+        return cast(torch.Tensor, _body.AllReduce.apply(body.backend, partition, ranks, x))  # pyright: ignore[reportUnknownMemberType]
     if body.rendezvous is None:
         raise _body.NeedsThreads
     return body.rendezvous.reduce(body.index, axes, x, groups, lambda ts: _body.GroupSum.apply(groups, *ts))  # pyright: ignore[reportUnknownMemberType, reportUnknownLambdaType, reportUnknownArgumentType]

@@ -275,16 +275,22 @@ def group_sums(groups: tuple[tuple[int, ...], ...], tensors: Sequence[torch.Tens
 
 
 class AllReduce(torch.autograd.Function):
-    """The sum over the processes of ``ranks`` (``backend.all_reduce_among``); its own transpose."""
+    """The sum over the processes of ``ranks``, one group of ``partition`` (``backend.all_reduce_among``).
+
+    Its own transpose.
+    """
 
     @staticmethod
-    def forward(backend: Any, ranks: tuple[int, ...], t: torch.Tensor) -> torch.Tensor:
-        return backend.all_reduce_among(t, ranks)
+    def forward(
+        backend: Any, partition: tuple[tuple[int, ...], ...], ranks: tuple[int, ...], t: torch.Tensor
+    ) -> torch.Tensor:
+        return backend.all_reduce_among(t, ranks, partition)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.backend, ctx.ranks = inputs[0], inputs[1]
+        ctx.backend, ctx.partition, ctx.ranks = inputs[0], inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        return None, None, AllReduce.apply(ctx.backend, ctx.ranks, grads[0])  # pyright: ignore[reportUnknownMemberType]
+        summed = cast("torch.Tensor", AllReduce.apply(ctx.backend, ctx.partition, ctx.ranks, grads[0]))  # pyright: ignore[reportUnknownMemberType]
+        return None, None, None, summed
