@@ -171,8 +171,9 @@ def apply_module(
     Raises:
         SpecError: a parameter or buffer of the module is missing from ``params``/``buffers``,
             the default ``out_specs`` does not apply, tensor-parallel ``rules`` that do not fit
-            the module or its placements (or a reshape that fixes the head count), or the
-            checks of ``fshard.shard_map``.
+            the module or its placements (or a reshape that fixes the head count), values would
+            have to come off the meta device, or the checks of ``fshard.shard_map``.
+        TypeError: ``module`` is not a module, or ``method`` is neither ``None`` nor callable.
 
     >>> import torch, fshard
     >>> torch.manual_seed(0) and None

@@ -48,6 +48,8 @@ def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
         in ``params`` (``optree`` path strings).
 
     Raises:
+        TypeError: ``opt`` is not a ``torch.optim.Optimizer``, or a leaf of ``params`` is not
+            an array or a tensor.
         SpecError: a leaf of ``params`` is not a parameter of ``opt`` (or the other way
             round), an array's shards sit in different groups, or the shards of one array
             hold different scalars or different state keys.
@@ -102,6 +104,8 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
         state: the tree that ``optimizer_state`` returned (saved and loaded).
 
     Raises:
+        TypeError: ``opt`` is not a ``torch.optim.Optimizer``, or a leaf of ``params`` is not
+            an array or a tensor.
         SpecError: ``state`` does not fit ``opt`` and ``params``: other tree structure,
             an array in another layout, other parameter groups, or a leaf of ``params``
             that ``opt`` does not optimize.

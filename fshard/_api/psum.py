@@ -48,6 +48,7 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     Raises:
         SpecError: outside a ``shard_map`` body, for an axis the body's mesh does not
             have, or under a ``torch.func`` transform.
+        TypeError: ``x`` is not a strided tensor (sparse, quantized or nested ones are refused).
         CollectiveMismatchError: the placements' bodies reduce differently (local backend).
 
     >>> import torch, fshard
