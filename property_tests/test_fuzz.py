@@ -441,6 +441,8 @@ with warnings.catch_warnings():
     MODEL_PARAMS, MODEL_BUFFERS = fshard.shard_module(MODEL, fshard.fully_sharded([0, 1]))
     BATCH = fshard.shard(torch.arange(24.0).reshape(6, 4), Chunk(0, [0, 1]))
     OPT_PARAMS = {"w": fshard.shard(torch.ones(4, 2), Chunk(0, [0, 1])), "b": torch.zeros(3)}
+MLP = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+TP_MESH = Mesh((1, 2), axis_names=("dp", "tp"))
 RULES = (
     fshard.fully_sharded([0, 1]),
     fshard.replicated([0, 1]),
@@ -788,6 +790,26 @@ def entries(base: Path) -> dict[str, Entry]:
             (Arg("x", one(BLOCK), junk=tensor_junk), Arg("axis", one("x", ("x",), ["x"]))),
         ),
         "no_sync": Entry(_under_no_sync, ()),
+        "tensor_parallel": Entry(
+            lambda mesh, plan, **axes: fshard.shard_module(MLP, fshard.tensor_parallel(mesh, plan, **axes)),
+            (
+                Arg("mesh", one(TP_MESH)),
+                Arg("plan", one({"0": "colwise", "2": "rowwise"}, {"0": "colwise"}, {})),
+                kw("tp", ("tp",)),
+                kw("dp", ("dp", None)),
+                flag("fsdp"),
+            ),
+        ),
+        "TensorParallel": Entry(
+            fshard.TensorParallel,
+            (
+                Arg("mesh", one(TP_MESH)),
+                Arg("plan", one((("0", "colwise"), ("2", "rowwise")), ()), reject=lambda v: not isinstance(v, tuple)),
+                Arg("tp", one("tp")),
+                Arg("dp", one("dp", None)),
+                Arg("fsdp", one(False, True), reject=_not_bool),
+            ),
+        ),
     }
 
 
@@ -1329,6 +1351,22 @@ KNOWN: tuple[Known, ...] = (
         _quantized(),
         "fshard/_api/psum.py psum/pmean: quantized, nested and (for pmean) sparse CSR tensors reached torch's "
         "sum (torch's NotImplementedError and RuntimeError)",
+    ),
+    Known(
+        "tensor-parallel-fields",
+        (("TensorParallel", "mesh"), ("TensorParallel", "plan")),
+        lambda v: not isinstance(v, (Mesh, tuple)),
+        None,
+        "fshard/_api/module_tp.py TensorParallel: mesh.axis_names read unchecked (AttributeError), and a plan that "
+        "is no tuple of (pattern, style) pairs accepted",
+    ),
+    Known(
+        "tensor-parallel-fsdp",
+        (("tensor_parallel", "fsdp"), ("TensorParallel", "fsdp")),
+        _not_bool,
+        None,
+        "fshard/_api/module_tp.py tensor_parallel: bool(fsdp) accepted any value (a tensor's truth value raised "
+        "torch's RuntimeError)",
     ),
 )
 
