@@ -183,6 +183,8 @@ def tensor_parallel(
 
     Raises:
         SpecError: an axis the mesh lacks, or a style other than ``"colwise"``/``"rowwise"``.
+        TypeError: ``mesh`` is not a ``Mesh``, ``plan`` not a mapping, ``tp``/``dp`` not axis
+            names, or ``fsdp`` not a bool.
 
     >>> import torch, fshard
     >>> mesh = fshard.Mesh((1, 2), axis_names=("dp", "tp"))
