@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import optree
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -246,6 +247,9 @@ garbage = st.one_of(junk, int_tuples, st.lists(ints, max_size=4))
 rank_junk = st.one_of(garbage, st.sampled_from((True, False, 1.0, -1, 7, 2**63, "0", np.int64(1))))
 shard_junk = st.one_of(garbage, st.sampled_from((*BAD_SHARDS, ON_RANK_5)))
 var_junk = st.one_of(st.lists(garbage, max_size=3).map(tuple), garbage.map(lambda v: (v,)))
+# Tensors and arrays first, where a tensor argument goes: the rest of garbage is refused by its type.
+tensor_junk = st.one_of(st.sampled_from(TENSORS), st.sampled_from(ARRAYS), garbage)
+inputs_junk = st.one_of(st.lists(tensor_junk, max_size=3).map(tuple), var_junk)
 
 # -- the entry points ------------------------------------------------------------------------
 
@@ -270,6 +274,11 @@ def _not_a_rank(value: Any) -> bool:
         return not (value == int(value) and int(value) >= 0)
     except (TypeError, ValueError, OverflowError):
         return True
+
+
+def _int_past_int64(value: Any) -> bool:
+    """An int rank that no layout can hold (layouts keep ranks as int64)."""
+    return isinstance(value, int) and not 0 <= value < 2**63
 
 
 def _bad_shard_list(value: Any) -> bool:
@@ -388,6 +397,114 @@ def _checkpoint(base: Path) -> Path:
     return path
 
 
+# -- modules, optimizers and bodies ------------------------------------------------------------
+
+
+class _AnyInput(torch.nn.Module):
+    """A Linear(4, 3) and a call counter whose forward takes any arguments.
+
+    Garbage arguments then reach what ``apply_module`` does with them (arrays say where to
+    run, tensors are replicated, other values pass through), not a ``TypeError`` of the
+    module's own code: a float 2-D tensor of 4 columns goes through the Linear, anything
+    else gets the sum of its weight. In training mode it counts its calls in a buffer, in place.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.training:
+            self.calls.add_(1)
+        x = next((a for a in (*args, *kwargs.values()) if _fits_linear(a)), None)
+        return self.lin.weight.sum()[None] if x is None else self.lin(x)
+
+
+def _fits_linear(a: Any) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and a.dtype == torch.float32
+        and a.layout == torch.strided
+        and a.device.type == "cpu"
+        and a.ndim == 2
+        and a.shape[1] == 4
+        and a.shape[0] > 0
+        and not a.is_quantized
+        and not a.is_nested
+    )
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    MODEL = _AnyInput()
+    MODEL_PARAMS, MODEL_BUFFERS = fshard.shard_module(MODEL, fshard.fully_sharded([0, 1]))
+    BATCH = fshard.shard(torch.arange(24.0).reshape(6, 4), Chunk(0, [0, 1]))
+    OPT_PARAMS = {"w": fshard.shard(torch.ones(4, 2), Chunk(0, [0, 1])), "b": torch.zeros(3)}
+MLP = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+TP_MESH = Mesh((1, 2), axis_names=("dp", "tp"))
+RULES = (
+    fshard.fully_sharded([0, 1]),
+    fshard.replicated([0, 1]),
+    {"weight": Chunk(0, [0, 1]), "*": Replicated([0, 1])},
+)
+
+
+def _optimizer() -> torch.optim.Optimizer:
+    """A fresh AdamW over the shard tensors of ``OPT_PARAMS`` (stepping it at lr 0 leaves them as they are)."""
+    return torch.optim.AdamW(optree.tree_leaves(OPT_PARAMS), lr=0.1)
+
+
+def _saved_state() -> dict[str, Any]:
+    return fshard.optimizer_state(_optimizer(), OPT_PARAMS)
+
+
+def _state_junk() -> st.SearchStrategy[Any]:
+    """Garbage for ``load_optimizer_state``'s ``state``: anything, or a saved state with one part replaced."""
+
+    def edit(part: str, value: Any) -> dict[str, Any]:
+        state = _saved_state()
+        if part == "state.exp_avg":
+            state["state"]["exp_avg"] = value
+        elif part == "state.step.w":
+            state["state"]["step"]["w"] = value
+        elif part == "param_groups.0":
+            state["param_groups"][0] = value
+        elif part == "param_groups.0.arrays":
+            state["param_groups"][0]["arrays"] = value
+        else:
+            state[part] = value
+        return state
+
+    parts = st.sampled_from(
+        ("state", "param_groups", "state.exp_avg", "state.step.w", "param_groups.0", "param_groups.0.arrays")
+    )
+    return st.one_of(garbage, st.builds(edit, parts, garbage))
+
+
+class _Block:
+    """Stands for the body's own block where ``psum``/``pmean`` take ``x`` (garbage replaces it)."""
+
+    def __repr__(self) -> str:
+        return "<the body's block>"
+
+
+BLOCK = _Block()
+
+
+def _reduce(fn: Callable[..., Any], x: Any, axis: Any) -> Any:
+    """``fn(x, axis)`` (``fshard.psum``/``pmean``) inside a ``shard_map`` body over two placements (rows of 4x2)."""
+    body = lambda b: fn(b if x is BLOCK else x, axis)  # noqa: E731
+    run = fshard.shard_map(body, in_specs=Chunk(0, [0, 1]), out_specs=Replicated([0, 1]), check_vma=False)
+    return run(torch.arange(8.0).reshape(4, 2))
+
+
+def _under_no_sync() -> None:
+    """Enters and leaves ``fshard.no_sync()``."""
+    with fshard.no_sync():
+        return None
+
+
 _fresh = itertools.count()
 
 
@@ -403,7 +520,9 @@ def entries(base: Path) -> dict[str, Entry]:
     creation = (CREATION_SPEC, SHAPE, DTYPE, DEVICE, GRAD, BACKEND)
     like = (ARRAY, DTYPE, GRAD)
     return {
-        "Placement": Entry(Placement, (Arg("rank", one(0, 3)), Arg("device", one("cpu", "meta")))),
+        "Placement": Entry(
+            Placement, (Arg("rank", one(0, 3), reject=_int_past_int64), Arg("device", one("cpu", "meta")))
+        ),
         "Placement.parse": Entry(Placement.parse, (Arg("text", one("rank:0/cpu", "rank:3")),)),
         "ShardMeta": Entry(
             ShardMeta,
@@ -634,6 +753,61 @@ def entries(base: Path) -> dict[str, Entry]:
                 Arg("module", lambda: torch.nn.Linear(4, 3)),
                 Arg("tree", lambda: fshard.shard_params(torch.nn.Linear(4, 3))),
                 flag("strict"),
+            ),
+        ),
+        "replicated": Entry(fshard.replicated, (Arg("ranks", one([0, 1], (0, 1), 3, "rank:0/cpu")),)),
+        "fully_sharded": Entry(
+            lambda ranks, dim: fshard.shard_module(MODEL, fshard.fully_sharded(ranks, dim)),
+            (Arg("ranks", one([0, 1], (0, 1, 2), 3)), Arg("dim", one(0, 1, -1))),
+        ),
+        "shard_module": Entry(
+            fshard.shard_module,
+            (Arg("module", lambda: torch.nn.Linear(4, 3)), Arg("rules", RULES), BACKEND),
+        ),
+        "apply_module": Entry(
+            fshard.apply_module,
+            (
+                Arg("module", one(MODEL)),
+                Arg("params", one(MODEL_PARAMS)),
+                Arg("buffers", one(MODEL_BUFFERS)),
+                Arg("args", ((BATCH,), (torch.ones(2, 4),), (BATCH, "text", 3)), "var", inputs_junk),
+                kw("out_specs", (None,)),
+                kw("method", (None, lambda m, *a, **k: m(*a, **k) * 2)),
+                Arg("kwargs", one({}, {"extra": 1}), "kwargs", st.dictionaries(texts, garbage, min_size=1, max_size=2)),
+            ),
+        ),
+        "optimizer_state": Entry(fshard.optimizer_state, (Arg("opt", _optimizer), Arg("params", one(OPT_PARAMS)))),
+        "load_optimizer_state": Entry(
+            fshard.load_optimizer_state,
+            (Arg("opt", _optimizer), Arg("params", one(OPT_PARAMS)), Arg("state", _saved_state, junk=_state_junk())),
+        ),
+        "psum": Entry(
+            functools.partial(_reduce, fshard.psum),
+            (Arg("x", one(BLOCK), junk=tensor_junk), Arg("axis", one("x", ("x",), ["x"]))),
+        ),
+        "pmean": Entry(
+            functools.partial(_reduce, fshard.pmean),
+            (Arg("x", one(BLOCK), junk=tensor_junk), Arg("axis", one("x", ("x",), ["x"]))),
+        ),
+        "no_sync": Entry(_under_no_sync, ()),
+        "tensor_parallel": Entry(
+            lambda mesh, plan, **axes: fshard.shard_module(MLP, fshard.tensor_parallel(mesh, plan, **axes)),
+            (
+                Arg("mesh", one(TP_MESH)),
+                Arg("plan", one({"0": "colwise", "2": "rowwise"}, {"0": "colwise"}, {})),
+                kw("tp", ("tp",)),
+                kw("dp", ("dp", None)),
+                flag("fsdp"),
+            ),
+        ),
+        "TensorParallel": Entry(
+            fshard.TensorParallel,
+            (
+                Arg("mesh", one(TP_MESH)),
+                Arg("plan", one((("0", "colwise"), ("2", "rowwise")), ()), reject=lambda v: not isinstance(v, tuple)),
+                Arg("tp", one("tp")),
+                Arg("dp", one("dp", None)),
+                Arg("fsdp", one(False, True), reject=_not_bool),
             ),
         ),
     }
@@ -1108,6 +1282,91 @@ KNOWN: tuple[Known, ...] = (
         _unhashable,
         [1],
         "fshard/_plan/direct.py plan: the lru_cache hashes the arguments before they are checked (Python's TypeError)",
+    ),
+    Known(
+        "rank-past-int64",
+        (("Placement", "rank"), ("fully_sharded", "ranks")),
+        lambda v: _int_past_int64(v) or (isinstance(v, list) and any(_int_past_int64(r) for r in v)),
+        2**63,
+        "fshard/_layout/placement.py Placement: a rank of 2**63 or more was accepted, and no Layout can hold it "
+        "(numpy's OverflowError when fully_sharded's specs were laid out)",
+    ),
+    Known(
+        "ranks-not-a-sequence",
+        (("replicated", "ranks"), ("fully_sharded", "ranks")),
+        lambda v: not isinstance(v, (str, int)) and _not_iterable(v),
+        None,
+        "fshard/_api/module_rules.py replicated/fully_sharded: list(ranks) raises Python's TypeError",
+    ),
+    Known(
+        "fully-sharded-dim-past-ndim",
+        (("fully_sharded", "dim"),),
+        lambda v: isinstance(v, int) and v not in (0, -1),
+        1,
+        "fshard/_api/module_rules.py fully_sharded: the rule read t.shape[dim] of tensors without that dim "
+        "(a bias when dim=1: Python's IndexError); they are replicated now",
+    ),
+    Known(
+        "apply-module-method",
+        (("apply_module", "method"),),
+        lambda v: v is not None and not callable(v),
+        3,
+        "fshard/_api/module_apply.py apply_module: method was called unchecked inside the body (Python's TypeError)",
+    ),
+    Known(
+        "apply-module-on-meta",
+        (("apply_module", "args"),),
+        lambda v: isinstance(v, tuple) and any(_on_meta(a) for a in v),
+        (_meta_array(),),
+        "fshard/_api/module_apply.py apply_module: on meta placements, the updated buffers were resharded back "
+        "onto cpu (torch's NotImplementedError: cannot copy out of meta tensor)",
+    ),
+    Known(
+        "optimizer-not-an-optimizer",
+        (("optimizer_state", "opt"), ("load_optimizer_state", "opt")),
+        lambda v: not isinstance(v, torch.optim.Optimizer),
+        None,
+        "fshard/_api/optim.py optimizer_state/load_optimizer_state: opt.param_groups read unchecked (AttributeError)",
+    ),
+    Known(
+        "optimizer-state-parts",
+        (("load_optimizer_state", "state"),),
+        lambda v: isinstance(v, dict) and set(v) == {"state", "param_groups"},
+        {"state": [1], "param_groups": [{"arrays": 5}]},
+        "fshard/_api/optim.py load_optimizer_state: state['state'].items() (AttributeError) and "
+        "list(param_groups), hyper.get('arrays') (Python's TypeError, AttributeError) read unchecked",
+    ),
+    Known(
+        "reduce-axis-not-names",
+        (("psum", "axis"), ("pmean", "axis")),
+        lambda v: not isinstance(v, (str, tuple, list)) or any(_unhashable(a) for a in v),
+        None,
+        "fshard/_api/psum.py _enter: tuple(axis) of a non-sequence and set(axes) of unhashable items "
+        "(Python's TypeError)",
+    ),
+    Known(
+        "reduce-tensor-not-strided",
+        (("psum", "x"), ("pmean", "x")),
+        lambda v: isinstance(v, torch.Tensor) and (v.layout != torch.strided or v.is_quantized or v.is_nested),
+        _quantized(),
+        "fshard/_api/psum.py psum/pmean: quantized, nested and (for pmean) sparse CSR tensors reached torch's "
+        "sum (torch's NotImplementedError and RuntimeError)",
+    ),
+    Known(
+        "tensor-parallel-fields",
+        (("TensorParallel", "mesh"), ("TensorParallel", "plan")),
+        lambda v: not isinstance(v, (Mesh, tuple)),
+        None,
+        "fshard/_api/module_tp.py TensorParallel: mesh.axis_names read unchecked (AttributeError), and a plan that "
+        "is no tuple of (pattern, style) pairs accepted",
+    ),
+    Known(
+        "tensor-parallel-fsdp",
+        (("tensor_parallel", "fsdp"), ("TensorParallel", "fsdp")),
+        _not_bool,
+        None,
+        "fshard/_api/module_tp.py tensor_parallel: bool(fsdp) accepted any value (a tensor's truth value raised "
+        "torch's RuntimeError)",
     ),
 )
 

@@ -171,8 +171,9 @@ def apply_module(
     Raises:
         SpecError: a parameter or buffer of the module is missing from ``params``/``buffers``,
             the default ``out_specs`` does not apply, tensor-parallel ``rules`` that do not fit
-            the module or its placements (or a reshape that fixes the head count), or the
-            checks of ``fshard.shard_map``.
+            the module or its placements (or a reshape that fixes the head count), values would
+            have to come off the meta device, or the checks of ``fshard.shard_map``.
+        TypeError: ``module`` is not a module, or ``method`` is neither ``None`` nor callable.
 
     >>> import torch, fshard
     >>> torch.manual_seed(0) and None
@@ -185,12 +186,19 @@ def apply_module(
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"apply_module() takes a torch.nn.Module, got {type(module).__name__}.")
+    if method is not None and not callable(method):
+        msg = (
+            f"apply_module() method must be None (the module's forward) or a function (clone, *args, **kwargs), "
+            f"got {type(method).__name__}."
+        )
+        raise TypeError(msg)
     found = structure(module)
     _check_names("params", params, found.params)
     _check_names("buffers", buffers, found.buffers)
     pnames, bnames, keys = list(found.params), list(found.buffers), list(kwargs)
     inputs = [*args, *kwargs.values()]
     placements = _placements(inputs, params)
+    _check_meta(placements, params, buffers, found.updated)
     everywhere = Replicated(placements)
     tp = _tensor_parallel(rules, module, placements)
     no_rows: Mapping[int, str] = {}
@@ -294,6 +302,35 @@ def _placements(inputs: Sequence[Any], params: Mapping[str, ShardedArray]) -> li
     if first is None:
         raise SpecError("apply_module() needs an array among the arguments or the parameters to know where to run.")
     return list(dict.fromkeys(s.placement for s in first.layout.shards))
+
+
+def _check_meta(
+    placements: Sequence[Placement],
+    params: Mapping[str, ShardedArray],
+    buffers: Mapping[str, ShardedArray],
+    updated: Sequence[str],
+) -> None:
+    """Refuses runs whose values would have to come off the meta device, which holds none."""
+    on_meta = [p.device == "meta" for p in placements]
+    if not all(on_meta):
+        empty = next((n for n, a in (*params.items(), *buffers.items()) if a.device.type == "meta"), None)
+        if empty is not None:
+            msg = (
+                f"apply_module() runs on {[str(p) for p in placements][:4]} (the first array argument's placements) "
+                f"but {empty!r} is on the meta device, which holds no values to move there: shard the module's "
+                "real tensors, or pass arguments on the meta device too."
+            )
+            raise SpecError(msg)
+    if any(on_meta):
+        held = next((n for n in updated if buffers[n].device.type != "meta"), None)
+        if held is not None:
+            msg = (
+                f"apply_module() runs on the meta device (the first array argument's placements) but buffer "
+                f"{held!r}, which the forward updates, holds values on {buffers[held].device}: its update cannot "
+                "come back from the meta device. Pass arguments on the buffers' devices, or put the module in "
+                "eval mode."
+            )
+            raise SpecError(msg)
 
 
 def _in_spec(value: Any, everywhere: Replicated) -> Any:

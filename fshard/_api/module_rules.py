@@ -123,16 +123,16 @@ def replicated(ranks: Sequence[Any]) -> Callable[[str, torch.Tensor], Any]:
     >>> params["weight"].layout.is_fully_replicated
     True
     """
-    spec = Replicated(list(ranks))
+    spec = Replicated(ranks)
     return lambda name, t: spec
 
 
 def fully_sharded(ranks: Sequence[Any], dim: int = 0) -> Callable[[str, torch.Tensor], Any]:
     """The rules of a fully-sharded program: every tensor split ``Chunk(dim)`` over ``ranks``.
 
-    A 0-D tensor, or one whose ``dim`` is shorter than the number of ranks (some rank would
-    hold nothing: a LayerNorm's weight on more ranks than features, a counter), is
-    ``Replicated`` over ``ranks`` instead.
+    A tensor without dim ``dim`` (a 0-D counter, a bias when ``dim=1``), or one whose ``dim``
+    is shorter than the number of ranks (some rank would hold nothing: a LayerNorm's weight
+    on more ranks than features), is ``Replicated`` over ``ranks`` instead.
 
     >>> import torch, fshard
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
@@ -142,11 +142,12 @@ def fully_sharded(ranks: Sequence[Any], dim: int = 0) -> Callable[[str, torch.Te
     >>> buffers["1.num_batches_tracked"].layout.is_fully_replicated
     True
     """
-    split, whole = Chunk(dim, list(ranks)), Replicated(list(ranks))
+    split = Chunk(dim, ranks)
+    whole = Replicated(split.placements)
     n = len(split.placements)
 
     def rule(name: str, t: torch.Tensor) -> Any:
-        return split if t.ndim and t.shape[dim] >= n else whole
+        return split if -t.ndim <= dim < t.ndim and t.shape[dim] >= n else whole
 
     return rule
 

@@ -47,6 +47,24 @@ class TensorParallel:
     fsdp: bool
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"TensorParallel mesh must be a fshard.Mesh, got {type(self.mesh).__name__}.")
+        plan: Any = self.plan
+        if not isinstance(plan, tuple) or not all(
+            isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) and e[1] in _STYLES  # pyright: ignore[reportUnknownArgumentType]
+            for e in cast("tuple[Any, ...]", plan)
+        ):
+            msg = (
+                f"TensorParallel plan must be a tuple of (pattern, style) pairs, styles one of {_STYLES}, got "
+                f"{_brief(plan)}: build it with fshard.tensor_parallel(mesh, plan)."
+            )
+            raise SpecError(msg)
+        for what, axis in (("tp", self.tp), ("dp", self.dp)):
+            if not isinstance(axis, str) and not (what == "dp" and axis is None):
+                none = " or None" if what == "dp" else ""
+                raise TypeError(f"tensor_parallel() {what} must be a mesh axis name (str){none}, got {axis!r}.")
+        if not isinstance(self.fsdp, bool):
+            raise TypeError(f"tensor_parallel() fsdp must be a bool, got {self.fsdp!r} ({type(self.fsdp).__name__}).")
         names = self.mesh.axis_names
         for what, axis in (("tp", self.tp), ("dp", self.dp)):
             if axis is not None and axis not in names:
@@ -165,6 +183,8 @@ def tensor_parallel(
 
     Raises:
         SpecError: an axis the mesh lacks, or a style other than ``"colwise"``/``"rowwise"``.
+        TypeError: ``mesh`` is not a ``Mesh``, ``plan`` not a mapping, ``tp``/``dp`` not axis
+            names, or ``fsdp`` not a bool.
 
     >>> import torch, fshard
     >>> mesh = fshard.Mesh((1, 2), axis_names=("dp", "tp"))
@@ -190,7 +210,12 @@ def tensor_parallel(
                 f"styles one of {_STYLES}."
             )
             raise SpecError(msg)
-    return TensorParallel(mesh, tuple(items), tp, dp, bool(fsdp))
+    return TensorParallel(mesh, tuple(items), tp, dp, fsdp)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @functools.cache

@@ -48,6 +48,8 @@ def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
         in ``params`` (``optree`` path strings).
 
     Raises:
+        TypeError: ``opt`` is not a ``torch.optim.Optimizer``, or a leaf of ``params`` is not
+            an array or a tensor.
         SpecError: a leaf of ``params`` is not a parameter of ``opt`` (or the other way
             round), an array's shards sit in different groups, or the shards of one array
             hold different scalars or different state keys.
@@ -64,6 +66,7 @@ def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
     >>> state["state"]["step"]["w"], state["param_groups"][0]["lr"], state["param_groups"][0]["arrays"]
     (tensor(1.), 0.1, ["['w']"])
     """
+    _check_optimizer("optimizer_state", opt)
     arrays, treespec, paths = _flatten(params)
     groups = _groups(opt, arrays, paths)
     if not opt.state:
@@ -101,6 +104,8 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
         state: the tree that ``optimizer_state`` returned (saved and loaded).
 
     Raises:
+        TypeError: ``opt`` is not a ``torch.optim.Optimizer``, or a leaf of ``params`` is not
+            an array or a tensor.
         SpecError: ``state`` does not fit ``opt`` and ``params``: other tree structure,
             an array in another layout, other parameter groups, or a leaf of ``params``
             that ``opt`` does not optimize.
@@ -114,6 +119,7 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
     >>> opt2.param_groups[0]["lr"], opt2.state[params["w"].addressable_data[1]]["momentum_buffer"].shape
     (0.1, torch.Size([2, 2]))
     """
+    _check_optimizer("load_optimizer_state", opt)
     arrays, treespec, paths = _flatten(params)
     groups = _groups(opt, arrays, paths)
     saved = _check_groups(state, len(opt.param_groups), groups, paths)
@@ -132,6 +138,15 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
 
 
 # -- the leaves ------------------------------------------------------------------------------
+
+
+def _check_optimizer(what: str, opt: Any) -> None:
+    if not isinstance(opt, torch.optim.Optimizer):
+        msg = (
+            f"{what}() opt must be a torch.optim.Optimizer over the shard tensors of params "
+            f"(torch.optim.AdamW(optree.tree_leaves(params))), got {type(opt).__name__}."
+        )
+        raise TypeError(msg)
 
 
 def _is_array(x: Any) -> bool:
@@ -250,8 +265,25 @@ def _check_groups(state: Any, n: int, groups: Sequence[int], paths: Sequence[str
     if not isinstance(state, dict) or set(cast("dict[str, Any]", state)) != {"state", "param_groups"}:
         msg = "load_optimizer_state() state must be the tree that fshard.optimizer_state returned (loaded)."
         raise SpecError(msg)
+    tables: Any = cast("dict[str, Any]", state)["state"]
     groups_saved: Any = cast("dict[str, Any]", state)["param_groups"]
-    saved = cast("list[dict[str, Any]]", list(groups_saved))
+    if not isinstance(tables, dict) or any(not isinstance(k, str) for k in cast("dict[Any, Any]", tables)):
+        msg = (
+            f"load_optimizer_state() state['state'] must map state keys (str) to trees like params, got "
+            f"{_brief(tables)}: pass the tree that fshard.optimizer_state returned (loaded)."
+        )
+        raise SpecError(msg)
+    if not isinstance(groups_saved, (list, tuple)) or not all(
+        isinstance(g, dict) and isinstance(g.get("arrays", ()), (list, tuple))  # pyright: ignore[reportUnknownMemberType]
+        for g in cast("list[Any]", groups_saved)
+    ):
+        msg = (
+            f"load_optimizer_state() state['param_groups'] must be a list of dicts of hyperparameters, each with "
+            f"its 'arrays' (a list of paths), got {_brief(groups_saved)}: pass the tree that "
+            "fshard.optimizer_state returned (loaded)."
+        )
+        raise SpecError(msg)
+    saved = cast("list[dict[str, Any]]", list(cast("list[Any]", groups_saved)))
     if len(saved) != n:
         msg = f"load_optimizer_state() state has {len(saved)} parameter groups, the optimizer {n}: build it alike."
         raise SpecError(msg)
@@ -264,6 +296,11 @@ def _check_groups(state: Any, n: int, groups: Sequence[int], paths: Sequence[str
             )
             raise SpecError(msg)
     return saved
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _put(opt: torch.optim.Optimizer, a: Leaf, value: Any, key: str, path: str) -> None:

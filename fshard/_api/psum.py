@@ -48,6 +48,7 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     Raises:
         SpecError: outside a ``shard_map`` body, for an axis the body's mesh does not
             have, or under a ``torch.func`` transform.
+        TypeError: ``x`` is not a strided tensor (sparse, quantized or nested ones are refused).
         CollectiveMismatchError: the placements' bodies reduce differently (local backend).
 
     >>> import torch, fshard
@@ -135,9 +136,18 @@ def _enter(what: str, x: Any, axis: Any) -> tuple[_body.Body, tuple[str, ...]]:
         raise SpecError(msg)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}() takes a tensor, got {type(x).__name__}.")
-    axes = (axis,) if isinstance(axis, str) else tuple(cast("Sequence[Any]", axis))
+    if x.layout != torch.strided or x.is_quantized or x.is_nested:
+        kind = "quantized" if x.is_quantized else "nested" if x.is_nested else str(x.layout)
+        msg = f"{what}() takes a strided tensor, got a {kind} one: reduce x.to_dense() (or x.dequantize())."
+        raise TypeError(msg)
     mesh = body.mesh
-    bad = [a for a in axes if a not in mesh.axis_names]
+    if isinstance(axis, str):
+        axes: tuple[Any, ...] = (axis,)
+    elif isinstance(axis, (tuple, list)):
+        axes = tuple(cast("Sequence[Any]", axis))
+    else:
+        axes = ()
+    bad = [a for a in axes if not isinstance(a, str) or a not in mesh.axis_names]
     if not axes or bad or len(set(axes)) != len(axes):
         msg = (
             f"{what}() axis {axis!r}: the body's mesh has axes {mesh.axis_names} (shape {mesh.shape}); "
