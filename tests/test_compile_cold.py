@@ -5,8 +5,10 @@ layout, plan or compiled frame exists when the step is first compiled. The step 
 gathers (a tree), runs a ``shard_map`` forward, the backward and an AdamW step, and a module helper
 loads the result back into a module. The compiled run must give the eager run's losses (float64),
 every graph TorchDynamo builds must come from the test's own code or torch (never fshard's), and the
-``shard_map`` body must be one of them. On 4 Gloo processes the pool's workers are warm: they clear
-fshard's caches and reset TorchDynamo first.
+``shard_map`` body must be one of them. A step through the module API (``shard_module``,
+``apply_module``) compiles from cold too, its module forward and loss compiled where ``apply_module``
+runs them. On 4 Gloo processes the pool's workers are warm: they clear fshard's caches and reset
+TorchDynamo first.
 """
 
 from __future__ import annotations
@@ -148,6 +150,43 @@ def _fullgraph_body_cold() -> dict[str, Any]:
     }
 
 
+def _module_steps(compiler: Any, steps: int = 3) -> list[float]:
+    """Losses of ``steps`` SGD steps through the module API (fully sharded), compiled with ``compiler`` unless None."""
+    ranks = [0, 1, 2, 3]
+    model = _model().double()
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(ranks))
+    opt = torch.optim.SGD(optree.tree_leaves(params), lr=0.1)
+    rows = fshard.Chunk(0, ranks)
+    summed = fshard.Partial(fshard.Replicated(ranks))
+    x = torch.randn(32, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(32, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def squared_error(module: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(module(xb), yb, reduction="sum")[None]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        total, _ = fshard.apply_module(
+            model, params, buffers, fshard.shard(x, rows), fshard.shard(y, rows), method=squared_error, out_specs=summed
+        )
+        loss = fshard.gather(total)[0] / y.numel()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    if compiler is not None:
+        step = torch.compile(step, backend=compiler)
+    return [step(x, y).item() for _ in range(steps)]
+
+
+def _module_api_cold() -> dict[str, Any]:
+    assert "torch._dynamo" not in sys.modules  # nothing has been compiled in this interpreter
+    backend, seen = _graphs_recorded("aot_eager")
+    compiled = _module_steps(backend)
+    fshard.clear_caches()
+    return {"compiled": compiled, "eager": _module_steps(None), "graphs": seen}
+
+
 def _max_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max(abs(p - q) for p, q in zip(a, b))
@@ -170,6 +209,18 @@ def test_a_fullgraph_compiled_shard_map_body_runs_from_a_cold_start() -> None:
     got = _cold_program("_fullgraph_body_cold")
     assert _max_diff(got["got"], got["want"]) <= 1e-12
     assert _max_diff(got["grad"], got["want_grad"]) <= 1e-12
+
+
+def test_a_step_through_the_module_api_compiles_from_a_cold_start() -> None:
+    got = _cold_program("_module_api_cold")
+    assert len(got["compiled"]) == 3
+    assert _max_diff(got["compiled"], got["eager"]) <= 1e-12
+    assert got["compiled"][2] < got["compiled"][0]  # it trains
+    ours = {f for f, _ in got["graphs"] if f.startswith((FSHARD_DIR, BACKENDS_DIR))}
+    assert ours == {os.path.join(FSHARD_DIR, "_api", "module_apply.py")}  # only the body that runs the module
+    body = [ops for _, ops in got["graphs"] if "mse_loss" in ops]
+    assert body  # the module's forward and the per-block loss, compiled where apply_module runs them
+    assert all("linear" in ops and "tanh" in ops for ops in body)
 
 
 def _training_on_the_pool() -> dict[str, Any]:
