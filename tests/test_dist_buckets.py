@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fshard
 from fshard._exec import buckets as _buckets
+from fshard._exec import gathered as _gathered
 from fshard.backends.local import LocalBackend
 from fshard.backends.torch_dist import TorchDistBackend
 
@@ -204,3 +205,28 @@ def _lost() -> str:
 def test_gradients_set_aside_for_arrays_that_are_gone_raise_on_every_rank(dist_pool):
     for message in dist_pool.run(_lost, timeout=120):
         assert "no longer exist" in message
+
+
+def _identity_then_map(world: int | None = None) -> tuple[torch.Tensor, int]:
+    """A body that returns its block as it is; the result used by a later per-shard function.
+
+    Also how many tensors still have a tap once the call has returned (none may: a tap's bucket
+    belongs to its call's backward).
+    """
+    backend = TorchDistBackend() if world is None else LocalBackend(world_size=world)
+    rep = fshard.Replicated(R)
+    w = fshard.shard(_weights()[0], rep, backend=backend)
+    leaf = w.addressable_data[0].requires_grad_()
+    seen = []
+    same = fshard.shard_map(lambda wb: seen.append(wb) or wb, in_specs=(rep,), out_specs=rep)(w)
+    tapped = sum(_gathered._TAPPED.get(id(t)) is t for t in seen)
+    out = fshard.map_local(lambda t: t * 3, same)
+    fshard.gather(out).sum().backward()
+    return leaf.grad, tapped
+
+
+def test_a_block_keeps_no_tap_after_its_call(dist_pool):
+    want, _ = _identity_then_map(world=4)
+    for got, tapped in dist_pool.run(_identity_then_map, timeout=60):
+        assert tapped == 0
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -383,8 +383,11 @@ def _run(
         for i in held:
             p, k = slot_of[i]
             calls.append(((p, k), [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]))
-        with untouched(own, what):
-            results = _bodies(fn, calls, lambda: _per_shard(backend, usage, first, own), reducing, first, backend)
+        try:
+            with untouched(own, what):
+                results = _bodies(fn, calls, lambda: _per_shard(backend, usage, first, own), reducing, first, backend)
+        finally:  # a tap's bucket belongs to this call: a block that outlives it (returned as it is) keeps none
+            _varying.forget_taps(own)
         return _flatten_results(results, what)
 
     # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where

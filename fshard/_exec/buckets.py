@@ -234,7 +234,7 @@ class _State:
 
     def reset(self) -> None:
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
-        self.missing = [len(bucket.positions) for bucket in self.plan]
+        self.missing = [sum(p in self.where for p in bucket.positions) for bucket in self.plan]  # empty boxes: none
         self.given: set[int] = set()
         self.flights: list[Callable[[], tuple[torch.Tensor, ...]]] = []
         self.earlier: list[torch.Tensor] | None = None  # what earlier micro-batches set aside

@@ -48,6 +48,7 @@ from fshard._base.compile import opaque
 __all__ = [
     "Parts",
     "Usage",
+    "forget_taps",
     "is_per_shard_mode",
     "join",
     "mark",
@@ -121,6 +122,14 @@ def register_tap(t: torch.Tensor, tap: Callable[[torch.Tensor], torch.Tensor]) -
     """
     _TAPPED[id(t)] = t
     setattr(t, "_fshard_tap", tap)  # noqa: B010  # the block carries its tap: it goes when the block goes
+
+
+def forget_taps(tensors: Collection[torch.Tensor]) -> None:
+    """Later uses of ``tensors`` in per-shard functions go through no tap (their call is over)."""
+    for t in tensors:
+        if _TAPPED.get(id(t)) is t:
+            del _TAPPED[id(t)]
+            delattr(t, "_fshard_tap")
 
 
 class Usage:
