@@ -63,6 +63,7 @@ def main() -> dict[str, object]:
     same = fshard.equal(a, b)
     say("rand is layout-invariant:", same)
     if dist.is_initialized():
+        dist.barrier()  # every rank done with the last collective before any tears the group down
         dist.destroy_process_group()
     return {"rank": rank, "world": world, "ok": ok and same, "sent": p.elements_sent}
 
