@@ -178,6 +178,19 @@ def _rank_job(d: int, reps: int, peers: bool) -> dict[str, Any]:
     return {"samples": samples, "moved": moved, "params": params}
 
 
+def _timed(job: Any, d: int, settings: Settings) -> tuple[list[Any], int, dict[str, list[float]], dict[str, float]]:
+    """``job`` on ``settings.world`` Gloo processes, timed.
+
+    Returns each rank's results, the number of rounds, and per program the slowest rank's time of
+    each round and their median.
+    """
+    reps = max(3, settings.reps // 3) if settings.quick else settings.reps
+    per_rank = launch(job, settings.world, d, reps, settings.peers, timeout=TIMEOUT_S)
+    names = list(per_rank[0]["samples"])
+    rounds = {n: [max(r["samples"][n][k] for r in per_rank) for k in range(reps)] for n in names}
+    return per_rank, reps, rounds, {n: statistics.median(v) for n, v in rounds.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingCase:
     """One model size: every program's step time, and fshard's collectives and elements per step."""
@@ -193,11 +206,8 @@ class TrainingCase:
     def run(self, settings: Settings) -> list[Row]:
         """Launches ``settings.world`` Gloo processes and times every program's step."""
         world = settings.world
-        reps = max(3, settings.reps // 3) if settings.quick else settings.reps
-        per_rank = launch(_rank_job, world, self.d, reps, settings.peers, timeout=TIMEOUT_S)
-        names = list(per_rank[0]["samples"])
-        rounds = {n: [max(r["samples"][n][k] for r in per_rank) for k in range(reps)] for n in names}
-        median = {n: statistics.median(v) for n, v in rounds.items()}
+        per_rank, reps, rounds, median = _timed(_rank_job, self.d, settings)
+        names = list(rounds)
         params = per_rank[0]["params"]
         bound = {"fshard DP": 2 * (world - 1) * params / world, "fshard FSDP": 2 * (world - 1) * params / world}
         peer = {"fshard DP": "DDP", "fshard FSDP": "FSDP2"}
@@ -419,11 +429,7 @@ class TPTrainingCase:
     def run(self, settings: Settings) -> list[Row]:
         """Launches ``settings.world`` Gloo processes (a (world/2, 2) mesh) and times both programs' steps."""
         world = settings.world
-        reps = max(3, settings.reps // 3) if settings.quick else settings.reps
-        per_rank = launch(_tp_rank_job, world, self.d, reps, settings.peers, timeout=TIMEOUT_S)
-        names = list(per_rank[0]["samples"])
-        rounds = {n: [max(r["samples"][n][k] for r in per_rank) for k in range(reps)] for n in names}
-        median = {n: statistics.median(v) for n, v in rounds.items()}
+        per_rank, reps, rounds, median = _timed(_tp_rank_job, self.d, settings)
         bound = _tp_bound(self.d, world, per_rank[0]["params"])
         runs = max(r["moved"][0] for r in per_rank)
         elements = max(r["moved"][1] for r in per_rank)
