@@ -230,3 +230,100 @@ def test_a_block_keeps_no_tap_after_its_call(dist_pool):
     for got, tapped in dist_pool.run(_identity_then_map, timeout=60):
         assert tapped == 0
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@contextlib.contextmanager
+def _rounds():
+    """Counts the process group calls made inside: ``{"all_to_all_single": n, "all_reduce": m}``."""
+    import torch.distributed as dist
+
+    counts = {"all_to_all_single": 0, "all_reduce": 0}
+    saved = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _backward_rounds(cap_mb: float) -> tuple[dict[str, int], int]:
+    """The process group calls of one data-parallel backward, and its buckets."""
+    old = fshard.config(bucket_cap_mb=cap_mb)
+    try:
+        backend = TorchDistBackend()
+        x = fshard.from_local_tensor(_rows(backend.rank), dim=0)
+        params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+        for p in params:
+            p.addressable_data[0].requires_grad_()
+        rep = fshard.Replicated(R)
+        step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+        loss = fshard.gather(step(x, *params))
+        layouts = tuple(p.layout for p in params)
+        plan = _buckets.buckets(layouts, 8, max(int(cap_mb * (1 << 20)), 1), backend.rank)
+        with _rounds() as counts:
+            loss.backward()
+        return counts, len(plan)
+    finally:
+        fshard.config(**{"bucket_cap_mb": old.bucket_cap_mb})
+
+
+@pytest.mark.parametrize("cap_mb", [25.0, 1e-4])
+def test_a_backward_runs_its_buckets_after_one_round_of_headers(dist_pool, cap_mb):
+    """One all_reduce per bucket, summed in place; the ranks check the series of buckets once, at the first.
+
+    A loss gathered after the last shard_map has no per-shard part on any rank, so its
+    backward exchanges nothing.
+    """
+    for counts, n in dist_pool.run(_backward_rounds, cap_mb, timeout=120):
+        assert counts == {"all_reduce": n, "all_to_all_single": 1}
+        assert n == (1 if cap_mb == 25.0 else 5)
+
+
+def _different_buckets() -> str:
+    old = fshard.config(bucket_cap_mb=25.0 if TorchDistBackend().rank == 0 else 1e-4)
+    try:
+        _backward_rounds(fshard.config().bucket_cap_mb)
+    except fshard.CollectiveMismatchError as exc:
+        return str(exc)
+    finally:
+        fshard.config(**{"bucket_cap_mb": old.bucket_cap_mb})
+    return "no error"
+
+
+def test_ranks_whose_buckets_differ_raise_on_every_rank_at_the_first(dist_pool):
+    for message in dist_pool.run(_different_buckets, timeout=120):
+        assert "all_reduce buckets" in message, message
+
+
+def _small_sums() -> list[tuple[torch.Tensor, dict[str, int]]]:
+    backend = TorchDistBackend()
+    out = []
+    for op in ("sum", "max", "min"):
+        mine = torch.arange(3.0) * (backend.rank + 1) - backend.rank**2
+        layout = fshard.Partial(fshard.Replicated(R), op=op).layout((3,))
+        (i,) = layout.indices_on(backend.rank)
+        x = fshard.from_local_shards_and_layout([fshard.Shard(layout.shards[i], mine)], layout, backend=backend)
+        with _rounds() as counts:
+            got = fshard.gather(x)
+        out.append((got, dict(counts)))
+    return out
+
+
+def test_a_small_all_reduce_is_one_round_with_its_headers(dist_pool):
+    """A loss-sized all-reduce on Gloo: one all_to_all carries the headers and every rank's summand."""
+    summands = [torch.arange(3.0) * (r + 1) - r**2 for r in R]
+    want = [sum(summands), torch.stack(summands).amax(0), torch.stack(summands).amin(0)]
+    for results in dist_pool.run(_small_sums, timeout=60):
+        for (got, counts), expected in zip(results, want):
+            assert counts == {"all_to_all_single": 1, "all_reduce": 0}
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)

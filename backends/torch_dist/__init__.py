@@ -69,6 +69,7 @@ from ._guard import Guard, guard
 from ._reduce_phase import (
     as_bytes,
     collective_kind,
+    combine_inline,
     reduce_schedule,
     run_collective,
     run_local,
@@ -190,13 +191,25 @@ class TorchDistBackend:
         A copy phase goes by one ``all_to_all_single`` of packed per-peer buffers, or, when
         every received box lands in place and the boxes are few and large, one message per
         box; a reduce phase combines contributions (``all_reduce``/``reduce_scatter_tensor``
-        where the layouts are theirs).
+        where the layouts are theirs). On Gloo, an all-reduce small enough to follow the
+        headers (a loss, say) is one round: every rank's summand to every other rank, combined
+        on each in group order.
         """
         itemsize = like.element_size()
         log_move("torch_dist", plan, itemsize, facts(self.group).rank)
         if plan.src.partial is not None and self.member:
             wire = self._wire
             kind = collective_kind(plan, self.ranks, wire.type == "cuda")
+            if kind == "all_reduce" and wire.type == "cpu" and facts(self.group).alltoall and _on_wire(plan, wire):
+                op = "reshard:all_reduce"
+                guarded = self._guard(op, plan, like.dtype)
+                if guarded.inline:
+                    self._check(op, (plan.src, plan.dst), like.dtype)
+                    (j,) = self.addressable(plan.dst)
+                    with in_flight():
+                        out = combine_inline(plan, tensors[0], guarded, self.group)
+                    self._count(plan.for_rank(self.rank).elements_sent)
+                    return (out.view(plan.dst._shard(j).sizes).to(shard_device(plan.dst, j)),)  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
             if kind is not None and _on_wire(plan, wire):
                 return self._collective(kind, plan, tensors, like)
         for p in plan.phases:
@@ -209,24 +222,33 @@ class TorchDistBackend:
         return tuple(tensors)
 
     def launch(
-        self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+        self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, *, series: str = "", checked: bool = False
     ) -> Callable[[], tuple[torch.Tensor, ...]]:
         """Starts ``plan`` and returns a function that waits for it and gives its result (``execute``'s).
 
         A pending sum into a full copy on every rank of the group (data parallel's
         gradients) runs as an ``all_reduce`` left in flight after the movement's round of
         headers, so computation goes on while it runs; any other plan runs here, at once.
+        ``tensors`` are given up: the sum may be written into them.
+
+        ``series`` names a sequence of launches (buckets) that every rank makes alike; it
+        joins the round of headers, so ranks whose sequences differ raise at its first
+        launch. ``checked``: a later launch of a series whose first one checked it, with no
+        round of headers of its own.
         """
         if plan.src.partial is not None and self.member:
             wire = self._wire
             if collective_kind(plan, self.ranks, wire.type == "cuda") == "all_reduce" and _on_wire(plan, wire):
-                op = "reshard:all_reduce"
+                op = f"reshard:all_reduce {series}" if series else "reshard:all_reduce"
                 self._check(op, (plan.src, plan.dst), like.dtype)
                 (j,) = self.addressable(plan.dst)
-                out = empty(plan.dst._shard(j).sizes, like.dtype, wire)  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
+                mine = tensors[0].to(wire)
+                sizes = plan.dst._shard(j).sizes  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
+                given_up = mine.is_contiguous() and tuple(mine.shape) == tuple(sizes)
+                out = mine if given_up else empty(sizes, like.dtype, wire)  # summed in place where it can be
                 guarded = self._guard(op, plan, like.dtype)
                 with in_flight():
-                    work = start_all_reduce(plan, tensors[0].to(wire), out, self.group, guarded)
+                    work = start_all_reduce(plan, mine, out, self.group, None if checked else guarded)
 
                 def done() -> tuple[torch.Tensor, ...]:
                     with in_flight():

@@ -137,8 +137,10 @@ class Guard:
 
         ``None`` for an inline movement, whose round is its data's; ``agree`` ends it.
         """
-        if self.inline:
-            return None
+        return None if self.inline else self._alone(group)
+
+    def _alone(self, group: Any) -> Round:
+        """Starts a round of headers alone (also for an inline movement that ends in another collective)."""
         if self.wire.type == "cpu" and self.alltoall:
             return self._round(None, (), group)
         got = torch.empty((len(self.ranks), HEADER), dtype=torch.uint8, device=self.wire)
@@ -156,11 +158,11 @@ class Guard:
 
         Returns when every rank sent this movement's header.
         """
-        got, work = opened or self.open(group) or (None, None)
+        got, work = opened or self._alone(group)  # a round of its own where no data round carries them
         if isinstance(got, np.ndarray):  # a Gloo round
             self.wait(work, got)
             self.verify(got[self.at])
-        elif got is not None:
+        else:
             self.wait(work)
             self.verify(got.cpu().numpy())
 

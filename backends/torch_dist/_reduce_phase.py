@@ -298,10 +298,41 @@ def _one_each(layout: Layout, order: tuple[int, ...]) -> bool:
 
 
 def start_all_reduce(p: Any, mine: torch.Tensor, out: torch.Tensor, group: Any, guard: Any) -> dist.Work:
-    """``all_reduce`` of this rank's summand ``mine`` into ``out``, in flight after the round of headers (``guard``)."""
-    guard.agree(group)
-    out.copy_(mine)
+    """``all_reduce`` of this rank's summand ``mine`` into ``out``, in flight after the round of headers (``guard``).
+
+    ``out`` may be ``mine`` itself: the sum is then written over it. ``guard`` ``None``: the
+    headers were checked before (the first of a series of launches), no round here.
+    """
+    if guard is not None:
+        guard.agree(group)
+    if out is not mine:
+        out.copy_(mine)
     return cast("dist.Work", dist.all_reduce(out, op=_OPS[p.src.partial], group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+
+
+_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def combine_inline(p: Any, mine: torch.Tensor, guard: Any, group: Any) -> torch.Tensor:
+    """An all-reduce of this rank's summand ``mine`` (on the CPU) as one inline round of ``guard``.
+
+    Every rank sends its summand behind its header to every other rank, and combines all of
+    them in group order, so every rank computes the same bits. For data that fits behind the
+    headers (``guard.inline``): one round where ``all_reduce`` takes two (headers, then data).
+    """
+    ranks, me = guard.ranks, guard.ranks.index(guard.rank)
+    flat = mine.detach().reshape(-1)
+    k = flat.numel()
+    split = [0 if i == me else k for i in range(len(ranks))]
+    got = torch.empty((len(ranks) - 1) * k, dtype=flat.dtype)
+    guard.start(got, flat.repeat(len(ranks) - 1), split, split, group).wait()
+    pieces = list(got.view(len(ranks) - 1, k).unbind())
+    pieces.insert(me, flat)
+    combine = _COMBINE[p.src.partial]
+    out = pieces[0].clone()
+    for piece in pieces[1:]:
+        out = combine(out, piece)
+    return out
 
 
 def run_collective(kind: str, p: Any, mine: torch.Tensor, out: torch.Tensor, group: Any, guard: Any) -> None:

@@ -442,7 +442,12 @@ def regroup(
 
 
 def _with_parts(parts: _varying.Parts, grad: torch.Tensor, backend: Any) -> torch.Tensor:
-    """``grad`` plus every rank's per-shard ``parts`` (a collective: every rank of the gather calls it)."""
+    """``grad`` plus every rank's per-shard ``parts`` (a collective: every rank of the gather calls it).
+
+    Where no per-shard function ran since the gather (on every rank alike), there are none: no exchange.
+    """
+    if parts.since == _varying.calls():
+        return grad
     seen = backend.exchange((parts.grad is not None, str(grad.device)))
     mine, parts.grad = parts.grad, None
     if not any(has for has, _ in seen):

@@ -9,7 +9,9 @@ each launched as soon as its gradients are in. Here:
   (the last arguments first, as the backward produces their gradients first; the first
   bucket smaller, so that communication starts early). Each bucket lays its boxes end to
   end, and boxes held by the same ranks make one range (``run_layout``): where every
-  rank holds every argument, a bucket is one ``all_reduce`` of one buffer;
+  rank holds every argument, a bucket is one ``all_reduce`` of one buffer, summed in place
+  (the buffer is written by the gradients' first arrivals, with no zeroing pass), and the
+  ranks check that they run the same buckets once per call, at the first;
 - each block's first use in the function goes through a **tap** (``gathered.register_tap``)
   whose backward copies the block's gradient into its bucket and passes nothing on; when a
   bucket is full, and the buckets before it have left, it is launched (``launch``), and runs
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -186,6 +189,18 @@ def buckets(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> 
     return tuple(out)
 
 
+@cached(256)
+def _series(plan: tuple[Bucket, ...]) -> str:
+    """A name of the buckets' layouts, the same on every rank: ranks whose buckets differ anywhere differ here."""
+    h = hashlib.blake2b(digest_size=8)
+    for bucket in plan:
+        c = bucket.runs.columns
+        h.update(repr(bucket.runs.shape).encode())
+        for a in (c.lo, c.sz, c.rank):
+            h.update(np.ascontiguousarray(a, np.int64).tobytes())
+    return f"buckets {len(plan)} {h.hexdigest()}"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Slots:
     """Where each of a rank's shards sits in its bucket: ``where[position] = (bucket, range, offset)``.
@@ -250,7 +265,8 @@ class _State:
         if buf is None:
             bucket = self.plan[b]
             sizes = [sum(self._width(bucket, q) for q in part) for part in bucket.parts]
-            buf = self.buffers[b] = [self._zeros(n) for n in sizes]
+            # Not zeroed: each box is written by its first gradient (copy_), or zeroed before its bucket leaves.
+            buf = self.buffers[b] = [torch.empty(n, dtype=self.dtype, device=self.device) for n in sizes]
         return buf
 
     def _slot(self, position: int) -> torch.Tensor:
@@ -270,8 +286,10 @@ class _State:
         if b < len(self.flights):
             return False
         slot = self._slot(position)
-        slot.add_(grad.reshape(-1))
-        if position not in self.given:
+        if position in self.given:
+            slot.add_(grad.reshape(-1))
+        else:
+            slot.copy_(grad.reshape(-1))
             earlier = self._earlier(position)
             if earlier is not None:
                 slot.add_(earlier.reshape(-1))
@@ -298,8 +316,9 @@ class _State:
         if start is None:
             done, _ = _autograd.move(with_partial(runs, "sum"), runs, self.backend, tensors, self._like(tensors))
             self.flights.append(lambda: done)
-        else:
-            self.flights.append(start(_plan(with_partial(runs, "sum"), runs), tensors, self._like(tensors)))
+        else:  # the ranks check the whole series of buckets once, at the first
+            plan = _plan(with_partial(runs, "sum"), runs)
+            self.flights.append(start(plan, tensors, self._like(tensors), series=_series(self.plan), checked=b > 0))
 
     def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
@@ -308,11 +327,17 @@ class _State:
             earlier = self._earlier(k)
             if k not in self.given and earlier is not None:
                 self.take(k, torch.zeros_like(earlier))
+        for position, (b, _, _) in self.where.items():  # boxes no gradient reached: zero in their bucket
+            if position >= 0 and position not in self.given and b >= len(self.flights):
+                self._slot(position).zero_()
         self._slot(-1).fill_(len(outside))
         while len(self.flights) < len(self.plan):
             self._launch(len(self.flights))
         summed = [flight() for flight in self.flights]
-        out = [self._zeros(*shape) for shape in self.shapes]
+        out: list[torch.Tensor] = [
+            self._zeros(*shape) if position not in self.where else torch.empty(0)  # empty boxes: zeros
+            for position, shape in enumerate(self.shapes)
+        ]
         for position, (b, j, at) in self.where.items():
             if position >= 0:
                 out[position] = summed[b][j][at : at + self._numel(position)].view(self.shapes[position])

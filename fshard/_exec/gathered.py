@@ -12,6 +12,8 @@ process holds every shard and one ``bf``); here, fshard sums it:
   part) instead of passing it on;
 - the backward of the gather that made the tensor adds the parts summed over all
   ranks (one small exchange says whether any rank has a part; then one all-reduce).
+  Where no per-shard function ran since the gather (a loss gathered last), there is
+  no part on any rank, and no exchange.
 
 This is JAX's rule for ``shard_map`` (an invariant value used where values vary per
 device is broadcast, and the transpose of that broadcast is a sum), applied to the
@@ -48,6 +50,7 @@ from fshard._base.compile import opaque
 __all__ = [
     "Parts",
     "Usage",
+    "calls",
     "forget_taps",
     "is_per_shard_mode",
     "join",
@@ -60,15 +63,29 @@ __all__ = [
 
 
 class Parts:
-    """The per-shard gradient parts of one gathered tensor, summed on this rank."""
+    """The per-shard gradient parts of one gathered tensor, summed on this rank.
 
-    __slots__ = ("__weakref__", "grad")
+    ``since`` is the number of per-shard calls made before the gather (``calls``): where
+    it is still that number, no per-shard function ran since, on any rank (every rank
+    makes every call), so no rank has a part.
+    """
+
+    __slots__ = ("__weakref__", "grad", "since")
 
     def __init__(self) -> None:
         self.grad: torch.Tensor | None = None
+        self.since = _CALLS[0]
 
     def add(self, g: torch.Tensor) -> None:
         self.grad = g if self.grad is None else self.grad + g
+
+
+_CALLS = [0]  # per-shard contexts entered so far in this process (``per_shard``), one per call on every rank
+
+
+def calls() -> int:
+    """How many per-shard contexts this process has entered (every rank enters one per call)."""
+    return _CALLS[0]
 
 
 _LIVE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
@@ -272,6 +289,7 @@ def per_shard(
     given, every tensor from outside the arguments that needs a gradient is passed through
     ``closed`` (counted in ``usage``).
     """
+    _CALLS[0] += 1
     closed = closed if closed is not None and torch.is_grad_enabled() else None
     if not ((backend.spans_processes and (_LIVE or _TAPPED)) or closed is not None):
         yield
