@@ -266,7 +266,9 @@ def _backward_rounds(cap_mb: float) -> tuple[dict[str, int], int]:
         for p in params:
             p.addressable_data[0].requires_grad_()
         rep = fshard.Replicated(R)
-        step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+        step = fshard.shard_map(
+            _body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep)
+        )
         loss = fshard.gather(step(x, *params))
         layouts = tuple(p.layout for p in params)
         plan = _buckets.buckets(layouts, 8, max(int(cap_mb * (1 << 20)), 1), backend.rank)
