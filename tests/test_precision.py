@@ -9,9 +9,11 @@ precision") is checked on random data.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
 
+import optree
 import pytest
 import torch
 
@@ -288,3 +290,50 @@ def test_bad_precisions_raise_errors_that_name_them_and_the_fix():
         fshard.shard_map(f, specs, fshard.Chunk(0, R), precision=(MIXED, torch.bfloat16))
     out = fshard.shard_map(f, specs, fshard.Chunk(0, R), precision=(MIXED, None))(floats, ints)
     assert out.dtype == BF16
+
+
+# -- transforms and micro-batches -------------------------------------------------------------------
+
+
+def test_per_example_gradients_under_vmap_are_the_bf16_gradients_in_fp32():
+    w = fshard.shard(_w(4, 3), fshard.Chunk(0, [0, 1]))
+    xs = _w(5, 3, seed=7)
+    leaves, treespec = optree.tree_flatten(w)
+
+    def loss(leaves, x):
+        y = fshard.reshard(optree.tree_unflatten(treespec, leaves), fshard.Replicated([0, 1]), precision=MIXED)
+        return (fshard.gather(y).float() * x).sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(leaves, xs)
+    want = xs.to(BF16).to(F32)[:, None, :].expand(5, 2, 3)  # each example's x, rounded once
+    assert [g.dtype for g in grads] == [F32, F32]
+    assert all(torch.equal(g, want) for g in grads)
+    _, tangent = torch.func.jvp(lambda *ls: loss(list(ls), xs[0]), tuple(leaves), tuple(map(torch.ones_like, leaves)))
+    assert torch.equal(tangent, (torch.ones(4, 3) * xs[0]).sum())  # a tangent of ones: exact in bf16
+
+
+def test_micro_batches_under_no_sync_send_nothing_until_the_step():
+    """Gradients set aside between micro-batches (in the reduce dtype, fp32) and summed once at the end."""
+    backend = LocalBackend()
+    x = _w(8, 6, seed=5)
+    w = fshard.shard(_w(6, 4, seed=6), fshard.Chunk(0, R), backend=backend)
+    for t in w.addressable_data:
+        t.requires_grad_()
+    step = fshard.shard_map(
+        _body, (fshard.Chunk(0, R), fshard.Replicated(R)), fshard.Partial(fshard.Replicated(R)), precision=(None, MIXED)
+    )
+    sent = []
+    for k, rows in enumerate((x[0::2], x[1::2])):
+        with fshard.no_sync() if k == 0 else contextlib.nullcontext():
+            out = step(fshard.shard(rows, fshard.Chunk(0, R), backend=backend), w)
+            backend.counters.reset()
+            torch.autograd.backward([t.sum() for t in out.addressable_data])
+            sent.append(backend.counters.bytes_sent)
+    assert sent == [0, 4 * 18 * 4]  # the step's one fp32 reduce-scatter of the 6x4 parameter's summands
+    accumulated = torch.cat([t.grad for t in w.addressable_data])
+    wb = _w(6, 4, seed=6).to(BF16).requires_grad_()
+    grads = [torch.autograd.grad(_body(x[r::2][q : q + 1], wb).sum(), wb)[0] for r in (0, 1) for q in R]
+    exact = sum(g.double() for g in grads)
+    bound = 2.0**-24 * 8 * sum(g.double().abs() for g in grads)
+    assert accumulated.dtype == F32
+    assert bool(((accumulated.double() - exact).abs() <= bound).all())
