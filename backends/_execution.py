@@ -43,15 +43,21 @@ __all__ = [
 
 @dataclasses.dataclass
 class Counters:
-    """What a backend has moved: elements that crossed ranks, and collectives run."""
+    """What a backend has moved: elements that crossed ranks, their bytes, and collectives run.
+
+    ``bytes_sent`` counts each element at the size of the dtype it crossed in (a movement
+    with a ``Precision`` sends the narrow dtype's bytes).
+    """
 
     elements_sent: int = 0
     collectives: int = 0
+    bytes_sent: int = 0
 
     def reset(self) -> None:
         """Sets every counter back to zero."""
         self.elements_sent = 0
         self.collectives = 0
+        self.bytes_sent = 0
 
 
 def box_slices(lo: Sequence[int], size: Sequence[int], origin: Sequence[int]) -> tuple[slice, ...]:

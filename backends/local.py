@@ -265,11 +265,11 @@ class LocalBackend:
             if p.op is None:
                 for r in _copying(p):
                     tensors = r.run(tensors, like.dtype)
-                self.counters.elements_sent += _arrivals(p)[1]
+                self._count(_arrivals(p)[1], like)
             else:
                 run = reduction(p)
                 tensors = run.run(p, tensors, like)
-                self.counters.elements_sent += run.crossing
+                self._count(run.crossing, like)
         return tuple(tensors)
 
     def scatter(
@@ -281,7 +281,7 @@ class LocalBackend:
             src = self.check_rank(src, "src")
         out = scattering(layout).run((full,), full.dtype)
         if plan is not None:
-            self.counters.elements_sent += plan.min_elements_sent  # the planner sends exactly its lower bound
+            self._count(plan.min_elements_sent, full)  # the planner sends exactly its lower bound
         return out
 
     def receivers(self, layout: Layout, dst: int | None) -> tuple[int, ...]:
@@ -298,12 +298,17 @@ class LocalBackend:
         idx = layout.indices_on(dst) if dst is not None else ()
         device = shard_device(layout, idx[0]) if idx else like.device
         (out,) = _assembly(layout, device).run(tensors, like.dtype)
-        self.counters.elements_sent += plan.min_elements_sent
+        self._count(plan.min_elements_sent, like)
         return out
 
     def exchange(self, obj: Any) -> list[Any]:
         """A single process: its own object."""
         return [obj]
+
+    def _count(self, elements: int, like: torch.Tensor) -> None:
+        """``elements`` of ``like``'s dtype crossed between ranks."""
+        self.counters.elements_sent += elements
+        self.counters.bytes_sent += elements * like.element_size()
 
 
 def _is_rank(rank: Any) -> bool:

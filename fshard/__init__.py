@@ -63,6 +63,7 @@ from fshard._interop.torch_objects import to_sharded_tensor as to_sharded_tensor
 from fshard._layout.layout import Layout as Layout
 from fshard._layout.layout import ShardMeta as ShardMeta
 from fshard._layout.placement import Placement as Placement
+from fshard._layout.precision import Precision as Precision
 from fshard._layout.specs import Chunk as Chunk
 from fshard._layout.specs import Explicit as Explicit
 from fshard._layout.specs import Mesh as Mesh
@@ -94,6 +95,7 @@ __all__ = [
     "Partial",
     "Placement",
     "Plan",
+    "Precision",
     "RankSchedule",
     "ReplicaMismatchError",
     "Replicated",

@@ -569,6 +569,10 @@ def entries(base: Path) -> dict[str, Entry]:
         "Mesh": Entry(Mesh, (Arg("shape", one((2, 2), [4])), Arg("ranks", one(None)), Arg("axis_names", one(None)))),
         "Named": Entry(Named, (Arg("mesh", one(Mesh((2, 2)))), Arg("partition", one(("x", None), ["y"], ())))),
         "Partial": Entry(Partial, (Arg("spec", one(Replicated([0, 1]), HALVES)), Arg("op", one("sum", "max")))),
+        "Precision": Entry(
+            fshard.Precision,
+            (Arg("param", one(None, torch.bfloat16, torch.float64)), Arg("reduce", one(None, torch.float32))),
+        ),
         "Shard": Entry(Shard, (Arg("meta", one(ShardMeta((0,), (2,), 0))), Arg("data", one(torch.zeros(2))))),
         "ShardedArray": Entry(
             fshard.ShardedArray,
@@ -624,7 +628,14 @@ def entries(base: Path) -> dict[str, Entry]:
             ),
         ),
         "gather": Entry(fshard.gather, (ARRAY, rank("dst"))),
-        "reshard": Entry(fshard.reshard, (ARRAY, Arg("spec", one(Replicated([0, 1]), Replicated([2]))))),
+        "reshard": Entry(
+            fshard.reshard,
+            (
+                ARRAY,
+                Arg("spec", one(Replicated([0, 1]), Replicated([2]))),
+                kw("precision", (None, fshard.Precision(param=torch.bfloat16, reduce=torch.float32))),
+            ),
+        ),
         "map_local": Entry(
             fshard.map_local,
             (
@@ -635,12 +646,15 @@ def entries(base: Path) -> dict[str, Entry]:
             ),
         ),
         "shard_map": Entry(
-            lambda fn, in_specs, out_specs, args: fshard.shard_map(fn, in_specs, out_specs)(*args),
+            lambda fn, in_specs, out_specs, args, precision=None: fshard.shard_map(
+                fn, in_specs, out_specs, precision=precision
+            )(*args),
             (
                 Arg("fn", one(FNS[0], torch.neg)),
                 Arg("in_specs", one(Chunk(0, [0, 1]), (Chunk(0, [0, 1]),))),
                 Arg("out_specs", one(Chunk(0, [0, 1]))),
                 Arg("args", one((ROWS,), (T34,)), junk=var_junk),
+                kw("precision", (None, fshard.Precision(param=torch.float64), (None,))),
             ),
         ),
         "equal": Entry(fshard.equal, (Arg("a", one(ROWS)), Arg("b", one(ROWS, ARRAYS[2])))),

@@ -171,7 +171,7 @@ class TorchDistBackend:
 
     @property
     def counters(self) -> Counters:
-        """Elements this process sent to other ranks, and collectives it ran, on this group."""
+        """Elements (and their bytes) this process sent to other ranks, and collectives it ran, on this group."""
         counters = _COUNTERS.get(id(self.group))
         if counters is None:
             counters = _COUNTERS[id(self.group)] = Counters()
@@ -253,7 +253,7 @@ class TorchDistBackend:
                 def done() -> tuple[torch.Tensor, ...]:
                     with in_flight():
                         guarded.wait(work)
-                    self._count(plan.for_rank(self.rank).elements_sent)
+                    self._count(plan.for_rank(self.rank).elements_sent, out.element_size())
                     return (out.to(shard_device(plan.dst, j)),)
 
                 return done
@@ -310,7 +310,7 @@ class TorchDistBackend:
                 g.wait(
                     all_gather(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()), group=self.group, async_op=True)
                 )
-            self._count(p.for_rank(self.rank).elements_sent)
+            self._count(p.for_rank(self.rank).elements_sent, out.element_size())
             return out.to(self._out_device(layout, like))
         whole: dict[int, torch.Tensor] = {}
         if self.rank in receivers:
@@ -338,7 +338,7 @@ class TorchDistBackend:
         guarded = self._guard(f"reshard:{kind}", p, like.dtype)
         with in_flight():
             run_collective(kind, p, tensors[0].to(self._wire), out, self.group, guarded)
-        self._count(p.for_rank(self.rank).elements_sent)
+        self._count(p.for_rank(self.rank).elements_sent, out.element_size())
         return (out.to(shard_device(p.dst, j)),)
 
     def _reduce(
@@ -354,7 +354,7 @@ class TorchDistBackend:
         guarded = self._guard(op, p, dtype)
         with in_flight():
             run_reduce(sched, src, out, dtype, self._warm(), self.group, empty, guarded)
-        self._count(sched.sent)
+        self._count(sched.sent, dtype.itemsize)
 
     def _warm(self) -> torch.device:
         """The wire device, with the NCCL communicator created (before the first P2P message)."""
@@ -391,7 +391,7 @@ class TorchDistBackend:
         with in_flight():
             out = all_reduce_among(t, ranks, self._wire, partition or (ranks,))
         n = len(ranks)
-        self._count(2 * (n - 1) * t.numel() // n)  # a ring all-reduce's elements from each rank
+        self._count(2 * (n - 1) * t.numel() // n, t.element_size())  # a ring all-reduce's elements from each rank
         return out
 
     def check_rank(self, rank: Any, what: str) -> int:
@@ -468,7 +468,7 @@ class TorchDistBackend:
             out = s.outputs(dtype)
         with in_flight():
             s.transport(s.schedule, src, out, dtype, wire, self.group, guarded, opened)
-        self._count(s.schedule.sent)
+        self._count(s.schedule.sent, dtype.itemsize)
         return out
 
     def _guard(self, op: str, p: Plan, dtype: torch.dtype) -> Guard:
@@ -476,10 +476,11 @@ class TorchDistBackend:
         g = facts(self.group)
         return guard(op, p.src, p.dst, dtype, g.ranks, g.rank, self._wire, g.alltoall)
 
-    def _count(self, sent: int) -> None:
-        """One collective that sent ``sent`` elements from this rank."""
+    def _count(self, sent: int, itemsize: int) -> None:
+        """One collective that sent ``sent`` elements of ``itemsize`` bytes from this rank."""
         counters = self.counters
         counters.elements_sent += sent
+        counters.bytes_sent += sent * itemsize
         counters.collectives += 1
 
 

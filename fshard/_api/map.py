@@ -49,6 +49,7 @@ from fshard._exec.collective import collective
 from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial, with_terms
 from fshard._layout.placement import Placement
+from fshard._layout.precision import check_floating, per_argument
 from fshard._layout.specs import Explicit, Partial, as_layout
 
 __all__ = ["map_local", "map_same", "regrouped", "shard_map"]
@@ -120,7 +121,9 @@ def map_local(
 
 
 @with_body  # fn is compiled where the caller is
-def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vma: bool = True) -> Callable[..., Any]:
+def shard_map(
+    fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vma: bool = True, precision: Any = None
+) -> Callable[..., Any]:
     """Turns a function of blocks into a function of sharded arrays.
 
     The returned function reshards each array argument to its entry of ``in_specs``
@@ -146,6 +149,11 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
             ``False`` trusts ``fn`` to return equal results on the claimed copies (for a
             result that ignores the arguments that differ there); check mode
             (``fshard.config(check_collectives=True)``) still compares their contents.
+        precision: an ``fshard.Precision`` for every argument, or a tuple of them (``None``
+            for an argument left alone) matching ``in_specs``: each argument moves to its
+            spec in its precision's ``param`` dtype (the blocks ``fn`` gets have it), and
+            its gradient is moved and summed in the ``reduce`` dtype, then returned in the
+            argument's own dtype (docs/training.md, "Mixed precision").
 
     Raises:
         SpecError: an argument's spec gives a placement zero or several blocks, the
@@ -171,6 +179,7 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
 
     specs = cast("Sequence[Any]", in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
     reducing = Reducing(specs, fn)
+    precisions = per_argument(precision, len(specs), "shard_map()")
 
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:
@@ -202,7 +211,10 @@ def shard_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vm
         if not arrays:
             raise SpecError("shard_map() needs at least one array or tensor argument with a spec.")
         _check_backends(tuple(a for _, a in arrays), "shard_map()")
-        values = _arguments([a for _, a in arrays], targets)
+        if any(p is not None for p in precisions):
+            values = _cast_arguments(arrays, targets, precisions)
+        else:
+            values = _arguments([a for _, a in arrays], targets)
         pending = _check_partial(values, linear=False, what="shard_map()")
         order = [k for k, _ in arrays]
 
@@ -257,6 +269,17 @@ def _arguments(arrays: Sequence[ShardedArray], targets: Sequence[Layout | None])
     for k, a in zip(staying, _fused.regroup_tree([out[k] for k in staying], "sum")):
         out[k] = a
     return tuple(out)
+
+
+@opaque  # plans and layouts in numpy: run eagerly under torch.compile
+def _cast_arguments(
+    arrays: Sequence[tuple[int, ShardedArray]], targets: Sequence[Layout | None], precisions: Sequence[Any]
+) -> tuple[ShardedArray, ...]:
+    """``_arguments`` where argument ``k`` moves in ``precisions[k]``; a non-floating one with a precision raises."""
+    for k, a in arrays:
+        check_floating(precisions[k], a.dtype, f"shard_map() argument {k}")
+    mine = [precisions[k] for k, _ in arrays]
+    return tuple(_fused.cast_arguments([a for _, a in arrays], targets, mine))
 
 
 # -- checks -------------------------------------------------------------------------------

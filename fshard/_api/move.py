@@ -26,6 +26,7 @@ from fshard._exec.collective import collective
 from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout, ShardMeta, with_terms
 from fshard._layout.placement import Placement
+from fshard._layout.precision import Precision, check_floating, check_precision
 from fshard._layout.specs import Replicated, as_layout
 from fshard._layout.torch_meta import is_torch_spec
 from fshard.backends import Backend, default_backend
@@ -141,12 +142,12 @@ def gather(array: Any, *, dst: int | None = None) -> Any:
 
 
 @overload
-def reshard(array: ShardedArray, spec: Any) -> ShardedArray: ...
+def reshard(array: ShardedArray, spec: Any, *, precision: Precision | None = None) -> ShardedArray: ...
 @overload
-def reshard(array: Any, spec: Any) -> Any: ...
+def reshard(array: Any, spec: Any, *, precision: Precision | None = None) -> Any: ...
 @collective("reshard")
 @opaque
-def reshard(array: Any, spec: Any) -> Any:
+def reshard(array: Any, spec: Any, *, precision: Precision | None = None) -> Any:
     """The same global values in a new layout; only elements whose owner changes are sent.
 
     From a pending reduction (``Partial``) to a non-partial spec, the copies are
@@ -168,13 +169,36 @@ def reshard(array: Any, spec: Any) -> Any:
     >>> tree = fshard.reshard({"x": x, "b": b}, fshard.Replicated([0, 1]))
     >>> tree["b"].layout == fshard.Replicated([0, 1]).layout((3,))
     True
+
+    With ``precision=fshard.Precision(param=..., reduce=...)``, each sender casts its boxes
+    to ``param`` before sending (the result has that dtype), and the backward sends the
+    gradients in ``reduce``, returning them in the array's own dtype (docs/training.md,
+    "Mixed precision"):
+
+    >>> half = fshard.reshard(x, fshard.Replicated([0, 1]), precision=fshard.Precision(param=torch.bfloat16))
+    >>> half.dtype, half.layout == fshard.Replicated([0, 1]).layout((2, 4))
+    (torch.bfloat16, True)
+
+    Raises:
+        SpecError: the spec does not fit, or ``precision`` is given for an array whose dtype
+            is not floating.
     """
+    precision = check_precision(precision, "reshard()")
     if not isinstance(array, ShardedArray):
-        return _reshard_tree(array, spec)
+        return _reshard_tree(array, spec, precision)
     layout = as_layout(spec, array.shape)
-    if layout == array.layout:
+    if precision is not None:
+        check_floating(precision, array.dtype, "reshard()'s array")
+        if not precision.casts(array.dtype):
+            precision = None
+    if layout == array.layout and precision is None:
         return array
-    array.backend.check_layout(layout)
+    if layout != array.layout:
+        array.backend.check_layout(layout)
+    if precision is not None:
+        first = array._first()  # pyright: ignore[reportPrivateUsage]  # package-internal
+        data, link = _autograd.move_cast(array.layout, layout, array.backend, array.addressable_data, first, precision)
+        return ShardedArray._of(layout, data, array.backend, precision.forward_dtype(array.dtype), link)  # pyright: ignore[reportPrivateUsage]  # fits by construction
     data, link = _autograd.move(array.layout, layout, array.backend, array.addressable_data, array._first())  # pyright: ignore[reportPrivateUsage]  # package-internal
     return ShardedArray._of(layout, data, array.backend, array.dtype, link)  # pyright: ignore[reportPrivateUsage]  # fits by construction
 
@@ -387,11 +411,14 @@ def _same_backend(leaves: Sequence[ShardedArray], what: str) -> None:
         raise SpecError(f"{what} takes a tree of arrays of one backend; it holds {first!r} and {other!r}.")
 
 
-def _reshard_tree(tree: Any, specs: Any) -> Any:
+def _reshard_tree(tree: Any, specs: Any, precision: Precision | None) -> Any:
     leaves, treedef = _leaves(tree, "reshard()")
     if not leaves:
         empty: Any = optree.tree_unflatten(treedef, cast("list[Any]", []))
         return empty
+    if precision is not None:
+        for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True), leaves):
+            check_floating(precision, leaf.dtype, f"reshard()'s leaf at {path}")
     src = tuple(a.layout for a in leaves)
     backend = leaves[0].backend
     if is_spec(specs):
@@ -403,7 +430,7 @@ def _reshard_tree(tree: Any, specs: Any) -> Any:
             msg = f"reshard() takes one spec or a pytree of specs matching the arrays ({treedef}): {exc}"
             raise SpecError(msg) from None
         layouts = _tree_targets(src, None, tuple(flat_specs), backend)
-    moved: list[Any] = _fused.move_tree(leaves, layouts)
+    moved: list[Any] = _fused.move_tree(leaves, layouts, precision=precision)
     return optree.tree_unflatten(treedef, moved)
 
 

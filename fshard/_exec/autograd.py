@@ -54,6 +54,7 @@ __all__ = [
     "link_grad",
     "link_of",
     "move",
+    "move_cast",
     "move_summing",
     "regroup",
     "scatter",
@@ -223,6 +224,82 @@ def _move_back(ctx: Any, grads: Sequence[Any], summing: bool) -> Any:
     return (None, None, None, link_grad(ctx, 3, like), *back)
 
 
+class _CastMove(torch.autograd.Function):
+    """``_Move`` (or ``_MoveSumming``) with a ``Precision``: sends, and returns, its forward dtype.
+
+    Forward: each sender casts its shards to the precision's forward dtype, then the plan
+    runs in it (equal layouts: the cast alone). Backward: the gradients are cast to the
+    reduce dtype, moved (and summed, ``summing``) in it, and cast to the source's dtype,
+    so the source gets a gradient of its own dtype, rounded once.
+    """
+
+    @staticmethod
+    def forward(
+        src: Layout,
+        dst: Layout,
+        backend: Any,
+        precision: Any,
+        summing: bool,
+        like: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> Any:
+        to = precision.forward_dtype(like.dtype)
+        sent = tuple(t.to(to) if t.dtype != to else t.view_as(t) for t in tensors)
+        if src != dst:
+            sent = tuple(backend.execute(plan(src, dst), sent, _stand_in(to, like.device)))
+        return (*sent, like.new_empty((0,), dtype=to))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        src, dst, backend, precision, summing, like = inputs[:6]
+        ctx.args = (src, dst, backend, precision, summing, like.dtype, like.device)
+        ctx.like_shape = like.shape
+        ctx.sync, ctx.key = (syncing(), key_of(inputs[6:])) if summing else (True, None)
+
+    @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
+    def backward(ctx: Any, *grads: Any) -> Any:
+        src, dst, backend, precision, summing, dtype, device = ctx.args
+        wide = precision.reduce_dtype(dtype)
+        like = carrier(grads, wide, device).to(wide)
+        to, frm = _linear(src, dst, "gradient")
+        frm = with_partial(frm, "sum") if summing else frm
+        dense = tuple(g.to(wide) for g in _dense(dst, backend, grads[:-1], like))
+        if summing:  # the sum over ranks waits for the syncing micro-batch (``accumulate.no_sync``)
+            aside = _after_aside(ctx, dense)
+            if aside is None:
+                return (None,) * (6 + len(grads) - 1)
+            dense = aside
+        back = move(frm, to, backend, dense, like)[0] if frm != to else dense
+        return (None,) * 5 + (link_grad(ctx, 5, like), *(b.to(dtype) for b in back))
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        src, dst, backend, precision, _summing, dtype, device = ctx.args
+        to = precision.forward_dtype(dtype)
+        like = carrier(tangents[5:], to, device).to(to)
+        _linear(src, dst, "forward derivative")
+        dense = tuple(t.to(to) for t in _dense(src, backend, tangents[6:], like))
+        out, link = move(src, dst, backend, dense, like) if src != dst else (dense, like.new_empty((0,)))
+        return (*out, link)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
+        src, dst, backend, precision, summing, like, *tensors = args
+        n = info.batch_size
+        lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[6:]))
+        out, link = move_cast(
+            with_batch(src, n),
+            with_batch(dst, n),
+            backend,
+            lead,
+            _stand_in(like.dtype, like.device),
+            precision,
+            summing,
+        )
+        return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+
+
 def _after_aside(ctx: Any, dense: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
     """``dense`` plus what earlier micro-batches set aside; ``None`` (set aside too) outside a syncing step."""
     if not ctx.sync:
@@ -336,6 +413,24 @@ def move_summing(
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """``move``, whose backward sums the gradients of ``dst``'s copies (``_MoveSumming``)."""
     *out, link = _run(_MoveSumming, src, dst, backend, like, *tensors)
+    return tuple(out), link
+
+
+def move_cast(
+    src: Layout,
+    dst: Layout,
+    backend: Any,
+    tensors: Sequence[torch.Tensor],
+    like: torch.Tensor,
+    precision: Any,
+    summing: bool = False,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``move`` (``move_summing`` where ``summing``) with a ``Precision``: the shards of ``dst`` in its forward dtype.
+
+    Equal layouts are allowed: the cast alone, whose backward (where ``summing``) sums the
+    gradients of the copies, as ``regroup``'s does.
+    """
+    *out, link = _run(_CastMove, src, dst, backend, precision, summing, like, *tensors)
     return tuple(out), link
 
 

@@ -232,11 +232,20 @@ class _State:
     """One call's buckets: their buffers as the gradients come in, and those in flight."""
 
     def __init__(
-        self, plan: tuple[Bucket, ...], slots: _Slots, backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+        self,
+        plan: tuple[Bucket, ...],
+        slots: _Slots,
+        backend: Any,
+        tensors: Sequence[torch.Tensor],
+        like: torch.Tensor,
+        precision: Any = None,
     ):
         self.plan, self.backend, self.shapes = plan, backend, tuple(t.shape for t in tensors)
         self.sync, self.key = syncing(), Key(tensors)  # outside a syncing step, nothing leaves: all is set aside
-        self.dtype, self.device = like.dtype, like.device
+        self.source, self.device = like.dtype, like.device
+        # Gradients are summed (and sent) in the reduce dtype; the blocks are the forward dtype's.
+        self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
+        self.forward = like.dtype if precision is None else precision.forward_dtype(like.dtype)
         self.where, self.numels = slots.where, slots.numels
         self.reset()
 
@@ -300,8 +309,8 @@ class _State:
         return True
 
     def dense(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """``grads`` with zeros for the missing ones."""
-        return [self._zeros(*shape) if g is None else g for g, shape in zip(grads, self.shapes)]
+        """``grads`` with zeros for the missing ones, in the dtype they are summed in."""
+        return [self._zeros(*shape) if g is None else g.to(self.dtype) for g, shape in zip(grads, self.shapes)]
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -322,6 +331,7 @@ class _State:
 
     def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
+        late = [None if g is None else g.to(self.dtype) for g in late]
         outside = [k for k, g in enumerate(late) if g is not None and not self.take(k, g)]
         for k in range(len(self.shapes)):  # used by earlier micro-batches only
             earlier = self._earlier(k)
@@ -393,6 +403,8 @@ class _SumBuckets(torch.autograd.Function):
 
     @staticmethod
     def forward(state: _State, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        if state.forward != state.source:  # a precision: the blocks in its forward dtype (cast before use)
+            return (*(t.to(state.forward) for t in tensors), like.new_empty((0,), dtype=state.forward))
         return (*(t.view_as(t) for t in tensors), _autograd.link_of(like))
 
     @staticmethod
@@ -416,26 +428,35 @@ class _SumBuckets(torch.autograd.Function):
             back = state.sum_all(dense if earlier is None else [g + e for g, e in zip(dense, earlier)])
         else:
             back = state.finish(grads[:-1])
+        if state.dtype != state.source:  # summed in the reduce dtype; the blocks get their own dtype
+            back = [g.to(state.source) for g in back]
         return (None, _autograd.link_grad(ctx, 1, like), *back)
 
 
 def sum_in_buckets(
-    layouts: tuple[Layout, ...], backend: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor
+    layouts: tuple[Layout, ...],
+    backend: Any,
+    tensors: Sequence[torch.Tensor],
+    like: torch.Tensor,
+    precision: Any = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor] | None:
     """``tensors`` (this rank's shards of ``layouts``, leaf by leaf), whose copies' gradients sum in buckets.
 
     Their uses in per-shard functions go through taps (``gathered.register_tap``). ``None``
     where some rank of the backend holds no shard of some leaf, or the buckets' boxes make no
-    ranges; the caller then sums another way.
+    ranges; the caller then sums another way. With a ``precision``, the blocks returned are
+    cast to its forward dtype, and the buckets hold (send and sum) its reduce dtype.
     """
     group = set(backend.ranks)
     if any(set(x.ranks) != group for x in layouts):  # a rank without some leaf: summed another way
         return None
     cap = int(current().bucket_cap_mb * (1 << 20))
-    plan = buckets(layouts, like.element_size(), max(cap, 1), backend.rank)
+    itemsize = (like.dtype if precision is None else precision.reduce_dtype(like.dtype)).itemsize
+    plan = buckets(layouts, itemsize, max(cap, 1), backend.rank)
     if plan is None:
         return None
-    state = _State(plan, _slots(layouts, like.element_size(), max(cap, 1), backend.rank), backend, tensors, like)
+    slots = _slots(layouts, itemsize, max(cap, 1), backend.rank)
+    state = _State(plan, slots, backend, tensors, like, precision)
     *out, link = _autograd.apply(_SumBuckets, state, like, *tensors)
     for k, t in enumerate(out):
         _gathered.register_tap(t, functools.partial(_tap, state, k))

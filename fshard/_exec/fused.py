@@ -25,8 +25,9 @@ any layout fuses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ from fshard._exec import buckets as _buckets
 from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.validate import Columns
 
-__all__ = ["Flat", "flat_layouts", "flat_range", "move_tree", "regroup_tree"]
+__all__ = ["Flat", "cast_arguments", "flat_layouts", "flat_range", "move_tree", "regroup_tree"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -310,44 +311,78 @@ def _sizes(layout: Layout, backend: Any) -> tuple[tuple[int, ...], ...]:
 
 
 def move_tree(
-    arrays: Sequence[ShardedArray], layouts: Sequence[Layout], *, summing: bool = False
+    arrays: Sequence[ShardedArray], layouts: Sequence[Layout], *, summing: bool = False, precision: Any = None
 ) -> list[ShardedArray]:
     """Every array moved to its layout, the arrays of one dtype in one movement where their boxes allow.
 
     ``summing``: the backward sums the gradients of the destination's copies (``move_summing``).
-    An array already in its layout is returned as it is. Which leaves move together, and
-    how they are laid out in the flat array, is computed once per tree of layouts (``_recipe``).
+    An array already in its layout is returned as it is (cast alone, with a ``precision``
+    that casts it). Which leaves move together, and how they are laid out in the flat
+    array, is computed once per tree of layouts (``_recipe``).
     """
     out = list(arrays)
     if not arrays:
         return out
-    move = _autograd.move_summing if summing else _autograd.move
+    move: Any = _autograd.move_summing if summing else _autograd.move
+    if precision is not None:
+        move = functools.partial(_move_cast, precision=precision, summing=summing)
     backend = arrays[0].backend
     if not all(a.backend is backend for a in arrays) and len({a.backend for a in arrays}) > 1:
-        return _per_backend(arrays, layouts, summing)  # arrays of several backends: each backend's apart
+        return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
     recipe = _recipe(tuple(a.layout for a in arrays), tuple(layouts), tuple(a.dtype for a in arrays), backend)
     for k in recipe.alone:
         a = arrays[k]
         data, link = move(a.layout, layouts[k], backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
-        out[k] = ShardedArray._of(layouts[k], data, backend, a.dtype, link)  # pyright: ignore[reportPrivateUsage]
+        out[k] = ShardedArray._of(layouts[k], data, backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
     for group in recipe.fused:
-        _move_flat(group, arrays, layouts, move, out)
+        _move_flat(group, arrays, layouts, move, out, precision)
+    if precision is not None:  # the arrays in place still change dtype: a cast each, nothing sent
+        for k, a in enumerate(arrays):
+            if a.layout == layouts[k] and precision.casts(a.dtype):
+                data, link = move(a.layout, a.layout, backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
+                out[k] = ShardedArray._of(a.layout, data, backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
     return out
 
 
-def _per_backend(arrays: Sequence[ShardedArray], layouts: Sequence[Layout], summing: bool) -> list[ShardedArray]:
+def _move_cast(
+    src: Layout,
+    dst: Layout,
+    backend: Any,
+    tensors: Sequence[torch.Tensor],
+    like: torch.Tensor,
+    *,
+    precision: Any,
+    summing: bool,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    return _autograd.move_cast(src, dst, backend, tensors, like, precision, summing)
+
+
+def _dtype(a: ShardedArray, precision: Any) -> torch.dtype:
+    """The dtype of ``a`` after a movement with ``precision`` (``None``: its own)."""
+    return a.dtype if precision is None else precision.forward_dtype(a.dtype)
+
+
+def _per_backend(
+    arrays: Sequence[ShardedArray], layouts: Sequence[Layout], summing: bool, precision: Any
+) -> list[ShardedArray]:
     out = list(arrays)
     by: dict[Any, list[int]] = {}
     for k, a in enumerate(arrays):
         by.setdefault(a.backend, []).append(k)
     for ks in by.values():
-        for k, a in zip(ks, move_tree([arrays[k] for k in ks], [layouts[k] for k in ks], summing=summing)):
+        moved = move_tree([arrays[k] for k in ks], [layouts[k] for k in ks], summing=summing, precision=precision)
+        for k, a in zip(ks, moved):
             out[k] = a
     return out
 
 
 def _move_flat(
-    group: _Fused, arrays: Sequence[ShardedArray], layouts: Sequence[Layout], move: Any, out: list[ShardedArray]
+    group: _Fused,
+    arrays: Sequence[ShardedArray],
+    layouts: Sequence[Layout],
+    move: Any,
+    out: list[ShardedArray],
+    precision: Any = None,
 ) -> None:
     """Runs one movement of several leaves: packs its parts, moves them, and hands each leaf its shards."""
     members = [arrays[k] for part in group.parts for k in part.leaves]
@@ -369,21 +404,23 @@ def _move_flat(
         if part.dim is None:
             (k,) = part.leaves
             shards = tuple(t.view(s) for t, s in zip(got, part.sizes))
-            out[k] = ShardedArray._of(layouts[k], shards, backend, arrays[k].dtype, link)  # pyright: ignore[reportPrivateUsage]
+            out[k] = ShardedArray._of(layouts[k], shards, backend, _dtype(arrays[k], precision), link)  # pyright: ignore[reportPrivateUsage]
             continue
         # Each stacked shard back as the leaves' shards: views (a copy first where the stack is not dim 0).
         per_shard = [t.view(s).movedim(part.dim, 0).contiguous().unbind(0) for t, s in zip(got, part.sizes)]
         of = ShardedArray._of  # pyright: ignore[reportPrivateUsage]  # fits by construction
-        dtype = arrays[part.leaves[0]].dtype
+        dtype = _dtype(arrays[part.leaves[0]], precision)
         shards_of = zip(*per_shard) if per_shard else ((),) * len(part.leaves)
         for k, shards in zip(part.leaves, shards_of):
             out[k] = of(layouts[k], shards, backend, dtype, link)
 
 
-def regroup_tree(arrays: Sequence[ShardedArray], mode: str) -> list[ShardedArray]:
+def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = None) -> list[ShardedArray]:
     """``autograd.regroup`` of every array that has copies and needs a gradient, one per dtype.
 
     The backward of ``"sum"`` reduces the copies of every array of a dtype in one movement.
+    With a ``precision`` (``"sum"`` only), every array is cast to its forward dtype, and
+    the copies' gradients are summed in its reduce dtype.
     """
     out = list(arrays)
     needs = [a.requires_grad and a.layout.partial is None and _has_copies(a.layout) for a in arrays]
@@ -392,19 +429,24 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str) -> list[ShardedArray
         backend = leaves[0].backend
         if not backend.spans_processes:  # copies in one process: nothing to fuse
             for k, a in zip(group, leaves):
-                data, link = _autograd.regroup(a.layout, backend, mode, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
-                out[k] = ShardedArray(a.layout, data, backend, a.dtype, link)
+                data, link = _regroup(a.layout, backend, mode, a.addressable_data, a._first(), precision)  # pyright: ignore[reportPrivateUsage]
+                out[k] = ShardedArray(a.layout, data, backend, _dtype(a, precision), link)
             continue
         layouts = tuple(a.layout for a in leaves)
         data = tuple(t for a in leaves for t in a.addressable_data)
         bucketed = None
         if mode == "sum" and not torch._C._are_functorch_transforms_active():  # pyright: ignore[reportPrivateUsage]  # no public check
-            bucketed = _buckets.sum_in_buckets(layouts, backend, data, _like(leaves))
+            bucketed = _buckets.sum_in_buckets(layouts, backend, data, _like(leaves), precision)
         if bucketed is not None:  # the blocks as they come: the function's uses of them are tapped
             flat, link = bucketed
         else:
-            flat, link = _autograd.regroup(
-                _buckets.box_layout(layouts), backend, mode, tuple(t.reshape(-1) for t in data), _like(leaves)
+            flat, link = _regroup(
+                _buckets.box_layout(layouts),
+                backend,
+                mode,
+                tuple(t.reshape(-1) for t in data),
+                _like(leaves),
+                precision,
             )
         at = 0
         for k, a in zip(group, leaves):
@@ -415,8 +457,45 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str) -> list[ShardedArray
                 else tuple(f.view(t.shape) for f, t in zip(flat[at:], a.addressable_data))
             )
             at += n
-            out[k] = ShardedArray(a.layout, tuple(shards), backend, a.dtype, link)
+            out[k] = ShardedArray(a.layout, tuple(shards), backend, _dtype(a, precision), link)
+    if precision is not None:  # the others only change dtype: a cast each, nothing sent
+        for k, a in enumerate(arrays):
+            if not needs[k] and precision.casts(a.dtype):
+                first = a._first()  # pyright: ignore[reportPrivateUsage]  # package-internal
+                data, link = _autograd.move_cast(a.layout, a.layout, a.backend, a.addressable_data, first, precision)
+                out[k] = ShardedArray._of(a.layout, data, a.backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
     return out
+
+
+def cast_arguments(
+    arrays: Sequence[ShardedArray], targets: Sequence[Layout | None], precisions: Sequence[Any]
+) -> list[ShardedArray]:
+    """``shard_map``'s arguments moved to ``targets`` (``None``: in place), each with its precision.
+
+    As without precisions: the gradients of a replicated argument's copies are summed (by
+    the backward of its movement, else by a regroup), here in the reduce dtype of its
+    precision; the arguments of one precision (and dtype) move as one tree.
+    """
+    out = list(arrays)
+    for precision in dict.fromkeys(precisions):  # each distinct precision once, in order
+        mine = [k for k, p in enumerate(precisions) if p == precision]
+        moving = [k for k in mine if targets[k] is not None and targets[k] != arrays[k].layout]
+        to = [cast(Layout, targets[k]) for k in moving]
+        for k, a in zip(moving, move_tree([arrays[k] for k in moving], to, summing=True, precision=precision)):
+            out[k] = a
+        staying = [k for k in mine if k not in set(moving)]
+        for k, a in zip(staying, regroup_tree([arrays[k] for k in staying], "sum", precision)):
+            out[k] = a
+    return out
+
+
+def _regroup(
+    layout: Layout, backend: Any, mode: str, tensors: Sequence[torch.Tensor], like: torch.Tensor, precision: Any
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``autograd.regroup``, or with a ``precision`` (mode ``"sum"``) the cast whose backward sums the copies."""
+    if precision is None:
+        return _autograd.regroup(layout, backend, mode, tensors, like)
+    return _autograd.move_cast(layout, layout, backend, tensors, like, precision, summing=True)
 
 
 @cached(1024)
