@@ -208,7 +208,7 @@ class TorchDistBackend:
                     (j,) = self.addressable(plan.dst)
                     with in_flight():
                         out = combine_inline(plan, tensors[0], guarded, self.group)
-                    self._count(plan.for_rank(self.rank).elements_sent)
+                    self._count(plan.for_rank(self.rank).elements_sent, out.element_size())
                     return (out.view(plan.dst._shard(j).sizes).to(shard_device(plan.dst, j)),)  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
             if kind is not None and _on_wire(plan, wire):
                 return self._collective(kind, plan, tensors, like)
