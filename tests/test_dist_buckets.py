@@ -256,8 +256,12 @@ def _rounds():
             setattr(dist, name, fn)
 
 
-def _backward_rounds(cap_mb: float) -> tuple[dict[str, int], int]:
-    """The process group calls of one data-parallel backward, and its buckets."""
+def _backward_rounds(cap_mb: float, out: str = "partial") -> tuple[dict[str, int], int]:
+    """The process group calls of one data-parallel backward, and its buckets.
+
+    ``out``: the loss's out_specs, a ``Partial`` spec (its shape inferred: the call exchanges
+    outcomes) or a ``Layout`` (nothing to infer: no exchange, where every rank holds blocks).
+    """
     old = fshard.config(bucket_cap_mb=cap_mb)
     try:
         backend = TorchDistBackend()
@@ -266,9 +270,8 @@ def _backward_rounds(cap_mb: float) -> tuple[dict[str, int], int]:
         for p in params:
             p.addressable_data[0].requires_grad_()
         rep = fshard.Replicated(R)
-        step = fshard.shard_map(
-            _body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep)
-        )
+        spec = fshard.Partial(rep) if out == "partial" else fshard.Partial(rep).layout((1,))
+        step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=spec)
         loss = fshard.gather(step(x, *params))
         layouts = tuple(p.layout for p in params)
         plan = _buckets.buckets(layouts, 8, max(int(cap_mb * (1 << 20)), 1), backend.rank)
@@ -279,22 +282,24 @@ def _backward_rounds(cap_mb: float) -> tuple[dict[str, int], int]:
         fshard.config(**{"bucket_cap_mb": old.bucket_cap_mb})
 
 
+@pytest.mark.parametrize("out", ["partial", "layout"])
 @pytest.mark.parametrize("cap_mb", [25.0, 1e-4])
-def test_a_backward_runs_its_buckets_after_one_round_of_headers(dist_pool, cap_mb):
-    """One all_reduce per bucket, summed in place; the ranks check the series of buckets once, at the first.
+def test_a_backward_runs_its_buckets_with_their_headers_checked_once(dist_pool, cap_mb, out):
+    """One all_reduce per bucket, summed in place. The ranks compare their series of buckets once:
+    in the call's exchange of outcomes where it has one, else in a round of headers at the first.
 
     A loss gathered after the last shard_map has no per-shard part on any rank, so its
     backward exchanges nothing.
     """
-    for counts, n in dist_pool.run(_backward_rounds, cap_mb, timeout=120):
-        assert counts == {"all_reduce": n, "all_to_all_single": 1}
+    for counts, n in dist_pool.run(_backward_rounds, cap_mb, out, timeout=120):
+        assert counts == {"all_reduce": n, "all_to_all_single": 0 if out == "partial" else 1}
         assert n == (1 if cap_mb == 25.0 else 5)
 
 
-def _different_buckets() -> str:
+def _different_buckets(out: str) -> str:
     old = fshard.config(bucket_cap_mb=25.0 if TorchDistBackend().rank == 0 else 1e-4)
     try:
-        _backward_rounds(fshard.config().bucket_cap_mb)
+        _backward_rounds(fshard.config().bucket_cap_mb, out)
     except fshard.CollectiveMismatchError as exc:
         return str(exc)
     finally:
@@ -302,9 +307,14 @@ def _different_buckets() -> str:
     return "no error"
 
 
-def test_ranks_whose_buckets_differ_raise_on_every_rank_at_the_first(dist_pool):
-    for message in dist_pool.run(_different_buckets, timeout=120):
-        assert "all_reduce buckets" in message, message
+@pytest.mark.parametrize("out", ["partial", "layout"])
+def test_ranks_whose_buckets_differ_raise_on_every_rank(dist_pool, out):
+    """In the call's exchange (naming the setting), or at the first bucket's round of headers."""
+    want = "in different buckets" if out == "partial" else "all_reduce buckets"
+    for message in dist_pool.run(_different_buckets, out, timeout=120):
+        assert want in message, message
+        if out == "partial":
+            assert "bucket_cap_mb" in message
 
 
 def _small_sums() -> list[tuple[torch.Tensor, dict[str, int]]]:

@@ -35,6 +35,7 @@ from fshard._base.compile import opaque, with_body
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec import body as _body
+from fshard._exec import buckets as _buckets
 from fshard._exec import fused as _fused
 from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
@@ -418,14 +419,16 @@ def _run(
     inferred = not all(isinstance(s, Layout) for s in _leaf_specs(out_specs, None, what))
     leaves: list[dict[Slot, torch.Tensor]]
     if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
+        series = _buckets.series_of(own)  # the ranks compare their buckets here, not in a round of their own
 
         def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
-            return describe_results(r[1], r[0]), (usage.ages(), usage.closed)
+            return describe_results(r[1], r[0]), (usage.ages(), usage.closed), tuple(s.series for s in series)
 
         (leaves, spec_tree), seen = agree(backend, compute, describe)
-        merged, metas = merge_results([d for d, _ in seen], what)
+        merged, metas = merge_results([d for d, _, _ in seen], what)
         spec_tree = merged if merged is not None else spec_tree
-        used = _used(backend, first, [u for _, u in seen], what)
+        used = _used(backend, first, [u for _, u, _ in seen], what)
+        _buckets.compare_series(series, [b for _, _, b in seen], backend.ranks, what)
     else:
         leaves, spec_tree = compute()
         metas = (describe_results(spec_tree, leaves) or (None, []))[1]

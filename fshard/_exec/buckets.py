@@ -11,7 +11,8 @@ each launched as soon as its gradients are in. Here:
   end, and boxes held by the same ranks make one range (``run_layout``): where every
   rank holds every argument, a bucket is one ``all_reduce`` of one buffer, summed in place
   (the buffer is written by the gradients' first arrivals, with no zeroing pass), and the
-  ranks check that they run the same buckets once per call, at the first;
+  ranks check that they run the same buckets once per call: in the call's exchange of
+  outcomes where it has one (``compare_series``), else in a round of headers at the first;
 - each block's first use in the function goes through a **tap** (``gathered.register_tap``)
   whose backward copies the block's gradient into its bucket and passes nothing on; when a
   bucket is full, and the buckets before it have left, it is launched (``launch``), and runs
@@ -43,13 +44,23 @@ import torch
 from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._config import current
+from fshard._errors import CollectiveMismatchError
 from fshard._exec import autograd as _autograd
 from fshard._exec import gathered as _gathered
 from fshard._exec.accumulate import Key, set_aside, syncing, take_back
 from fshard._layout.layout import Layout, replica_ids, with_partial
 from fshard._plan import plan as _plan
 
-__all__ = ["Bucket", "box_layout", "buckets", "run_layout", "run_parts", "sum_in_buckets"]
+__all__ = [
+    "Bucket",
+    "box_layout",
+    "buckets",
+    "compare_series",
+    "run_layout",
+    "run_parts",
+    "series_of",
+    "sum_in_buckets",
+]
 
 _FIRST_CAP = 1 << 20  # bytes: the first bucket, as DDP's
 
@@ -242,6 +253,8 @@ class _State:
     ):
         self.plan, self.backend, self.shapes = plan, backend, tuple(t.shape for t in tensors)
         self.sync, self.key = syncing(), Key(tensors)  # outside a syncing step, nothing leaves: all is set aside
+        self.series = _series(plan)
+        self.checked = False  # the ranks compared their series in the call's exchange: no round of headers
         self.source, self.device = like.dtype, like.device
         # Gradients are summed (and sent) in the reduce dtype; the blocks are the forward dtype's.
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
@@ -327,7 +340,8 @@ class _State:
             self.flights.append(lambda: done)
         else:  # the ranks check the whole series of buckets once, at the first
             plan = _plan(with_partial(runs, "sum"), runs)
-            self.flights.append(start(plan, tensors, self._like(tensors), series=_series(self.plan), checked=b > 0))
+            checked = b > 0 or self.checked
+            self.flights.append(start(plan, tensors, self._like(tensors), series=self.series, checked=checked))
 
     def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
@@ -461,6 +475,36 @@ def sum_in_buckets(
     for k, t in enumerate(out):
         _gathered.register_tap(t, functools.partial(_tap, state, k))
     return tuple(out), link
+
+
+def series_of(tensors: Sequence[torch.Tensor]) -> list[_State]:
+    """The bucket states whose taps ``tensors`` carry (one per tree of blocks summed in buckets), in order."""
+    found: dict[int, _State] = {}
+    for t in tensors:
+        tap = getattr(t, "_fshard_tap", None)
+        if isinstance(tap, functools.partial) and tap.func is _tap:
+            state = cast(_State, tap.args[0])
+            found.setdefault(id(state), state)
+    return list(found.values())
+
+
+def compare_series(states: Sequence[_State], seen: Sequence[tuple[str, ...]], ranks: Sequence[int], what: str) -> None:
+    """Marks ``states`` checked, given every rank's series (``seen``, in rank order) from an exchange.
+
+    Raises:
+        CollectiveMismatchError: on every rank alike, where the ranks' buckets differ.
+    """
+    mine = seen[0]
+    other = next((k for k, s in enumerate(seen) if s != mine), None)
+    if other is not None:
+        msg = (
+            f"{what}: ranks {ranks[0]} and {ranks[other]} would sum the gradients of its arguments in different "
+            f"buckets ({', '.join(mine) or 'none'} against {', '.join(seen[other]) or 'none'}): give every rank "
+            "the same fshard.config(bucket_cap_mb=...) and the same arguments."
+        )
+        raise CollectiveMismatchError(msg)
+    for state in states:
+        state.checked = True
 
 
 def _tap(state: _State, position: int, t: torch.Tensor) -> torch.Tensor:
