@@ -15,7 +15,8 @@ docs/distributed.md teach it, with no hand flattening:
   ``shard_module(stage, fully_sharded(ranks))`` and applied with
   ``apply_module(..., regather=True)``: each stage's parameters are gathered for its forward,
   freed when it returns, gathered again in the backward, and their gradients reduce-scattered
-  as soon as that stage's backward is done.
+  as soon as that stage's backward is done. The last stage keeps its copy (its backward comes
+  next), as FSDP2 keeps its root's.
 - **DDP**: ``DistributedDataParallel`` of the same model; **FSDP2**: ``fully_shard`` on
   every block and the root.
 
@@ -182,8 +183,8 @@ def _per_block_program(d: int) -> tuple[Any, Any]:
         h, _ = fshard.apply_module(stages[0], params[0], {}, xs, regather=True)
         for stage, p in zip(stages[1:-1], params[1:-1]):
             h, _ = fshard.apply_module(stage, p, {}, h, regather=True)
-        total, _ = fshard.apply_module(stages[-1], params[-1], {}, h, ys, method=_summed_loss, out_specs=summed,
-                                       regather=True)  # fmt: skip
+        # The last stage's backward comes right after its forward: it keeps its copy (as FSDP2's root does).
+        total, _ = fshard.apply_module(stages[-1], params[-1], {}, h, ys, method=_summed_loss, out_specs=summed)
         loss = fshard.gather(total) / ys.numel()
         loss.backward()
         opt.step()
@@ -284,8 +285,9 @@ def _rank_job(d: int, reps: int, peers: bool) -> dict[str, Any]:
             samples[name].append(time.perf_counter() - start)
     model = GPT(d)
     params = sum(p.numel() for p in model.parameters())
-    embeddings = sum(p.numel() for p in (*model.wte.parameters(), *model.wpe.parameters()))
-    return {"samples": samples, "moved": moved, "params": params, "embeddings": embeddings, "peaks": peaks}
+    kept = (model.wte, model.wpe, model.ln, model.head)  # no weights saved, or the last stage's
+    kept_once = sum(p.numel() for m in kept for p in m.parameters())
+    return {"samples": samples, "moved": moved, "params": params, "kept": kept_once, "peaks": peaks}
 
 
 def _timed(job: Any, d: int, settings: Settings) -> tuple[list[Any], int, dict[str, list[float]], dict[str, float]]:
@@ -320,8 +322,9 @@ class TrainingCase:
         names = list(rounds)
         params = per_rank[0]["params"]
         once = (world - 1) * params / world  # an all-gather, or a reduce-scatter, of every parameter
-        # Per block, the backward gathers again what it needs: every parameter but the embeddings'.
-        again = (world - 1) * (params - per_rank[0]["embeddings"]) / world
+        # Per block, the backward gathers the blocks again (not the embeddings, whose backward needs no
+        # weights, nor the last stage, which keeps its copy).
+        again = (world - 1) * (params - per_rank[0]["kept"]) / world
         bound = {"fshard DP": 2 * once, "fshard FSDP": 2 * once, "fshard FSDP (per block)": 2 * once + again}
         peer = {"fshard DP": "DDP", "fshard FSDP": "FSDP2", "fshard FSDP (per block)": "FSDP2"}
         rows: list[Row] = []
@@ -335,7 +338,7 @@ class TrainingCase:
                     f"{runs} collectives per step; {elements:,} elements sent by the busiest rank, "
                     f"bound {math.ceil(bound[n]):,} + the loss's"
                     + (" + the late-gradient count on the last bucket" if n == "fshard DP" else "")
-                    + (" (one more all-gather in the backward, of all but the embeddings)" if "block" in n else "")
+                    + (" (one more all-gather of the blocks in the backward)" if "block" in n else "")
                 )
                 sent = elements * 4
                 if peer[n] in median:

@@ -439,14 +439,15 @@ def test_the_training_case_times_every_program_and_counts_fshards_movements() ->
     assert (dp.ratio_to, fsdp.ratio_to, per_block.ratio_to) == ("DDP", "FSDP2", "FSDP2")
     model = training.GPT(16)
     params = sum(p.numel() for p in model.parameters())
-    embeddings = model.wte.weight.numel() + model.wpe.weight.numel()
+    kept = sum(p.numel() for m in (model.wte, model.wpe, model.ln, model.head) for p in m.parameters())
     # Each rank sends half of every gradient (the all-reduce bound on 2 ranks), and for FSDP
     # half of every parameter and half of every gradient; the busiest rank also sends the loss's element,
     # and data parallel the count of late gradients that rides on its last bucket (one element).
     assert dp.sent_bytes == 4 * (params + 1 + 1)
     assert fsdp.sent_bytes == 4 * (params + 1)
-    # Per block, half of every parameter again in the backward, but the embeddings' (their backward needs none).
-    assert per_block.sent_bytes == 4 * (params + (params - embeddings) // 2 + 1)
+    # Per block, half of the blocks' parameters again in the backward (the embeddings' backward needs
+    # no weights; the last stage keeps its copy).
+    assert per_block.sent_bytes == 4 * (params + (params - kept) // 2 + 1)
 
 
 def test_the_tp_training_case_times_both_programs_and_counts_fshards_movements() -> None:
