@@ -10,21 +10,39 @@ docs/distributed.md teach it, with no hand flattening:
   ``Partial`` result; ``backward``; SGD on the shard tensors.
 - **fshard FSDP**: the same program with the parameters split by rows (``Chunk(0)``):
   ``shard_map`` gathers them as one tree, and the backward reduce-scatters their gradients.
+- **fshard FSDP (per block)**: docs/training.md's fully-sharded program by blocks: the model
+  as stages (the embeddings, each block, the final norm and head), each sharded with
+  ``shard_module(stage, fully_sharded(ranks))`` and applied with
+  ``apply_module(..., regather=True)``: each stage's parameters are gathered for its forward,
+  freed when it returns, gathered again in the backward, and their gradients reduce-scattered
+  as soon as that stage's backward is done. The last stage keeps its copy (its backward comes
+  next), as FSDP2 keeps its root's.
 - **DDP**: ``DistributedDataParallel`` of the same model; **FSDP2**: ``fully_shard`` on
   every block and the root.
 
-Rounds are interleaved (fshard DP, DDP, fshard FSDP, FSDP2, ...); before each step every
-rank waits at a barrier, a step's time is the slowest rank's, and the table shows the
-median over rounds. fshard's rows also give the collectives per step and the elements
-each rank sent (``backend.counters``), against the bound of the step's movements: an
+Rounds are interleaved (fshard DP, DDP, fshard FSDP, fshard FSDP (per block), FSDP2, ...);
+before each step every rank waits at a barrier, a step's time is the slowest rank's, and the
+table shows the median over rounds. fshard's rows also give the collectives per step and the
+elements each rank sent (``backend.counters``), against the bound of the step's movements: an
 all-reduce of every gradient for DP (2(n-1)/n of the parameters per rank), an all-gather
-and a reduce-scatter for FSDP ((n-1)/n each), plus the loss's few elements (and for DP the
-one element that the last gradient bucket carries: the count of gradients that arrived late).
+and a reduce-scatter for FSDP ((n-1)/n each; per block, one more all-gather in the backward),
+plus the loss's few elements (and for DP the one element that the last gradient bucket
+carries: the count of gradients that arrived late).
+
+**Peak memory per rank** is measured before the timed rounds, for each program on its own:
+the bytes of live tensors that torch's CPU allocator holds, from the profiler's memory events
+(``torch.profiler`` with ``profile_memory=True``: every allocation and free, summed in time
+order) over building the program, one step, and a second step whose highest total is the
+peak. It counts everything the program holds in tensors (parameters, gradients, gathered
+copies, activations, communication buffers that are torch tensors) and nothing else (the
+interpreter, Gloo's own buffers). fshard's programs keep the model only as a template on the
+meta device, as ``fully_shard`` keeps none of the full weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import statistics
 import time
@@ -90,6 +108,7 @@ def _fshard_program(d: int, style: str) -> tuple[Any, Any]:
     spec = fshard.Replicated(ranks) if style == "dp" else fshard.Chunk(0, ranks)
     names = [n for n, _ in model.named_parameters()]
     params = fshard.shard_params(model, lambda name, t: spec)
+    model.to("meta")  # a template for functional_call: the arrays hold the values
     leaves = [t.requires_grad_() for a in params.values() for t in a.addressable_data]
     opt = torch.optim.SGD(leaves, lr=1e-3)
 
@@ -116,6 +135,62 @@ def _fshard_program(d: int, style: str) -> tuple[Any, Any]:
 
     backend = next(iter(params.values())).backend
     return step, backend
+
+
+class _Stem(torch.nn.Module):
+    """``GPT``'s token and position embeddings, as one stage."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.wte, self.wpe = gpt.wte, gpt.wpe
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+
+
+class _Head(torch.nn.Module):
+    """``GPT``'s final norm and head, as one stage."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.ln, self.head = gpt.ln, gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(x))
+
+
+def _summed_loss(head: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(x).flatten(0, 1), targets.flatten(), reduction="sum")[None]
+
+
+def _per_block_program(d: int) -> tuple[Any, Any]:
+    """docs/training.md's fully-sharded step by blocks: a stage per ``apply_module``, with ``regather=True``."""
+    torch.manual_seed(0)
+    model = GPT(d)
+    ranks = list(range(dist.get_world_size()))
+    stages = [_Stem(model), *model.blocks, _Head(model)]
+    params = [fshard.shard_module(stage, fshard.fully_sharded(ranks))[0] for stage in stages]
+    model.to("meta")  # the stages are templates: the arrays hold the values
+    opt = torch.optim.SGD([t.requires_grad_() for p in params for a in p.values() for t in a.addressable_data], lr=1e-3)
+    summed = fshard.Partial(fshard.Replicated(ranks))
+    state = {"step": 0}
+
+    def step() -> float:
+        tokens, targets = _batch(dist.get_rank(), state["step"])
+        state["step"] += 1
+        xs, ys = fshard.from_local_tensor((tokens, targets), dim=0)
+        opt.zero_grad()
+        h, _ = fshard.apply_module(stages[0], params[0], {}, xs, regather=True)
+        for stage, p in zip(stages[1:-1], params[1:-1]):
+            h, _ = fshard.apply_module(stage, p, {}, h, regather=True)
+        # The last stage's backward comes right after its forward: it keeps its copy (as FSDP2's root does).
+        total, _ = fshard.apply_module(stages[-1], params[-1], {}, h, ys, method=_summed_loss, out_specs=summed)
+        loss = fshard.gather(total) / ys.numel()
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return step, next(iter(params[0].values())).backend
 
 
 def _torch_step(model: torch.nn.Module) -> Any:
@@ -153,14 +228,48 @@ def _fsdp2_program(d: int) -> Any:
     return _torch_step(model)
 
 
+def _makers(peers: bool) -> dict[str, Any]:
+    """Each program's maker (a function of ``d`` that returns the step), in the order of the rounds."""
+    makers: dict[str, Any] = {
+        "fshard DP": lambda d: _fshard_program(d, "dp")[0],
+        "DDP": _ddp_program,
+        "fshard FSDP": lambda d: _fshard_program(d, "fsdp")[0],
+        "fshard FSDP (per block)": lambda d: _per_block_program(d)[0],
+        "FSDP2": _fsdp2_program,
+    }
+    return makers if peers else {n: m for n, m in makers.items() if n.startswith("fshard")}
+
+
+def _peak_bytes(make: Any, d: int) -> int:
+    """The most bytes of live tensors (torch's CPU allocator) while the program built by ``make`` takes its second step.
+
+    From the profiler's memory events (each allocation and free), summed in time order from
+    before the program was built, so that the total counts what the program holds.
+    """
+    gc.collect()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = make(d)
+        step()
+        dist.barrier()
+        with torch.profiler.record_function("fshard.bench.measured_step"):
+            step()
+    events = prof.profiler.kineto_results.events()  # pyright: ignore[reportOptionalMemberAccess]
+    marker = next(e for e in events if e.name() == "fshard.bench.measured_step")
+    total, peak = 0, 0
+    for at, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        total += nbytes
+        if marker.start_ns() <= at <= marker.end_ns():
+            peak = max(peak, total)
+    return peak
+
+
 def _rank_job(d: int, reps: int, peers: bool) -> dict[str, Any]:
-    """On every rank: each program once untimed, then ``reps`` interleaved rounds of one step each."""
+    """On every rank: each program's peak memory, each once untimed, then ``reps`` interleaved rounds of a step."""
     torch.set_num_threads(1)
+    makers = _makers(peers)
+    peaks = {name: _peak_bytes(make, d) for name, make in makers.items()}
     dp, backend = _fshard_program(d, "dp")
-    fsdp, _ = _fshard_program(d, "fsdp")
-    programs: dict[str, Any] = {"fshard DP": dp, "fshard FSDP": fsdp}
-    if peers:
-        programs = {"fshard DP": dp, "DDP": _ddp_program(d), "fshard FSDP": fsdp, "FSDP2": _fsdp2_program(d)}
+    programs: dict[str, Any] = {name: dp if name == "fshard DP" else make(d) for name, make in makers.items()}
     counters = backend.counters
     moved: dict[str, tuple[int, int]] = {}
     for name, step in programs.items():
@@ -174,8 +283,11 @@ def _rank_job(d: int, reps: int, peers: bool) -> dict[str, Any]:
             start = time.perf_counter()
             step()
             samples[name].append(time.perf_counter() - start)
-    params = sum(p.numel() for p in GPT(d).parameters())
-    return {"samples": samples, "moved": moved, "params": params}
+    model = GPT(d)
+    params = sum(p.numel() for p in model.parameters())
+    kept = (model.wte, model.wpe, model.ln, model.head)  # no weights saved, or the last stage's
+    kept_once = sum(p.numel() for m in kept for p in m.parameters())
+    return {"samples": samples, "moved": moved, "params": params, "kept": kept_once, "peaks": peaks}
 
 
 def _timed(job: Any, d: int, settings: Settings) -> tuple[list[Any], int, dict[str, list[float]], dict[str, float]]:
@@ -209,11 +321,16 @@ class TrainingCase:
         per_rank, reps, rounds, median = _timed(_rank_job, self.d, settings)
         names = list(rounds)
         params = per_rank[0]["params"]
-        bound = {"fshard DP": 2 * (world - 1) * params / world, "fshard FSDP": 2 * (world - 1) * params / world}
-        peer = {"fshard DP": "DDP", "fshard FSDP": "FSDP2"}
+        once = (world - 1) * params / world  # an all-gather, or a reduce-scatter, of every parameter
+        # Per block, the backward gathers the blocks again (not the embeddings, whose backward needs no
+        # weights, nor the last stage, which keeps its copy).
+        again = (world - 1) * (params - per_rank[0]["kept"]) / world
+        bound = {"fshard DP": 2 * once, "fshard FSDP": 2 * once, "fshard FSDP (per block)": 2 * once + again}
+        peer = {"fshard DP": "DDP", "fshard FSDP": "FSDP2", "fshard FSDP (per block)": "FSDP2"}
         rows: list[Row] = []
         for n in names:
             note, sent, ratio, ratio_to = "", None, None, ""
+            peak = max(r["peaks"][n] for r in per_rank) / (1 << 20)
             if n in bound:
                 runs = max(r["moved"][n][0] for r in per_rank)
                 elements = max(r["moved"][n][1] for r in per_rank)
@@ -221,13 +338,18 @@ class TrainingCase:
                     f"{runs} collectives per step; {elements:,} elements sent by the busiest rank, "
                     f"bound {math.ceil(bound[n]):,} + the loss's"
                     + (" + the late-gradient count on the last bucket" if n == "fshard DP" else "")
+                    + (" (one more all-gather of the blocks in the backward)" if "block" in n else "")
                 )
                 sent = elements * 4
                 if peer[n] in median:
                     ratio, ratio_to = median[n] / median[peer[n]], peer[n]
+                    theirs = max(r["peaks"][peer[n]] for r in per_rank) / (1 << 20)
+                    note += f"; peak memory {peak / theirs:.2f}x {peer[n]}'s"
+            note = f"peak {peak:.1f} MiB of tensors per rank" + (f"; {note}" if note else "")
             rows.append(
                 Row(self.group, self.name, n, median[n], reps=reps, ratio=ratio, ratio_to=ratio_to, note=note,
-                    samples=tuple(rounds[n]), sent_bytes=sent, min_bytes=None if n not in bound else int(bound[n]) * 4)
+                    samples=tuple(rounds[n]), sent_bytes=sent, min_bytes=None if n not in bound else int(bound[n]) * 4,
+                    peak_mib=peak)
             )  # fmt: skip
         return rows
 

@@ -432,16 +432,22 @@ def test_the_training_case_times_every_program_and_counts_fshards_movements() ->
     from fshard.benchmarks import training
 
     rows = training.TrainingCase(16).run(Settings(reps=1, world=2, quick=True))
-    assert [r.impl for r in rows] == ["fshard DP", "DDP", "fshard FSDP", "FSDP2"]
+    assert [r.impl for r in rows] == ["fshard DP", "DDP", "fshard FSDP", "fshard FSDP (per block)", "FSDP2"]
     assert all(r.seconds is not None and r.seconds > 0 for r in rows)
-    dp, fsdp = rows[0], rows[2]
-    assert (dp.ratio_to, fsdp.ratio_to) == ("DDP", "FSDP2")
-    params = sum(p.numel() for p in training.GPT(16).parameters())
+    assert all(r.peak_mib is not None and r.peak_mib > 0 for r in rows)
+    dp, fsdp, per_block = rows[0], rows[2], rows[3]
+    assert (dp.ratio_to, fsdp.ratio_to, per_block.ratio_to) == ("DDP", "FSDP2", "FSDP2")
+    model = training.GPT(16)
+    params = sum(p.numel() for p in model.parameters())
+    kept = sum(p.numel() for m in (model.wte, model.wpe, model.ln, model.head) for p in m.parameters())
     # Each rank sends half of every gradient (the all-reduce bound on 2 ranks), and for FSDP
     # half of every parameter and half of every gradient; the busiest rank also sends the loss's element,
     # and data parallel the count of late gradients that rides on its last bucket (one element).
     assert dp.sent_bytes == 4 * (params + 1 + 1)
     assert fsdp.sent_bytes == 4 * (params + 1)
+    # Per block, half of the blocks' parameters again in the backward (the embeddings' backward needs
+    # no weights; the last stage keeps its copy).
+    assert per_block.sent_bytes == 4 * (params + (params - kept) // 2 + 1)
 
 
 def test_the_tp_training_case_times_both_programs_and_counts_fshards_movements() -> None:
@@ -458,7 +464,7 @@ def test_the_tp_training_case_times_both_programs_and_counts_fshards_movements()
     replicated = 4096 + 512 + training.BLOCKS * (4 * 16 + 2 * 16) + 2 * 16 + 4096
     assert rows[0].sent_bytes == 4 * (activations + replicated + 1 + 1)
     assert rows[0].min_bytes == 4 * activations
-    assert "20 collectives per step" in rows[0].note
+    assert "19 collectives per step" in rows[0].note  # 16 psums, the loss, its exchange of outcomes, one bucket
 
 
 # -- Hugging Face checkpoints ------------------------------------------------------------------

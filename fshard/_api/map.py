@@ -38,6 +38,7 @@ from fshard._exec import body as _body
 from fshard._exec import buckets as _buckets
 from fshard._exec import fused as _fused
 from fshard._exec import gathered as _varying
+from fshard._exec import regather as _regather
 from fshard._exec.agree import (
     agree,
     describe_results,
@@ -123,7 +124,13 @@ def map_local(
 
 @with_body  # fn is compiled where the caller is
 def shard_map(
-    fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vma: bool = True, precision: Any = None
+    fn: Callable[..., Any],
+    in_specs: Any,
+    out_specs: Any,
+    *,
+    check_vma: bool = True,
+    precision: Any = None,
+    regather: bool = False,
 ) -> Callable[..., Any]:
     """Turns a function of blocks into a function of sharded arrays.
 
@@ -155,11 +162,18 @@ def shard_map(
             spec in its precision's ``param`` dtype (the blocks ``fn`` gets have it), and
             its gradient is moved and summed in the ``reduce`` dtype, then returned in the
             argument's own dtype (docs/training.md, "Mixed precision").
+        regather: the arguments that move (a fully-sharded block's parameters, gathered) are
+            not kept for the backward: their moved copies are freed when ``fn`` returns, and
+            the backward moves them again (in their precision's ``param`` dtype, if given),
+            all in one movement, when it first needs them (FSDP2's ``reshard_after_forward``).
+            Values and gradients are bit-identical.
 
     Raises:
         SpecError: an argument's spec gives a placement zero or several blocks, the
             results do not fit ``out_specs``, or ``out_specs`` claims a replication
-            that the arguments contradict.
+            that the arguments contradict; with ``regather``, some rank runs no ``fn``
+            (it could not take part in the movement again), or an argument's shards
+            were written in place before the backward.
 
     >>> import torch, fshard
     >>> ranks = [0, 1]
@@ -177,6 +191,8 @@ def shard_map(
         raise TypeError(f"shard_map() fn must be callable, got {type(fn).__name__}.")
     if not isinstance(check_vma, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
         raise TypeError(f"shard_map() check_vma must be a bool, got {check_vma!r} ({type(check_vma).__name__}).")
+    if not isinstance(regather, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
+        raise TypeError(f"shard_map() regather must be a bool, got {regather!r} ({type(regather).__name__}).")
 
     specs = cast("Sequence[Any]", in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
     reducing = Reducing(specs, fn)
@@ -213,9 +229,9 @@ def shard_map(
             raise SpecError("shard_map() needs at least one array or tensor argument with a spec.")
         _check_backends(tuple(a for _, a in arrays), "shard_map()")
         if any(p is not None for p in precisions):
-            values = _cast_arguments(arrays, targets, precisions)
+            values = _cast_arguments(arrays, targets, precisions, regather)
         else:
-            values = _arguments([a for _, a in arrays], targets)
+            values = _arguments([a for _, a in arrays], targets, regather)
         pending = _check_partial(values, linear=False, what="shard_map()")
         order = [k for k, _ in arrays]
 
@@ -253,17 +269,25 @@ def _target(a: ShardedArray, spec: Any) -> Layout:
 
 
 @opaque  # plans and layouts in numpy: run eagerly under torch.compile
-def _arguments(arrays: Sequence[ShardedArray], targets: Sequence[Layout | None]) -> tuple[ShardedArray, ...]:
+def _arguments(
+    arrays: Sequence[ShardedArray], targets: Sequence[Layout | None], regather: bool = False
+) -> tuple[ShardedArray, ...]:
     """The arguments in their ``in_specs``, moved as one tree, each ready for use copy by copy.
 
     A replicated argument's copies feed computations that differ per copy, so the gradients
     of its copies are summed: by the backward of its movement where it moves (a
     reduce-scatter into a split source), else by a regroup; each is one collective per
-    dtype for all the arguments.
+    dtype for all the arguments. ``regather``: the moved copies are a group that the
+    backward moves again rather than keeps (``fshard._exec.regather``).
     """
     moving = [k for k, (a, x) in enumerate(zip(arrays, targets)) if x is not None and x != a.layout]
     out = list(arrays)
-    moved = _fused.move_tree([arrays[k] for k in moving], [cast(Layout, targets[k]) for k in moving], summing=True)
+    sources, layouts = [arrays[k] for k in moving], [cast(Layout, targets[k]) for k in moving]
+    if regather and moving:
+        _check_regather(arrays[0].backend, layouts[0])
+    moved = _fused.move_tree(sources, layouts, summing=True)
+    if regather and moving:
+        _regather.register(sources, layouts, moved, "shard_map()")
     for k, a in zip(moving, moved):
         out[k] = a
     staying = [k for k in range(len(out)) if k not in set(moving)]
@@ -274,16 +298,38 @@ def _arguments(arrays: Sequence[ShardedArray], targets: Sequence[Layout | None])
 
 @opaque  # plans and layouts in numpy: run eagerly under torch.compile
 def _cast_arguments(
-    arrays: Sequence[tuple[int, ShardedArray]], targets: Sequence[Layout | None], precisions: Sequence[Any]
+    arrays: Sequence[tuple[int, ShardedArray]],
+    targets: Sequence[Layout | None],
+    precisions: Sequence[Any],
+    regather: bool = False,
 ) -> tuple[ShardedArray, ...]:
     """``_arguments`` where argument ``k`` moves in ``precisions[k]``; a non-floating one with a precision raises."""
     for k, a in arrays:
         check_floating(precisions[k], a.dtype, f"shard_map() argument {k}")
     mine = [precisions[k] for k, _ in arrays]
-    return tuple(_fused.cast_arguments([a for _, a in arrays], targets, mine))
+    values = [a for _, a in arrays]
+
+    def moved(sources: Sequence[ShardedArray], layouts: Sequence[Layout], out: Sequence[ShardedArray], p: Any) -> None:
+        if regather and sources:
+            _check_regather(sources[0].backend, layouts[0])
+            _regather.register(sources, layouts, out, "shard_map()", p)
+
+    return tuple(_fused.cast_arguments(values, targets, mine, moved))
 
 
 # -- checks -------------------------------------------------------------------------------
+
+
+def _check_regather(backend: Any, layout: Layout) -> None:
+    """Refuses ``regather=True`` where some rank holds no block (it runs no fn, and no movement again)."""
+    empty = _blockless(backend, layout)
+    if empty:
+        msg = (
+            f"shard_map() regather=True: ranks {empty} hold no block of the arguments, so they run no fn and "
+            "cannot take part in the movement that gathers the arguments again in the backward. Lay the "
+            "arguments out over every rank of the group, or pass regather=False."
+        )
+        raise SpecError(msg)
 
 
 def _check_backends(arrays: Sequence[ShardedArray], what: str) -> None:
@@ -538,8 +584,9 @@ def _per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequenc
         return _autograd.summed_uses(t, layout, backend)
 
     if backend.spans_processes:
-        return _varying.per_shard(backend, usage, closed, own)
-    return _varying.per_shard(backend, usage, _unchanged if _blockless(backend, layout) else None, own)
+        return _regather.saving(_varying.per_shard(backend, usage, closed, own))
+    closed_here = _unchanged if _blockless(backend, layout) else None
+    return _regather.saving(_varying.per_shard(backend, usage, closed_here, own))
 
 
 def _unchanged(t: torch.Tensor) -> torch.Tensor:

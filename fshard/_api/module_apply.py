@@ -127,6 +127,7 @@ def apply_module(
     out_specs: Any = None,
     method: Callable[..., Any] | None = None,
     rules: Any = None,
+    regather: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, dict[str, ShardedArray]]:
     """Runs ``module`` on sharded parameters and inputs: ``(out, new_buffers)``; the module is not changed.
@@ -163,6 +164,9 @@ def apply_module(
             (``fshard.tensor_parallel``) give each parameter its block inside the body instead
             of the whole tensor, and sum the row-parallel Linears' products over their axis;
             the default result spec is then ``rules.rows``. Other rules change nothing.
+        regather: the gathered parameters are not kept for the backward, which gathers them
+            again (``fshard.shard_map``'s ``regather``): apply each block of a fully-sharded
+            model with it, and the peak holds about one block's full weights.
         kwargs: the forward's keyword arguments.
 
     Returns:
@@ -225,7 +229,7 @@ def apply_module(
              {name: Partial(everywhere) for name in updated})  # fmt: skip
     # Under tensor parallelism a result is whole along tp because psum made it so, which the
     # replication check cannot see; check mode still compares the copies' contents.
-    run = shard_map(body, in_specs=tuple(in_specs), out_specs=specs, check_vma=tp is None)
+    run = shard_map(body, in_specs=tuple(in_specs), out_specs=specs, check_vma=tp is None, regather=regather)
     out, deltas = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
     return out, _updated_buffers(buffers, deltas, len(placements))
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -468,20 +468,28 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
 
 
 def cast_arguments(
-    arrays: Sequence[ShardedArray], targets: Sequence[Layout | None], precisions: Sequence[Any]
+    arrays: Sequence[ShardedArray],
+    targets: Sequence[Layout | None],
+    precisions: Sequence[Any],
+    moved: Callable[[Sequence[ShardedArray], Sequence[Layout], Sequence[ShardedArray], Any], None] | None = None,
 ) -> list[ShardedArray]:
     """``shard_map``'s arguments moved to ``targets`` (``None``: in place), each with its precision.
 
     As without precisions: the gradients of a replicated argument's copies are summed (by
     the backward of its movement, else by a regroup), here in the reduce dtype of its
-    precision; the arguments of one precision (and dtype) move as one tree.
+    precision; the arguments of one precision (and dtype) move as one tree, and ``moved``
+    (if given) is told of each such movement: its sources, targets, results and precision.
     """
     out = list(arrays)
     for precision in dict.fromkeys(precisions):  # each distinct precision once, in order
         mine = [k for k, p in enumerate(precisions) if p == precision]
         moving = [k for k in mine if targets[k] is not None and targets[k] != arrays[k].layout]
         to = [cast(Layout, targets[k]) for k in moving]
-        for k, a in zip(moving, move_tree([arrays[k] for k in moving], to, summing=True, precision=precision)):
+        sources = [arrays[k] for k in moving]
+        results = move_tree(sources, to, summing=True, precision=precision)
+        if moved is not None:
+            moved(sources, to, results, precision)
+        for k, a in zip(moving, results):
             out[k] = a
         staying = [k for k in mine if k not in set(moving)]
         for k, a in zip(staying, regroup_tree([arrays[k] for k in staying], "sum", precision)):
