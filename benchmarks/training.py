@@ -172,7 +172,8 @@ def _per_block_program(d: int) -> tuple[Any, Any]:
     params = [fshard.shard_module(stage, fshard.fully_sharded(ranks))[0] for stage in stages]
     model.to("meta")  # the stages are templates: the arrays hold the values
     opt = torch.optim.SGD([t.requires_grad_() for p in params for a in p.values() for t in a.addressable_data], lr=1e-3)
-    summed = fshard.Partial(fshard.Replicated(ranks))
+    everywhere = fshard.Replicated(ranks)
+    summed = fshard.Partial(everywhere)
     state = {"step": 0}
 
     def step() -> float:
@@ -180,8 +181,10 @@ def _per_block_program(d: int) -> tuple[Any, Any]:
         state["step"] += 1
         xs, ys = fshard.from_local_tensor((tokens, targets), dim=0)
         opt.zero_grad()
-        h, _ = fshard.apply_module(stages[0], params[0], {}, xs, regather=True)
-        for stage, p in zip(stages[1:-1], params[1:-1]):
+        h = xs
+        for k, (stage, p) in enumerate(zip(stages[:-1], params[:-1])):
+            # The next stage's gather flies while this one computes (its call takes the data).
+            fshard.prefetch(params[k + 1], everywhere)
             h, _ = fshard.apply_module(stage, p, {}, h, regather=True)
         # The last stage's backward comes right after its forward: it keeps its copy (as FSDP2's root does).
         total, _ = fshard.apply_module(stages[-1], params[-1], {}, h, ys, method=_summed_loss, out_specs=summed)

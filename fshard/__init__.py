@@ -33,6 +33,8 @@ from fshard._api.move import gather as gather
 from fshard._api.move import reshard as reshard
 from fshard._api.optim import load_optimizer_state as load_optimizer_state
 from fshard._api.optim import optimizer_state as optimizer_state
+from fshard._api.prefetch import Prefetch as Prefetch
+from fshard._api.prefetch import prefetch as prefetch
 from fshard._api.psum import pmean as pmean
 from fshard._api.psum import psum as psum
 from fshard._api.shard import shard as shard
@@ -96,6 +98,7 @@ __all__ = [
     "Placement",
     "Plan",
     "Precision",
+    "Prefetch",
     "RankSchedule",
     "ReplicaMismatchError",
     "Replicated",
@@ -138,6 +141,7 @@ __all__ = [
     "optimizer_state",
     "plan",
     "pmean",
+    "prefetch",
     "psum",
     "rand",
     "rand_like",

@@ -228,8 +228,11 @@ class TorchDistBackend:
 
         A pending sum into a full copy on every rank of the group (data parallel's
         gradients) runs as an ``all_reduce`` left in flight after the movement's round of
-        headers, so computation goes on while it runs; any other plan runs here, at once.
-        ``tensors`` are given up: the sum may be written into them.
+        headers, so computation goes on while it runs. A plan of one copy phase (a gather of
+        a fully-sharded block's parameters) starts its messages after the movement's round of
+        headers (where the data travels with the headers, they are checked at the wait) and
+        leaves them in flight. Any other plan runs here, at once. ``tensors`` are given up:
+        the sum may be written into them; a copy's sources must not change until the wait.
 
         ``series`` names a sequence of launches (buckets) that every rank makes alike; it
         joins the round of headers, so ranks whose sequences differ raise at its first
@@ -257,6 +260,17 @@ class TorchDistBackend:
                     return (out.to(shard_device(plan.dst, j)),)
 
                 return done
+        if plan.src.partial is None and self.member and len(plan.phases) == 1 and plan.phases[0].op is None:
+            (p,) = plan.phases
+            log_move("torch_dist", plan, like.element_size(), facts(self.group).rank)
+            direct_ = direct(p.src, p.dst, like.element_size())
+            out, finish = self._start_move("reshard", p, tensors, None, like.dtype, direct=direct_, own=True)
+
+            def moved() -> tuple[torch.Tensor, ...]:
+                finish()
+                return tuple(out.values())
+
+            return moved
         result = self.execute(plan, tensors, like)
         return lambda: result
 
@@ -452,6 +466,28 @@ class TorchDistBackend:
         direct: bool,
     ) -> dict[int, torch.Tensor]:
         """Runs the copy phase ``p`` into ``out`` (default: new destination shards); returns ``out``."""
+        out, finish = self._start_move(op, p, tensors, out, dtype, direct=direct)
+        finish()
+        return out
+
+    def _start_move(
+        self,
+        op: str,
+        p: Plan,
+        tensors: Sequence[torch.Tensor],
+        out: dict[int, torch.Tensor] | None,
+        dtype: torch.dtype,
+        *,
+        direct: bool,
+        own: bool = False,
+    ) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
+        """Starts the copy phase ``p`` into ``out`` (default: new destination shards).
+
+        Returns ``out`` and the function that waits for the messages: ``out`` holds the result
+        once it has returned. The round of headers ends here (every rank moves alike, or all
+        raise); a round that carries the data inline is checked at the wait. ``own``: the
+        messages may stay in flight while other movements run (``launch``).
+        """
         self._require_member(op)
         self._check(op, (p.src, p.dst), dtype)
         g = facts(self.group)
@@ -460,16 +496,21 @@ class TorchDistBackend:
         if not s.crosses:  # closed form, alike on every rank (plans are minimal): no collective
             out = s.outputs(dtype) if out is None else out
             copy_local(s.schedule, src, out)
-            return out
+            return out, _nothing
         wire, guarded = self._warm(), self._guard(op, p, dtype)
         with in_flight():
             opened = guarded.open(self.group)  # a round of headers alone, in flight while outputs are made
         if out is None:
             out = s.outputs(dtype)
         with in_flight():
-            s.transport(s.schedule, src, out, dtype, wire, self.group, guarded, opened)
-        self._count(s.schedule.sent, dtype.itemsize)
-        return out
+            wait = s.transport(s.schedule, src, out, dtype, wire, self.group, guarded, opened, own=own)
+
+        def finish() -> None:
+            with in_flight():
+                wait()
+            self._count(s.schedule.sent, dtype.itemsize)
+
+        return out, finish
 
     def _guard(self, op: str, p: Plan, dtype: torch.dtype) -> Guard:
         """The movement's header and round (``_guard``): ranks that move differently raise, every one."""
@@ -482,6 +523,10 @@ class TorchDistBackend:
         counters.elements_sent += sent
         counters.bytes_sent += sent * itemsize
         counters.collectives += 1
+
+
+def _nothing() -> None:
+    """The wait of a movement that is done already."""
 
 
 @cached(256)

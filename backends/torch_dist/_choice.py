@@ -170,7 +170,8 @@ class Step:
 
     The shards it reads (``src``) and writes (``dst``, of ``sizes`` on ``devices``), its
     ``schedule``, whether anything crosses ranks (alike on every rank: the plan's closed-form
-    minimum is not 0) and the ``transport`` that carries it (``p2p`` or ``alltoall``).
+    minimum is not 0) and the ``transport`` that carries it (``p2p`` or ``alltoall``: it starts
+    the messages and returns the function that waits for them).
     """
 
     src: tuple[int, ...]
@@ -179,7 +180,7 @@ class Step:
     devices: tuple[torch.device, ...]
     schedule: Schedule
     crosses: bool
-    transport: Callable[..., None]
+    transport: Callable[..., Callable[[], None]]
 
     def outputs(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
         """New uninitialised destination shards of ``dtype``, by shard index."""

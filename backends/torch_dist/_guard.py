@@ -116,11 +116,15 @@ class Guard:
         send_split: Any,
         group: Any,
         opened: Round | None = None,
+        *,
+        own: bool = False,
     ) -> Any:
         """Starts the movement's ``all_to_all_single`` (as ``_reduce.all_to_all``).
 
         Inline behind the headers, or after the round of headers (``opened``, else one started
-        here). Returns an object whose ``wait()`` checks the headers.
+        here). Returns an object whose ``wait()`` checks the headers. ``own``: an inline round
+        receives into a buffer of its own, not the thread's shared one (it stays in flight
+        while other rounds run: a launched movement).
         """
         if not self.inline:
             self.agree(group, opened)
@@ -129,8 +133,8 @@ class Guard:
         sends = [n * item for n in send_split]
         if max(sends, default=0) > max(self.slots) - HEADER or sends[self.ranks.index(self.rank)]:
             raise RuntimeError(f"fshard internal error: {self.op} sends {sends} bytes inline, past the bound.")
-        box, work = self._round(_bytes(sendbuf), sends, group)
-        return _Inline(self, work, box, [n * item for n in recv_split], recvbuf)
+        box, work, env = self._round(_bytes(sendbuf), sends, group, own=own)
+        return _Inline(self, work, box, [n * item for n in recv_split], recvbuf, env)
 
     def open(self, group: Any) -> Round | None:
         """Starts the round of headers alone, so that it is in flight while the caller packs.
@@ -142,7 +146,8 @@ class Guard:
     def _alone(self, group: Any) -> Round:
         """Starts a round of headers alone (also for an inline movement that ends in another collective)."""
         if self.wire.type == "cpu" and self.alltoall:
-            return self._round(None, (), group)
+            box, work, _ = self._round(None, (), group)
+            return box, work
         got = torch.empty((len(self.ranks), HEADER), dtype=torch.uint8, device=self.wire)
         if self.alltoall:
             work = cast("dist.Work", dist.all_to_all_single(got.view(-1), self.tiled, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
@@ -166,11 +171,15 @@ class Guard:
             self.wait(work)
             self.verify(got.cpu().numpy())
 
-    def _round(self, data: np.ndarray | None, sends: Sequence[int], group: Any) -> tuple[np.ndarray, Any]:
+    def _round(
+        self, data: np.ndarray | None, sends: Sequence[int], group: Any, *, own: bool = False
+    ) -> tuple[np.ndarray, Any, torch.Tensor]:
         """Posts one Gloo round: a header, then the next ``sends[k]`` bytes of ``data`` (if given), to the k-th rank.
 
         Every rank receives ``slots[k]`` bytes from the k-th, so no message is longer than its
         receive (Gloo requires a rank's segment to itself to be exactly as long as sent: a header).
+        Returns the receive buffer, the round's ``Work`` and its send buffer (kept alive until
+        the wait). ``own``: a receive buffer of its own (``start``).
         """
         if data is None:
             env, sizes = self.tiled, [HEADER] * len(self.ranks)
@@ -181,11 +190,11 @@ class Guard:
                 parts += (self.header, data[at : at + n])
                 at += n
             env, sizes = torch.from_numpy(np.concatenate(parts)), [HEADER + n for n in sends]  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
-        box, wire = _box(sum(self.slots))
+        box, wire = _fresh(sum(self.slots)) if own else _box(sum(self.slots))
         if current().timeout is not None:
             box[self.at[:, :2]] = 0  # a header that still lacks its tag after a timeout: that rank did not arrive
         work = cast("dist.Work", dist.all_to_all_single(wire, env, list(self.slots), sizes, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
-        return box, work
+        return box, work, env
 
     def verify(self, got: np.ndarray) -> None:
         """Raises ``CollectiveMismatchError`` unless every row of ``got`` is this movement's header."""
@@ -267,6 +276,7 @@ class _Inline:
     box: np.ndarray
     sizes: list[int]
     into: torch.Tensor
+    sent: torch.Tensor  # the round's send buffer, alive until the wait
 
     def wait(self) -> None:
         g, box = self.guard, self.box
@@ -324,6 +334,12 @@ def _box(size: int) -> tuple[np.ndarray, torch.Tensor]:
         box = np.empty(size, np.uint8)
         found = boxes[size] = (box, torch.from_numpy(box))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
     return found
+
+
+def _fresh(size: int) -> tuple[np.ndarray, torch.Tensor]:
+    """A receive buffer of ``size`` bytes of its own, as numpy and as torch (one memory)."""
+    box = np.empty(size, np.uint8)
+    return box, torch.from_numpy(box)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:

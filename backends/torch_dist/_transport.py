@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,8 +44,10 @@ def p2p(
     group: Any,
     guard: Guard,
     opened: Any = None,
-) -> None:
-    """One message per box; sent from and received into the tensors where the box is contiguous.
+    *,
+    own: bool = False,
+) -> Callable[[], None]:
+    """Starts one message per box; sent from and received into the tensors where the box is contiguous.
 
     Where some sent box is not (columns of a row chunk), all of them are packed into one
     buffer first, one strided copy per run of boxes (``Schedule.send_runs``). This rank's
@@ -53,10 +55,12 @@ def p2p(
     the movement's round of headers (``guard``; ``opened``: that round, already in flight);
     where the data fits in that round, it goes there instead (``alltoall``), so small moves
     take one round.
+
+    Returns the function that waits for the messages and puts what they carried in place
+    (``out`` holds the result once it has returned); ``own`` as ``alltoall``'s.
     """
     if guard.inline:
-        alltoall(sched, src, out, dtype, wire, group, guard)
-        return
+        return alltoall(sched, src, out, dtype, wire, group, guard, own=own)
     ops: list[dist.P2POp] = []
     staged: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (box, its target if not in place, buffer)
     n = 0
@@ -82,11 +86,16 @@ def p2p(
     guard.agree(group, opened)  # every rank moves the same data, before any message is posted
     works = dist.batch_isend_irecv(ops) if ops else []
     copy_local(sched, src, out)
-    guard.wait_all(works)
-    for k, target, got in staged:
-        if target is not None:
-            target.copy_(got)
-        _fan_out(sched.fanout[k], got, out)
+
+    def finish() -> None:
+        guard.wait_all(works)
+        for k, target, got in staged:
+            if target is not None:
+                target.copy_(got)
+            _fan_out(sched.fanout[k], got, out)
+        ops.clear()  # the buffers the messages used, alive until here
+
+    return finish
 
 
 def copy_local(sched: Schedule, src: dict[int, torch.Tensor], out: dict[int, torch.Tensor]) -> None:
@@ -162,8 +171,10 @@ def alltoall(
     group: Any,
     guard: Guard,
     opened: Any = None,
-) -> None:
-    """Packs every box per peer into one buffer and runs a single ``all_to_all_single``.
+    *,
+    own: bool = False,
+) -> Callable[[], None]:
+    """Packs every box per peer into one buffer and starts a single ``all_to_all_single``.
 
     ``sched.exchange`` says how: boxes already back to back in one tensor are sent or
     received in place, the others packed or unpacked with one strided copy per run of
@@ -172,6 +183,10 @@ def alltoall(
     place. ``guard`` carries the movement's headers: with the data where it fits (then the
     own copies never travel, as the round bounds what a segment holds), else in a round of
     their own first (``opened``, in flight while this packs).
+
+    Returns the function that waits for it and unpacks (``out`` holds the result once it has
+    returned). ``own``: the round gets a receive buffer of its own, so that it may stay in
+    flight while other movements run (a launched movement).
     """
     ex = sched.plain if guard.inline else sched.exchange
     sendbuf = _in_place(ex.send_span, src, wire)
@@ -181,11 +196,17 @@ def alltoall(
     staged = recvbuf is None
     if staged:
         recvbuf = empty((sum(ex.recv_split),), dtype, wire)
-    work = guard.start(recvbuf, sendbuf, ex.recv_split, ex.send_split, group, opened)
+    work = guard.start(recvbuf, sendbuf, ex.recv_split, ex.send_split, group, opened, own=own)
     if not ex.local:
         copy_local(sched, src, out)
-    work.wait()
-    if staged:
-        _unpack(ex.recv_runs, recvbuf, out)
-    for at, shape, targets in ex.fanout:
-        _fan_out(targets, recvbuf[at : at + math.prod(shape)].view(shape), out)
+
+    def finish() -> None:
+        work.wait()
+        if staged:
+            _unpack(ex.recv_runs, recvbuf, out)
+        for at, shape, targets in ex.fanout:
+            _fan_out(targets, recvbuf[at : at + math.prod(shape)].view(shape), out)
+        del sent[:]  # the send buffer, alive until here
+
+    sent = [sendbuf]
+    return finish

@@ -37,6 +37,7 @@ import torch.autograd.forward_ad as _forward_ad
 from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
+from fshard._exec import flight as _flight
 from fshard._exec import gathered as _varying
 from fshard._exec.accumulate import key_of, set_aside, syncing, take_back
 from fshard._exec.replicas import check_global, checking
@@ -160,7 +161,7 @@ def _holds_result(backend: Any, dst: int | None) -> bool:
 class _Move(torch.autograd.Function):
     @staticmethod
     def forward(src: Layout, dst: Layout, backend: Any, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        return (*backend.execute(plan(src, dst), tensors, like), link_of(like))
+        return (*_flight.execute(backend, plan(src, dst), tensors, like), link_of(like))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -246,7 +247,7 @@ class _CastMove(torch.autograd.Function):
         to = precision.forward_dtype(like.dtype)
         sent = tuple(t.to(to) if t.dtype != to else t.view_as(t) for t in tensors)
         if src != dst:
-            sent = tuple(backend.execute(plan(src, dst), sent, _stand_in(to, like.device)))
+            sent = tuple(_flight.execute(backend, plan(src, dst), sent, _stand_in(to, like.device)))
         return (*sent, like.new_empty((0,), dtype=to))
 
     @staticmethod

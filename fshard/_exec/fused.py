@@ -37,10 +37,11 @@ from fshard._base.cache import cached
 from fshard._exec import accumulate as _accumulate
 from fshard._exec import autograd as _autograd
 from fshard._exec import buckets as _buckets
+from fshard._exec import flight as _flight
 from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.validate import Columns
 
-__all__ = ["Flat", "cast_arguments", "flat_layouts", "flat_range", "move_tree", "regroup_tree"]
+__all__ = ["Flat", "cast_arguments", "flat_layouts", "flat_range", "launch_tree", "move_tree", "regroup_tree"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -319,10 +320,20 @@ def move_tree(
     An array already in its layout is returned as it is (cast alone, with a ``precision``
     that casts it). Which leaves move together, and how they are laid out in the flat
     array, is computed once per tree of layouts (``_recipe``).
+
+    Where ``summing`` and the same movement was launched ahead (``launch_tree``, registered
+    with ``flight.add``), its data is taken instead: the movement lands (``flight``).
+
+    Raises:
+        SpecError: a movement launched ahead holds some of ``arrays`` but is not this one.
     """
     out = list(arrays)
     if not arrays:
         return out
+    if summing:
+        ahead = _flight.claim(arrays, layouts, precision)
+        if ahead is not None:
+            return _land(ahead, arrays, layouts, precision)
     move: Any = _autograd.move_summing if summing else _autograd.move
     if precision is not None:
         move = functools.partial(_move_cast, precision=precision, summing=summing)
@@ -342,6 +353,23 @@ def move_tree(
                 data, link = move(a.layout, a.layout, backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
                 out[k] = ShardedArray._of(a.layout, data, backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
     return out
+
+
+def launch_tree(arrays: Sequence[ShardedArray], layouts: Sequence[Layout], precision: Any = None) -> _flight.Launches:
+    """Starts ``move_tree(arrays, layouts, summing=True, precision=precision)``; its plans stay in flight."""
+    with _flight.launching() as launches:
+        move_tree(arrays, layouts, summing=True, precision=precision)
+    return launches
+
+
+def _land(
+    ahead: _flight.Pending, arrays: Sequence[ShardedArray], layouts: Sequence[Layout], precision: Any
+) -> list[ShardedArray]:
+    """``move_tree`` of ``arrays`` (summing), landing ``ahead``: its sources in its order, results in ``arrays``'."""
+    with _flight.landing(ahead.launches):
+        moved = move_tree(ahead.sources, ahead.layouts, summing=True, precision=precision)
+    at = {id(a): k for k, a in enumerate(ahead.sources)}
+    return [moved[at[id(a)]] for a in arrays]
 
 
 def _move_cast(

@@ -16,13 +16,20 @@ backward also holds about one group at a time. The copy is the same plan applied
 sources, so values and gradients are bit-identical to keeping the copy. The sources must not
 change in between: the group checks their version counters.
 
+**Backward prefetch** (FSDP2's): once a group's copy is made in a backward, the movement of
+the group registered before it (the block before, whose backward comes next) is launched
+(``flight``) and left in flight while this block's backward computes; its first token lands
+it. So at most two groups hold data at once: the copy in use and the one in flight.
+
 Under a ``torch.func`` transform (whose levels cannot see saved-tensor hooks) the copies are
 kept, as without the setting.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -33,10 +40,11 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
+from fshard._exec import flight as _flight
 from fshard._exec import fused as _fused
 from fshard._layout.layout import Layout
 
-__all__ = ["Group", "live_groups", "register", "regathers", "saving", "usable"]
+__all__ = ["Group", "live_groups", "prefetched", "register", "regathers", "saving", "usable"]
 
 
 class Group:
@@ -44,12 +52,15 @@ class Group:
 
     __slots__ = (
         "__weakref__",
+        "ahead",
         "copy",
         "layouts",
         "left",
         "lock",
         "packed",
         "precision",
+        "previous",
+        "rounds",
         "sources",
         "versions",
         "what",
@@ -64,6 +75,9 @@ class Group:
         self.left = 0  # tokens not yet unpacked since the copy was made
         self.copy: list[torch.Tensor] | None = None
         self.lock = threading.Lock()  # bodies may run a thread each (psum on the local backend)
+        self.ahead: _flight.Launches | None = None  # the movement again, launched and not landed yet
+        self.rounds = 0  # copies made (one per backward through the group)
+        self.previous: weakref.ref[Group] | None = None  # the group registered before this one
 
     def token(self, position: int, t: torch.Tensor, offset: int) -> _Token:
         """A token that stands for ``t``, a view of the group's tensor ``position`` (at storage offset ``offset``)."""
@@ -73,22 +87,57 @@ class Group:
 
     def take(self, token: _Token) -> torch.Tensor:
         """The view that ``token`` stands for, in the copy (moved again by the first token of a backward)."""
+        first = False
         with self.lock:
             copy = self.copy
             if copy is None:
                 copy = self.copy = self._move()
                 self.left = self.packed
+                self.rounds += 1
+                first = True
             self.left -= 1
             if self.left <= 0:  # the last token of this backward: nothing else needs the copy
                 self.copy = None
+        if first:
+            self._prefetch_previous()
         t = copy[token.position]
         return t.as_strided(token.size, token.stride, t.storage_offset() + token.offset)
 
-    def _move(self) -> list[torch.Tensor]:
-        """The sources moved to the targets again: one movement for the tree, no gradient recorded."""
+    def _prefetch_previous(self) -> None:
+        """Launches the movement of the group before this one, whose backward comes next, if it has none yet.
+
+        Only where that group has tokens, has not been moved again in this backward, and its
+        sources are unchanged (else its own backward raises, at its first token).
+        """
+        previous = self.previous() if self.previous is not None else None
+        if previous is None or torch._C._current_graph_task_id() == -1:  # pyright: ignore[reportPrivateUsage]  # in no backward: nothing comes next
+            return
+        with previous.lock:
+            if previous.copy is not None or previous.ahead is not None or previous.packed == 0:
+                return
+            if previous.rounds >= self.rounds or previous._changed() is not None:  # pyright: ignore[reportPrivateUsage]  # same class
+                return
+            with _flight.launching() as launches:
+                _fused.move_tree(previous.sources, previous.layouts, precision=previous.precision)
+            previous.ahead = launches
+        # A group of another graph (still alive) is not reached by this backward: nothing stays in flight past it.
+        _ENGINE.queue_callback(functools.partial(_settle, weakref.ref(previous)))
+
+    def _changed(self) -> int | None:
+        """The first shard tensor of the sources written in place since the forward (``None``: none)."""
         now = tuple(t._version for a in self.sources for t in a.addressable_data)
-        changed = next((k for k, (a, b) in enumerate(zip(self.versions, now)) if a != b), None)
+        return next((k for k, (a, b) in enumerate(zip(self.versions, now)) if a != b), None)
+
+    def _move(self) -> list[torch.Tensor]:
+        """The sources moved to the targets again: one movement for the tree, no gradient recorded.
+
+        Where it was launched ahead (``_prefetch_previous``), it lands instead.
+        """
+        ahead, self.ahead = self.ahead, None
+        changed = self._changed()
         if changed is not None:
+            if ahead is not None:
+                ahead.finish()  # nothing left in flight
             msg = (
                 f"{self.what} with regather=True: an argument's shard tensor (shard {changed} held here) was "
                 "written in place between the forward and the backward, so gathering it again would not give "
@@ -96,9 +145,11 @@ class Group:
                 "loss.backward()), or pass regather=False to keep the gathered copy."
             )
             raise SpecError(msg)
-        with torch.no_grad():
+        with torch.no_grad(), _flight.landing(ahead) if ahead is not None else contextlib.nullcontext():
             moved = _fused.move_tree(self.sources, self.layouts, precision=self.precision)
         _REGATHERS[0] += 1
+        if ahead is not None:
+            _PREFETCHED[0] += 1
         return [t for a in moved for t in a.addressable_data]
 
 
@@ -114,25 +165,38 @@ class _Token:
 
 
 class _Entry:
-    """A registered storage: its group, which tensor of the group, that tensor's storage offset and dtype."""
+    """A registered storage: its group, dtype, and the group's tensors in it (storage offsets, sorted, and positions).
 
-    __slots__ = ("dtype", "group", "offset", "position", "serial")
+    A saved view is told by the tensor it starts in, so that it is found again in the copy
+    moved again whichever way that copy packs the group's tensors into storages.
+    """
+
+    __slots__ = ("dtype", "group", "offsets", "positions", "serial")
 
     def __init__(self, group: Group, position: int, t: torch.Tensor, serial: int) -> None:
-        self.group, self.position, self.offset, self.dtype, self.serial = (
-            group,
-            position,
-            int(t.storage_offset()),
-            t.dtype,
-            serial,
-        )
+        self.group, self.dtype, self.serial = group, t.dtype, serial
+        self.offsets, self.positions = [int(t.storage_offset())], [position]
+
+    def add(self, position: int, t: torch.Tensor) -> None:
+        """Adds the group's tensor ``position``, ``t``, a view of this storage."""
+        k = bisect.bisect_right(self.offsets, int(t.storage_offset()))
+        self.offsets.insert(k, int(t.storage_offset()))
+        self.positions.insert(k, position)
+
+    def find(self, t: torch.Tensor) -> tuple[int, int]:
+        """The position of the group's tensor that view ``t`` starts in, and that tensor's storage offset."""
+        k = max(bisect.bisect_right(self.offsets, int(t.storage_offset())) - 1, 0)
+        return self.positions[k], self.offsets[k]
 
 
+_ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine")  # noqa: B009  # untyped in torch's stubs
 _AUTOGRAD: Any = getattr(torch._C, "_autograd")  # noqa: B009  # pyright: ignore[reportPrivateUsage]  # not in torch's stubs
 _ENTRIES: dict[int, _Entry] = {}  # storage address -> entry, while the registered tensor lives
 _SERIAL = itertools.count()
 _REGATHERS = [0]  # movements run again in this process
+_PREFETCHED = [0]  # of those, the ones launched ahead (backward prefetch)
 _GROUPS: weakref.WeakSet[Group] = weakref.WeakSet()
+_LAST: list[weakref.ref[Group]] = []  # the group registered last
 
 
 def usable() -> bool:
@@ -171,11 +235,25 @@ def register(
         if address == 0 or address in held or t.numel() == 0:
             continue  # nothing to free, or the source's own storage
         if (seen := _ENTRIES.get(address)) is not None and seen.group is group:
-            continue  # a view of a storage already registered (the leaves of one flat buffer)
+            seen.add(position, t)  # a view of a storage already registered (the leaves of one flat buffer)
+            continue
         serial = next(_SERIAL)
         _ENTRIES[address] = _Entry(group, position, t, serial)
         weakref.finalize(t, _drop, address, serial)
     _GROUPS.add(group)
+    group.previous = _LAST[0] if _LAST else None
+    _LAST[:] = [weakref.ref(group)]
+
+
+def _settle(ref: weakref.ref[Group]) -> None:
+    """At the end of a backward: waits for and drops the movement launched for ``ref``'s group, if not landed."""
+    group = ref()
+    if group is None:
+        return
+    with group.lock:
+        ahead, group.ahead = group.ahead, None
+    if ahead is not None:
+        ahead.finish()
 
 
 def _drop(address: int, serial: int) -> None:
@@ -188,7 +266,8 @@ def _pack(t: torch.Tensor) -> Any:
     entry = _ENTRIES.get(_address(t))
     if entry is None or entry.dtype != t.dtype:
         return t
-    return entry.group.token(entry.position, t, entry.offset)
+    position, offset = entry.find(t)
+    return entry.group.token(position, t, offset)
 
 
 def _unpack(saved: Any) -> torch.Tensor:
@@ -218,6 +297,11 @@ def regathers() -> int:
     return _REGATHERS[0]
 
 
+def prefetched() -> int:
+    """How many of the movements run again were launched ahead (backward prefetch), in this process."""
+    return _PREFETCHED[0]
+
+
 def live_groups() -> int:
-    """How many groups hold a copy moved again right now (for tests: at most one or two in a backward)."""
-    return sum(1 for g in list(_GROUPS) if g.copy is not None)
+    """How many groups hold a copy moved again, or one in flight, right now (for tests: at most two)."""
+    return sum(1 for g in list(_GROUPS) if g.copy is not None or g.ahead is not None)
