@@ -1,0 +1,147 @@
+"""``fshard.prefetch`` and the backward prefetch of ``regather=True`` on 4 Gloo processes.
+
+Each block of a fully-sharded model moves its ``Chunk(0)`` parameters to ``Replicated``; with
+``fshard.prefetch`` that movement is launched before the block ahead runs and left in flight
+(inline with its headers for small blocks, after a round of headers for large ones, one
+message per box for a block of one large array). Results must be bit-identical to moving in
+the call, match the local backend within float32's tolerance, and send exactly the same
+elements in the same number of collectives. Ranks whose prefetches differ raise
+``CollectiveMismatchError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fshard
+from fshard._exec import flight as _flight
+from fshard._exec import regather as _regather
+from fshard.backends.local import LocalBackend
+from fshard.backends.torch_dist import TorchDistBackend
+
+pytestmark = pytest.mark.multiprocess
+
+R = [0, 1, 2, 3]
+ROWS, EVERYWHERE = fshard.Chunk(0, R), fshard.Replicated(R)
+BLOCKS = 3
+SIZES = {"small": 8, "large": 128}  # 8: inline with the headers; 128 (64 KiB a weight): a round of headers first
+
+
+def _weights(d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(d, d, generator=g) / d**0.5, torch.randn(d, generator=g)) for _ in range(BLOCKS)]
+
+
+def _rows(rank: int, d: int) -> torch.Tensor:
+    return torch.randn(2, d, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def _block(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return h + torch.tanh(torch.nn.functional.linear(torch.nn.functional.layer_norm(h, h.shape[-1:]), w, b))
+
+
+def _step(backend, x, d: int, ahead: bool, regather: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """The loss, the gradients here, and the collectives, elements, regathers and backward prefetches."""
+    params = [(fshard.shard(w, ROWS, backend=backend), fshard.shard(b, ROWS, backend=backend)) for w, b in _weights(d)]
+    leaves = [t.requires_grad_() for p in params for a in p for t in a.addressable_data]
+    step = fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS, regather=regather)
+    c = backend.counters
+    start = (c.collectives, c.elements_sent, _regather.regathers(), _regather.prefetched())
+    h = x
+    if ahead:
+        fshard.prefetch(params[0], EVERYWHERE)
+    for k, (w, b) in enumerate(params):
+        if ahead and k + 1 < BLOCKS:
+            fshard.prefetch(params[k + 1], EVERYWHERE)
+        h = step(h, w, b)
+    assert not _flight.pending()
+    loss = fshard.gather(h).square().sum()
+    loss.backward()
+    moved = [c.collectives - start[0], c.elements_sent - start[1]]
+    again = [_regather.regathers() - start[2], _regather.prefetched() - start[3]]
+    return loss.detach(), [t.grad for t in leaves], [*moved, *again]
+
+
+def _on_rank(d: int, ahead: bool, regather: bool):
+    backend = TorchDistBackend()
+    x = fshard.from_local_tensor(_rows(backend.rank, d).requires_grad_(), dim=0)
+    return _step(backend, x, d, ahead, regather)
+
+
+def _local(d: int):
+    backend = LocalBackend(world_size=4)
+    x = fshard.shard(torch.cat([_rows(r, d) for r in R]).requires_grad_(), ROWS, backend=backend)
+    loss, grads, _ = _step(backend, x, d, True, True)
+    return loss, grads
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+@pytest.mark.parametrize("regather", [False, True], ids=["kept", "regather"])
+def test_prefetch_on_gloo_is_bit_identical_and_sends_the_same(dist_pool, size, regather):
+    d = SIZES[size]
+    plain = dist_pool.run(_on_rank, d, False, regather, timeout=120)
+    ahead = dist_pool.run(_on_rank, d, True, regather, timeout=120)
+    want_loss, want_grads = _local(d)
+    for rank, ((loss0, grads0, moved0), (loss1, grads1, moved1)) in enumerate(zip(plain, ahead)):
+        assert torch.equal(loss0, loss1)
+        assert all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+        assert moved1[:3] == moved0[:3]  # the same collectives, elements sent and movements again
+        # Backward prefetch: every block moved again but the last (first in the backward) was launched ahead.
+        assert moved1[3] == moved0[3] == ((BLOCKS - 1) if regather else 0)
+        torch.testing.assert_close(loss1, want_loss)
+        for got, want in zip(grads1, want_grads[rank :: len(R)]):  # the local backend holds every rank's shard
+            torch.testing.assert_close(got, want)
+
+
+def _one_large_array() -> list[torch.Tensor]:
+    """A block of one 1024 x 1024 weight (1 MiB per box: one message per box), prefetched and used."""
+    torch.manual_seed(0)
+    w0 = torch.randn(1024, 1024)
+    out = []
+    for ahead in (False, True):
+        w = fshard.shard(w0, ROWS)
+        w.addressable_data[0].requires_grad_()
+        step = fshard.shard_map(lambda h, wb: h @ wb, in_specs=(ROWS, EVERYWHERE), out_specs=ROWS, regather=True)
+        x = fshard.from_local_tensor(torch.ones(2, 1024) * (dist.get_rank() + 1), dim=0)
+        if ahead:
+            fshard.prefetch([w], EVERYWHERE)
+        y = step(x, w)
+        fshard.gather(y).sum().backward()
+        out += [fshard.gather(y).detach(), w.addressable_data[0].grad]
+    return out
+
+
+def test_a_prefetch_sent_box_by_box_is_bit_identical(dist_pool):
+    for y0, g0, y1, g1 in dist_pool.run(_one_large_array, timeout=120):
+        assert torch.equal(y0, y1)
+        assert torch.equal(g0, g1)
+
+
+def _prefetch_elsewhere_on_rank_3(d: int) -> str:
+    """Rank 3 prefetches to the ranks reversed, the others to the call's layout: every rank must raise."""
+    w, b = _weights(d)[0]
+    params = (fshard.shard(w, ROWS), fshard.shard(b, ROWS))
+    x = fshard.from_local_tensor(_rows(dist.get_rank(), d), dim=0)
+    spec = fshard.Replicated(R[::-1]) if dist.get_rank() == 3 else EVERYWHERE
+    step = fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS)
+    try:
+        fshard.prefetch(params, spec)
+        step(x, *params)
+    except fshard.CollectiveMismatchError as exc:
+        return str(exc)
+    finally:
+        for p in _flight.pending():
+            _flight.drop(p)
+    return "no error"
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_ranks_whose_prefetches_differ_raise_on_every_rank(dist_pool, size):
+    messages = dist_pool.run(_prefetch_elsewhere_on_rank_3, SIZES[size], timeout=60)
+    for m in messages:
+        assert "called it with different arguments on process group [0, 1, 2, 3], so no data was read" in m, m
+        assert "ranks [0, 1, 2] sent " in m, m
+        assert "ranks [3] sent " in m, m
+        assert "they differ in destination layout)" in m, m
