@@ -279,3 +279,17 @@ def test_regather_in_a_precision_moves_again_in_it_bit_identically():
     assert all(g.dtype == torch.float32 for g in grads)
     for got, want in zip(grads, want_grads):
         assert torch.equal(got, want)
+
+
+def test_a_backward_leaves_nothing_in_flight_for_a_graph_it_does_not_reach():
+    """The first block of a second forward was registered after the last of a first one, whose backward never runs."""
+    params, x = _params(), _x()
+    unused = _loss(params, x, True)  # its groups stay alive, never moved again
+    loss = _loss(params, x, True)
+    before = _regather.prefetched()
+    loss.backward()
+    # The backward launched its own blocks ahead and, past its first block, the unused graph's last one,
+    # which it waited for and dropped when it ended.
+    assert _regather.prefetched() - before == BLOCKS - 1
+    assert _regather.live_groups() == 0
+    del unused
