@@ -145,3 +145,24 @@ def test_ranks_whose_prefetches_differ_raise_on_every_rank(dist_pool, size):
         assert "ranks [0, 1, 2] sent " in m, m
         assert "ranks [3] sent " in m, m
         assert "they differ in destination layout)" in m, m
+
+
+def _rank_1_skips_its_prefetches() -> str:
+    """In check mode: rank 1 runs the program without prefetching, the others prefetch."""
+    old = fshard.config(check_collectives=True)
+    try:
+        _on_rank(8, dist.get_rank() != 1, True)
+    except fshard.CollectiveMismatchError as exc:
+        return str(exc)
+    finally:
+        fshard.config(check_collectives=old.check_collectives)
+        for p in _flight.pending():
+            _flight.drop(p)
+    return "no error"
+
+
+def test_in_check_mode_a_rank_that_skips_a_prefetch_raises_on_every_rank(dist_pool):
+    for m in dist_pool.run(_rank_1_skips_its_prefetches, timeout=60):
+        assert m.startswith(
+            "Ranks called different collectives on process group [0, 1, 2, 3]: ranks [0, 2, 3] called prefetch("
+        ), m
