@@ -466,6 +466,7 @@ def _run(
     series = _buckets.series_of(own)  # buckets of the arguments' gradients: the ranks compare them below
     leaves: list[dict[Slot, torch.Tensor]]
     if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
+
         def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
             return describe_results(r[1], r[0]), (usage.ages(), usage.closed), tuple(s.series for s in series)
 
