@@ -349,7 +349,7 @@ class _State:
     def post(self) -> None:
         """Posts the first bucket's round of headers now (every rank at the same point), for the backward to end."""
         post = getattr(self.backend, "post_headers", None)
-        if post is not None and not self.checked and self.sync:
+        if post is not None and not self.checked and self.sync and torch.is_grad_enabled():  # a backward may come
             runs = self.plan[0].runs
             self.posted = post(_plan(with_partial(runs, "sum"), runs), self._zeros(0), series=self.series)
 
