@@ -325,7 +325,7 @@ def move_tree(
         return out
     move: Any = _autograd.move_summing if summing else _autograd.move
     if precision is not None:
-        move = functools.partial(_move_cast, precision=precision, summing=summing)
+        move = functools.partial(_autograd.move_cast, precision=precision, summing=summing)
     backend = arrays[0].backend
     if not all(a.backend is backend for a in arrays) and len({a.backend for a in arrays}) > 1:
         return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
@@ -342,19 +342,6 @@ def move_tree(
                 data, link = move(a.layout, a.layout, backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
                 out[k] = ShardedArray._of(a.layout, data, backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
     return out
-
-
-def _move_cast(
-    src: Layout,
-    dst: Layout,
-    backend: Any,
-    tensors: Sequence[torch.Tensor],
-    like: torch.Tensor,
-    *,
-    precision: Any,
-    summing: bool,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    return _autograd.move_cast(src, dst, backend, tensors, like, precision, summing)
 
 
 def _dtype(a: ShardedArray, precision: Any) -> torch.dtype:
