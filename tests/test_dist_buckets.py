@@ -256,11 +256,12 @@ def _rounds():
             setattr(dist, name, fn)
 
 
-def _backward_rounds(cap_mb: float, out: str = "partial") -> tuple[dict[str, int], int]:
-    """The process group calls of one data-parallel backward, and its buckets.
+def _backward_rounds(cap_mb: float, out: str = "copies") -> tuple[dict[str, int], dict[str, int], int]:
+    """The process group calls of one data-parallel forward (the shard_map call) and backward, and its buckets.
 
-    ``out``: the loss's out_specs, a ``Partial`` spec (its shape inferred: the call exchanges
-    outcomes) or a ``Layout`` (nothing to infer: no exchange, where every rank holds blocks).
+    ``out``: the results' out_specs, ``"copies"`` (``Partial(Replicated)``: each rank's own
+    block lays it out, no exchange of outcomes) or ``"split"`` (``Chunk(0)``: its extent comes
+    from every rank's block, so the call exchanges outcomes).
     """
     old = fshard.config(bucket_cap_mb=cap_mb)
     try:
@@ -270,29 +271,33 @@ def _backward_rounds(cap_mb: float, out: str = "partial") -> tuple[dict[str, int
         for p in params:
             p.addressable_data[0].requires_grad_()
         rep = fshard.Replicated(R)
-        spec = fshard.Partial(rep) if out == "partial" else fshard.Partial(rep).layout((1,))
+        spec = fshard.Partial(rep) if out == "copies" else fshard.Chunk(0, R)
         step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=spec)
-        loss = fshard.gather(step(x, *params))
+        with _rounds() as forward:
+            y = step(x, *params)
+        loss = fshard.gather(y).sum()
         layouts = tuple(p.layout for p in params)
         plan = _buckets.buckets(layouts, 8, max(int(cap_mb * (1 << 20)), 1), backend.rank)
-        with _rounds() as counts:
+        with _rounds() as backward:
             loss.backward()
-        return counts, len(plan)
+        return dict(forward), backward, len(plan)
     finally:
         fshard.config(**{"bucket_cap_mb": old.bucket_cap_mb})
 
 
-@pytest.mark.parametrize("out", ["partial", "layout"])
+@pytest.mark.parametrize("out", ["copies", "split"])
 @pytest.mark.parametrize("cap_mb", [25.0, 1e-4])
-def test_a_backward_runs_its_buckets_with_their_headers_checked_once(dist_pool, cap_mb, out):
-    """One all_reduce per bucket, summed in place. The ranks compare their series of buckets once:
-    in the call's exchange of outcomes where it has one, else in a round of headers at the first.
+def test_a_backward_runs_its_buckets_and_nothing_else(dist_pool, cap_mb, out):
+    """One all_reduce per bucket, summed in place, and no other round in the backward.
 
-    A loss gathered after the last shard_map has no per-shard part on any rank, so its
-    backward exchanges nothing.
+    The ranks compare their series of buckets in the forward: in the call's exchange of
+    outcomes where it has one, else in a round of headers that the call posts and the first
+    launch ends. A loss gathered after the last shard_map has no per-shard part on any rank,
+    so its backward exchanges nothing.
     """
-    for counts, n in dist_pool.run(_backward_rounds, cap_mb, out, timeout=120):
-        assert counts == {"all_reduce": n, "all_to_all_single": 0 if out == "partial" else 1}
+    for forward, backward, n in dist_pool.run(_backward_rounds, cap_mb, out, timeout=120):
+        assert forward == {"all_to_all_single": 1, "all_reduce": 0}
+        assert backward == {"all_reduce": n, "all_to_all_single": 0}
         assert n == (1 if cap_mb == 25.0 else 5)
 
 
@@ -307,13 +312,13 @@ def _different_buckets(out: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("out", ["partial", "layout"])
+@pytest.mark.parametrize("out", ["copies", "split"])
 def test_ranks_whose_buckets_differ_raise_on_every_rank(dist_pool, out):
-    """In the call's exchange (naming the setting), or at the first bucket's round of headers."""
-    want = "in different buckets" if out == "partial" else "all_reduce buckets"
+    """In the call's exchange (naming the setting), or where the first bucket ends its round of headers."""
+    want = "in different buckets" if out == "split" else "all_reduce buckets"
     for message in dist_pool.run(_different_buckets, out, timeout=120):
         assert want in message, message
-        if out == "partial":
+        if out == "split":
             assert "bucket_cap_mb" in message
 
 

@@ -151,3 +151,33 @@ def test_ranks_without_blocks_reach_the_gathers_used_elsewhere(dist_pool):
     got = dist_pool.run(_gathered_use_after_diverged_history, timeout=30)
     assert len(set(got)) == 1, got
     assert got[0] == 3 * 15.0  # d/db of sum(x) * sum(b): sum(x) = 15 for each of b's 3 elements
+
+
+def _copies_that_differ(what: str) -> str:
+    """A result of full copies (no exchange of outcomes) whose shape or dtype differs on rank 1."""
+    rank = dist.get_rank()
+    ranks = list(range(dist.get_world_size()))
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        out = t.sum(0, keepdim=True)
+        if rank == 1:
+            out = torch.cat([out, out]) if what == "shape" else out.double()
+        return out
+
+    rows = fshard.Chunk(0, ranks)
+    y = fshard.shard_map(fn, in_specs=rows, out_specs=fshard.Partial(fshard.Replicated(ranks)))(
+        fshard.shard(torch.arange(8.0).reshape(4, 2), rows)
+    )
+    try:
+        fshard.gather(y)
+    except fshard.CollectiveMismatchError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("what", ["shape", "dtype"])
+def test_full_copies_that_differ_across_ranks_raise_on_every_rank_at_their_next_movement(dist_pool, what):
+    """Each rank's own block lays out a result of full copies (no exchange in the call); ranks
+    whose results differ build different arrays, and the next movement's headers catch it."""
+    assert dist_pool.run(_copies_that_differ, what, timeout=60) == ["CollectiveMismatchError"] * 4

@@ -221,8 +221,30 @@ class TorchDistBackend:
             tensors = tuple(out.values())
         return tuple(tensors)
 
+    def post_headers(self, plan: Any, like: torch.Tensor, *, series: str) -> Any:
+        """Posts the round of headers of ``launch(plan, ..., series=series)`` now, left in flight.
+
+        Every rank posts it at the same point of its program (its forward, say); the launch
+        ends it, so a series whose headers were posted early starts without waiting for the
+        other ranks. ``None`` where ``launch`` would run ``plan`` some other way.
+        """
+        if plan.src.partial is None or not self.member:
+            return None
+        wire = self._wire
+        if collective_kind(plan, self.ranks, wire.type == "cuda") != "all_reduce" or not _on_wire(plan, wire):
+            return None
+        with in_flight():
+            return self._guard(f"reshard:all_reduce {series}", plan, like.dtype).post(self.group)
+
     def launch(
-        self, plan: Any, tensors: Sequence[torch.Tensor], like: torch.Tensor, *, series: str = "", checked: bool = False
+        self,
+        plan: Any,
+        tensors: Sequence[torch.Tensor],
+        like: torch.Tensor,
+        *,
+        series: str = "",
+        checked: bool = False,
+        posted: Any = None,
     ) -> Callable[[], tuple[torch.Tensor, ...]]:
         """Starts ``plan`` and returns a function that waits for it and gives its result (``execute``'s).
 
@@ -237,7 +259,8 @@ class TorchDistBackend:
         ``series`` names a sequence of launches (buckets) that every rank makes alike; it
         joins the round of headers, so ranks whose sequences differ raise at its first
         launch. ``checked``: a later launch of a series whose first one checked it, with no
-        round of headers of its own.
+        round of headers of its own. ``posted``: the headers' round, posted before
+        (``post_headers``), which this launch ends.
         """
         if plan.src.partial is not None and self.member:
             wire = self._wire
@@ -251,7 +274,7 @@ class TorchDistBackend:
                 out = mine if given_up else empty(sizes, like.dtype, wire)  # summed in place where it can be
                 guarded = self._guard(op, plan, like.dtype)
                 with in_flight():
-                    work = start_all_reduce(plan, mine, out, self.group, None if checked else guarded)
+                    work = start_all_reduce(plan, mine, out, self.group, None if checked else guarded, posted)
 
                 def done() -> tuple[torch.Tensor, ...]:
                     with in_flight():

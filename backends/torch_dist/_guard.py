@@ -158,6 +158,21 @@ class Guard:
             )
         return got, work
 
+    def post(self, group: Any) -> Round:
+        """Starts a round of headers alone, with a receive buffer of its own, to end (``agree``) later.
+
+        Other rounds may run on this thread in between; they use the thread's shared buffer.
+        """
+        if self.wire.type == "cpu" and self.alltoall:
+            box = np.empty(sum(self.slots), np.uint8)
+            if current().timeout is not None:
+                box[self.at[:, :2]] = 0
+            wire: torch.Tensor = torch.from_numpy(box)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+            sizes = [HEADER] * len(self.ranks)
+            start: Any = dist.all_to_all_single  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # untyped in torch
+            return box, start(wire, self.tiled, list(self.slots), sizes, group=group, async_op=True)
+        return self._alone(group)
+
     def agree(self, group: Any, opened: Round | None = None) -> None:
         """Ends the round of headers ``opened`` (or a round started here).
 

@@ -52,7 +52,7 @@ from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial, with_terms
 from fshard._layout.placement import Placement
 from fshard._layout.precision import check_floating, per_argument
-from fshard._layout.specs import Explicit, Partial, as_layout
+from fshard._layout.specs import Explicit, Partial, Replicated, as_layout
 
 __all__ = ["map_local", "map_same", "regrouped", "shard_map"]
 
@@ -462,10 +462,10 @@ def _run(
 
     # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where
     # it holds none): they share what fn returned, or the error it raised.
-    inferred = not all(isinstance(s, Layout) for s in _leaf_specs(out_specs, None, what))
+    inferred = not all(_known_here(s) for s in _leaf_specs(out_specs, None, what))
+    series = _buckets.series_of(own)  # buckets of the arguments' gradients: the ranks compare them below
     leaves: list[dict[Slot, torch.Tensor]]
     if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
-        series = _buckets.series_of(own)  # the ranks compare their buckets here, not in a round of their own
 
         def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
             return describe_results(r[1], r[0]), (usage.ages(), usage.closed), tuple(s.series for s in series)
@@ -480,6 +480,7 @@ def _run(
         metas = (describe_results(spec_tree, leaves) or (None, []))[1]
         _refuse_closed(backend, first, usage.closed, what)
         used = set[int]()
+        _buckets.post_series(series)  # their headers in flight now, ended in the backward
     specs = _leaf_specs(out_specs, spec_tree, what)
     if spec_tree is None:  # no slot anywhere: the structure comes from the specs
         spec_tree = _spec_structure(out_specs)
@@ -669,6 +670,19 @@ def _flatten_results(results: list[tuple[Slot, Any]], what: str) -> tuple[list[d
     if tree is None:  # no slot here: the structure comes from the specs
         return [], None
     return leaves, tree
+
+
+def _known_here(spec: Any) -> bool:
+    """Whether this rank's own blocks lay out a result of ``spec``: a ``Layout``, or a spec of full copies.
+
+    Full copies: every placement holds the whole array (``Replicated``, ``Partial(Replicated)``).
+    Where every rank holds blocks, such results need no exchange of outcomes: each rank's
+    global shape is its block's, and ranks whose results differ in shape or dtype raise at
+    the next movement of the array (its header names both layouts and the dtype).
+    """
+    if isinstance(spec, Partial):
+        spec = spec.spec
+    return isinstance(spec, (Layout, Replicated))
 
 
 def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:

@@ -255,6 +255,7 @@ class _State:
         self.sync, self.key = syncing(), Key(tensors)  # outside a syncing step, nothing leaves: all is set aside
         self.series = _series(plan)
         self.checked = False  # the ranks compared their series in the call's exchange: no round of headers
+        self.posted: Any = None  # else the first bucket's round of headers, posted in the forward
         self.source, self.device = like.dtype, like.device
         # Gradients are summed (and sent) in the reduce dtype; the blocks are the forward dtype's.
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
@@ -340,8 +341,17 @@ class _State:
             self.flights.append(lambda: done)
         else:  # the ranks check the whole series of buckets once, at the first
             plan = _plan(with_partial(runs, "sum"), runs)
-            checked = b > 0 or self.checked
-            self.flights.append(start(plan, tensors, self._like(tensors), series=self.series, checked=checked))
+            checked, posted = b > 0 or self.checked, self.posted if b == 0 else None
+            self.posted = None  # a round is ended once; a later backward (retain_graph) has its own
+            flight = start(plan, tensors, self._like(tensors), series=self.series, checked=checked, posted=posted)
+            self.flights.append(flight)
+
+    def post(self) -> None:
+        """Posts the first bucket's round of headers now (every rank at the same point), for the backward to end."""
+        post = getattr(self.backend, "post_headers", None)
+        if post is not None and not self.checked and self.sync and torch.is_grad_enabled():  # a backward may come
+            runs = self.plan[0].runs
+            self.posted = post(_plan(with_partial(runs, "sum"), runs), self._zeros(0), series=self.series)
 
     def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
@@ -505,6 +515,16 @@ def compare_series(states: Sequence[_State], seen: Sequence[tuple[str, ...]], ra
         raise CollectiveMismatchError(msg)
     for state in states:
         state.checked = True
+
+
+def post_series(states: Sequence[_State]) -> None:
+    """Posts the round of headers of each of ``states``' first bucket, where no exchange compared them.
+
+    Every rank calls it at the same point of the forward; the backward's first launch ends
+    the round, by then done, so it starts without waiting for the other ranks.
+    """
+    for state in states:
+        state.post()
 
 
 def _tap(state: _State, position: int, t: torch.Tensor) -> torch.Tensor:

@@ -336,7 +336,7 @@ def move_tree(
             return _land(ahead, arrays, layouts, precision)
     move: Any = _autograd.move_summing if summing else _autograd.move
     if precision is not None:
-        move = functools.partial(_move_cast, precision=precision, summing=summing)
+        move = functools.partial(_autograd.move_cast, precision=precision, summing=summing)
     backend = arrays[0].backend
     if not all(a.backend is backend for a in arrays) and len({a.backend for a in arrays}) > 1:
         return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
@@ -370,19 +370,6 @@ def _land(
         moved = move_tree(ahead.sources, ahead.layouts, summing=True, precision=precision)
     at = {id(a): k for k, a in enumerate(ahead.sources)}
     return [moved[at[id(a)]] for a in arrays]
-
-
-def _move_cast(
-    src: Layout,
-    dst: Layout,
-    backend: Any,
-    tensors: Sequence[torch.Tensor],
-    like: torch.Tensor,
-    *,
-    precision: Any,
-    summing: bool,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    return _autograd.move_cast(src, dst, backend, tensors, like, precision, summing)
 
 
 def _dtype(a: ShardedArray, precision: Any) -> torch.dtype:
