@@ -16,7 +16,9 @@ docs/distributed.md teach it, with no hand flattening:
   ``apply_module(..., regather=True)``: each stage's parameters are gathered for its forward,
   freed when it returns, gathered again in the backward, and their gradients reduce-scattered
   as soon as that stage's backward is done. The last stage keeps its copy (its backward comes
-  next), as FSDP2 keeps its root's.
+  next), as FSDP2 keeps its root's. Each stage's gather is started before the stage ahead of
+  it runs (``fshard.prefetch``), and in the backward ``regather`` starts the previous stage's
+  gather while a stage's backward runs, as FSDP2 prefetches both ways.
 - **DDP**: ``DistributedDataParallel`` of the same model; **FSDP2**: ``fully_shard`` on
   every block and the root.
 
@@ -164,7 +166,7 @@ def _summed_loss(head: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor) 
 
 
 def _per_block_program(d: int) -> tuple[Any, Any]:
-    """docs/training.md's fully-sharded step by blocks: a stage per ``apply_module``, with ``regather=True``."""
+    """docs/training.md's fully-sharded step by blocks: a stage per ``apply_module``, ``regather=True``, prefetched."""
     torch.manual_seed(0)
     model = GPT(d)
     ranks = list(range(dist.get_world_size()))
