@@ -144,10 +144,10 @@ def test_a_prefetch_cancelled_is_not_taken():
     assert not ahead.pending
     assert not _flight.pending()
     step = fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS)
-    assert torch.equal(fshard.gather(step(x, w, b)), fshard.gather(_loss_free(x, w, b)))
+    assert torch.equal(fshard.gather(step(x, w, b)), fshard.gather(_moved_in_the_call(x, w, b)))
 
 
-def _loss_free(x, w, b):
+def _moved_in_the_call(x, w, b):
     return fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS)(x, w, b)
 
 
@@ -157,12 +157,6 @@ def test_prefetching_arrays_in_flight_already_raises():
     with pytest.raises(fshard.SpecError, match=re.escape("array 0 (shape (8, 8)) is in flight already")):
         fshard.prefetch(params[0], EVERYWHERE)
     ahead.cancel()
-
-
-def _other_arrays(params, x):
-    w, _ = params[0]
-    _, b = params[1]
-    return w, b
 
 
 @pytest.mark.parametrize(
