@@ -187,7 +187,9 @@ def _per_block_program(d: int) -> tuple[Any, Any]:
         for k, (stage, p) in enumerate(zip(stages[:-1], params[:-1])):
             # The next stage's gather flies while this one computes (its call takes the data).
             fshard.prefetch(params[k + 1], everywhere)
-            h, _ = fshard.apply_module(stage, p, {}, h, regather=True)
+            # A block keeps its input's layout: given as the out_specs, no rank waits for the others' shapes.
+            keep = {"out_specs": h.layout} if k else {}
+            h, _ = fshard.apply_module(stage, p, {}, h, regather=True, **keep)
         # The last stage's backward comes right after its forward: it keeps its copy (as FSDP2's root does).
         total, _ = fshard.apply_module(stages[-1], params[-1], {}, h, ys, method=_summed_loss, out_specs=summed)
         loss = fshard.gather(total) / ys.numel()

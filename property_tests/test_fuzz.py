@@ -507,6 +507,24 @@ def _under_no_sync() -> None:
 
 _fresh = itertools.count()
 
+PREFETCHED = {
+    "w": fshard.shard(torch.ones(4, 2), Chunk(0, [0, 1])),
+    "b": fshard.shard(torch.zeros(4), Chunk(0, [0, 1])),
+}
+
+
+def _prefetch(arrays: Any, spec: Any, **kwargs: Any) -> Any:
+    """``fshard.prefetch``, whose movement is then cancelled (no call takes it here)."""
+    started = fshard.prefetch(arrays, spec, **kwargs)
+    started.cancel()
+    return started
+
+
+def _pending() -> Any:
+    """A movement in flight (``Prefetch``'s argument), from a prefetch of its own arrays."""
+    arrays = fshard.shard(torch.ones(4, 2), Chunk(0, [0, 1]))
+    return fshard.prefetch(arrays, Replicated([0, 1]))._pending  # what fshard.prefetch wraps
+
 
 ON_DIST = "needs an array on the torch_dist backend"
 
@@ -804,6 +822,15 @@ def entries(base: Path) -> dict[str, Entry]:
             (Arg("x", one(BLOCK), junk=tensor_junk), Arg("axis", one("x", ("x",), ["x"]))),
         ),
         "no_sync": Entry(_under_no_sync, ()),
+        "prefetch": Entry(
+            _prefetch,
+            (
+                Arg("arrays", one(PREFETCHED, [PREFETCHED["w"]], PREFETCHED["w"])),
+                Arg("spec", one(Replicated([0, 1]), Chunk(1, [0, 1]))),
+                kw("precision", (None, fshard.Precision(param=torch.bfloat16))),
+            ),
+        ),
+        "Prefetch": Entry(fshard.Prefetch, (Arg("pending", _pending),)),
         "tensor_parallel": Entry(
             lambda mesh, plan, **axes: fshard.shard_module(MLP, fshard.tensor_parallel(mesh, plan, **axes)),
             (

@@ -191,8 +191,10 @@ def test_a_call_that_does_not_fit_the_prefetch_raises(use, message):
 
 
 def test_prefetch_refuses_what_is_not_arrays():
-    with pytest.raises(fshard.SpecError, match=re.escape("got a Tensor: pass the arrays")):
+    with pytest.raises(fshard.SpecError, match=re.escape("got a Tensor (tensor([1., 1.])): pass the arrays")):
         fshard.prefetch({"w": torch.ones(2)}, EVERYWHERE)
+    with pytest.raises(fshard.SpecError, match=re.escape("got a NoneType (None): pass the arrays")):
+        fshard.prefetch(None, EVERYWHERE)
     with pytest.raises(fshard.SpecError, match=re.escape("got no arrays")):
         fshard.prefetch({}, EVERYWHERE)
 

@@ -28,6 +28,12 @@ class Prefetch:
     __slots__ = ("_pending",)
 
     def __init__(self, pending: _flight.Pending) -> None:
+        if not isinstance(pending, _flight.Pending):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
+            msg = (
+                f"Prefetch(pending) takes a movement in flight, got {type(pending).__name__}: "
+                "make one with fshard.prefetch(arrays, spec)."
+            )
+            raise TypeError(msg)
         self._pending = pending
 
     @property
@@ -87,9 +93,9 @@ def prefetch(arrays: Any, spec: Any, *, precision: Precision | None = None) -> P
     """
     precision = check_precision(precision, "prefetch()")
     leaves: list[Any] = optree.tree_leaves(arrays, is_leaf=_is_array, none_is_leaf=True)  # pyright: ignore[reportUnknownMemberType]
-    bad = next((x for x in leaves if not isinstance(x, ShardedArray)), None)
+    bad = next((k for k, x in enumerate(leaves) if not isinstance(x, ShardedArray)), None)
     if bad is not None or not leaves:
-        got = "no arrays" if not leaves else f"a {type(bad).__name__}"
+        got = "no arrays" if bad is None else f"a {type(leaves[bad]).__name__} ({leaves[bad]!r:.80})"
         msg = f"prefetch() takes a pytree of ShardedArray (a block's parameters), got {got}: pass the arrays."
         raise SpecError(msg)
     sources: list[ShardedArray] = leaves
