@@ -12,7 +12,8 @@ each launched as soon as its gradients are in. Here:
   rank holds every argument, a bucket is one ``all_reduce`` of one buffer, summed in place
   (the buffer is written by the gradients' first arrivals, with no zeroing pass), and the
   ranks check that they run the same buckets once per call: in the call's exchange of
-  outcomes where it has one (``compare_series``), else in a round of headers at the first;
+  outcomes where it has one (``compare_series``), else in a round of headers that the call
+  posts in its forward and the first launch ends (``post_series``);
 - each block's first use in the function goes through a **tap** (``gathered.register_tap``)
   whose backward copies the block's gradient into its bucket and passes nothing on; when a
   bucket is full, and the buckets before it have left, it is launched (``launch``), and runs
@@ -56,6 +57,7 @@ __all__ = [
     "box_layout",
     "buckets",
     "compare_series",
+    "post_series",
     "run_layout",
     "run_parts",
     "series_of",
