@@ -166,3 +166,23 @@ def test_in_check_mode_a_rank_that_skips_a_prefetch_raises_on_every_rank(dist_po
         assert m.startswith(
             "Ranks called different collectives on process group [0, 1, 2, 3]: ranks [0, 2, 3] called prefetch("
         ), m
+
+
+def _prefetch_a_pending_sum() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pending sum prefetched to full copies and taken by a call: its summand, before and after, and the sum."""
+    rank = dist.get_rank()
+    layout = fshard.Partial(EVERYWHERE).layout((4,))
+    (i,) = layout.indices_on(rank)
+    mine = torch.arange(4.0) * (rank + 1)
+    before = mine.clone()
+    p = fshard.from_local_shards_and_layout([fshard.Shard(layout.shards[i], mine)], layout)
+    fshard.prefetch([p], EVERYWHERE)
+    total = fshard.shard_map(lambda t: t * 1, in_specs=EVERYWHERE, out_specs=EVERYWHERE)(p)
+    return before, mine, total.addressable_data[0]
+
+
+def test_a_prefetched_pending_sum_leaves_its_summands_as_they_are(dist_pool):
+    """The all_reduce of a launched sum writes into a buffer of its own, never into the array's shards."""
+    for before, after, total in dist_pool.run(_prefetch_a_pending_sum, timeout=60):
+        assert torch.equal(before, after)
+        assert torch.equal(total, torch.arange(4.0) * 10)

@@ -245,6 +245,7 @@ class TorchDistBackend:
         series: str = "",
         checked: bool = False,
         posted: Any = None,
+        given_up: bool = False,
     ) -> Callable[[], tuple[torch.Tensor, ...]]:
         """Starts ``plan`` and returns a function that waits for it and gives its result (``execute``'s).
 
@@ -253,8 +254,9 @@ class TorchDistBackend:
         headers, so computation goes on while it runs. A plan of one copy phase (a gather of
         a fully-sharded block's parameters) starts its messages after the movement's round of
         headers (where the data travels with the headers, they are checked at the wait) and
-        leaves them in flight. Any other plan runs here, at once. ``tensors`` are given up:
-        the sum may be written into them; a copy's sources must not change until the wait.
+        leaves them in flight. Any other plan runs here, at once. A copy's sources must not
+        change until the wait. ``given_up``: ``tensors`` are the caller's own buffers (a
+        bucket's), which the sum may be written into; else they are left as they are.
 
         ``series`` names a sequence of launches (buckets) that every rank makes alike; it
         joins the round of headers, so ranks whose sequences differ raise at its first
@@ -270,8 +272,8 @@ class TorchDistBackend:
                 (j,) = self.addressable(plan.dst)
                 mine = tensors[0].to(wire)
                 sizes = plan.dst._shard(j).sizes  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
-                given_up = mine.is_contiguous() and tuple(mine.shape) == tuple(sizes)
-                out = mine if given_up else empty(sizes, like.dtype, wire)  # summed in place where it can be
+                in_place = given_up and mine.is_contiguous() and tuple(mine.shape) == tuple(sizes)
+                out = mine if in_place else empty(sizes, like.dtype, wire)  # a bucket is summed in place
                 guarded = self._guard(op, plan, like.dtype)
                 with in_flight():
                     work = start_all_reduce(plan, mine, out, self.group, None if checked else guarded, posted)

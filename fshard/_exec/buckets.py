@@ -345,7 +345,9 @@ class _State:
             plan = _plan(with_partial(runs, "sum"), runs)
             checked, posted = b > 0 or self.checked, self.posted if b == 0 else None
             self.posted = None  # a round is ended once; a later backward (retain_graph) has its own
-            flight = start(plan, tensors, self._like(tensors), series=self.series, checked=checked, posted=posted)
+            flight = start(
+                plan, tensors, self._like(tensors), series=self.series, checked=checked, posted=posted, given_up=True
+            )
             self.flights.append(flight)
 
     def post(self) -> None:
