@@ -228,13 +228,10 @@ class TorchDistBackend:
         ends it, so a series whose headers were posted early starts without waiting for the
         other ranks. ``None`` where ``launch`` would run ``plan`` some other way.
         """
-        if plan.src.partial is None or not self.member:
-            return None
-        wire = self._wire
-        if collective_kind(plan, self.ranks, wire.type == "cuda") != "all_reduce" or not _on_wire(plan, wire):
+        if not self._all_reduces(plan):
             return None
         with in_flight():
-            return self._guard(f"reshard:all_reduce {series}", plan, like.dtype).post(self.group)
+            return self._guard(_all_reduce_op(series), plan, like.dtype).post(self.group)
 
     def launch(
         self,
@@ -264,27 +261,26 @@ class TorchDistBackend:
         round of headers of its own. ``posted``: the headers' round, posted before
         (``post_headers``), which this launch ends.
         """
-        if plan.src.partial is not None and self.member:
+        if self._all_reduces(plan):
             wire = self._wire
-            if collective_kind(plan, self.ranks, wire.type == "cuda") == "all_reduce" and _on_wire(plan, wire):
-                op = f"reshard:all_reduce {series}" if series else "reshard:all_reduce"
-                self._check(op, (plan.src, plan.dst), like.dtype)
-                (j,) = self.addressable(plan.dst)
-                mine = tensors[0].to(wire)
-                sizes = plan.dst._shard(j).sizes  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
-                in_place = given_up and mine.is_contiguous() and tuple(mine.shape) == tuple(sizes)
-                out = mine if in_place else empty(sizes, like.dtype, wire)  # a bucket is summed in place
-                guarded = self._guard(op, plan, like.dtype)
+            op = _all_reduce_op(series)
+            self._check(op, (plan.src, plan.dst), like.dtype)
+            (j,) = self.addressable(plan.dst)
+            mine = tensors[0].to(wire)
+            sizes = plan.dst._shard(j).sizes  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
+            in_place = given_up and mine.is_contiguous() and tuple(mine.shape) == tuple(sizes)
+            out = mine if in_place else empty(sizes, like.dtype, wire)  # a bucket is summed in place
+            guarded = self._guard(op, plan, like.dtype)
+            with in_flight():
+                work = start_all_reduce(plan, mine, out, self.group, None if checked else guarded, posted)
+
+            def done() -> tuple[torch.Tensor, ...]:
                 with in_flight():
-                    work = start_all_reduce(plan, mine, out, self.group, None if checked else guarded, posted)
+                    guarded.wait(work)
+                self._count(plan.for_rank(self.rank).elements_sent, out.element_size())
+                return (out.to(shard_device(plan.dst, j)),)
 
-                def done() -> tuple[torch.Tensor, ...]:
-                    with in_flight():
-                        guarded.wait(work)
-                    self._count(plan.for_rank(self.rank).elements_sent, out.element_size())
-                    return (out.to(shard_device(plan.dst, j)),)
-
-                return done
+            return done
         if plan.src.partial is None and self.member and len(plan.phases) == 1 and plan.phases[0].op is None:
             (p,) = plan.phases
             log_move("torch_dist", plan, like.element_size(), facts(self.group).rank)
@@ -537,6 +533,13 @@ class TorchDistBackend:
 
         return out, finish
 
+    def _all_reduces(self, plan: Any) -> bool:
+        """Whether ``launch`` runs ``plan`` as one ``all_reduce`` (a pending sum into a full copy on every rank)."""
+        if plan.src.partial is None or not self.member:
+            return False
+        wire = self._wire
+        return collective_kind(plan, self.ranks, wire.type == "cuda") == "all_reduce" and _on_wire(plan, wire)
+
     def _guard(self, op: str, p: Plan, dtype: torch.dtype) -> Guard:
         """The movement's header and round (``_guard``): ranks that move differently raise, every one."""
         g = facts(self.group)
@@ -548,6 +551,11 @@ class TorchDistBackend:
         counters.elements_sent += sent
         counters.bytes_sent += sent * itemsize
         counters.collectives += 1
+
+
+def _all_reduce_op(series: str) -> str:
+    """The name an all-reduce's header carries: with the series it starts, where it starts one."""
+    return f"reshard:all_reduce {series}" if series else "reshard:all_reduce"
 
 
 def _nothing() -> None:

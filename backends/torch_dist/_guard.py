@@ -164,13 +164,8 @@ class Guard:
         Other rounds may run on this thread in between; they use the thread's shared buffer.
         """
         if self.wire.type == "cpu" and self.alltoall:
-            box = np.empty(sum(self.slots), np.uint8)
-            if current().timeout is not None:
-                box[self.at[:, :2]] = 0
-            wire: torch.Tensor = torch.from_numpy(box)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
-            sizes = [HEADER] * len(self.ranks)
-            start: Any = dist.all_to_all_single  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]  # untyped in torch
-            return box, start(wire, self.tiled, list(self.slots), sizes, group=group, async_op=True)
+            box, work, _ = self._round(None, (), group, own=True)
+            return box, work
         return self._alone(group)
 
     def agree(self, group: Any, opened: Round | None = None) -> None:

@@ -463,7 +463,8 @@ def _run(
     # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where
     # it holds none): they share what fn returned, or the error it raised.
     inferred = not all(_known_here(s) for s in _leaf_specs(out_specs, None, what))
-    series = _buckets.series_of(own)  # buckets of the arguments' gradients: the ranks compare them below
+    # Buckets of the arguments' gradients (across processes only): the ranks compare them below.
+    series = _buckets.series_of(own) if backend.spans_processes else []
     leaves: list[dict[Slot, torch.Tensor]]
     if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
 

@@ -28,7 +28,7 @@ import torch
 from fshard._errors import SpecError
 from fshard._layout.show import describe_layout
 
-__all__ = ["Launches", "Pending", "add", "claim", "drop", "execute", "landing", "launching", "pending"]
+__all__ = ["Launches", "Pending", "add", "claim", "drop", "execute", "landing", "launching", "pending", "versions"]
 
 
 class Launches:
@@ -122,7 +122,7 @@ class Pending:
     def __init__(self, sources: Sequence[Any], layouts: Sequence[Any], precision: Any, what: str) -> None:
         self.sources, self.layouts, self.precision, self.what = tuple(sources), tuple(layouts), precision, what
         self.ids = frozenset(id(a) for a in self.sources)
-        self.versions = _versions(self.sources)
+        self.versions = versions(self.sources)
         self.launches = Launches()
 
 
@@ -130,7 +130,8 @@ _PENDING: list[Pending] = []  # launched and not yet used, oldest first
 _LOCK = threading.Lock()
 
 
-def _versions(arrays: Sequence[Any]) -> tuple[int, ...]:
+def versions(arrays: Sequence[Any]) -> tuple[int, ...]:
+    """The version counters of the arrays' shard tensors (an in-place write bumps one)."""
     return tuple(t._version for a in arrays for t in a.addressable_data)
 
 
@@ -197,7 +198,7 @@ def _check_claim(p: Pending, arrays: Sequence[Any], layouts: Sequence[Any], prec
         )
     elif precision != p.precision:
         problem = f"it moves them in precision {precision!r}, not in {p.precision!r} as prefetched"
-    elif _versions(p.sources) != p.versions:
+    elif versions(p.sources) != p.versions:
         problem = "a prefetched array's shard tensor was written in place since the prefetch started"
     if problem:
         p.launches.finish()

@@ -70,7 +70,7 @@ class Group:
         self, sources: Sequence[ShardedArray], layouts: Sequence[Layout], what: str, precision: Any = None
     ) -> None:
         self.sources, self.layouts, self.what, self.precision = tuple(sources), tuple(layouts), what, precision
-        self.versions = tuple(t._version for a in self.sources for t in a.addressable_data)
+        self.versions = _flight.versions(self.sources)
         self.packed = 0  # tokens made
         self.left = 0  # tokens not yet unpacked since the copy was made
         self.copy: list[torch.Tensor] | None = None
@@ -125,7 +125,7 @@ class Group:
 
     def _changed(self) -> int | None:
         """The first shard tensor of the sources written in place since the forward (``None``: none)."""
-        now = tuple(t._version for a in self.sources for t in a.addressable_data)
+        now = _flight.versions(self.sources)
         return next((k for k, (a, b) in enumerate(zip(self.versions, now)) if a != b), None)
 
     def _move(self) -> list[torch.Tensor]:
