@@ -344,3 +344,41 @@ def test_a_small_all_reduce_is_one_round_with_its_headers(dist_pool):
         for (got, counts), expected in zip(results, want):
             assert counts == {"all_to_all_single": 1, "all_reduce": 0}
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _steps(keep: bool) -> tuple[bool, bool, list[torch.Tensor], list[torch.Tensor]]:
+    """Two backwards of the same step; ``keep``: the first step's gradients are held by the program.
+
+    Returns whether the second step's gradients live in the first step's buffer, whether the
+    held gradients kept their values, and both steps' gradients.
+    """
+    backend = TorchDistBackend()
+    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+    grads = []
+    for k in range(2):
+        x = fshard.from_local_tensor(_rows(backend.rank) * (k + 1), dim=0)
+        fshard.gather(step(x, *params)).backward()
+        grads.append([t.grad for t in leaves])
+        memory = {t.grad.untyped_storage().data_ptr() for t in leaves}
+        if k == 0:
+            first, held = memory, [g.clone() for g in grads[0]]
+            if not keep:
+                grads = []
+        for t in leaves:
+            t.grad = None
+    same = memory == first
+    kept_values = all(torch.equal(g, h) for g, h in zip(grads[0], held)) if keep else True
+    return same, kept_values, held, [g.clone() for g in grads[-1]]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_bucket_buffers_are_reused_only_when_no_gradient_is_held(dist_pool, keep):
+    """A step whose last gradients are gone sums into the same buffer; gradients a program holds keep their values."""
+    results = dist_pool.run(_steps, keep, timeout=120)
+    for same, kept_values, first, second in results:
+        assert same is not keep
+        assert kept_values
+        assert not any(torch.equal(a, b) for a, b in zip(first, second))  # two different steps

@@ -21,11 +21,19 @@ each launched as soon as its gradients are in. Here:
 - the backward of the arguments' own node (``_SumBuckets``) runs last. It adds the
   gradients that reached the blocks some other way (code that runs outside the function's
   torch-function mode, such as an activation checkpoint's recomputation) to the buckets not
-  launched yet, launches the rest in order, waits, and gives each block its sum. The last
+  launched yet, launches the rest in order, waits, and gives each block its sum (views of
+  the buckets, no copy). The last
   bucket always leaves from there, carrying one more element: the number of gradients that
   arrived after their bucket had left. Where that count is not zero on some rank, every rank
   sums those gradients too, in one more movement. So every rank runs the same collectives in
   the same order, and the result is the sum of every use, whichever way it came.
+
+The buckets' buffers are kept between steps, on the first block (``_Kept``), as DDP keeps
+its buckets: a fresh buffer each step would cost the memory's first touch (a page fault per
+page) in every backward. A kept buffer is taken again only when nothing else refers to its
+memory (the storage's reference count): where the previous step's gradients, views of it,
+are still alive (``zero_grad(set_to_none=False)``, or a gradient kept by the program), the
+bucket gets a new buffer, so no gradient a program holds is ever written.
 
 Gradients of gradients (``create_graph=True``) pass taps by; they then all arrive at the
 last node and are summed there, by a differentiable movement.
@@ -65,6 +73,50 @@ __all__ = [
 ]
 
 _FIRST_CAP = 1 << 20  # bytes: the first bucket, as DDP's
+_KEPT = 2  # buffers kept per bucket: a step's, and one for a program that holds its last gradients
+
+
+# torch's own count of a storage's references, which has no public form.
+_USE_COUNT: Any = getattr(torch._C, "_storage_Use_Count", None)  # pyright: ignore[reportPrivateUsage]
+
+
+def _references(t: torch.Tensor) -> int:
+    """How many references the memory of ``t`` has (tensors and views of it, the storage's own object).
+
+    Where this torch cannot count them, a number no kept buffer is taken again at.
+    """
+    if _USE_COUNT is None:
+        return 1 << 30
+    return int(_USE_COUNT(t.untyped_storage()._cdata))  # pyright: ignore[reportPrivateUsage]  # the storage's C handle
+
+
+class _Kept:
+    """The buckets' buffers of one tree of blocks, kept from step to step; held by the first block."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[Any, list[tuple[torch.Tensor, int]]] = {}
+
+    @staticmethod
+    def of(blocks: Sequence[torch.Tensor]) -> _Kept | None:
+        """The kept buffers of ``blocks`` (made on first use); ``None`` where there is no block to hold them."""
+        if not blocks:
+            return None
+        kept = getattr(blocks[0], "_fshard_buckets", None)
+        if not isinstance(kept, _Kept):
+            kept = _Kept()
+            blocks[0]._fshard_buckets = kept  # pyright: ignore[reportAttributeAccessIssue]  # a plain attribute on the tensor
+        return kept
+
+    def take(self, key: Any, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of ``n`` elements for ``key``: a kept one nothing else refers to, else a new one (kept if room)."""
+        kept = self.buffers.setdefault((key, n, dtype, device), [])
+        for buffer, alone in kept:
+            if _references(buffer) <= alone:
+                return buffer
+        buffer = torch.empty(n, dtype=dtype, device=device)
+        if len(kept) < _KEPT:
+            kept.append((buffer, _references(buffer)))
+        return buffer
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -263,6 +315,7 @@ class _State:
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
         self.forward = like.dtype if precision is None else precision.forward_dtype(like.dtype)
         self.where, self.numels = slots.where, slots.numels
+        self.kept = _Kept.of(tensors)
         self.reset()
 
     def _numel(self, position: int) -> int:
@@ -291,8 +344,13 @@ class _State:
             bucket = self.plan[b]
             sizes = [sum(self._width(bucket, q) for q in part) for part in bucket.parts]
             # Not zeroed: each box is written by its first gradient (copy_), or zeroed before its bucket leaves.
-            buf = self.buffers[b] = [torch.empty(n, dtype=self.dtype, device=self.device) for n in sizes]
+            buf = self.buffers[b] = [self._new(b, j, n) for j, n in enumerate(sizes)]
         return buf
+
+    def _new(self, b: int, j: int, n: int) -> torch.Tensor:
+        if self.kept is None:
+            return torch.empty(n, dtype=self.dtype, device=self.device)
+        return self.kept.take((self.series, b, j), n, self.dtype, self.device)
 
     def _slot(self, position: int) -> torch.Tensor:
         b, j, at = self.where[position]
