@@ -72,6 +72,17 @@ class _ReadOnly(TorchDispatchMode):
         """Off while TorchDynamo compiles a body, on while the compiled code runs."""
         return True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No ``torch._disable_dynamo`` around ``__torch_dispatch__``: it is ``opaque`` instead.
+
+        Both keep TorchDynamo out of the frame; torch's wrapper costs about as much per op as
+        the check itself (the mode sees every aten op of a body), ``opaque`` a dictionary lookup
+        where TorchDynamo is not loaded and two calls of torch's frame hook where it is.
+        """
+        return False
+
+    @opaque
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         written = _WRITTEN.get(func)
         if written is None:
