@@ -382,3 +382,29 @@ def test_bucket_buffers_are_reused_only_when_no_gradient_is_held(dist_pool, keep
         assert same is not keep
         assert kept_values
         assert not any(torch.equal(a, b) for a, b in zip(first, second))  # two different steps
+
+
+def _kept_after_a_new_cap() -> tuple[int, int, bool]:
+    """The buffers the first block keeps after a step at 25 MiB, then after one at a cap of one bucket per parameter."""
+    backend = TorchDistBackend()
+    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+    counts, keys = [], []
+    for cap in (25.0, 1e-4):
+        old = fshard.config(bucket_cap_mb=cap)
+        try:
+            fshard.gather(step(fshard.from_local_tensor(_rows(backend.rank), dim=0), *params)).backward()
+        finally:
+            fshard.config(bucket_cap_mb=old.bucket_cap_mb)
+        kept = leaves[0]._fshard_buckets
+        counts.append(len(kept.buffers))
+        keys.append(kept.key)
+    return counts[0], counts[1], keys[0] != keys[1]
+
+
+def test_blocks_keep_the_buffers_of_their_last_buckets_only(dist_pool):
+    """One bucket at 25 MiB, then one per parameter: the 25 MiB bucket's buffer is dropped, not kept beside them."""
+    for one, many, changed in dist_pool.run(_kept_after_a_new_cap, timeout=120):
+        assert (one, many, changed) == (1, 5, True)

@@ -91,25 +91,31 @@ def _references(t: torch.Tensor) -> int:
 
 
 class _Kept:
-    """The buckets' buffers of one tree of blocks, kept from step to step; held by the first block."""
+    """The buckets' buffers of one tree of blocks, kept from step to step; held by the first block.
 
-    def __init__(self) -> None:
+    Only one series of buckets is kept (``key``: the series, the dtype and the device): blocks
+    summed in other buckets than last time (another ``bucket_cap_mb``, another precision) drop
+    the old buffers, so what a block holds stays one set of buckets.
+    """
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
         self.buffers: dict[Any, list[tuple[torch.Tensor, int]]] = {}
 
     @staticmethod
-    def of(blocks: Sequence[torch.Tensor]) -> _Kept | None:
-        """The kept buffers of ``blocks`` (made on first use); ``None`` where there is no block to hold them."""
+    def of(blocks: Sequence[torch.Tensor], key: Any) -> _Kept | None:
+        """The kept buffers of ``blocks`` for ``key`` (made on first use); ``None`` where no block can hold them."""
         if not blocks:
             return None
         kept = getattr(blocks[0], "_fshard_buckets", None)
-        if not isinstance(kept, _Kept):
-            kept = _Kept()
+        if not isinstance(kept, _Kept) or kept.key != key:
+            kept = _Kept(key)
             blocks[0]._fshard_buckets = kept  # pyright: ignore[reportAttributeAccessIssue]  # a plain attribute on the tensor
         return kept
 
-    def take(self, key: Any, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of ``n`` elements for ``key``: a kept one nothing else refers to, else a new one (kept if room)."""
-        kept = self.buffers.setdefault((key, n, dtype, device), [])
+    def take(self, where: Any, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of ``n`` elements at ``where``: a kept one nothing else refers to, else a new one (kept if room)."""
+        kept = self.buffers.setdefault(where, [])
         for buffer, alone in kept:
             if _references(buffer) <= alone:
                 return buffer
@@ -315,7 +321,7 @@ class _State:
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
         self.forward = like.dtype if precision is None else precision.forward_dtype(like.dtype)
         self.where, self.numels = slots.where, slots.numels
-        self.kept = _Kept.of(tensors)
+        self.kept = _Kept.of(tensors, (self.series, self.dtype, self.device))
         self.reset()
 
     def _numel(self, position: int) -> int:
@@ -350,7 +356,7 @@ class _State:
     def _new(self, b: int, j: int, n: int) -> torch.Tensor:
         if self.kept is None:
             return torch.empty(n, dtype=self.dtype, device=self.device)
-        return self.kept.take((self.series, b, j), n, self.dtype, self.device)
+        return self.kept.take((b, j, n), n, self.dtype, self.device)
 
     def _slot(self, position: int) -> torch.Tensor:
         b, j, at = self.where[position]
