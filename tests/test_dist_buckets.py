@@ -408,3 +408,25 @@ def test_blocks_keep_the_buffers_of_their_last_buckets_only(dist_pool):
     """One bucket at 25 MiB, then one per parameter: the 25 MiB bucket's buffer is dropped, not kept beside them."""
     for one, many, changed in dist_pool.run(_kept_after_a_new_cap, timeout=120):
         assert (one, many, changed) == (1, 5, True)
+
+
+def _twice_on_one_graph() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One backward's gradients, and the gradients of two backwards of one graph (``retain_graph``)."""
+    backend = TorchDistBackend()
+    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+    loss = fshard.gather(step(fshard.from_local_tensor(_rows(backend.rank), dim=0), *params))
+    loss.backward(retain_graph=True)
+    once = [t.grad.clone() for t in leaves]
+    loss.backward()  # the first gradients are still held (as .grad): the buckets take other buffers
+    return once, [t.grad for t in leaves]
+
+
+def test_a_second_backward_of_one_graph_adds_to_the_gradients_it_holds(dist_pool):
+    expected = _local("plain")
+    for once, twice in dist_pool.run(_twice_on_one_graph, timeout=120):
+        for a, b, want in zip(once, twice, expected):
+            torch.testing.assert_close(a, want, rtol=0, atol=1e-12)
+            torch.testing.assert_close(b, 2 * want, rtol=0, atol=1e-12)
