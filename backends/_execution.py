@@ -282,7 +282,13 @@ def identity(op: str, dtype: torch.dtype) -> float | int | bool:
 
 
 def accumulate(op: str, into: torch.Tensor, value: torch.Tensor) -> None:
-    """``into = op(into, value)``, in place."""
+    """``into = op(into, value)``, in place; ``value`` is brought to ``into``'s device first.
+
+    The two differ where a message on the CPU (Gloo's wire) is combined into a CUDA block,
+    or blocks of one reduction live on several devices.
+    """
+    if value.device != into.device:
+        value = value.to(into.device)
     if op == "sum":
         into.add_(value)
     elif op == "max":
