@@ -398,9 +398,10 @@ def _kept_after_a_new_cap() -> tuple[int, int, bool]:
             fshard.gather(step(fshard.from_local_tensor(_rows(backend.rank), dim=0), *params)).backward()
         finally:
             fshard.config(bucket_cap_mb=old.bucket_cap_mb)
-        kept = leaves[0]._fshard_buckets
+        kept = _buckets._KEPT_BY[leaves[0]]
         counts.append(len(kept.buffers))
         keys.append(kept.key)
+    assert not vars(leaves[0])  # held beside the block, not in it: torch.save(block) carries none of it
     return counts[0], counts[1], keys[0] != keys[1]
 
 

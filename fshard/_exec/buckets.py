@@ -28,7 +28,7 @@ each launched as soon as its gradients are in. Here:
   sums those gradients too, in one more movement. So every rank runs the same collectives in
   the same order, and the result is the sum of every use, whichever way it came.
 
-The buckets' buffers are kept between steps, on the first block (``_Kept``), as DDP keeps
+The buckets' buffers are kept between steps, for the first block (``_Kept``), as DDP keeps
 its buckets: a fresh buffer each step would cost the memory's first touch (a page fault per
 page) in every backward. A kept buffer is taken again only when nothing else refers to its
 memory (the storage's reference count): where the previous step's gradients, views of it,
@@ -49,6 +49,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fshard._base.cache import cached
 from fshard._base.compile import opaque
@@ -107,10 +108,9 @@ class _Kept:
         """The kept buffers of ``blocks`` for ``key`` (made on first use); ``None`` where no block can hold them."""
         if not blocks:
             return None
-        kept = getattr(blocks[0], "_fshard_buckets", None)
-        if not isinstance(kept, _Kept) or kept.key != key:
-            kept = _Kept(key)
-            blocks[0]._fshard_buckets = kept  # pyright: ignore[reportAttributeAccessIssue]  # a plain attribute on the tensor
+        kept: _Kept | None = _KEPT_BY.get(blocks[0])
+        if kept is None or kept.key != key:
+            kept = _KEPT_BY[blocks[0]] = _Kept(key)
         return kept
 
     def take(self, where: Any, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -123,6 +123,11 @@ class _Kept:
         if len(kept) < _KEPT:
             kept.append((buffer, _references(buffer)))
         return buffer
+
+
+# The kept buffers, by first block: weakly, so they go with the block, and not in the block's own
+# attributes, which ``torch.save`` and ``copy.deepcopy`` of the tensor would carry along.
+_KEPT_BY: Any = WeakIdKeyDictionary()  # torch types it loosely: _Kept by tensor
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
