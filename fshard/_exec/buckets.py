@@ -82,17 +82,19 @@ _USE_COUNT: Any = getattr(torch._C, "_storage_Use_Count", None)  # pyright: igno
 
 
 def _references(t: torch.Tensor) -> int:
-    """How many references the memory of ``t`` has (tensors and views of it, the storage's own object).
-
-    Where this torch cannot count them, a number no kept buffer is taken again at.
-    """
-    if _USE_COUNT is None:
-        return 1 << 30
+    """How many references the memory of ``t`` has: the tensors that view it (``t`` and its views)."""
     return int(_USE_COUNT(t.untyped_storage()._cdata))  # pyright: ignore[reportPrivateUsage]  # the storage's C handle
 
 
 class _Kept:
     """The buckets' buffers of one tree of blocks, kept from step to step; held by the first block.
+
+    A buffer is handed out as a view of its own, so every holder (the call's buckets, the
+    collective in flight, the gradients) adds to its memory's count of references, and it is
+    handed out again only once that count is back to the kept tensor's alone. Seen: any tensor
+    that views the memory. Not seen: a program that holds only the storage object of a
+    gradient (``untyped_storage()``), or reads a gradient on another CUDA stream than the
+    backward's (as with DDP's ``gradient_as_bucket_view``, such a reader synchronizes itself).
 
     Only one series of buckets is kept (``key``: the series, the dtype and the device): blocks
     summed in other buckets than last time (another ``bucket_cap_mb``, another precision) drop
@@ -105,8 +107,12 @@ class _Kept:
 
     @staticmethod
     def of(blocks: Sequence[torch.Tensor], key: Any) -> _Kept | None:
-        """The kept buffers of ``blocks`` for ``key`` (made on first use); ``None`` where no block can hold them."""
-        if not blocks:
+        """The kept buffers of ``blocks`` for ``key`` (made on first use).
+
+        ``None`` where no block can hold them, or this torch cannot count a memory's references
+        (every bucket then gets a new buffer).
+        """
+        if not blocks or _USE_COUNT is None:
             return None
         kept: _Kept | None = _KEPT_BY.get(blocks[0])
         if kept is None or kept.key != key:
@@ -114,15 +120,15 @@ class _Kept:
         return kept
 
     def take(self, where: Any, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of ``n`` elements at ``where``: a kept one nothing else refers to, else a new one (kept if room)."""
+        """A view of a buffer of ``n`` elements at ``where``: a kept one nothing else refers to, else a new one."""
         kept = self.buffers.setdefault(where, [])
         for buffer, alone in kept:
             if _references(buffer) <= alone:
-                return buffer
+                return buffer.view(-1)  # a view: counted while the caller holds it
         buffer = torch.empty(n, dtype=dtype, device=device)
         if len(kept) < _KEPT:
             kept.append((buffer, _references(buffer)))
-        return buffer
+        return buffer.view(-1)
 
 
 # The kept buffers, by first block: weakly, so they go with the block, and not in the block's own
