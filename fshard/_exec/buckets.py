@@ -22,11 +22,11 @@ each launched as soon as its gradients are in. Here:
   gradients that reached the blocks some other way (code that runs outside the function's
   torch-function mode, such as an activation checkpoint's recomputation) to the buckets not
   launched yet, launches the rest in order, waits, and gives each block its sum (views of
-  the buckets, no copy). The last
-  bucket always leaves from there, carrying one more element: the number of gradients that
-  arrived after their bucket had left. Where that count is not zero on some rank, every rank
-  sums those gradients too, in one more movement. So every rank runs the same collectives in
-  the same order, and the result is the sum of every use, whichever way it came.
+  the buckets, no copy). The last bucket always leaves from there, carrying one more
+  element: the number of gradients that arrived after their bucket had left. Where that
+  count is not zero on some rank, every rank sums those gradients too, in one more
+  movement. So every rank runs the same collectives in the same order, and the result is
+  the sum of every use, whichever way it came.
 
 The buckets' buffers are kept between steps, for the first block (``_Kept``), as DDP keeps
 its buckets: a fresh buffer each step would cost the memory's first touch (a page fault per
@@ -87,7 +87,7 @@ def _references(t: torch.Tensor) -> int:
 
 
 class _Kept:
-    """The buckets' buffers of one tree of blocks, kept from step to step; held by the first block.
+    """The buckets' buffers of one tree of blocks, kept from step to step for its first block.
 
     A buffer is handed out as a view of its own, so every holder (the call's buckets, the
     collective in flight, the gradients) adds to its memory's count of references, and it is
