@@ -228,10 +228,7 @@ def shard_map(
         if not arrays:
             raise SpecError("shard_map() needs at least one array or tensor argument with a spec.")
         _check_backends(tuple(a for _, a in arrays), "shard_map()")
-        if any(p is not None for p in precisions):
-            values = _cast_arguments(arrays, targets, precisions, regather)
-        else:
-            values = _arguments([a for _, a in arrays], targets, regather)
+        values = _arguments(arrays, targets, precisions, regather)
         pending = _check_partial(values, linear=False, what="shard_map()")
         order = [k for k, _ in arrays]
 
@@ -270,51 +267,34 @@ def _target(a: ShardedArray, spec: Any) -> Layout:
 
 @opaque  # plans and layouts in numpy: run eagerly under torch.compile
 def _arguments(
-    arrays: Sequence[ShardedArray], targets: Sequence[Layout | None], regather: bool = False
-) -> tuple[ShardedArray, ...]:
-    """The arguments in their ``in_specs``, moved as one tree, each ready for use copy by copy.
-
-    A replicated argument's copies feed computations that differ per copy, so the gradients
-    of its copies are summed: by the backward of its movement where it moves (a
-    reduce-scatter into a split source), else by a regroup; each is one collective per
-    dtype for all the arguments. ``regather``: the moved copies are a group that the
-    backward moves again rather than keeps (``fshard._exec.regather``).
-    """
-    moving = [k for k, (a, x) in enumerate(zip(arrays, targets)) if x is not None and x != a.layout]
-    out = list(arrays)
-    sources, layouts = [arrays[k] for k in moving], [cast(Layout, targets[k]) for k in moving]
-    if regather and moving:
-        _check_regather(arrays[0].backend, layouts[0])
-    moved = _fused.move_tree(sources, layouts, summing=True)
-    if regather and moving:
-        _regather.register(sources, layouts, moved, "shard_map()")
-    for k, a in zip(moving, moved):
-        out[k] = a
-    staying = [k for k in range(len(out)) if k not in set(moving)]
-    for k, a in zip(staying, _fused.regroup_tree([out[k] for k in staying], "sum")):
-        out[k] = a
-    return tuple(out)
-
-
-@opaque  # plans and layouts in numpy: run eagerly under torch.compile
-def _cast_arguments(
     arrays: Sequence[tuple[int, ShardedArray]],
     targets: Sequence[Layout | None],
     precisions: Sequence[Any],
     regather: bool = False,
 ) -> tuple[ShardedArray, ...]:
-    """``_arguments`` where argument ``k`` moves in ``precisions[k]``; a non-floating one with a precision raises."""
+    """The arguments (``(position, array)``) in their ``in_specs``, each ready for use copy by copy.
+
+    A replicated argument's copies feed computations that differ per copy, so the gradients
+    of its copies are summed: by the backward of its movement where it moves (a
+    reduce-scatter into a split source), else by a regroup; the arguments of one precision
+    move as one tree, one collective per dtype (``fused.move_arguments``). Argument ``k``
+    moves in ``precisions[k]``; a non-floating one with a precision raises. ``regather``:
+    the moved copies are a group that the backward moves again rather than keeps
+    (``fshard._exec.regather``).
+    """
     for k, a in arrays:
         check_floating(precisions[k], a.dtype, f"shard_map() argument {k}")
-    mine = [precisions[k] for k, _ in arrays]
     values = [a for _, a in arrays]
+    if regather:  # before anything moves: every rank refuses alike
+        moving = (x for a, x in zip(values, targets) if x is not None and x != a.layout)
+        for layout in dict.fromkeys(moving):
+            _check_regather(values[0].backend, layout)
 
     def moved(sources: Sequence[ShardedArray], layouts: Sequence[Layout], out: Sequence[ShardedArray], p: Any) -> None:
         if regather and sources:
-            _check_regather(sources[0].backend, layouts[0])
             _regather.register(sources, layouts, out, "shard_map()", p)
 
-    return tuple(_fused.cast_arguments(values, targets, mine, moved))
+    return tuple(_fused.move_arguments(values, targets, [precisions[k] for k, _ in arrays], moved))
 
 
 # -- checks -------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from fshard._exec import flight as _flight
 from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.validate import Columns
 
-__all__ = ["Flat", "cast_arguments", "flat_layouts", "flat_range", "launch_tree", "move_tree", "regroup_tree"]
+__all__ = ["Flat", "flat_layouts", "flat_range", "launch_tree", "move_arguments", "move_tree", "regroup_tree"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -482,18 +482,18 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
     return out
 
 
-def cast_arguments(
+def move_arguments(
     arrays: Sequence[ShardedArray],
     targets: Sequence[Layout | None],
     precisions: Sequence[Any],
     moved: Callable[[Sequence[ShardedArray], Sequence[Layout], Sequence[ShardedArray], Any], None] | None = None,
 ) -> list[ShardedArray]:
-    """``shard_map``'s arguments moved to ``targets`` (``None``: in place), each with its precision.
+    """``shard_map``'s arguments moved to ``targets`` (``None``: in place), each in its precision (``None``: none).
 
-    As without precisions: the gradients of a replicated argument's copies are summed (by
-    the backward of its movement, else by a regroup), here in the reduce dtype of its
-    precision; the arguments of one precision (and dtype) move as one tree, and ``moved``
-    (if given) is told of each such movement: its sources, targets, results and precision.
+    The gradients of a replicated argument's copies are summed (by the backward of its
+    movement, else by a regroup), in the reduce dtype of its precision; the arguments of one
+    precision (and dtype) move as one tree, and ``moved`` (if given) is told of each such
+    movement: its sources, targets, results and precision.
     """
     out = list(arrays)
     for precision in dict.fromkeys(precisions):  # each distinct precision once, in order
@@ -506,7 +506,8 @@ def cast_arguments(
             moved(sources, to, results, precision)
         for k, a in zip(moving, results):
             out[k] = a
-        staying = [k for k in mine if k not in set(moving)]
+        went = set(moving)
+        staying = [k for k in mine if k not in went]
         for k, a in zip(staying, regroup_tree([arrays[k] for k in staying], "sum", precision)):
             out[k] = a
     return out
