@@ -213,16 +213,38 @@ class _MoveSumming(_Move):
 def _move_back(ctx: Any, grads: Sequence[Any], summing: bool) -> Any:
     """The backward of a move: the opposite move of the gradients, copies read as replicas (or summed)."""
     src, dst, backend, dtype, device = ctx.args
-    like = carrier(grads, dtype, device)
+    back, like = _gradients_back(ctx, grads, src, dst, backend, summing, dtype, device)
+    if back is None:
+        return (None,) * (4 + len(grads) - 1)
+    return (None, None, None, link_grad(ctx, 3, like), *back)
+
+
+def _gradients_back(
+    ctx: Any,
+    grads: Sequence[Any],
+    src: Layout,
+    dst: Layout,
+    backend: Any,
+    summing: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Sequence[torch.Tensor] | None, torch.Tensor]:
+    """The gradients of a move's sources in ``dtype``, and the link's carrier.
+
+    The opposite move of the gradients, copies read as replicas (or summed). ``None`` for
+    the gradients where ``summing`` outside a syncing step: they were set aside for the
+    syncing micro-batch (``accumulate.no_sync``).
+    """
+    like = carrier(grads, dtype, device).to(dtype)
     to, frm = _linear(src, dst, "gradient")
     frm = with_partial(frm, "sum") if summing else frm
-    dense = _dense(dst, backend, grads[:-1], like)
-    if summing:  # the sum over ranks waits for the syncing micro-batch (``accumulate.no_sync``)
-        dense = _after_aside(ctx, dense)
-        if dense is None:
-            return (None,) * (4 + len(grads) - 1)
-    back, _ = move(frm, to, backend, dense, like)
-    return (None, None, None, link_grad(ctx, 3, like), *back)
+    dense = tuple(g.to(dtype) for g in _dense(dst, backend, grads[:-1], like))
+    if summing:
+        aside = _after_aside(ctx, dense)
+        if aside is None:
+            return None, like
+        dense = aside
+    return (move(frm, to, backend, dense, like)[0] if frm != to else dense), like
 
 
 class _CastMove(torch.autograd.Function):
@@ -262,16 +284,9 @@ class _CastMove(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         src, dst, backend, precision, summing, dtype, device = ctx.args
         wide = precision.reduce_dtype(dtype)
-        like = carrier(grads, wide, device).to(wide)
-        to, frm = _linear(src, dst, "gradient")
-        frm = with_partial(frm, "sum") if summing else frm
-        dense = tuple(g.to(wide) for g in _dense(dst, backend, grads[:-1], like))
-        if summing:  # the sum over ranks waits for the syncing micro-batch (``accumulate.no_sync``)
-            aside = _after_aside(ctx, dense)
-            if aside is None:
-                return (None,) * (6 + len(grads) - 1)
-            dense = aside
-        back = move(frm, to, backend, dense, like)[0] if frm != to else dense
+        back, like = _gradients_back(ctx, grads, src, dst, backend, summing, wide, device)
+        if back is None:
+            return (None,) * (6 + len(grads) - 1)
         return (None,) * 5 + (link_grad(ctx, 5, like), *(b.to(dtype) for b in back))
 
     @staticmethod
