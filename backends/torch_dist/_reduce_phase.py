@@ -313,9 +313,6 @@ def start_all_reduce(
     return cast("dist.Work", dist.all_reduce(out, op=_OPS[p.src.partial], group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
 
 
-_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
-
-
 def combine_inline(p: Any, mine: torch.Tensor, guard: Any, group: Any) -> torch.Tensor:
     """An all-reduce of this rank's summand ``mine`` (on the CPU) as one inline round of ``guard``.
 
@@ -331,10 +328,9 @@ def combine_inline(p: Any, mine: torch.Tensor, guard: Any, group: Any) -> torch.
     guard.start(got, flat.repeat(len(ranks) - 1), split, split, group).wait()
     pieces = list(got.view(len(ranks) - 1, k).unbind())
     pieces.insert(me, flat)
-    combine = _COMBINE[p.src.partial]
     out = pieces[0].clone()
     for piece in pieces[1:]:
-        out = combine(out, piece)
+        accumulate(p.src.partial, out, piece)
     return out
 
 

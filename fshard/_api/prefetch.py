@@ -23,6 +23,16 @@ class Prefetch:
     The next ``shard_map`` (or ``apply_module``) call that moves exactly these arrays to
     these layouts (in this precision) takes its data; ``pending`` says whether that has
     happened yet. ``cancel()`` waits for a prefetch the program will not use and drops it.
+
+    >>> import torch, fshard
+    >>> ranks = [0, 1]
+    >>> params, _ = fshard.shard_module(torch.nn.Linear(4, 4), fshard.fully_sharded(ranks))
+    >>> ahead = fshard.prefetch(params, fshard.Replicated(ranks))
+    >>> ahead
+    Prefetch(2 arrays, in flight)
+    >>> ahead.cancel()  # no call will use it
+    >>> ahead.pending
+    False
     """
 
     __slots__ = ("_pending",)
