@@ -39,6 +39,13 @@ peak. It counts everything the program holds in tensors (parameters, gradients, 
 copies, activations, communication buffers that are torch tensors) and nothing else (the
 interpreter, Gloo's own buffers). fshard's programs keep the model only as a template on the
 meta device, as ``fully_shard`` keeps none of the full weights.
+
+fshard recycles the memory of its dead outputs and buffers (an output pool, like torch's CUDA
+caching allocator: ``fshard/_base/alloc.py``), and the programs share processes, so each of
+fshard's programs is measured from an emptied pool (``empty_cache()``), or a block that an
+earlier program left would serve it without an allocation event. Each is measured twice: with
+the pool keeping nothing (every dead block freed at once: the peak of live tensors, the
+number compared with the peer's) and as it runs (the pool's cached blocks counted as held).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fshard
+import fshard._base.alloc as _alloc
+from fshard.backends.local import empty_cache
 from fshard.testing.launch import launch
 
 from .common import Row, Settings
@@ -247,19 +256,29 @@ def _makers(peers: bool) -> dict[str, Any]:
     return makers if peers else {n: m for n, m in makers.items() if n.startswith("fshard")}
 
 
-def _peak_bytes(make: Any, d: int) -> int:
+def _peak_bytes(make: Any, d: int, *, pooled: bool = True) -> int:
     """The most bytes of live tensors (torch's CPU allocator) while the program built by ``make`` takes its second step.
 
     From the profiler's memory events (each allocation and free), summed in time order from
-    before the program was built, so that the total counts what the program holds.
+    before the program was built, so that the total counts what the program holds. fshard's
+    output pool is emptied first; with ``pooled`` false it keeps no dead block, so the total
+    counts live tensors only, else it counts the blocks the pool keeps for reuse too.
     """
+    empty_cache()  # blocks an earlier program left would serve this one unseen
     gc.collect()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step = make(d)
-        step()
-        dist.barrier()
-        with torch.profiler.record_function("fshard.bench.measured_step"):
+    limit = _alloc.POOL_LIMIT_BYTES
+    _alloc.POOL_LIMIT_BYTES = limit if pooled else 0
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step = make(d)
             step()
+            dist.barrier()
+            with torch.profiler.record_function("fshard.bench.measured_step"):
+                step()
+    finally:
+        _alloc.POOL_LIMIT_BYTES = limit
+    del step
+    empty_cache()
     events = prof.profiler.kineto_results.events()  # pyright: ignore[reportOptionalMemberAccess]
     marker = next(e for e in events if e.name() == "fshard.bench.measured_step")
     total, peak = 0, 0
@@ -274,7 +293,8 @@ def _rank_job(d: int, reps: int, peers: bool) -> dict[str, Any]:
     """On every rank: each program's peak memory, each once untimed, then ``reps`` interleaved rounds of a step."""
     torch.set_num_threads(1)
     makers = _makers(peers)
-    peaks = {name: _peak_bytes(make, d) for name, make in makers.items()}
+    peaks = {name: _peak_bytes(make, d, pooled=False) for name, make in makers.items()}
+    held = {name: _peak_bytes(make, d) for name, make in makers.items() if name.startswith("fshard")}
     dp, backend = _fshard_program(d, "dp")
     programs: dict[str, Any] = {name: dp if name == "fshard DP" else make(d) for name, make in makers.items()}
     counters = backend.counters
@@ -294,7 +314,7 @@ def _rank_job(d: int, reps: int, peers: bool) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     kept = (model.wte, model.wpe, model.ln, model.head)  # no weights saved, or the last stage's
     kept_once = sum(p.numel() for m in kept for p in m.parameters())
-    return {"samples": samples, "moved": moved, "params": params, "kept": kept_once, "peaks": peaks}
+    return {"samples": samples, "moved": moved, "params": params, "kept": kept_once, "peaks": peaks, "held": held}
 
 
 def _timed(job: Any, d: int, settings: Settings) -> tuple[list[Any], int, dict[str, list[float]], dict[str, float]]:
@@ -338,6 +358,7 @@ class TrainingCase:
         for n in names:
             note, sent, ratio, ratio_to = "", None, None, ""
             peak = max(r["peaks"][n] for r in per_rank) / (1 << 20)
+            held = max(r["held"].get(n, 0) for r in per_rank) / (1 << 20)
             if n in bound:
                 runs = max(r["moved"][n][0] for r in per_rank)
                 elements = max(r["moved"][n][1] for r in per_rank)
@@ -351,8 +372,9 @@ class TrainingCase:
                 if peer[n] in median:
                     ratio, ratio_to = median[n] / median[peer[n]], peer[n]
                     theirs = max(r["peaks"][peer[n]] for r in per_rank) / (1 << 20)
-                    note += f"; peak memory {peak / theirs:.2f}x {peer[n]}'s"
-            note = f"peak {peak:.1f} MiB of tensors per rank" + (f"; {note}" if note else "")
+                    note += f"; peak memory {peak / theirs:.2f}x {peer[n]}'s ({held / theirs:.2f}x with the pool's)"
+            pooled = f" ({held:.1f} MiB with the output pool's cached blocks)" if n in bound else ""
+            note = f"peak {peak:.1f} MiB of tensors per rank{pooled}" + (f"; {note}" if note else "")
             rows.append(
                 Row(self.group, self.name, n, median[n], reps=reps, ratio=ratio, ratio_to=ratio_to, note=note,
                     samples=tuple(rounds[n]), sent_bytes=sent, min_bytes=None if n not in bound else int(bound[n]) * 4,
