@@ -11,6 +11,8 @@ elements in the same number of collectives. Ranks whose prefetches differ raise
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +21,7 @@ import fshard
 from fshard._exec import flight as _flight
 from fshard._exec import regather as _regather
 from fshard.backends.local import LocalBackend
-from fshard.backends.torch_dist import TorchDistBackend
+from fshard.backends.torch_dist import TorchDistBackend, _choice, _transport
 
 pytestmark = pytest.mark.multiprocess
 
@@ -117,6 +119,49 @@ def test_a_prefetch_sent_box_by_box_is_bit_identical(dist_pool):
     for y0, g0, y1, g1 in dist_pool.run(_one_large_array, timeout=120):
         assert torch.equal(y0, y1)
         assert torch.equal(g0, g1)
+
+
+def _what_a_prefetch_holds(d: int) -> list[str]:
+    """When a prefetched block's outputs are made and which of its message buffers are alive as it unpacks."""
+    events: list[str] = []
+    buffers: list[weakref.ref[torch.Tensor]] = []
+    empty, unpack, outputs = _transport.empty, _transport._unpack, _choice.Step.outputs
+
+    def recorded_empty(shape, dtype, device):
+        t = empty(shape, dtype, device)
+        buffers.append(weakref.ref(t))
+        return t
+
+    def recorded_unpack(runs, buf, tensors):
+        alive = [k for k, ref in enumerate(buffers) if ref() is not None]
+        into = next(k for k, ref in enumerate(buffers) if ref() is buf)
+        events.append(f"unpack with buffers {alive} alive, receiving into {into}")
+        return unpack(runs, buf, tensors)
+
+    def recorded_outputs(self, dtype):
+        events.append("outputs")
+        return outputs(self, dtype)
+
+    w, b = _weights(d)[0]
+    params = (fshard.shard(w, ROWS), fshard.shard(b, ROWS))
+    x = fshard.from_local_tensor(_rows(dist.get_rank(), d), dim=0)
+    step = fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS, regather=True)
+    _transport.empty, _transport._unpack, _choice.Step.outputs = recorded_empty, recorded_unpack, recorded_outputs
+    try:
+        fshard.prefetch(params, EVERYWHERE)
+        events.append("launched")
+        step(x, *params)
+    finally:
+        _transport.empty, _transport._unpack, _choice.Step.outputs = empty, unpack, outputs
+    return events
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_a_prefetch_in_flight_holds_its_messages_only(dist_pool, size):
+    # The outputs are made when the call lands it, and the send buffer (0) is gone before the
+    # receive buffer (1) is unpacked into them.
+    want = ["launched", "outputs", "unpack with buffers [1] alive, receiving into 1"]
+    assert dist_pool.run(_what_a_prefetch_holds, SIZES[size], timeout=120) == [want] * len(R)
 
 
 def _prefetch_elsewhere_on_rank_3(d: int) -> str:

@@ -44,6 +44,7 @@ follows the group: CUDA for an NCCL group, CPU otherwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -521,10 +522,12 @@ class TorchDistBackend:
         wire, guarded = self._warm(), self._guard(op, p, dtype)
         with in_flight():
             opened = guarded.open(self.group)  # a round of headers alone, in flight while outputs are made
+        # A launched movement's outputs are made at its wait: not alive while it is in flight.
+        later = functools.partial(s.outputs, dtype) if own and out is None else None
         if out is None:
-            out = s.outputs(dtype)
+            out = {} if later is not None else s.outputs(dtype)
         with in_flight():
-            wait = s.transport(s.schedule, src, out, dtype, wire, self.group, guarded, opened, own=own)
+            wait = s.transport(s.schedule, src, out, dtype, wire, self.group, guarded, opened, own=own, outputs=later)
 
         def finish() -> None:
             with in_flight():
