@@ -37,7 +37,10 @@ the bytes of live tensors that torch's CPU allocator holds, from the profiler's 
 order) over building the program, one step, and a second step whose highest total is the
 peak. It counts everything the program holds in tensors (parameters, gradients, gathered
 copies, activations, communication buffers that are torch tensors) and nothing else (the
-interpreter, Gloo's own buffers). fshard's programs keep the model only as a template on the
+interpreter, Gloo's own buffers). The profiler records no event for a free on a thread it
+does not follow (a Gloo thread that drops a finished collective, and its buffers, after the
+caller has), so allocations are matched to frees by address, and an address allocated again
+while counted live counts as freed in between. fshard's programs keep the model only as a template on the
 meta device, as ``fully_shard`` keeps none of the full weights.
 
 fshard recycles the memory of its dead outputs and buffers (an output pool, like torch's CUDA
@@ -279,14 +282,40 @@ def _peak_bytes(make: Any, d: int, *, pooled: bool = True) -> int:
         _alloc.POOL_LIMIT_BYTES = limit
     del step
     empty_cache()
-    events = prof.profiler.kineto_results.events()  # pyright: ignore[reportOptionalMemberAccess]
-    marker = next(e for e in events if e.name() == "fshard.bench.measured_step")
-    total, peak = 0, 0
-    for at, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-        total += nbytes
-        if marker.start_ns() <= at <= marker.end_ns():
+    window, allocations = _memory_events(prof)
+    total, peak, live = 0, 0, {}
+    for at, ptr, nbytes in sorted(allocations):
+        # A free on another thread (Gloo's, holding a collective's last reference) leaves no
+        # event: an address allocated again while counted live was freed in between.
+        total -= live.pop(ptr, 0)
+        if nbytes > 0:
+            live[ptr] = nbytes
+            total += nbytes
+        if window[0] <= at <= window[1]:
             peak = max(peak, total)
     return peak
+
+
+def _memory_events(prof: Any) -> tuple[tuple[int, int], list[tuple[int, int, int]]]:
+    """The measured step's (start, end) and every allocation and free as (time, address, bytes) from ``prof``."""
+    window, allocations = (0, -1), list[tuple[int, int, int]]()
+    nodes = list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        fields = node.extra_fields
+        if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):  # pyright: ignore[reportPrivateUsage]
+            allocations.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+        elif isinstance(fields, torch._C._profiler._ExtraFields_TorchOp):  # pyright: ignore[reportPrivateUsage]
+            try:
+                name = node.name
+            except UnicodeDecodeError:  # a name the profiler kept as bytes that are not UTF-8
+                continue
+            if name == "fshard.bench.measured_step":
+                window = (node.start_time_ns, node.end_time_ns)
+    if window[1] < 0:
+        raise RuntimeError("the profile holds no measured step")
+    return window, allocations
 
 
 def _rank_job(d: int, reps: int, peers: bool) -> dict[str, Any]:
