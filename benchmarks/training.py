@@ -40,7 +40,8 @@ copies, activations, communication buffers that are torch tensors) and nothing e
 interpreter, Gloo's own buffers). The profiler records no event for a free on a thread it
 does not follow (a Gloo thread that drops a finished collective, and its buffers, after the
 caller has), so allocations are matched to frees by address, and an address allocated again
-while counted live counts as freed in between. fshard's programs keep the model only as a template on the
+while counted live counts as freed in between (one not allocated again stays counted: the
+peaks are upper bounds, the peers' too). fshard's programs keep the model only as a template on the
 meta device, as ``fully_shard`` keeps none of the full weights.
 
 fshard recycles the memory of its dead outputs and buffers (an output pool, like torch's CUDA
