@@ -128,6 +128,32 @@ def test_the_backward_moves_each_block_again_once_and_holds_at_most_two():
     assert _regather.regathers() - before == BLOCKS  # without the setting, nothing moves again
 
 
+def test_the_block_before_has_landed_when_a_blocks_gradients_go_to_their_shards(monkeypatch):
+    """The block before's movement, launched as a block's backward starts, lands when that backward is done with it.
+
+    So the sum of the block's gradients to their shards runs beside one landed copy, not
+    beside a movement in flight (whose message buffers it would add to the peak).
+    """
+    params, x = _params(), _x()
+    backend = params[0][0].backend
+    loss = _loss(params, x, True)
+    seen: list[tuple[int, int]] = []
+    execute = type(backend).execute
+
+    def recorded(self, plan, tensors, like):
+        if plan.src.partial is not None and plan.src.shape == (D, D):  # a block's weight gradient, summed
+            seen.append((_regather.in_flight(), _regather.live_groups()))
+        return execute(self, plan, tensors, like)
+
+    monkeypatch.setattr(type(backend), "execute", recorded)
+    loss.backward()
+    # Each block's (the last block's first), with the block before landed: nothing in flight,
+    # and the landed copy the one group holding data (the block's own copy is dropped by then);
+    # the first block's, with no block before it.
+    assert seen == [(0, 1), (0, 1), (0, 0)]
+    assert _regather.in_flight() == _regather.live_groups() == 0
+
+
 def test_a_retained_graph_moves_again_in_each_backward():
     params, x = _params(), _x()
     leaves = optree.tree_leaves(params)

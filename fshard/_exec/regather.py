@@ -18,8 +18,14 @@ change in between: the group checks their version counters.
 
 **Backward prefetch** (FSDP2's): once a group's copy is made in a backward, the movement of
 the group registered before it (the block before, whose backward comes next) is launched
-(``flight``) and left in flight while this block's backward computes; its first token lands
-it. So at most two groups hold data at once: the copy in use and the one in flight.
+(``flight``) and left in flight while this block's backward computes. It lands when this
+group's last token is unpacked: this block's backward needs no more of its copy, and what
+comes next is the sum of its gradients to their shards, which then runs beside one copy of
+the block before (its outputs) rather than beside that movement's two message buffers, and
+the block before's data has had this block's backward to arrive. So at most two groups hold
+data at once: the copy in use and the one in flight or landed. A copy landed that no token
+of the backward takes is dropped at the backward's end (an optimizer step may change its
+sources before the next one).
 
 Under a ``torch.func`` transform (whose levels cannot see saved-tensor hooks) the copies are
 kept, as without the setting.
@@ -44,7 +50,7 @@ from fshard._exec import flight as _flight
 from fshard._exec import fused as _fused
 from fshard._layout.layout import Layout
 
-__all__ = ["Group", "live_groups", "prefetched", "register", "regathers", "saving", "usable"]
+__all__ = ["Group", "in_flight", "live_groups", "prefetched", "register", "regathers", "saving", "usable"]
 
 
 class Group:
@@ -54,6 +60,7 @@ class Group:
         "__weakref__",
         "ahead",
         "copy",
+        "early",
         "layouts",
         "left",
         "lock",
@@ -74,6 +81,7 @@ class Group:
         self.packed = 0  # tokens made
         self.left = 0  # tokens not yet unpacked since the copy was made
         self.copy: list[torch.Tensor] | None = None
+        self.early = False  # the copy was landed by the group after this one, and no token took it yet
         self.lock = threading.Lock()  # bodies may run a thread each (psum on the local backend)
         self.ahead: _flight.Launches | None = None  # the movement again, launched and not landed yet
         self.rounds = 0  # copies made (one per backward through the group)
@@ -87,21 +95,46 @@ class Group:
 
     def take(self, token: _Token) -> torch.Tensor:
         """The view that ``token`` stands for, in the copy (moved again by the first token of a backward)."""
-        first = False
+        first = last = False
         with self.lock:
             copy = self.copy
             if copy is None:
-                copy = self.copy = self._move()
-                self.left = self.packed
-                self.rounds += 1
+                copy, landed = self._move()
+                self._made(copy)
+                _count(landed)
                 first = True
+            elif self.early:  # landed ahead by the group after this one: this is its first token
+                self.early, first = False, True
+                _count(True)
             self.left -= 1
             if self.left <= 0:  # the last token of this backward: nothing else needs the copy
                 self.copy = None
+                last = True
+        t = copy[token.position]
+        view = t.as_strided(token.size, token.stride, t.storage_offset() + token.offset)
+        del copy, t  # the rest of the copy dies with the views autograd still holds
         if first:
             self._prefetch_previous()
-        t = copy[token.position]
-        return t.as_strided(token.size, token.stride, t.storage_offset() + token.offset)
+        if last:
+            self._land_previous()
+        return view
+
+    def _made(self, copy: list[torch.Tensor]) -> None:
+        """Keeps ``copy`` as this backward's copy, for every token made in the forward (under the lock)."""
+        self.copy, self.left = copy, self.packed
+        self.rounds += 1
+
+    def _land_previous(self) -> None:
+        """Lands the movement launched for the group before this one, if it is in flight (see the module)."""
+        previous = self.previous() if self.previous is not None else None
+        if previous is None:
+            return
+        with previous.lock:
+            # A source written in place since the launch: its own first token raises, as without this.
+            if previous.ahead is None or previous.copy is not None or previous._changed() is not None:  # pyright: ignore[reportPrivateUsage]  # same class
+                return
+            previous._made(previous._move()[0])  # pyright: ignore[reportPrivateUsage]  # same class
+            previous.early = True
 
     def _prefetch_previous(self) -> None:
         """Launches the movement of the group before this one, whose backward comes next, if it has none yet.
@@ -128,8 +161,8 @@ class Group:
         now = _flight.versions(self.sources)
         return next((k for k, (a, b) in enumerate(zip(self.versions, now)) if a != b), None)
 
-    def _move(self) -> list[torch.Tensor]:
-        """The sources moved to the targets again: one movement for the tree, no gradient recorded.
+    def _move(self) -> tuple[list[torch.Tensor], bool]:
+        """The sources moved to the targets again (one movement, no gradient recorded), and whether it landed.
 
         Where it was launched ahead (``_prefetch_previous``), it lands instead.
         """
@@ -147,10 +180,7 @@ class Group:
             raise SpecError(msg)
         with torch.no_grad(), _flight.landing(ahead) if ahead is not None else contextlib.nullcontext():
             moved = _fused.move_tree(self.sources, self.layouts, precision=self.precision)
-        _REGATHERS[0] += 1
-        if ahead is not None:
-            _PREFETCHED[0] += 1
-        return [t for a in moved for t in a.addressable_data]
+        return [t for a in moved for t in a.addressable_data], ahead is not None
 
 
 class _Token:
@@ -245,13 +275,26 @@ def register(
     _LAST[:] = [weakref.ref(group)]
 
 
+def _count(landed: bool) -> None:
+    """Counts a copy that a backward took: moved again, and whether it was launched ahead."""
+    _REGATHERS[0] += 1
+    if landed:
+        _PREFETCHED[0] += 1
+
+
 def _settle(ref: weakref.ref[Group]) -> None:
-    """At the end of a backward: waits for and drops the movement launched for ``ref``'s group, if not landed."""
+    """At the end of a backward: drops what was moved ahead for ``ref``'s group and not taken.
+
+    Waits for its movement where it is still in flight, and drops its copy where it landed
+    and no token took it.
+    """
     group = ref()
     if group is None:
         return
     with group.lock:
         ahead, group.ahead = group.ahead, None
+        if group.early:  # landed, and no token of this backward took it
+            group.copy, group.early = None, False
     if ahead is not None:
         ahead.finish()
 
@@ -305,3 +348,8 @@ def prefetched() -> int:
 def live_groups() -> int:
     """How many groups hold a copy moved again, or one in flight, right now (for tests: at most two)."""
     return sum(1 for g in list(_GROUPS) if g.copy is not None or g.ahead is not None)
+
+
+def in_flight() -> int:
+    """How many groups have a movement launched ahead and not landed, right now (for tests)."""
+    return sum(1 for g in list(_GROUPS) if g.ahead is not None)
