@@ -48,8 +48,10 @@ fshard recycles the memory of its dead outputs and buffers (an output pool, like
 caching allocator: ``fshard/_base/alloc.py``), and the programs share processes, so each of
 fshard's programs is measured from an emptied pool (``empty_cache()``), or a block that an
 earlier program left would serve it without an allocation event. Each is measured twice: with
-the pool keeping nothing (every dead block freed at once: the peak of live tensors, the
-number compared with the peer's) and as it runs (the pool's cached blocks counted as held).
+the pool keeping nothing for reuse (a dead block is freed at the pool's next call, so the
+count may hold one dead block a while: the peak of live tensors, the number compared with the
+peer's) and as it runs (the pool's cached blocks counted as held). The numpy buffers of the
+small rounds that carry data with their headers are not torch tensors and are not counted.
 """
 
 from __future__ import annotations
@@ -265,8 +267,9 @@ def _peak_bytes(make: Any, d: int, *, pooled: bool = True) -> int:
 
     From the profiler's memory events (each allocation and free), summed in time order from
     before the program was built, so that the total counts what the program holds. fshard's
-    output pool is emptied first; with ``pooled`` false it keeps no dead block, so the total
-    counts live tensors only, else it counts the blocks the pool keeps for reuse too.
+    output pool is emptied first; with ``pooled`` false it keeps no dead block for reuse, so
+    the total counts live tensors (and a dead block until the pool's next call), else it
+    counts the blocks the pool keeps for reuse too.
     """
     empty_cache()  # blocks an earlier program left would serve this one unseen
     gc.collect()

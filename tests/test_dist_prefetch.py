@@ -164,6 +164,47 @@ def test_a_prefetch_in_flight_holds_its_messages_only(dist_pool, size):
     assert dist_pool.run(_what_a_prefetch_holds, SIZES[size], timeout=120) == [want] * len(R)
 
 
+def _one_token_blocks(d: int) -> list[tuple[str, int]]:
+    """Blocks ``h @ w`` (one saved view of the gathered weight per rank): what is in flight in each one's backward."""
+    torch.manual_seed(0)
+    ws = [fshard.shard(torch.randn(d, d), ROWS) for _ in range(BLOCKS)]
+    for w in ws:
+        w.addressable_data[0].requires_grad_()
+    seen: list[tuple[str, int]] = []
+
+    def body(h, w):
+        h = h.view_as(h)
+        h.register_hook(lambda g: seen.append(("backward", _regather.in_flight())) or g)
+        return h @ w
+
+    execute = TorchDistBackend.execute
+
+    def recorded(self, plan, tensors, like):
+        if plan.src.partial is not None and plan.src.shape == (d, d):  # a block's gradients to their shards
+            seen.append(("sum", _regather.in_flight()))
+        return execute(self, plan, tensors, like)
+
+    step = fshard.shard_map(body, in_specs=(ROWS, EVERYWHERE), out_specs=ROWS, regather=True)
+    h = fshard.from_local_tensor(torch.ones(2, d, requires_grad=True), dim=0)
+    for w in ws:
+        h = step(h, w)
+    loss = fshard.gather(h).sum()
+    TorchDistBackend.execute = recorded
+    try:
+        loss.backward()
+    finally:
+        TorchDistBackend.execute = execute
+    return seen
+
+
+def test_the_block_before_stays_in_flight_through_a_blocks_backward_and_lands_before_its_sum(dist_pool):
+    # Each block's backward runs with the block before in flight (the last, first in the
+    # backward, launched its gather at its one token), and that block has landed by the
+    # time this block's gradients are summed to their shards; the first block has no block before.
+    want = [("backward", 1), ("sum", 0)] * (BLOCKS - 1) + [("backward", 0), ("sum", 0)]
+    assert dist_pool.run(_one_token_blocks, 64, timeout=120) == [want] * len(R)
+
+
 def _prefetch_elsewhere_on_rank_3(d: int) -> str:
     """Rank 3 prefetches to the ranks reversed, the others to the call's layout: every rank must raise."""
     w, b = _weights(d)[0]

@@ -44,7 +44,6 @@ follows the group: CUDA for an NCCL group, CPU otherwise.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -78,7 +77,7 @@ from ._reduce_phase import (
     start_all_reduce,
 )
 from ._subgroups import all_reduce_among
-from ._transport import copy_local, empty
+from ._transport import alltoall, copy_local, empty
 
 __all__ = ["TorchDistBackend"]
 
@@ -522,14 +521,18 @@ class TorchDistBackend:
         wire, guarded = self._warm(), self._guard(op, p, dtype)
         with in_flight():
             opened = guarded.open(self.group)  # a round of headers alone, in flight while outputs are made
-        # A launched movement's outputs are made at its wait: not alive while it is in flight.
-        later = functools.partial(s.outputs, dtype) if own and out is None else None
+        # A launched movement whose messages are received into a buffer anyway (not in place)
+        # makes its outputs at its wait: they are not alive while it is in flight.
+        ex = s.schedule.plain if guarded.inline else s.schedule.exchange
+        later = own and out is None and s.transport is alltoall and ex.recv_span is None
         if out is None:
-            out = {} if later is not None else s.outputs(dtype)
+            out = {} if later else s.outputs(dtype)
         with in_flight():
-            wait = s.transport(s.schedule, src, out, dtype, wire, self.group, guarded, opened, own=own, outputs=later)
+            wait = s.transport(s.schedule, src, out, dtype, wire, self.group, guarded, opened, own=own, later=later)
 
         def finish() -> None:
+            if later:  # before the wait's scope: an allocation that fails is this rank's own error
+                out.update(s.outputs(dtype))
             with in_flight():
                 wait()
             self._count(s.schedule.sent, dtype.itemsize)

@@ -46,7 +46,7 @@ def p2p(
     opened: Any = None,
     *,
     own: bool = False,
-    outputs: Callable[[], dict[int, torch.Tensor]] | None = None,
+    later: bool = False,
 ) -> Callable[[], None]:
     """Starts one message per box; sent from and received into the tensors where the box is contiguous.
 
@@ -58,13 +58,13 @@ def p2p(
     take one round.
 
     Returns the function that waits for the messages and puts what they carried in place
-    (``out`` holds the result once it has returned); ``own`` and ``outputs`` as ``alltoall``'s
-    (here the outputs are made at once: messages are received into them).
+    (``out`` holds the result once it has returned); ``own`` as ``alltoall``'s. Messages are
+    received into the outputs, so they are made before (``later`` is false).
     """
+    if later:
+        raise RuntimeError("fshard internal error: p2p() receives into the outputs; they cannot come later.")
     if guard.inline:
-        return alltoall(sched, src, out, dtype, wire, group, guard, own=own, outputs=outputs)
-    if outputs is not None:
-        out.update(outputs())
+        return alltoall(sched, src, out, dtype, wire, group, guard, own=own)
     ops: list[dist.P2POp] = []
     staged: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (box, its target if not in place, buffer)
     n = 0
@@ -177,7 +177,7 @@ def alltoall(
     opened: Any = None,
     *,
     own: bool = False,
-    outputs: Callable[[], dict[int, torch.Tensor]] | None = None,
+    later: bool = False,
 ) -> Callable[[], None]:
     """Packs every box per peer into one buffer and starts a single ``all_to_all_single``.
 
@@ -192,31 +192,32 @@ def alltoall(
     Returns the function that waits for it and unpacks (``out`` holds the result once it has
     returned). The send buffer is let go once the collective is through, before unpacking.
     ``own``: the round gets a receive buffer of its own, so that it may stay in flight while
-    other movements run (a launched movement). ``outputs``: ``out`` starts empty and this
-    makes its shards at the wait, so that they are not alive while the movement is in
-    flight (everything is then received into the buffer, and this rank's own copies wait too).
+    other movements run (a launched movement). ``later``: ``out`` is empty, and the caller
+    puts the destination shards in it before the wait, so that they are not alive while the
+    movement is in flight (for a movement received into a buffer anyway); this rank's own
+    copies wait too.
     """
     ex = sched.plain if guard.inline else sched.exchange
     sendbuf = _in_place(ex.send_span, src, wire)
     if sendbuf is None:
         sendbuf = _pack(ex.send_runs, src, empty((sum(ex.send_split),), dtype, wire))
-    recvbuf = None if outputs is not None else _in_place(ex.recv_span, out, wire)
+    recvbuf = None if later else _in_place(ex.recv_span, out, wire)
     staged = recvbuf is None
     if recvbuf is None:
         recvbuf = empty((sum(ex.recv_split),), dtype, wire)
     work = guard.start(recvbuf, sendbuf, ex.recv_split, ex.send_split, group, opened, own=own)
-    if not ex.local and outputs is None:
+    own_copies = not ex.local and bool(sched.local)
+    if own_copies and not later:
         copy_local(sched, src, out)
     held: list[Any] = [work, recvbuf, sendbuf]  # alive until the collective is through
+    sources = [src] if own_copies and later else []  # read at the wait: nothing else is kept for it
 
     def finish() -> None:
         held[0].wait()
         got = held[1]
         del held[:]
-        if outputs is not None:
-            out.update(outputs())
-            if not ex.local:
-                copy_local(sched, src, out)
+        if sources:
+            copy_local(sched, sources.pop(), out)
         if staged:
             _unpack(ex.recv_runs, got, out)
         for at, shape, targets in ex.fanout:

@@ -57,6 +57,7 @@ __all__ = [
     "move",
     "move_cast",
     "move_summing",
+    "movement_nodes",
     "regroup",
     "scatter",
     "summed_uses",
@@ -432,6 +433,28 @@ def move_summing(
     return tuple(out), link
 
 
+def movement_nodes(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """The autograd nodes of the movements that made ``tensors``, through views of their results.
+
+    A node runs once every gradient of its movement's results is in: a pre-hook on it runs
+    right before the movement's backward (for a gathered block, the sum of its gradients to
+    their shards).
+    """
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(t.grad_fn, 0) for t in tensors if t.grad_fn is not None]
+    while todo:
+        node, depth = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "_forward_cls", None) in _MOVEMENTS:
+            found[id(node)] = node
+        elif depth < _VIEW_DEPTH:  # a view of a result (a leaf's shard of a fused movement)
+            todo.extend((n, depth + 1) for n, _ in node.next_functions)
+    return list(found.values())
+
+
 def move_cast(
     src: Layout,
     dst: Layout,
@@ -625,3 +648,8 @@ def _scatter_plan(layout: Layout, src: int | None) -> Plan | None:
 def _assemble_plan(layout: Layout, backend: Any, dst: int | None) -> Plan:
     """The plan of ``gather``: ``layout`` to the whole array on each receiving rank."""
     return plan(layout, whole(layout.shape, backend.receivers(layout, dst)))
+
+
+# The movements' autograd functions, and how many view nodes may stand between one and a result.
+_MOVEMENTS = (_Move, _MoveSumming, _CastMove)
+_VIEW_DEPTH = 4

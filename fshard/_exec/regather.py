@@ -18,14 +18,14 @@ change in between: the group checks their version counters.
 
 **Backward prefetch** (FSDP2's): once a group's copy is made in a backward, the movement of
 the group registered before it (the block before, whose backward comes next) is launched
-(``flight``) and left in flight while this block's backward computes. It lands when this
-group's last token is unpacked: this block's backward needs no more of its copy, and what
-comes next is the sum of its gradients to their shards, which then runs beside one copy of
-the block before (its outputs) rather than beside that movement's two message buffers, and
-the block before's data has had this block's backward to arrive. So at most two groups hold
-data at once: the copy in use and the one in flight or landed. A copy landed that no token
-of the backward takes is dropped at the backward's end (an optimizer step may change its
-sources before the next one).
+(``flight``) and left in flight while this block's backward computes. It lands right before
+this group's own movement runs its backward (a pre-hook on that autograd node): this block's
+backward is done, and what comes next is the sum of its gradients to their shards, which
+then runs beside one copy of the block before (its outputs) rather than beside that
+movement's two message buffers. So at most two groups hold data at once: the copy in use
+and the one in flight or landed. A copy landed that no token of the backward takes (the
+block before belongs to a graph this backward does not reach) is dropped at the backward's
+end, as a movement still in flight is waited for and dropped.
 
 Under a ``torch.func`` transform (whose levels cannot see saved-tensor hooks) the copies are
 kept, as without the setting.
@@ -46,6 +46,7 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
+from fshard._exec import autograd as _autograd
 from fshard._exec import flight as _flight
 from fshard._exec import fused as _fused
 from fshard._layout.layout import Layout
@@ -84,7 +85,7 @@ class Group:
         self.early = False  # the copy was landed by the group after this one, and no token took it yet
         self.lock = threading.Lock()  # bodies may run a thread each (psum on the local backend)
         self.ahead: _flight.Launches | None = None  # the movement again, launched and not landed yet
-        self.rounds = 0  # copies made (one per backward through the group)
+        self.rounds = 0  # copies made (one per backward through the group, or landed ahead for one)
         self.previous: weakref.ref[Group] | None = None  # the group registered before this one
 
     def token(self, position: int, t: torch.Tensor, offset: int) -> _Token:
@@ -94,8 +95,12 @@ class Group:
         return _Token(self, position, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()) - offset)
 
     def take(self, token: _Token) -> torch.Tensor:
-        """The view that ``token`` stands for, in the copy (moved again by the first token of a backward)."""
-        first = last = False
+        """The view that ``token`` stands for, in the copy.
+
+        The first token of a backward moves the sources again, or finds the copy landed by the
+        group after this one (``land_previous``).
+        """
+        first = False
         with self.lock:
             copy = self.copy
             if copy is None:
@@ -109,22 +114,17 @@ class Group:
             self.left -= 1
             if self.left <= 0:  # the last token of this backward: nothing else needs the copy
                 self.copy = None
-                last = True
-        t = copy[token.position]
-        view = t.as_strided(token.size, token.stride, t.storage_offset() + token.offset)
-        del copy, t  # the rest of the copy dies with the views autograd still holds
         if first:
             self._prefetch_previous()
-        if last:
-            self._land_previous()
-        return view
+        t = copy[token.position]
+        return t.as_strided(token.size, token.stride, t.storage_offset() + token.offset)
 
     def _made(self, copy: list[torch.Tensor]) -> None:
         """Keeps ``copy`` as this backward's copy, for every token made in the forward (under the lock)."""
         self.copy, self.left = copy, self.packed
         self.rounds += 1
 
-    def _land_previous(self) -> None:
+    def land_previous(self) -> None:
         """Lands the movement launched for the group before this one, if it is in flight (see the module)."""
         previous = self.previous() if self.previous is not None else None
         if previous is None:
@@ -223,7 +223,7 @@ _ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine")  # noqa: B0
 _AUTOGRAD: Any = getattr(torch._C, "_autograd")  # noqa: B009  # pyright: ignore[reportPrivateUsage]  # not in torch's stubs
 _ENTRIES: dict[int, _Entry] = {}  # storage address -> entry, while the registered tensor lives
 _SERIAL = itertools.count()
-_REGATHERS = [0]  # movements run again in this process
+_REGATHERS = [0]  # copies moved again that a backward took, in this process
 _PREFETCHED = [0]  # of those, the ones launched ahead (backward prefetch)
 _GROUPS: weakref.WeakSet[Group] = weakref.WeakSet()
 _LAST: list[weakref.ref[Group]] = []  # the group registered last
@@ -260,10 +260,12 @@ def register(
         return
     group = Group(sources, layouts, what, precision)
     held = {_address(t) for a in sources for t in a.addressable_data}
+    made: list[torch.Tensor] = []
     for position, t in enumerate(t for a in moved for t in a.addressable_data):
         address = _address(t)
         if address == 0 or address in held or t.numel() == 0:
             continue  # nothing to free, or the source's own storage
+        made.append(t)
         if (seen := _ENTRIES.get(address)) is not None and seen.group is group:
             seen.add(position, t)  # a view of a storage already registered (the leaves of one flat buffer)
             continue
@@ -273,6 +275,15 @@ def register(
     _GROUPS.add(group)
     group.previous = _LAST[0] if _LAST else None
     _LAST[:] = [weakref.ref(group)]
+    # Right before this group's movement runs its backward, the block before lands. The hook
+    # holds the group: by then autograd has let go of the tokens, which held it until then.
+    for node in _autograd.movement_nodes(made):
+        node.register_prehook(functools.partial(_before_sum, group))
+
+
+def _before_sum(group: Group, grad_outputs: Any) -> None:
+    """The pre-hook on a group's movement: lands the group before it (``Group.land_previous``)."""
+    group.land_previous()
 
 
 def _count(landed: bool) -> None:
@@ -336,7 +347,7 @@ def saving(inner: contextlib.AbstractContextManager[Any]) -> contextlib.Abstract
 
 
 def regathers() -> int:
-    """How many movements the backward has run again in this process (for tests and benchmarks)."""
+    """How many copies moved again a backward has taken in this process (for tests and benchmarks)."""
     return _REGATHERS[0]
 
 
