@@ -7,10 +7,11 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["POOL_LIMIT_BYTES", "POOL_MIN_BYTES", "contiguous_strides", "empty_cache", "new"]
+__all__ = ["POOL_LIMIT_BYTES", "POOL_MIN_BYTES", "contiguous_strides", "empty_cache", "new", "use_count"]
 
 # Memory of dead CPU output shards kept for reuse, at most this many bytes (see ``_Pool``).
 POOL_LIMIT_BYTES = 1 << 30
@@ -40,7 +41,7 @@ _PLAIN = {
 }
 # How many tensors (and Python storage objects) use a storage; without it (a torch that lacks
 # this private call) the pool cannot tell a dead block from a live one and stays out of the way.
-_use_count = getattr(torch._C, "_storage_Use_Count", None)  # pyright: ignore[reportPrivateUsage]
+use_count: Any = getattr(torch._C, "_storage_Use_Count", None)  # pyright: ignore[reportPrivateUsage]  # no public form
 
 
 def _listed_refs(blocks: list[torch.UntypedStorage], k: int) -> int:
@@ -58,7 +59,7 @@ def _in_use(blocks: list[torch.UntypedStorage], k: int) -> bool:
     Tensors count in the storage's use count. ``t.untyped_storage()`` returns the very Python
     object the pool holds, so a storage object kept alone counts in its refcount only.
     """
-    return _use_count(blocks[k]._cdata) > 1 or _listed_refs(blocks, k) > _LISTED  # type: ignore[misc]
+    return use_count(blocks[k]._cdata) > 1 or _listed_refs(blocks, k) > _LISTED  # type: ignore[misc]
 
 
 class _Pool:
@@ -100,7 +101,7 @@ class _Pool:
     def empty(self, sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor (recycled memory where possible)."""
         nbytes = math.prod(sizes) * dtype.itemsize
-        if nbytes < POOL_MIN_BYTES or dtype not in _PLAIN or _use_count is None:
+        if nbytes < POOL_MIN_BYTES or dtype not in _PLAIN or use_count is None:
             return torch.empty(sizes, dtype=dtype)
         block = self._take(nbytes)
         t = _PLAIN[dtype].new().set_(block, 0, tuple(sizes), contiguous_strides(sizes))

@@ -440,7 +440,7 @@ def movement_nodes(tensors: Sequence[torch.Tensor]) -> list[Any]:
     right before the movement's backward (for a gathered block, the sum of its gradients to
     their shards).
     """
-    found: dict[int, Any] = {}
+    found: list[Any] = []
     seen: set[int] = set()
     todo: list[tuple[Any, int]] = [(t.grad_fn, 0) for t in tensors if t.grad_fn is not None]
     while todo:
@@ -449,10 +449,10 @@ def movement_nodes(tensors: Sequence[torch.Tensor]) -> list[Any]:
             continue
         seen.add(id(node))
         if getattr(node, "_forward_cls", None) in _MOVEMENTS:
-            found[id(node)] = node
+            found.append(node)
         elif depth < _VIEW_DEPTH:  # a view of a result (a leaf's shard of a fused movement)
             todo.extend((n, depth + 1) for n, _ in node.next_functions)
-    return list(found.values())
+    return found
 
 
 def move_cast(

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fshard._base.alloc import use_count
 from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._config import current
@@ -77,13 +78,9 @@ _FIRST_CAP = 1 << 20  # bytes: the first bucket, as DDP's
 _KEPT = 2  # buffers kept per bucket: a step's, and one for a program that holds its last gradients
 
 
-# torch's own count of a storage's references, which has no public form.
-_USE_COUNT: Any = getattr(torch._C, "_storage_Use_Count", None)  # pyright: ignore[reportPrivateUsage]
-
-
 def _references(t: torch.Tensor) -> int:
     """How many references the memory of ``t`` has: the tensors that view it (``t`` and its views)."""
-    return int(_USE_COUNT(t.untyped_storage()._cdata))  # pyright: ignore[reportPrivateUsage]  # the storage's C handle
+    return int(use_count(t.untyped_storage()._cdata))  # pyright: ignore[reportPrivateUsage]  # the storage's C handle
 
 
 class _Kept:
@@ -112,7 +109,7 @@ class _Kept:
         ``None`` where no block can hold them, or this torch cannot count a memory's references
         (every bucket then gets a new buffer).
         """
-        if not blocks or _USE_COUNT is None:
+        if not blocks or use_count is None:
             return None
         kept: _Kept | None = _KEPT_BY.get(blocks[0])
         if kept is None or kept.key != key:
