@@ -11,13 +11,12 @@ elements in the same number of collectives. Ranks whose prefetches differ raise
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import fshard
+from fshard._base.alloc import use_count
 from fshard._exec import flight as _flight
 from fshard._exec import regather as _regather
 from fshard.backends.local import LocalBackend
@@ -122,20 +121,22 @@ def test_a_prefetch_sent_box_by_box_is_bit_identical(dist_pool):
 
 
 def _what_a_prefetch_holds(d: int) -> list[str]:
-    """When a prefetched block's outputs are made and which of its message buffers are alive as it unpacks."""
+    """When a prefetched block's outputs are made, which message buffers it holds in flight and as it unpacks."""
     events: list[str] = []
-    buffers: list[weakref.ref[torch.Tensor]] = []
+    buffers: list[tuple[torch.UntypedStorage, int]] = []  # each buffer's memory and elements
     empty, unpack, outputs = _transport.empty, _transport._unpack, _choice.Step.outputs
 
     def recorded_empty(shape, dtype, device):
         t = empty(shape, dtype, device)
-        buffers.append(weakref.ref(t))
+        buffers.append((t.untyped_storage(), t.numel()))
         return t
 
+    def alive() -> list[int]:  # the buffers some tensor (a view, a message in flight) still uses
+        return [n for storage, n in buffers if use_count(storage._cdata) > 1]
+
     def recorded_unpack(runs, buf, tensors):
-        alive = [k for k, ref in enumerate(buffers) if ref() is not None]
-        into = next(k for k, ref in enumerate(buffers) if ref() is buf)
-        events.append(f"unpack with buffers {alive} alive, receiving into {into}")
+        into = next(k for k, (storage, _) in enumerate(buffers) if storage.data_ptr() == buf.data_ptr())
+        events.append(f"unpack with buffers of {alive()} elements alive, receiving into {into}")
         return unpack(runs, buf, tensors)
 
     def recorded_outputs(self, dtype):
@@ -149,19 +150,34 @@ def _what_a_prefetch_holds(d: int) -> list[str]:
     _transport.empty, _transport._unpack, _choice.Step.outputs = recorded_empty, recorded_unpack, recorded_outputs
     try:
         fshard.prefetch(params, EVERYWHERE)
-        events.append("launched")
+        events.append(f"launched with buffers of {alive()} elements alive")
         step(x, *params)
     finally:
         _transport.empty, _transport._unpack, _choice.Step.outputs = empty, unpack, outputs
     return events
 
 
-@pytest.mark.parametrize("size", sorted(SIZES))
-def test_a_prefetch_in_flight_holds_its_messages_only(dist_pool, size):
-    # The outputs are made when the call lands it, and the send buffer (0) is gone before the
-    # receive buffer (1) is unpacked into them.
-    want = ["launched", "outputs", "unpack with buffers [1] alive, receiving into 1"]
-    assert dist_pool.run(_what_a_prefetch_holds, SIZES[size], timeout=120) == [want] * len(R)
+# d: what the prefetch holds in flight and as it lands (elements of the message buffers it made).
+HOLDS = {
+    # Inline with the headers, by one all-to-all: the outputs are made when the call lands it, and
+    # the send buffer (0) is gone before the receive buffer (1) is unpacked into them.
+    8: [
+        "launched with buffers of [54, 54] elements alive",
+        "outputs",
+        "unpack with buffers of [54] elements alive, receiving into 1",
+    ],
+    # After a round of headers, received in place into outputs made at once: small boxes (16 KiB
+    # weight rows, the bias) are packed, one message per peer, each way (3 peers x 4128 elements).
+    128: ["outputs", "launched with buffers of [12384, 12384] elements alive"],
+    # 256 KiB weight rows travel alone, from the shard straight into the outputs: only the bias
+    # rows are packed.
+    512: ["outputs", "launched with buffers of [384, 384] elements alive"],
+}
+
+
+@pytest.mark.parametrize("d", sorted(HOLDS))
+def test_a_prefetch_in_flight_holds_its_messages_only(dist_pool, d):
+    assert dist_pool.run(_what_a_prefetch_holds, d, timeout=120) == [HOLDS[d]] * len(R)
 
 
 def _one_token_blocks(d: int) -> list[tuple[str, int]]:

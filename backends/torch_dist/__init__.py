@@ -70,6 +70,7 @@ from ._reduce_phase import (
     as_bytes,
     collective_kind,
     combine_inline,
+    reduce_messages,
     reduce_schedule,
     run_collective,
     run_local,
@@ -284,7 +285,8 @@ class TorchDistBackend:
         if plan.src.partial is None and self.member and len(plan.phases) == 1 and plan.phases[0].op is None:
             (p,) = plan.phases
             log_move("torch_dist", plan, like.element_size(), facts(self.group).rank)
-            direct_ = direct(p.src, p.dst, like.element_size())
+            # Received into the outputs where every box lands in place: in flight, nothing else is held.
+            direct_ = all_contiguous(p.src, p.dst) or direct(p.src, p.dst, like.element_size())
             out, finish = self._start_move("reshard", p, tensors, None, like.dtype, direct=direct_, own=True)
 
             def moved() -> tuple[torch.Tensor, ...]:
@@ -387,8 +389,9 @@ class TorchDistBackend:
             run_local(sched, src, out, dtype)
             return
         guarded = self._guard(op, p, dtype)
+        messages = reduce_messages(p, self.rank, self.ranks, dtype.itemsize)
         with in_flight():
-            run_reduce(sched, src, out, dtype, self._warm(), self.group, empty, guarded)
+            run_reduce(sched, src, out, dtype, self._warm(), self.group, empty, guarded, messages)
         self._count(sched.sent, dtype.itemsize)
 
     def _warm(self) -> torch.device:
@@ -512,7 +515,7 @@ class TorchDistBackend:
         self._require_member(op)
         self._check(op, (p.src, p.dst), dtype)
         g = facts(self.group)
-        s = step(p, g.rank, g.ranks, direct, g.alltoall)  # from p.for_rank(rank): no global rows
+        s = step(p, g.rank, g.ranks, direct, g.alltoall, dtype.itemsize)  # from p.for_rank(rank): no global rows
         src = dict(zip(s.src, tensors))
         if not s.crosses:  # closed form, alike on every rank (plans are minimal): no collective
             out = s.outputs(dtype) if out is None else out
@@ -521,10 +524,11 @@ class TorchDistBackend:
         wire, guarded = self._warm(), self._guard(op, p, dtype)
         with in_flight():
             opened = guarded.open(self.group)  # a round of headers alone, in flight while outputs are made
-        # A launched movement whose messages are received into a buffer anyway (not in place)
-        # makes its outputs at its wait: they are not alive while it is in flight.
+        # A launched movement whose messages are received into a buffer anyway (one all-to-all,
+        # not in place) makes its outputs at its wait: they are not alive while it is in flight.
         ex = s.schedule.plain if guarded.inline else s.schedule.exchange
-        later = own and out is None and s.transport is alltoall and ex.recv_span is None
+        packed = s.transport is alltoall or guarded.inline
+        later = own and out is None and packed and ex.recv_span is None
         if out is None:
             out = {} if later else s.outputs(dtype)
         with in_flight():

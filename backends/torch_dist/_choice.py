@@ -14,6 +14,7 @@ so that a repeated call only allocates its outputs and runs the transport.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -29,7 +30,7 @@ from fshard._plan.direct import Plan
 
 from .._execution import shard_device
 from ._lowering import Schedule, schedule
-from ._transport import alltoall, p2p
+from ._transport import alltoall, messages, p2p
 
 __all__ = ["Step", "all_contiguous", "direct", "has_alltoall", "rows_in_order", "smallest_piece", "step"]
 
@@ -188,19 +189,22 @@ class Step:
 
 
 @cached(512)
-def step(p: Plan, rank: int, ranks: tuple[int, ...], one_per_box: bool, alltoall_ok: bool) -> Step:
-    """Rank ``rank``'s ``Step`` of the copy phase ``p`` in the group of ``ranks``.
+def step(p: Plan, rank: int, ranks: tuple[int, ...], one_per_box: bool, alltoall_ok: bool, itemsize: int) -> Step:
+    """Rank ``rank``'s ``Step`` of the copy phase ``p`` in the group of ``ranks``, for elements of ``itemsize`` bytes.
 
-    One message per box where ``one_per_box`` or the group has no all-to-all (``alltoall_ok``
-    false), else one ``all_to_all_single``.
+    Messages per box (``p2p``: large boxes alone, small ones packed per peer) where
+    ``one_per_box`` or the group has no all-to-all (``alltoall_ok`` false), else one
+    ``all_to_all_single``.
     """
     dst = p.dst.indices_on(rank)
+    sched = schedule(p, rank, ranks)
+    transport = functools.partial(p2p, plan=messages(sched, itemsize)) if one_per_box or not alltoall_ok else alltoall
     return Step(
         p.src.indices_on(rank),
         dst,
         tuple(tuple(p.dst.columns.sz[j].tolist()) for j in dst),
         tuple(shard_device(p.dst, j) for j in dst),
-        schedule(p, rank, ranks),
+        sched,
         p.min_elements_sent > 0,
-        p2p if one_per_box or not alltoall_ok else alltoall,
+        transport,
     )

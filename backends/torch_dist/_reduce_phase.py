@@ -32,6 +32,7 @@ from fshard._plan.schedule import Moves, RankSchedule
 from .._execution import accumulate, identity
 
 __all__ = [
+    "ReduceMessages",
     "ReduceSchedule",
     "all_to_all",
     "as_bytes",
@@ -39,6 +40,7 @@ __all__ = [
     "reduce_schedule",
     "run_collective",
     "run_local",
+    "reduce_messages",
     "run_reduce",
     "start_all_reduce",
 ]
@@ -192,6 +194,80 @@ def _combine(
         done.add(region)
 
 
+# Messages of fewer bytes than this travel packed, one message per peer (as ``_transport.p2p``'s boxes).
+ALONE_MIN_BYTES = 1 << 18
+
+_Message = tuple[int, int, Any, tuple[int, ...]]  # (peer, tag, what it sums or where it goes, shape)
+_Packed = tuple[int, int, tuple[Any, ...], int]  # (peer, tag, messages as ReduceSchedule lists them, elements)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceMessages:
+    """How ``run_reduce`` exchanges a schedule's messages, with their tags (alike on both sides of a pair).
+
+    A pair's messages of at least ``ALONE_MIN_BYTES`` go alone, tagged with their position
+    in the pair's list; the others packed in order, in one message tagged with the list's
+    length. ``recv_order``: the peers that send, ascending, as the received messages are
+    combined.
+    """
+
+    send_alone: tuple[_Message, ...]
+    send_packed: tuple[_Packed, ...]
+    recv_alone: dict[int, tuple[_Message, ...]]
+    recv_packed: dict[int, _Packed]
+    send_packed_numel: int
+    recv_packed_numel: int
+    recv_order: tuple[int, ...]
+
+
+@cached(256)
+def reduce_messages(p: Any, me: int, order: tuple[int, ...], itemsize: int) -> ReduceMessages:
+    """``reduce_schedule(p, me, order)``'s messages for elements of ``itemsize`` bytes."""
+    sched = reduce_schedule(p, me, order)
+    send_alone, send_packed, send_numel = _by_size(sched.send, itemsize)
+    recv_alone, recv_packed, recv_numel = _by_size(sched.recv, itemsize)
+    alone: dict[int, list[_Message]] = {}
+    for m in recv_alone:
+        alone.setdefault(m[0], []).append(m)
+    return ReduceMessages(
+        send_alone,
+        send_packed,
+        {peer: tuple(ms) for peer, ms in alone.items()},
+        {m[0]: m for m in recv_packed},
+        send_numel,
+        recv_numel,
+        tuple(peer for peer, _ in sched.recv_at),
+    )
+
+
+def _by_size(peers: Any, itemsize: int) -> tuple[tuple[_Message, ...], tuple[_Packed, ...], int]:
+    alone: list[_Message] = []
+    packed: list[_Packed] = []
+    total = 0
+    for peer, msgs in peers:
+        small: list[tuple[Any, tuple[int, ...]]] = []
+        for tag, (what, shape) in enumerate(msgs):
+            if math.prod(shape) * itemsize >= ALONE_MIN_BYTES:
+                alone.append((peer, tag, what, shape))
+            else:
+                small.append((what, shape))
+        if small:
+            numel = sum(math.prod(shape) for _, shape in small)
+            packed.append((peer, len(msgs), tuple(small), numel))
+            total += numel
+    return tuple(alone), tuple(packed), total
+
+
+def _combined(sched: ReduceSchedule, parts: Any, src: dict[int, torch.Tensor], into: torch.Tensor) -> torch.Tensor:
+    """``into`` = this rank's contributions ``parts`` to one region, combined."""
+    for n, (i, read) in enumerate(parts):
+        if n == 0:
+            into.copy_(src[i][read])
+        else:
+            accumulate(sched.op, into, src[i][read])
+    return into
+
+
 def run_reduce(
     sched: ReduceSchedule,
     src: dict[int, torch.Tensor],
@@ -201,25 +277,25 @@ def run_reduce(
     group: Any,
     empty: Any,
     guard: Any,
+    plan: ReduceMessages | None = None,
 ) -> None:
     """Runs a reduce phase.
 
-    Packs combined contributions per peer, exchanges them in one ``all_to_all_single`` while
-    combining this rank's own, then combines what arrived. ``guard`` (``_guard.Guard``) starts
-    the exchange behind the movement's headers.
+    Combines this rank's contributions per peer and region, exchanges them while combining
+    this rank's own, then combines what arrived. ``guard`` (``_guard.Guard``) starts the
+    exchange behind the movement's headers. With ``plan``, by messages (``p2p``): a large
+    region that is one contribution, contiguous, goes straight from it, and nothing is
+    packed for it; otherwise (or where the data travels with the headers) in one
+    ``all_to_all_single`` of packed buffers.
     """
+    if plan is not None and not guard.inline:
+        return _run_p2p(sched, plan, src, out, dtype, wire, group, empty, guard)
     opened = guard.open(group)  # a round of headers alone, in flight while this packs
     sendbuf = empty((sum(sched.send_split),), dtype, wire)
     at = 0
     for _, msgs in sched.send:
         for parts, shape in msgs:
-            seg = sendbuf[at : at + math.prod(shape)].view(shape)
-            for n, (i, read) in enumerate(parts):
-                if n == 0:
-                    seg.copy_(src[i][read])
-                else:
-                    accumulate(sched.op, seg, src[i][read])
-            at += seg.numel()
+            at += _combined(sched, parts, src, sendbuf[at : at + math.prod(shape)].view(shape)).numel()
     recvbuf = empty((sum(sched.recv_split),), dtype, wire)
     work = guard.start(recvbuf, sendbuf, sched.recv_split, sched.send_split, group, opened)
     done = run_local(sched, src, out, dtype)
@@ -231,6 +307,59 @@ def run_reduce(
             for j, write, region in targets:
                 _combine(sched, out[j][write], got, region, j, done)
             at += got.numel()
+
+
+def _run_p2p(
+    sched: ReduceSchedule,
+    plan: ReduceMessages,
+    src: dict[int, torch.Tensor],
+    out: dict[int, torch.Tensor],
+    dtype: torch.dtype,
+    wire: torch.device,
+    group: Any,
+    empty: Any,
+    guard: Any,
+) -> None:
+    """``run_reduce`` by messages: see there."""
+    opened = guard.open(group)  # a round of headers alone, in flight while this packs
+    ops: list[dist.P2POp] = []
+    for peer, tag, parts, shape in plan.send_alone:
+        if len(parts) == 1 and (view := src[parts[0][0]][parts[0][1]]).is_contiguous() and view.device == wire:
+            sent = view
+        else:
+            sent = _combined(sched, parts, src, empty(shape, dtype, wire))
+        ops.append(dist.P2POp(dist.isend, as_bytes(sent), peer, group, tag))
+    if plan.send_packed:
+        buf, at = empty((plan.send_packed_numel,), dtype, wire), 0
+        for peer, tag, msgs, _ in plan.send_packed:
+            start = at
+            for parts, shape in msgs:
+                at += _combined(sched, parts, src, buf[at : at + math.prod(shape)].view(shape)).numel()
+            ops.append(dist.P2POp(dist.isend, as_bytes(buf[start:at]), peer, group, tag))
+    got: dict[int, list[tuple[torch.Tensor, Any]]] = {}  # per peer: (buffer, what goes where)
+    for peer, tag, targets, shape in (m for ms in plan.recv_alone.values() for m in ms):
+        buf = empty(shape, dtype, wire)
+        got.setdefault(peer, []).append((buf, ((targets, shape),)))
+        ops.append(dist.P2POp(dist.irecv, as_bytes(buf), peer, group, tag))
+    if plan.recv_packed:
+        buf, at = empty((plan.recv_packed_numel,), dtype, wire), 0
+        for peer, tag, msgs, numel in plan.recv_packed.values():
+            got.setdefault(peer, []).append((buf[at : at + numel], msgs))
+            ops.append(dist.P2POp(dist.irecv, as_bytes(buf[at : at + numel]), peer, group, tag))
+            at += numel
+    guard.agree(group, opened)  # every rank moves the same data, before any message is posted
+    works = dist.batch_isend_irecv(ops)
+    done = run_local(sched, src, out, dtype)
+    guard.wait_all(works)
+    ops.clear()
+    for peer in plan.recv_order:  # peers ascending, as the local backend combines
+        for buf, msgs in got.pop(peer, ()):
+            at = 0
+            for targets, shape in msgs:
+                value = buf[at : at + math.prod(shape)].view(shape)
+                for j, write, region in targets:
+                    _combine(sched, out[j][write], value, region, j, done)
+                at += value.numel()
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

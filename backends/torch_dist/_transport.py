@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from fshard._base.alloc import new
 
 from ._guard import Guard
-from ._lowering import Index, Run, Schedule, Span
+from ._lowering import Index, Peer, Run, Schedule, Span
 from ._reduce_phase import as_bytes
 
 
@@ -35,6 +36,63 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
     return new(tuple(shape), dtype, device)
 
 
+# Boxes of fewer bytes than this travel packed, one message per peer: a message costs more
+# than copying such a box (Gloo on loopback). Larger boxes go alone, sent from and received
+# into the shards, so nothing but the outputs is alive while they are in flight.
+ALONE_MIN_BYTES = 1 << 18
+
+_Box = tuple[int, Index, tuple[int, ...], int]  # (box number, box, shape, elements)
+_Alone = tuple[int, int, int, Index]  # (peer, tag, box number, box)
+_Packed = tuple[int, int, tuple[_Box, ...]]  # (peer, tag, boxes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Messages:
+    """The messages ``p2p`` exchanges for a schedule, with their tags (alike on both sides of a pair).
+
+    A pair's boxes of at least ``ALONE_MIN_BYTES`` go one message each, tagged with the box's
+    position in the pair's list; the others go packed in order, in one message tagged with the
+    list's length. ``recv_alone``/``recv_packed`` carry each received box's number (for
+    ``Schedule.fanout``) and every box its shape and elements.
+    """
+
+    send_alone: tuple[tuple[int, int, Index], ...]  # (peer, tag, box)
+    send_packed: tuple[_Packed, ...]
+    recv_alone: tuple[_Alone, ...]
+    recv_packed: tuple[_Packed, ...]
+    send_packed_numel: int
+    recv_packed_numel: int
+
+
+def messages(sched: Schedule, itemsize: int) -> Messages:
+    """How ``p2p`` carries ``sched`` for elements of ``itemsize`` bytes (O(the rank's boxes))."""
+    send_alone, send_packed, send_numel = _split(sched.send, itemsize)
+    recv_alone, recv_packed, recv_numel = _split(sched.recv, itemsize)
+    sends = tuple((peer, tag, at) for peer, tag, _, at in send_alone)
+    return Messages(sends, send_packed, recv_alone, recv_packed, send_numel, recv_numel)
+
+
+def _split(peers: tuple[Peer, ...], itemsize: int) -> tuple[tuple[_Alone, ...], tuple[_Packed, ...], int]:
+    """The boxes exchanged with ``peers`` that go alone, those packed per peer, and the packed elements."""
+    alone: list[_Alone] = []
+    packed: list[_Packed] = []
+    k = total = 0
+    for peer, boxes in peers:
+        small: list[_Box] = []
+        for tag, at in enumerate(boxes):
+            shape = tuple(s.stop - s.start for s in at[1])
+            numel = math.prod(shape)
+            if numel * itemsize >= ALONE_MIN_BYTES:
+                alone.append((peer, tag, k, at))
+            else:
+                small.append((k, at, shape, numel))
+                total += numel
+            k += 1
+        if small:
+            packed.append((peer, len(boxes), tuple(small)))
+    return tuple(alone), tuple(packed), total
+
+
 def p2p(
     sched: Schedule,
     src: dict[int, torch.Tensor],
@@ -45,59 +103,79 @@ def p2p(
     guard: Guard,
     opened: Any = None,
     *,
+    plan: Messages,
     own: bool = False,
     later: bool = False,
 ) -> Callable[[], None]:
-    """Starts one message per box; sent from and received into the tensors where the box is contiguous.
+    """Starts the messages of ``plan``: large boxes alone, sent from and received into the tensors; small ones packed.
 
-    Where some sent box is not (columns of a row chunk), all of them are packed into one
-    buffer first, one strided copy per run of boxes (``Schedule.send_runs``). This rank's
-    own copies (``sched.local``) run while the messages are in flight. The messages follow
-    the movement's round of headers (``guard``; ``opened``: that round, already in flight);
+    A large box that is not contiguous (columns of a row chunk) is staged in a buffer of its
+    own; the small boxes of each pair travel packed in one message. This rank's own copies
+    (``sched.local``) run while the messages are in flight. The messages follow the
+    movement's round of headers (``guard``; ``opened``: that round, already in flight);
     where the data fits in that round, it goes there instead (``alltoall``), so small moves
     take one round.
 
     Returns the function that waits for the messages and puts what they carried in place
-    (``out`` holds the result once it has returned); ``own`` as ``alltoall``'s. Messages are
-    received into the outputs, so they are made before (``later`` is false).
+    (``out`` holds the result once it has returned); ``own`` and ``later`` as ``alltoall``'s.
+    Messages are received into the outputs, so they are made before (``later`` is false)
+    unless the data travels with the headers.
     """
+    if guard.inline:
+        return alltoall(sched, src, out, dtype, wire, group, guard, own=own, later=later)
     if later:
         raise RuntimeError("fshard internal error: p2p() receives into the outputs; they cannot come later.")
-    if guard.inline:
-        return alltoall(sched, src, out, dtype, wire, group, guard, own=own)
     ops: list[dist.P2POp] = []
-    staged: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (box, its target if not in place, buffer)
-    n = 0
-    for peer, boxes in sched.recv:
-        for tag, at in enumerate(boxes):
-            box = _view(out, at)
-            if not (_contiguous(box) and box.device == wire):
-                staged.append((n, box, buf := empty(box.shape, dtype, wire)))
-                box = buf
-            else:
-                staged.append((n, None, box))
-            ops.append(dist.P2POp(dist.irecv, as_bytes(box), peer, group, tag))
-            n += 1
-    sent = [(peer, tag, _view(src, at)) for peer, boxes in sched.send for tag, at in enumerate(boxes)]
-    if not all(_contiguous(box) and box.device == wire for _, _, box in sent):
-        packed = _pack(sched.send_runs, src, empty((sum(sched.send_split),), dtype, wire))
-        offset = 0
-        for k, (peer, tag, box) in enumerate(sent):
-            sent[k] = (peer, tag, packed[offset : offset + box.numel()])
-            offset += box.numel()
-    for peer, tag, box in sent:
+    landed: list[tuple[torch.Tensor, tuple[_Box, ...]]] = []  # buffers copied into place at the wait
+    fanned: list[tuple[int, torch.Tensor]] = []  # boxes received in place that other shards also want
+    for peer, tag, k, at in plan.recv_alone:
+        box = _view(out, at)
+        if _contiguous(box) and box.device == wire:
+            if sched.fanout[k]:
+                fanned.append((k, box))
+        else:
+            shape = tuple(box.shape)
+            landed.append((buf := empty(shape, dtype, wire), ((k, at, shape, box.numel()),)))
+            box = buf
+        ops.append(dist.P2POp(dist.irecv, as_bytes(box), peer, group, tag))
+    if plan.recv_packed:
+        buf, offset = empty((plan.recv_packed_numel,), dtype, wire), 0
+        for peer, tag, boxes in plan.recv_packed:
+            seg = buf[offset : offset + sum(b[3] for b in boxes)]
+            landed.append((seg, boxes))
+            ops.append(dist.P2POp(dist.irecv, as_bytes(seg), peer, group, tag))
+            offset += seg.numel()
+    for peer, tag, at in plan.send_alone:
+        box = _view(src, at)
+        if not (_contiguous(box) and box.device == wire):
+            box = empty(tuple(box.shape), dtype, wire).copy_(box)
         ops.append(dist.P2POp(dist.isend, as_bytes(box), peer, group, tag))
+    if plan.send_packed:
+        buf, offset = empty((plan.send_packed_numel,), dtype, wire), 0
+        for peer, tag, boxes in plan.send_packed:
+            start = offset
+            for _, at, shape, numel in boxes:
+                buf[offset : offset + numel].view(shape).copy_(_view(src, at))
+                offset += numel
+            ops.append(dist.P2POp(dist.isend, as_bytes(buf[start:offset]), peer, group, tag))
     guard.agree(group, opened)  # every rank moves the same data, before any message is posted
     works = dist.batch_isend_irecv(ops) if ops else []
     copy_local(sched, src, out)
 
     def finish() -> None:
         guard.wait_all(works)
-        for k, target, got in staged:
-            if target is not None:
-                target.copy_(got)
-            _fan_out(sched.fanout[k], got, out)
+        works.clear()
         ops.clear()  # the buffers the messages used, alive until here
+        for k, box in fanned:
+            _fan_out(sched.fanout[k], box, out)
+        for buf, boxes in landed:
+            offset = 0
+            for k, at, shape, numel in boxes:
+                got = buf[offset : offset + numel].view(shape)
+                _view(out, at).copy_(got)
+                _fan_out(sched.fanout[k], got, out)
+                offset += numel
+        landed.clear()
 
     return finish
 
