@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 import fshard
+from fshard._base.alloc import use_count
+from fshard.backends.local import LocalBackend
 from fshard.backends.torch_dist import TorchDistBackend
 
 pytestmark = pytest.mark.multiprocess
@@ -278,3 +280,59 @@ def _row_parallel_linear() -> tuple[bool, list[int]]:
 
 def test_a_row_parallel_linear_output_replicated_over_dp_reduces_to_the_dense_result(dist_pool):
     assert dist_pool.run(_row_parallel_linear) == [(True, [0, 1, 0, 1])] * 4
+
+
+# -- large summands: messages sent from the summands, received one peer at a time -------------
+
+BIG = (1024, 512)  # a dim-0 chunk's piece for one peer is 256 x 512 float32: 512 KiB, sent alone
+
+
+def _big_summand(rank: int) -> torch.Tensor:
+    return torch.randn(BIG, generator=torch.Generator().manual_seed(200 + rank))
+
+
+def _big_partial(backend=None) -> fshard.ShardedArray:
+    layout = fshard.Partial(fshard.Replicated(R)).layout(BIG)
+    ranks = R if backend is not None else [dist.get_rank()]
+    shards = [fshard.Shard(m, _big_summand(m.placement.rank)) for r in ranks for m in layout.shards_on(r)]
+    return fshard.from_local_shards_and_layout(shards, layout, backend=backend)
+
+
+def _reduce_big(name: str) -> tuple[bool, list[list[int]]]:
+    """The reduced array (bit-identical to the local backend's?) and the buffers alive at each one made."""
+    from fshard.backends import torch_dist
+
+    made: list[tuple[torch.UntypedStorage, int]] = []
+    alive: list[list[int]] = []
+    empty = torch_dist.empty
+
+    def recorded(shape, dtype, device):
+        t = empty(shape, dtype, device)
+        made.append((t.untyped_storage(), t.numel()))
+        alive.append([n for s, n in made if use_count(s._cdata) > 1])
+        return t
+
+    p = _big_partial()
+    torch_dist.empty = recorded
+    try:
+        y = fshard.reshard(p, TARGETS[name])
+    finally:
+        torch_dist.empty = empty
+    y = fshard.gather(y)
+    want = fshard.gather(fshard.reshard(_big_partial(LocalBackend(world_size=len(R))), TARGETS[name]))
+    return torch.equal(y, want), alive
+
+
+def test_a_large_reduce_sends_from_the_summands_and_receives_one_peer_at_a_time(dist_pool):
+    # Each peer's 512 KiB goes straight from the summand (no send buffer); each rank receives its
+    # peers' pieces one peer at a time, in rank order, into one buffer at a time.
+    piece = BIG[0] // len(R) * BIG[1]
+    for equal, alive in dist_pool.run(_reduce_big, "chunk-rows", timeout=120):
+        assert equal
+        assert alive == [[piece]] * (len(R) - 1)
+
+
+@pytest.mark.parametrize("name", ["chunk-cols", "grid", "rows+replicas"])
+def test_large_reduces_are_bit_identical_to_the_local_backend(dist_pool, name):
+    # Column pieces are not contiguous in the summand: each is staged in a buffer of its own.
+    assert all(equal for equal, _ in dist_pool.run(_reduce_big, name, timeout=120))

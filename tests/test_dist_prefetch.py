@@ -213,6 +213,42 @@ def _one_token_blocks(d: int) -> list[tuple[str, int]]:
     return seen
 
 
+def _two_weight_blocks(d: int) -> list[tuple[str, int, int]]:
+    """Blocks ``tanh(h @ w1) @ w2``: in each one's backward, the copy's bytes still held and what is in flight."""
+    torch.manual_seed(0)
+    ws = [(fshard.shard(torch.randn(d, d), ROWS), fshard.shard(torch.randn(d, d), ROWS)) for _ in range(BLOCKS)]
+    for w in ws:
+        for a in w:
+            a.addressable_data[0].requires_grad_()
+    seen: list[tuple[str, int, int]] = []
+
+    def record(where):
+        return lambda g: seen.append((where, _regather.held_bytes(), _regather.in_flight())) or g
+
+    def body(h, w1, w2):
+        h = h.view_as(h)
+        h.register_hook(record("input"))
+        m = torch.tanh(h @ w1)
+        m.register_hook(record("middle"))
+        return m @ w2
+
+    step = fshard.shard_map(body, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS, regather=True)
+    h = fshard.from_local_tensor(torch.ones(2, d, requires_grad=True), dim=0)
+    for w1, w2 in ws:
+        h = step(h, w1, w2)
+    fshard.gather(h).sum().backward()
+    return seen
+
+
+def test_a_block_lets_go_of_each_weight_after_its_last_use_and_launches_the_block_before_at_half(dist_pool):
+    # w2's backward comes first: then the copy holds w1 only (half of it), and nothing flies yet; the
+    # block before is launched at w1's use, once w2's node has run, and w1 is let go after it.
+    d = 16
+    w = d * d * 4
+    want = [("middle", w, 0), ("input", 0, 1)] * (BLOCKS - 1) + [("middle", w, 0), ("input", 0, 0)]
+    assert dist_pool.run(_two_weight_blocks, d, timeout=120) == [want] * len(R)
+
+
 def test_the_block_before_stays_in_flight_through_a_blocks_backward_and_lands_before_its_sum(dist_pool):
     # Each block's backward runs with the block before in flight (the last, first in the
     # backward, launched its gather at its one token), and that block has landed by the

@@ -216,7 +216,6 @@ class ReduceMessages:
     recv_alone: dict[int, tuple[_Message, ...]]
     recv_packed: dict[int, _Packed]
     send_packed_numel: int
-    recv_packed_numel: int
     recv_order: tuple[int, ...]
 
 
@@ -225,7 +224,7 @@ def reduce_messages(p: Any, me: int, order: tuple[int, ...], itemsize: int) -> R
     """``reduce_schedule(p, me, order)``'s messages for elements of ``itemsize`` bytes."""
     sched = reduce_schedule(p, me, order)
     send_alone, send_packed, send_numel = _by_size(sched.send, itemsize)
-    recv_alone, recv_packed, recv_numel = _by_size(sched.recv, itemsize)
+    recv_alone, recv_packed, _ = _by_size(sched.recv, itemsize)
     alone: dict[int, list[_Message]] = {}
     for m in recv_alone:
         alone.setdefault(m[0], []).append(m)
@@ -235,7 +234,6 @@ def reduce_messages(p: Any, me: int, order: tuple[int, ...], itemsize: int) -> R
         {peer: tuple(ms) for peer, ms in alone.items()},
         {m[0]: m for m in recv_packed},
         send_numel,
-        recv_numel,
         tuple(peer for peer, _ in sched.recv_at),
     )
 
@@ -336,30 +334,52 @@ def _run_p2p(
             for parts, shape in msgs:
                 at += _combined(sched, parts, src, buf[at : at + math.prod(shape)].view(shape)).numel()
             ops.append(dist.P2POp(dist.isend, as_bytes(buf[start:at]), peer, group, tag))
-    got: dict[int, list[tuple[torch.Tensor, Any]]] = {}  # per peer: (buffer, what goes where)
-    for peer, tag, targets, shape in (m for ms in plan.recv_alone.values() for m in ms):
-        buf = empty(shape, dtype, wire)
-        got.setdefault(peer, []).append((buf, ((targets, shape),)))
-        ops.append(dist.P2POp(dist.irecv, as_bytes(buf), peer, group, tag))
-    if plan.recv_packed:
-        buf, at = empty((plan.recv_packed_numel,), dtype, wire), 0
-        for peer, tag, msgs, numel in plan.recv_packed.values():
-            got.setdefault(peer, []).append((buf[at : at + numel], msgs))
-            ops.append(dist.P2POp(dist.irecv, as_bytes(buf[at : at + numel]), peer, group, tag))
-            at += numel
     guard.agree(group, opened)  # every rank moves the same data, before any message is posted
-    works = dist.batch_isend_irecv(ops)
-    done = run_local(sched, src, out, dtype)
-    guard.wait_all(works)
+    sent = dist.batch_isend_irecv(ops) if ops else []
     ops.clear()
-    for peer in plan.recv_order:  # peers ascending, as the local backend combines
-        for buf, msgs in got.pop(peer, ()):
-            at = 0
-            for targets, shape in msgs:
-                value = buf[at : at + math.prod(shape)].view(shape)
-                for j, write, region in targets:
-                    _combine(sched, out[j][write], value, region, j, done)
-                at += value.numel()
+    done = run_local(sched, src, out, dtype)
+    # Over Gloo, where some message is large, one peer's messages are received at a time (every
+    # send is posted, so each peer's arrive): buffers for one peer's share, not for all of them.
+    # NCCL posts every message at once.
+    order = list(plan.recv_order)
+    window = 1 if wire.type == "cpu" and plan.recv_alone else len(order)
+    posted = [_receive(plan, peer, dtype, wire, group, empty) for peer in order[:window]]
+    for k in range(len(order)):  # peers ascending, as the local backend combines
+        guard.wait_all(posted[k][0])
+        _combine_received(sched, posted[k][1], out, done)
+        posted[k] = ([], [])  # this peer's buffers (and the works that hold them), before the next peer's are made
+        if k + window < len(order):
+            posted.append(_receive(plan, order[k + window], dtype, wire, group, empty))
+    guard.wait_all(sent)
+
+
+def _combine_received(
+    sched: ReduceSchedule, got: list[tuple[torch.Tensor, Any]], out: dict[int, torch.Tensor], done: set[int]
+) -> None:
+    """Combines one peer's received messages (``_receive``'s) into this rank's destination shards."""
+    for buf, msgs in got:
+        at = 0
+        for targets, shape in msgs:
+            value = buf[at : at + math.prod(shape)].view(shape)
+            for j, write, region in targets:
+                _combine(sched, out[j][write], value, region, j, done)
+            at += value.numel()
+
+
+def _receive(
+    plan: ReduceMessages, peer: int, dtype: torch.dtype, wire: torch.device, group: Any, empty: Any
+) -> tuple[list[Any], list[tuple[torch.Tensor, Any]]]:
+    """Posts the receives of ``peer``'s messages; returns their works and (buffer, what goes where) of each."""
+    ops: list[dist.P2POp] = []
+    got: list[tuple[torch.Tensor, Any]] = []
+    for _, tag, targets, shape in plan.recv_alone.get(peer, ()):
+        got.append((buf := empty(shape, dtype, wire), ((targets, shape),)))
+        ops.append(dist.P2POp(dist.irecv, as_bytes(buf), peer, group, tag))
+    if (packed := plan.recv_packed.get(peer)) is not None:
+        _, tag, msgs, numel = packed
+        got.append((buf := empty((numel,), dtype, wire), msgs))
+        ops.append(dist.P2POp(dist.irecv, as_bytes(buf), peer, group, tag))
+    return list(dist.batch_isend_irecv(ops)), got
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

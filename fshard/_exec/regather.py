@@ -51,7 +51,7 @@ from fshard._exec import flight as _flight
 from fshard._exec import fused as _fused
 from fshard._layout.layout import Layout
 
-__all__ = ["Group", "in_flight", "live_groups", "prefetched", "register", "regathers", "saving", "usable"]
+__all__ = ["Group", "held_bytes", "in_flight", "live_groups", "prefetched", "register", "regathers", "saving", "usable"]
 
 
 class Group:
@@ -61,11 +61,16 @@ class Group:
         "__weakref__",
         "ahead",
         "copy",
+        "due",
         "early",
+        "half",
+        "held",
         "layouts",
         "left",
+        "left_at",
         "lock",
         "packed",
+        "packed_at",
         "precision",
         "previous",
         "rounds",
@@ -80,8 +85,12 @@ class Group:
         self.sources, self.layouts, self.what, self.precision = tuple(sources), tuple(layouts), what, precision
         self.versions = _flight.versions(self.sources)
         self.packed = 0  # tokens made
+        self.packed_at: dict[int, int] = {}  # tokens made, per tensor of the group
         self.left = 0  # tokens not yet unpacked since the copy was made
-        self.copy: list[torch.Tensor] | None = None
+        self.left_at: dict[int, int] = {}  # the same, per tensor
+        self.copy: list[torch.Tensor | None] | None = None  # a tensor is let go after its last token
+        self.held = self.half = 0  # bytes of the copy not let go yet, and half of them when it was made
+        self.due = False  # the block before's movement is launched at this group's next token
         self.early = False  # the copy was landed by the group after this one, and no token took it yet
         self.lock = threading.Lock()  # bodies may run a thread each (psum on the local backend)
         self.ahead: _flight.Launches | None = None  # the movement again, launched and not landed yet
@@ -92,6 +101,7 @@ class Group:
         """A token that stands for ``t``, a view of the group's tensor ``position`` (at storage offset ``offset``)."""
         with self.lock:
             self.packed += 1
+            self.packed_at[position] = self.packed_at.get(position, 0) + 1
         return _Token(self, position, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()) - offset)
 
     def take(self, token: _Token) -> torch.Tensor:
@@ -100,28 +110,43 @@ class Group:
         The first token of a backward moves the sources again, or finds the copy landed by the
         group after this one (``land_previous``).
         """
-        first = False
         with self.lock:
+            launch, self.due = self.due, False  # set at an earlier token, whose node has run by now
             copy = self.copy
             if copy is None:
                 copy, landed = self._move()
                 self._made(copy)
                 _count(landed)
-                first = True
             elif self.early:  # landed ahead by the group after this one: this is its first token
-                self.early, first = False, True
+                self.early = False
                 _count(True)
+            t = copy[token.position]
+            assert t is not None, "a group's tensor let go before its last token"
             self.left -= 1
+            self.left_at[token.position] -= 1
+            if self.left_at[token.position] <= 0:  # its last token: the node that unpacks it holds it until it has run
+                copy[token.position] = None
+                nbytes = t.numel() * t.element_size()
+                if self.held > self.half >= self.held - nbytes:  # half of the copy let go (see the module)
+                    self.due = self.left > 0
+                    launch = launch or self.left <= 0
+                self.held -= nbytes
             if self.left <= 0:  # the last token of this backward: nothing else needs the copy
                 self.copy = None
-        if first:
+        if launch:
             self._prefetch_previous()
-        t = copy[token.position]
         return t.as_strided(token.size, token.stride, t.storage_offset() + token.offset)
 
-    def _made(self, copy: list[torch.Tensor]) -> None:
+    def _made(self, copy: list[torch.Tensor | None]) -> None:
         """Keeps ``copy`` as this backward's copy, for every token made in the forward (under the lock)."""
-        self.copy, self.left = copy, self.packed
+        self.copy, self.left, self.left_at = copy, self.packed, dict(self.packed_at)
+        self.held, self.due = 0, False
+        for k, t in enumerate(copy):
+            if k not in self.left_at:
+                copy[k] = None  # no token takes it
+            elif t is not None:
+                self.held += t.numel() * t.element_size()
+        self.half = self.held // 2
         self.rounds += 1
 
     def land_previous(self) -> None:
@@ -161,7 +186,7 @@ class Group:
         now = _flight.versions(self.sources)
         return next((k for k, (a, b) in enumerate(zip(self.versions, now)) if a != b), None)
 
-    def _move(self) -> tuple[list[torch.Tensor], bool]:
+    def _move(self) -> tuple[list[torch.Tensor | None], bool]:
         """The sources moved to the targets again (one movement, no gradient recorded), and whether it landed.
 
         Where it was launched ahead (``_prefetch_previous``), it lands instead.
@@ -178,9 +203,15 @@ class Group:
                 "loss.backward()), or pass regather=False to keep the gathered copy."
             )
             raise SpecError(msg)
-        with torch.no_grad(), _flight.landing(ahead) if ahead is not None else contextlib.nullcontext():
+        launched = ahead is not None
+        if ahead is None:
+            # Moved now by a launched movement's route, which receives into the copy where boxes land
+            # in place (``TorchDistBackend.launch``): it holds no message buffers besides.
+            with _flight.launching() as ahead:
+                _fused.move_tree(self.sources, self.layouts, precision=self.precision)
+        with torch.no_grad(), _flight.landing(ahead):
             moved = _fused.move_tree(self.sources, self.layouts, precision=self.precision)
-        return [t for a in moved for t in a.addressable_data], ahead is not None
+        return [t for a in moved for t in a.addressable_data], launched
 
 
 class _Token:
@@ -364,3 +395,9 @@ def live_groups() -> int:
 def in_flight() -> int:
     """How many groups have a movement launched ahead and not landed, right now (for tests)."""
     return sum(1 for g in list(_GROUPS) if g.ahead is not None)
+
+
+def held_bytes() -> int:
+    """Bytes of the copies moved again that groups still hold, right now (for tests)."""
+    copies = [g.copy for g in list(_GROUPS) if g.copy is not None]
+    return sum(t.numel() * t.element_size() for copy in copies for t in copy if t is not None)
