@@ -9,10 +9,13 @@ the two layouts alone (O(peers), never the global plan's O(world^2) rows):
   rank holds it twice) and exchanged: ``execute`` packs all boxes for one peer into
   one contiguous buffer and runs a single ``all_to_all_single`` with split sizes (no
   padding); ``scatter`` and ``assemble`` post one ``isend``/``irecv`` per box, straight
-  from and into the tensors where a box is a contiguous range of them. ``execute``
-  does the same when every received box is a contiguous range of its shard and the
-  boxes are few and large (chunk -> replicated, dim 0 -> dim 1 of big arrays):
-  nothing is staged on arrival.
+  from and into the tensors where a box is a contiguous range of them (boxes under
+  256 KiB packed, one message per peer). ``execute`` does the same when every
+  received box is a contiguous range of its shard and the boxes are few and large
+  (chunk -> replicated, dim 0 -> dim 1 of big arrays), and ``launch`` whenever every
+  received box is such a range: nothing is staged on arrival, so a movement in
+  flight holds its outputs only. A reduce phase sends a large contribution straight
+  from the summand and, over Gloo, receives one peer's messages at a time.
 
 Which transport runs must be the same on every rank (``all_to_all_single`` needs the
 whole group), so it is decided from the layouts, alike everywhere, not from one rank's

@@ -10,20 +10,24 @@ of its tensors, the view's sizes, strides and offset). Once the function returns
 holds the full copies and they are freed.
 
 In the backward, the first token unpacked moves the group's sources again, every leaf in one
-movement (the forward's plan, without gradients), and each token gets its view of the new
-copy; the copy is dropped when the last of the group's tokens has been unpacked, so the
-backward also holds about one group at a time. The copy is the same plan applied to the same
+movement (the forward's plan, without gradients, by a launched movement's route: received
+in place where it can be), and each token gets its view of the new copy. Each tensor of the
+copy is let go when its last token has been unpacked (the node that unpacked it holds it
+until it has run), so the backward also holds less than one group at a time. The copy is the same plan applied to the same
 sources, so values and gradients are bit-identical to keeping the copy. The sources must not
 change in between: the group checks their version counters.
 
-**Backward prefetch** (FSDP2's): once a group's copy is made in a backward, the movement of
-the group registered before it (the block before, whose backward comes next) is launched
-(``flight``) and left in flight while this block's backward computes. It lands right before
+**Backward prefetch** (FSDP2's): once half of a group's copy (by bytes) is let go in a
+backward, the movement of the group registered before it (the block before, whose backward
+comes next) is launched (``flight``) and left in flight while the rest of this block's
+backward computes: at the next token, when the node that let go of that half has run (at
+once where it was the last token). FSDP2 launches it when the copy is made, so two whole
+blocks are alive at once; here it flies in the half let go. It lands right before
 this group's own movement runs its backward (a pre-hook on that autograd node): this block's
 backward is done, and what comes next is the sum of its gradients to their shards, which
 then runs beside one copy of the block before (its outputs) rather than beside that
-movement's two message buffers. So at most two groups hold data at once: the copy in use
-and the one in flight or landed. A copy landed that no token of the backward takes (the
+movement's message buffers. So at most two groups hold data at once: what is left of the
+copy in use and the one in flight or landed. A copy landed that no token of the backward takes (the
 block before belongs to a graph this backward does not reach) is dropped at the backward's
 end, as a movement still in flight is waited for and dropped.
 
