@@ -69,6 +69,7 @@ from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
 from ._guard import Guard, guard
+from ._keep import keep
 from ._reduce_phase import (
     as_bytes,
     collective_kind,
@@ -347,9 +348,8 @@ class TorchDistBackend:
             g = self._guard(op, p, like.dtype)
             with in_flight():
                 g.agree(self.group)
-                g.wait(
-                    all_gather(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()), group=self.group, async_op=True)
-                )
+                keep(got := as_bytes(out), mine := as_bytes(tensors[0].to(on).contiguous()))
+                g.wait(all_gather(got, mine, group=self.group, async_op=True))
             self._count(p.for_rank(self.rank).elements_sent, out.element_size())
             return out.to(self._out_device(layout, like))
         whole: dict[int, torch.Tensor] = {}
@@ -401,7 +401,8 @@ class TorchDistBackend:
         """The wire device, with the NCCL communicator created (before the first P2P message)."""
         wire = self._wire
         if wire.type == "cuda" and id(self.group) not in _WARM:
-            dist.all_reduce(torch.zeros(1, device=wire), group=self.group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+            keep(zero := torch.zeros(1, device=wire))
+            dist.all_reduce(zero, group=self.group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
             _WARM.add(id(self.group))
         return wire
 

@@ -45,6 +45,7 @@ from fshard._layout.layout import Layout
 from fshard._layout.show import describe_layout
 from fshard._plan import plan
 
+from ._keep import keep
 from ._reduce_phase import all_to_all
 
 __all__ = ["HEADER", "Guard", "guard", "inline_bytes"]
@@ -149,12 +150,14 @@ class Guard:
             box, work, _ = self._round(None, (), group)
             return box, work
         got = torch.empty((len(self.ranks), HEADER), dtype=torch.uint8, device=self.wire)
+        header = self.tiled if self.alltoall else self.tiled[:HEADER]
+        keep(got, view := got.view(-1), header)
         if self.alltoall:
-            work = cast("dist.Work", dist.all_to_all_single(got.view(-1), self.tiled, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+            work = cast("dist.Work", dist.all_to_all_single(view, header, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         else:
             work = cast(
                 "dist.Work",
-                dist.all_gather_into_tensor(got.view(-1), self.tiled[:HEADER], group=group, async_op=True),  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; older torch lacks all_gather_single
+                dist.all_gather_into_tensor(view, header, group=group, async_op=True),  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; older torch lacks all_gather_single
             )
         return got, work
 
@@ -203,6 +206,7 @@ class Guard:
         box, wire = _fresh(sum(self.slots)) if own else _box(sum(self.slots))
         if current().timeout is not None:
             box[self.at[:, :2]] = 0  # a header that still lacks its tag after a timeout: that rank did not arrive
+        keep(wire, env)
         work = cast("dist.Work", dist.all_to_all_single(wire, env, list(self.slots), sizes, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         return box, work, env
 

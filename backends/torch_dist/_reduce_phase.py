@@ -30,6 +30,7 @@ from fshard._layout.layout import Layout
 from fshard._plan.schedule import Moves, RankSchedule
 
 from .._execution import accumulate, identity
+from ._keep import keep
 
 __all__ = [
     "ReduceMessages",
@@ -395,11 +396,12 @@ def all_to_all(recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, se
     Sent as bytes (so any dtype goes through); returns its ``Work``.
     """
     item = recvbuf.element_size()
+    keep(got := as_bytes(recvbuf), sent := as_bytes(sendbuf))
     work = cast(
         "dist.Work | None",
         dist.all_to_all_single(  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
-            as_bytes(recvbuf),
-            as_bytes(sendbuf),
+            got,
+            sent,
             [n * item for n in recv_split],
             [n * item for n in send_split],
             group=group,
@@ -459,6 +461,7 @@ def start_all_reduce(
         guard.agree(group, opened)
     if out is not mine:
         out.copy_(mine)
+    keep(out)
     return cast("dist.Work", dist.all_reduce(out, op=_OPS[p.src.partial], group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
 
 
@@ -498,5 +501,6 @@ def run_collective(kind: str, p: Any, mine: torch.Tensor, out: torch.Tensor, gro
             "Callable[..., dist.Work]",
             getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; for older torch
         )
-        work = scatter(out, mine.contiguous(), op=op, group=group, async_op=True)
+        keep(out, summand := mine.contiguous())
+        work = scatter(out, summand, op=op, group=group, async_op=True)
     guard.wait(work)

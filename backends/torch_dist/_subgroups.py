@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._keep import keep
+
 __all__ = ["all_reduce_among"]
 
 # Keyed on (ranks, default group): a new init_process_group makes a new default group, so a
@@ -51,5 +53,6 @@ def all_reduce_among(
 ) -> torch.Tensor:
     """The sum of ``t`` over the processes of ``ranks`` (this one among them): a new tensor on ``t``'s device."""
     buf = t.detach().to(wire, copy=True).contiguous()
+    keep(buf)
     dist.all_reduce(buf, group=subgroup(tuple(sorted(ranks)), partition))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
     return buf.to(t.device)
