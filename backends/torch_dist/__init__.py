@@ -69,7 +69,6 @@ from ._choice import all_contiguous, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
 from ._guard import Guard, guard
-from ._keep import keep
 from ._reduce_phase import (
     as_bytes,
     collective_kind,
@@ -83,6 +82,7 @@ from ._reduce_phase import (
 )
 from ._subgroups import all_reduce_among
 from ._transport import alltoall, copy_local, empty
+from ._watch import watch
 
 __all__ = ["TorchDistBackend"]
 
@@ -348,7 +348,7 @@ class TorchDistBackend:
             g = self._guard(op, p, like.dtype)
             with in_flight():
                 g.agree(self.group)
-                keep(got := as_bytes(out), mine := as_bytes(tensors[0].to(on).contiguous()))
+                watch(got := as_bytes(out), mine := as_bytes(tensors[0].to(on).contiguous()))
                 g.wait(all_gather(got, mine, group=self.group, async_op=True))
             self._count(p.for_rank(self.rank).elements_sent, out.element_size())
             return out.to(self._out_device(layout, like))
@@ -401,7 +401,7 @@ class TorchDistBackend:
         """The wire device, with the NCCL communicator created (before the first P2P message)."""
         wire = self._wire
         if wire.type == "cuda" and id(self.group) not in _WARM:
-            keep(zero := torch.zeros(1, device=wire))
+            watch(zero := torch.zeros(1, device=wire))
             dist.all_reduce(zero, group=self.group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
             _WARM.add(id(self.group))
         return wire

@@ -45,8 +45,8 @@ from fshard._layout.layout import Layout
 from fshard._layout.show import describe_layout
 from fshard._plan import plan
 
-from ._keep import keep
 from ._reduce_phase import all_to_all
+from ._watch import watch
 
 __all__ = ["HEADER", "Guard", "guard", "inline_bytes"]
 
@@ -151,7 +151,7 @@ class Guard:
             return box, work
         got = torch.empty((len(self.ranks), HEADER), dtype=torch.uint8, device=self.wire)
         header = self.tiled if self.alltoall else self.tiled[:HEADER]
-        keep(got, view := got.view(-1), header)
+        watch(got, view := got.view(-1), header)
         if self.alltoall:
             work = cast("dist.Work", dist.all_to_all_single(view, header, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         else:
@@ -206,7 +206,7 @@ class Guard:
         box, wire = _fresh(sum(self.slots)) if own else _box(sum(self.slots))
         if current().timeout is not None:
             box[self.at[:, :2]] = 0  # a header that still lacks its tag after a timeout: that rank did not arrive
-        keep(wire, env)
+        watch(wire, env)
         work = cast("dist.Work", dist.all_to_all_single(wire, env, list(self.slots), sizes, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         return box, work, env
 

@@ -30,7 +30,7 @@ from fshard._layout.layout import Layout
 from fshard._plan.schedule import Moves, RankSchedule
 
 from .._execution import accumulate, identity
-from ._keep import keep
+from ._watch import watch
 
 __all__ = [
     "ReduceMessages",
@@ -396,7 +396,7 @@ def all_to_all(recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, se
     Sent as bytes (so any dtype goes through); returns its ``Work``.
     """
     item = recvbuf.element_size()
-    keep(got := as_bytes(recvbuf), sent := as_bytes(sendbuf))
+    watch(got := as_bytes(recvbuf), sent := as_bytes(sendbuf))
     work = cast(
         "dist.Work | None",
         dist.all_to_all_single(  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
@@ -461,7 +461,7 @@ def start_all_reduce(
         guard.agree(group, opened)
     if out is not mine:
         out.copy_(mine)
-    keep(out)
+    watch(out)
     return cast("dist.Work", dist.all_reduce(out, op=_OPS[p.src.partial], group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
 
 
@@ -501,6 +501,6 @@ def run_collective(kind: str, p: Any, mine: torch.Tensor, out: torch.Tensor, gro
             "Callable[..., dist.Work]",
             getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; for older torch
         )
-        keep(out, summand := mine.contiguous())
+        watch(out, summand := mine.contiguous())
         work = scatter(out, summand, op=op, group=group, async_op=True)
     guard.wait(work)
