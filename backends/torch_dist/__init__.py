@@ -65,7 +65,7 @@ from fshard._plan.direct import Plan
 
 from .._execution import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, broke_in_flight, check, in_flight
-from ._choice import all_contiguous, direct, rows_in_order, step
+from ._choice import all_contiguous, by_messages, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
 from ._guard import Guard, guard
@@ -290,7 +290,9 @@ class TorchDistBackend:
             (p,) = plan.phases
             log_move("torch_dist", plan, like.element_size(), facts(self.group).rank)
             # Received into the outputs where every box lands in place: in flight, nothing else is held.
-            direct_ = all_contiguous(p.src, p.dst) or direct(p.src, p.dst, like.element_size())
+            size = like.element_size()
+            in_place = all_contiguous(p.src, p.dst) and by_messages(p, size, len(self.ranks))
+            direct_ = in_place or direct(p.src, p.dst, size)
             out, finish = self._start_move("reshard", p, tensors, None, like.dtype, direct=direct_, own=True)
 
             def moved() -> tuple[torch.Tensor, ...]:
@@ -392,7 +394,8 @@ class TorchDistBackend:
             run_local(sched, src, out, dtype)
             return
         guarded = self._guard(op, p, dtype)
-        messages = reduce_messages(p, self.rank, self.ranks, dtype.itemsize)
+        large = by_messages(p, dtype.itemsize, len(self.ranks))
+        messages = reduce_messages(p, self.rank, self.ranks, dtype.itemsize) if large else None
         with in_flight():
             run_reduce(sched, src, out, dtype, self._warm(), self.group, empty, guarded, messages)
         self._count(sched.sent, dtype.itemsize)

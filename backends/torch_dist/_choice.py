@@ -32,7 +32,7 @@ from .._execution import shard_device
 from ._lowering import Schedule, schedule
 from ._transport import alltoall, messages, p2p
 
-__all__ = ["Step", "all_contiguous", "direct", "has_alltoall", "rows_in_order", "smallest_piece", "step"]
+__all__ = ["Step", "all_contiguous", "by_messages", "direct", "has_alltoall", "rows_in_order", "smallest_piece", "step"]
 
 # ``execute`` sends box by box (nothing staged) when every box goes out and lands in
 # place, there are at most this many boxes per pair of ranks on average, and they
@@ -40,6 +40,11 @@ __all__ = ["Step", "all_contiguous", "direct", "has_alltoall", "rows_in_order", 
 # latency than the separate messages save in copying (Gloo on loopback).
 _DIRECT_PIECES_PER_PAIR = 4
 _DIRECT_MIN_BYTES = 1 << 20
+# A launched movement whose boxes land in place, and a reduce phase, go by messages (``p2p``,
+# ``_reduce_phase.run_reduce``'s) where a rank sends this many bytes on average: then they hold
+# no buffer for the large boxes. Smaller, one all_to_all_single has less latency (each
+# point-to-point message on Gloo is a round of its own), and its buffers are small.
+_MESSAGES_MIN_BYTES = 1 << 20
 
 
 @cached(512)
@@ -95,6 +100,14 @@ def direct(src: Layout, dst: Layout, itemsize: int) -> bool:
     ranks = int(np.union1d(index(src).ranks, index(dst).ranks).size)
     few = sent <= _DIRECT_PIECES_PER_PAIR * ranks * ranks * small
     return few and all_contiguous(src, dst) and all_contiguous(dst, src)
+
+
+def by_messages(p: Plan, itemsize: int, world: int) -> bool:
+    """Whether a launched movement or a reduce phase ``p`` is large enough to go by messages.
+
+    From the plan's closed-form ``min_elements_sent``, alike on every rank.
+    """
+    return p.min_elements_sent * itemsize >= world * _MESSAGES_MIN_BYTES
 
 
 def smallest_piece(src: Layout, dst: Layout) -> int:
