@@ -166,12 +166,16 @@ HOLDS = {
         "outputs",
         "unpack with buffers of [54] elements alive, receiving into 1",
     ],
-    # After a round of headers, received in place into outputs made at once: small boxes (16 KiB
-    # weight rows, the bias) are packed, one message per peer, each way (3 peers x 4128 elements).
-    128: ["outputs", "launched with buffers of [12384, 12384] elements alive"],
-    # 256 KiB weight rows travel alone, from the shard straight into the outputs: only the bias
-    # rows are packed.
-    512: ["outputs", "launched with buffers of [384, 384] elements alive"],
+    # After a round of headers, by one all-to-all (a rank sends under 1 MiB): the same.
+    128: [
+        "launched with buffers of [12384, 12384] elements alive",
+        "outputs",
+        "unpack with buffers of [12384] elements alive, receiving into 1",
+    ],
+    # A rank sends 3 MiB: by messages, received in place into outputs made at once. The 1 MiB
+    # weight rows travel alone, from the shard straight into the outputs; only the bias rows
+    # are packed, one message per peer each way (3 peers x 256 elements).
+    1024: ["outputs", "launched with buffers of [768, 768] elements alive"],
 }
 
 
