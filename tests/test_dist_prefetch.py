@@ -244,12 +244,13 @@ def _two_weight_blocks(d: int) -> list[tuple[str, int, int]]:
     return seen
 
 
-def test_a_block_lets_go_of_each_weight_after_its_last_use_and_launches_the_block_before_at_half(dist_pool):
-    # w2's backward comes first: then the copy holds w1 only (half of it), and nothing flies yet; the
-    # block before is launched at w1's use, once w2's node has run, and w1 is let go after it.
+def test_a_block_lets_go_of_its_weights_after_their_last_use_and_launches_the_block_before_at_half(dist_pool):
+    # The two equal weights move as one stacked tensor, so they share a storage. w2's backward
+    # comes first: its storage stays for w1, and nothing flies yet. At w1's use (the last), the
+    # storage is let go and the block before is launched.
     d = 16
-    w = d * d * 4
-    want = [("middle", w, 0), ("input", 0, 1)] * (BLOCKS - 1) + [("middle", w, 0), ("input", 0, 0)]
+    both = 2 * d * d * 4
+    want = [("middle", both, 0), ("input", 0, 1)] * (BLOCKS - 1) + [("middle", both, 0), ("input", 0, 0)]
     assert dist_pool.run(_two_weight_blocks, d, timeout=120) == [want] * len(R)
 
 

@@ -24,21 +24,29 @@ from fshard.backends.torch_dist import _watch
 R = [0, 1, 2, 3]
 
 
-def test_a_watched_tensor_is_held_while_something_besides_python_holds_it():
+def test_a_view_handed_over_is_held_while_something_besides_python_holds_it():
     t = torch.zeros(4)
-    holder = torch._C.ScriptList([t])  # a holder outside Python, as a collective's work is
     before = _watch.held()
-    _watch.watch(t)
+    (view,) = _watch.handed(t)
+    holder = torch._C.ScriptList([view])  # a holder outside Python, as a collective's work is
     assert _watch.held() == before + 1
     del holder
     assert _watch.held() == before
 
 
-def test_watching_keeps_nothing_alive():
+def test_a_tensor_kept_elsewhere_is_not_waited_for():
     t = torch.zeros(4)
-    _watch.watch(t)
-    gone = weakref.ref(t)
-    del t
+    holder = torch._C.ScriptList([t])  # kept outside Python for good (a gradient, a saved tensor)
+    before = _watch.held()
+    _watch.handed(t)  # only the fresh view is watched, and only Python held it
+    assert _watch.held() == before
+    del holder
+
+
+def test_watching_keeps_nothing_alive():
+    (view,) = _watch.handed(torch.zeros(4))
+    gone = weakref.ref(view)
+    del view
     gc.collect()
     assert gone() is None
 

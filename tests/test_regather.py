@@ -319,3 +319,60 @@ def test_a_backward_leaves_nothing_in_flight_for_a_graph_it_does_not_reach():
     assert _regather.prefetched() - before == BLOCKS - 1
     assert _regather.live_groups() == 0
     del unused
+
+
+def test_a_backward_through_part_of_the_graph_then_the_whole_moves_the_copy_again():
+    # The first backward reaches the last block's intermediates only: it lets go of some of that
+    # block's gathered tensors and not others. The second, through the retained graph, needs them all.
+    stash: list[torch.Tensor] = []
+
+    def body(h, w, b):
+        inner = torch.tanh(torch.nn.functional.linear(h, w))
+        stash.append(inner)
+        return h + inner * b
+
+    results = []
+    for regather in (False, True):
+        stash.clear()
+        params, x = _params(), _x()
+        loss = _loss(params, x, regather, body)
+        part = torch.autograd.grad(loss, stash[-len(R) :], retain_graph=True)
+        loss.backward()
+        results.append((part, [t.grad for t in optree.tree_leaves(params)]))
+    (part0, grads0), (part1, grads1) = results
+    assert all(torch.equal(a, b) for a, b in zip(part0, part1))
+    assert all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+
+
+def test_the_block_before_is_launched_once_half_the_copys_memory_is_let_go(monkeypatch):
+    # Two equal weights per block move as one stacked tensor: each rank's pair shares a storage,
+    # which is freed only when both are let go. Counted by tensor, half would be "let go" while
+    # every storage is alive.
+    shares: list[float] = []
+    launch = _regather.Group._prefetch_previous
+
+    def recorded(self):
+        alive = sum(self.sizes[key] for key, n in self.views.items() if n)
+        shares.append(alive / sum(self.sizes.values()))
+        return launch(self)
+
+    monkeypatch.setattr(_regather.Group, "_prefetch_previous", recorded)
+    g = torch.Generator().manual_seed(0)
+    params = [
+        [fshard.shard(torch.randn(D, D, generator=g, dtype=torch.float64), ROWS) for _ in range(2)]
+        for _ in range(BLOCKS)
+    ]
+    for t in optree.tree_leaves(params):
+        t.requires_grad_()
+    step = fshard.shard_map(
+        lambda h, w1, w2: h + torch.tanh(h @ w1.T) @ w2.T,
+        in_specs=(ROWS, EVERYWHERE, EVERYWHERE),
+        out_specs=ROWS,
+        regather=True,
+    )
+    h = _x()
+    for w1, w2 in params:
+        h = step(h, w1, w2)
+    fshard.gather(h).square().sum().backward()
+    assert len(shares) >= BLOCKS - 1  # every block but the first launches the one before
+    assert all(share <= 0.5 for share in shares)

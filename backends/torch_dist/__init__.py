@@ -12,10 +12,12 @@ the two layouts alone (O(peers), never the global plan's O(world^2) rows):
   from and into the tensors where a box is a contiguous range of them (boxes under
   256 KiB packed, one message per peer). ``execute`` does the same when every
   received box is a contiguous range of its shard and the boxes are few and large
-  (chunk -> replicated, dim 0 -> dim 1 of big arrays), and ``launch`` whenever every
-  received box is such a range: nothing is staged on arrival, so a movement in
-  flight holds its outputs only. A reduce phase sends a large contribution straight
-  from the summand and, over Gloo, receives one peer's messages at a time.
+  (chunk -> replicated, dim 0 -> dim 1 of big arrays), and ``launch`` where every
+  received box is such a range and a rank sends 1 MiB or more on average
+  (``_choice.by_messages``): the large boxes are not staged, so a movement in flight
+  holds its outputs and the small boxes' packed messages only. A reduce phase of that
+  size sends a large contribution straight from the summand and, over Gloo, receives
+  one peer's messages at a time (``_reduce_messages``).
 
 Which transport runs must be the same on every rank (``all_to_all_single`` needs the
 whole group), so it is decided from the layouts, alike everywhere, not from one rank's
@@ -69,11 +71,11 @@ from ._choice import all_contiguous, by_messages, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
 from ._guard import Guard, guard
+from ._reduce_messages import reduce_messages, run_by_messages
 from ._reduce_phase import (
     as_bytes,
     collective_kind,
     combine_inline,
-    reduce_messages,
     reduce_schedule,
     run_collective,
     run_local,
@@ -82,7 +84,7 @@ from ._reduce_phase import (
 )
 from ._subgroups import all_reduce_among
 from ._transport import alltoall, copy_local, empty
-from ._watch import watch
+from ._watch import handed
 
 __all__ = ["TorchDistBackend"]
 
@@ -289,7 +291,8 @@ class TorchDistBackend:
         if plan.src.partial is None and self.member and len(plan.phases) == 1 and plan.phases[0].op is None:
             (p,) = plan.phases
             log_move("torch_dist", plan, like.element_size(), facts(self.group).rank)
-            # Received into the outputs where every box lands in place: in flight, nothing else is held.
+            # Large, with every box landing in place: the large boxes are received into the outputs,
+            # so in flight nothing but the outputs and the small boxes' packed messages is held.
             size = like.element_size()
             in_place = all_contiguous(p.src, p.dst) and by_messages(p, size, len(self.ranks))
             direct_ = in_place or direct(p.src, p.dst, size)
@@ -350,7 +353,7 @@ class TorchDistBackend:
             g = self._guard(op, p, like.dtype)
             with in_flight():
                 g.agree(self.group)
-                watch(got := as_bytes(out), mine := as_bytes(tensors[0].to(on).contiguous()))
+                got, mine = handed(as_bytes(out), as_bytes(tensors[0].to(on).contiguous()))
                 g.wait(all_gather(got, mine, group=self.group, async_op=True))
             self._count(p.for_rank(self.rank).elements_sent, out.element_size())
             return out.to(self._out_device(layout, like))
@@ -394,17 +397,20 @@ class TorchDistBackend:
             run_local(sched, src, out, dtype)
             return
         guarded = self._guard(op, p, dtype)
-        large = by_messages(p, dtype.itemsize, len(self.ranks))
-        messages = reduce_messages(p, self.rank, self.ranks, dtype.itemsize) if large else None
+        wire = self._warm()
         with in_flight():
-            run_reduce(sched, src, out, dtype, self._warm(), self.group, empty, guarded, messages)
+            if by_messages(p, dtype.itemsize, len(self.ranks)) and not guarded.inline:
+                plan = reduce_messages(p, self.rank, self.ranks, dtype.itemsize)
+                run_by_messages(sched, plan, src, out, dtype, wire, self.group, empty, guarded)
+            else:
+                run_reduce(sched, src, out, dtype, wire, self.group, empty, guarded)
         self._count(sched.sent, dtype.itemsize)
 
     def _warm(self) -> torch.device:
         """The wire device, with the NCCL communicator created (before the first P2P message)."""
         wire = self._wire
         if wire.type == "cuda" and id(self.group) not in _WARM:
-            watch(zero := torch.zeros(1, device=wire))
+            (zero,) = handed(torch.zeros(1, device=wire))
             dist.all_reduce(zero, group=self.group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
             _WARM.add(id(self.group))
         return wire

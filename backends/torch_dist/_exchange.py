@@ -12,7 +12,7 @@ from fshard._errors import SpecError
 
 from ._check import in_flight
 from ._choice import has_alltoall
-from ._watch import watch
+from ._watch import handed
 from ._wire import MAX_BYTES, Unsendable, decode, encode, refuse
 
 # ``exchange`` sends encodings up to this many bytes in one round (larger: a second round).
@@ -87,9 +87,9 @@ def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -
     out = torch.empty(n * row.size, dtype=torch.uint8, device=wire)
     with in_flight():
         if has_alltoall(str(dist.get_backend(group))):
-            watch(out, mine := mine.repeat(n))
-            dist.all_to_all_single(out, mine, group=group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+            into, mine = handed(out, mine.repeat(n))
+            dist.all_to_all_single(into, mine, group=group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         else:
-            watch(out, mine)
-            dist.all_gather_into_tensor(out, mine, group=group)  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; older torch lacks all_gather_single
+            into, mine = handed(out, mine)
+            dist.all_gather_into_tensor(into, mine, group=group)  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; older torch lacks all_gather_single
     return out.cpu().numpy().reshape(n, row.size)

@@ -46,7 +46,7 @@ from fshard._layout.show import describe_layout
 from fshard._plan import plan
 
 from ._reduce_phase import all_to_all
-from ._watch import watch
+from ._watch import handed
 
 __all__ = ["HEADER", "Guard", "guard", "inline_bytes"]
 
@@ -150,8 +150,7 @@ class Guard:
             box, work, _ = self._round(None, (), group)
             return box, work
         got = torch.empty((len(self.ranks), HEADER), dtype=torch.uint8, device=self.wire)
-        header = self.tiled if self.alltoall else self.tiled[:HEADER]
-        watch(got, view := got.view(-1), header)
+        view, header = handed(got.view(-1), self.tiled if self.alltoall else self.tiled[:HEADER])
         if self.alltoall:
             work = cast("dist.Work", dist.all_to_all_single(view, header, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         else:
@@ -206,8 +205,9 @@ class Guard:
         box, wire = _fresh(sum(self.slots)) if own else _box(sum(self.slots))
         if current().timeout is not None:
             box[self.at[:, :2]] = 0  # a header that still lacks its tag after a timeout: that rank did not arrive
-        watch(wire, env)
-        work = cast("dist.Work", dist.all_to_all_single(wire, env, list(self.slots), sizes, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+        into, sent = handed(wire, env)
+        start = cast("Any", dist.all_to_all_single)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+        work = cast("dist.Work", start(into, sent, list(self.slots), sizes, group=group, async_op=True))
         return box, work, env
 
     def verify(self, got: np.ndarray) -> None:
@@ -231,12 +231,16 @@ class Guard:
                 _BOXES.by_size.pop(box.size, None)
             raise self._late(timeout, box) from exc
 
-    def wait_all(self, works: Sequence[Any]) -> None:
-        """Every ``work.wait()``, all within one ``config(timeout=...)``."""
-        timeout = current().timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def wait_all(self, works: Sequence[Any], deadline: float | None = None) -> None:
+        """Every ``work.wait()``, all within one ``config(timeout=...)`` (or until ``deadline``, ``deadline()``'s)."""
+        deadline = self.deadline() if deadline is None else deadline
         for work in works:
             self.wait(work, deadline=deadline)
+
+    def deadline(self) -> float | None:
+        """When a wait that starts now runs out of ``config(timeout=...)`` (``None``: no timeout)."""
+        timeout = current().timeout
+        return None if timeout is None else time.monotonic() + timeout
 
     def _late(self, timeout: float, box: np.ndarray | None) -> CollectiveMismatchError:
         who = f"some ranks of process group {list(self.ranks)}"

@@ -2,10 +2,11 @@
 
 A rank combines its own contributions to each (peer, region) before sending, so a
 region crosses between two ranks at most once; all messages go out in one
-``all_to_all_single`` with split sizes, and the receiver combines them with its own
-contributions (its own first, then by peer rank ascending, as the local backend
-does). A rank's share comes from ``plan.for_rank(rank)``, computed from the layouts
-alone: no rank reads the global plan's rows (O(world^2) for a reduce-scatter).
+``all_to_all_single`` with split sizes (a large phase by messages instead:
+``_reduce_messages``), and the receiver combines them with its own contributions (its
+own first, then by peer rank ascending, as the local backend does). A rank's share
+comes from ``plan.for_rank(rank)``, computed from the layouts alone: no rank reads the
+global plan's rows (O(world^2) for a reduce-scatter).
 
 Where the layouts are those of a collective, the collective runs instead:
 ``all_reduce`` for a full-shape pending reduction on every rank of the group to a
@@ -30,10 +31,9 @@ from fshard._layout.layout import Layout
 from fshard._plan.schedule import Moves, RankSchedule
 
 from .._execution import accumulate, identity
-from ._watch import watch
+from ._watch import handed
 
 __all__ = [
-    "ReduceMessages",
     "ReduceSchedule",
     "all_to_all",
     "as_bytes",
@@ -41,7 +41,8 @@ __all__ = [
     "reduce_schedule",
     "run_collective",
     "run_local",
-    "reduce_messages",
+    "combine_received",
+    "combined",
     "run_reduce",
     "start_all_reduce",
 ]
@@ -195,69 +196,7 @@ def _combine(
         done.add(region)
 
 
-# Messages of fewer bytes than this travel packed, one message per peer (as ``_transport.p2p``'s boxes).
-ALONE_MIN_BYTES = 1 << 18
-
-_Message = tuple[int, int, Any, tuple[int, ...]]  # (peer, tag, what it sums or where it goes, shape)
-_Packed = tuple[int, int, tuple[Any, ...], int]  # (peer, tag, messages as ReduceSchedule lists them, elements)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReduceMessages:
-    """How ``run_reduce`` exchanges a schedule's messages, with their tags (alike on both sides of a pair).
-
-    A pair's messages of at least ``ALONE_MIN_BYTES`` go alone, tagged with their position
-    in the pair's list; the others packed in order, in one message tagged with the list's
-    length. ``recv_order``: the peers that send, ascending, as the received messages are
-    combined.
-    """
-
-    send_alone: tuple[_Message, ...]
-    send_packed: tuple[_Packed, ...]
-    recv_alone: dict[int, tuple[_Message, ...]]
-    recv_packed: dict[int, _Packed]
-    send_packed_numel: int
-    recv_order: tuple[int, ...]
-
-
-@cached(256)
-def reduce_messages(p: Any, me: int, order: tuple[int, ...], itemsize: int) -> ReduceMessages:
-    """``reduce_schedule(p, me, order)``'s messages for elements of ``itemsize`` bytes."""
-    sched = reduce_schedule(p, me, order)
-    send_alone, send_packed, send_numel = _by_size(sched.send, itemsize)
-    recv_alone, recv_packed, _ = _by_size(sched.recv, itemsize)
-    alone: dict[int, list[_Message]] = {}
-    for m in recv_alone:
-        alone.setdefault(m[0], []).append(m)
-    return ReduceMessages(
-        send_alone,
-        send_packed,
-        {peer: tuple(ms) for peer, ms in alone.items()},
-        {m[0]: m for m in recv_packed},
-        send_numel,
-        tuple(peer for peer, _ in sched.recv_at),
-    )
-
-
-def _by_size(peers: Any, itemsize: int) -> tuple[tuple[_Message, ...], tuple[_Packed, ...], int]:
-    alone: list[_Message] = []
-    packed: list[_Packed] = []
-    total = 0
-    for peer, msgs in peers:
-        small: list[tuple[Any, tuple[int, ...]]] = []
-        for tag, (what, shape) in enumerate(msgs):
-            if math.prod(shape) * itemsize >= ALONE_MIN_BYTES:
-                alone.append((peer, tag, what, shape))
-            else:
-                small.append((what, shape))
-        if small:
-            numel = sum(math.prod(shape) for _, shape in small)
-            packed.append((peer, len(msgs), tuple(small), numel))
-            total += numel
-    return tuple(alone), tuple(packed), total
-
-
-def _combined(sched: ReduceSchedule, parts: Any, src: dict[int, torch.Tensor], into: torch.Tensor) -> torch.Tensor:
+def combined(sched: ReduceSchedule, parts: Any, src: dict[int, torch.Tensor], into: torch.Tensor) -> torch.Tensor:
     """``into`` = this rank's contributions ``parts`` to one region, combined."""
     for n, (i, read) in enumerate(parts):
         if n == 0:
@@ -265,6 +204,22 @@ def _combined(sched: ReduceSchedule, parts: Any, src: dict[int, torch.Tensor], i
         else:
             accumulate(sched.op, into, src[i][read])
     return into
+
+
+def combine_received(
+    sched: ReduceSchedule, got: list[tuple[torch.Tensor, Any]], out: dict[int, torch.Tensor], done: set[int]
+) -> None:
+    """Combines received messages into this rank's destination shards.
+
+    ``got``: (a buffer, the messages it holds in order) each.
+    """
+    for buf, msgs in got:
+        at = 0
+        for targets, shape in msgs:
+            value = buf[at : at + math.prod(shape)].view(shape)
+            for j, write, region in targets:
+                _combine(sched, out[j][write], value, region, j, done)
+            at += value.numel()
 
 
 def run_reduce(
@@ -276,111 +231,27 @@ def run_reduce(
     group: Any,
     empty: Any,
     guard: Any,
-    plan: ReduceMessages | None = None,
 ) -> None:
-    """Runs a reduce phase.
+    """Runs a reduce phase by one ``all_to_all_single`` of packed buffers.
 
-    Combines this rank's contributions per peer and region, exchanges them while combining
-    this rank's own, then combines what arrived. ``guard`` (``_guard.Guard``) starts the
-    exchange behind the movement's headers. With ``plan``, by messages (``p2p``): a large
-    region that is one contribution, contiguous, goes straight from it, and nothing is
-    packed for it; otherwise (or where the data travels with the headers) in one
-    ``all_to_all_single`` of packed buffers.
+    Combines this rank's contributions per peer and region into the send buffer, exchanges
+    them while combining this rank's own, then combines what arrived. ``guard``
+    (``_guard.Guard``) starts the exchange behind the movement's headers (or carries the data
+    inline). Large phases go by messages instead (``_reduce_messages``).
     """
-    if plan is not None and not guard.inline:
-        return _run_p2p(sched, plan, src, out, dtype, wire, group, empty, guard)
     opened = guard.open(group)  # a round of headers alone, in flight while this packs
     sendbuf = empty((sum(sched.send_split),), dtype, wire)
     at = 0
     for _, msgs in sched.send:
         for parts, shape in msgs:
-            at += _combined(sched, parts, src, sendbuf[at : at + math.prod(shape)].view(shape)).numel()
+            at += combined(sched, parts, src, sendbuf[at : at + math.prod(shape)].view(shape)).numel()
     recvbuf = empty((sum(sched.recv_split),), dtype, wire)
     work = guard.start(recvbuf, sendbuf, sched.recv_split, sched.send_split, group, opened)
     done = run_local(sched, src, out, dtype)
     work.wait()
     messages = dict(sched.recv)
     for peer, at in sched.recv_at:  # peers ascending, as the local backend combines
-        for targets, shape in messages[peer]:
-            got = recvbuf[at : at + math.prod(shape)].view(shape)
-            for j, write, region in targets:
-                _combine(sched, out[j][write], got, region, j, done)
-            at += got.numel()
-
-
-def _run_p2p(
-    sched: ReduceSchedule,
-    plan: ReduceMessages,
-    src: dict[int, torch.Tensor],
-    out: dict[int, torch.Tensor],
-    dtype: torch.dtype,
-    wire: torch.device,
-    group: Any,
-    empty: Any,
-    guard: Any,
-) -> None:
-    """``run_reduce`` by messages: see there."""
-    opened = guard.open(group)  # a round of headers alone, in flight while this packs
-    ops: list[dist.P2POp] = []
-    for peer, tag, parts, shape in plan.send_alone:
-        if len(parts) == 1 and (view := src[parts[0][0]][parts[0][1]]).is_contiguous() and view.device == wire:
-            sent = view
-        else:
-            sent = _combined(sched, parts, src, empty(shape, dtype, wire))
-        ops.append(dist.P2POp(dist.isend, as_bytes(sent), peer, group, tag))
-    if plan.send_packed:
-        buf, at = empty((plan.send_packed_numel,), dtype, wire), 0
-        for peer, tag, msgs, _ in plan.send_packed:
-            start = at
-            for parts, shape in msgs:
-                at += _combined(sched, parts, src, buf[at : at + math.prod(shape)].view(shape)).numel()
-            ops.append(dist.P2POp(dist.isend, as_bytes(buf[start:at]), peer, group, tag))
-    guard.agree(group, opened)  # every rank moves the same data, before any message is posted
-    sent = dist.batch_isend_irecv(ops) if ops else []
-    ops.clear()
-    done = run_local(sched, src, out, dtype)
-    # Over Gloo, where some message is large, one peer's messages are received at a time (every
-    # send is posted, so each peer's arrive): buffers for one peer's share, not for all of them.
-    # NCCL posts every message at once.
-    order = list(plan.recv_order)
-    window = 1 if wire.type == "cpu" and plan.recv_alone else len(order)
-    posted = [_receive(plan, peer, dtype, wire, group, empty) for peer in order[:window]]
-    for k in range(len(order)):  # peers ascending, as the local backend combines
-        guard.wait_all(posted[k][0])
-        _combine_received(sched, posted[k][1], out, done)
-        posted[k] = ([], [])  # this peer's buffers (and the works that hold them), before the next peer's are made
-        if k + window < len(order):
-            posted.append(_receive(plan, order[k + window], dtype, wire, group, empty))
-    guard.wait_all(sent)
-
-
-def _combine_received(
-    sched: ReduceSchedule, got: list[tuple[torch.Tensor, Any]], out: dict[int, torch.Tensor], done: set[int]
-) -> None:
-    """Combines one peer's received messages (``_receive``'s) into this rank's destination shards."""
-    for buf, msgs in got:
-        at = 0
-        for targets, shape in msgs:
-            value = buf[at : at + math.prod(shape)].view(shape)
-            for j, write, region in targets:
-                _combine(sched, out[j][write], value, region, j, done)
-            at += value.numel()
-
-
-def _receive(
-    plan: ReduceMessages, peer: int, dtype: torch.dtype, wire: torch.device, group: Any, empty: Any
-) -> tuple[list[Any], list[tuple[torch.Tensor, Any]]]:
-    """Posts the receives of ``peer``'s messages; returns their works and (buffer, what goes where) of each."""
-    ops: list[dist.P2POp] = []
-    got: list[tuple[torch.Tensor, Any]] = []
-    for _, tag, targets, shape in plan.recv_alone.get(peer, ()):
-        got.append((buf := empty(shape, dtype, wire), ((targets, shape),)))
-        ops.append(dist.P2POp(dist.irecv, as_bytes(buf), peer, group, tag))
-    if (packed := plan.recv_packed.get(peer)) is not None:
-        _, tag, msgs, numel = packed
-        got.append((buf := empty((numel,), dtype, wire), msgs))
-        ops.append(dist.P2POp(dist.irecv, as_bytes(buf), peer, group, tag))
-    return list(dist.batch_isend_irecv(ops)), got
+        combine_received(sched, [(recvbuf[at:], messages[peer])], out, done)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -396,7 +267,7 @@ def all_to_all(recvbuf: torch.Tensor, sendbuf: torch.Tensor, recv_split: Any, se
     Sent as bytes (so any dtype goes through); returns its ``Work``.
     """
     item = recvbuf.element_size()
-    watch(got := as_bytes(recvbuf), sent := as_bytes(sendbuf))
+    got, sent = handed(as_bytes(recvbuf), as_bytes(sendbuf))
     work = cast(
         "dist.Work | None",
         dist.all_to_all_single(  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
@@ -461,8 +332,8 @@ def start_all_reduce(
         guard.agree(group, opened)
     if out is not mine:
         out.copy_(mine)
-    watch(out)
-    return cast("dist.Work", dist.all_reduce(out, op=_OPS[p.src.partial], group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+    (summed,) = handed(out)  # written in place: out holds the sum
+    return cast("dist.Work", dist.all_reduce(summed, op=_OPS[p.src.partial], group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
 
 
 def combine_inline(p: Any, mine: torch.Tensor, guard: Any, group: Any) -> torch.Tensor:
@@ -501,6 +372,6 @@ def run_collective(kind: str, p: Any, mine: torch.Tensor, out: torch.Tensor, gro
             "Callable[..., dist.Work]",
             getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; for older torch
         )
-        watch(out, summand := mine.contiguous())
-        work = scatter(out, summand, op=op, group=group, async_op=True)
+        into, summand = handed(out, mine.contiguous())
+        work = scatter(into, summand, op=op, group=group, async_op=True)
     guard.wait(work)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._watch import watch
+from ._watch import handed
 
 __all__ = ["all_reduce_among"]
 
@@ -53,6 +53,6 @@ def all_reduce_among(
 ) -> torch.Tensor:
     """The sum of ``t`` over the processes of ``ranks`` (this one among them): a new tensor on ``t``'s device."""
     buf = t.detach().to(wire, copy=True).contiguous()
-    watch(buf)
-    dist.all_reduce(buf, group=subgroup(tuple(sorted(ranks)), partition))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+    (summed,) = handed(buf)  # written in place: buf holds the sum
+    dist.all_reduce(summed, group=subgroup(tuple(sorted(ranks)), partition))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
     return buf.to(t.device)

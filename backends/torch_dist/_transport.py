@@ -38,7 +38,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
 
 # Boxes of fewer bytes than this travel packed, one message per peer: a message costs more
 # than copying such a box (Gloo on loopback). Larger boxes go alone, sent from and received
-# into the shards, so nothing but the outputs is alive while they are in flight.
+# into the shards where they are contiguous, so no buffer is alive for them in flight.
 ALONE_MIN_BYTES = 1 << 18
 
 _Box = tuple[int, Index, tuple[int, ...], int]  # (box number, box, shape, elements)

@@ -8,8 +8,9 @@ kept alive by the tensor, and freed on that thread, which takes the GIL to do it
 running that is harmless. At interpreter exit the GIL is no longer handed to other threads:
 the thread is stopped inside a destructor and the process aborts ("terminate called without
 an active exception"). So every tensor handed to such a collective is watched (a weak
-reference: nothing is kept alive), and at exit the process waits, a bounded time, until no
-watched tensor is held by anything but its Python object (``Tensor._use_count()``).
+reference: nothing is kept alive; a fresh view of each is handed over, so that nothing else
+holds it), and at exit the process waits, a bounded time, until no watched tensor is held by
+anything but its Python object (``Tensor._use_count()``).
 """
 
 from __future__ import annotations
@@ -21,17 +22,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["held", "watch"]
+__all__ = ["handed", "held"]
 
 _WATCHED: dict[int, weakref.ref[torch.Tensor]] = {}  # by id (tensors compare by value, not identity)
 _EXIT_WAIT_S = 5.0
 
 
-def watch(*tensors: torch.Tensor) -> None:
-    """Watches ``tensors``, just handed to a collective, until the process group's threads let go of them."""
-    for t in tensors:
+def handed(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Fresh views of ``tensors`` (``detach()``), watched, to hand to a collective instead of them.
+
+    Only the collective holds a fresh view besides Python, so a tensor that something else keeps
+    (a gradient, a result) never makes the exit wait.
+    """
+    views = tuple(t.detach() for t in tensors)
+    for t in views:
         key = id(t)
         _WATCHED[key] = weakref.ref(t, lambda ref, key=key: _forget(key, ref))
+    return views
 
 
 def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:

@@ -10,26 +10,31 @@ of its tensors, the view's sizes, strides and offset). Once the function returns
 holds the full copies and they are freed.
 
 In the backward, the first token unpacked moves the group's sources again, every leaf in one
-movement (the forward's plan, without gradients, by a launched movement's route: received
-in place where it can be), and each token gets its view of the new copy. Each tensor of the
-copy is let go when its last token has been unpacked (the node that unpacked it holds it
-until it has run), so the backward also holds less than one group at a time. The copy is the same plan applied to the same
+movement (the forward's plan, without gradients, by a launched movement's route, which
+receives a large movement straight into the copy), and each token gets its view of the new
+copy. Each tensor of the copy is let go when its last token has been unpacked (the node that
+unpacked it holds it until it has run), so the backward holds less than one group at a time.
+A tensor let go by a backward that reached part of the graph only is moved again, with the
+whole copy, by the next backward that needs it. The copy is the same plan applied to the same
 sources, so values and gradients are bit-identical to keeping the copy. The sources must not
 change in between: the group checks their version counters.
 
-**Backward prefetch** (FSDP2's): once half of a group's copy (by bytes) is let go in a
-backward, the movement of the group registered before it (the block before, whose backward
-comes next) is launched (``flight``) and left in flight while the rest of this block's
-backward computes: at the next token, when the node that let go of that half has run (at
-once where it was the last token). FSDP2 launches it when the copy is made, so two whole
-blocks are alive at once; here it flies in the half let go. It lands right before
-this group's own movement runs its backward (a pre-hook on that autograd node): this block's
-backward is done, and what comes next is the sum of its gradients to their shards, which
-then runs beside one copy of the block before (its outputs) rather than beside that
-movement's message buffers. So at most two groups hold data at once: what is left of the
-copy in use and the one in flight or landed. A copy landed that no token of the backward takes (the
-block before belongs to a graph this backward does not reach) is dropped at the backward's
-end, as a movement still in flight is waited for and dropped.
+**Backward prefetch** (FSDP2's): once half of a group's copy (in bytes, by storage) is let go
+in a backward, the movement of the group registered before it (the block before, whose
+backward comes next) is launched (``flight``) and left in flight while the rest of this
+block's backward computes: at the next token (the node that let go of that half has then run,
+unless that node unpacks the next token too), or at once where it was the last token. FSDP2
+launches it when the copy is made, so two whole blocks are alive at once; here it flies in
+the half let go. The launch starts a collective, so every rank must launch at the same point:
+where the copies may differ in bytes between ranks (``alike``: uneven shards), every rank
+launches at its first token instead, as FSDP2 does. It lands right before this group's own
+movement runs its backward (a pre-hook on that autograd node): this block's backward is done,
+and what comes next is the sum of its gradients to their shards, which then runs beside one
+copy of the block before (its outputs) rather than beside that movement's message buffers.
+So at most two groups hold data at once: what is left of the copy in use and the one in
+flight or landed. A copy landed that no token of the backward takes (the block before belongs
+to a graph this backward does not reach) is dropped at the backward's end, as a movement
+still in flight is waited for and dropped.
 
 Under a ``torch.func`` transform (whose levels cannot see saved-tensor hooks) the copies are
 kept, as without the setting.
@@ -46,16 +51,29 @@ import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fshard._array.array import ShardedArray
+from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec import flight as _flight
 from fshard._exec import fused as _fused
 from fshard._layout.layout import Layout
 
-__all__ = ["Group", "held_bytes", "in_flight", "live_groups", "prefetched", "register", "regathers", "saving", "usable"]
+__all__ = [
+    "Group",
+    "alike",
+    "held_bytes",
+    "in_flight",
+    "live_groups",
+    "prefetched",
+    "register",
+    "regathers",
+    "saving",
+    "usable",
+]
 
 
 class Group:
@@ -64,6 +82,7 @@ class Group:
     __slots__ = (
         "__weakref__",
         "ahead",
+        "alike",
         "copy",
         "due",
         "early",
@@ -78,8 +97,11 @@ class Group:
         "precision",
         "previous",
         "rounds",
+        "sizes",
         "sources",
+        "storage_of",
         "versions",
+        "views",
         "what",
     )
 
@@ -94,7 +116,12 @@ class Group:
         self.left_at: dict[int, int] = {}  # the same, per tensor
         self.copy: list[torch.Tensor | None] | None = None  # a tensor is let go after its last token
         self.held = self.half = 0  # bytes of the copy not let go yet, and half of them when it was made
+        self.storage_of: dict[int, int] = {}  # position -> its storage's address
+        self.views: dict[int, int] = {}  # storage address -> the copy's tensors on it not let go yet
+        self.sizes: dict[int, int] = {}  # storage address -> bytes
         self.due = False  # the block before's movement is launched at this group's next token
+        # Every rank's copy alike in bytes, so ranks let go of half at the same token and launch alike.
+        self.alike = alike(self.layouts)
         self.early = False  # the copy was landed by the group after this one, and no token took it yet
         self.lock = threading.Lock()  # bodies may run a thread each (psum on the local backend)
         self.ahead: _flight.Launches | None = None  # the movement again, launched and not landed yet
@@ -115,26 +142,31 @@ class Group:
         group after this one (``land_previous``).
         """
         with self.lock:
-            launch, self.due = self.due, False  # set at an earlier token, whose node has run by now
-            copy = self.copy
-            if copy is None:
+            launch, self.due = (
+                self.due,
+                False,
+            )  # set at an earlier token (its node has run, unless it unpacks this one too)
+            copy, first = self.copy, False
+            # None made yet, or this tensor was let go by a backward that reached part of the graph only.
+            if copy is None or copy[token.position] is None:
                 copy, landed = self._move()
                 self._made(copy)
                 _count(landed)
+                first = True
             elif self.early:  # landed ahead by the group after this one: this is its first token
-                self.early = False
+                self.early, first = False, True
                 _count(True)
+            # Where ranks may let go of half at different tokens, every rank launches at its first.
+            launch = launch or (first and not self.alike)
             t = copy[token.position]
-            assert t is not None, "a group's tensor let go before its last token"
+            assert t is not None
             self.left -= 1
             self.left_at[token.position] -= 1
             if self.left_at[token.position] <= 0:  # its last token: the node that unpacks it holds it until it has run
                 copy[token.position] = None
-                nbytes = t.numel() * t.element_size()
-                if self.held > self.half >= self.held - nbytes:  # half of the copy let go (see the module)
+                if self._let_go(token.position) and self.alike:  # half of the copy let go (see the module)
                     self.due = self.left > 0
                     launch = launch or self.left <= 0
-                self.held -= nbytes
             if self.left <= 0:  # the last token of this backward: nothing else needs the copy
                 self.copy = None
         if launch:
@@ -142,16 +174,34 @@ class Group:
         return t.as_strided(token.size, token.stride, t.storage_offset() + token.offset)
 
     def _made(self, copy: list[torch.Tensor | None]) -> None:
-        """Keeps ``copy`` as this backward's copy, for every token made in the forward (under the lock)."""
+        """Keeps ``copy`` as this backward's copy, for every token made in the forward (under the lock).
+
+        Counts the bytes it holds by storage (tensors of one movement may be views of one).
+        """
         self.copy, self.left, self.left_at = copy, self.packed, dict(self.packed_at)
-        self.held, self.due = 0, False
+        self.due, self.storage_of, self.views = False, {}, {}
+        sizes: dict[int, int] = {}
         for k, t in enumerate(copy):
-            if k not in self.left_at:
+            if k not in self.left_at or t is None:
                 copy[k] = None  # no token takes it
-            elif t is not None:
-                self.held += t.numel() * t.element_size()
+                continue
+            storage = t.untyped_storage()
+            self.storage_of[k] = key = storage.data_ptr()
+            self.views[key] = self.views.get(key, 0) + 1
+            sizes[key] = storage.nbytes()
+        self.sizes = sizes
+        self.held = sum(sizes.values())
         self.half = self.held // 2
         self.rounds += 1
+
+    def _let_go(self, position: int) -> bool:
+        """Counts tensor ``position`` of the copy let go; whether that let go of the copy's half (under the lock)."""
+        key = self.storage_of[position]
+        self.views[key] -= 1
+        if self.views[key]:
+            return False  # another tensor of the copy still uses its storage
+        before, self.held = self.held, self.held - self.sizes[key]
+        return before > self.half >= self.held
 
     def land_previous(self) -> None:
         """Lands the movement launched for the group before this one, if it is in flight (see the module)."""
@@ -209,12 +259,20 @@ class Group:
             raise SpecError(msg)
         launched = ahead is not None
         if ahead is None:
-            # Moved now by a launched movement's route, which receives into the copy where boxes land
-            # in place (``TorchDistBackend.launch``): it holds no message buffers besides.
+            # Moved now by a launched movement's route, which receives large movements straight
+            # into the copy (``TorchDistBackend.launch``): no message buffers besides.
             with _flight.launching() as ahead:
-                _fused.move_tree(self.sources, self.layouts, precision=self.precision)
-        with torch.no_grad(), _flight.landing(ahead):
-            moved = _fused.move_tree(self.sources, self.layouts, precision=self.precision)
+                try:
+                    _fused.move_tree(self.sources, self.layouts, precision=self.precision)
+                except BaseException:
+                    ahead.finish()  # nothing left in flight
+                    raise
+        try:
+            with torch.no_grad(), _flight.landing(ahead):
+                moved = _fused.move_tree(self.sources, self.layouts, precision=self.precision)
+        except BaseException:
+            ahead.finish()
+            raise
         return [t for a in moved for t in a.addressable_data], launched
 
 
@@ -402,6 +460,32 @@ def in_flight() -> int:
 
 
 def held_bytes() -> int:
-    """Bytes of the copies moved again that groups still hold, right now (for tests)."""
-    copies = [g.copy for g in list(_GROUPS) if g.copy is not None]
-    return sum(t.numel() * t.element_size() for copy in copies for t in copy if t is not None)
+    """Bytes of the copies moved again that groups still hold, right now, by storage (for tests)."""
+    groups = [g for g in list(_GROUPS) if g.copy is not None]
+    return sum(g.sizes[key] for g in groups for key, n in g.views.items() if n)
+
+
+@cached(256)
+def alike(layouts: tuple[Layout, ...]) -> bool:
+    """Whether every rank of ``layouts`` holds shards of the same sizes in each of them.
+
+    Then a copy moved to them has the same bytes on every rank, and every rank lets go of its
+    half at the same token. O(shards log shards).
+
+    >>> import fshard
+    >>> alike((fshard.Replicated([0, 1]).layout((4, 3)), fshard.Chunk(0, [0, 1]).layout((4,))))
+    True
+    >>> alike((fshard.Chunk(0, [0, 1, 2]).layout((4, 3)),))  # rows 2, 1 and 1
+    False
+    """
+    everyone = np.unique(np.concatenate([x.columns.rank for x in layouts])) if layouts else np.zeros(0)
+    for x in layouts:
+        c = x.columns
+        numel = np.prod(c.sz, axis=1) if c.sz.shape[1] else np.ones(len(c.rank), np.int64)
+        ranks, counts = np.unique(c.rank, return_counts=True)
+        if len(ranks) != len(everyone) or len(set(counts.tolist())) > 1:
+            return False
+        per_rank = numel[np.lexsort((numel, c.rank))].reshape(len(ranks), -1)
+        if (per_rank != per_rank[0]).any():
+            return False
+    return True
