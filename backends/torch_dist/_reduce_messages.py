@@ -6,7 +6,8 @@ nothing packed for it; the others are packed, one message per peer. Over Gloo, w
 message is large, a rank receives one peer's messages at a time, in rank order (every send
 is posted first, so each peer's arrive), so it holds buffers for one peer's share at a time,
 not for all of them, and combines as the local backend does (its own contributions first,
-then the peers ascending): the values are bit-identical. NCCL posts every message at once.
+then the peers ascending): the values are bit-identical. NCCL posts every message at once,
+in one batch with the sends. The whole phase waits under one ``config(timeout=...)``.
 Sender and receiver list a pair's messages alike, so they agree on each message's tag and size.
 """
 
@@ -34,7 +35,7 @@ _Packed = tuple[int, int, tuple[Any, ...], int]  # (peer, tag, messages as Reduc
 
 @dataclasses.dataclass(frozen=True)
 class ReduceMessages:
-    """How ``run_reduce`` exchanges a schedule's messages, with their tags (alike on both sides of a pair).
+    """How ``run_by_messages`` exchanges a schedule's messages, with their tags (alike on both sides of a pair).
 
     A pair's messages of at least ``ALONE_MIN_BYTES`` go alone, tagged with their position
     in the pair's list; the others packed in order, in one message tagged with the list's
