@@ -41,7 +41,7 @@ __all__ = ["Step", "all_contiguous", "by_messages", "direct", "has_alltoall", "r
 _DIRECT_PIECES_PER_PAIR = 4
 _DIRECT_MIN_BYTES = 1 << 20
 # A launched movement whose boxes land in place, and a reduce phase, go by messages (``p2p``,
-# ``_reduce_phase.run_reduce``'s) where a rank sends this many bytes on average: then they hold
+# ``_reduce_messages.run_by_messages``) where a rank sends this many bytes on average: then they hold
 # no buffer for the large boxes. Smaller, one all_to_all_single has less latency (each
 # point-to-point message on Gloo is a round of its own), and its buffers are small.
 _MESSAGES_MIN_BYTES = 1 << 20

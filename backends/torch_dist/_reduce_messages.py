@@ -23,11 +23,9 @@ import torch.distributed as dist
 from fshard._base.cache import cached
 
 from ._reduce_phase import ReduceSchedule, as_bytes, combine_received, combined, reduce_schedule, run_local
+from ._transport import ALONE_MIN_BYTES  # the size from which a message goes alone, as ``p2p``'s boxes
 
-__all__ = ["ALONE_MIN_BYTES", "ReduceMessages", "reduce_messages", "run_by_messages"]
-
-# Messages of fewer bytes than this travel packed, one message per peer (as ``_transport.p2p``'s boxes).
-ALONE_MIN_BYTES = 1 << 18
+__all__ = ["ReduceMessages", "reduce_messages", "run_by_messages"]
 
 _Message = tuple[int, int, Any, tuple[int, ...]]  # (peer, tag, what it sums or where it goes, shape)
 _Packed = tuple[int, int, tuple[Any, ...], int]  # (peer, tag, messages as ReduceSchedule lists them, elements)
