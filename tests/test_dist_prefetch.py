@@ -11,6 +11,8 @@ elements in the same number of collectives. Ranks whose prefetches differ raise
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +22,7 @@ from fshard._base.alloc import use_count
 from fshard._exec import flight as _flight
 from fshard._exec import regather as _regather
 from fshard.backends.local import LocalBackend
-from fshard.backends.torch_dist import TorchDistBackend, _choice, _transport
+from fshard.backends.torch_dist import TorchDistBackend, _choice, _transport, _watch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -135,6 +137,11 @@ def _what_a_prefetch_holds(d: int) -> list[str]:
         return [n for storage, n in buffers if use_count(storage._cdata) > 1]
 
     def recorded_unpack(runs, buf, tensors):
+        # Gloo's worker thread drops a finished collective (and its tensors) a moment after
+        # wait() returns: count only what is still held once it has let go.
+        deadline = time.monotonic() + 5
+        while _watch.held() and time.monotonic() < deadline:
+            time.sleep(0.001)
         into = next(k for k, (storage, _) in enumerate(buffers) if storage.data_ptr() == buf.data_ptr())
         events.append(f"unpack with buffers of {alive()} elements alive, receiving into {into}")
         return unpack(runs, buf, tensors)
