@@ -297,6 +297,12 @@ KNOWN = {
         (((4, 3), 11), ((3, 2), 12), ((2,), 13)),
         (("shard", 0, Partial(Named(Mesh((2, 2)), ("x", None)), over="y")), ("reshard", 3, Chunk(0, [0, 1, 2, 3]))),
     ),
+    # a closure over a grid-split bias of a (1, 5) matrix: some ranks' blocks are all empty, and
+    # every rank must still sum the gradients in the same buckets.
+    "empty-blocks-in-buckets": (
+        (((1, 1), 422), ((1, 5), 1179), ((5,), 2847)),
+        (("bias", 1, 2, "grid", (1, 0, 3, 2)), ("matmul", 0, 0, "grid", (3, 0, 1, 2)), ("closure", 4, 3, "scalar")),
+    ),
     # the sum of all elements when one box is non-empty and another is empty.
     "sum-with-an-empty-shard": ((((1, 4), 0), *TINY[1:]), (("shard", 0, Chunk(0, [0, 1])), ("sum", 3, None))),
 }

@@ -301,6 +301,47 @@ def test_a_backward_runs_its_buckets_and_nothing_else(dist_pool, cap_mb, out):
         assert n == (1 if cap_mb == 25.0 else 5)
 
 
+def _taps_and_launches(cap_mb: float) -> tuple[int, int, int, list[torch.Tensor]]:
+    """One step's tap nodes, the buckets that left before the arguments' own node ran, the buckets, the gradients."""
+    taps, early = [], []
+    forward, finish = _buckets._Tap.forward, _buckets._State.finish
+
+    def counted_forward(ctx, state, positions, *tensors):
+        taps.append(len(positions))
+        return forward(ctx, state, positions, *tensors)
+
+    def recorded_finish(self, late):
+        early.append(len(self.flights))
+        return finish(self, late)
+
+    old = fshard.config(bucket_cap_mb=cap_mb)
+    _buckets._Tap.forward, _buckets._State.finish = staticmethod(counted_forward), recorded_finish
+    try:
+        backend = TorchDistBackend()
+        x = fshard.from_local_tensor(_rows(backend.rank), dim=0)
+        grads = _grads("plain", backend, x)
+        plan = _buckets.buckets(tuple([fshard.Replicated(R).layout((D, D))] * 5), 8, max(int(cap_mb * (1 << 20)), 1), 0)
+        return len(taps), early[0], len(plan), grads
+    finally:
+        _buckets._Tap.forward, _buckets._State.finish = forward, finish
+        fshard.config(**{"bucket_cap_mb": old.bucket_cap_mb})
+
+
+@pytest.mark.parametrize("cap_mb", [25.0, 1e-4])
+def test_one_tap_per_bucket_and_every_bucket_but_the_last_leaves_during_the_backward(dist_pool, cap_mb):
+    """A bucket's blocks share one autograd node, which hands their gradients over once all are in.
+
+    With a bucket per parameter, every bucket but the last (which carries the count of late
+    gradients) has left when the backward reaches the arguments' own node.
+    """
+    want = _local("plain")
+    for taps, early, n, grads in dist_pool.run(_taps_and_launches, cap_mb, timeout=120):
+        assert taps == n == (1 if cap_mb == 25.0 else 5)
+        assert early == n - 1
+        for got, expected in zip(grads, want):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 def _different_buckets(out: str) -> str:
     old = fshard.config(bucket_cap_mb=25.0 if TorchDistBackend().rank == 0 else 1e-4)
     try:

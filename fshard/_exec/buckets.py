@@ -14,10 +14,12 @@ each launched as soon as its gradients are in. Here:
   ranks check that they run the same buckets once per call: in the call's exchange of
   outcomes where it has one (``compare_series``), else in a round of headers that the call
   posts in its forward and the first launch ends (``post_series``);
-- each block's first use in the function goes through a **tap** (``gathered.register_tap``)
-  whose backward copies the block's gradient into its bucket and passes nothing on; when a
-  bucket is full, and the buckets before it have left, it is launched (``launch``), and runs
-  while the backward goes on;
+- the first use in the function of any block of a bucket goes through that bucket's **tap**
+  (``gathered.register_tap``): one autograd node for the bucket's blocks, as DDP has one
+  hook per bucket's worth of gradients rather than a Python call per parameter. Its backward
+  runs once the gradients of all of them are in; it copies them into the bucket and passes
+  nothing on. When a bucket is full, and the buckets before it have left, it is launched
+  (``launch``), and runs while the backward goes on;
 - the backward of the arguments' own node (``_SumBuckets``) runs last. It adds the
   gradients that reached the blocks some other way (code that runs outside the function's
   torch-function mode, such as an activation checkpoint's recomputation) to the buckets not
@@ -44,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -444,13 +447,14 @@ class _State:
         while len(self.flights) < len(self.plan):
             self._launch(len(self.flights))
         summed = [flight() for flight in self.flights]
-        out: list[torch.Tensor] = [
-            self._zeros(*shape) if position not in self.where else torch.empty(0)  # empty boxes: zeros
-            for position, shape in enumerate(self.shapes)
+        out: list[Any] = [
+            None if position in self.where else self._zeros(*shape) for position, shape in enumerate(self.shapes)
         ]
-        for position, (b, j, at) in self.where.items():
-            if position >= 0:
-                out[position] = summed[b][j][at : at + self._numel(position)].view(self.shapes[position])
+        for b, bucket in enumerate(self.plan):  # each range cut into its boxes by one split: views, no copy
+            for part, total in zip(bucket.parts, summed[b]):
+                for q, piece in zip(part, torch.split(total, [self._width(bucket, q) for q in part])):
+                    if q != bucket.flag:
+                        out[bucket.positions[q]] = piece.view(self.shapes[bucket.positions[q]])
         b, j, at = self.where[-1]
         if bool(summed[b][j][at] != 0):  # some rank had gradients after their bucket left: sum them all
             extra = [g if k in outside and g is not None else torch.zeros_like(out[k]) for k, g in enumerate(late)]
@@ -478,24 +482,27 @@ class _State:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity forward; backward hands the gradient to its bucket (``_State.take``) and passes nothing on.
+    """Identity forward of one bucket's blocks; backward hands their gradients to the bucket (``_State.take``).
 
-    Its forward takes ``ctx`` (no ``setup_context``): ``apply`` then binds no signature, which
-    matters at one call per block and step.
+    It passes on nothing it handed over. Its forward takes ``ctx`` (no ``setup_context``):
+    ``apply`` then binds no signature.
     """
 
     @staticmethod
-    def forward(ctx: Any, state: _State, position: int, t: torch.Tensor) -> torch.Tensor:
-        ctx.state, ctx.position = state, position
-        return t.view_as(t)
+    def forward(ctx: Any, state: _State, positions: tuple[int, ...], *tensors: torch.Tensor) -> Any:
+        ctx.state, ctx.positions = state, positions
+        ctx.set_materialize_grads(False)  # a block not used: None, not a tensor of zeros
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
-        (g,) = grads
-        if g is None or torch.is_grad_enabled() or not ctx.state.take(ctx.position, g):
-            return None, None, g  # gradients of gradients, or a bucket gone: summed by the last node
-        return None, None, None
+        if torch.is_grad_enabled():  # gradients of gradients: summed by the last node
+            return (None, None, *grads)
+        state: _State = ctx.state
+        # A bucket gone (take() says no): the gradient goes on, to be summed by the last node.
+        passed = [g if g is not None and not state.take(p, g) else None for p, g in zip(ctx.positions, grads)]
+        return (None, None, *passed)
 
 
 class _SumBuckets(torch.autograd.Function):
@@ -558,8 +565,14 @@ def sum_in_buckets(
     slots = _slots(layouts, itemsize, max(cap, 1), backend.rank)
     state = _State(plan, slots, backend, tensors, like, precision)
     *out, link = _autograd.apply(_SumBuckets, state, like, *tensors)
-    for k, t in enumerate(out):
-        _gathered.register_tap(t, functools.partial(_tap, state, k))
+    tapped: dict[int | None, list[int]] = {}  # each bucket's positions; the empty boxes (in no bucket) together
+    for position in range(len(out)):
+        tapped.setdefault(state.where.get(position, (None,))[0], []).append(position)
+    for positions in tapped.values():
+        blocks = tuple(weakref.ref(out[p]) for p in positions)  # weakly: a block's tap keeps no other block
+        tap = functools.partial(_tap, state, tuple(positions), blocks)
+        for p in positions:
+            _gathered.register_tap(out[p], tap)
     return tuple(out), link
 
 
@@ -603,5 +616,10 @@ def post_series(states: Sequence[_State]) -> None:
         state.post()
 
 
-def _tap(state: _State, position: int, t: torch.Tensor) -> torch.Tensor:
-    return _autograd.apply(_Tap, state, position, t)
+def _tap(
+    state: _State, positions: tuple[int, ...], blocks: tuple[weakref.ref[torch.Tensor], ...], t: torch.Tensor
+) -> dict[int, torch.Tensor]:
+    """The views of one bucket's blocks (those still alive), by ``id`` of the block: one ``_Tap`` node for them all."""
+    alive = [(p, x) for p, ref in zip(positions, blocks) if (x := ref()) is not None]
+    views = _autograd.apply(_Tap, state, tuple(p for p, _ in alive), *(x for _, x in alive))
+    return {id(x): v for (_, x), v in zip(alive, views)}

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Collection, Generator
+from collections.abc import Callable, Collection, Generator, Mapping
 from typing import Any, cast
 
 import optree
@@ -130,12 +130,15 @@ def mark_gathered(t: torch.Tensor) -> None:
 _TAPPED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-def register_tap(t: torch.Tensor, tap: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Makes per-shard functions use ``tap(t)`` wherever they use ``t``, made at the first use.
+def register_tap(t: torch.Tensor, tap: Callable[[torch.Tensor], Mapping[int, torch.Tensor]]) -> None:
+    """Makes per-shard functions use a view made by ``tap`` wherever they use ``t``, made at the first use.
 
-    Made there, the tap's autograd node is numbered among the function's own nodes, so the
-    backward runs it as soon as the gradients of ``t``'s uses are in, not after every node
-    made later (the engine runs the ready node with the highest number first).
+    ``tap(t)`` returns the views of ``t`` and of the blocks tapped with it (those that share
+    ``tap``), by ``id`` of the block: one autograd node for them all, which the function's
+    later uses of those blocks reuse. Made there, the node is numbered among the function's
+    own nodes, so the backward runs it as soon as the gradients of those blocks' uses are in,
+    not after every node made later (the engine runs the ready node with the highest number
+    first).
     """
     _TAPPED[id(t)] = t
     setattr(t, "_fshard_tap", tap)  # noqa: B010  # the block carries its tap: it goes when the block goes
@@ -235,8 +238,10 @@ class _PerShard(TorchFunctionMode):
             return seen
         # This mode is off while it handles a call: apply() is not intercepted.
         if _TAPPED.get(key) is x:
-            tap = cast("Callable[[torch.Tensor], torch.Tensor]", getattr(x, "_fshard_tap"))  # noqa: B009  # set by register_tap
-            view = tap(x)
+            tap = cast("Callable[[torch.Tensor], Mapping[int, torch.Tensor]]", getattr(x, "_fshard_tap"))  # noqa: B009  # set by register_tap
+            tapped = tap(x)
+            self.views.update(tapped)  # the blocks tapped with x: their first uses find their views here
+            return tapped[key]
         elif _LIVE.get(key) is x:
             view = cast("torch.Tensor", _SetAside.apply(_PARTS[key], x))  # pyright: ignore[reportUnknownMemberType]  # torch: apply is untyped
             if self.usage is not None:
