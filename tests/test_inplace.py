@@ -230,3 +230,103 @@ def _every_rank_refuses(spec: fshard.Chunk) -> tuple[str, str, bool]:
 def test_every_rank_raises_and_keeps_its_blocks(dist_pool, ranks) -> None:
     got = dist_pool.run(_every_rank_refuses, fshard.Chunk(0, ranks), timeout=60)
     assert got == [("SpecError", "map_local() fn called aten::mul_.Tensor", True)] * 4
+
+
+# -- behind the per-shard torch-function mode (across processes, gradients recorded) ------------
+
+# Each write a data-parallel body might attempt into its weight block, and the op the error names.
+_FIRST_ROW = torch.tensor([0])
+# Each write into the rows block (no gradient: a weight's view from its tap would meet
+# autograd's own refusal first), and the op the error names.
+GATED_WRITES: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
+    "mul_": (lambda x: x.mul_(10), "aten::mul_.Tensor"),
+    "out= of a call let through": (lambda x: torch.tanh(x, out=x), "aten::tanh.out"),
+    "relu inplace": (lambda x: torch.nn.functional.relu(x, inplace=True), "aten::relu_"),
+    "embedding max_norm": (
+        lambda x: torch.nn.functional.embedding(_FIRST_ROW, x, max_norm=0.1),
+        "aten::embedding_renorm_",
+    ),
+    "a view written": (lambda x: x.view(-1)[:2].zero_(), "aten::zero_"),
+}
+
+
+def _gated(name: str | None) -> tuple[str, bool, int]:
+    """A write (``GATED_WRITES[name]``) refused, or none, where the per-shard mode runs in front of the check.
+
+    Returns the error's first words, whether the rows block kept its values, and how many
+    aten ops reached the dispatch-level check.
+    """
+    from fshard._exec import readonly
+
+    write = None if name is None else GATED_WRITES[name][0]
+    R = [0, 1, 2, 3]
+    w0 = X[:3].clone()  # 3 x 3
+    w = fshard.shard(w0.clone(), fshard.Replicated(R))
+    w.addressable_data[0].requires_grad_()
+    x0 = torch.ones(2, 3) * (torch.distributed.get_rank() + 1)
+    x = fshard.from_local_tensor(x0.clone(), dim=0)
+    checked = [0]
+    dispatch = readonly._ReadOnly.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        checked[0] += 1
+        return dispatch(self, func, types, args, kwargs)
+
+    def body(xb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        if write is not None:
+            write(xb)
+        h = torch.nn.functional.linear(xb, wb).tanh()
+        return torch.nn.functional.layer_norm(h, h.shape[-1:]).sum()[None]
+
+    step = fshard.shard_map(
+        body, in_specs=(fshard.Chunk(0, R), fshard.Replicated(R)), out_specs=fshard.Partial(fshard.Replicated(R))
+    )
+    readonly._ReadOnly.__torch_dispatch__ = counted
+    try:
+        fshard.gather(step(x, w)).backward()
+        error = "no error"
+    except SpecError as exc:
+        error = str(exc).split(",", 1)[0]
+    finally:
+        readonly._ReadOnly.__torch_dispatch__ = dispatch
+    return error, torch.equal(x.addressable_data[0], x0) and torch.equal(w.addressable_data[0].detach(), w0), checked[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(GATED_WRITES))
+def test_writes_are_refused_behind_the_per_shard_mode(dist_pool, name) -> None:
+    op = GATED_WRITES[name][1]
+    for error, kept, checked in dist_pool.run(_gated, name, timeout=60):
+        assert (error, kept) == (f"shard_map() fn called {op}", True)
+        assert checked >= 1  # the call ran under the check (all its aten ops, up to the refused one)
+
+
+@pytest.mark.multiprocess
+def test_calls_that_write_nothing_skip_the_dispatch_level_check(dist_pool) -> None:
+    """linear, tanh, layer_norm, sum, indexing and the tap's views: no aten op of theirs reaches the check."""
+    assert dist_pool.run(_gated, None, timeout=60) == [("no error", True, 0)] * 4
+
+
+def test_the_calls_let_through_write_into_no_argument_by_their_schemas() -> None:
+    """Every aten op named like a method or builtin that the check lets through has no written argument but ``out``."""
+    from fshard._exec import readonly
+
+    aliases = {"__getitem__": "index", "__radd__": "add", "__rsub__": "rsub", "__rmul__": "mul", "__truediv__": "div",
+               "__rtruediv__": "div", "__rmatmul__": "matmul", "view_as": "view", "reshape_as": "reshape",
+               "expand_as": "expand", "type_as": "to", "float": "to", "layer_norm": "native_layer_norm"}  # fmt: skip
+    names = [*readonly._PURE_METHODS, *(f.__name__ for f in readonly._PURE_FUNCTIONS if not f.__module__)]
+    checked = 0
+    for name in names:
+        op = aliases.get(name, name.strip("_"))
+        packet = getattr(torch.ops.aten, op, None)
+        assert packet is not None or op in {"size", "dim", "numel"}, name  # sizes: no aten op, nothing to write
+        for overload in packet.overloads() if packet is not None else ():
+            schema = getattr(packet, overload)._schema
+            written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            assert written in ([], ["out"]) or all(a.kwarg_only for a in schema.arguments if a.name in written), (
+                name,
+                overload,
+                written,
+            )
+            checked += 1
+    assert checked > 100

@@ -46,6 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fshard._base.compile import opaque
+from fshard._exec import readonly as _readonly
 
 __all__ = [
     "Parts",
@@ -219,7 +220,7 @@ class _PerShard(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         args = tuple(self._swap_any(a) for a in args)
         kwargs = {k: self._swap_any(v) for k, v in kwargs.items()} if kwargs else {}
-        return func(*args, **kwargs)
+        return _readonly.call(func, types, args, kwargs)  # the in-place check set aside where the call writes nothing
 
     def _swap_any(self, x: Any) -> Any:
         """``x`` with its tensors swapped: directly for a tensor (most arguments), through its pytree else."""
@@ -239,7 +240,7 @@ class _PerShard(TorchFunctionMode):
         # This mode is off while it handles a call: apply() is not intercepted.
         if _TAPPED.get(key) is x:
             tap = cast("Callable[[torch.Tensor], Mapping[int, torch.Tensor]]", getattr(x, "_fshard_tap"))  # noqa: B009  # set by register_tap
-            tapped = tap(x)
+            tapped = _readonly.unchecked(tap, x)  # views that fshard makes: no op of theirs writes
             self.views.update(tapped)  # the blocks tapped with x: their first uses find their views here
             return tapped[key]
         elif _LIVE.get(key) is x:
@@ -299,5 +300,6 @@ def per_shard(
     if not ((backend.spans_processes and (_LIVE or _TAPPED)) or closed is not None):
         yield
         return
-    with _PerShard(usage, closed, {id(t) for t in own}, mark() if closed is not None else 0):
+    since = _readonly.unchecked(mark) if closed is not None else 0  # its probe writes into nothing
+    with _PerShard(usage, closed, {id(t) for t in own}, since):
         yield

@@ -6,7 +6,19 @@ that writes into an argument (``Tensor(a!)`` in its schema, ``out=`` included) w
 memory is that of an input block is refused with ``SpecError`` before it runs, so the
 array keeps its values. Writes into tensors the function made itself go through.
 
-The mode sees the ops that reach the dispatcher one by one. While TorchDynamo traces
+The mode sees the ops that reach the dispatcher one by one, at a Python call per op (about
+15 us: some 3 ms of a small transformer's forward). Where a torch-function mode runs in
+front of it anyway (``gathered``'s per-shard mode, on across processes while gradients are
+recorded), that mode hands each call to ``call``, which runs the calls that cannot write
+into any argument with the dispatch mode set aside: a fixed list of torch's functions and
+tensor methods whose aten ops write into no argument (``_PURE``), a few functionals that
+write only when asked to (``F.relu(t, inplace=True)``, ``F.embedding(..., max_norm=1)``:
+``_PURE_UNLESS``), and attribute reads. Every other call (one given ``out=``, an in-place
+method, a custom autograd function, a tensor subclass's), and code that the torch-function
+mode does not see, runs under the dispatch mode, so a write into an input block is refused
+as it is without that mode.
+
+While TorchDynamo traces
 ``map_local`` itself (``torch.compiler.is_compiling()``) it is not entered: a dispatch
 mode cannot be traced. While TorchDynamo compiles a body called under it, it stands aside
 (``ignore_compile_internals``), and it is on again while the compiled code runs, which
@@ -17,16 +29,20 @@ caller's version-counter check after the function catches those, after the fact.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from typing import Any
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = ["read_only"]
+__all__ = ["call", "read_only", "unchecked"]
+
+T = TypeVar("T")
 
 # torch's functorch bindings, which have no stub and no public form.
 _functorch: Any = getattr(torch._C, "_functorch")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
@@ -111,6 +127,80 @@ class _ReadOnly(TorchDispatchMode):
             "or write into a tensor fn makes itself (y = t.clone(); y.mul_(10))."
         )
         raise SpecError(msg)
+
+
+# Calls that write into none of their arguments: each of their aten ops has no argument that its
+# schema marks as written but ``out`` (and a call given ``out=`` is never let through). Methods
+# by name on ``torch.Tensor``; tests/test_inplace.py checks every one against torch's schemas.
+_PURE_METHODS = (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__matmul__", "__rmatmul__", "__neg__", "__pow__", "__getitem__", "add", "sub", "mul", "div", "matmul",
+    "pow", "neg", "exp", "log", "tanh", "sigmoid", "sqrt", "rsqrt", "abs", "sum", "mean", "amax", "softmax",
+    "log_softmax", "masked_fill", "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t",
+    "flatten", "unflatten", "unbind", "split", "chunk", "squeeze", "unsqueeze", "expand", "expand_as",
+    "contiguous", "narrow", "select", "dim", "size", "numel", "float", "to", "type_as", "clone", "detach",
+)  # fmt: skip
+_PURE_FUNCTIONS = (
+    torch.arange, torch.cat, torch.stack, torch.matmul, torch.bmm, torch.tanh, torch.exp, torch.softmax,
+    torch.layer_norm, torch.embedding, torch.where, torch.zeros, torch.ones, torch.empty, torch.zeros_like,
+    torch.ones_like, torch.empty_like, torch.full, F.linear, F.gelu, F.scaled_dot_product_attention,
+    F.layer_norm, F.cross_entropy, F.softmax, F.log_softmax, F.mse_loss,
+)  # fmt: skip
+_PURE: frozenset[Any] = frozenset([*(getattr(torch.Tensor, name) for name in _PURE_METHODS), *_PURE_FUNCTIONS])
+# Functionals that write into an argument only when asked: the position and name of that argument.
+_PURE_UNLESS: dict[Any, tuple[int, str]] = {
+    F.embedding: (3, "max_norm"),  # renormalizes the weight in place
+    F.dropout: (3, "inplace"),
+    F.relu: (1, "inplace"),
+    F.silu: (1, "inplace"),
+}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> bool:
+    """Whether the call ``func(*args, **kwargs)`` (its arguments of types ``kinds``) writes into no argument."""
+    if any(k not in _PLAIN for k in kinds) or "out" in kwargs:  # a subclass's own handler: not ours to judge
+        return False
+    if func in _PURE:
+        return True
+    unless = _PURE_UNLESS.get(func)
+    if unless is not None:
+        position, name = unless
+        return len(args) <= position and not kwargs.get(name)
+    return isinstance(func, types.MethodWrapperType) and func.__name__ == "__get__"  # an attribute read
+
+
+def call(func: Any, kinds: Any, args: Any, kwargs: Any) -> Any:
+    """``func(*args, **kwargs)``, with the in-place check set aside where the call writes into no argument.
+
+    For a torch-function mode in front of the check (``gathered``'s per-shard mode): a call
+    that ``_pure`` lets through runs as ``unchecked``; any other call under the check.
+    """
+    if not _pure(func, kinds, args, kwargs):
+        return func(*args, **kwargs)
+    return unchecked(func, *args, **kwargs)
+
+
+def unchecked(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` with the in-place check's dispatch mode off the stack, where it is the innermost mode.
+
+    For calls that write into no argument (``_pure``) and fshard's own views of the blocks.
+    Where another mode was entered above the check, or TorchDynamo traces, ``fn`` runs as it is.
+    """
+    depth = _depth()
+    if torch.compiler.is_compiling() or not depth or type(_mode_at(depth - 1)) is not _ReadOnly:
+        return fn(*args, **kwargs)
+    mode = _pop(None)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _push(mode)
+
+
+# torch's stack of dispatch modes (the C functions behind torch.utils._python_dispatch's helpers).
+_C: Any = torch._C  # pyright: ignore[reportPrivateUsage]
+_depth, _mode_at = _C._len_torch_dispatch_stack, _C._get_dispatch_stack_at
+_pop, _push = _C._pop_torch_dispatch_stack, _C._push_on_torch_dispatch_stack
 
 
 def read_only(tensors: Sequence[torch.Tensor], what: str) -> contextlib.AbstractContextManager[Any]:
