@@ -14,10 +14,10 @@ each launched as soon as its gradients are in. Here:
   ranks check that they run the same buckets once per call: in the call's exchange of
   outcomes where it has one (``compare_series``), else in a round of headers that the call
   posts in its forward and the first launch ends (``post_series``);
-- the first use in the function of any block of a bucket goes through that bucket's **tap**
-  (``gathered.register_tap``): one autograd node for the bucket's blocks, as DDP has one
-  hook per bucket's worth of gradients rather than a Python call per parameter. Its backward
-  runs once the gradients of all of them are in; it copies them into the bucket and passes
+- the first use in the function of any block of a run of a bucket's blocks (at most 1 MiB,
+  ``_tap_groups``) goes through that run's **tap** (``gathered.register_tap``): one autograd
+  node for the run's blocks, not a Python call per parameter each way. Its backward runs
+  once the gradients of all of them are in; it copies them into the bucket and passes
   nothing on. When a bucket is full, and the buckets before it have left, it is launched
   (``launch``), and runs while the backward goes on;
 - the backward of the arguments' own node (``_SumBuckets``) runs last. It adds the
@@ -565,15 +565,36 @@ def sum_in_buckets(
     slots = _slots(layouts, itemsize, max(cap, 1), backend.rank)
     state = _State(plan, slots, backend, tensors, like, precision)
     *out, link = _autograd.apply(_SumBuckets, state, like, *tensors)
-    tapped: dict[int | None, list[int]] = {}  # each bucket's positions; the empty boxes (in no bucket) together
-    for position in range(len(out)):
-        tapped.setdefault(state.where.get(position, (None,))[0], []).append(position)
-    for positions in tapped.values():
+    for positions in _tap_groups(state.where, state.numels, itemsize):
         blocks = tuple(weakref.ref(out[p]) for p in positions)  # weakly: a block's tap keeps no other block
         tap = functools.partial(_tap, state, tuple(positions), blocks)
         for p in positions:
             _gathered.register_tap(out[p], tap)
     return tuple(out), link
+
+
+def _tap_groups(where: dict[int, tuple[int, int, int]], numels: Sequence[int], itemsize: int) -> list[list[int]]:
+    """The positions that share a tap: runs of one bucket's blocks of at most ``_FIRST_CAP`` bytes, last first.
+
+    A tap's node holds its blocks' gradients until the last of them is in, so a run is kept
+    small (a block larger than that is a run alone): a bucket of 25 MiB tapped whole held up
+    to 25 MiB of gradients more than copying each into the bucket as it comes. The empty
+    blocks (in no bucket) share one tap.
+    """
+    groups: list[list[int]] = []
+    empty: list[int] = []
+    bucket, size = None, 0
+    for position in reversed(range(len(numels))):  # the backward's order: the last blocks' gradients first
+        if position not in where:
+            empty.append(position)
+            continue
+        nbytes = numels[position] * itemsize
+        if not groups or where[position][0] != bucket or size + nbytes > _FIRST_CAP:
+            groups.append([])
+            bucket, size = where[position][0], 0
+        groups[-1].append(position)
+        size += nbytes
+    return groups + ([empty] if empty else [])
 
 
 def series_of(tensors: Sequence[torch.Tensor]) -> list[_State]:
