@@ -565,7 +565,7 @@ def sum_in_buckets(
     slots = _slots(layouts, itemsize, max(cap, 1), backend.rank)
     state = _State(plan, slots, backend, tensors, like, precision)
     *out, link = _autograd.apply(_SumBuckets, state, like, *tensors)
-    for positions in _tap_groups(state.where, state.numels, itemsize):
+    for positions in _tap_groups(tuple(layouts), itemsize, max(cap, 1), backend.rank):
         blocks = tuple(weakref.ref(out[p]) for p in positions)  # weakly: a block's tap keeps no other block
         tap = functools.partial(_tap, state, tuple(positions), blocks)
         for p in positions:
@@ -573,28 +573,33 @@ def sum_in_buckets(
     return tuple(out), link
 
 
-def _tap_groups(where: dict[int, tuple[int, int, int]], numels: Sequence[int], itemsize: int) -> list[list[int]]:
-    """The positions that share a tap: runs of one bucket's blocks of at most ``_FIRST_CAP`` bytes, last first.
+@cached(256)
+def _tap_groups(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """The positions that share a tap: those of runs of one bucket's leaves of at most ``_FIRST_CAP`` bytes.
 
     A tap's node holds its blocks' gradients until the last of them is in, so a run is kept
-    small (a block larger than that is a run alone): a bucket of 25 MiB tapped whole held up
-    to 25 MiB of gradients more than copying each into the bucket as it comes. The empty
-    blocks (in no bucket) share one tap.
+    small (a larger leaf is a run alone): a bucket of 25 MiB tapped whole held up to 25 MiB of
+    gradients more than copying each into the bucket as it comes. Runs are cut by the leaves'
+    whole sizes, last leaf first (the backward's order), so every rank makes the same tap nodes
+    at the same uses (the engine orders the backward's nodes by when they were made), its empty
+    blocks included.
     """
+    plan = buckets(layouts, itemsize, cap, rank)
+    assert plan is not None  # only asked where the buckets exist
+    held = [len(x.indices_on(rank)) for x in layouts]
+    base = np.cumsum([0, *held]).tolist()
+    leaf_of = np.repeat(np.arange(len(layouts)), held)
+    bucket_of = {int(leaf_of[p]): b for b, bucket in enumerate(plan) for p in bucket.positions}
     groups: list[list[int]] = []
-    empty: list[int] = []
     bucket, size = None, 0
-    for position in reversed(range(len(numels))):  # the backward's order: the last blocks' gradients first
-        if position not in where:
-            empty.append(position)
-            continue
-        nbytes = numels[position] * itemsize
-        if not groups or where[position][0] != bucket or size + nbytes > _FIRST_CAP:
+    for leaf in reversed(range(len(layouts))):
+        nbytes = layouts[leaf].numel * itemsize
+        if not groups or bucket_of[leaf] != bucket or size + nbytes > _FIRST_CAP:
             groups.append([])
-            bucket, size = where[position][0], 0
-        groups[-1].append(position)
+            bucket, size = bucket_of[leaf], 0
+        groups[-1].extend(range(base[leaf], base[leaf + 1]))
         size += nbytes
-    return groups + ([empty] if empty else [])
+    return tuple(tuple(g) for g in groups if g)
 
 
 def series_of(tensors: Sequence[torch.Tensor]) -> list[_State]:

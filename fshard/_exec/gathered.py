@@ -220,7 +220,11 @@ class _PerShard(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         args = tuple(self._swap_any(a) for a in args)
         kwargs = {k: self._swap_any(v) for k, v in kwargs.items()} if kwargs else {}
-        return _readonly.call(func, types, args, kwargs)  # the in-place check set aside where the call writes nothing
+        # The in-place check set aside where the call writes nothing; TorchDynamo traces a direct call
+        # (a call of func through a helper here, after a graph break, is traced wrongly by torch 2.13).
+        if torch.compiler.is_compiling() or not _readonly.pure(func, types, args, kwargs):
+            return func(*args, **kwargs)
+        return _readonly.unchecked(func, *args, **kwargs)
 
     def _swap_any(self, x: Any) -> Any:
         """``x`` with its tensors swapped: directly for a tensor (most arguments), through its pytree else."""
@@ -237,6 +241,8 @@ class _PerShard(TorchFunctionMode):
         seen = self.views.get(key)
         if seen is not None:
             return seen
+        if not torch.is_grad_enabled():  # no gradient recorded (no_grad, inference, a reentrant checkpoint's
+            return x  # forward): nothing to tap or set aside, and a view made here would serve later uses
         # This mode is off while it handles a call: apply() is not intercepted.
         if _TAPPED.get(key) is x:
             tap = cast("Callable[[torch.Tensor], Mapping[int, torch.Tensor]]", getattr(x, "_fshard_tap"))  # noqa: B009  # set by register_tap

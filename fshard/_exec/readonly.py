@@ -9,14 +9,16 @@ array keeps its values. Writes into tensors the function made itself go through.
 The mode sees the ops that reach the dispatcher one by one, at a Python call per op (about
 15 us: some 3 ms of a small transformer's forward). Where a torch-function mode runs in
 front of it anyway (``gathered``'s per-shard mode, on across processes while gradients are
-recorded), that mode hands each call to ``call``, which runs the calls that cannot write
-into any argument with the dispatch mode set aside: a fixed list of torch's functions and
+recorded), that mode runs the calls that cannot write into any argument (``pure``) with
+the dispatch mode set aside (``unchecked``): a fixed list of torch's functions and
 tensor methods whose aten ops write into no argument (``_PURE``), a few functionals that
 write only when asked to (``F.relu(t, inplace=True)``, ``F.embedding(..., max_norm=1)``:
 ``_PURE_UNLESS``), and attribute reads. Every other call (one given ``out=``, an in-place
 method, a custom autograd function, a tensor subclass's), and code that the torch-function
 mode does not see, runs under the dispatch mode, so a write into an input block is refused
-as it is without that mode.
+as it is without that mode. Python code that a call let through runs itself (an index
+object's ``__index__``, a saved-tensor hook) runs with the check aside too: a write there is
+caught by the version-counter check after the function, after the fact.
 
 While TorchDynamo traces
 ``map_local`` itself (``torch.compiler.is_compiling()``) it is not entered: a dispatch
@@ -40,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = ["call", "read_only", "unchecked"]
+__all__ = ["pure", "read_only", "unchecked"]
 
 T = TypeVar("T")
 
@@ -157,7 +159,8 @@ _PURE_UNLESS: dict[Any, tuple[int, str]] = {
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> bool:
+@opaque  # TorchDynamo traces a call made through here wrongly after a graph break (torch 2.13): run it eagerly
+def pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> bool:
     """Whether the call ``func(*args, **kwargs)`` (its arguments of types ``kinds``) writes into no argument."""
     if any(k not in _PLAIN for k in kinds) or "out" in kwargs:  # a subclass's own handler: not ours to judge
         return False
@@ -166,35 +169,28 @@ def _pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> bool:
     unless = _PURE_UNLESS.get(func)
     if unless is not None:
         position, name = unless
-        return len(args) <= position and not kwargs.get(name)
+        asked = kwargs.get(name)
+        return len(args) <= position and (asked is None or asked is False)  # max_norm=0.0 renormalizes too
     return isinstance(func, types.MethodWrapperType) and func.__name__ == "__get__"  # an attribute read
 
 
-def call(func: Any, kinds: Any, args: Any, kwargs: Any) -> Any:
-    """``func(*args, **kwargs)``, with the in-place check set aside where the call writes into no argument.
-
-    For a torch-function mode in front of the check (``gathered``'s per-shard mode): a call
-    that ``_pure`` lets through runs as ``unchecked``; any other call under the check.
-    """
-    if not _pure(func, kinds, args, kwargs):
-        return func(*args, **kwargs)
-    return unchecked(func, *args, **kwargs)
-
-
+@opaque  # TorchDynamo traces a call made through here wrongly after a graph break (torch 2.13): run it eagerly
 def unchecked(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` with the in-place check's dispatch mode off the stack, where it is the innermost mode.
 
-    For calls that write into no argument (``_pure``) and fshard's own views of the blocks.
+    For calls that write into no argument (``pure``) and fshard's own views of the blocks.
     Where another mode was entered above the check, or TorchDynamo traces, ``fn`` runs as it is.
     """
     depth = _depth()
     if torch.compiler.is_compiling() or not depth or type(_mode_at(depth - 1)) is not _ReadOnly:
         return fn(*args, **kwargs)
-    mode = _pop(None)
+    mode = None
     try:
+        mode = _pop(None)
         return fn(*args, **kwargs)
     finally:
-        _push(mode)
+        if mode is not None:
+            _push(mode)
 
 
 # torch's stack of dispatch modes (the C functions behind torch.utils._python_dispatch's helpers).
