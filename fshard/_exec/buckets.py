@@ -482,7 +482,7 @@ class _State:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity forward of one bucket's blocks; backward hands their gradients to the bucket (``_State.take``).
+    """Identity forward of a run of one bucket's blocks; backward hands their gradients to the bucket (``_State.take``).
 
     It passes on nothing it handed over. Its forward takes ``ctx`` (no ``setup_context``):
     ``apply`` then binds no signature.
@@ -645,7 +645,7 @@ def post_series(states: Sequence[_State]) -> None:
 def _tap(
     state: _State, positions: tuple[int, ...], blocks: tuple[weakref.ref[torch.Tensor], ...], t: torch.Tensor
 ) -> dict[int, torch.Tensor]:
-    """The views of one bucket's blocks (those still alive), by ``id`` of the block: one ``_Tap`` node for them all."""
+    """The views of a run's blocks (those still alive), by ``id`` of the block: one ``_Tap`` node for them all."""
     alive = [(p, x) for p, ref in zip(positions, blocks) if (x := ref()) is not None]
     views = _autograd.apply(_Tap, state, tuple(p for p, _ in alive), *(x for _, x in alive))
     return {id(x): v for (_, x), v in zip(alive, views)}
