@@ -126,7 +126,19 @@ def for_group(group: Any, what: str = "group") -> Backend:
     return _torch_dist(group)
 
 
+_WORLD: list[Backend] = []  # the backend of the default group, made once: it holds no state of its own
+
+
 def _torch_dist(group: Any) -> Backend:
+    """The backend of ``group``; of the default group, always the same object.
+
+    One object lets a tree of arrays made with the default backend skip an equality test
+    (and a hash) per leaf: ``a.backend is b.backend`` holds.
+    """
     from fshard.backends.torch_dist import TorchDistBackend  # deferred: torch.distributed, loaded once a group is used
 
-    return TorchDistBackend(group)
+    if group is not None:
+        return TorchDistBackend(group)
+    if not _WORLD:
+        _WORLD.append(TorchDistBackend(None))
+    return _WORLD[0]

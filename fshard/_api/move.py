@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any, cast, overload
 
 import optree
@@ -373,8 +374,11 @@ def _check_array(x: Any, what: str) -> None:
         raise TypeError(f"{what} takes a ShardedArray, got {type(x).__name__}.")
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, ShardedArray)
+_ARRAY_TYPE = {ShardedArray}
+_LAYOUT, _BACKEND = operator.attrgetter("_layout"), operator.attrgetter("_backend")  # of many arrays: map() in C
+
+
+_is_array: Callable[[Any], bool] = ShardedArray.__instancecheck__  # isinstance(x, ShardedArray), called from C
 
 
 def is_spec(x: Any) -> bool:
@@ -385,7 +389,7 @@ def is_spec(x: Any) -> bool:
 def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
     """The arrays of a pytree and its structure; ``TypeError`` naming a leaf that is no array."""
     leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_array, none_is_leaf=True)
-    if not all(type(leaf) is ShardedArray for leaf in leaves):  # one pass in C for the common case
+    if set(map(type, leaves)) != _ARRAY_TYPE:  # one pass in C for the common case
         _check_leaves(tree, leaves, what)
     if leaves:
         _same_backend(leaves, what)
@@ -403,8 +407,9 @@ def _check_leaves(tree: Any, leaves: list[Any], what: str) -> None:
 
 
 def _same_backend(leaves: Sequence[ShardedArray], what: str) -> None:
-    first = leaves[0].backend
-    if all(a.backend is first for a in leaves):  # the common case, without an equality test per leaf
+    backends = list(map(_BACKEND, leaves))
+    first = backends[0]
+    if backends.count(first) == len(backends):  # in C: the common case, one backend object, tests identity alone
         return
     other = next((a.backend for a in leaves if a.backend != first), None)
     if other is not None:
@@ -419,7 +424,7 @@ def _reshard_tree(tree: Any, specs: Any, precision: Precision | None) -> Any:
     if precision is not None:
         for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True), leaves):
             check_floating(precision, leaf.dtype, f"reshard()'s leaf at {path}")
-    src = tuple(a.layout for a in leaves)
+    src = tuple(map(_LAYOUT, leaves))
     backend = leaves[0].backend
     if is_spec(specs):
         layouts = _tree_targets(src, specs, None, backend)

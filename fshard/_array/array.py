@@ -126,12 +126,11 @@ class ShardedArray:
         A movement of a small array should not pay for them.
         """
         out = object.__new__(cls)
-        set_ = object.__setattr__
-        set_(out, "_layout", layout)
-        set_(out, "_data", data)
-        set_(out, "_backend", backend)
-        set_(out, "_dtype", data[0].dtype if data else dtype)
-        set_(out, "_link", None if data else link)
+        _set_layout(out, layout)  # the slots' own setters: half the cost of object.__setattr__
+        _set_data(out, data)
+        _set_backend(out, backend)
+        _set_dtype(out, data[0].dtype if data else dtype)
+        _set_link(out, None if data else link)
         return out
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -325,6 +324,11 @@ def _children(x: ShardedArray) -> tuple[torch.Tensor, ...]:
 @opaque
 def _flatten(x: ShardedArray) -> tuple[tuple[torch.Tensor, ...], tuple[Layout, Any, torch.dtype]]:
     return _children(x), (x._layout, x._backend, x._dtype)  # pyright: ignore[reportPrivateUsage]
+
+
+_set_layout, _set_data, _set_backend, _set_dtype, _set_link = (
+    getattr(ShardedArray, name).__set__ for name in ("_layout", "_data", "_backend", "_dtype", "_link")
+)
 
 
 @opaque

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -40,6 +41,8 @@ from fshard._exec import buckets as _buckets
 from fshard._exec import flight as _flight
 from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.validate import Columns
+
+_LAYOUT, _DTYPE = operator.attrgetter("_layout"), operator.attrgetter("_dtype")  # of many arrays: map() in C
 
 __all__ = ["Flat", "flat_layouts", "flat_range", "launch_tree", "move_arguments", "move_tree", "regroup_tree"]
 
@@ -148,7 +151,7 @@ def _like(arrays: Sequence[ShardedArray]) -> torch.Tensor:
     The first array's, joined to the links of the arrays that hold no shard here (so the
     backward reaches their history on this rank too).
     """
-    links = [a._first() for a in arrays[1:] if not a.addressable_data]  # pyright: ignore[reportPrivateUsage]  # 0-element links
+    links = [a._first() for a in arrays[1:] if not a._data]  # pyright: ignore[reportPrivateUsage]  # 0-element links
     if not links:
         return arrays[0]._first()  # pyright: ignore[reportPrivateUsage]  # package-internal
     like = arrays[0]._link_view()  # pyright: ignore[reportPrivateUsage]
@@ -337,10 +340,10 @@ def move_tree(
     move: Any = _autograd.move_summing if summing else _autograd.move
     if precision is not None:
         move = functools.partial(_autograd.move_cast, precision=precision, summing=summing)
-    backend = arrays[0].backend
-    if not all(a.backend is backend for a in arrays) and len({a.backend for a in arrays}) > 1:
+    backend = arrays[0]._backend  # pyright: ignore[reportPrivateUsage]  # the slots, not the properties: a tree is many
+    if not all(a._backend is backend for a in arrays) and len({a._backend for a in arrays}) > 1:  # pyright: ignore[reportPrivateUsage]
         return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
-    recipe = _recipe(tuple(a.layout for a in arrays), tuple(layouts), tuple(a.dtype for a in arrays), backend)
+    recipe = _recipe(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend)
     for k in recipe.alone:
         a = arrays[k]
         data, link = move(a.layout, layouts[k], backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
@@ -401,16 +404,16 @@ def _move_flat(
 ) -> None:
     """Runs one movement of several leaves: packs its parts, moves them, and hands each leaf its shards."""
     members = [arrays[k] for part in group.parts for k in part.leaves]
-    backend = members[0].backend
+    backend = members[0]._backend  # pyright: ignore[reportPrivateUsage]
     data: list[torch.Tensor] = []
     for part in group.parts:
-        shards = [arrays[k].addressable_data for k in part.leaves]
+        shards = [arrays[k]._data for k in part.leaves]  # pyright: ignore[reportPrivateUsage]
         if part.dim is None:
             data.extend(t.reshape(-1) for t in shards[0])
         else:  # one stacked tensor per shard held here: torch.stack packs the leaves in one copy
             stacked = (torch.stack(ts, part.dim) for ts in zip(*shards))
             data.extend(t.reshape(-1) for t in stacked) if group.flat else data.extend(stacked)
-    with _accumulate.sources([t for m in members for t in m.addressable_data]):  # what no_sync keys on
+    with _accumulate.sources([t for m in members for t in m._data]):  # what no_sync keys on  # pyright: ignore[reportPrivateUsage]
         moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
     at = 0
     for part in group.parts:
@@ -422,7 +425,10 @@ def _move_flat(
             out[k] = ShardedArray._of(layouts[k], shards, backend, _dtype(arrays[k], precision), link)  # pyright: ignore[reportPrivateUsage]
             continue
         # Each stacked shard back as the leaves' shards: views (a copy first where the stack is not dim 0).
-        per_shard = [t.view(s).movedim(part.dim, 0).contiguous().unbind(0) for t, s in zip(got, part.sizes)]
+        if part.dim == 0:
+            per_shard = [t.view(s).unbind(0) for t, s in zip(got, part.sizes)]
+        else:
+            per_shard = [t.view(s).movedim(part.dim, 0).contiguous().unbind(0) for t, s in zip(got, part.sizes)]
         of = ShardedArray._of  # pyright: ignore[reportPrivateUsage]  # fits by construction
         dtype = _dtype(arrays[part.leaves[0]], precision)
         shards_of = zip(*per_shard) if per_shard else ((),) * len(part.leaves)
