@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from fshard._base.cache import cached
+from fshard._base.function import apply
 from fshard._errors import SpecError
 from fshard._exec import body as _body
 from fshard._layout.placement import Placement
@@ -72,10 +73,10 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
             raise SpecError(msg)
         partition = tuple(tuple(body.placements[j].rank for j in g) for g in groups)
         ranks = partition[of[body.index]]
-        return cast(torch.Tensor, _body.AllReduce.apply(body.backend, partition, ranks, x))  # pyright: ignore[reportUnknownMemberType]
+        return cast(torch.Tensor, apply(_body.AllReduce, body.backend, partition, ranks, x))
     if body.rendezvous is None:
         raise _body.NeedsThreads
-    return body.rendezvous.reduce(body.index, axes, x, groups, lambda ts: _body.GroupSum.apply(groups, *ts))  # pyright: ignore[reportUnknownMemberType, reportUnknownLambdaType, reportUnknownArgumentType]
+    return body.rendezvous.reduce(body.index, axes, x, groups, lambda ts: apply(_body.GroupSum, groups, *ts))  # pyright: ignore[reportUnknownLambdaType, reportUnknownArgumentType]
 
 
 def pmean(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
 from fshard._base.compile import opaque
+from fshard._base.function import apply
 from fshard._errors import SpecError
 from fshard._exec import flight as _flight
 from fshard._exec import gathered as _varying
@@ -140,11 +141,6 @@ def _observed(args: Sequence[Any]) -> bool:
                 return True
     # torch offers no public check for an active torch.func transform.
     return torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0  # pyright: ignore[reportPrivateUsage]
-
-
-def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)``: a tensor or a tuple of tensors (torch leaves ``apply`` untyped)."""
-    return fn.apply(*args)  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
 
 
 def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:

@@ -46,6 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fshard._base.compile import opaque
+from fshard._base.function import apply
 from fshard._exec import readonly as _readonly
 
 __all__ = [
@@ -250,7 +251,7 @@ class _PerShard(TorchFunctionMode):
             self.views.update(tapped)  # the blocks tapped with x: their first uses find their views here
             return tapped[key]
         elif _LIVE.get(key) is x:
-            view = cast("torch.Tensor", _SetAside.apply(_PARTS[key], x))  # pyright: ignore[reportUnknownMemberType]  # torch: apply is untyped
+            view = cast("torch.Tensor", apply(_SetAside, _PARTS[key], x))
             if self.usage is not None:
                 self.usage.keys.add(_KEYS[key])
         elif (

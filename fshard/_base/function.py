@@ -1,0 +1,69 @@
+"""``apply``: a custom autograd Function's ``apply`` without torch's per-call signature binding.
+
+``torch.autograd.Function.apply`` binds its arguments to ``forward``'s signature with
+``inspect.signature`` on every call, to fill in defaults, when the Function defines
+``setup_context`` (as fshard's do, for ``torch.func``). That costs about 12 µs a call;
+the node itself about 3 µs. Where ``forward`` has no defaults and takes its arguments by
+position, the binding changes nothing, and ``apply`` here goes straight to the C
+implementation the same way ``Function.apply`` ends, unwrapping dead ``torch.func``
+wrappers first as it does. Under a ``torch.func`` transform and while TorchDynamo traces,
+it calls ``Function.apply`` itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["apply"]
+
+try:  # what Function.apply does to its arguments before the C call, outside torch.func transforms
+    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap  # pyright: ignore[reportPrivateImportUsage]
+except ImportError:  # pragma: no cover - a torch without it: Function.apply every time
+    _unwrap = None
+
+_transforms_active: Any = torch._C._are_functorch_transforms_active  # pyright: ignore[reportPrivateUsage]
+_BY_POSITION: dict[type, bool] = {}  # Function class -> whether its forward binds positional arguments as given
+
+
+def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``: a tensor or a tuple of tensors.
+
+    >>> import torch
+    >>> class Double(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(x):
+    ...         return 2 * x
+    ...     @staticmethod
+    ...     def setup_context(ctx, inputs, output):
+    ...         pass
+    ...     @staticmethod
+    ...     def backward(ctx, g):
+    ...         return 2 * g
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> apply(Double, x).sum().backward()
+    >>> x.grad
+    tensor([2., 2.])
+    """
+    plain = _BY_POSITION.get(fn)
+    if plain is None:
+        plain = _BY_POSITION[fn] = _binds_as_given(fn)
+    if not plain or _unwrap is None or _transforms_active() or torch.compiler.is_compiling():
+        own: Any = getattr(fn, "apply")  # noqa: B009  # torch leaves apply untyped
+        return own(*args)
+    base: Any = getattr(super(torch.autograd.Function, fn), "apply")  # noqa: B009  # the C call Function.apply ends in
+    out: Any = base(*_unwrap(args))
+    return out
+
+
+def _binds_as_given(fn: type[torch.autograd.Function]) -> bool:
+    """Whether binding positional arguments to ``fn.forward`` gives them back unchanged (no defaults to fill)."""
+    mro = fn.__mro__
+    if any("apply" in k.__dict__ for k in mro[: mro.index(torch.autograd.Function)]):  # an apply of its own
+        return False
+    p = inspect.Parameter
+    kinds = (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    params = inspect.signature(fn.forward).parameters.values()
+    return all(q.default is p.empty and q.kind in kinds for q in params)
