@@ -258,3 +258,23 @@ def test_sum_with_an_empty_shard_is_a_pending_sum_not_a_replica_of_zeros():
     assert total.layout.partial == "sum"
     assert [float(s.data) for s in total.addressable_shards] == [10.0]  # the empty shard adds nothing
     assert float(fshard.gather(total)) == 10.0
+
+
+def test_shard_map_resolves_its_arguments_targets_once_per_tuple_of_layouts():
+    from fshard._api import map as _map
+
+    f = fshard.shard_map(lambda x, w: x @ w, in_specs=(Chunk(0, R), Replicated(R)), out_specs=Chunk(0, R))
+    g = torch.Generator().manual_seed(0)
+    xs, ws = torch.randn(8, 3, generator=g), torch.randn(3, 2, generator=g)
+    x, w = fshard.shard(xs, Chunk(1, R[:3])), fshard.shard(ws, Replicated(R))  # x moves, w stays
+    _map._targets.cache_clear()  # pyright: ignore[reportFunctionMemberAccess]  # an lru_cache
+    first, again = f(x, w), f(x, w)
+    info = _map._targets.cache_info()  # pyright: ignore[reportFunctionMemberAccess]
+    assert (info.misses, info.hits) == (1, 1)
+    assert torch.equal(fshard.gather(first), fshard.gather(again))
+    assert torch.allclose(fshard.gather(first), xs @ ws)
+    taller = fshard.shard(torch.randn(12, 3, generator=g), Chunk(0, R))  # other layouts: resolved for them
+    assert f(taller, w).shape == (12, 2)
+    assert _map._targets.cache_info().misses == 2  # pyright: ignore[reportFunctionMemberAccess]
+    assert torch.allclose(fshard.gather(f(xs, w)), xs @ ws)  # a tensor argument: resolved per argument
+    assert _map._targets.cache_info().misses == 2  # pyright: ignore[reportFunctionMemberAccess]

@@ -198,6 +198,9 @@ def shard_map(
     reducing = Reducing(specs, fn)
     precisions = per_argument(precision, len(specs), "shard_map()")
 
+    # The targets of arguments that are all arrays are cached on the specs (none of them None).
+    specs_key = _SpecsKey.of(specs) if all(s is not None for s in specs) else None
+
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:
         if len(specs) != len(args):
@@ -207,7 +210,11 @@ def shard_map(
         arrays: list[tuple[int, ShardedArray]] = []
         targets: list[Layout | None] = []  # where each array argument moves (None: a tensor, sharded there)
         extras: list[tuple[int, Any]] = []
-        for k, (a, spec) in enumerate(zip(args, specs)):
+        if specs_key is not None and all(type(a) is ShardedArray for a in args):
+            # Every argument an array: their targets resolved and checked once per tuple of layouts.
+            arrays = list(enumerate(args))
+            targets = list(_targets(specs_key, backend, tuple(a.layout for a in args)))
+        for k, (a, spec) in enumerate(() if arrays else zip(args, specs)):
             if spec is None:
                 if isinstance(a, (torch.Tensor, ShardedArray)):
                     msg = f"shard_map() argument {k} is a {type(a).__name__} but its in_spec is None: give it a spec."
@@ -259,10 +266,44 @@ def shard_map(
 @opaque  # layout arithmetic in numpy: run eagerly under torch.compile
 def _target(a: ShardedArray, spec: Any) -> Layout:
     """The layout that argument ``a`` moves to, checked against its backend."""
-    layout = as_layout(spec, a.shape)
-    if layout != a.layout:
-        a.backend.check_layout(layout)
-    return layout
+    return _target_of(a.layout, spec, a.backend)
+
+
+def _target_of(layout: Layout, spec: Any, backend: Any) -> Layout:
+    target = as_layout(spec, layout.shape)
+    if target != layout:
+        backend.check_layout(target)
+    return target
+
+
+class _SpecsKey:
+    """A ``shard_map``'s in_specs as a cache key: hashed once, when the ``shard_map`` is made."""
+
+    __slots__ = ("_hash", "specs")
+
+    def __init__(self, specs: tuple[Any, ...], hashed: int) -> None:
+        self.specs, self._hash = specs, hashed
+
+    @classmethod
+    def of(cls, specs: Sequence[Any]) -> _SpecsKey | None:
+        """The key of ``specs``; ``None`` where one of them cannot be hashed (nothing is cached then)."""
+        try:
+            return cls(tuple(specs), hash(tuple(specs)))
+        except TypeError:
+            return None
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _SpecsKey) and self.specs == other.specs)
+
+
+@cached(256)
+@opaque  # layout arithmetic in numpy: run eagerly under torch.compile
+def _targets(specs: _SpecsKey, backend: Any, layouts: tuple[Layout, ...]) -> tuple[Layout, ...]:
+    """The layouts that arguments of ``layouts`` move to under ``specs``, checked against ``backend``."""
+    return tuple(_target_of(x, spec, backend) for x, spec in zip(layouts, specs.specs))
 
 
 @opaque  # plans and layouts in numpy: run eagerly under torch.compile
@@ -315,7 +356,7 @@ def _check_regather(backend: Any, layout: Layout) -> None:
 def _check_backends(arrays: Sequence[ShardedArray], what: str) -> None:
     first = arrays[0].backend
     for k, a in enumerate(arrays):
-        if a.backend != first:
+        if a.backend is not first and a.backend != first:
             msg = f"{what} arguments 0 and {k} live on different backends ({first!r} and {a.backend!r})."
             raise SpecError(msg)
 
@@ -371,9 +412,15 @@ def _slots(layout: Layout) -> dict[Placement, tuple[int, ...]]:
 
 
 def _check_aligned(arrays: Sequence[ShardedArray], names: Sequence[int], one_block: bool, what: str) -> None:
-    first = _slots(arrays[0].layout)
-    for k, a in zip(names, arrays):
-        mine = _slots(a.layout)
+    _aligned(tuple(a.layout for a in arrays), tuple(names), one_block, what)
+
+
+@cached(256)
+def _aligned(layouts: tuple[Layout, ...], names: tuple[int, ...], one_block: bool, what: str) -> bool:
+    """``True``, or ``SpecError``: checked once per tuple of layouts."""
+    first = _slots(layouts[0])
+    for k, layout in zip(names, layouts):
+        mine = _slots(layout)
         if one_block:
             bad = next((p for p, v in mine.items() if len(v) != 1), None)
             missing = next((p for p in first if p not in mine), None) or next((p for p in mine if p not in first), None)
@@ -392,6 +439,7 @@ def _check_aligned(arrays: Sequence[ShardedArray], names: Sequence[int], one_blo
                 "of each on every placement; reshard one of them first."
             )
             raise SpecError(msg)
+    return True
 
 
 def _counts(slots: dict[Placement, tuple[int, ...]]) -> str:

@@ -478,7 +478,7 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
                 else tuple(f.view(t.shape) for f, t in zip(flat[at:], a.addressable_data))
             )
             at += n
-            out[k] = ShardedArray(a.layout, tuple(shards), backend, _dtype(a, precision), link)
+            out[k] = ShardedArray._of(a.layout, tuple(shards), backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]  # a's shapes
     if precision is not None:  # the others only change dtype: a cast each, nothing sent
         for k, a in enumerate(arrays):
             if not needs[k] and precision.casts(a.dtype):

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Collection, Generator, Mapping
+from collections.abc import Callable, Collection, Container, Generator, Mapping
 from typing import Any, cast
 
 import optree
@@ -203,6 +203,12 @@ class _SetAside(torch.autograd.Function):
         return None, None
 
 
+# The tables' own dicts (a WeakValueDictionary keeps its entries in ``data``): a key in them, tested in C.
+_TAPPED_KEYS: Container[int] = cast(Any, _TAPPED).data
+_LIVE_KEYS: Container[int] = cast(Any, _LIVE).data
+_GATHERED_KEYS: Container[int] = cast(Any, _GATHERED).data
+
+
 class _PerShard(TorchFunctionMode):
     """Replaces gathered and closed-over tensors by views in every torch call (one view per tensor)."""
 
@@ -219,13 +225,16 @@ class _PerShard(TorchFunctionMode):
         self.closed, self.own, self.since = closed, own, since
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # A tuple of a generator, not a list: with a list comprehension here, TorchDynamo (torch 2.13)
+        # traces the call below wrongly where it resumes after this mode's graph break.
         args = tuple(self._swap_any(a) for a in args)
         kwargs = {k: self._swap_any(v) for k, v in kwargs.items()} if kwargs else {}
         # The in-place check set aside where the call writes nothing; TorchDynamo traces a direct call
         # (a call of func through a helper here, after a graph break, is traced wrongly by torch 2.13).
-        if torch.compiler.is_compiling() or not _readonly.pure(func, types, args, kwargs):
+        if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        return _readonly.unchecked(func, *args, **kwargs)
+        done, out = _readonly.call_if_pure(func, types, args, kwargs)
+        return out if done else func(*args, **kwargs)
 
     def _swap_any(self, x: Any) -> Any:
         """``x`` with its tensors swapped: directly for a tensor (most arguments), through its pytree else."""
@@ -244,13 +253,15 @@ class _PerShard(TorchFunctionMode):
             return seen
         if not torch.is_grad_enabled():  # no gradient recorded (no_grad, inference, a reentrant checkpoint's
             return x  # forward): nothing to tap or set aside, and a view made here would serve later uses
+        # Most tensors of a body are in none of the tables: a lookup in each table's own dict (in C)
+        # says so before a WeakValueDictionary.get (in Python) would.
         # This mode is off while it handles a call: apply() is not intercepted.
-        if _TAPPED.get(key) is x:
+        if key in _TAPPED_KEYS and _TAPPED.get(key) is x:
             tap = cast("Callable[[torch.Tensor], Mapping[int, torch.Tensor]]", getattr(x, "_fshard_tap"))  # noqa: B009  # set by register_tap
             tapped = _readonly.unchecked(tap, x)  # views that fshard makes: no op of theirs writes
             self.views.update(tapped)  # the blocks tapped with x: their first uses find their views here
             return tapped[key]
-        elif _LIVE.get(key) is x:
+        elif key in _LIVE_KEYS and _LIVE.get(key) is x:
             view = cast("torch.Tensor", apply(_SetAside, _PARTS[key], x))
             if self.usage is not None:
                 self.usage.keys.add(_KEYS[key])
@@ -258,8 +269,8 @@ class _PerShard(TorchFunctionMode):
             self.closed is not None
             and x.requires_grad
             and key not in self.own
-            and _GATHERED.get(key) is not x
             and _older(x, self.since)
+            and not (key in _GATHERED_KEYS and _GATHERED.get(key) is x)
         ):
             view = self.closed(x)
             if self.usage is not None:

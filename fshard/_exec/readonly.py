@@ -159,7 +159,6 @@ _PURE_UNLESS: dict[Any, tuple[int, str]] = {
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-@opaque  # TorchDynamo traces a call made through here wrongly after a graph break (torch 2.13): run it eagerly
 def pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> bool:
     """Whether the call ``func(*args, **kwargs)`` (its arguments of types ``kinds``) writes into no argument."""
     if any(k not in _PLAIN for k in kinds) or "out" in kwargs:  # a subclass's own handler: not ours to judge
@@ -181,8 +180,25 @@ def unchecked(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     For calls that write into no argument (``pure``) and fshard's own views of the blocks.
     Where another mode was entered above the check, or TorchDynamo traces, ``fn`` runs as it is.
     """
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    return _unchecked(fn, args, kwargs)
+
+
+@opaque  # as unchecked
+def call_if_pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> tuple[bool, Any]:
+    """``(True, unchecked(func, *args, **kwargs))`` where the call is ``pure``, else ``(False, None)``: not called.
+
+    One call for the two, made for every torch call of a per-shard function: not while TorchDynamo traces.
+    """
+    if not pure(func, kinds, args, kwargs):
+        return False, None
+    return True, _unchecked(func, args, kwargs)
+
+
+def _unchecked(fn: Callable[..., T], args: Any, kwargs: Any) -> T:
     depth = _depth()
-    if torch.compiler.is_compiling() or not depth or type(_mode_at(depth - 1)) is not _ReadOnly:
+    if not depth or type(_mode_at(depth - 1)) is not _ReadOnly:
         return fn(*args, **kwargs)
     mode = None
     try:
