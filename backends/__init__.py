@@ -126,19 +126,22 @@ def for_group(group: Any, what: str = "group") -> Backend:
     return _torch_dist(group)
 
 
-_WORLD: list[Backend] = []  # the backend of the default group, made once: it holds no state of its own
+_WORLD: list[Any] = []  # the backend of the default group, made once per default group: it holds no other state
 
 
 def _torch_dist(group: Any) -> Backend:
-    """The backend of ``group``; of the default group, always the same object.
+    """The backend of ``group``; of the default group, one object while that group lives.
 
     One object lets a tree of arrays made with the default backend skip an equality test
-    (and a hash) per leaf: ``a.backend is b.backend`` holds.
+    (and a hash) per leaf: ``a.backend is b.backend`` holds. A new default group (after
+    ``destroy_process_group``) gets a new one, unequal to the old.
     """
+    import torch.distributed as dist
+
     from fshard.backends.torch_dist import TorchDistBackend  # deferred: torch.distributed, loaded once a group is used
 
     if group is not None:
         return TorchDistBackend(group)
-    if not _WORLD:
-        _WORLD.append(TorchDistBackend(None))
+    if not _WORLD or _WORLD[0].world is not dist.GroupMember.WORLD:
+        _WORLD[:] = [TorchDistBackend(None)]
     return _WORLD[0]

@@ -278,3 +278,14 @@ def test_shard_map_resolves_its_arguments_targets_once_per_tuple_of_layouts():
     assert _map._targets.cache_info().misses == 2  # pyright: ignore[reportFunctionMemberAccess]
     assert torch.allclose(fshard.gather(f(xs, w)), xs @ ws)  # a tensor argument: resolved per argument
     assert _map._targets.cache_info().misses == 2  # pyright: ignore[reportFunctionMemberAccess]
+
+
+def test_shard_map_of_arrays_on_two_backends_names_the_two_backends():
+    from fshard.backends.local import LocalBackend
+
+    f = fshard.shard_map(lambda x, y: x + y, in_specs=(Chunk(0, [0, 1]), Chunk(0, [2, 3])), out_specs=Chunk(0, [0, 1]))
+    two, four = LocalBackend(world_size=2), LocalBackend(world_size=4)
+    a = fshard.shard(torch.ones(4), Chunk(0, [0, 1]), backend=two)
+    b = fshard.shard(torch.ones(4), Chunk(0, [3, 2]), backend=four)  # to move to ranks the first backend lacks
+    with pytest.raises(SpecError, match="live on different backends"):
+        f(a, b)

@@ -6,11 +6,13 @@ a Function with its own ``apply`` and ``torch.func`` transforms go through ``Fun
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
+from unittest import mock
 
+import pytest
 import torch
 
-from fshard._base import function as _function
 from fshard._base.function import apply
 
 
@@ -46,14 +48,20 @@ class _WithDefault(torch.autograd.Function):
         return g * ctx.factor, None
 
 
+def _no_binding() -> Any:
+    """A context in which binding to a signature (what ``Function.apply`` does per call) raises."""
+    return mock.patch.object(inspect, "signature", side_effect=AssertionError("bound to a signature"))
+
+
 def test_the_node_values_and_gradients_are_those_of_function_apply():
     x = torch.arange(3.0, requires_grad=True)
-    y = apply(_Scale, 2.0, x)
+    apply(_Scale, 2.0, x)  # the first call reads forward's signature once
+    with _no_binding():
+        y = apply(_Scale, 2.0, x)  # the direct call: no binding
     assert type(y.grad_fn) is type(_Scale.apply(2.0, x).grad_fn)  # the same node class
     y.sum().backward()
     assert torch.equal(y, torch.arange(3.0) * 2)
     assert torch.equal(x.grad, torch.full((3,), 2.0))
-    assert _function._BY_POSITION[_Scale] is True  # pyright: ignore[reportPrivateUsage]  # took the direct call
 
 
 def test_a_forward_with_defaults_gets_them_filled_in():
@@ -62,7 +70,8 @@ def test_a_forward_with_defaults_gets_them_filled_in():
     y.sum().backward()
     assert torch.equal(y, torch.full((2,), 3.0))
     assert torch.equal(x.grad, torch.full((2,), 3.0))
-    assert _function._BY_POSITION[_WithDefault] is False  # pyright: ignore[reportPrivateUsage]
+    with _no_binding(), pytest.raises(AssertionError, match="bound to a signature"):
+        apply(_WithDefault, x)  # through Function.apply, which binds
 
 
 def test_a_function_with_its_own_apply_is_called_through_it():
@@ -83,3 +92,9 @@ def test_torch_func_transforms_go_through_function_apply():
     assert torch.equal(torch.func.vmap(lambda row: apply(_Scale, 5.0, row))(x), x * 5)
     grad = torch.func.grad(lambda t: apply(_Scale, 5.0, t).sum())(torch.ones(3))
     assert torch.equal(grad, torch.full((3,), 5.0))
+
+
+def test_torch_compile_traces_function_apply_itself_in_one_graph():
+    x = torch.arange(3.0)
+    step = torch.compile(lambda t: apply(_Scale, 2.0, t) + 1, fullgraph=True, backend="eager")
+    assert torch.equal(step(x), x * 2 + 1)

@@ -109,7 +109,10 @@ class TorchDistBackend:
     Args:
         group: a process group from ``dist.new_group`` (``None``: the default group).
 
-    Two backends are equal when they name the same group. ``counters`` (shared by all
+    Two backends are equal when they name the same group of the same default group
+    (``world``, the default group when the backend was made): after
+    ``destroy_process_group`` and a new ``init_process_group``, a new backend differs from
+    the old ones, so nothing cached for them serves it. ``counters`` (shared by all
     backends of a group) count the elements this process sent and the collectives it ran.
 
     >>> import torch, fshard
@@ -127,6 +130,7 @@ class TorchDistBackend:
 
     group: Any = None
     name: str = dataclasses.field(default="torch_dist", init=False)
+    world: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -137,12 +141,13 @@ class TorchDistBackend:
             raise RuntimeError(msg)
         if self.group is not None and self.group is dist.GroupMember.WORLD:
             object.__setattr__(self, "group", None)
+        object.__setattr__(self, "world", dist.GroupMember.WORLD)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, TorchDistBackend) and self.group is other.group
+        return isinstance(other, TorchDistBackend) and self.group is other.group and self.world is other.world
 
     def __hash__(self) -> int:
-        return hash(("torch_dist", id(self.group)))
+        return hash(("torch_dist", id(self.group), id(self.world)))
 
     def __repr__(self) -> str:
         return f"TorchDistBackend(ranks={list(self.ranks)})" if self.member else "TorchDistBackend(non-member)"

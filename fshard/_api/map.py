@@ -194,7 +194,7 @@ def shard_map(
     if not isinstance(regather, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
         raise TypeError(f"shard_map() regather must be a bool, got {regather!r} ({type(regather).__name__}).")
 
-    specs = cast("Sequence[Any]", in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
+    specs = tuple(cast("Sequence[Any]", in_specs)) if isinstance(in_specs, (tuple, list)) else (in_specs,)
     reducing = Reducing(specs, fn)
     precisions = per_argument(precision, len(specs), "shard_map()")
 
@@ -210,8 +210,8 @@ def shard_map(
         arrays: list[tuple[int, ShardedArray]] = []
         targets: list[Layout | None] = []  # where each array argument moves (None: a tensor, sharded there)
         extras: list[tuple[int, Any]] = []
-        if specs_key is not None and all(type(a) is ShardedArray for a in args):
-            # Every argument an array: their targets resolved and checked once per tuple of layouts.
+        if specs_key is not None and all(type(a) is ShardedArray and a.backend is backend for a in args):
+            # Every argument an array of one backend: their targets resolved and checked once per tuple of layouts.
             arrays = list(enumerate(args))
             targets = list(_targets(specs_key, backend, tuple(a.layout for a in args)))
         for k, (a, spec) in enumerate(() if arrays else zip(args, specs)):

@@ -47,11 +47,13 @@ def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     >>> x.grad
     tensor([2., 2.])
     """
+    own: Any = getattr(fn, "apply")  # noqa: B009  # torch leaves apply untyped
+    if torch.compiler.is_compiling() or _unwrap is None or _transforms_active():  # TorchDynamo traces apply itself
+        return own(*args)
     plain = _BY_POSITION.get(fn)
     if plain is None:
         plain = _BY_POSITION[fn] = _binds_as_given(fn)
-    if not plain or _unwrap is None or _transforms_active() or torch.compiler.is_compiling():
-        own: Any = getattr(fn, "apply")  # noqa: B009  # torch leaves apply untyped
+    if not plain:
         return own(*args)
     base: Any = getattr(super(torch.autograd.Function, fn), "apply")  # noqa: B009  # the C call Function.apply ends in
     out: Any = base(*_unwrap(args))

@@ -1,0 +1,52 @@
+"""A new default process group after ``destroy_process_group``: nothing cached for the old one serves it.
+
+Targets resolved for arrays of the old group (by ``shard_map`` and by a tree's ``reshard``)
+were checked against the old group's ranks; the backend of the new group differs from the
+old, so the same layouts are checked again against the new group.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+import fshard
+from fshard.testing.launch import launch
+
+
+def _reinit() -> list[str]:
+    rank = dist.get_rank()
+    two = [0, 1]
+    f = fshard.shard_map(lambda x: x * 2, in_specs=(fshard.Chunk(0, two),), out_specs=fshard.Chunk(0, two))
+    x = fshard.shard(torch.arange(4.0), fshard.Replicated([0]))  # the same layout in both groups
+    first = fshard.gather(f(x)).tolist()
+    fshard.reshard({"a": x}, fshard.Chunk(0, two))  # the tree's targets cached too
+    old = x.backend
+    dist.destroy_process_group()
+    if rank == 1:
+        return [str(first)]
+    wait = datetime.timedelta(seconds=30)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
+    new = fshard.backends.default_backend()
+    y = fshard.shard(torch.arange(4.0), fshard.Replicated([0]))
+    out = [str(first), str(new is not old and new != old and y.backend is new)]
+    for name, call in (
+        ("shard_map", lambda: f(y)),
+        ("reshard", lambda: fshard.reshard({"a": y}, fshard.Chunk(0, two))),
+    ):
+        try:
+            call()
+            out.append(f"{name}: no error")
+        except fshard.SpecError as exc:
+            out.append(f"{name}: SpecError {exc}")
+    return out
+
+
+def test_a_new_default_group_gets_a_new_backend_and_its_layouts_checked_again():
+    zero, one = launch(_reinit, 2, timeout=90)
+    assert one == ["[0.0, 2.0, 4.0, 6.0]"]
+    assert zero[:2] == ["[0.0, 2.0, 4.0, 6.0]", "True"]
+    for line, name in zip(zero[2:], ("shard_map", "reshard")):
+        assert line.startswith(f"{name}: SpecError Global rank 1 does not exist"), line  # not in the new group
