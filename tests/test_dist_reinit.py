@@ -7,7 +7,9 @@ old, so the same layouts are checked again against the new group.
 
 from __future__ import annotations
 
+import copy
 import datetime
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -50,3 +52,17 @@ def test_a_new_default_group_gets_a_new_backend_and_its_layouts_checked_again():
     assert zero[:2] == ["[0.0, 2.0, 4.0, 6.0]", "True"]
     for line, name in zip(zero[2:], ("shard_map", "reshard")):
         assert line.startswith(f"{name}: SpecError Global rank 1 does not exist"), line  # not in the new group
+
+
+def _copies() -> list[bool]:
+    backend = fshard.backends.default_backend()
+    a = fshard.shard(torch.arange(4.0), fshard.Chunk(0, [0]))
+    b = copy.deepcopy(a)
+    return [
+        pickle.loads(pickle.dumps(backend)) == backend,
+        b.backend == a.backend and torch.equal(b.local_tensor(), a.local_tensor()),
+    ]
+
+
+def test_a_backend_and_its_arrays_pickle_and_copy_within_their_default_group():
+    assert launch(_copies, 1, timeout=60) == [[True, True]]

@@ -149,6 +149,10 @@ class TorchDistBackend:
     def __hash__(self) -> int:
         return hash(("torch_dist", id(self.group), id(self.world)))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (and copied) as its group alone: remade, it is that group's backend in the default group then."""
+        return (TorchDistBackend, (self.group,))
+
     def __repr__(self) -> str:
         return f"TorchDistBackend(ranks={list(self.ranks)})" if self.member else "TorchDistBackend(non-member)"
 
