@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = ["pure", "read_only", "unchecked"]
+__all__ = ["call_if_pure", "pure", "read_only", "unchecked"]
 
 T = TypeVar("T")
 
