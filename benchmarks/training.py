@@ -143,7 +143,7 @@ def _fshard_program(d: int, style: str) -> tuple[Any, Any]:
     def step() -> float:
         tokens, targets = _batch(dist.get_rank(), state["step"])
         state["step"] += 1
-        xs, ys = fshard.from_local_tensor((tokens, targets), dim=0)  # one exchange for both
+        xs, ys = fshard.from_local_tensor((tokens, targets), dim=0, even=True)  # checked at the next collective
         opt.zero_grad()
         loss = fshard.gather(loss_of(xs, ys, *params.values())) / ys.numel()
         loss.backward()
@@ -196,7 +196,7 @@ def _per_block_program(d: int) -> tuple[Any, Any]:
     def step() -> float:
         tokens, targets = _batch(dist.get_rank(), state["step"])
         state["step"] += 1
-        xs, ys = fshard.from_local_tensor((tokens, targets), dim=0)
+        xs, ys = fshard.from_local_tensor((tokens, targets), dim=0, even=True)
         opt.zero_grad()
         h = xs
         for k, (stage, p) in enumerate(zip(stages[:-1], params[:-1])):

@@ -130,6 +130,83 @@ def test_from_local_tensor_of_a_tree_exchanges_once(dist_pool):
         assert all(same)
 
 
+def _from_local_even():
+    from fshard.backends.torch_dist import TorchDistBackend, _later
+
+    rank, counters = dist.get_rank(), TorchDistBackend().counters
+    rows, targets = torch.full((2, 3), float(rank)), torch.arange(2) + 2 * rank
+    before = counters.collectives
+    tree = fshard.from_local_tensor({"x": rows, "y": targets}, dim=0, even=True)
+    posted = counters.collectives - before
+    in_flight = _later.pending(None)  # the check rides on the next collective: nothing waited for yet
+    exchanged = fshard.from_local_tensor({"x": rows, "y": targets}, dim=0)  # that collective ends it
+    settled = _later.pending(None)
+    same = [tree[k].layout == exchanged[k].layout for k in "xy"]
+    same += [torch.equal(fshard.gather(tree[k]), fshard.gather(exchanged[k])) for k in "xy"]
+    one = fshard.from_local_tensor(torch.full((1, 2), float(rank), requires_grad=True), dim=1, even=True)
+    same += [tuple(one.shape) == (1, 8), one.requires_grad, fshard.gather(one).tolist() == [[0, 0, 1, 1, 2, 2, 3, 3]]]
+    old = fshard.config(check_collectives=True)  # check mode: every rank's call is compared too
+    try:
+        checked = fshard.from_local_tensor(rows, dim=0, even=True)
+        same.append(tuple(fshard.gather(checked).shape) == (8, 3))
+    finally:
+        fshard.config(check_collectives=old.check_collectives)
+    return posted, in_flight, settled, same
+
+
+@pytest.mark.multiprocess
+def test_from_local_tensor_even_posts_its_check_and_the_next_collective_ends_it(dist_pool):
+    for posted, in_flight, settled, same in dist_pool.run(_from_local_even, timeout=60):
+        assert (posted, in_flight, settled) == (1, 1, 0)
+        assert all(same), same
+
+
+def _even_refused(case):
+    rank = dist.get_rank()
+    rows = torch.ones(2 + (case == "size" and rank == 2), 3)
+    at_call = None
+    try:
+        if case == "failed" and rank == 3:
+            fshard.from_local_tensor((rows, "not a tensor"), dim=0, even=True)
+        else:
+            fshard.from_local_tensor((rows, rows), dim=0, even=True)
+    except TypeError as exc:
+        at_call = str(exc)
+    loss_of = fshard.shard_map(
+        lambda b: b.sum()[None], in_specs=(fshard.Chunk(0, RANKS),), out_specs=fshard.Partial(fshard.Replicated(RANKS))
+    )
+    with pytest.raises(fshard.SpecError) as info:  # the next collective, on every rank
+        fshard.gather(loss_of(fshard.shard(torch.ones(8), fshard.Chunk(0, RANKS))))
+    fshard.gather(fshard.shard(torch.ones(4), fshard.Chunk(0, RANKS)))  # the group is usable after
+    return at_call, str(info.value)
+
+
+@pytest.mark.multiprocess
+def test_from_local_tensor_even_refusals_reach_every_rank_at_the_next_collective(dist_pool):
+    sizes = dist_pool.run(_even_refused, "size", timeout=60)
+    assert {at for at, _ in sizes} == {None}
+    assert len({m for _, m in sizes}) == 2  # each rank names its own blocks
+    for k, (_, message) in enumerate(sizes):
+        assert "from_local_tensor(dim=0, even=True): ranks [2] passed blocks unlike rank 0's" in message
+        assert f"this rank passed ({3 if k == 2 else 2}, 3) torch.float32" in message
+        assert "drop even=True" in message
+    failed = dist_pool.run(_even_refused, "failed", timeout=60)
+    assert [at is not None for at, _ in failed] == [False, False, False, True]
+    assert "a tuple, list or dict of them" in str(failed[3][0])
+    for _, message in failed:
+        assert message.startswith("from_local_tensor(dim=0, even=True) raised on rank(s) [3], whose error says why")
+
+
+def test_from_local_tensor_even_in_one_process_and_its_refusals():
+    a = fshard.from_local_tensor((torch.zeros(4, 3), torch.ones(4)), dim=0, even=True)
+    b = fshard.from_local_tensor((torch.zeros(4, 3), torch.ones(4)), dim=0)
+    assert [x.layout for x in a] == [x.layout for x in b]
+    with pytest.raises(TypeError, match="even must be a bool, got 1"):
+        fshard.from_local_tensor(torch.zeros(2), dim=0, even=1)
+    with pytest.raises(TypeError, match="takes no shape"):
+        fshard.from_local_tensor(torch.zeros(2), dim=0, shape=(2,), even=True)
+
+
 def test_from_local_tensor_of_a_tree_in_one_process_and_its_refusals():
     xs, ys = fshard.from_local_tensor((torch.zeros(4, 3), torch.ones(4)), dim=0)
     assert (tuple(xs.shape), tuple(ys.shape)) == ((4, 3), (4,))

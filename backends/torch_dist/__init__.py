@@ -71,6 +71,9 @@ from ._choice import all_contiguous, by_messages, direct, rows_in_order, step
 from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
 from ._guard import Guard, guard
+from ._later import Verdict
+from ._later import post as post_check
+from ._later import settle as settle_checks
 from ._reduce_messages import reduce_messages, run_by_messages
 from ._reduce_phase import (
     as_bytes,
@@ -246,6 +249,7 @@ class TorchDistBackend:
         """
         if not self._all_reduces(plan):
             return None
+        settle_checks(self.group)
         with in_flight():
             return self._guard(_all_reduce_op(series), plan, like.dtype).post(self.group)
 
@@ -372,6 +376,18 @@ class TorchDistBackend:
         self._move(f"gather(dst={dst})", p, tensors, whole, like.dtype, direct=all_contiguous(layout, target))
         return next(iter(whole.values()), None)
 
+    def check_later(self, what: str, failed: bool, digest: int, verdict: Verdict) -> None:
+        """Posts this rank's ``(failed, digest)`` for the check ``what``, ended by the group's next collective.
+
+        No rank waits for the others here. That collective hands every rank's pair, in group
+        order, to ``verdict`` first, and raises the error it gives on every rank (``_later``).
+        """
+        self._require_member(what)
+        self._check(what, ())
+        with in_flight():
+            post_check(self.group, self.ranks, self._wire, what, failed, digest, verdict)
+        self.counters.collectives += 1
+
     def exchange(self, obj: Any) -> list[Any]:
         """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""
         self._require_member("exchange")
@@ -473,7 +489,12 @@ class TorchDistBackend:
             raise SpecError(msg)
 
     def _check(self, op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None = None) -> None:
-        """In check mode, one check round: every rank is about to run this collective, or all raise."""
+        """Before a collective: the checks left in flight end (``_later``); in check mode, one check round.
+
+        The round: every rank is about to run this collective, or all raise.
+        """
+        if self.member:
+            settle_checks(self.group)
         if self.member and current().check_collectives:
             moves = " -> ".join(describe_layout(x) for x in layouts)
             what = f"{op}({moves})" + (f" on {dtype}" if dtype is not None else "")

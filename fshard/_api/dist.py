@@ -7,6 +7,7 @@ rank (naming the ranks and shards) instead of leaving some ranks waiting.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -14,6 +15,7 @@ import optree
 import torch
 
 from fshard._array.array import Shard, ShardedArray
+from fshard._base.cache import cached
 from fshard._base.records import record
 from fshard._errors import LayoutError, SpecError
 from fshard._exec.collective import collective
@@ -193,7 +195,7 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
 
 
 @collective("from_local_tensor", local=("tensor",))
-def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: Any = None) -> Any:
+def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: Any = None, even: bool = False) -> Any:
     """Builds an array from each rank's local tensor: a block along ``dim``, or its shard of a spec.
 
     With an int ``dim``, ``tensor`` may also be a tuple, list or dict of tensors (a rank's
@@ -204,6 +206,14 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
     are stacked in group-rank order; their sizes along ``dim`` may differ (and be
     zero); other dims, dtype and requires_grad must agree across ranks (sizes are
     exchanged once). On the local backend the one tensor is the whole array, on rank 0.
+
+    ``even=True`` (with an int ``dim``) says that every rank passes blocks alike: the same
+    shapes, dtypes, ``requires_grad`` and device type (a data-parallel batch of a fixed
+    size). Then no rank waits for the others here: each builds the layout from its own
+    blocks, and the check that the ranks' blocks agree rides on the group's next
+    collective, where every rank raises ``SpecError`` if they did not (a rank whose own
+    blocks fail a check raises at once, and again at that collective, with the others).
+    Each rank's layout names its own device for every rank's block.
 
     With a spec and the global ``shape`` (torch's
     ``ShardedTensor._init_from_local_tensor(tensor, spec, shape)``; torch's
@@ -242,9 +252,28 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
         return _from_local_tensor_and_spec(tensor, dim, shape, _backend(group, "from_local_tensor()"))
     if shape is not None:
         raise TypeError(f"from_local_tensor(tensor, dim={dim}) takes no shape; shape goes with a spec.")
+    if not isinstance(even, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value, untyped
+        raise TypeError(f"from_local_tensor() even must be a bool, got {even!r} ({type(even).__name__}).")
+    if even:
+        backend = _backend(group, "from_local_tensor()")
+        if backend.spans_processes:
+            return _even(tensor, dim, cast("Any", backend))
     if isinstance(tensor, torch.Tensor):
         backend = _backend(group, "from_local_tensor()")
         return _along(tensor, dim, backend.exchange(_info(tensor, backend)), backend)
+    leaves, treedef = _tree_of_tensors(tensor)
+    backend = _backend(group, "from_local_tensor()")
+    seen = backend.exchange([_info(t, backend) for t in leaves])  # one exchange for the whole tree
+    if len({len(s) for s in seen}) > 1:
+        counts = ", ".join(f"rank {s[0][0]}: {len(s)}" for s in seen if s)
+        raise SpecError(f"from_local_tensor(): ranks passed trees of different sizes ({counts}); pass one structure.")
+    return optree.tree_unflatten(treedef, [_along(t, dim, [s[k] for s in seen], backend) for k, t in enumerate(leaves)])
+
+
+def _tree_of_tensors(tensor: Any) -> tuple[list[torch.Tensor], Any]:
+    """The leaves and structure of ``from_local_tensor``'s ``tensor`` (a tensor, or a tree of them)."""
+    if isinstance(tensor, torch.Tensor):
+        return [tensor], None
     leaves, treedef = optree.tree_flatten(tensor)
     if isinstance(tensor, ShardedArray) or not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
         msg = (
@@ -252,12 +281,70 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
             f"blocks of several arrays), got {type(tensor).__name__}."
         )
         raise TypeError(msg)
-    backend = _backend(group, "from_local_tensor()")
-    seen = backend.exchange([_info(t, backend) for t in leaves])  # one exchange for the whole tree
-    if len({len(s) for s in seen}) > 1:
-        counts = ", ".join(f"rank {s[0][0]}: {len(s)}" for s in seen if s)
-        raise SpecError(f"from_local_tensor(): ranks passed trees of different sizes ({counts}); pass one structure.")
-    return optree.tree_unflatten(treedef, [_along(t, dim, [s[k] for s in seen], backend) for k, t in enumerate(leaves)])
+    return leaves, treedef
+
+
+def _even(tensor: Any, dim: int, backend: Any) -> Any:
+    """``from_local_tensor(tensor, dim, even=True)`` across processes: every rank's blocks taken to be alike.
+
+    This rank's blocks are checked here and its digest of them posted (``check_later``); the
+    group's next collective compares every rank's, so every rank raises there where they differ.
+    A rank whose own check fails posts that it failed before it raises.
+    """
+    what = f"from_local_tensor(dim={dim}, even=True)"
+    described = "an invalid argument"
+
+    def verdict(pairs: Sequence[tuple[int, bool, int]]) -> SpecError | None:
+        return _even_verdict(pairs, what, described)
+
+    if not backend.member:
+        raise SpecError(f"{what}: rank {backend.rank} is not in the process group; call it from ranks of the group.")
+    ranks: tuple[int, ...] = tuple(backend.ranks)
+    try:
+        leaves, treedef = _tree_of_tensors(tensor)
+        infos = tuple((tuple(t.shape), t.dtype, t.requires_grad, t.device.type) for t in leaves)
+        described = ", ".join(f"{s} {d} requires_grad={g} on {v}" for s, d, g, v in infos)
+        arrays = [ShardedArray(_even_layout(ranks, dim, tuple(t.shape), str(t.device)), (t,), backend) for t in leaves]
+    except BaseException:
+        backend.check_later(what, True, 0, verdict)
+        raise
+    digest = hashlib.blake2b(repr((dim, str(treedef), infos)).encode(), digest_size=8).digest()
+    backend.check_later(what, False, int.from_bytes(digest, "big", signed=True), verdict)
+    return arrays[0] if treedef is None else optree.tree_unflatten(treedef, arrays)
+
+
+def _even_verdict(pairs: Sequence[tuple[int, bool, int]], what: str, mine: str) -> SpecError | None:
+    """The error every rank raises where ranks' ``(failed, digest)`` of their blocks differ (``None``: they agree)."""
+    failed = [r for r, f, _ in pairs if f]
+    if failed:
+        return SpecError(
+            f"{what} raised on rank(s) {failed}, whose error says why; every rank raises at the group's next "
+            "collective after that call."
+        )
+    first_rank, _, first = pairs[0]
+    odd = [r for r, _, d in pairs if d != first]
+    if not odd:
+        return None
+    return SpecError(
+        f"{what}: ranks {odd} passed blocks unlike rank {first_rank}'s (shapes, dtypes, requires_grad, device "
+        f"types or structure differ); this rank passed {mine}. With even=True every rank's blocks must be alike; "
+        "to stack blocks of different sizes, drop even=True (the sizes are then exchanged at the call)."
+    )
+
+
+@cached(256)
+def _even_layout(ranks: tuple[int, ...], dim: int, shape: tuple[int, ...], device: str) -> Layout:
+    """The layout whose block ``i`` along ``dim`` has ``shape`` on ``ranks[i]`` (every block on ``device``)."""
+    if not -len(shape) <= dim < len(shape):
+        valid = f"valid: {-len(shape)} to {len(shape) - 1}"
+        msg = f"Invalid sharding dim: {dim} for {len(shape)}-D local tensors ({valid})."
+        raise SpecError(msg)
+    dim %= len(shape)
+    metas = tuple(
+        ShardMeta(tuple(k * shape[dim] if d == dim else 0 for d in range(len(shape))), shape, Placement(r, device))
+        for k, r in enumerate(ranks)
+    )
+    return Layout(tuple(len(ranks) * s if d == dim else s for d, s in enumerate(shape)), metas)
 
 
 def _info(tensor: torch.Tensor, backend: Backend) -> tuple[Any, ...]:

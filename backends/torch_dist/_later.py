@@ -1,0 +1,113 @@
+"""Agreement checks that ride on a process group's next collective instead of waiting now.
+
+A call that builds a value from what this rank alone knows, trusting that every rank
+passed alike (``from_local_tensor(..., even=True)``: each rank's block the same size), must
+still make every rank raise where they did not. A blocking round would make every rank wait
+for the slowest one at that call. Instead each rank posts a digest of what it passed and
+whether it failed, ``(failed, digest)``, as one ``all_gather`` left in flight (``post``),
+and the group's next collective (``settle``, which every movement, exchange and launch of
+the ``torch_dist`` backend calls first) waits for it, by then long done, and hands every
+rank's pair to the check's ``verdict``. Every rank reads the same pairs, so every rank
+raises the same error there, or none does. A rank that failed posts its pair before it
+raises, so no rank waits for it; it raises again at its next collective, with the others.
+
+A wait is bounded by ``config(timeout=...)`` where it is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from fshard._config import current
+from fshard._errors import CollectiveMismatchError
+
+from ._watch import handed
+
+__all__ = ["Verdict", "pending", "post", "settle"]
+
+# Every rank's (failed, digest), in group order, to the error every rank raises (None: they agree).
+Verdict = Callable[[Sequence[tuple[int, bool, int]]], BaseException | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Check:
+    what: str
+    ranks: tuple[int, ...]
+    out: torch.Tensor
+    work: Any
+    verdict: Verdict
+
+
+# Keyed on (group, default group), as the group's facts are: a new init_process_group starts afresh.
+_PENDING: dict[tuple[Any, Any], list[_Check]] = {}
+_LOCK = threading.Lock()  # the backward's thread may settle while the caller's thread posts
+# all_gather_single replaces the deprecated all_gather_into_tensor where torch has it
+_gather = cast(
+    "Callable[..., Any]",
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; for older torch
+)
+
+
+def post(
+    group: Any, ranks: tuple[int, ...], wire: torch.device, what: str, failed: bool, digest: int, verdict: Verdict
+) -> None:
+    """Posts this rank's ``(failed, digest)`` for the check ``what`` of ``group``, left in flight."""
+    mine, out = handed(
+        torch.tensor([int(failed), digest], dtype=torch.int64, device=wire),
+        torch.empty(2 * len(ranks), dtype=torch.int64, device=wire),
+    )
+    work = _gather(out, mine, group=group, async_op=True)
+    with _LOCK:
+        _PENDING.setdefault((group, dist.group.WORLD), []).append(_Check(what, ranks, out, work, verdict))
+
+
+def pending(group: Any) -> int:
+    """How many checks of ``group`` are in flight here."""
+    return len(_PENDING.get((group, dist.group.WORLD), ()))
+
+
+def settle(group: Any) -> None:
+    """Ends every check of ``group`` in flight here, in the order posted.
+
+    Raises:
+        BaseException: the first error a check's verdict gives (on every rank alike).
+        CollectiveMismatchError: a check's gather did not end within ``config(timeout=...)``.
+    """
+    if not _PENDING:  # the common case: one dict lookup
+        return
+    with _LOCK:
+        checks = _PENDING.pop((group, dist.group.WORLD), None)
+    error: BaseException | None = None
+    for check in checks or ():
+        _wait(check)
+        pairs = cast("list[list[int]]", check.out.view(-1, 2).tolist())  # pyright: ignore[reportUnknownMemberType]  # torch's stub
+        verdict = check.verdict([(r, bool(f), d) for r, (f, d) in zip(check.ranks, pairs)])
+        error = error or verdict
+    if error is not None:
+        error._fshard_agreed = True  # type: ignore[attr-defined]  # every rank raises it: no check round after
+        raise error
+
+
+def _wait(check: _Check) -> None:
+    timeout = current().timeout
+    if timeout is None:
+        check.work.wait()
+        return
+    try:
+        check.work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower():
+            raise
+        msg = (
+            f"{check.what}: some ranks of process group {list(check.ranks)} did not post their part of its "
+            f"check within {timeout:g} s (config(timeout=...)): they are stopped, slower than this rank, or "
+            "did not make that call (every rank must call each fshard function, in the same order)."
+        )
+        raise CollectiveMismatchError(msg) from exc
