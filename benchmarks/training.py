@@ -145,10 +145,10 @@ def _fshard_program(d: int, style: str) -> tuple[Any, Any]:
         state["step"] += 1
         xs, ys = fshard.from_local_tensor((tokens, targets), dim=0, even=True)  # checked at the next collective
         opt.zero_grad()
-        loss = fshard.gather(loss_of(xs, ys, *params.values())) / ys.numel()
-        loss.backward()
+        # The backward from each rank's summand of the loss at once; data parallel's last bucket sums the loss.
+        loss = fshard.backward(loss_of(xs, ys, *params.values()) / ys.numel())
         opt.step()
-        return float(loss.detach())
+        return float(loss)
 
     backend = next(iter(params.values())).backend
     return step, backend
@@ -398,7 +398,7 @@ class TrainingCase:
                 note = (
                     f"{runs} collectives per step; {elements:,} elements sent by the busiest rank, "
                     f"bound {math.ceil(bound[n]):,} + the loss's"
-                    + (" + the late-gradient count on the last bucket" if n == "fshard DP" else "")
+                    + (" (the last bucket carries it, with the late-gradient count)" if n == "fshard DP" else "")
                     + (" (one more all-gather of the blocks in the backward)" if "block" in n else "")
                 )
                 sent = elements * 4

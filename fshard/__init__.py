@@ -2,6 +2,7 @@
 
 from fshard import backends as backends
 from fshard._api import operators as _operators
+from fshard._api.backward import backward as backward
 from fshard._api.creation import empty as empty
 from fshard._api.creation import empty_like as empty_like
 from fshard._api.creation import full as full
@@ -113,6 +114,7 @@ __all__ = [
     "allclose",
     "apply_module",
     "backends",
+    "backward",
     "check_replicas",
     "checkpoint_info",
     "clear_caches",

@@ -145,7 +145,7 @@ def test_a_bucket_plan_is_one_range_per_bucket_where_every_rank_holds_every_leaf
         assert len(b.runs.indices_on(1)) == 1
         assert len(b.parts) == 1
     assert plan[-1].flag == 1
-    assert plan[-1].runs.shape == (D * D + 1,)
+    assert plan[-1].runs.shape == (D * D + 2,)  # the count of late gradients and a carried value
 
 
 def test_the_bucket_size_is_a_checked_setting():

@@ -51,6 +51,9 @@ def _nccl_job(world):
     assert torch.equal(fshard.gather(b).cpu(), X)
     c = fshard.shard(x if rank == 0 else None, fshard.Chunk(0, on_gpu), src=0)
     assert fshard.equal(a, c)
+    mine = x.chunk(world)[rank]  # this rank's rows, its check posted on the GPU and ended by the gather
+    e = fshard.from_local_tensor(mine.contiguous(), dim=0, even=True)
+    assert torch.equal(fshard.gather(e).cpu(), X[: mine.shape[0] * world])
     old = fshard.config(check_collectives=True)
     try:
         assert torch.equal(
@@ -101,7 +104,7 @@ def _steps_over_gloo(style: str, device: str, steps: int = 2) -> list[list[Any]]
     """
     ranks = list(range(dist.get_world_size()))
     where = [f"rank:{r}/{device}" for r in ranks]
-    spec = fshard.Replicated(where) if style == "dp" else fshard.Chunk(0, where)
+    spec = fshard.Replicated(where) if style.startswith("dp") else fshard.Chunk(0, where)
     params = [fshard.shard(w.to(device), spec) for w in _ws()]
     leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
     step = fshard.shard_map(
@@ -112,8 +115,12 @@ def _steps_over_gloo(style: str, device: str, steps: int = 2) -> list[list[Any]]
     for k in range(steps):
         if style == "regather" and k == 0:
             fshard.prefetch(params, fshard.Replicated(where))
-        x = fshard.shard(_rows(k).to(device), fshard.Chunk(0, where))
-        fshard.gather(step(x, *params)).backward()
+        if style == "dp-waitless":  # each rank's own rows, and the loss carried by the last bucket
+            x = fshard.from_local_tensor(_rows(k).chunk(4)[dist.get_rank()].to(device), dim=0, even=True)
+            fshard.backward(step(x, *params))
+        else:
+            x = fshard.shard(_rows(k).to(device), fshard.Chunk(0, where))
+            fshard.gather(step(x, *params)).backward()
         assert all(t.grad.device.type == device.split(":")[0] for t in leaves)
         out.append([t.grad.cpu().numpy() for t in leaves])  # numpy: no tensor outlives the process
         for t in leaves:
@@ -128,12 +135,12 @@ def _expected(style: str, steps: int = 2) -> list[list[torch.Tensor]]:
         ws = [w.clone().requires_grad_() for w in _ws()]
         _body(_rows(k), *ws).backward()
         grads = [w.grad for w in ws]
-        out.append([[g] * 4 if style == "dp" else list(g.chunk(4)) for g in grads])
+        out.append([[g] * 4 if style.startswith("dp") else list(g.chunk(4)) for g in grads])
     return out
 
 
 @needs_cuda
-@pytest.mark.parametrize("style", ["dp", "fsdp", "regather"])
+@pytest.mark.parametrize("style", ["dp", "dp-waitless", "fsdp", "regather"])
 def test_a_training_step_over_gloo_with_cuda_blocks_gives_the_dense_gradients(style):
     """Two steps (the second one reuses the buckets' buffers), each rank's gradients against one process's."""
     got = launch(_steps_over_gloo, 4, style, "cuda:0", timeout=300)

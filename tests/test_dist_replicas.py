@@ -227,12 +227,14 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _data_parallel(per_rank_as_global: bool, rows: bool = False):
+def _data_parallel(per_rank_as_global: bool, rows: bool = False, waitless: bool = False):
     """docs/training.md's loop on replicated weights, each rank holding its own 8 rows (check mode on).
 
     ``per_rank_as_global``: the rows passed as the batch (wrong); else stacked with
     ``from_local_tensor`` and computed on with ``shard_map`` (docs/distributed.md).
     ``rows``: the weights split by rows (``Chunk(0)``) instead of replicated: no copies to drift.
+    ``waitless``: docs/distributed.md's loop as written, ``from_local_tensor(..., even=True)`` and
+    ``fshard.backward``.
     """
     old = fshard.config(check_collectives=True)
     try:
@@ -254,12 +256,18 @@ def _data_parallel(per_rank_as_global: bool, rows: bool = False):
             if per_rank_as_global:
                 full = {n: fshard.gather(v) for n, v in params.items()}
                 loss = torch.nn.functional.mse_loss(torch.func.functional_call(model, full, (x[mine],)), y[mine])
+            elif waitless:
+                xs, ys = fshard.from_local_tensor((x[mine], y[mine]), dim=0, even=True)
+                specs = (*[fshard.Replicated(R)] * len(names), xs.layout, ys.layout)
+                body = fshard.shard_map(block_loss, specs, fshard.Partial(fshard.Replicated(R)))
+                loss = fshard.backward(body(*params.values(), xs, ys) / y.numel())
             else:
                 xs, ys = fshard.from_local_tensor(x[mine], dim=0), fshard.from_local_tensor(y[mine], dim=0)
                 specs = (*[fshard.Replicated(R)] * len(names), xs.layout, ys.layout)
                 body = fshard.shard_map(block_loss, specs, fshard.Partial(fshard.Replicated(R)))
                 loss = fshard.gather(body(*params.values(), xs, ys)) / y.numel()
-            loss.backward()
+            if not waitless:
+                loss.backward()
             opt.step()
         fshard.check_replicas(params)
         return None, {n: fshard.gather(v).detach() for n, v in params.items()}
@@ -291,8 +299,9 @@ def test_per_rank_rows_passed_as_the_batch_are_caught_in_check_mode(dist_pool, r
     assert "from_local_tensor" in msg
 
 
-def test_per_rank_rows_from_local_tensor_train_on_the_whole_batch(dist_pool):
-    got = dist_pool.run(_data_parallel, False, timeout=TIMEOUT)
+@pytest.mark.parametrize("waitless", [False, True], ids=["gathered loss", "even and fshard.backward"])
+def test_per_rank_rows_from_local_tensor_train_on_the_whole_batch(dist_pool, waitless):
+    got = dist_pool.run(_data_parallel, False, False, waitless, timeout=TIMEOUT)
     want = _whole_batch_in_one_process()
     for error, params in got:
         assert error is None

@@ -24,11 +24,12 @@ each launched as soon as its gradients are in. Here:
   gradients that reached the blocks some other way (code that runs outside the function's
   torch-function mode, such as an activation checkpoint's recomputation) to the buckets not
   launched yet, launches the rest in order, waits, and gives each block its sum (views of
-  the buckets, no copy). The last bucket always leaves from there, carrying one more
-  element: the number of gradients that arrived after their bucket had left. Where that
-  count is not zero on some rank, every rank sums those gradients too, in one more
-  movement. So every rank runs the same collectives in the same order, and the result is
-  the sum of every use, whichever way it came.
+  the buckets, no copy). The last bucket always leaves from there, carrying two more
+  elements: the number of gradients that arrived after their bucket had left, and a value
+  that the backward carries (``carrying``: the loss, for ``fshard.backward``; else zero).
+  Where that count is not zero on some rank, every rank sums those gradients too, in one
+  more movement. So every rank runs the same collectives in the same order, and the result
+  is the sum of every use, whichever way it came.
 
 The buckets' buffers are kept between steps, for the first block (``_Kept``), as DDP keeps
 its buckets: a fresh buffer each step would cost the memory's first touch (a page fault per
@@ -43,11 +44,12 @@ last node and are summed there, by a differentiable movement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -67,8 +69,10 @@ from fshard._plan import plan as _plan
 
 __all__ = [
     "Bucket",
+    "Carry",
     "box_layout",
     "buckets",
+    "carrying",
     "compare_series",
     "post_series",
     "run_layout",
@@ -231,16 +235,19 @@ def run_parts(layouts: tuple[Layout, ...], rank: int) -> tuple[tuple[int, ...], 
     return tuple(out)
 
 
+_FLAG = 2  # the last bucket's own elements: the count of late gradients, and a carried value (``carrying``)
+
+
 @cached(256)
 def _flag_layout(layouts: tuple[Layout, ...]) -> Layout:
-    """One element held by every rank that holds a shard of leaf 0 (every leaf's ranks), on that shard's device."""
+    """``_FLAG`` elements held by every rank that holds a shard of leaf 0 (every leaf's ranks), on its device."""
     devices: dict[int, str] = {}
     for r, d in zip(layouts[0].columns.rank.tolist(), layouts[0].columns.devices):  # every rank holds leaf 0
         devices.setdefault(int(r), d)
     ranks = sorted(devices)
     n = len(ranks)
-    lo, sz = np.zeros((n, 1), np.int64), np.ones((n, 1), np.int64)
-    return Layout.from_arrays((1,), lo, sz, np.array(ranks, np.int64), [devices[r] for r in ranks])
+    lo, sz = np.zeros((n, 1), np.int64), np.full((n, 1), _FLAG, np.int64)
+    return Layout.from_arrays((_FLAG,), lo, sz, np.array(ranks, np.int64), [devices[r] for r in ranks])
 
 
 @cached(256)
@@ -287,7 +294,7 @@ def _series(plan: tuple[Bucket, ...]) -> str:
 class _Slots:
     """Where each of a rank's shards sits in its bucket: ``where[position] = (bucket, range, offset)``.
 
-    ``where[-1]`` is the count's slot; ``numels[position]`` the shard's elements.
+    ``where[-1]`` is the slot of the count and the carried value; ``numels[position]`` the shard's elements.
     """
 
     where: dict[int, tuple[int, int, int]]
@@ -306,7 +313,7 @@ def _slots(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> _
             for q in part:
                 flag = q == bucket.flag
                 where[-1 if flag else bucket.positions[q]] = (b, j, at)
-                at += 1 if flag else numels[bucket.positions[q]]
+                at += _FLAG if flag else numels[bucket.positions[q]]
     return _Slots(where, numels)
 
 
@@ -339,8 +346,8 @@ class _State:
         return self.numels[position]
 
     def _width(self, bucket: Bucket, q: int) -> int:
-        """Elements of entry ``q`` of ``bucket`` in its range: its box's, or 1 for the count."""
-        return 1 if q == bucket.flag else self._numel(bucket.positions[q])
+        """Elements of entry ``q`` of ``bucket`` in its range: its box's, or ``_FLAG`` (count, carried value)."""
+        return _FLAG if q == bucket.flag else self._numel(bucket.positions[q])
 
     def reset(self) -> None:
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
@@ -371,7 +378,7 @@ class _State:
 
     def _slot(self, position: int) -> torch.Tensor:
         b, j, at = self.where[position]
-        return self._buffer(b)[j][at : at + (1 if position == -1 else self._numel(position))]
+        return self._buffer(b)[j][at : at + (_FLAG if position == -1 else self._numel(position))]
 
     def take(self, position: int, grad: torch.Tensor) -> bool:
         """Adds ``grad`` to its bucket unless that bucket has left; launches the buckets now full.
@@ -443,7 +450,13 @@ class _State:
         for position, (b, _, _) in self.where.items():  # boxes no gradient reached: zero in their bucket
             if position >= 0 and position not in self.given and b >= len(self.flights):
                 self._slot(position).zero_()
-        self._slot(-1).fill_(len(outside))
+        flag = self._slot(-1)
+        flag[:1].fill_(len(outside))
+        carry = _carry_for(self)
+        if carry is None:
+            flag[1:].zero_()
+        else:
+            flag[1:].copy_(carry.value.reshape(1))
         while len(self.flights) < len(self.plan):
             self._launch(len(self.flights))
         summed = [flight() for flight in self.flights]
@@ -456,6 +469,8 @@ class _State:
                     if q != bucket.flag:
                         out[bucket.positions[q]] = piece.view(self.shapes[bucket.positions[q]])
         b, j, at = self.where[-1]
+        if carry is not None:  # a copy: the bucket's buffer is kept for the next step
+            carry.total = summed[b][j][at + 1 : at + 2].to(carry.value.dtype, copy=True)
         if bool(summed[b][j][at] != 0):  # some rank had gradients after their bucket left: sum them all
             extra = [g if k in outside and g is not None else torch.zeros_like(out[k]) for k, g in enumerate(late)]
             out = [a + e for a, e in zip(out, self.sum_all(extra))]
@@ -468,7 +483,7 @@ class _State:
         for bucket in self.plan:
             at = bucket.positions
             packed = tuple(
-                torch.cat([self._zeros(1) if q == bucket.flag else grads[at[q]].reshape(-1) for q in part])
+                torch.cat([self._zeros(_FLAG) if q == bucket.flag else grads[at[q]].reshape(-1) for q in part])
                 for part in bucket.parts
             )
             runs = bucket.runs
@@ -479,6 +494,52 @@ class _State:
                     if q != bucket.flag:
                         out[at[q]] = piece.view(self.shapes[at[q]])
         return out
+
+
+@dataclasses.dataclass(eq=False)
+class Carry:
+    """A value of one element to sum over the ranks of ``backend`` with a backward's gradients (``carrying``).
+
+    ``total`` is the sum, once the last bucket of gradients summed over those ranks has carried it.
+    """
+
+    backend: Any
+    value: torch.Tensor
+    total: torch.Tensor | None = None
+
+
+_CARRIES: list[Carry] = []  # the values of the backward passes running now (``carrying``)
+
+
+@contextlib.contextmanager
+def carrying(carry: Carry) -> Generator[Carry, None, None]:
+    """The context of a backward pass whose first last bucket over ``carry.backend``'s ranks carries ``carry``.
+
+    That bucket's summed elements (two, after the gradients: the count of late gradients and
+    this value) are an ``all_reduce`` anyway, so the value is summed with no collective of its
+    own and no rank waits for the others to sum it. Buckets of another backend or other ranks,
+    of gradients summed in a dtype that would round the value, of micro-batches under
+    ``no_sync``, or of gradients of gradients do not carry it (``total`` stays ``None``).
+    """
+    _CARRIES.append(carry)
+    try:
+        yield carry
+    finally:
+        _CARRIES.remove(carry)
+
+
+def _carry_for(state: _State) -> Carry | None:
+    """The value that ``state``'s last bucket carries, if any (the same on every rank: it depends on no data)."""
+    for carry in _CARRIES:
+        if (
+            carry.total is None
+            and carry.backend == state.backend
+            and state.dtype.is_floating_point
+            and torch.promote_types(carry.value.dtype, state.dtype) == state.dtype
+            and set(state.plan[-1].runs.ranks) == set(state.backend.ranks)
+        ):
+            return carry
+    return None
 
 
 class _Tap(torch.autograd.Function):
