@@ -529,6 +529,14 @@ def _pending() -> Any:
 ON_DIST = "needs an array on the torch_dist backend"
 
 
+def _loss_array() -> fshard.ShardedArray:
+    """A fresh loss: a pending sum over two ranks of one element, from a tensor that requires grad."""
+    w = torch.ones(4, requires_grad=True)
+    return fshard.shard_map(
+        lambda b: b.sum()[None], in_specs=(Chunk(0, [0, 1]),), out_specs=Partial(Replicated([0, 1]))
+    )(w)
+
+
 def entries(base: Path) -> dict[str, Entry]:
     """Every fuzzed callable by name; ``base`` is a temporary directory for checkpoints."""
     ckpt = _checkpoint(base)
@@ -822,6 +830,7 @@ def entries(base: Path) -> dict[str, Entry]:
             (Arg("x", one(BLOCK), junk=tensor_junk), Arg("axis", one("x", ("x",), ["x"]))),
         ),
         "no_sync": Entry(_under_no_sync, ()),
+        "backward": Entry(fshard.backward, (Arg("loss", _loss_array),)),
         "prefetch": Entry(
             _prefetch,
             (

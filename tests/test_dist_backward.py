@@ -113,3 +113,6 @@ def test_backward_refuses_what_is_not_a_loss_array():
     two = fshard.shard(torch.ones(2, requires_grad=True), fshard.Chunk(0, [0, 1]))
     with pytest.raises(fshard.SpecError, match=r"one element \(a loss\), got shape \(2,\)"):
         fshard.backward(two)
+    without_grad = fshard.shard(torch.ones(1), fshard.Replicated([0, 1]))
+    with pytest.raises(fshard.SpecError, match="requires grad"):
+        fshard.backward(without_grad)

@@ -44,7 +44,7 @@ def backward(loss: ShardedArray) -> torch.Tensor:
 
     Raises:
         TypeError: ``loss`` is not a ``ShardedArray``.
-        SpecError: ``loss`` has more or fewer than one element.
+        SpecError: ``loss`` has more or fewer than one element, or does not require grad.
     """
     if not isinstance(loss, ShardedArray):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
         raise TypeError(f"backward() takes a ShardedArray (a loss), got {type(loss).__name__}.")
@@ -52,6 +52,12 @@ def backward(loss: ShardedArray) -> torch.Tensor:
         msg = (
             f"backward() takes an array of one element (a loss), got shape {tuple(loss.shape)}: reduce it "
             "first (its sum or mean), as torch's backward() needs a scalar."
+        )
+        raise SpecError(msg)
+    if not loss.requires_grad:
+        msg = (
+            "backward() takes a loss that requires grad; this one was computed from no tensor that does: "
+            "call requires_grad_() on the parameters' shard tensors first."
         )
         raise SpecError(msg)
     if not _summands_one_per_rank(loss.layout, loss.backend):
