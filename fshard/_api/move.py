@@ -25,7 +25,7 @@ from fshard._exec.agree import (
 )
 from fshard._exec.collective import collective
 from fshard._exec.replicas import check_leaves, checking
-from fshard._layout.layout import Layout, Layouts, ShardMeta, with_terms
+from fshard._layout.layout import Layout, ShardMeta, with_terms
 from fshard._layout.placement import Placement
 from fshard._layout.precision import Precision, check_floating, check_precision
 from fshard._layout.specs import Replicated, as_layout
@@ -446,7 +446,7 @@ def _tree_targets(src: tuple[Layout, ...], spec: Any, specs: tuple[Any, ...] | N
     nothing per leaf; specs that cannot be hashed are resolved every time.
     """
     try:
-        return list(_cached_targets(Layouts(src), spec, specs, backend))
+        return list(_cached_targets(src, spec, specs, backend))
     except TypeError as exc:
         if "unhashable" not in str(exc):
             raise

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from typing import Any, cast
 
 import numpy as np
@@ -40,11 +39,10 @@ from fshard._exec import accumulate as _accumulate
 from fshard._exec import autograd as _autograd
 from fshard._exec import buckets as _buckets
 from fshard._exec import flight as _flight
-from fshard._layout.layout import Layout, Layouts, replica_ids
+from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.validate import Columns
 
-# Of many arrays: map() in C.
-_LAYOUT, _DTYPE, _BACKEND = (operator.attrgetter(a) for a in ("_layout", "_dtype", "_backend"))
+_LAYOUT, _DTYPE = operator.attrgetter("_layout"), operator.attrgetter("_dtype")  # of many arrays: map() in C
 
 __all__ = ["Flat", "flat_layouts", "flat_range", "launch_tree", "move_arguments", "move_tree", "regroup_tree"]
 
@@ -343,10 +341,9 @@ def move_tree(
     if precision is not None:
         move = functools.partial(_autograd.move_cast, precision=precision, summing=summing)
     backend = arrays[0]._backend  # pyright: ignore[reportPrivateUsage]  # the slots, not the properties: a tree is many
-    backends = list(map(_BACKEND, arrays))
-    if backends.count(backend) != len(backends) and len(set(backends)) > 1:  # one object: an identity test each, in C
+    if not all(a._backend is backend for a in arrays) and len({a._backend for a in arrays}) > 1:  # pyright: ignore[reportPrivateUsage]
         return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
-    recipe = _recipe(Layouts(map(_LAYOUT, arrays)), Layouts(layouts), tuple(map(_DTYPE, arrays)), backend)
+    recipe = _recipe(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend)
     for k in recipe.alone:
         a = arrays[k]
         data, link = move(a.layout, layouts[k], backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
@@ -435,9 +432,8 @@ def _move_flat(
         of = ShardedArray._of  # pyright: ignore[reportPrivateUsage]  # fits by construction
         dtype = _dtype(arrays[part.leaves[0]], precision)
         shards_of = zip(*per_shard) if per_shard else ((),) * len(part.leaves)
-        made = map(of, map(layouts.__getitem__, part.leaves), shards_of, repeat(backend), repeat(dtype), repeat(link))
-        for k, a in zip(part.leaves, made):
-            out[k] = a
+        for k, shards in zip(part.leaves, shards_of):
+            out[k] = of(layouts[k], shards, backend, dtype, link)
 
 
 def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = None) -> list[ShardedArray]:

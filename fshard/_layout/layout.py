@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
@@ -29,17 +28,7 @@ from fshard._layout.validate import (
     validate_memo,
 )
 
-__all__ = [
-    "Columns",
-    "Layout",
-    "Layouts",
-    "ShardMeta",
-    "ShardMetaLike",
-    "as_metas",
-    "replica_ids",
-    "with_partial",
-    "with_terms",
-]
+__all__ = ["Columns", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "replica_ids", "with_partial", "with_terms"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -355,24 +344,6 @@ class Layout:
         if self.partial is not None:
             text += "\n" + summands_line(self)  # type: ignore[arg-type]
         return text
-
-
-_HASH_OF = operator.attrgetter("_hash")
-
-
-class Layouts(tuple[Layout, ...]):
-    """A tuple of layouts (a tree's), as a cache key: hashed in one pass in C.
-
-    A plain tuple of layouts calls ``Layout.__hash__``, a Python method, once per layout
-    each time it is hashed; this reads the hashes the layouts keep. Equality is the
-    tuple's, which tests each pair by identity first. Only compare it with its own kind in
-    one cache: it hashes unlike an equal plain tuple.
-    """
-
-    __slots__ = ()
-
-    def __hash__(self) -> int:
-        return hash(tuple(map(_HASH_OF, self)))
 
 
 @cached(1024)
