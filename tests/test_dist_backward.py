@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fshard
 from fshard.backends.local import LocalBackend
@@ -97,6 +98,31 @@ def test_a_loss_no_bucket_carries_is_gathered_after_the_backward(dist_pool, spec
         assert torch.equal(value, value_g)  # the same gather, after the backward
         assert all(torch.equal(a, b) for a, b in zip(grads, grads_g))
         assert runs == runs_g
+
+
+def _empty_summands(how: str) -> tuple[list[float], list[float]]:
+    """A loss whose one summand is rank 0's, the other ranks' boxes empty (``Partial(Chunk(0))``)."""
+    w = fshard.shard(torch.arange(4.0, dtype=torch.float64), fshard.Replicated(R))
+    (leaf,) = [t.requires_grad_() for t in w.addressable_data]
+    first = dist.get_rank() == 0
+    f = fshard.shard_map(
+        lambda b: (b * b).sum()[None][: 1 if first else 0],
+        in_specs=(fshard.Replicated(R),),
+        out_specs=fshard.Partial(fshard.Chunk(0, R)),
+    )
+    if how == "backward":
+        value = fshard.backward(f(w))
+    else:
+        value = fshard.gather(f(w))
+        value.backward()
+    return value.tolist(), leaf.grad.tolist()
+
+
+@pytest.mark.multiprocess
+def test_a_loss_whose_summands_are_not_one_whole_per_rank_is_gathered(dist_pool):
+    got = dist_pool.run(_empty_summands, "backward", timeout=60)
+    assert got == dist_pool.run(_empty_summands, "gather", timeout=60)
+    assert got[0] == ([14.0], [0.0, 2.0, 4.0, 6.0])
 
 
 def test_on_one_process_it_is_gather_and_backward():

@@ -197,6 +197,30 @@ def test_from_local_tensor_even_refusals_reach_every_rank_at_the_next_collective
         assert message.startswith("from_local_tensor(dim=0, even=True) raised on rank(s) [3], whose error says why")
 
 
+def _even_alike():
+    """Blocks alike, described alike: a structure whose repr holds an address, dims counted from either end."""
+    import collections
+
+    rank = dist.get_rank()
+    batch = collections.defaultdict(lambda: None, {"x": torch.zeros(2, 3), "y": (torch.ones(2), torch.ones(2, 1))})
+    tree = fshard.from_local_tensor(batch, dim=0, even=True)
+    rows = fshard.from_local_tensor(torch.zeros(3, 2), dim=-1 if rank % 2 else 1, even=True)  # the same dim
+    got = [tuple(fshard.gather(tree["x"]).shape), tuple(fshard.gather(rows).shape)]
+    with pytest.raises(fshard.SpecError, match="Invalid sharding dim") as info:  # every rank fails alike
+        fshard.from_local_tensor(torch.zeros(()), dim=0, even=True)
+    got.append(str(info.value))
+    got.append(float(fshard.gather(fshard.shard(torch.ones(4), fshard.Chunk(0, RANKS))).sum()))  # no second error
+    return got
+
+
+@pytest.mark.multiprocess
+def test_from_local_tensor_even_compares_blocks_not_their_reprs_and_raises_once_where_every_rank_fails(dist_pool):
+    for got in dist_pool.run(_even_alike, timeout=60):
+        assert got[:2] == [(8, 3), (3, 8)]
+        assert "0-D local tensors" in got[2]
+        assert got[3] == 4.0
+
+
 def test_from_local_tensor_even_in_one_process_and_its_refusals():
     a = fshard.from_local_tensor((torch.zeros(4, 3), torch.ones(4)), dim=0, even=True)
     b = fshard.from_local_tensor((torch.zeros(4, 3), torch.ones(4)), dim=0)

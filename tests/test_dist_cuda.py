@@ -60,6 +60,8 @@ def _nccl_job(world):
             fshard.gather(fshard.rand(fshard.Chunk(0, on_gpu), 10, 12, seed=1)).cpu(),
             fshard.gather(fshard.rand(fshard.Chunk(0, [0]), 10, 12, seed=1)).cpu(),
         )
+        checked = fshard.from_local_tensor(mine.contiguous(), dim=0, even=True)  # each rank names its own GPU
+        assert torch.equal(fshard.gather(checked).cpu(), X[: mine.shape[0] * world])
     finally:
         fshard.config(check_collectives=old.check_collectives)
     return sent

@@ -66,3 +66,28 @@ def _copies() -> list[bool]:
 
 def test_a_backend_and_its_arrays_pickle_and_copy_within_their_default_group():
     assert launch(_copies, 1, timeout=60) == [[True, True]]
+
+
+def _pending_across_groups() -> list[int]:
+    """A check left in flight when its default group is destroyed is dropped, not settled by the next group."""
+    from fshard.backends.torch_dist import _later
+
+    rank = dist.get_rank()
+    fshard.from_local_tensor(torch.zeros(2 + rank, 3), dim=0, even=True)  # the ranks differ: a pending refusal
+    left = [_later.pending(None)]
+    dist.destroy_process_group()
+    if rank == 1:
+        return left
+    wait = datetime.timedelta(seconds=30)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
+    a = fshard.from_local_tensor(torch.ones(2, 3), dim=0, even=True)  # the new group's own check
+    left.append(len(_later._PENDING))  # only the new group's: the old one's is gone
+    left.append(int(fshard.gather(a).sum()))  # ended by this collective, without the old group's refusal
+    left.append(len(_later._PENDING))
+    return left
+
+
+def test_checks_in_flight_go_with_their_default_group():
+    zero, one = launch(_pending_across_groups, 2, timeout=90)
+    assert one == [1]
+    assert zero == [1, 1, 6, 0]

@@ -381,12 +381,16 @@ class TorchDistBackend:
 
         No rank waits for the others here. That collective hands every rank's pair, in group
         order, to ``verdict`` first, and raises the error it gives on every rank (``_later``).
+        Under NCCL the check ends here, at once: its messages go through the GPU, and reading
+        them later would make the CPU wait for all the GPU work queued meanwhile.
         """
         self._require_member(what)
         self._check(what, ())
         with in_flight():
             post_check(self.group, self.ranks, self._wire, what, failed, digest, verdict)
         self.counters.collectives += 1
+        if facts(self.group).on_cuda:
+            settle_checks(self.group)
 
     def exchange(self, obj: Any) -> list[Any]:
         """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""

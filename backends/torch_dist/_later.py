@@ -9,13 +9,17 @@ and the group's next collective (``settle``, which every movement, exchange and 
 the ``torch_dist`` backend calls first) waits for it, by then long done, and hands every
 rank's pair to the check's ``verdict``. Every rank reads the same pairs, so every rank
 raises the same error there, or none does. A rank that failed posts its pair before it
-raises, so no rank waits for it; it raises again at its next collective, with the others.
+raises, so no rank waits for it; it raises again at its next collective, with the others
+(unless every rank failed: each has raised its own error). Under NCCL the check is ended at
+once by the call that posts it (``TorchDistBackend.check_later``). Checks of a default group
+destroyed since are dropped; so are those left at exit.
 
 A wait is bounded by ``config(timeout=...)`` where it is set.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import threading
@@ -65,7 +69,21 @@ def post(
     )
     work = _gather(out, mine, group=group, async_op=True)
     with _LOCK:
+        _forget_old_groups()
         _PENDING.setdefault((group, dist.group.WORLD), []).append(_Check(what, ranks, out, work, verdict))
+
+
+def _forget_old_groups() -> None:
+    """Drops the checks of default groups destroyed since they were posted: no collective of theirs comes."""
+    world = dist.group.WORLD
+    for key in [k for k in _PENDING if k[1] is not world]:
+        del _PENDING[key]
+
+
+@atexit.register
+def _forget_all() -> None:
+    """At exit, the checks nobody will settle let go of their tensors (the exit waits for those)."""
+    _PENDING.clear()
 
 
 def pending(group: Any) -> int:
@@ -83,6 +101,7 @@ def settle(group: Any) -> None:
     if not _PENDING:  # the common case: one dict lookup
         return
     with _LOCK:
+        _forget_old_groups()
         checks = _PENDING.pop((group, dist.group.WORLD), None)
     error: BaseException | None = None
     for check in checks or ():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fshard._api.move import gather
@@ -74,7 +75,10 @@ def backward(loss: ShardedArray) -> torch.Tensor:
 
 
 def _summands_one_per_rank(layout: Layout, backend: object) -> bool:
-    """Whether ``layout`` is a sum over every rank of ``backend``'s group (in processes), each holding one summand."""
+    """Whether ``layout`` is a sum over every rank of ``backend``'s group (in processes), each holding one summand.
+
+    Each summand whole (not an empty box): facts of the layout, the same on every rank.
+    """
     ranks = getattr(backend, "ranks", ())
     return (
         getattr(backend, "spans_processes", False)
@@ -82,4 +86,5 @@ def _summands_one_per_rank(layout: Layout, backend: object) -> bool:
         and layout.terms is None
         and len(layout.columns.rank) == len(ranks)
         and set(layout.ranks) == set(ranks)
+        and bool((layout.columns.sz == np.asarray(layout.shape, np.int64)).all())
     )

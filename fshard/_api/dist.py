@@ -7,6 +7,7 @@ rank (naming the ranks and shards) instead of leaving some ranks waiting.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, cast
@@ -306,16 +307,29 @@ def _even(tensor: Any, dim: int, backend: Any) -> Any:
         described = ", ".join(f"{s} {d} requires_grad={g} on {v}" for s, d, g, v in infos)
         arrays = [ShardedArray(_even_layout(ranks, dim, tuple(t.shape), str(t.device)), (t,), backend) for t in leaves]
     except BaseException:
-        backend.check_later(what, True, 0, verdict)
+        with contextlib.suppress(SpecError):  # where the check runs now (NCCL), this rank's own error goes first
+            backend.check_later(what, True, 0, verdict)
         raise
-    digest = hashlib.blake2b(repr((dim, str(treedef), infos)).encode(), digest_size=8).digest()
+    # The structure by its paths and node kinds (a repr may hold addresses), each dim counted from 0.
+    structure = None if treedef is None else (optree.treespec_paths(treedef), _kinds(treedef))
+    dims = tuple(dim % max(t.ndim, 1) for t in leaves)
+    digest = hashlib.blake2b(repr((dims, structure, infos)).encode(), digest_size=8).digest()
     backend.check_later(what, False, int.from_bytes(digest, "big", signed=True), verdict)
     return arrays[0] if treedef is None else optree.tree_unflatten(treedef, arrays)
+
+
+def _kinds(treedef: Any) -> tuple[Any, ...]:
+    """A pytree structure's node types by qualified name, nested as the nodes are (``"leaf"`` for a leaf)."""
+    kind = treedef.type
+    name = "leaf" if kind is None else f"{kind.__module__}.{kind.__qualname__}"
+    return (name, tuple(_kinds(child) for child in optree.treespec_children(treedef)))
 
 
 def _even_verdict(pairs: Sequence[tuple[int, bool, int]], what: str, mine: str) -> SpecError | None:
     """The error every rank raises where ranks' ``(failed, digest)`` of their blocks differ (``None``: they agree)."""
     failed = [r for r, f, _ in pairs if f]
+    if len(failed) == len(pairs):  # every rank raised its own error at the call
+        return None
     if failed:
         return SpecError(
             f"{what} raised on rank(s) {failed}, whose error says why; every rank raises at the group's next "

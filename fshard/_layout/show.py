@@ -417,7 +417,8 @@ def _layout_digest(layout: Layout) -> str:
         h.update(layout.terms.tobytes())
     for a in (layout.columns.lo, layout.columns.sz, layout.columns.rank):
         h.update(np.ascontiguousarray(a, np.int64).tobytes())
-    h.update("|".join(layout.columns.devices).encode())
+    # Device types, not indices: ranks may name one layout's devices differently (each its own GPU).
+    h.update("|".join(d.split(":")[0] for d in layout.columns.devices).encode())
     return h.hexdigest()
 
 
