@@ -213,7 +213,8 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
     size). Then no rank waits for the others here: each builds the layout from its own
     blocks, and the check that the ranks' blocks agree rides on the group's next
     collective, where every rank raises ``SpecError`` if they did not (a rank whose own
-    blocks fail a check raises at once, and again at that collective, with the others).
+    blocks fail a check raises at once, and again at that collective with the others, unless
+    every rank failed). Under NCCL the check ends at the call: its messages go through the GPU.
     Each rank's layout names its own device for every rank's block.
 
     With a spec and the global ``shape`` (torch's
@@ -332,8 +333,8 @@ def _even_verdict(pairs: Sequence[tuple[int, bool, int]], what: str, mine: str) 
         return None
     if failed:
         return SpecError(
-            f"{what} raised on rank(s) {failed}, whose error says why; every rank raises at the group's next "
-            "collective after that call."
+            f"{what} raised on rank(s) {failed}, whose error says why; the other ranks raise this where the check "
+            "ends (the group's next collective; under NCCL, that call)."
         )
     first_rank, _, first = pairs[0]
     odd = [r for r, _, d in pairs if d != first]
