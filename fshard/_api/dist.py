@@ -237,6 +237,9 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
     >>> xs, ys = fshard.from_local_tensor((torch.zeros(4, 3), torch.ones(4)), dim=0)
     >>> xs.shape, ys.shape
     (torch.Size([4, 3]), torch.Size([4]))
+    >>> xs, ys = fshard.from_local_tensor((torch.zeros(4, 3), torch.ones(4)), dim=0, even=True)  # blocks alike
+    >>> xs.shape, ys.shape
+    (torch.Size([4, 3]), torch.Size([4]))
 
     Raises:
         SpecError: ``dim`` is out of range, blocks disagree off ``dim`` or in dtype, a
@@ -350,16 +353,27 @@ def _even_verdict(pairs: Sequence[tuple[int, bool, int]], what: str, mine: str) 
 @cached(256)
 def _even_layout(ranks: tuple[int, ...], dim: int, shape: tuple[int, ...], device: str) -> Layout:
     """The layout whose block ``i`` along ``dim`` has ``shape`` on ``ranks[i]`` (every block on ``device``)."""
-    if not -len(shape) <= dim < len(shape):
-        valid = f"valid: {-len(shape)} to {len(shape) - 1}"
-        msg = f"Invalid sharding dim: {dim} for {len(shape)}-D local tensors ({valid})."
+    return _stacked(_dim(dim, len(shape)), [(r, shape, device) for r in ranks])
+
+
+def _dim(dim: int, ndim: int) -> int:
+    """``dim`` counted from 0 for ``ndim``-D blocks; ``SpecError`` where it is out of range."""
+    if not -ndim <= dim < ndim:
+        msg = f"Invalid sharding dim: {dim} for {ndim}-D local tensors (valid: {-ndim} to {ndim - 1})."
         raise SpecError(msg)
-    dim %= len(shape)
-    metas = tuple(
-        ShardMeta(tuple(k * shape[dim] if d == dim else 0 for d in range(len(shape))), shape, Placement(r, device))
-        for k, r in enumerate(ranks)
-    )
-    return Layout(tuple(len(ranks) * s if d == dim else s for d, s in enumerate(shape)), metas)
+    return dim % ndim
+
+
+def _stacked(dim: int, blocks: Sequence[tuple[int, tuple[int, ...], str]]) -> Layout:
+    """The layout of ``blocks`` (rank, shape, device), stacked along ``dim`` in that order."""
+    offsets = 0
+    metas: list[ShardMeta] = []
+    for rank, shape, device in blocks:
+        metas.append(
+            ShardMeta(tuple(offsets if k == dim else 0 for k in range(len(shape))), shape, Placement(rank, device))
+        )
+        offsets += shape[dim]
+    return Layout(tuple(offsets if k == dim else s for k, s in enumerate(blocks[0][1])), tuple(metas))
 
 
 def _info(tensor: torch.Tensor, backend: Backend) -> tuple[Any, ...]:
@@ -373,20 +387,9 @@ def _along(tensor: torch.Tensor, dim: int, seen: Sequence[Any], backend: Backend
     if len(ndims) > 1:
         given = ", ".join(f"rank {s[0]} {s[1]}" for s in seen)
         raise SpecError(f"from_local_tensor(): ranks passed tensors with different numbers of dims: {given}.")
-    if not -tensor.ndim <= dim < tensor.ndim:
-        valid = f"valid: {-tensor.ndim} to {tensor.ndim - 1}"
-        msg = f"Invalid sharding dim: {dim} for {tensor.ndim}-D local tensors ({valid})."
-        raise SpecError(msg)
-    dim %= tensor.ndim
+    dim = _dim(dim, tensor.ndim)
     _check_blocks(seen, dim)
-    offsets = 0
-    metas: list[ShardMeta] = []
-    for rank, shape_r, *_, device in seen:
-        box_offsets = tuple(offsets if k == dim else 0 for k in range(len(shape_r)))
-        metas.append(ShardMeta(box_offsets, shape_r, Placement(rank, device)))
-        offsets += shape_r[dim]
-    gshape = tuple(offsets if k == dim else s for k, s in enumerate(tensor.shape))
-    layout = Layout(gshape, tuple(metas))
+    layout = _stacked(dim, [(rank, shape, device) for rank, shape, *_, device in seen])
     return ShardedArray(layout, (tensor,), backend)
 
 
