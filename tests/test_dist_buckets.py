@@ -12,7 +12,9 @@ sums them once more); as gradients of gradients; or from ranks that use differen
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -146,6 +148,32 @@ def test_a_bucket_plan_is_one_range_per_bucket_where_every_rank_holds_every_leaf
         assert len(b.parts) == 1
     assert plan[-1].flag == 1
     assert plan[-1].runs.shape == (D * D + 2,)  # the count of late gradients and a carried value
+
+
+def test_only_a_last_bucket_on_the_losss_device_carries_it():
+    """Which buckets may carry ``fshard.backward``'s loss: facts of the bucket, the same on every rank.
+
+    A bucket on another device than the loss's does not: the backward runs each device's nodes
+    on a thread of its own, so two devices' last buckets could be reached in either order.
+    """
+    backend = types.SimpleNamespace(ranks=tuple(R))  # what the rule reads of a backend: its ranks
+    layouts = tuple(fshard.Replicated(R).layout((D, D)) for _ in range(2))
+    plan = _buckets.buckets(layouts, 4, 1 << 20, rank=0)
+    assert plan is not None
+
+    def state(device: str, dtype: torch.dtype = torch.float32) -> Any:
+        return types.SimpleNamespace(backend=backend, device=torch.device(device), dtype=dtype, plan=plan)
+
+    carry = _buckets.Carry(backend, torch.ones((), device="meta"))
+    with _buckets.carrying(carry):
+        assert _buckets._carry_for(state("meta")) is carry
+        assert _buckets._carry_for(state("cpu")) is None  # another device
+        assert _buckets._carry_for(state("meta", torch.bfloat16)) is None  # would round the loss
+        other = types.SimpleNamespace(ranks=(0, 1))
+        assert _buckets._carry_for(types.SimpleNamespace(**{**vars(state("meta")), "backend": other})) is None
+        carry.total = torch.ones(())
+        assert _buckets._carry_for(state("meta")) is None  # carried once
+    assert _buckets._carry_for(state("meta")) is None  # outside the backward
 
 
 def test_the_bucket_size_is_a_checked_setting():

@@ -108,26 +108,54 @@ def _steps_over_gloo(style: str, device: str, steps: int = 2) -> list[list[Any]]
     where = [f"rank:{r}/{device}" for r in ranks]
     spec = fshard.Replicated(where) if style.startswith("dp") else fshard.Chunk(0, where)
     params = [fshard.shard(w.to(device), spec) for w in _ws()]
+    if style == "dp-devices":  # the first layer on the CPU: its gradients sum in buckets on another device
+        params[0] = fshard.shard(_ws()[0], fshard.Replicated([f"rank:{r}/cpu" for r in ranks]))
     leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
     step = fshard.shard_map(
         _body, in_specs=(fshard.Chunk(0, where), *[fshard.Replicated(where)] * 3),
         out_specs=fshard.Partial(fshard.Replicated(where)), regather=style == "regather",
     )  # fmt: skip
+    if style == "dp-devices":
+        step = _across_devices(where)
     out = []
     for k in range(steps):
         if style == "regather" and k == 0:
             fshard.prefetch(params, fshard.Replicated(where))
-        if style == "dp-waitless":  # each rank's own rows, and the loss carried by the last bucket
+        if style.startswith("dp-"):  # each rank's own rows, and the loss carried by a last bucket
             x = fshard.from_local_tensor(_rows(k).chunk(4)[dist.get_rank()].to(device), dim=0, even=True)
-            fshard.backward(step(x, *params))
+            loss = step(x, *params)
+            value = fshard.backward(loss)
+            with torch.no_grad():
+                torch.testing.assert_close(value, fshard.gather(loss), rtol=1e-12, atol=0)
         else:
             x = fshard.shard(_rows(k).to(device), fshard.Chunk(0, where))
             fshard.gather(step(x, *params)).backward()
-        assert all(t.grad.device.type == device.split(":")[0] for t in leaves)
+        assert all(t.grad.device == t.device for t in leaves)
         out.append([t.grad.cpu().numpy() for t in leaves])  # numpy: no tensor outlives the process
         for t in leaves:
             t.grad = None
     return out
+
+
+def _across_devices(where: list[str]) -> Any:
+    """``_body`` as two ``shard_map``s: the first layer on each rank's CPU, the others on ``where``'s devices.
+
+    The rows move to the CPU and back between them; the loss is on ``where``'s devices.
+    """
+    cpu = [f"rank:{r}/cpu" for r in range(len(where))]
+    first = fshard.shard_map(
+        lambda x, w: torch.tanh(x @ w), in_specs=(fshard.Chunk(0, cpu), fshard.Replicated(cpu)),
+        out_specs=fshard.Chunk(0, cpu),
+    )  # fmt: skip
+    rest = fshard.shard_map(
+        _body, in_specs=(fshard.Chunk(0, where), *[fshard.Replicated(where)] * 2),
+        out_specs=fshard.Partial(fshard.Replicated(where)),
+    )  # fmt: skip
+
+    def step(x: Any, *params: Any) -> Any:
+        return rest(fshard.reshard(first(x, params[0]), fshard.Chunk(0, where)), *params[1:])
+
+    return step
 
 
 def _expected(style: str, steps: int = 2) -> list[list[torch.Tensor]]:
@@ -142,7 +170,7 @@ def _expected(style: str, steps: int = 2) -> list[list[torch.Tensor]]:
 
 
 @needs_cuda
-@pytest.mark.parametrize("style", ["dp", "dp-waitless", "fsdp", "regather"])
+@pytest.mark.parametrize("style", ["dp", "dp-waitless", "dp-devices", "fsdp", "regather"])
 def test_a_training_step_over_gloo_with_cuda_blocks_gives_the_dense_gradients(style):
     """Two steps (the second one reuses the buckets' buffers), each rank's gradients against one process's."""
     got = launch(_steps_over_gloo, 4, style, "cuda:0", timeout=300)

@@ -26,10 +26,10 @@ def backward(loss: ShardedArray) -> torch.Tensor:
     the others' summands first, as ``gather`` would. The sum itself travels with the gradients:
     the last bucket of replicated arguments' gradients summed over those ranks carries it as one
     more element of its ``all_reduce`` (``fshard.config(bucket_cap_mb=...)``). Where no bucket
-    carries it (fully sharded parameters, whose gradients are reduce-scattered; a
-    ``no_sync`` micro-batch; gradients summed in a lower precision than the loss's), it is
-    gathered after the backward. On one process, and for any other array, this is
-    ``gather(loss)`` and its backward.
+    carries it (fully sharded parameters, whose gradients are reduce-scattered; a ``no_sync``
+    micro-batch; gradients summed in a lower precision than the loss's, or on another device
+    than the loss), it is gathered after the backward. On one process, and for any other
+    array, this is ``gather(loss)`` and its backward.
 
     The value is the same on every rank; it may differ from ``gather(loss)`` in the last bits,
     since the ranks' summands are added in the ``all_reduce``'s order.

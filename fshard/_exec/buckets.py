@@ -517,9 +517,9 @@ def carrying(carry: Carry) -> Generator[Carry, None, None]:
 
     That bucket's summed elements (two, after the gradients: the count of late gradients and
     this value) are an ``all_reduce`` anyway, so the value is summed with no collective of its
-    own and no rank waits for the others to sum it. Buckets of another backend or other ranks,
-    of gradients summed in a dtype that would round the value, of micro-batches under
-    ``no_sync``, or of gradients of gradients do not carry it (``total`` stays ``None``).
+    own and no rank waits for the others to sum it. Buckets of another backend, other ranks or
+    another device, of gradients summed in a dtype that would round the value, of micro-batches
+    under ``no_sync``, or of gradients of gradients do not carry it (``total`` stays ``None``).
     """
     _CARRIES.append(carry)
     try:
@@ -529,11 +529,18 @@ def carrying(carry: Carry) -> Generator[Carry, None, None]:
 
 
 def _carry_for(state: _State) -> Carry | None:
-    """The value that ``state``'s last bucket carries, if any (the same on every rank: it depends on no data)."""
+    """The value that ``state``'s last bucket carries, if any (the same on every rank: it depends on no data).
+
+    Only buckets on the value's device carry it: the backward runs one device's nodes on one
+    thread, in the same order on every rank, so every rank picks the same bucket; another
+    device's nodes run on a thread of their own, which could reach its last bucket first on
+    one rank and last on another.
+    """
     for carry in _CARRIES:
         if (
             carry.total is None
             and carry.backend == state.backend
+            and state.device == carry.value.device
             and state.dtype.is_floating_point
             and torch.promote_types(carry.value.dtype, state.dtype) == state.dtype
             and set(state.plan[-1].runs.ranks) == set(state.backend.ranks)
