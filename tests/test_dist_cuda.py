@@ -111,12 +111,10 @@ def _steps_over_gloo(style: str, device: str, steps: int = 2) -> list[list[Any]]
     if style == "dp-devices":  # the first layer on the CPU: its gradients sum in buckets on another device
         params[0] = fshard.shard(_ws()[0], fshard.Replicated([f"rank:{r}/cpu" for r in ranks]))
     leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
-    step = fshard.shard_map(
+    step = _across_devices(where) if style == "dp-devices" else fshard.shard_map(
         _body, in_specs=(fshard.Chunk(0, where), *[fshard.Replicated(where)] * 3),
         out_specs=fshard.Partial(fshard.Replicated(where)), regather=style == "regather",
     )  # fmt: skip
-    if style == "dp-devices":
-        step = _across_devices(where)
     out = []
     for k in range(steps):
         if style == "regather" and k == 0:
