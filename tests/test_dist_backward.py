@@ -8,6 +8,8 @@ backward. Either way the values and gradients are those of ``gather(loss).backwa
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -142,3 +144,29 @@ def test_backward_refuses_what_is_not_a_loss_array():
     without_grad = fshard.shard(torch.ones(1), fshard.Replicated([0, 1]))
     with pytest.raises(fshard.SpecError, match="requires grad"):
         fshard.backward(without_grad)
+    complex_loss = fshard.shard(torch.ones(1, dtype=torch.complex64, requires_grad=True), fshard.Replicated([0, 1]))
+    with pytest.raises(fshard.SpecError, match=r"takes a real loss, got torch\.complex64"):
+        fshard.backward(complex_loss)
+
+
+def _under_no_grad(summands: str, backend: Any = None) -> tuple[list[float], list[float]]:
+    """``fshard.backward`` called under ``torch.no_grad()``: the loss carried by the buckets ("whole" summands
+    across processes), or gathered first (a summand in rank 0's box only, or one process)."""
+    backend = TorchDistBackend() if backend is None else backend
+    w = fshard.shard(torch.arange(4.0, dtype=torch.float64), fshard.Replicated(R), backend=backend)
+    leaves = [t.requires_grad_() for t in w.addressable_data]
+    keep = 1 if summands == "whole" or not backend.spans_processes or backend.rank == 0 else 0
+    out = fshard.Partial(fshard.Replicated(R) if summands == "whole" else fshard.Chunk(0, R))
+    loss = fshard.shard_map(lambda b: (b * b).sum()[None][:keep], in_specs=(fshard.Replicated(R),), out_specs=out)(w)
+    with torch.no_grad():
+        value = fshard.backward(loss)
+    return value.tolist(), leaves[0].grad.tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("summands", ["whole", "empty"])
+def test_backward_runs_under_no_grad_as_torchs_does(dist_pool, summands):
+    want = ([56.0], [0.0, 8.0, 16.0, 24.0]) if summands == "whole" else ([14.0], [0.0, 2.0, 4.0, 6.0])
+    assert dist_pool.run(_under_no_grad, summands, timeout=60) == [want] * 4
+    if summands == "whole":  # in one process: gathered first, alike
+        assert _under_no_grad(summands, LocalBackend(world_size=4)) == want

@@ -163,7 +163,7 @@ def test_from_local_tensor_even_posts_its_check_and_the_next_collective_ends_it(
 
 def _even_refused(case):
     rank = dist.get_rank()
-    rows = torch.ones(2 + (case == "size" and rank == 2), 3)
+    rows = torch.ones(2 + (case == "size" and rank == 2) + (case == "size0" and rank == 0), 3)
     at_call = None
     try:
         if case == "failed" and rank == 3:
@@ -187,14 +187,36 @@ def test_from_local_tensor_even_refusals_reach_every_rank_at_the_next_collective
     assert {at for at, _ in sizes} == {None}
     assert len({m for _, m in sizes}) == 2  # each rank names its own blocks
     for k, (_, message) in enumerate(sizes):
-        assert "from_local_tensor(dim=0, even=True): ranks [2] passed blocks unlike rank 0's" in message
+        assert "from_local_tensor(dim=0, even=True): ranks [2] passed blocks unlike those of ranks [0, 1, 3]" in message
         assert f"this rank passed ({3 if k == 2 else 2}, 3) torch.float32" in message
         assert "drop even=True" in message
+    for _, message in dist_pool.run(_even_refused, "size0", timeout=60):  # the odd one is named, rank 0 too
+        assert "ranks [0] passed blocks unlike those of ranks [1, 2, 3]" in message
     failed = dist_pool.run(_even_refused, "failed", timeout=60)
     assert [at is not None for at, _ in failed] == [False, False, False, True]
     assert "a tuple, list or dict of them" in str(failed[3][0])
     for _, message in failed:
         assert message.startswith("from_local_tensor(dim=0, even=True) raised on rank(s) [3], whose error says why")
+
+
+def _even_failed_in_check_mode() -> list[str]:
+    """Check mode: a rank's own error at the call reaches every rank there, and only there."""
+    old = fshard.config(check_collectives=True)
+    try:
+        rows = torch.zeros(2) if dist.get_rank() == 1 else torch.zeros(2, 3)  # dim=1: out of range on rank 1
+        with pytest.raises(fshard.SpecError) as info:
+            fshard.from_local_tensor(rows, dim=1, even=True)
+        after = fshard.gather(fshard.from_local_tensor(torch.ones(2, 3), dim=0, even=True))  # no second error
+        return [str(info.value), str(tuple(after.shape))]
+    finally:
+        fshard.config(check_collectives=old.check_collectives)
+
+
+@pytest.mark.multiprocess
+def test_from_local_tensor_even_raises_once_in_check_mode(dist_pool):
+    for message, shape in dist_pool.run(_even_failed_in_check_mode, timeout=60):
+        assert "Invalid sharding dim: 1 for 1-D local tensors" in message
+        assert shape == "(8, 3)"
 
 
 def _even_alike():

@@ -43,9 +43,11 @@ def backward(loss: ShardedArray) -> torch.Tensor:
     >>> w.grad
     tensor([0., 1., 2., 3.])
 
+    As torch's ``backward()``, it runs under ``torch.no_grad()`` too (the loss was recorded before).
+
     Raises:
         TypeError: ``loss`` is not a ``ShardedArray``.
-        SpecError: ``loss`` has more or fewer than one element, or does not require grad.
+        SpecError: ``loss`` has more or fewer than one element, is complex, or does not require grad.
     """
     if not isinstance(loss, ShardedArray):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
         raise TypeError(f"backward() takes a ShardedArray (a loss), got {type(loss).__name__}.")
@@ -55,6 +57,12 @@ def backward(loss: ShardedArray) -> torch.Tensor:
             "first (its sum or mean), as torch's backward() needs a scalar."
         )
         raise SpecError(msg)
+    if loss.dtype.is_complex:
+        msg = (
+            f"backward() takes a real loss, got {loss.dtype}: the backward of a complex value needs a gradient to "
+            "start from, as torch's does. Take a real value of it first (loss.abs() or its real part)."
+        )
+        raise SpecError(msg)
     if not loss.requires_grad:
         msg = (
             "backward() takes a loss that requires grad; this one was computed from no tensor that does: "
@@ -62,7 +70,8 @@ def backward(loss: ShardedArray) -> torch.Tensor:
         )
         raise SpecError(msg)
     if not _summands_one_per_rank(loss.layout, loss.backend):
-        value = gather(loss)
+        with torch.enable_grad():  # the sum's node recorded under no_grad too, as a backward from each summand runs
+            value = gather(loss)
         value.backward()  # pyright: ignore[reportUnknownMemberType]  # torch leaves it partly untyped
         return value.detach()
     (block,) = loss.addressable_data

@@ -18,6 +18,7 @@ import torch
 from fshard._array.array import Shard, ShardedArray
 from fshard._base.cache import cached
 from fshard._base.records import record
+from fshard._config import current
 from fshard._errors import LayoutError, SpecError
 from fshard._exec.collective import collective
 from fshard._layout.layout import Layout, ShardMeta
@@ -214,7 +215,8 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
     blocks, and the check that the ranks' blocks agree rides on the group's next
     collective, where every rank raises ``SpecError`` if they did not (a rank whose own
     blocks fail a check raises at once, and again at that collective with the others, unless
-    every rank failed). Under NCCL the check ends at the call: its messages go through the GPU.
+    every rank failed or check mode made every rank raise at the call). Under NCCL the check
+    ends at the call: its messages go through the GPU.
     Each rank's layout names its own device for every rank's block.
 
     With a spec and the global ``shape`` (torch's
@@ -298,9 +300,11 @@ def _even(tensor: Any, dim: int, backend: Any) -> Any:
     """
     what = f"from_local_tensor(dim={dim}, even=True)"
     described = "an invalid argument"
+    # In check mode every rank learns at the call of any rank's error there, and raises it.
+    raised_alike = current().check_collectives
 
     def verdict(pairs: Sequence[tuple[int, bool, int]]) -> SpecError | None:
-        return _even_verdict(pairs, what, described)
+        return _even_verdict(pairs, what, described, raised_alike)
 
     if not backend.member:
         raise SpecError(f"{what}: rank {backend.rank} is not in the process group; call it from ranks of the group.")
@@ -329,22 +333,33 @@ def _kinds(treedef: Any) -> tuple[Any, ...]:
     return (name, tuple(_kinds(child) for child in optree.treespec_children(treedef)))
 
 
-def _even_verdict(pairs: Sequence[tuple[int, bool, int]], what: str, mine: str) -> SpecError | None:
-    """The error every rank raises where ranks' ``(failed, digest)`` of their blocks differ (``None``: they agree)."""
+def _even_verdict(
+    pairs: Sequence[tuple[int, bool, int]], what: str, mine: str, raised_alike: bool = False
+) -> SpecError | None:
+    """The error every rank raises where ranks' ``(failed, digest)`` of their blocks differ (``None``: they agree).
+
+    ``raised_alike``: every rank raised at the call where one failed there (check mode), so a
+    failure is not raised again. Ranks whose blocks differ are named against the blocks most
+    ranks passed (the lowest rank's among equally many).
+    """
     failed = [r for r, f, _ in pairs if f]
-    if len(failed) == len(pairs):  # every rank raised its own error at the call
+    if len(failed) == len(pairs) or (failed and raised_alike):  # every rank raised at the call
         return None
     if failed:
         return SpecError(
             f"{what} raised on rank(s) {failed}, whose error says why; the other ranks raise this where the check "
             "ends (the group's next collective; under NCCL, that call)."
         )
-    first_rank, _, first = pairs[0]
-    odd = [r for r, _, d in pairs if d != first]
+    counts: dict[int, int] = {}
+    for _, _, d in pairs:
+        counts[d] = counts.get(d, 0) + 1
+    usual = max(counts, key=lambda d: counts[d])  # the first of the most common, in rank order
+    odd = [r for r, _, d in pairs if d != usual]
     if not odd:
         return None
+    like = [r for r, _, d in pairs if d == usual]
     return SpecError(
-        f"{what}: ranks {odd} passed blocks unlike rank {first_rank}'s (shapes, dtypes, requires_grad, device "
+        f"{what}: ranks {odd} passed blocks unlike those of ranks {like} (shapes, dtypes, requires_grad, device "
         f"types or structure differ); this rank passed {mine}. With even=True every rank's blocks must be alike; "
         "to stack blocks of different sizes, drop even=True (the sizes are then exchanged at the call)."
     )
