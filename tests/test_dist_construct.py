@@ -219,6 +219,17 @@ def test_from_local_tensor_even_raises_once_in_check_mode(dist_pool):
         assert shape == "(8, 3)"
 
 
+def test_an_even_mismatch_names_the_ranks_unlike_most_and_abbreviates_the_others():
+    from fshard._api.dist import _even_verdict
+
+    many = _even_verdict([(r, False, 2 if r == 5 else 1) for r in range(20)], "f", "mine")
+    assert "ranks [5] passed blocks unlike those of ranks [0, 1, ..., 19] (19 ranks)" in str(many)
+    tie = _even_verdict([(0, False, 1), (1, False, 2)], "f", "mine")  # equally many: the lowest rank's are the usual
+    assert "ranks [1] passed blocks unlike those of ranks [0]" in str(tie)
+    assert _even_verdict([(0, False, 1), (1, True, 0)], "f", "mine", raised_alike=True) is None  # raised at the call
+    assert _even_verdict([(0, False, 1), (1, False, 1)], "f", "mine") is None
+
+
 def _even_alike():
     """Blocks alike, described alike: a structure whose repr holds an address, dims counted from either end."""
     import collections

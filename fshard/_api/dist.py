@@ -358,8 +358,9 @@ def _even_verdict(
     if not odd:
         return None
     like = [r for r, _, d in pairs if d == usual]
+    alike = str(like) if len(like) <= 8 else f"[{like[0]}, {like[1]}, ..., {like[-1]}] ({len(like)} ranks)"
     return SpecError(
-        f"{what}: ranks {odd} passed blocks unlike those of ranks {like} (shapes, dtypes, requires_grad, device "
+        f"{what}: ranks {odd} passed blocks unlike those of ranks {alike} (shapes, dtypes, requires_grad, device "
         f"types or structure differ); this rank passed {mine}. With even=True every rank's blocks must be alike; "
         "to stack blocks of different sizes, drop even=True (the sizes are then exchanged at the call)."
     )
