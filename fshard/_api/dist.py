@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -261,15 +262,12 @@ def from_local_tensor(tensor: Any, dim: Any = 0, shape: Any = None, *, group: An
         raise TypeError(f"from_local_tensor(tensor, dim={dim}) takes no shape; shape goes with a spec.")
     if not isinstance(even, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value, untyped
         raise TypeError(f"from_local_tensor() even must be a bool, got {even!r} ({type(even).__name__}).")
-    if even:
-        backend = _backend(group, "from_local_tensor()")
-        if backend.spans_processes:
-            return _even(tensor, dim, cast("Any", backend))
+    backend = _backend(group, "from_local_tensor()")
+    if even and backend.spans_processes:
+        return _even(tensor, dim, cast("Any", backend))
     if isinstance(tensor, torch.Tensor):
-        backend = _backend(group, "from_local_tensor()")
         return _along(tensor, dim, backend.exchange(_info(tensor, backend)), backend)
     leaves, treedef = _tree_of_tensors(tensor)
-    backend = _backend(group, "from_local_tensor()")
     seen = backend.exchange([_info(t, backend) for t in leaves])  # one exchange for the whole tree
     if len({len(s) for s in seen}) > 1:
         counts = ", ".join(f"rank {s[0][0]}: {len(s)}" for s in seen if s)
@@ -350,10 +348,7 @@ def _even_verdict(
             f"{what} raised on rank(s) {failed}, whose error says why; the other ranks raise this where the check "
             "ends (the group's next collective; under NCCL, that call)."
         )
-    counts: dict[int, int] = {}
-    for _, _, d in pairs:
-        counts[d] = counts.get(d, 0) + 1
-    usual = max(counts, key=lambda d: counts[d])  # the first of the most common, in rank order
+    usual = Counter(d for _, _, d in pairs).most_common(1)[0][0]  # the first of the most common, in rank order
     odd = [r for r, _, d in pairs if d != usual]
     if not odd:
         return None
