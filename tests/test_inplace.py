@@ -119,13 +119,22 @@ def test_a_refused_write_leaves_autograd_working() -> None:
     assert torch.equal(x.grad, 2 * X)
 
 
+def _modes() -> list[str]:
+    """The torch-function and torch-dispatch modes active here, by class name."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return [type(m).__name__ for m in (*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack())]
+
+
 class _Probe(torch.autograd.Function):
-    """Identity whose backward records the dispatch modes active while it runs."""
+    """Identity that records the modes active in its forward (``forward_modes``) and its backward (``modes``)."""
 
     modes: list[list[str]] = []  # noqa: RUF012
+    forward_modes: list[list[str]] = []  # noqa: RUF012
 
     @staticmethod
     def forward(t: torch.Tensor) -> torch.Tensor:
+        _Probe.forward_modes.append(_modes())
         return t.clone()
 
     @staticmethod
@@ -134,22 +143,25 @@ class _Probe(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        _Probe.modes.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+        _Probe.modes.append(_modes())
         return g
 
 
 def test_the_check_runs_in_the_forward_call_only() -> None:
+    """In the body the check stands behind a torch-function mode; not in the backward."""
     x = X.clone().requires_grad_(True)
     a = fshard.shard(x, ROWS)
     seen: list[list[str]] = []
 
     def body(t: torch.Tensor) -> torch.Tensor:
-        seen.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+        seen.append(_modes())
         return _Probe.apply(t) * 2
 
     _Probe.modes.clear()
+    _Probe.forward_modes.clear()
     fshard.gather(fshard.map_local(body, a)).sum().backward()
-    assert seen == [["_ReadOnly"], ["_ReadOnly"]]
+    assert seen == [["_Front"], ["_Front"]]
+    assert _Probe.forward_modes == [["_Front"], ["_Front"]]  # its calls are seen one by one
     assert _Probe.modes == [[], []]
     assert torch.equal(x.grad, torch.full_like(X, 2.0))
     assert _get_current_dispatch_mode_stack() == []
@@ -198,10 +210,10 @@ def test_a_body_compiled_by_dynamo_is_checked_at_run_time() -> None:
 
 
 def test_a_write_the_check_cannot_see_is_still_caught_after_it() -> None:
-    """With the dispatch modes switched off (as in code compiled by Inductor), the version counter tells."""
+    """With the torch-function and dispatch modes switched off (as in an Inductor kernel), the version counter tells."""
 
     def hidden(t: torch.Tensor) -> torch.Tensor:
-        with _disable_current_modes():
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
             return t.mul_(10)
 
     a = _array()
@@ -309,6 +321,36 @@ def test_writes_are_refused_behind_the_per_shard_mode(dist_pool, name) -> None:
 def test_calls_that_write_nothing_skip_the_dispatch_level_check(dist_pool) -> None:
     """linear, tanh, layer_norm, sum, indexing and the tap's views: no aten op of theirs reaches the check."""
     assert dist_pool.run(_gated, None, timeout=60) == [("no error", True, 0)] * 4
+
+
+def _hidden_behind_the_mode() -> tuple[str, bool]:
+    """A write in code run with torch functions off, which the per-shard mode cannot see: caught after it."""
+    R = [0, 1, 2, 3]
+    w = fshard.shard(torch.ones(3, 3), fshard.Replicated(R))
+    w.addressable_data[0].requires_grad_()
+    x = fshard.from_local_tensor(torch.ones(2, 3), dim=0)
+
+    def body(xb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():
+            xb.mul_(10)
+        return (xb @ wb).sum()[None]
+
+    step = fshard.shard_map(
+        body, in_specs=(fshard.Chunk(0, R), fshard.Replicated(R)), out_specs=fshard.Partial(fshard.Replicated(R))
+    )
+    try:
+        step(x, w)
+        error = "no error"
+    except SpecError as exc:
+        error = str(exc).split(" (", 1)[0]
+    return error, torch.equal(x.addressable_data[0], torch.full((2, 3), 10.0))
+
+
+@pytest.mark.multiprocess
+def test_a_write_the_per_shard_mode_cannot_see_is_caught_after_it(dist_pool) -> None:
+    """The dispatch-level check is off the stack behind the mode; the version counter still tells."""
+    got = dist_pool.run(_hidden_behind_the_mode, timeout=60)
+    assert got == [("shard_map() fn wrote into an input block in place", True)] * 4
 
 
 def test_the_calls_let_through_write_into_no_argument_by_their_schemas() -> None:

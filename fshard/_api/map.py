@@ -883,7 +883,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     own = [t for a in arrays for t in a.addressable_data]
 
     def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
-        with _per_shard(backend, usage, first.layout, own), untouched(own, "map_local()"):
+        with untouched(own, "map_local()"), _per_shard(backend, usage, first.layout, own):
             outs = tuple(fn(*ts) for ts in zip(*(a.addressable_data for a in arrays)))
         return _result_leaves(outs)
 

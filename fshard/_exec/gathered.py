@@ -218,41 +218,54 @@ class _PerShard(TorchFunctionMode):
         closed: Callable[[torch.Tensor], torch.Tensor] | None,
         own: Collection[int],
         since: int,
+        check: Any = None,
     ) -> None:
         super().__init__()
         self.views: dict[int, torch.Tensor] = {}
         self.usage = usage
         self.closed, self.own, self.since = closed, own, since
+        self.check = check  # the in-place check, off the dispatch stack (``readonly.deferred``), or None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        # A tuple of a generator, not a list: with a list comprehension here, TorchDynamo (torch 2.13)
-        # traces the call below wrongly where it resumes after this mode's graph break.
-        args = tuple(self._swap_any(a) for a in args)
-        kwargs = {k: self._swap_any(v) for k, v in kwargs.items()} if kwargs else {}
+        # No gradient recorded (no_grad, inference, a reentrant checkpoint's forward): nothing to tap or set
+        # aside, and a view made here would serve later uses.
+        if torch.is_grad_enabled():
+            # A tuple of a generator, not a list: with a list comprehension here, TorchDynamo (torch 2.13)
+            # traces the call below wrongly where it resumes after this mode's graph break.
+            args = tuple(self._swap_any(a) for a in args)
+            if kwargs:
+                kwargs = {k: self._swap_any(v) for k, v in kwargs.items()}
+        kwargs = kwargs or {}
         # The in-place check set aside where the call writes nothing; TorchDynamo traces a direct call
         # (a call of func through a helper here, after a graph break, is traced wrongly by torch 2.13).
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
+        if self.check is not None:  # the check is off the stack: a pure call runs as it is, any other under it
+            if _readonly.pure(func, types, args, kwargs):
+                return func(*args, **kwargs)
+            return _readonly.checked(self.check, func, args, kwargs)
         done, out = _readonly.call_if_pure(func, types, args, kwargs)
         return out if done else func(*args, **kwargs)
 
     def _swap_any(self, x: Any) -> Any:
         """``x`` with its tensors swapped: directly for a tensor (most arguments), through its pytree else."""
         if isinstance(x, torch.Tensor):
-            return self._swap(x)
+            seen = self.views.get(id(x))
+            return seen if seen is not None else self._swap(x)
         if isinstance(x, (list, tuple, dict)):
-            return optree.tree_map(self._swap, cast(Any, x), none_is_leaf=True)
+            return optree.tree_map(self._swap_leaf, cast(Any, x), none_is_leaf=True)
         return x
 
-    def _swap(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
+    def _swap_leaf(self, x: Any) -> Any:
+        """A pytree leaf swapped where it is a tensor (a leaf may be a tuple subclass, as ``torch.Size``)."""
+        if isinstance(x, torch.Tensor):
+            seen = self.views.get(id(x))
+            return seen if seen is not None else self._swap(x)
+        return x
+
+    def _swap(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s view where it is tapped, gathered or closed over (made at its first use), else ``x``."""
         key = id(x)
-        seen = self.views.get(key)
-        if seen is not None:
-            return seen
-        if not torch.is_grad_enabled():  # no gradient recorded (no_grad, inference, a reentrant checkpoint's
-            return x  # forward): nothing to tap or set aside, and a view made here would serve later uses
         # Most tensors of a body are in none of the tables: a lookup in each table's own dict (in C)
         # says so before a WeakValueDictionary.get (in Python) would.
         # This mode is off while it handles a call: apply() is not intercepted.
@@ -269,7 +282,7 @@ class _PerShard(TorchFunctionMode):
             self.closed is not None
             and x.requires_grad
             and key not in self.own
-            and _older(x, self.since)
+            and ((node := x.grad_fn) is None or node._sequence_nr() < self.since)  # pyright: ignore[reportPrivateUsage]  # older than the call
             and not (key in _GATHERED_KEYS and _GATHERED.get(key) is x)
         ):
             view = self.closed(x)
@@ -284,12 +297,6 @@ class _PerShard(TorchFunctionMode):
 def is_per_shard_mode(mode: Any) -> bool:
     """Whether ``mode`` is the mode of ``per_shard`` (a thread that runs a body enters its own)."""
     return isinstance(mode, _PerShard)
-
-
-def _older(t: torch.Tensor, since: int) -> bool:
-    """Whether ``t`` existed before the autograd node numbered ``since`` (a leaf, or made by an older node)."""
-    node = t.grad_fn
-    return node is None or node._sequence_nr() < since  # pyright: ignore[reportPrivateUsage]  # torch's own node numbering
 
 
 def mark() -> int:
@@ -316,8 +323,11 @@ def per_shard(
     _CALLS[0] += 1
     closed = closed if closed is not None and torch.is_grad_enabled() else None
     if not ((backend.spans_processes and (_LIVE or _TAPPED)) or closed is not None):
-        yield
+        with _readonly.front():  # the in-place check alone, which the calls that cannot write pass
+            yield
         return
     since = _readonly.unchecked(mark) if closed is not None else 0  # its probe writes into nothing
-    with _PerShard(usage, closed, {id(t) for t in own}, since):
+    # The in-place check moves from the dispatch stack into this mode, which runs it only around the
+    # calls that may write: most calls then pay nothing for it.
+    with _readonly.deferred() as check, _PerShard(usage, closed, {id(t) for t in own}, since, check):
         yield
