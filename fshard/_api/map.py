@@ -471,16 +471,19 @@ def _run(
     inputs = list(arrays) if grouped else _fused.regroup_tree(arrays, "sum")
     held = backend.addressable(first)
     slot_of = _slot_index(first)
-    by_index = [dict(zip(backend.addressable(a.layout), a.addressable_data)) for a in inputs]
 
     usage = _varying.Usage()
     own = [t for a in inputs for t in a.addressable_data]
 
     def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
         calls: list[tuple[Slot, list[torch.Tensor]]] = []
-        for i in held:
-            p, k = slot_of[i]
-            calls.append(((p, k), [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]))
+        if one_block and len(held) == 1:  # one placement here: every argument's one block here is its (aligned)
+            calls.append((slot_of[held[0]], [a._data[0] for a in inputs]))  # pyright: ignore[reportPrivateUsage]
+        else:
+            by_index = [dict(zip(backend.addressable(a.layout), a.addressable_data)) for a in inputs]
+            for i in held:
+                p, k = slot_of[i]
+                calls.append(((p, k), [data[_slots(a.layout)[p][k]] for a, data in zip(inputs, by_index)]))
         try:
             with untouched(own, what):
                 results = _bodies(fn, calls, lambda: _per_shard(backend, usage, first, own), reducing, first, backend)

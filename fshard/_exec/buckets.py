@@ -622,8 +622,7 @@ def sum_in_buckets(
     ranges; the caller then sums another way. With a ``precision``, the blocks returned are
     cast to its forward dtype, and the buckets hold (send and sum) its reduce dtype.
     """
-    group = set(backend.ranks)
-    if any(set(x.ranks) != group for x in layouts):  # a rank without some leaf: summed another way
+    if not _held_by_all(layouts, tuple(backend.ranks)):  # a rank without some leaf: summed another way
         return None
     cap = int(current().bucket_cap_mb * (1 << 20))
     itemsize = (like.dtype if precision is None else precision.reduce_dtype(like.dtype)).itemsize
@@ -639,6 +638,13 @@ def sum_in_buckets(
         for p in positions:
             _gathered.register_tap(out[p], tap)
     return tuple(out), link
+
+
+@cached(256)
+def _held_by_all(layouts: tuple[Layout, ...], ranks: tuple[int, ...]) -> bool:
+    """Whether every rank of ``ranks`` holds a shard of every leaf of ``layouts``, and no other rank does."""
+    group = set(ranks)
+    return all(set(x.ranks) == group for x in layouts)
 
 
 @cached(256)
