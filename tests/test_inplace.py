@@ -148,7 +148,7 @@ class _Probe(torch.autograd.Function):
 
 
 def test_the_check_runs_in_the_forward_call_only() -> None:
-    """In the body the check stands behind a torch-function mode; not in the backward."""
+    """The check stands behind a torch-function mode in the body and a custom Function's forward, not the backward."""
     x = X.clone().requires_grad_(True)
     a = fshard.shard(x, ROWS)
     seen: list[list[str]] = []
@@ -160,8 +160,8 @@ def test_the_check_runs_in_the_forward_call_only() -> None:
     _Probe.modes.clear()
     _Probe.forward_modes.clear()
     fshard.gather(fshard.map_local(body, a)).sum().backward()
-    assert seen == [["_Front"], ["_Front"]]
-    assert _Probe.forward_modes == [["_Front"], ["_Front"]]  # its calls are seen one by one
+    assert seen == [["_Front", "_ReadOnly"], ["_Front", "_ReadOnly"]]
+    assert _Probe.forward_modes == [["_Front", "_ReadOnly"], ["_Front", "_ReadOnly"]]
     assert _Probe.modes == [[], []]
     assert torch.equal(x.grad, torch.full_like(X, 2.0))
     assert _get_current_dispatch_mode_stack() == []
@@ -323,34 +323,95 @@ def test_calls_that_write_nothing_skip_the_dispatch_level_check(dist_pool) -> No
     assert dist_pool.run(_gated, None, timeout=60) == [("no error", True, 0)] * 4
 
 
-def _hidden_behind_the_mode() -> tuple[str, bool]:
-    """A write in code run with torch functions off, which the per-shard mode cannot see: caught after it."""
-    R = [0, 1, 2, 3]
-    w = fshard.shard(torch.ones(3, 3), fshard.Replicated(R))
-    w.addressable_data[0].requires_grad_()
-    x = fshard.from_local_tensor(torch.ones(2, 3), dim=0)
+@torch.jit.script
+def _scripted_mul_(x: torch.Tensor) -> torch.Tensor:
+    return x.mul_(2.0)
 
-    def body(xb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
-        with torch._C.DisableTorchFunction():
-            xb.mul_(10)
-        return (xb @ wb).sum()[None]
 
-    step = fshard.shard_map(
-        body, in_specs=(fshard.Chunk(0, R), fshard.Replicated(R)), out_specs=fshard.Partial(fshard.Replicated(R))
-    )
+# Writes that no torch-function mode sees: each must still meet the dispatch-level check.
+UNSEEN_WRITES: dict[str, Callable[[torch.Tensor], object]] = {
+    "torch functions disabled": lambda t: _disabled_mul_(t),
+    "a storage's fill_": lambda t: t.untyped_storage().fill_(0),
+    "a storage's copy_": lambda t: t.untyped_storage().copy_(torch.zeros(t.numel()).untyped_storage()),
+    "set_": lambda t: t.set_(torch.zeros(t.shape)),
+    "TorchScript": lambda t: _scripted_mul_(t),
+}
+
+
+def _disabled_mul_(t: torch.Tensor) -> torch.Tensor:
+    with torch._C.DisableTorchFunction():
+        return t.mul_(10)
+
+
+def _unseen(name: str, across: bool) -> tuple[bool, bool]:
+    """``UNSEEN_WRITES[name]`` into an input block: whether it raised, and whether the block kept its values.
+
+    Both together say that it was refused before it ran (a write caught after it leaves the block written).
+
+    ``across``: in a data-parallel ``shard_map`` on the default group (gradients recorded: the
+    per-shard mode in front of the check); else in a ``map_local`` on the local backend.
+    """
+    write = UNSEEN_WRITES[name]
+    x0 = torch.ones(4, 3)
+    if across:
+        R = [0, 1, 2, 3]
+        w = fshard.shard(torch.ones(3, 3), fshard.Replicated(R))
+        w.addressable_data[0].requires_grad_()
+        x = fshard.from_local_tensor(x0.clone(), dim=0)
+
+        def body(xb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+            write(xb)
+            return (xb @ wb).sum()[None]
+
+        step = fshard.shard_map(
+            body, in_specs=(fshard.Chunk(0, R), fshard.Replicated(R)), out_specs=fshard.Partial(fshard.Replicated(R))
+        )
+        call = lambda: step(x, w)  # noqa: E731
+    else:
+        x = fshard.shard(torch.cat([x0] * 2), ROWS)
+        call = lambda: fshard.map_local(lambda t: (write(t), t * 1)[1], x)  # noqa: E731
     try:
-        step(x, w)
-        error = "no error"
-    except SpecError as exc:
-        error = str(exc).split(" (", 1)[0]
-    return error, torch.equal(x.addressable_data[0], torch.full((2, 3), 10.0))
+        call()
+        raised = False
+    except SpecError:
+        raised = True
+    except RuntimeError as exc:  # TorchScript raises a RuntimeError of its own, without the SpecError's message
+        raised = "TorchScript interpreter" in str(exc)
+    return raised, all(torch.equal(t, x0) for t in x.addressable_data)
+
+
+@pytest.mark.parametrize("name", list(UNSEEN_WRITES))
+def test_writes_no_torch_function_mode_sees_are_refused_before_they_run(name) -> None:
+    assert _unseen(name, across=False) == (True, True)
 
 
 @pytest.mark.multiprocess
-def test_a_write_the_per_shard_mode_cannot_see_is_caught_after_it(dist_pool) -> None:
-    """The dispatch-level check is off the stack behind the mode; the version counter still tells."""
-    got = dist_pool.run(_hidden_behind_the_mode, timeout=60)
-    assert got == [("shard_map() fn wrote into an input block in place", True)] * 4
+@pytest.mark.parametrize("name", list(UNSEEN_WRITES))
+def test_writes_the_per_shard_mode_does_not_see_are_refused_before_they_run(dist_pool, name) -> None:
+    assert dist_pool.run(_unseen, name, True, timeout=60) == [(True, True)] * 4
+
+
+def test_a_body_in_threads_inside_a_per_shard_body_keeps_the_outer_check() -> None:
+    """An inner ``shard_map`` that reduces runs its bodies in threads; the outer call's blocks stay read-only there."""
+    from fshard.backends.local import LocalBackend
+
+    R = [0, 1, 2, 3]
+    # Ranks 4-7 hold nothing: the outer map_local runs under the per-shard mode while gradients are recorded.
+    o = fshard.shard(torch.arange(8.0).reshape(4, 2).requires_grad_(), ROWS, backend=LocalBackend(world_size=8))
+
+    def outer(ob: torch.Tensor) -> torch.Tensor:
+        def inner(t: torch.Tensor) -> torch.Tensor:
+            s = fshard.psum(t.sum(), "x")
+            ob.detach().add_(1)  # the outer call's input block
+            return s[None]
+
+        ones = fshard.shard(torch.ones(4, 2), fshard.Chunk(0, R))
+        fshard.shard_map(inner, in_specs=fshard.Chunk(0, R), out_specs=fshard.Chunk(0, R))(ones)
+        return ob * 1
+
+    with pytest.raises(SpecError, match="the write was refused before it ran"):
+        fshard.map_local(outer, o)
+    assert torch.equal(torch.cat([t.detach() for t in o.addressable_data]), torch.arange(8.0).reshape(4, 2))
 
 
 def test_the_calls_let_through_write_into_no_argument_by_their_schemas() -> None:

@@ -218,13 +218,11 @@ class _PerShard(TorchFunctionMode):
         closed: Callable[[torch.Tensor], torch.Tensor] | None,
         own: Collection[int],
         since: int,
-        check: Any = None,
     ) -> None:
         super().__init__()
         self.views: dict[int, torch.Tensor] = {}
         self.usage = usage
         self.closed, self.own, self.since = closed, own, since
-        self.check = check  # the in-place check, off the dispatch stack (``readonly.deferred``), or None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # No gradient recorded (no_grad, inference, a reentrant checkpoint's forward): nothing to tap or set
@@ -240,10 +238,6 @@ class _PerShard(TorchFunctionMode):
         # (a call of func through a helper here, after a graph break, is traced wrongly by torch 2.13).
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        if self.check is not None:  # the check is off the stack: a pure call runs as it is, any other under it
-            if _readonly.pure(func, types, args, kwargs):
-                return func(*args, **kwargs)
-            return _readonly.checked(self.check, func, args, kwargs)
         done, out = _readonly.call_if_pure(func, types, args, kwargs)
         return out if done else func(*args, **kwargs)
 
@@ -323,11 +317,9 @@ def per_shard(
     _CALLS[0] += 1
     closed = closed if closed is not None and torch.is_grad_enabled() else None
     if not ((backend.spans_processes and (_LIVE or _TAPPED)) or closed is not None):
-        with _readonly.front():  # the in-place check alone, which the calls that cannot write pass
+        with _readonly.front():  # in front of the in-place check: the calls that cannot write pass it
             yield
         return
     since = _readonly.unchecked(mark) if closed is not None else 0  # its probe writes into nothing
-    # The in-place check moves from the dispatch stack into this mode, which runs it only around the
-    # calls that may write: most calls then pay nothing for it.
-    with _readonly.deferred() as check, _PerShard(usage, closed, {id(t) for t in own}, since, check):
+    with _PerShard(usage, closed, {id(t) for t in own}, since):
         yield

@@ -9,18 +9,18 @@ array keeps its values. Writes into tensors the function made itself go through.
 The mode sees the ops that reach the dispatcher one by one, at a Python call per op (about
 15 us: some 3 ms of a small transformer's forward). So a torch-function mode stands in
 front of it: ``gathered``'s per-shard mode where that runs (across processes while
-gradients are recorded), else ``front``'s. That mode takes the dispatch mode off the stack
-for the function's run (``deferred``) and enters it again around each call that may write
-(``checked``); the calls that cannot write into any argument (``pure``) run as they are: a
-fixed list of torch's functions and tensor methods whose aten ops write into no argument
-(``_PURE``), a few functionals that write only when asked to (``F.relu(t, inplace=True)``,
+gradients are recorded), else ``front``'s. That mode runs the calls that cannot write into
+any argument (``pure``) with the dispatch mode set aside (``unchecked``): a fixed list of
+torch's functions and tensor methods whose aten ops write into no argument (``_PURE``), a
+few functionals that write only when asked to (``F.relu(t, inplace=True)``,
 ``F.embedding(..., max_norm=1)``: ``_PURE_UNLESS``), and attribute reads. Every other call
-(one given ``out=``, an in-place method, a tensor subclass's) runs under the dispatch mode,
-so a write into an input block is refused as it is without the torch-function mode. Code
-that the torch-function mode does not see runs with the check aside: Python code that a
-call let through runs itself (an index object's ``__index__``, a saved-tensor hook), and
-code run with torch functions disabled. A write there is caught by the version-counter
-check after the function, after the fact.
+(one given ``out=``, an in-place method, a tensor subclass's), and all code the
+torch-function mode does not see (a storage's methods, ``Tensor.set_``, TorchScript, a
+custom autograd Function's own ``apply``), runs under the dispatch mode, so a write into an
+input block is refused as it is without the torch-function mode. Python code that a call
+let through runs itself (an index object's ``__index__``, a saved-tensor hook) runs with the
+check aside too: a write there is caught by the version-counter check after the function,
+after the fact.
 
 While TorchDynamo traces
 ``map_local`` itself (``torch.compiler.is_compiling()``) it is not entered: a dispatch
@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = ["call_if_pure", "checked", "deferred", "front", "pure", "read_only", "unchecked"]
+__all__ = ["call_if_pure", "front", "pure", "read_only", "unchecked"]
 
 T = TypeVar("T")
 
@@ -200,63 +200,30 @@ def call_if_pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> tuple[bool, A
 
 
 @contextlib.contextmanager
-def deferred() -> Generator[_ReadOnly | None, None, None]:
-    """The in-place check taken off the dispatch stack, where it is the innermost mode, and given to the caller.
+def front() -> Generator[None, None, None]:
+    """A torch-function mode in front of the in-place check, where the check is the innermost mode.
 
-    For a torch-function mode in front of the check: it runs the calls that cannot write
-    (``pure``) as they are, and the others under the check (``checked``), so that the check
-    costs nothing per pure call. ``None`` where the check is not the innermost mode (or is
-    off): the caller then leaves the stack as it is. Put back at the end.
+    It runs the calls that cannot write (``pure``) with the check set aside, and lets every
+    other call, and all code it does not see, meet the check as before.
     """
     depth = _depth()
     if torch.compiler.is_compiling() or not depth or type(_mode_at(depth - 1)) is not _ReadOnly:
-        yield None
+        yield
         return
-    mode = _pop(None)
-    try:
-        yield mode
-    finally:
-        _push(mode)
-
-
-@opaque  # as unchecked
-def checked(mode: _ReadOnly, func: Callable[..., T], args: Any, kwargs: Any) -> T:
-    """``func(*args, **kwargs)`` under the in-place check ``mode`` (taken off the stack by ``deferred``)."""
-    _push(mode)
-    try:
-        return func(*args, **kwargs)
-    finally:
-        _pop(None)
-
-
-@contextlib.contextmanager
-def front() -> Generator[None, None, None]:
-    """The in-place check behind a torch-function mode that lets the calls that cannot write pass it.
-
-    Where the check is the innermost mode (else the stack stays as it is): the mode runs
-    the ``pure`` calls as they are, and the others under the check (``checked``).
-    """
-    with deferred() as check:
-        if check is None:
-            yield
-            return
-        with _Front(check):
-            yield
+    with _Front():
+        yield
 
 
 class _Front(TorchFunctionMode):
-    """Runs a call that cannot write (``pure``) as it is, any other under the in-place check ``check``."""
-
-    def __init__(self, check: _ReadOnly) -> None:
-        super().__init__()
-        self.check = check
+    """Runs a call that cannot write (``pure``) with the in-place check set aside (``call_if_pure``)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         # TorchDynamo traces a direct call (through a helper, after a graph break, torch 2.13 traces it wrongly).
-        if torch.compiler.is_compiling() or pure(func, types, args, kwargs):
+        if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        return checked(self.check, func, args, kwargs)
+        done, out = call_if_pure(func, types, args, kwargs)
+        return out if done else func(*args, **kwargs)
 
 
 def _unchecked(fn: Callable[..., T], args: Any, kwargs: Any) -> T:
