@@ -477,7 +477,7 @@ def _run(
 
     def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
         calls: list[tuple[Slot, list[torch.Tensor]]] = []
-        if one_block and len(held) == 1:  # one placement here: every argument's one block here is its (aligned)
+        if one_block and len(held) == 1:  # one placement here: each argument, aligned, has its one block here
             calls.append((slot_of[held[0]], [a._data[0] for a in inputs]))  # pyright: ignore[reportPrivateUsage]
         else:
             by_index = [dict(zip(backend.addressable(a.layout), a.addressable_data)) for a in inputs]
