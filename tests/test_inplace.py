@@ -328,19 +328,19 @@ def _scripted_mul_(x: torch.Tensor) -> torch.Tensor:
     return x.mul_(2.0)
 
 
-# Writes that no torch-function mode sees: each must still meet the dispatch-level check.
-UNSEEN_WRITES: dict[str, Callable[[torch.Tensor], object]] = {
-    "torch functions disabled": lambda t: _disabled_mul_(t),
-    "a storage's fill_": lambda t: t.untyped_storage().fill_(0),
-    "a storage's copy_": lambda t: t.untyped_storage().copy_(torch.zeros(t.numel()).untyped_storage()),
-    "set_": lambda t: t.set_(torch.zeros(t.shape)),
-    "TorchScript": lambda t: _scripted_mul_(t),
-}
-
-
 def _disabled_mul_(t: torch.Tensor) -> torch.Tensor:
     with torch._C.DisableTorchFunction():
         return t.mul_(10)
+
+
+# Writes that no torch-function mode sees: each must still meet the dispatch-level check.
+UNSEEN_WRITES: dict[str, Callable[[torch.Tensor], object]] = {
+    "torch functions disabled": _disabled_mul_,
+    "a storage's fill_": lambda t: t.untyped_storage().fill_(0),
+    "a storage's copy_": lambda t: t.untyped_storage().copy_(torch.zeros(t.numel()).untyped_storage()),
+    "set_": lambda t: t.set_(torch.zeros(t.shape)),
+    "TorchScript": _scripted_mul_,
+}
 
 
 def _unseen(name: str, across: bool) -> tuple[bool, bool]:
