@@ -133,6 +133,26 @@ class ShardedArray:
         _set_link(out, None if data else link)
         return out
 
+    @classmethod
+    def _many(
+        cls, layouts: Iterable[Layout], data: Iterable[tuple[torch.Tensor, ...]], backend: Any, dtype: torch.dtype
+    ) -> list[ShardedArray]:
+        """``_of`` of each layout and its shards, in one loop; every array holds a shard here (``dtype`` theirs).
+
+        A tree's movement makes an array per leaf: the loop, not a call per leaf.
+        """
+        out: list[ShardedArray] = []
+        new, put = object.__new__, out.append
+        for layout, shards in zip(layouts, data):
+            a = new(cls)
+            _set_layout(a, layout)
+            _set_data(a, shards)
+            _set_backend(a, backend)
+            _set_dtype(a, dtype)
+            _set_link(a, None)
+            put(a)
+        return out
+
     def __setattr__(self, name: str, value: Any) -> None:
         msg = f"ShardedArray is immutable: cannot set {name!r}; fshard functions return new arrays."
         raise AttributeError(msg)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -42,7 +43,7 @@ from fshard._exec import flight as _flight
 from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.validate import Columns
 
-_LAYOUT, _DTYPE = operator.attrgetter("_layout"), operator.attrgetter("_dtype")  # of many arrays: map() in C
+_LAYOUT, _DTYPE, _BACKEND, _DATA = map(operator.attrgetter, ("_layout", "_dtype", "_backend", "_data"))  # map() in C
 
 __all__ = ["Flat", "flat_layouts", "flat_range", "launch_tree", "move_arguments", "move_tree", "regroup_tree"]
 
@@ -179,13 +180,17 @@ class _Fused:
     """One movement of several leaves: the layouts it moves between and its parts, in order.
 
     ``flat``: the parts take the ranges of a flat array (``flat_layouts``); else there is one
-    part, a stack, moved in its stacked layouts.
+    part, a stack, moved in its stacked layouts. ``leaves``: the parts' leaves, in order.
     """
 
     src: Layout
     dst: Layout
     parts: tuple[_Part, ...]
     flat: bool
+    leaves: tuple[int, ...] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "leaves", tuple(k for part in self.parts for k in part.leaves))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -341,7 +346,7 @@ def move_tree(
     if precision is not None:
         move = functools.partial(_autograd.move_cast, precision=precision, summing=summing)
     backend = arrays[0]._backend  # pyright: ignore[reportPrivateUsage]  # the slots, not the properties: a tree is many
-    if not all(a._backend is backend for a in arrays) and len({a._backend for a in arrays}) > 1:  # pyright: ignore[reportPrivateUsage]
+    if list(map(_BACKEND, arrays)).count(backend) != len(arrays) and len(set(map(_BACKEND, arrays))) > 1:
         return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
     recipe = _recipe(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend)
     for k in recipe.alone:
@@ -403,17 +408,17 @@ def _move_flat(
     precision: Any = None,
 ) -> None:
     """Runs one movement of several leaves: packs its parts, moves them, and hands each leaf its shards."""
-    members = [arrays[k] for part in group.parts for k in part.leaves]
+    members = list(map(arrays.__getitem__, group.leaves))
     backend = members[0]._backend  # pyright: ignore[reportPrivateUsage]
     data: list[torch.Tensor] = []
     for part in group.parts:
-        shards = [arrays[k]._data for k in part.leaves]  # pyright: ignore[reportPrivateUsage]
+        shards = list(map(_DATA, map(arrays.__getitem__, part.leaves)))
         if part.dim is None:
             data.extend(t.reshape(-1) for t in shards[0])
         else:  # one stacked tensor per shard held here: torch.stack packs the leaves in one copy
             stacked = (torch.stack(ts, part.dim) for ts in zip(*shards))
             data.extend(t.reshape(-1) for t in stacked) if group.flat else data.extend(stacked)
-    with _accumulate.sources([t for m in members for t in m._data]):  # what no_sync keys on  # pyright: ignore[reportPrivateUsage]
+    with _accumulate.sources(tuple(itertools.chain.from_iterable(map(_DATA, members)))):  # what no_sync keys on
         moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
     at = 0
     for part in group.parts:
@@ -429,11 +434,14 @@ def _move_flat(
             per_shard = [t.view(s).unbind(0) for t, s in zip(got, part.sizes)]
         else:
             per_shard = [t.view(s).movedim(part.dim, 0).contiguous().unbind(0) for t, s in zip(got, part.sizes)]
-        of = ShardedArray._of  # pyright: ignore[reportPrivateUsage]  # fits by construction
         dtype = _dtype(arrays[part.leaves[0]], precision)
-        shards_of = zip(*per_shard) if per_shard else ((),) * len(part.leaves)
-        for k, shards in zip(part.leaves, shards_of):
-            out[k] = of(layouts[k], shards, backend, dtype, link)
+        to = map(layouts.__getitem__, part.leaves)
+        if per_shard:  # fit by construction
+            made = ShardedArray._many(to, zip(*per_shard), backend, dtype)  # pyright: ignore[reportPrivateUsage]
+        else:
+            made = [ShardedArray._of(x, (), backend, dtype, link) for x in to]  # pyright: ignore[reportPrivateUsage]
+        for k, a in zip(part.leaves, made):
+            out[k] = a
 
 
 def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = None) -> list[ShardedArray]:
