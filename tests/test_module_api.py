@@ -458,3 +458,80 @@ def test_the_structure_is_read_once_per_module_and_again_after_a_change() -> Non
     assert structure(model) is first
     model.head.weight = torch.nn.Parameter(copy.deepcopy(model.wte.weight.detach()))
     assert "head.weight" in structure(model).params
+
+
+def test_the_structure_sees_a_tensor_replaced_under_the_same_name_and_a_renamed_one() -> None:
+    from fshard._api.module_rules import structure
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    first = structure(model)
+    model[0].bias = torch.nn.Parameter(torch.zeros(2))  # same name, another tensor
+    second = structure(model)
+    assert second is not first
+    assert structure(model) is second
+    model[0].register_buffer("scale", torch.ones(2))
+    assert "0.scale" in structure(model).buffers
+
+
+def test_the_clone_copies_each_submodule_as_copy_copy_does() -> None:
+    """Each submodule of the clone holds what ``copy.copy`` would give it, less what the clone replaces."""
+    from fshard._api.module_apply import functional_clone
+
+    model = gpt()
+    clone, copies = functional_clone(model, dict(model.named_parameters()), dict(model.named_buffers()))
+    assert clone is copies[id(model)]
+    for sub in model.modules():
+        mine, theirs = vars(copies[id(sub)]), vars(copy.copy(sub))
+        assert type(copies[id(sub)]) is type(sub)
+        assert mine.keys() == theirs.keys()
+        rebuilt = {"_parameters", "_buffers", "_modules"}
+        assert all(mine[k] is theirs[k] for k in mine.keys() - rebuilt)
+        assert all(mine[k] is not vars(sub)[k] for k in rebuilt)  # the module's own dicts stay its own
+
+
+class _Counted(torch.nn.Linear):
+    """A module whose copy goes through its own ``__copy__``: the clone must call it."""
+
+    def __copy__(self) -> _Counted:
+        out = _Counted.__new__(_Counted)
+        out.__dict__.update(self.__dict__)
+        out.__dict__["copied_by_hook"] = True
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.__dict__.get("copied_by_hook"), "the clone was not made by the class's __copy__"
+        return super().forward(x)
+
+
+class _Stated(torch.nn.Linear):
+    """A module that restores its state through its own ``__setstate__``: the clone must call it."""
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        super().__setstate__(state)
+        self.__dict__["restored"] = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.__dict__.get("restored"), "the clone skipped the class's __setstate__"
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("cls", [_Counted, _Stated])
+def test_a_module_with_its_own_copy_protocol_is_copied_through_it(cls: type[torch.nn.Linear]) -> None:
+    torch.manual_seed(0)
+    module = cls(3, 2)
+    params, buffers = fshard.shard_module(module, fshard.replicated(RANKS))
+    x = torch.randn(8, 3)
+    out, _ = fshard.apply_module(module, params, buffers, fshard.shard(x, fshard.Chunk(0, RANKS)))
+    torch.testing.assert_close(fshard.gather(out), F.linear(x, module.weight, module.bias))  # not module(x): its hook
+
+
+def test_a_module_compiled_in_place_runs_uncompiled_in_the_clone() -> None:
+    """As ``copy.copy`` of a module does (``Module.__getstate__``), the clone leaves a compiled forward behind."""
+    from fshard._api.module_apply import functional_clone
+
+    model = torch.nn.Linear(2, 2)
+    vars(model)["_compiled_call_impl"] = lambda *a, **k: pytest.fail("the compiled forward ran")
+    clone, _ = functional_clone(model, dict(model.named_parameters()), {})
+    assert "_compiled_call_impl" not in vars(clone)
+    assert "_compiled_call_impl" not in vars(copy.copy(model))
+    torch.testing.assert_close(clone(torch.ones(1, 2)), model.weight.sum(1)[None] + model.bias)

@@ -71,9 +71,9 @@ def _fingerprint(module: torch.nn.Module) -> tuple[Any, ...]:
     for sub in module.modules():
         state = vars(sub)
         out.append((id(sub), sub.training, tuple(state["_non_persistent_buffers_set"])))
-        out.extend(
-            tuple((k, id(v)) for k, v in state[kind].items()) for kind in ("_parameters", "_buffers", "_modules")
-        )
+        for kind in ("_parameters", "_buffers", "_modules"):  # names and identities, each in C
+            held = state[kind]
+            out += (tuple(held), tuple(map(id, held.values())))
     return tuple(out)
 
 
