@@ -38,6 +38,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 _frames: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)  # pyright: ignore[reportPrivateUsage]
 
 
+# The frame hook that is on (None: none), where torch has the getter; else a value that is never None.
+_hook: Any = getattr(_frames, "get_eval_frame_callback", None) or (lambda: True)
+
 _NOT_A_LEAF = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
 
 
@@ -62,7 +65,8 @@ def opaque(fn: F) -> F:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" not in sys.modules or _frames is None:  # nothing can be compiling
+        # Nothing can be compiling: TorchDynamo not loaded, or no frame hook on (eager code, as most is).
+        if "torch._dynamo" not in sys.modules or _frames is None or _hook() is None:
             return fn(*args, **kwargs)
         prior = _frames.set_eval_frame(None)
         outer = _caller.hook
