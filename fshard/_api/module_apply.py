@@ -98,7 +98,7 @@ def _copy(
     done = memo.get(id(module))
     if done is not None:
         return done
-    out = _shallow_copy(module)
+    out = copy.copy(module)
     memo[id(module)] = out
     axis = rows.get(id(module))
     if axis is not None:  # a row-parallel Linear: its clone sums its product over the axis
@@ -119,39 +119,6 @@ def _copy(
 
 
 @collective("apply_module")
-def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """``copy.copy(module)``: where its class copies as ``nn.Module`` does, its ``__dict__`` copied directly.
-
-    ``copy.copy`` goes through pickling's protocol and ``Module.__setstate__``, several
-    times the cost of the copy itself, which every ``apply_module`` pays per submodule.
-    """
-    if not _copies_plainly(type(module)):
-        return copy.copy(module)
-    state = vars(module).copy()
-    state.pop("_compiled_call_impl", None)  # as Module.__getstate__ does: a compiled forward stays behind
-    out = object.__new__(type(module))
-    object.__setattr__(out, "__dict__", state)
-    return out
-
-
-_PLAIN: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
-
-
-def _copies_plainly(cls: type) -> bool:
-    """Whether ``copy.copy`` of a ``cls`` is ``Module``'s: no hook of the copy or pickle protocols overridden."""
-    plain = _PLAIN.get(cls)
-    if plain is None:
-        base = torch.nn.Module
-        same = ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__", "__new__")
-        plain = (
-            all(getattr(cls, name) is getattr(base, name) for name in same)
-            and not any(hasattr(cls, name) for name in ("__copy__", "__getnewargs_ex__", "__getnewargs__"))
-            and not any("__slots__" in vars(c) for c in cls.__mro__)
-        )
-        _PLAIN[cls] = plain
-    return plain
-
-
 def apply_module(
     module: torch.nn.Module,
     params: Mapping[str, ShardedArray],
