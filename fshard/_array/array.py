@@ -137,7 +137,7 @@ class ShardedArray:
     def _many(
         cls, layouts: Iterable[Layout], data: Iterable[tuple[torch.Tensor, ...]], backend: Any, dtype: torch.dtype
     ) -> list[ShardedArray]:
-        """``_of`` of each layout and its shards, in one loop; every array holds a shard here (``dtype`` theirs).
+        """``_of`` of each layout and its shards, in one loop; every array holds a shard here, of ``dtype``.
 
         A tree's movement makes an array per leaf: the loop, not a call per leaf.
         """

@@ -434,11 +434,11 @@ def _move_flat(
             per_shard = [t.view(s).unbind(0) for t, s in zip(got, part.sizes)]
         else:
             per_shard = [t.view(s).movedim(part.dim, 0).contiguous().unbind(0) for t, s in zip(got, part.sizes)]
-        dtype = _dtype(arrays[part.leaves[0]], precision)
         to = map(layouts.__getitem__, part.leaves)
-        if per_shard:  # fit by construction
-            made = ShardedArray._many(to, zip(*per_shard), backend, dtype)  # pyright: ignore[reportPrivateUsage]
+        if per_shard:  # fit by construction; the dtype theirs, as _of takes it
+            made = ShardedArray._many(to, zip(*per_shard), backend, got[0].dtype)  # pyright: ignore[reportPrivateUsage]
         else:
+            dtype = _dtype(arrays[part.leaves[0]], precision)
             made = [ShardedArray._of(x, (), backend, dtype, link) for x in to]  # pyright: ignore[reportPrivateUsage]
         for k, a in zip(part.leaves, made):
             out[k] = a
