@@ -460,7 +460,7 @@ def test_the_structure_is_read_once_per_module_and_again_after_a_change() -> Non
     assert "head.weight" in structure(model).params
 
 
-def test_the_structure_sees_a_tensor_replaced_under_the_same_name_and_a_renamed_one() -> None:
+def test_the_structure_sees_a_tensor_replaced_under_the_same_name_and_a_new_buffer() -> None:
     from fshard._api.module_rules import structure
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))

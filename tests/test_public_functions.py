@@ -53,7 +53,7 @@ def test_each_collective_decorates_the_public_function_it_names(where: str, name
     assert getattr(public, "_torchdynamo_disable", False), f"fshard.{name} is not opaque under torch.compile"
 
 
-def test_apply_module_is_one_graph_break_in_a_compiled_step() -> None:
+def test_a_compiled_step_that_calls_apply_module_gives_the_eager_result() -> None:
     from torch._dynamo.testing import CompileCounter
 
     ranks = [0, 1, 2, 3]

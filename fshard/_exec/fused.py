@@ -346,7 +346,7 @@ def move_tree(
     if precision is not None:
         move = functools.partial(_autograd.move_cast, precision=precision, summing=summing)
     backend = arrays[0]._backend  # pyright: ignore[reportPrivateUsage]  # the slots, not the properties: a tree is many
-    if list(map(_BACKEND, arrays)).count(backend) != len(arrays) and len(set(map(_BACKEND, arrays))) > 1:
+    if list(map(_BACKEND, arrays)).count(backend) != len(arrays):  # in C: the common case, one backend for all
         return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
     recipe = _recipe(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend)
     for k in recipe.alone:
