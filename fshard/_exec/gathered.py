@@ -227,19 +227,59 @@ class _PerShard(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # No gradient recorded (no_grad, inference, a reentrant checkpoint's forward): nothing to tap or set
         # aside, and a view made here would serve later uses.
-        if torch.is_grad_enabled():
-            # A tuple of a generator, not a list: with a list comprehension here, TorchDynamo (torch 2.13)
-            # traces the call below wrongly where it resumes after this mode's graph break.
-            args = tuple(self._swap_any(a) for a in args)
+        if torch.compiler.is_compiling():
+            if torch.is_grad_enabled():
+                # A tuple of a generator, not a list: with a list comprehension here, TorchDynamo (torch 2.13)
+                # traces the call below wrongly where it resumes after this mode's graph break.
+                args = tuple(self._swap_any(a) for a in args)
+                if kwargs:
+                    kwargs = {k: self._swap_any(v) for k, v in kwargs.items()}
+            # TorchDynamo traces a direct call (a call of func through a helper here, after a graph break,
+            # is traced wrongly by torch 2.13).
+            return func(*args, **(kwargs or {}))
+        if _grad_enabled():
+            args = self._swapped(args)
             if kwargs:
                 kwargs = {k: self._swap_any(v) for k, v in kwargs.items()}
         kwargs = kwargs or {}
-        # The in-place check set aside where the call writes nothing; TorchDynamo traces a direct call
-        # (a call of func through a helper here, after a graph break, is traced wrongly by torch 2.13).
-        if torch.compiler.is_compiling():
-            return func(*args, **kwargs)
-        done, out = _readonly.call_if_pure(func, types, args, kwargs)
-        return out if done else func(*args, **kwargs)
+        # The in-place check set aside where the call writes nothing.
+        out = _readonly.call_if_pure(func, types, args, kwargs)
+        return func(*args, **kwargs) if out is _readonly.IMPURE else out
+
+    def _swapped(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` with their tensors swapped (``_swap_any``), the tuple itself where none is.
+
+        Run for every torch call of the function, so in one loop: a tensor that is in no table
+        and needs no closed view (most of a body's tensors) costs a few lookups, no call.
+        """
+        views, closed, own, since = self.views, self.closed, self.own, self.since
+        new: list[Any] | None = None
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                key = id(a)
+                view = views.get(key)
+                if view is None:
+                    if not (
+                        key in _TAPPED_KEYS
+                        or key in _LIVE_KEYS
+                        or (
+                            closed is not None
+                            and a.requires_grad
+                            and key not in own
+                            and ((node := a.grad_fn) is None or node._sequence_nr() < since)  # pyright: ignore[reportPrivateUsage]  # older than the call
+                        )
+                    ):
+                        continue
+                    view = self._swap(a)
+            elif isinstance(a, (list, tuple, dict)) and not _ints(a):
+                view = self._swap_any(a)
+            else:
+                continue
+            if view is not a:
+                if new is None:
+                    new = list(args)
+                new[i] = view
+        return args if new is None else tuple(new)
 
     def _swap_any(self, x: Any) -> Any:
         """``x`` with its tensors swapped: directly for a tensor (most arguments), through its pytree else."""
@@ -286,6 +326,14 @@ class _PerShard(TorchFunctionMode):
             return x
         self.views[key] = view
         return view
+
+
+_grad_enabled = torch.is_grad_enabled
+
+
+def _ints(x: Any) -> bool:
+    """Whether ``x`` is a list or tuple of ints only (a shape, dims): no tensor to swap in it."""
+    return type(x) in (list, tuple) and all(type(v) is int for v in x)
 
 
 def is_per_shard_mode(mode: Any) -> bool:

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = ["call_if_pure", "front", "pure", "read_only", "unchecked"]
+__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "unchecked"]
 
 T = TypeVar("T")
 
@@ -159,12 +159,12 @@ _PURE_UNLESS: dict[Any, tuple[int, str]] = {
     F.relu: (1, "inplace"),
     F.silu: (1, "inplace"),
 }
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset([torch.Tensor, torch.nn.Parameter])
 
 
 def pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> bool:
     """Whether the call ``func(*args, **kwargs)`` (its arguments of types ``kinds``) writes into no argument."""
-    if any(k not in _PLAIN for k in kinds) or "out" in kwargs:  # a subclass's own handler: not ours to judge
+    if not _PLAIN.issuperset(kinds) or "out" in kwargs:  # a subclass's own handler: not ours to judge
         return False
     if func in _PURE:
         return True
@@ -188,15 +188,18 @@ def unchecked(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return _unchecked(fn, args, kwargs)
 
 
+IMPURE: Any = object()  # what call_if_pure returns for a call it did not make
+
+
 @opaque  # as unchecked
-def call_if_pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> tuple[bool, Any]:
-    """``(True, unchecked(func, *args, **kwargs))`` where the call is ``pure``, else ``(False, None)``: not called.
+def call_if_pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> Any:
+    """``unchecked(func, *args, **kwargs)`` where the call is ``pure``, else ``IMPURE``: not called.
 
     One call for the two, made for every torch call of a per-shard function: not while TorchDynamo traces.
     """
     if not pure(func, kinds, args, kwargs):
-        return False, None
-    return True, _unchecked(func, args, kwargs)
+        return IMPURE
+    return _unchecked(func, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -222,8 +225,8 @@ class _Front(TorchFunctionMode):
         # TorchDynamo traces a direct call (through a helper, after a graph break, torch 2.13 traces it wrongly).
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        done, out = call_if_pure(func, types, args, kwargs)
-        return out if done else func(*args, **kwargs)
+        out = call_if_pure(func, types, args, kwargs)
+        return func(*args, **kwargs) if out is IMPURE else out
 
 
 def _unchecked(fn: Callable[..., T], args: Any, kwargs: Any) -> T:
