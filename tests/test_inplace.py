@@ -443,3 +443,28 @@ def test_the_calls_let_through_write_into_no_argument_by_their_schemas() -> None
             )
             checked += 1
     assert checked > 150
+
+
+class _NoHashMeta(type(torch.Tensor)):
+    __hash__ = None  # pyright: ignore[reportAssignmentType]  # a metaclass that makes its classes unhashable
+
+
+class _NoHash(torch.Tensor, metaclass=_NoHashMeta):
+    pass
+
+
+def test_a_subclass_whose_type_cannot_be_hashed_runs_behind_the_check() -> None:
+    """The pure-call test hashes the argument types; one it cannot hash is compared by equality instead."""
+    from fshard._exec import readonly
+
+    block = torch.ones(2)
+    x = torch.ones(2).as_subclass(_NoHash)
+    with readonly.read_only([block], "test"), readonly.front():
+        y = x + 1
+        with pytest.raises(SpecError, match="writes into its argument"):
+            block.as_subclass(_NoHash).add_(1)  # a subclass's call meets the dispatch-level check
+    assert type(y) is _NoHash
+    assert torch.equal(y.as_subclass(torch.Tensor), torch.full((2,), 2.0))
+    assert torch.equal(block, torch.ones(2))
+    assert not readonly.pure(torch.Tensor.add, (_NoHash,), (x, 1), {})
+    assert readonly.pure(torch.Tensor.add, (torch.nn.Parameter,), (x, 1), {})

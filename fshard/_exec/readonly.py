@@ -159,12 +159,17 @@ _PURE_UNLESS: dict[Any, tuple[int, str]] = {
     F.relu: (1, "inplace"),
     F.silu: (1, "inplace"),
 }
-_PLAIN = frozenset([torch.Tensor, torch.nn.Parameter])
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset(_PLAIN_TYPES)
 
 
 def pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> bool:
     """Whether the call ``func(*args, **kwargs)`` (its arguments of types ``kinds``) writes into no argument."""
-    if not _PLAIN.issuperset(kinds) or "out" in kwargs:  # a subclass's own handler: not ours to judge
+    try:
+        plain = _PLAIN.issuperset(kinds)
+    except TypeError:  # a type that cannot be hashed (its metaclass's doing): compared one by one
+        plain = all(k in _PLAIN_TYPES for k in kinds)
+    if not plain or "out" in kwargs:  # a subclass's own handler: not ours to judge
         return False
     if func in _PURE:
         return True
