@@ -535,3 +535,44 @@ def test_a_module_compiled_in_place_runs_uncompiled_in_the_clone() -> None:
     assert "_compiled_call_impl" not in vars(clone)
     assert "_compiled_call_impl" not in vars(copy.copy(model))
     torch.testing.assert_close(clone(torch.ones(1, 2)), model.weight.sum(1)[None] + model.bias)
+
+
+def _gloo_module_on_rank_0(style: str) -> dict[str, object]:
+    """On each rank: a module whose parameters rank 0 alone holds, one step's loss and rank 0's gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    params, _ = fshard.shard_module(model, (fshard.replicated if style == "dp" else fshard.fully_sharded)([0]))
+    x = fshard.shard(torch.randn(16, 8), fshard.Chunk(0, [0]))
+    total, _ = fshard.apply_module(
+        model,
+        params,
+        {},
+        x,
+        method=lambda m, xb: m(xb).square().sum()[None],
+        out_specs=fshard.Partial(fshard.Replicated([0])),
+    )
+    loss = fshard.backward(total / 64)
+    return {
+        "requires_grad": [a.requires_grad for a in params.values()],
+        "loss": loss,
+        "grads": {k: [t.grad for t in a.addressable_data] for k, a in params.items()},
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("style", ["dp", "fsdp"])
+def test_a_rank_that_holds_no_parameter_takes_part_in_the_step(dist_pool, style: str) -> None:
+    """shard_module's arrays require grad on every rank, also where a rank holds none of their shards."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+    want = model(x).square().sum() / 64
+    want.backward()
+    per_rank = dist_pool.run(_gloo_module_on_rank_0, style, timeout=120)
+    for r, got in enumerate(per_rank):
+        assert got["requires_grad"] == [True, True], r
+        torch.testing.assert_close(got["loss"], want.detach().reshape(1), rtol=0, atol=ATOL)
+    for name, p in model.named_parameters():
+        (grad,) = per_rank[0]["grads"][name]
+        torch.testing.assert_close(grad, p.grad, rtol=0, atol=ATOL)
+        assert all(got["grads"][name] == [] for got in per_rank[1:])

@@ -276,6 +276,8 @@ def _param(p: torch.Tensor, layout: Layout, backend: Backend | None) -> ShardedA
     if p.requires_grad:
         for t in out.addressable_data:
             t.requires_grad_()
+        if not out.addressable_data:  # no shard here: the link carries requires_grad, as the shards do elsewhere
+            out._first().requires_grad_()  # pyright: ignore[reportPrivateUsage]  # package-internal
     return out
 
 
