@@ -250,6 +250,61 @@ def test_gradients_set_aside_for_arrays_that_are_gone_raise_on_every_rank(dist_p
         assert "no longer exist" in message
 
 
+def _stepped_with_gradients_aside(world: int | None = None) -> tuple[str, list[torch.Tensor], list[torch.Tensor]]:
+    """The last micro-batch run inside no_sync too, then an optimizer step; then a correct step.
+
+    Returns the step's error, and the next step's gradients with those of the same step alone.
+    """
+    backend = TorchDistBackend() if world is None else LocalBackend(world_size=world)
+    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
+    step = fshard.shard_map(_body("plain"), in_specs=(rows, *[rep] * 5), out_specs=fshard.Partial(rep))
+    xb = fshard.shard(torch.cat([_rows(r) for r in R]), rows, backend=backend)
+    params = [fshard.shard(w, rep, backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    opt = torch.optim.SGD(leaves, lr=0.0)  # a step that changes nothing: the gradients alone are compared
+    with fshard.no_sync():
+        fshard.gather(step(xb, *params)).backward()  # the last micro-batch inside too: nothing summed
+    try:
+        opt.step()
+        message = "no error"
+    except fshard.SpecError as exc:
+        message = str(exc)
+    opt.zero_grad()
+    fshard.gather(step(xb, *params)).backward()
+    after = [t.grad.clone() for t in leaves]
+    opt.zero_grad()
+    fshard.gather(step(xb, *params)).backward()
+    return message, after, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("world", [None, 4])
+def test_an_optimizer_step_with_gradients_kept_aside_raises_and_drops_them(dist_pool, world):
+    """The step refuses on every rank; the next step's gradients are its own, not twice them."""
+    results = (
+        [_stepped_with_gradients_aside(world)] if world else dist_pool.run(_stepped_with_gradients_aside, timeout=120)
+    )
+    for message, after, alone in results:
+        assert "fshard.no_sync() still keeps aside" in message and "outside `with fshard.no_sync():`" in message
+        assert all(torch.equal(a, b) for a, b in zip(after, alone))
+
+
+def test_an_optimizer_over_other_tensors_steps_while_gradients_are_kept_aside():
+    backend = LocalBackend(world_size=4)
+    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
+    step = fshard.shard_map(_body("plain"), in_specs=(rows, *[rep] * 5), out_specs=fshard.Partial(rep))
+    xb = fshard.shard(torch.cat([_rows(r) for r in R]), rows, backend=backend)
+    params = [fshard.shard(w, rep, backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    other = torch.ones(3, requires_grad=True)
+    with fshard.no_sync():
+        fshard.gather(step(xb, *params)).backward()
+    other.sum().backward()
+    torch.optim.SGD([other], lr=1.0).step()  # not a parameter whose gradients are kept aside
+    assert torch.equal(other, torch.zeros(3))
+    fshard.gather(step(xb, *params)).backward()  # the last micro-batch sums both
+    assert all(t.grad is not None for t in leaves)
+
+
 def _identity_then_map(world: int | None = None) -> tuple[torch.Tensor, int]:
     """A body that returns its block as it is; the result used by a later per-shard function.
 

@@ -11,7 +11,10 @@ of micro-batches, as DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync(
 
 Whether a movement syncs is decided when it runs forward, as DDP decides. Gradients set
 aside for tensors that are gone by then (a step that moved other arrays) cannot be summed
-any more: the syncing backward raises rather than drop them.
+any more: the syncing backward raises rather than drop them. An optimizer's step over
+tensors whose gradients are still set aside (the last micro-batch run inside the context
+too) raises and drops them, since the step would leave them out and a later backward
+would add them to another step's.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Generator, Sequence
+from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard._errors import SpecError
 
@@ -43,6 +48,8 @@ def no_sync() -> Generator[None, None, None]:
     The backward of the last micro-batch, run outside, sums every micro-batch's gradients
     across ranks in one reduction (the collectives of one step). Each rank must run the
     same micro-batches inside as the others (the context changes no collective's order).
+    ``zero_grad()`` does not clear the gradients kept aside, and an optimizer's step over
+    parameters that have some raises ``SpecError`` (the last micro-batch belongs outside).
 
     >>> import torch, fshard
     >>> from fshard.backends.local import LocalBackend
@@ -113,6 +120,39 @@ def set_aside(key: Key, grads: Sequence[torch.Tensor]) -> None:
     if held is not None and held[0].alive():
         grads = [a + g for a, g in zip(held[1], grads)]
     _ASIDE[key.ids] = (key, list(grads))
+    if not _STEP_HOOK:  # from the first micro-batch kept aside on: optimizers' steps are checked
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_held))
+
+
+_STEP_HOOK: list[Any] = []  # the handle of the hook on every optimizer's step, once made
+
+
+def _refuse_held(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Refuses an optimizer step over tensors whose micro-batches' gradients are still kept aside.
+
+    No backward outside ``no_sync`` has summed them, so those tensors hold no gradient from
+    them: the step would leave them out, and the next syncing backward would add them to
+    another step's. Both are silent, so the step raises, and the gradients kept aside for
+    those tensors are dropped (every rank steps alike, so every rank drops alike).
+
+    Raises:
+        SpecError: some of ``optimizer``'s tensors have gradients kept aside.
+    """
+    if not _ASIDE:
+        return
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = [ids for ids, (key, _) in _ASIDE.items() if key.alive() and not mine.isdisjoint(ids)]
+    if not held:
+        return
+    for ids in held:
+        del _ASIDE[ids]
+    msg = (
+        f"{type(optimizer).__name__}.step() over parameters whose gradients fshard.no_sync() still keeps aside: "
+        "no backward outside no_sync() has summed them across ranks, so the step would leave them out, and a "
+        "later backward would add them to another step's. They were dropped. Run the last micro-batch of each "
+        "step outside `with fshard.no_sync():` (its backward sums every micro-batch's gradients once), then step."
+    )
+    raise SpecError(msg)
 
 
 def take_back(key: Key) -> list[torch.Tensor] | None:
