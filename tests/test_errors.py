@@ -878,3 +878,17 @@ def test_global_norm_reads_sparse_leaves():
         compressed = torch.full((3, 4), 2.0).to_sparse_csr()
     assert float(fshard.global_norm([duplicates])) == 7.0  # one element holding 3 + 4
     assert float(fshard.global_norm([compressed])) == pytest.approx(float(torch.full((3, 4), 2.0).norm()))
+
+
+def test_an_array_has_no_backward_and_the_error_names_the_two_that_are() -> None:
+    w = torch.arange(4.0, requires_grad=True)
+    total = fshard.shard_map(
+        lambda b: (b * b).sum()[None],
+        in_specs=(fshard.Chunk(0, [0, 1]),),
+        out_specs=fshard.Partial(fshard.Replicated([0, 1])),
+    )(w)
+    with pytest.raises(TypeError, match=r"fshard\.backward\(loss\).*fshard\.gather\(loss\)\.backward\(\)"):
+        total.backward()
+    assert w.grad is None
+    assert torch.equal(fshard.backward(total), torch.tensor([14.0]))
+    assert torch.equal(w.grad, 2 * torch.arange(4.0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, NoReturn, Union
 
 import optree
 import optree.registry
@@ -291,6 +291,19 @@ class ShardedArray:
             msg = f"Only single local shard is supported. This process holds {len(self._data)}; use addressable_shards."
             raise NotImplementedError(msg)
         return self._data[0]
+
+    def backward(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Raises ``TypeError``: an array's backward is ``fshard.backward(loss)``, or ``gather(loss).backward()``.
+
+        A loss that is a sum over the ranks (``Partial``) has no value on any one rank until it
+        is summed, so it has no ``Tensor.backward`` of its own.
+        """
+        msg = (
+            "A ShardedArray has no backward() of its own: call fshard.backward(loss) on a one-element loss "
+            "(where it is a sum over the ranks, each rank's backward starts from its own summand), or "
+            "fshard.gather(loss).backward()."
+        )
+        raise TypeError(msg)
 
     def _first(self) -> torch.Tensor:
         """The tensor that stands for this array in a movement: the first shard, or the link.
