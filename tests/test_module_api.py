@@ -576,3 +576,56 @@ def test_a_rank_that_holds_no_parameter_takes_part_in_the_step(dist_pool, style:
         (grad,) = per_rank[0]["grads"][name]
         torch.testing.assert_close(grad, p.grad, rtol=0, atol=ATOL)
         assert all(got["grads"][name] == [] for got in per_rank[1:])
+
+
+@pytest.mark.parametrize("rules", ["replicated", "fully_sharded"])
+def test_apply_module_with_a_precision_is_shard_map_with_it_on_the_parameters(rules: str) -> None:
+    """bf16 blocks in the body and on the wire, gradients summed in fp32 and returned in the parameters' fp32."""
+    from fshard.backends.local import LocalBackend
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    mixed = fshard.Precision(param=torch.bfloat16, reduce=torch.float32)
+    x = torch.randn(16, 8)
+    got: dict[str, list[torch.Tensor]] = {}
+    seen: list[torch.dtype] = []
+    for way in ("apply_module", "shard_map"):
+        backend = LocalBackend()
+        params, _ = fshard.shard_module(model, getattr(fshard, rules)(RANKS), backend=backend)
+        xs = fshard.shard(x.to(torch.bfloat16), fshard.Chunk(0, RANKS), backend=backend)
+        backend.counters.reset()
+        if way == "apply_module":
+
+            def loss(m: torch.nn.Module, xb: torch.Tensor) -> torch.Tensor:
+                seen.append(m.weight.dtype)
+                return m(xb).float().square().sum()[None]
+
+            total, _ = fshard.apply_module(
+                model, params, {}, xs, method=loss, out_specs=fshard.Partial(fshard.Replicated(RANKS)), precision=mixed
+            )
+        else:
+            every = fshard.Replicated(RANKS)
+            total = fshard.shard_map(
+                lambda w, b, xb: F.linear(xb, w, b).float().square().sum()[None],
+                in_specs=(every, every, fshard.Chunk(0, RANKS)),
+                out_specs=fshard.Partial(every),
+                precision=(mixed, mixed, None),
+            )(params["weight"], params["bias"], xs)
+        sent = backend.counters.bytes_sent
+        fshard.backward(total)
+        got[way] = [t.grad for a in params.values() for t in a.addressable_data]
+        got[way + " sent"] = [torch.tensor(sent)]
+    assert seen == [torch.bfloat16] * 4
+    assert all(g.dtype == torch.float32 for g in got["apply_module"])
+    assert all(torch.equal(a, b) for a, b in zip(got["apply_module"], got["shard_map"], strict=True))
+    assert torch.equal(got["apply_module sent"][0], got["shard_map sent"][0])
+    if rules == "fully_sharded":  # the gather of the 8x4 weight and the bias, each rank lacking 3/4: bf16 bytes
+        assert int(got["apply_module sent"][0]) == 4 * 3 * (8 * 4 + 4) // 4 * 2
+
+
+def test_apply_module_refuses_a_precision_that_is_not_one() -> None:
+    model = torch.nn.Linear(4, 2)
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    x = fshard.shard(torch.randn(8, 4), fshard.Chunk(0, RANKS))
+    with pytest.raises(TypeError, match=r"apply_module\(\) precision= takes an fshard\.Precision"):
+        fshard.apply_module(model, params, buffers, x, precision=torch.bfloat16)

@@ -30,6 +30,7 @@ from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
 from fshard._layout.placement import Placement
+from fshard._layout.precision import check_precision
 from fshard._layout.specs import Chunk, Partial, Replicated
 
 __all__ = ["apply_module", "functional_clone"]
@@ -128,6 +129,7 @@ def apply_module(
     method: Callable[..., Any] | None = None,
     rules: Any = None,
     regather: bool = False,
+    precision: Any = None,
     **kwargs: Any,
 ) -> tuple[Any, dict[str, ShardedArray]]:
     """Runs ``module`` on sharded parameters and inputs: ``(out, new_buffers)``; the module is not changed.
@@ -167,6 +169,11 @@ def apply_module(
         regather: the gathered parameters are not kept for the backward, which gathers them
             again (``fshard.shard_map``'s ``regather``): apply each block of a fully-sharded
             model with it, and the peak holds about one block's full weights.
+        precision: an ``fshard.Precision`` for the floating parameters (FSDP2's
+            ``MixedPrecisionPolicy``): each moves to the body in its ``param`` dtype, and its
+            gradient is moved and summed in its ``reduce`` dtype, then returned in the parameter's
+            own dtype (``fshard.shard_map``'s ``precision``). Buffers and the inputs are left as
+            they are: give inputs that the module can take with parameters of that dtype.
         kwargs: the forward's keyword arguments.
 
     Returns:
@@ -208,6 +215,9 @@ def apply_module(
     no_rows: Mapping[int, str] = {}
     param_specs, rows = ([everywhere] * len(pnames), no_rows) if tp is None else _tp_plan(tp, module, found)
     in_specs = [*param_specs, *([everywhere] * len(bnames)), *(_in_spec(v, everywhere) for v in inputs)]
+    mixed = check_precision(precision, "apply_module()")
+    precisions = [mixed if params[n].dtype.is_floating_point else None for n in pnames]
+    precisions += [None] * (len(in_specs) - len(pnames))
     updated = found.updated
     n_args = len(args)
 
@@ -229,7 +239,9 @@ def apply_module(
              {name: Partial(everywhere) for name in updated})  # fmt: skip
     # Under tensor parallelism a result is whole along tp because psum made it so, which the
     # replication check cannot see; check mode still compares the copies' contents.
-    run = shard_map(body, in_specs=tuple(in_specs), out_specs=specs, check_vma=tp is None, regather=regather)
+    run = shard_map(
+        body, in_specs=tuple(in_specs), out_specs=specs, check_vma=tp is None, regather=regather, precision=precisions
+    )
     out, deltas = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
     return out, _updated_buffers(buffers, deltas, len(placements))
 
