@@ -284,8 +284,84 @@ def test_an_optimizer_step_with_gradients_kept_aside_raises_and_drops_them(dist_
         [_stepped_with_gradients_aside(world)] if world else dist_pool.run(_stepped_with_gradients_aside, timeout=120)
     )
     for message, after, alone in results:
-        assert "fshard.no_sync() still keeps aside" in message and "outside `with fshard.no_sync():`" in message
+        assert "fshard.no_sync() still keeps aside" in message
+        assert "outside `with fshard.no_sync():`" in message
         assert all(torch.equal(a, b) for a, b in zip(after, alone))
+
+
+def test_an_optimizer_over_views_of_a_flat_buffer_is_checked_by_their_base():
+    """Shards that are views of one buffer (a flat parameter): the step over them raises too."""
+    backend = LocalBackend(world_size=2)
+    flat = torch.randn(8)
+    w = fshard.ShardedArray(fshard.Chunk(0, [0, 1]).layout((8,)), [flat[:4], flat[4:]], backend)
+    views = [t.requires_grad_() for t in w.addressable_data]
+    every = fshard.Replicated([0, 1])
+    f = fshard.shard_map(lambda wb: (wb * wb).sum()[None], in_specs=(every,), out_specs=fshard.Partial(every))
+    with fshard.no_sync():
+        fshard.backward(f(w))
+    with pytest.raises(fshard.SpecError, match="still keeps aside"):
+        torch.optim.SGD(views, lr=0.1).step()
+
+
+def test_optimizer_state_between_micro_batches_keeps_their_gradients():
+    """optimizer_state's own step (zero lr, to make the state) is not refused, and drops nothing."""
+    backend = LocalBackend(world_size=2)
+    every = fshard.Replicated([0, 1])
+    params = {"w": fshard.shard(torch.randn(4, 2), fshard.Chunk(0, [0, 1]), backend=backend)}
+    leaves = [t.requires_grad_() for t in params["w"].addressable_data]
+    f = fshard.shard_map(lambda a: (a * a).sum()[None], in_specs=(every,), out_specs=fshard.Partial(every))
+    opt = torch.optim.AdamW(leaves, lr=0.1)
+    with fshard.no_sync():
+        fshard.backward(f(params["w"]))
+    fshard.optimizer_state(opt, params)
+    fshard.backward(f(params["w"]))  # the last micro-batch: both
+    want = 8 * fshard.gather(params["w"]).detach()  # two micro-batches, each 2w from each of two copies
+    torch.testing.assert_close(torch.cat([t.grad for t in leaves]), want, rtol=0, atol=0)
+
+
+def _kept_aside_without_shards() -> tuple[str, dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """Two stages, the second held by rank 0 alone, inputs over every rank; the last micro-batch kept aside too."""
+    import torch.distributed as dist
+
+    ranks = list(range(dist.get_world_size()))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+    params, _ = fshard.shard_module(model, {"0.*": fshard.Replicated(ranks), "1.*": fshard.Replicated([0])})
+    x = torch.randn(16, 8)
+    xs = fshard.shard(x, fshard.Chunk(0, ranks))
+
+    def micro_batch() -> fshard.ShardedArray:
+        out, _ = fshard.apply_module(
+            model, params, {}, xs, method=lambda m, xb: m(xb).square().sum()[None],
+            out_specs=fshard.Partial(fshard.Replicated(ranks)),
+        )  # fmt: skip
+        return out
+
+    opt = torch.optim.SGD([t for a in params.values() for t in a.addressable_data], lr=0.0)  # no links
+    with fshard.no_sync():
+        fshard.backward(micro_batch())
+    try:
+        opt.step()
+        message = "no error"
+    except fshard.SpecError as exc:
+        message = str(exc)
+    opt.zero_grad()
+    fshard.backward(micro_batch())
+    model(x).square().sum().backward()
+    return (
+        message,
+        {k: [t.grad for t in a.addressable_data] for k, a in params.items()},
+        {k: p.grad for k, p in model.named_parameters()},
+    )
+
+
+def test_gradients_kept_aside_for_arrays_a_rank_holds_no_shard_of_are_dropped_alike(dist_pool):
+    """Such a rank keys them on the arrays' links, which its optimizer may not hold: every rank drops all."""
+    for message, got, want in dist_pool.run(_kept_aside_without_shards, timeout=120):
+        assert "Every gradient kept aside was dropped" in message
+        for name, grads in got.items():
+            for g in grads:
+                torch.testing.assert_close(g, want[name], rtol=0, atol=1e-5)
 
 
 def test_an_optimizer_over_other_tensors_steps_while_gradients_are_kept_aside():

@@ -18,6 +18,7 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
+from fshard._exec.accumulate import step_unchecked
 from fshard._exec.collective import collective
 from fshard._exec.replicas import check_global
 
@@ -215,7 +216,8 @@ def _init_state(opt: torch.optim.Optimizer) -> None:
         if "lr" in g:
             g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
     try:
-        opt.step()
+        with step_unchecked():  # changes nothing: gradients kept aside by no_sync stay for the syncing backward
+            opt.step()
     finally:
         for g, lr in zip(opt.param_groups, lrs):
             if lr is not None:

@@ -30,12 +30,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard._errors import SpecError
 
-__all__ = ["Key", "key_of", "no_sync", "set_aside", "sources", "syncing", "take_back"]
+__all__ = ["Key", "key_of", "no_sync", "set_aside", "sources", "step_unchecked", "syncing", "take_back"]
 
 
 class _Mode(threading.local):
     depth = 0
     sources: tuple[torch.Tensor, ...] | None = None
+    unchecked_steps = 0  # inside ``step_unchecked``: fshard's own optimizer steps, which change nothing
 
 
 _MODE = _Mode()
@@ -106,9 +107,15 @@ def sources(tensors: Sequence[torch.Tensor]) -> Generator[None, None, None]:
         _MODE.sources = outer
 
 
-def key_of(inputs: Sequence[torch.Tensor]) -> Key:
-    """The key of a movement of ``inputs``: the ``sources`` around it where given."""
-    return Key(_MODE.sources if _MODE.sources is not None else inputs)
+def key_of(inputs: Sequence[torch.Tensor], like: torch.Tensor) -> Key:
+    """The key of a movement of ``inputs``: the ``sources`` around it where given.
+
+    Where this rank holds none of the array's shards, the array's link (``like``) names it:
+    it is the same tensor at every micro-batch, and another array's is another tensor.
+    """
+    if _MODE.sources is not None:
+        return Key(_MODE.sources)
+    return Key(inputs if inputs else (like,))
 
 
 _ASIDE: dict[tuple[int, ...], tuple[Key, list[torch.Tensor]]] = {}
@@ -127,30 +134,40 @@ def set_aside(key: Key, grads: Sequence[torch.Tensor]) -> None:
 _STEP_HOOK: list[Any] = []  # the handle of the hook on every optimizer's step, once made
 
 
+@contextlib.contextmanager
+def step_unchecked() -> Generator[None, None, None]:
+    """Within it, optimizer steps are not refused for gradients kept aside (a step of zero lr that makes state)."""
+    _MODE.unchecked_steps += 1
+    try:
+        yield
+    finally:
+        _MODE.unchecked_steps -= 1
+
+
 def _refuse_held(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Refuses an optimizer step over tensors whose micro-batches' gradients are still kept aside.
 
     No backward outside ``no_sync`` has summed them, so those tensors hold no gradient from
     them: the step would leave them out, and the next syncing backward would add them to
-    another step's. Both are silent, so the step raises, and the gradients kept aside for
-    those tensors are dropped (every rank steps alike, so every rank drops alike).
+    another step's. Both are silent, so the step raises, and every gradient kept aside is
+    dropped: also those a rank keeps for arrays it holds no shard of, whose links its
+    optimizer may not hold (every rank steps alike, so every rank drops alike).
 
     Raises:
         SpecError: some of ``optimizer``'s tensors have gradients kept aside.
     """
-    if not _ASIDE:
+    if not _ASIDE or _MODE.unchecked_steps:
         return
-    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    held = [ids for ids, (key, _) in _ASIDE.items() if key.alive() and not mine.isdisjoint(ids)]
-    if not held:
+    mine = {id(p if p._base is None else p._base) for group in optimizer.param_groups for p in group["params"]}
+    if all(mine.isdisjoint(ids) for ids, (key, _) in _ASIDE.items() if key.alive()):
         return
-    for ids in held:
-        del _ASIDE[ids]
+    _ASIDE.clear()  # all of it: what a rank keeps for arrays it holds no shard of is in no optimizer of its own
     msg = (
         f"{type(optimizer).__name__}.step() over parameters whose gradients fshard.no_sync() still keeps aside: "
         "no backward outside no_sync() has summed them across ranks, so the step would leave them out, and a "
-        "later backward would add them to another step's. They were dropped. Run the last micro-batch of each "
-        "step outside `with fshard.no_sync():` (its backward sums every micro-batch's gradients once), then step."
+        "later backward would add them to another step's. Every gradient kept aside was dropped. Run the last "
+        "micro-batch of each step outside `with fshard.no_sync():` (its backward sums every micro-batch's "
+        "gradients once), then step."
     )
     raise SpecError(msg)
 

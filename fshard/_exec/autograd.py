@@ -195,7 +195,7 @@ class _MoveSumming(_Move):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         _Move.setup_context(ctx, inputs, output)
-        ctx.sync, ctx.key = syncing(), key_of(inputs[4:])
+        ctx.sync, ctx.key = syncing(), key_of(inputs[4:], inputs[3])
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
@@ -274,7 +274,7 @@ class _CastMove(torch.autograd.Function):
         src, dst, backend, precision, summing, like = inputs[:6]
         ctx.args = (src, dst, backend, precision, summing, like.dtype, like.device)
         ctx.like_shape = like.shape
-        ctx.sync, ctx.key = (syncing(), key_of(inputs[6:])) if summing else (True, None)
+        ctx.sync, ctx.key = (syncing(), key_of(inputs[6:], like)) if summing else (True, None)
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
@@ -517,7 +517,7 @@ class _Regroup(torch.autograd.Function):
         layout, backend, mode, like = inputs[:4]
         ctx.args = (layout, backend, mode, like.dtype, like.device)
         ctx.like_shape = like.shape
-        ctx.sync, ctx.key = syncing(), key_of(inputs[4:]) if mode == "sum" else None
+        ctx.sync, ctx.key = syncing(), key_of(inputs[4:], like) if mode == "sum" else None
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on

@@ -418,7 +418,8 @@ def _move_flat(
         else:  # one stacked tensor per shard held here: torch.stack packs the leaves in one copy
             stacked = (torch.stack(ts, part.dim) for ts in zip(*shards))
             data.extend(t.reshape(-1) for t in stacked) if group.flat else data.extend(stacked)
-    with _accumulate.sources(tuple(itertools.chain.from_iterable(map(_DATA, members)))):  # what no_sync keys on
+    # What no_sync keys on: the shards, or the link of an array that holds none here.
+    with _accumulate.sources(tuple(itertools.chain.from_iterable(a._data or (a._first(),) for a in members))):  # pyright: ignore[reportPrivateUsage]
         moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
     at = 0
     for part in group.parts:
