@@ -112,12 +112,17 @@ def decode(data: bytes, source: str = "a peer") -> Any:
 
 def refuse(source: str, why: str) -> CollectiveMismatchError:
     """The error for bytes from ``source`` that are not an encoded value (every rank that read them raises it)."""
+    # From a peer, the usual cause is a peer in another call; the store's entries are written by check mode.
+    cause = (
+        ""
+        if source.startswith("the rendezvous store")
+        else "Most often the ranks called different fshard functions here (every rank must make the same calls "
+        "with the same arguments; fshard.config(check_collectives=True) names the calls that differ). "
+    )
     msg = (
         f"Refused metadata from {source}: {why}. fshard decodes only what fshard encodes, so these bytes are "
-        "not metadata. Most often the ranks called different fshard functions here (every rank must make the "
-        "same calls with the same arguments; fshard.config(check_collectives=True) names the calls that "
-        "differ). If something outside the job can write to the rendezvous store, bind it to a private "
-        "interface (MASTER_ADDR)."
+        f"not metadata. {cause}If something outside the job can write to the rendezvous store, bind it to a "
+        "private interface (MASTER_ADDR)."
     )
     return CollectiveMismatchError(msg)
 
