@@ -140,3 +140,22 @@ def test_the_fully_sharded_gradients_are_the_data_parallel_ones(dist_pool):
     # Rank r holds rows 2r, 2r+1 of each parameter: the sums of its shards add up to the whole gradients'.
     whole = [sum(fsdp[k + 6 * r] for r in range(4)) for k in range(6)]
     assert torch.allclose(torch.tensor(whole), torch.tensor(dp), rtol=1e-12)
+
+
+def _mixed_requires_grad() -> tuple[list[bool], list[bool]]:
+    """A tree whose leaves of one layout and dtype (stacked into one movement) differ in requires_grad."""
+    ranks = [0, 1, 2, 3]
+    torch.manual_seed(0)
+    a = fshard.shard(torch.randn(8, 2, requires_grad=True), fshard.Chunk(0, ranks))
+    b = fshard.shard(torch.randn(8, 2), fshard.Chunk(0, ranks))
+    c = fshard.shard(torch.randn(8), fshard.Chunk(0, ranks))
+    tree = [a, b, c]
+    moved = fshard.reshard(tree, fshard.Replicated(ranks))
+    return [x.requires_grad for x in tree], [x.requires_grad for x in moved]
+
+
+def test_a_leaf_that_needs_no_gradient_moved_with_ones_that_do_gives_one_that_needs_none(dist_pool):
+    """As each leaf moved alone, and as on the local backend."""
+    local = _mixed_requires_grad()
+    assert local == ([True, False, False], [True, False, False])
+    assert all(got == local for got in dist_pool.run(_mixed_requires_grad, timeout=120))

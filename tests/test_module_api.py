@@ -258,6 +258,20 @@ def test_batchnorm_trains_data_parallel_with_running_stats_averaged_over_the_ran
     assert int(model[1].num_batches_tracked) == 0  # the module's own buffers are untouched
 
 
+def test_batchnorm_trains_fully_sharded_like_data_parallel() -> None:
+    """The buffers move beside the parameters in one tree, and their copies need no gradient (BatchNorm refuses one)."""
+    model, dense = bn_model(), bn_model()
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
+    opt, dense_opt = sgd(params), torch.optim.SGD(dense.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = bn_batch(step)
+        got, buffers = bn_fshard_step(model, params, buffers, opt, x, y, RANKS)
+        assert got == pytest.approx(bn_dense_step(dense, dense_opt, x, y, len(RANKS)), rel=0, abs=ATOL)
+    assert_params_equal(params, dense)
+    for name, b in dense.named_buffers():
+        torch.testing.assert_close(fshard.gather(buffers[name]), b, rtol=0, atol=ATOL)
+
+
 def test_buffers_of_a_module_in_eval_mode_come_back_unchanged() -> None:
     model = bn_model().eval()
     params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))

@@ -443,6 +443,12 @@ def _move_flat(
             made = [ShardedArray._of(x, (), backend, dtype, link) for x in to]  # pyright: ignore[reportPrivateUsage]
         for k, a in zip(part.leaves, made):
             out[k] = a
+    if link.requires_grad:  # a leaf that needs no gradient, moved beside ones that do, gives a result that needs none
+        for k, a in zip(group.leaves, members):
+            if not a.requires_grad:
+                b = out[k]
+                shards = tuple(t.detach() for t in b._data)  # pyright: ignore[reportPrivateUsage]
+                out[k] = ShardedArray._of(b.layout, shards, backend, b.dtype, link.detach())  # pyright: ignore[reportPrivateUsage]
 
 
 def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = None) -> list[ShardedArray]:
