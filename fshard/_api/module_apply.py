@@ -173,8 +173,11 @@ def apply_module(
             ``MixedPrecisionPolicy``): each moves to the body in its ``param`` dtype, and its
             gradient is moved and summed in its ``reduce`` dtype, then returned in the parameter's
             own dtype (``fshard.shard_map``'s ``precision``). Buffers and the inputs are left as
-            they are: give inputs that the module can take with parameters of that dtype.
-        kwargs: the forward's keyword arguments.
+            they are: give inputs that the module can take with parameters of that dtype (a
+            BatchNorm's fp32 running statistics cannot take bf16 weights).
+        kwargs: the forward's keyword arguments. ``out_specs``, ``method``, ``rules``, ``regather``
+            and ``precision`` are ``apply_module``'s own: pass a forward keyword of one of those
+            names through ``method`` (``method=lambda m, x: m(x, precision=...)``).
 
     Returns:
         The result as arrays laid out by ``out_specs``, and the buffers after the forward.
