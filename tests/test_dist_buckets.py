@@ -250,6 +250,15 @@ def test_gradients_set_aside_for_arrays_that_are_gone_raise_on_every_rank(dist_p
         assert "no longer exist" in message
 
 
+def _step_refusal(opt: torch.optim.Optimizer) -> str:
+    """The message of the SpecError that ``opt.step()`` raises, or ``"no error"``."""
+    try:
+        opt.step()
+    except fshard.SpecError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _stepped_with_gradients_aside(world: int | None = None) -> tuple[str, list[torch.Tensor], list[torch.Tensor]]:
     """The last micro-batch run inside no_sync too, then an optimizer step; then a correct step.
 
@@ -264,11 +273,7 @@ def _stepped_with_gradients_aside(world: int | None = None) -> tuple[str, list[t
     opt = torch.optim.SGD(leaves, lr=0.0)  # a step that changes nothing: the gradients alone are compared
     with fshard.no_sync():
         fshard.gather(step(xb, *params)).backward()  # the last micro-batch inside too: nothing summed
-    try:
-        opt.step()
-        message = "no error"
-    except fshard.SpecError as exc:
-        message = str(exc)
+    message = _step_refusal(opt)
     opt.zero_grad()
     fshard.gather(step(xb, *params)).backward()
     after = [t.grad.clone() for t in leaves]
@@ -340,11 +345,7 @@ def _kept_aside_without_shards() -> tuple[str, dict[str, list[torch.Tensor]], di
     opt = torch.optim.SGD([t for a in params.values() for t in a.addressable_data], lr=0.0)  # no links
     with fshard.no_sync():
         fshard.backward(micro_batch())
-    try:
-        opt.step()
-        message = "no error"
-    except fshard.SpecError as exc:
-        message = str(exc)
+    message = _step_refusal(opt)
     opt.zero_grad()
     fshard.backward(micro_batch())
     model(x).square().sum().backward()

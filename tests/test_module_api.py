@@ -11,6 +11,7 @@ import copy
 import inspect
 import re
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -238,9 +239,12 @@ def bn_fshard_step(model, params, buffers, opt, x, y, ranks):
     return float(total.detach()), buffers
 
 
-def test_batchnorm_trains_data_parallel_with_running_stats_averaged_over_the_ranks() -> None:
+def bn_trained(
+    rules: Any,
+) -> tuple[torch.nn.Module, dict[str, fshard.ShardedArray], dict[str, fshard.ShardedArray], torch.nn.Module]:
+    """``bn_model`` sharded by ``rules`` and trained 3 steps beside the dense model, the losses compared at each."""
     model, dense = bn_model(), bn_model()
-    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    params, buffers = fshard.shard_module(model, rules)
     assert sorted(buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
     assert not any(t.requires_grad for a in buffers.values() for t in a.addressable_data)
     opt, dense_opt = sgd(params), torch.optim.SGD(dense.parameters(), lr=0.1)
@@ -249,6 +253,11 @@ def test_batchnorm_trains_data_parallel_with_running_stats_averaged_over_the_ran
         got, buffers = bn_fshard_step(model, params, buffers, opt, x, y, RANKS)
         assert got == pytest.approx(bn_dense_step(dense, dense_opt, x, y, len(RANKS)), rel=0, abs=ATOL)
     assert_params_equal(params, dense)
+    return model, params, buffers, dense
+
+
+def test_batchnorm_trains_data_parallel_with_running_stats_averaged_over_the_ranks() -> None:
+    model, _, buffers, dense = bn_trained(fshard.replicated(RANKS))
     for name, b in dense.named_buffers():
         shards = [s.data for s in buffers[name].addressable_shards]
         assert len(shards) == len(RANKS)
@@ -260,14 +269,7 @@ def test_batchnorm_trains_data_parallel_with_running_stats_averaged_over_the_ran
 
 def test_batchnorm_trains_fully_sharded_like_data_parallel() -> None:
     """The buffers move beside the parameters in one tree, and their copies need no gradient (BatchNorm refuses one)."""
-    model, dense = bn_model(), bn_model()
-    params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
-    opt, dense_opt = sgd(params), torch.optim.SGD(dense.parameters(), lr=0.1)
-    for step in range(3):
-        x, y = bn_batch(step)
-        got, buffers = bn_fshard_step(model, params, buffers, opt, x, y, RANKS)
-        assert got == pytest.approx(bn_dense_step(dense, dense_opt, x, y, len(RANKS)), rel=0, abs=ATOL)
-    assert_params_equal(params, dense)
+    _, _, buffers, dense = bn_trained(fshard.fully_sharded(RANKS))
     for name, b in dense.named_buffers():
         torch.testing.assert_close(fshard.gather(buffers[name]), b, rtol=0, atol=ATOL)
 
