@@ -107,6 +107,17 @@ class _Evil:
         return (open, (str(self.marker), "w"))
 
 
+def test_bytes_refused_from_a_peer_name_ranks_in_different_calls_and_from_the_store_do_not():
+    """A peer's bytes that are not metadata usually mean it is in another call; check mode's entries are its own."""
+    with pytest.raises(fshard.CollectiveMismatchError, match=r"ranks called different fshard functions") as peer:
+        decode(b"\xff", "rank 1", peer=True)
+    assert "check_collectives=True" in str(peer.value)
+    with pytest.raises(fshard.CollectiveMismatchError) as store:
+        decode(b"\xff", "the rendezvous store (key 'fshard/check/0')")
+    assert "different fshard functions" not in str(store.value)
+    assert "bind it to a private interface" in str(store.value)
+
+
 def test_decode_refuses_a_pickle_and_never_runs_it(tmp_path):
     marker = tmp_path / "ran"
     payload = pickle.dumps(("reshard(...)", _Evil(marker)))

@@ -54,14 +54,14 @@ def gather_objects(obj: Any, group: Any, n: int, wire: torch.device, ranks: Any 
     names = [f"rank {r}" for r in ranks] if ranks is not None else [f"group rank {i}" for i in range(n)]
     for name, k in zip(names, sizes):
         if not 0 <= k <= MAX_BYTES:  # before a second round allocates max(sizes) bytes
-            raise refuse(name, f"a length of {k} bytes (0 to {MAX_BYTES})")
+            raise refuse(name, f"a length of {k} bytes (0 to {MAX_BYTES})", peer=True)
     if max(sizes) <= _EXCHANGE_INLINE:
-        out = [decode(got[i, 8 : 8 + k].tobytes(), names[i]) for i, k in enumerate(sizes)]
+        out = [decode(got[i, 8 : 8 + k].tobytes(), names[i], peer=True) for i, k in enumerate(sizes)]
     else:
         padded = np.zeros(max(sizes), np.uint8)
         padded[: len(data)] = np.frombuffer(data, np.uint8)
         rows = _all_gather_bytes(padded, group, n, wire)
-        out = [decode(rows[i, :k].tobytes(), names[i]) for i, k in enumerate(sizes)]
+        out = [decode(rows[i, :k].tobytes(), names[i], peer=True) for i, k in enumerate(sizes)]
     return _sendable(out, names, failure)
 
 

@@ -96,28 +96,33 @@ def encode(obj: Any) -> bytes:
     return json.dumps(_enc(obj, "value", 0), separators=(",", ":")).encode()
 
 
-def decode(data: bytes, source: str = "a peer") -> Any:
+def decode(data: bytes, source: str = "a peer", *, peer: bool = False) -> Any:
     """The value that ``encode`` made ``data`` from; ``source`` names where it came from in errors.
+
+    ``peer``: ``data`` came from a rank in an exchange (``refuse`` says what that usually means).
 
     Raises:
         CollectiveMismatchError: ``data`` is too large, not JSON, or not a value ``encode`` makes.
     """
     if len(data) > MAX_BYTES:
-        raise refuse(source, f"{len(data)} bytes, more than the {MAX_BYTES} that metadata may take")
+        raise refuse(source, f"{len(data)} bytes, more than the {MAX_BYTES} that metadata may take", peer=peer)
     try:
         return _dec(json.loads(data.decode()), 0)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as exc:
-        raise refuse(source, f"{type(exc).__name__}: {exc}"[:300]) from None
+        raise refuse(source, f"{type(exc).__name__}: {exc}"[:300], peer=peer) from None
 
 
-def refuse(source: str, why: str) -> CollectiveMismatchError:
-    """The error for bytes from ``source`` that are not an encoded value (every rank that read them raises it)."""
-    # From a peer, the usual cause is a peer in another call; the store's entries are written by check mode.
+def refuse(source: str, why: str, *, peer: bool = False) -> CollectiveMismatchError:
+    """The error for bytes from ``source`` that are not an encoded value (every rank that read them raises it).
+
+    ``peer``: from a rank in an exchange, where the usual cause is a rank in another call (check
+    mode, which names such calls, writes its own entries to the store: no advice for those).
+    """
     cause = (
-        ""
-        if source.startswith("the rendezvous store")
-        else "Most often the ranks called different fshard functions here (every rank must make the same calls "
+        "Most often the ranks called different fshard functions here (every rank must make the same calls "
         "with the same arguments; fshard.config(check_collectives=True) names the calls that differ). "
+        if peer
+        else ""
     )
     msg = (
         f"Refused metadata from {source}: {why}. fshard decodes only what fshard encodes, so these bytes are "

@@ -297,6 +297,17 @@ class ShardedArray:
 
         A loss that is a sum over the ranks (``Partial``) has no value on any one rank until it
         is summed, so it has no ``Tensor.backward`` of its own.
+
+        >>> import torch, fshard
+        >>> w = torch.arange(4.0, requires_grad=True)
+        >>> total = fshard.shard_map(lambda b: (b * b).sum()[None], in_specs=(fshard.Chunk(0, [0, 1]),),
+        ...                          out_specs=fshard.Partial(fshard.Replicated([0, 1])))(w)
+        >>> total.backward()
+        Traceback (most recent call last):
+        ...
+        TypeError: A ShardedArray has no backward() of its own: call fshard.backward(loss) ...
+        >>> fshard.backward(total)
+        tensor([14.])
         """
         msg = (
             "A ShardedArray has no backward() of its own: call fshard.backward(loss) on a one-element loss "

@@ -258,7 +258,7 @@ class _PerShard(TorchFunctionMode):
             if isinstance(a, torch.Tensor):
                 key = id(a)
                 view = views.get(key)
-                if view is None:
+                if view is None:  # _swap's three cases, tested here without a call (it tests them again, exactly)
                     if not (
                         key in _TAPPED_KEYS
                         or key in _LIVE_KEYS
