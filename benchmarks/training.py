@@ -398,7 +398,11 @@ class TrainingCase:
                 note = (
                     f"{runs} collectives per step; {elements:,} elements sent by the busiest rank, "
                     f"bound {math.ceil(bound[n]):,} + the loss's"
-                    + (" (the last bucket carries it, with the late-gradient count)" if n == "fshard DP" else "")
+                    + (
+                        " (the last bucket carries it, with the late-gradient count and the leaves' uses)"
+                        if n == "fshard DP"
+                        else ""
+                    )
                     + (" (one more all-gather of the blocks in the backward)" if "block" in n else "")
                 )
                 sent = elements * 4

@@ -441,6 +441,8 @@ with warnings.catch_warnings():
     MODEL_PARAMS, MODEL_BUFFERS = fshard.shard_module(MODEL, fshard.fully_sharded([0, 1]))
     BATCH = fshard.shard(torch.arange(24.0).reshape(6, 4), Chunk(0, [0, 1]))
     OPT_PARAMS = {"w": fshard.shard(torch.ones(4, 2), Chunk(0, [0, 1])), "b": torch.zeros(3)}
+    for _t in optree.tree_leaves(OPT_PARAMS):
+        _t.requires_grad_()  # parameters that train: a state for each (a frozen one has none)
 MLP = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
 TP_MESH = Mesh((1, 2), axis_names=("dp", "tp"))
 RULES = (

@@ -442,8 +442,9 @@ def test_the_training_case_times_every_program_and_counts_fshards_movements() ->
     kept = sum(p.numel() for m in (model.wte, model.wpe, model.ln, model.head) for p in m.parameters())
     # Each rank sends half of every gradient (the all-reduce bound on 2 ranks), and for FSDP
     # half of every parameter and half of every gradient; the busiest rank also sends the loss's element.
-    # Data parallel's last bucket carries two more: the loss (fshard.backward) and the count of late gradients.
-    assert dp.sent_bytes == 4 * (params + 2)
+    # Data parallel's last bucket carries more: the loss (fshard.backward), the count of late gradients, and
+    # each parameter's uses (a parameter no rank used gets no gradient).
+    assert dp.sent_bytes == 4 * (params + 2 + len(list(model.parameters())))
     assert fsdp.sent_bytes == 4 * (params + 1)
     # Per block, half of the blocks' parameters again in the backward (the embeddings' backward needs
     # no weights; the last stage keeps its copy).
@@ -459,11 +460,12 @@ def test_the_tp_training_case_times_both_programs_and_counts_fshards_movements()
     assert rows[0].ratio_to == "TP+DDP"
     # dp=1, tp=2: four all-reduces over tp per block of 8 x 32 x 16 activations (each rank sends
     # half of each, twice), the gradients of the 9,120 replicated parameters summed over their two
-    # copies (their last bucket carrying two more elements, the count of late gradients and a value that
-    # fshard.backward would carry), and the loss's element.
+    # copies (their last bucket carrying more elements: the count of late gradients, a value that
+    # fshard.backward would carry, and each of the 29 replicated tensors' uses), and the loss's element.
     activations = 4 * training.BLOCKS * training.BATCH * training.SEQ * 16
     replicated = 4096 + 512 + training.BLOCKS * (4 * 16 + 2 * 16) + 2 * 16 + 4096
-    assert rows[0].sent_bytes == 4 * (activations + replicated + 2 + 1)
+    tensors = 2 + training.BLOCKS * 6 + 3  # wte, wpe; per block two norms' weights and biases, two biases; ln, head
+    assert rows[0].sent_bytes == 4 * (activations + replicated + 2 + tensors + 1)
     assert rows[0].min_bytes == 4 * activations
     assert "19 collectives per step" in rows[0].note  # 16 psums, the loss, its exchange of outcomes, one bucket
 

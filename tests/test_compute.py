@@ -120,6 +120,30 @@ def test_map_local_over_aligned_layouts_with_pytree_results():
         fshard.map_local(torch.add, rows, fshard.shard(X, Chunk(0, [0, 0, 1, 1])), out_spec=Chunk(0, R))
 
 
+def test_out_specs_lay_out_the_results_at_their_own_places():
+    """Specs match results by place (dict keys included): a sequence for a dict, or other keys, is refused."""
+    rows = fshard.shard(X, Chunk(0, R))
+    summed = Partial(Replicated(R))
+
+    def both(t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"rows": 2 * t, "total": t.sum()[None]}
+
+    # By sorted key, a tuple's first spec would lay out "rows" as a pending sum: refused, naming both places.
+    with pytest.raises(SpecError, match=r"its spec at \[0\] would lay out the result at \['rows'\]"):
+        fshard.shard_map(both, in_specs=Chunk(0, R), out_specs=(summed, Chunk(0, R)))(rows)
+    with pytest.raises(SpecError, match=r"its spec at \['row'\] would lay out the result at \['rows'\]"):
+        fshard.shard_map(both, in_specs=Chunk(0, R), out_specs={"total": summed, "row": Chunk(0, R)})(rows)
+    with pytest.raises(SpecError, match="would lay out the result at the top"):
+        fshard.map_local(torch.neg, rows, out_spec={"rows": Chunk(0, R)})
+    out = fshard.shard_map(both, in_specs=Chunk(0, R), out_specs={"total": summed, "rows": Chunk(0, R)})(rows)
+    assert torch.equal(fshard.gather(out["rows"]), 2 * X)
+    assert torch.allclose(fshard.gather(out["total"]), X.sum()[None])
+    # A list of specs for a tuple of results: the same places.
+    pair = fshard.shard_map(lambda t: (t, -t), in_specs=Chunk(0, R), out_specs=[Chunk(0, R), Chunk(0, R)])(rows)
+    assert isinstance(pair, tuple)
+    assert torch.equal(fshard.gather(pair[1]), -X)
+
+
 def test_shard_map_row_and_column_parallel_matmul_with_gradients():
     w = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     row = fshard.shard_map(lambda a, b: a @ b, (Chunk(1, R), Chunk(0, R)), Partial(Replicated(R)))

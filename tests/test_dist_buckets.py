@@ -122,12 +122,68 @@ def _on_rank(style: str, cap_mb: float) -> tuple[list[torch.Tensor], int]:
 @pytest.mark.parametrize("cap_mb", [25.0, 1e-4])  # one bucket, or one per parameter
 def test_gradients_summed_in_buckets_equal_the_local_backends(dist_pool, style, cap_mb):
     expected = _local(style)
-    if style == "reentrant first":  # torch gives w0 no gradient (no input of the checkpoint requires one):
-        assert expected[0] is None  # locally None, summed in a bucket zeros; the others must be exact
-        expected[0] = torch.zeros(D, D, dtype=torch.float64)
+    # torch gives w0 no gradient (no input of the checkpoint requires one), nor does any rank's bucket: None.
+    assert (expected[0] is None) == (style == "reentrant first")
     for grads, _ in dist_pool.run(_on_rank, style, cap_mb, timeout=120):
         for got, want in zip(grads, expected):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+            if want is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def _unused(backend: Any, rows: torch.Tensor, micro: int) -> list[torch.Tensor | None]:
+    """One shard's gradient of each of 4 weights after ``micro`` micro-batches (all but the last under no_sync).
+
+    Weight 0 is used everywhere; weight 1 nowhere; weight 2 by the ranks whose rows sum above 0; weight 3 by
+    the first micro-batch only (kept aside, then summed by a backward that does not reach it).
+    """
+    ws = [
+        fshard.shard(torch.full((D,), k + 1.0, dtype=torch.float64), fshard.Replicated(R), backend=backend)
+        for k in range(4)
+    ]
+    leaves = [[t.requires_grad_() for t in w.addressable_data] for w in ws]
+    x = (
+        fshard.from_local_tensor(rows, dim=0)
+        if isinstance(backend, TorchDistBackend)
+        else fshard.shard(rows, fshard.Chunk(0, R), backend=backend)
+    )
+    rep = fshard.Replicated(R)
+    for k in range(micro):
+
+        def body(xb, a, b, c, d, first=k == 0):
+            y = xb @ a
+            if xb.sum() > 0:
+                y = y * (xb @ c)
+            if first:
+                y = y + xb @ d
+            return y.sum()[None]
+
+        step = fshard.shard_map(body, in_specs=(fshard.Chunk(0, R), *[rep] * 4), out_specs=fshard.Partial(rep))
+        with fshard.no_sync() if k < micro - 1 else contextlib.nullcontext():
+            fshard.gather(step(x, *ws)).backward()
+    return [shards[0].grad for shards in leaves]
+
+
+def _unused_on_rank(micro: int) -> list[torch.Tensor | None]:
+    backend = TorchDistBackend()
+    return _unused(backend, _rows(backend.rank), micro)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_weight_no_rank_used_gets_no_gradient_as_on_the_local_backend(dist_pool, micro):
+    """As torch (and DDP) leave a parameter no rank used: ``None``, so an optimizer skips it (momentum, decay)."""
+    expected = _unused(LocalBackend(world_size=4), torch.cat([_rows(r) for r in R]), micro)
+    assert expected[1] is None
+    assert all(expected[k] is not None for k in (0, 2, 3))
+    positive = [float(_rows(r).sum()) > 0 for r in R]
+    assert any(positive)  # weight 2: some ranks use it, some do not
+    assert not all(positive)
+    for grads in dist_pool.run(_unused_on_rank, micro, timeout=120):
+        assert grads[1] is None
+        for got, want in zip(grads, expected):
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_buckets_leave_one_collective_each(dist_pool):
@@ -147,7 +203,7 @@ def test_a_bucket_plan_is_one_range_per_bucket_where_every_rank_holds_every_leaf
         assert len(b.runs.indices_on(1)) == 1
         assert len(b.parts) == 1
     assert plan[-1].flag == 1
-    assert plan[-1].runs.shape == (D * D + 2,)  # the count of late gradients and a carried value
+    assert plan[-1].runs.shape == (D * D + 2 + 5,)  # the count of late gradients, a carried value, each leaf's uses
 
 
 def test_only_a_last_bucket_on_the_losss_device_carries_it():

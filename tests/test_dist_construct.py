@@ -243,7 +243,20 @@ def _even_alike():
         fshard.from_local_tensor(torch.zeros(()), dim=0, even=True)
     got.append(str(info.value))
     got.append(float(fshard.gather(fshard.shard(torch.ones(4), fshard.Chunk(0, RANKS))).sum()))  # no second error
+    # A structure that cannot be hashed (its default factory): its digest is made afresh at each call.
+    unhashable = collections.defaultdict(_Unhashable(), {"x": torch.zeros(2, 3)})
+    for _ in range(2):
+        got.append(tuple(fshard.gather(fshard.from_local_tensor(unhashable, dim=0, even=True)["x"]).shape))
     return got
+
+
+class _Unhashable:
+    """A default factory that cannot be hashed, nor a tree that holds it."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __call__(self) -> None:
+        return None
 
 
 @pytest.mark.multiprocess
@@ -252,6 +265,7 @@ def test_from_local_tensor_even_compares_blocks_not_their_reprs_and_raises_once_
         assert got[:2] == [(8, 3), (3, 8)]
         assert "0-D local tensors" in got[2]
         assert got[3] == 4.0
+        assert got[4:] == [(8, 3), (8, 3)]
 
 
 def test_from_local_tensor_even_in_one_process_and_its_refusals():

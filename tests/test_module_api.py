@@ -7,6 +7,7 @@ processes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import re
@@ -274,6 +275,33 @@ def test_batchnorm_trains_fully_sharded_like_data_parallel() -> None:
         torch.testing.assert_close(fshard.gather(buffers[name]), b, rtol=0, atol=ATOL)
 
 
+def test_batchnorm_accumulates_fully_sharded_under_no_sync() -> None:
+    """Its buffers are new arrays at every micro-batch: what no_sync keeps aside is keyed on the parameters alone.
+
+    The gradients are those of the same micro-batches each summed at once (two backwards that both sync).
+    """
+    x, y = bn_batch(0)
+    rows, summed = fshard.Chunk(0, RANKS), fshard.Partial(fshard.Replicated(RANKS))
+
+    def loss(m: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(m(xb), yb, reduction="sum")[None]
+
+    grads = []
+    for keep_aside in (True, False):
+        model = bn_model()
+        params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
+        for k, (xb, yb) in enumerate([(x[::2], y[::2]), (x[1::2], y[1::2])]):
+            with fshard.no_sync() if keep_aside and k == 0 else contextlib.nullcontext():
+                xs, ys = fshard.shard(xb, rows), fshard.shard(yb, rows)
+                out, buffers = fshard.apply_module(model, params, buffers, xs, ys, method=loss, out_specs=summed)
+                fshard.gather(out)[0].backward()
+        sgd(params).step()  # refused where a micro-batch's gradients were still kept aside
+        grads.append([t.grad for a in params.values() for t in a.addressable_data])
+    assert all(g is not None for g in grads[0])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
 def test_buffers_of_a_module_in_eval_mode_come_back_unchanged() -> None:
     model = bn_model().eval()
     params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
@@ -503,6 +531,54 @@ def test_the_clone_copies_each_submodule_as_copy_copy_does() -> None:
         rebuilt = {"_parameters", "_buffers", "_modules"}
         assert all(mine[k] is theirs[k] for k in mine.keys() - rebuilt)
         assert all(mine[k] is not vars(sub)[k] for k in rebuilt)  # the module's own dicts stay its own
+
+
+def test_the_clone_copies_modules_with_their_own_state_methods_and_compiled_ones_as_copy_copy_does() -> None:
+    """Modules that copy their own way (``__setstate__``), and a compiled one, whose compiled call is left out."""
+    from fshard._api.module_apply import functional_clone
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.MultiheadAttention(4, 2, batch_first=True), torch.nn.LayerNorm(4)
+    )
+    model[0].compile()  # lazy: nothing compiles until a call
+    assert "_compiled_call_impl" in vars(model[0])
+    _, copies = functional_clone(model, dict(model.named_parameters()), dict(model.named_buffers()))
+    for sub in model.modules():
+        mine, theirs = vars(copies[id(sub)]), vars(copy.copy(sub))
+        assert type(copies[id(sub)]) is type(sub)
+        assert mine.keys() == theirs.keys()
+        assert all(mine[k] is theirs[k] for k in mine.keys() - {"_parameters", "_buffers", "_modules"})
+    assert "_compiled_call_impl" not in vars(copies[id(model[0])])
+
+
+def test_apply_module_refuses_out_specs_shaped_otherwise_than_the_result() -> None:
+    model, ranks = torch.nn.Linear(4, 3), [0, 1]
+    params, buffers = fshard.shard_module(model, fshard.replicated(ranks))
+    x = fshard.shard(torch.randn(6, 4), fshard.Chunk(0, ranks))
+    where = r"apply_module\(\) out_specs .* spec at \['out'\] would lay out the result at the top"
+    with pytest.raises(fshard.SpecError, match=where):
+        fshard.apply_module(model, params, buffers, x, out_specs={"out": fshard.Chunk(0, ranks)})
+
+
+def test_apply_module_errors_name_what_its_caller_passed() -> None:
+    """Its refusals name apply_module, the forward's argument and its own fix, not its inner shard_map's."""
+    model, ranks = torch.nn.Linear(4, 3), [0, 1]
+    params, buffers = fshard.shard_module(model, fshard.replicated(ranks))
+    x = fshard.shard(torch.randn(6, 4), fshard.Chunk(0, ranks))
+    with pytest.raises(fshard.SpecError, match=r"^apply_module\(\) out_spec .* but forward argument 0 gives") as info:
+        fshard.apply_module(model, params, buffers, x, out_specs=fshard.Replicated(ranks))
+    assert "run the module through fshard.shard_map(..., check_vma=False)" in str(info.value)
+    summed = fshard.shard(torch.randn(6, 4), fshard.Partial(fshard.Chunk(0, ranks)))
+    with pytest.raises(fshard.SpecError, match=r"^apply_module\(\) forward argument 0 is a pending sum") as info:
+        fshard.apply_module(model, params, buffers, summed, out_specs=fshard.Chunk(0, ranks))
+    assert "linear=True" not in str(info.value)  # apply_module takes no linear=
+    with pytest.raises(fshard.SpecError, match=r"^shard_map\(\) argument 0 is a pending sum") as info:
+        fshard.shard_map(torch.neg, in_specs=fshard.Partial(fshard.Chunk(0, ranks)), out_specs=fshard.Chunk(0, ranks))(
+            summed
+        )
+    assert "linear=True" not in str(info.value)  # nor does shard_map
+    with pytest.raises(TypeError, match=r"^apply_module\(\) regather must be a bool, got 1"):
+        fshard.apply_module(model, params, buffers, x, regather=1)
 
 
 class _Counted(torch.nn.Linear):

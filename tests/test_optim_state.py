@@ -147,6 +147,33 @@ def test_an_optimizer_that_has_not_stepped_gets_its_state_with_the_parameters_un
     assert opt.param_groups[0]["lr"] == 1e-2
 
 
+def _adamw_frozen(params: Any) -> torch.optim.Optimizer:
+    """AdamW over every leaf, the first layer's weight frozen (fine-tuning the rest)."""
+    frozen = set(map(id, optree.tree_leaves(params["0.weight"])))
+    leaves = [t if id(t) in frozen else t.requires_grad_() for t in optree.tree_leaves(params)]
+    return torch.optim.AdamW(leaves, lr=1e-2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_frozen_layer_has_no_state_and_its_run_resumes_as_the_run_that_never_stopped(tmp_path, world) -> None:
+    """A parameter that takes no gradient has ``None`` state, before and after steps (torch leaves it out)."""
+    params = _params([0, 1, 2, 3])
+    opt = _adamw_frozen(params)
+    fresh = fshard.optimizer_state(opt, params)  # made by a step of zero lr: the frozen weight gets none
+    assert fresh["state"]["exp_avg"]["0.weight"] is None
+    assert fresh["state"]["exp_avg"]["0.bias"] is not None
+    _train(params, opt, 2)
+    state = fshard.optimizer_state(opt, params)
+    assert state["state"]["exp_avg"]["0.weight"] is None
+    assert state["state"]["step"]["0.weight"] is None
+    fshard.save(str(tmp_path / "params"), params)
+    fshard.save(str(tmp_path / "optim"), state)
+    resumed, again = _resume(str(tmp_path), list(range(world)), _adamw_frozen)
+    assert all(t not in again.state for t in optree.tree_leaves(resumed["0.weight"]))
+    assert _train(resumed, again, 2) == pytest.approx(_train(params, opt, 2), rel=0, abs=1e-12)
+    _assert_same(_gathered(resumed), _gathered(params))
+
+
 def test_a_leaf_the_optimizer_does_not_know_is_named() -> None:
     params = _params([0, 1, 2, 3])
     opt = _adamw({k: v for k, v in params.items() if k != "2.bias"})

@@ -297,12 +297,12 @@ def _even(tensor: Any, dim: int, backend: Any) -> Any:
     A rank whose own check fails posts that it failed before it raises.
     """
     what = f"from_local_tensor(dim={dim}, even=True)"
-    described = "an invalid argument"
+    infos: tuple[Any, ...] | None = None  # this rank's blocks, once read
     # In check mode every rank learns at the call of any rank's error there, and raises it.
     raised_alike = current().check_collectives
 
     def verdict(pairs: Sequence[tuple[int, bool, int]]) -> SpecError | None:
-        return _even_verdict(pairs, what, described, raised_alike)
+        return _even_verdict(pairs, what, _described(infos), raised_alike)
 
     if not backend.member:
         raise SpecError(f"{what}: rank {backend.rank} is not in the process group; call it from ranks of the group.")
@@ -310,18 +310,38 @@ def _even(tensor: Any, dim: int, backend: Any) -> Any:
     try:
         leaves, treedef = _tree_of_tensors(tensor)
         infos = tuple((tuple(t.shape), t.dtype, t.requires_grad, t.device.type) for t in leaves)
-        described = ", ".join(f"{s} {d} requires_grad={g} on {v}" for s, d, g, v in infos)
         arrays = [ShardedArray(_even_layout(ranks, dim, tuple(t.shape), str(t.device)), (t,), backend) for t in leaves]
     except BaseException:
         with contextlib.suppress(SpecError):  # where the check runs now (NCCL), this rank's own error goes first
             backend.check_later(what, True, 0, verdict)
         raise
-    # The structure by its paths and node kinds (a repr may hold addresses), each dim counted from 0.
-    structure = None if treedef is None else (optree.treespec_paths(treedef), _kinds(treedef))
     dims = tuple(dim % max(t.ndim, 1) for t in leaves)
-    digest = hashlib.blake2b(repr((dims, structure, infos)).encode(), digest_size=8).digest()
-    backend.check_later(what, False, int.from_bytes(digest, "big", signed=True), verdict)
+    try:
+        digest = _even_digest(dims, treedef, infos)
+    except TypeError:  # a structure that cannot be hashed (a node's metadata): made afresh
+        digest = _digest(dims, treedef, infos)
+    backend.check_later(what, False, digest, verdict)
     return arrays[0] if treedef is None else optree.tree_unflatten(treedef, arrays)
+
+
+def _described(infos: tuple[Any, ...] | None) -> str:
+    """A rank's blocks as its error names them."""
+    if infos is None:
+        return "an invalid argument"
+    return ", ".join(f"{s} {d} requires_grad={g} on {v}" for s, d, g, v in infos)
+
+
+def _digest(dims: tuple[int, ...], treedef: Any, infos: tuple[Any, ...]) -> int:
+    """The digest a rank posts of its blocks: ranks whose dims, structure or blocks differ post different ones.
+
+    The structure goes in by its paths and node kinds (a repr may hold addresses), each dim counted from 0.
+    """
+    structure = None if treedef is None else (optree.treespec_paths(treedef), _kinds(treedef))
+    digest = hashlib.blake2b(repr((dims, structure, infos)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+_even_digest = cached(256)(_digest)  # made once per kind of batch
 
 
 def _kinds(treedef: Any) -> tuple[Any, ...]:

@@ -54,10 +54,15 @@ from fshard._layout.placement import Placement
 from fshard._layout.precision import check_floating, per_argument
 from fshard._layout.specs import Explicit, Partial, Replicated, as_layout
 
-__all__ = ["map_local", "map_same", "regrouped", "shard_map"]
+__all__ = ["check_out_specs", "map_local", "map_same", "named_shard_map", "regrouped", "shard_map"]
 
 Slot = tuple[Placement, int]
 _PROBE = 1 << 20  # an extent at which every part of a spec is non-empty
+
+
+def _arg(name: int | str) -> str:
+    """An argument as messages name it: by position, or by the label a caller gave it."""
+    return name if isinstance(name, str) else f"argument {name}"
 
 
 def _is_spec(x: Any) -> bool:
@@ -187,16 +192,35 @@ def shard_map(
     >>> y.layout.partial, torch.allclose(fshard.gather(y), x @ w, atol=1e-6)
     ('sum', True)
     """
+    return named_shard_map(fn, in_specs, out_specs, check_vma=check_vma, precision=precision, regather=regather)
+
+
+def named_shard_map(
+    fn: Callable[..., Any],
+    in_specs: Any,
+    out_specs: Any,
+    *,
+    check_vma: bool = True,
+    precision: Any = None,
+    regather: bool = False,
+    what: str = "shard_map()",
+    labels: Sequence[str] | None = None,
+) -> Callable[..., Any]:
+    """``shard_map``, whose errors name it ``what`` and its arguments by ``labels`` (one per in_spec).
+
+    For a caller that builds the ``shard_map`` from arguments of its own (``apply_module``): its
+    errors then name what that caller's user passed.
+    """
     if not callable(fn):
-        raise TypeError(f"shard_map() fn must be callable, got {type(fn).__name__}.")
+        raise TypeError(f"{what} fn must be callable, got {type(fn).__name__}.")
     if not isinstance(check_vma, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
-        raise TypeError(f"shard_map() check_vma must be a bool, got {check_vma!r} ({type(check_vma).__name__}).")
+        raise TypeError(f"{what} check_vma must be a bool, got {check_vma!r} ({type(check_vma).__name__}).")
     if not isinstance(regather, bool):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
-        raise TypeError(f"shard_map() regather must be a bool, got {regather!r} ({type(regather).__name__}).")
+        raise TypeError(f"{what} regather must be a bool, got {regather!r} ({type(regather).__name__}).")
 
     specs = tuple(cast("Sequence[Any]", in_specs)) if isinstance(in_specs, (tuple, list)) else (in_specs,)
     reducing = Reducing(specs, fn)
-    precisions = per_argument(precision, len(specs), "shard_map()")
+    precisions = per_argument(precision, len(specs), what)
 
     # The targets of arguments that are all arrays are cached on the specs (none of them None).
     specs_key = _SpecsKey.of(specs) if all(s is not None for s in specs) else None
@@ -234,14 +258,14 @@ def shard_map(
                 raise SpecError(msg)
         if not arrays:
             raise SpecError("shard_map() needs at least one array or tensor argument with a spec.")
-        _check_backends(tuple(a for _, a in arrays), "shard_map()")
-        values = _arguments(arrays, targets, precisions, regather)
-        pending = _check_partial(values, linear=False, what="shard_map()")
-        order = [k for k, _ in arrays]
+        _check_backends(tuple(a for _, a in arrays), what)
+        order: list[int | str] = [k if labels is None else labels[k] for k, _ in arrays]
+        values = _arguments(arrays, targets, precisions, regather, what, labels)
+        pending = _check_partial(values, linear=False, what=what, names=order)
 
         def block_fn(*blocks: torch.Tensor) -> Any:
             full: list[Any] = [None] * len(args)
-            for k, b in zip(order, blocks):
+            for (k, _), b in zip(arrays, blocks):
                 full[k] = b
             for k, v in extras:
                 full[k] = v
@@ -254,7 +278,7 @@ def shard_map(
             out_specs,
             pending,
             one_block=True,
-            what="shard_map()",
+            what=what,
             check=check_vma,
             grouped=True,
             reducing=reducing,
@@ -312,6 +336,8 @@ def _arguments(
     targets: Sequence[Layout | None],
     precisions: Sequence[Any],
     regather: bool = False,
+    what: str = "shard_map()",
+    labels: Sequence[str] | None = None,
 ) -> tuple[ShardedArray, ...]:
     """The arguments (``(position, array)``) in their ``in_specs``, each ready for use copy by copy.
 
@@ -324,7 +350,7 @@ def _arguments(
     (``fshard._exec.regather``).
     """
     for k, a in arrays:
-        check_floating(precisions[k], a.dtype, f"shard_map() argument {k}")
+        check_floating(precisions[k], a.dtype, f"{what} {_arg(k if labels is None else labels[k])}")
     values = [a for _, a in arrays]
     if regather:  # before anything moves: every rank refuses alike
         moving = (x for a, x in zip(values, targets) if x is not None and x != a.layout)
@@ -361,22 +387,28 @@ def _check_backends(arrays: Sequence[ShardedArray], what: str) -> None:
             raise SpecError(msg)
 
 
-def _check_partial(arrays: Sequence[ShardedArray], linear: bool, what: str = "map_local()") -> str | None:
+def _check_partial(
+    arrays: Sequence[ShardedArray], linear: bool, what: str = "map_local()", names: Sequence[int | str] = ()
+) -> str | None:
     """The pending op the result carries (``"sum"`` for a linear map of partial sums), or ``None``."""
     for k, a in enumerate(arrays):
         op = a.layout.partial
         if op is None:
             continue
+        name = _arg(names[k] if names else k)
         if not linear:
+            # Only map_local takes linear=; shard_map's fn reduces inside with fshard.psum instead.
+            linear_too = ""
+            if what == "map_local()":
+                linear_too = ", or pass linear=True if fn is linear in its partial arguments"
             msg = (
-                f"{what} argument {k} is a pending {op} (Partial): fn would run on its summands, not on its value. "
-                "Reshard it to a non-partial spec first (fshard.reshard(x, spec) reduces it), or pass linear=True "
-                "if fn is linear in its partial arguments."
+                f"{what} {name} is a pending {op} (Partial): fn would run on its summands, not on its value. "
+                f"Reshard it to a non-partial spec first (fshard.reshard(x, spec) reduces it){linear_too}."
             )
             raise SpecError(msg)
         if op != "sum":
             msg = (
-                f"{what} argument {k} is a pending {op}: linear=True applies to pending sums only; "
+                f"{what} {name} is a pending {op}: linear=True applies to pending sums only; "
                 "reshard it to a non-partial spec first."
             )
             raise SpecError(msg)
@@ -411,12 +443,12 @@ def _slots(layout: Layout) -> dict[Placement, tuple[int, ...]]:
     return {p: tuple(v) for p, v in out.items()}
 
 
-def _check_aligned(arrays: Sequence[ShardedArray], names: Sequence[int], one_block: bool, what: str) -> None:
+def _check_aligned(arrays: Sequence[ShardedArray], names: Sequence[int | str], one_block: bool, what: str) -> None:
     _aligned(tuple(a.layout for a in arrays), tuple(names), one_block, what)
 
 
 @cached(256)
-def _aligned(layouts: tuple[Layout, ...], names: tuple[int, ...], one_block: bool, what: str) -> bool:
+def _aligned(layouts: tuple[Layout, ...], names: tuple[int | str, ...], one_block: bool, what: str) -> bool:
     """``True``, or ``SpecError``: checked once per tuple of layouts."""
     first = _slots(layouts[0])
     for k, layout in zip(names, layouts):
@@ -428,13 +460,13 @@ def _aligned(layouts: tuple[Layout, ...], names: tuple[int, ...], one_block: boo
                 p = bad if bad is not None else missing
                 n = len(mine.get(p, ()))  # type: ignore[arg-type]
                 msg = (
-                    f"{what} argument {k}: its spec gives placement {p} {n} blocks; fn runs once per placement, "
+                    f"{what} {_arg(k)}: its spec gives placement {p} {n} blocks; fn runs once per placement, "
                     "so every argument's spec must give each placement exactly one block."
                 )
                 raise SpecError(msg)
         elif {p: len(v) for p, v in mine.items()} != {p: len(v) for p, v in first.items()}:
             msg = (
-                f"{what} argument {k} does not align with argument {names[0]}: shards per placement "
+                f"{what} {_arg(k)} does not align with {_arg(names[0])}: shards per placement "
                 f"{_counts(mine)} against {_counts(first)}. Aligned arrays hold the same number of shards "
                 "of each on every placement; reshard one of them first."
             )
@@ -452,7 +484,7 @@ def _counts(slots: dict[Placement, tuple[int, ...]]) -> str:
 def _run(
     fn: Callable[..., Any],
     arrays: Sequence[ShardedArray],
-    names: Sequence[int],
+    names: Sequence[int | str],
     out_specs: Any,
     pending: str | None,
     *,
@@ -462,7 +494,7 @@ def _run(
     grouped: bool = False,
     reducing: Reducing | None = None,
 ) -> Any:
-    names = list(names) or list(range(len(arrays)))
+    names = list(names) or list(range(len(arrays)))  # positions, or the caller's labels
     _check_aligned(arrays, names, one_block, what)
     backend = arrays[0].backend
     first = arrays[0].layout
@@ -721,11 +753,45 @@ def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
     """One spec per result leaf: ``out_specs`` broadcast (a single spec) or matched to the results' tree."""
     if _is_spec(out_specs):
         return [out_specs] * (tree.num_leaves if tree is not None else 1)
-    flat, _ = optree.tree_flatten(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+    flat, given = optree.tree_flatten(out_specs, is_leaf=_is_spec, none_is_leaf=True)
     if tree is not None and tree.num_leaves != len(flat):
         msg = f"{what} out_specs has {len(flat)} specs but fn returned {tree.num_leaves} tensors ({tree})."
         raise SpecError(msg)
+    if tree is not None:
+        _check_paths(given, tree, what)
     return flat
+
+
+def check_out_specs(out_specs: Any, results: Any, what: str, maker: str) -> None:
+    """Refuses ``out_specs`` that would lay out ``results`` by other results' specs (``_check_paths``)."""
+    if not _is_spec(out_specs):
+        given = optree.tree_structure(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+        tree = optree.tree_structure(results)
+        if given.num_leaves == tree.num_leaves:  # else a count that fshard.shard_map refuses as such
+            _check_paths(given, tree, what, maker)
+
+
+@cached(256)
+def _check_paths(given: Any, tree: Any, what: str, maker: str = "fn") -> None:
+    """Refuses ``out_specs`` whose specs sit at other places than the results they lay out.
+
+    The k-th spec lays out the k-th result, in the order of each tree's leaves: a dict's by
+    sorted key. So specs keyed differently from the results, or a sequence of specs for a
+    dict of results, would lay out a result by another's spec; a list for a tuple (or a
+    namedtuple) is the same places, and passes.
+    """
+    for spec_path, result_path in zip(given.paths(), tree.paths()):
+        if spec_path != result_path:
+            msg = (
+                f"{what} out_specs does not match {maker}'s results: its spec at {_path(spec_path)} would lay out the "
+                f"result at {_path(result_path)} ({tree}). Give out_specs the structure of {maker}'s results, with the "
+                "same dict keys, or one spec for all of them."
+            )
+            raise SpecError(msg)
+
+
+def _path(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{k!r}]" for k in path) or "the top"
 
 
 def _out_layout(
@@ -766,7 +832,7 @@ def _out_layout(
 
 
 def _check_replicas(
-    layouts: tuple[Layout, ...], names: Sequence[int], out: Layout, spec: Any, what: str, n: int
+    layouts: tuple[Layout, ...], names: Sequence[int | str], out: Layout, spec: Any, what: str, n: int
 ) -> None:
     """Refuses ``out`` where it makes copies of results whose arguments differ.
 
@@ -781,13 +847,19 @@ def _check_replicas(
     axes = _mesh_axes(spec, p, q)
     along = f" along mesh axis {axes[0]!r}" if len(axes) == 1 else f" along mesh axes {axes}" if axes else ""
     partial = f"fshard.Partial(spec, over={tuple(axes)!r})" if axes else "fshard.Partial(spec)"
-    opt_out = "pass check_vma=False" if what.startswith("shard_map") else "use fshard.shard_map(..., check_vma=False)"
+    opt_out = (
+        "pass check_vma=False if fn returns equal results there"
+        if what.startswith("shard_map")
+        else "run the module through fshard.shard_map(..., check_vma=False) if it returns equal results there"
+        if what.startswith("apply_module")
+        else "use fshard.shard_map(..., check_vma=False) if fn returns equal results there"
+    )
     msg = (
         f"{what} out_spec {spec!r} makes the copies of result {n} on placements {p} and {q} replicas{along}, "
-        f"but argument {names[k]} gives those placements different blocks, so the results there may differ "
+        f"but {_arg(names[k])} gives those placements different blocks, so the results there may differ "
         "and the array would hold replicas that disagree. Give an out_spec that splits the result"
         f"{along} (or {partial} if its copies are partial sums), reshard the result afterwards, "
-        f"or {opt_out} if fn returns equal results there."
+        f"or {opt_out}."
     )
     raise SpecError(msg)
 

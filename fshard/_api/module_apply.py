@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import functools
 import sys
 import weakref
@@ -22,11 +23,12 @@ from typing import Any, cast
 import torch
 import torch.utils.checkpoint
 
-from fshard._api.map import map_local, shard_map
+from fshard._api.map import check_out_specs, map_local, named_shard_map
 from fshard._api.module_rules import Structure, structure
 from fshard._api.module_tp import TensorParallel, row_parallel_class
 from fshard._api.move import reshard
 from fshard._array.array import ShardedArray
+from fshard._base.compile import body as compiled_where_called
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
 from fshard._layout.placement import Placement
@@ -99,24 +101,57 @@ def _copy(
     done = memo.get(id(module))
     if done is not None:
         return done
-    out = copy.copy(module)
+    out = _shallow(module)
     memo[id(module)] = out
     axis = rows.get(id(module))
     if axis is not None:  # a row-parallel Linear: its clone sums its product over the axis
         out.__class__ = row_parallel_class(type(cast("torch.nn.Linear", module)))
         vars(out)["_tp_axis"] = axis
-    own_params, own_buffers = (dict(kind) for kind in found.slots[id(module)])
+    own_params, own_buffers = found.slots[id(module)]
     old = vars(module)
     state = vars(out)
-    state["_parameters"] = _Parameters(
-        {k: None if v is None else params[own_params[k]] for k, v in old["_parameters"].items()}, guard
-    )
-    state["_buffers"] = {k: None if v is None else buffers[own_buffers[k]] for k, v in old["_buffers"].items()}
+    names = dict(own_params)
+    filled = {k: None if v is None else params[names[k]] for k, v in old["_parameters"].items()}
+    state["_parameters"] = _Parameters(filled, guard)
+    names = dict(own_buffers)
+    state["_buffers"] = {k: None if v is None else buffers[names[k]] for k, v in old["_buffers"].items()}
     children = cast("dict[str, torch.nn.Module | None]", old["_modules"])
     state["_modules"] = {
         k: None if m is None else _copy(m, found, params, buffers, memo, guard, rows) for k, m in children.items()
     }
     return out
+
+
+def _shallow(module: torch.nn.Module) -> torch.nn.Module:
+    """``copy.copy(module)``: for a module that copies as ``torch.nn.Module`` does, without its generic path.
+
+    That path (``__reduce_ex__``, then ``__setstate__``) costs several microseconds per
+    submodule, and a clone is made at every call; its result is the same object state.
+    """
+    cls = type(module)
+    if torch.compiler.is_compiling() or not _copies_plainly(cls):  # TorchDynamo traces copy.copy, not this
+        return copy.copy(module)
+    out = object.__new__(cls)
+    state = vars(module).copy()
+    state.pop("_compiled_call_impl", None)  # as Module.__getstate__
+    object.__setattr__(out, "__dict__", state)
+    return out
+
+
+@functools.cache
+def _copies_plainly(cls: type) -> bool:
+    """Whether ``copy.copy`` of a ``cls`` is ``torch.nn.Module``'s: a new object holding a copy of its ``__dict__``."""
+    module: Any = torch.nn.Module
+    return (
+        getattr(cls, "__copy__", None) is None
+        and cls not in copyreg.dispatch_table
+        and cls.__reduce_ex__ is object.__reduce_ex__  # pyright: ignore[reportUnknownMemberType]
+        and cls.__reduce__ is object.__reduce__  # pyright: ignore[reportUnknownMemberType]
+        and cls.__getstate__ is module.__getstate__  # pyright: ignore[reportUnknownMemberType]
+        and cls.__setstate__ is module.__setstate__  # pyright: ignore[reportUnknownMemberType]
+        and cls.__new__ is object.__new__
+        and all("__slots__" not in vars(c) for c in cls.__mro__)
+    )
 
 
 @collective("apply_module")
@@ -235,6 +270,8 @@ def apply_module(
         call_args, call_kwargs = rest[:n_args], dict(zip(keys, rest[n_args:]))
         with _local_heads_hint(tp):
             out = clone(*call_args, **call_kwargs) if method is None else method(clone, *call_args, **call_kwargs)
+        if out_specs is not None and not torch.compiler.is_compiling():  # named as the caller wrote it (shard_map
+            check_out_specs(out_specs, out, "apply_module()", "the module")  # checks it too, paired with the buffers)
         return out, {name: _delta(_read_back(found, memo, name), olds[name]) for name in updated}
 
     first = next((v for v in inputs if isinstance(v, ShardedArray)), None)
@@ -242,11 +279,29 @@ def apply_module(
              {name: Partial(everywhere) for name in updated})  # fmt: skip
     # Under tensor parallelism a result is whole along tp because psum made it so, which the
     # replication check cannot see; check mode still compares the copies' contents.
-    run = shard_map(
-        body, in_specs=tuple(in_specs), out_specs=specs, check_vma=tp is None, regather=regather, precision=precisions
+    run = named_shard_map(
+        compiled_where_called(body),  # as shard_map's fn: compiled where apply_module's caller is
+        in_specs=tuple(in_specs),
+        out_specs=specs,
+        check_vma=tp is None,
+        regather=regather,
+        precision=precisions,
+        what="apply_module()",
+        labels=_labels(found.params, found.buffers, n_args, tuple(keys)),
     )
     out, deltas = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
     return out, _updated_buffers(buffers, deltas, len(placements))
+
+
+@functools.lru_cache(maxsize=64)
+def _labels(params: tuple[str, ...], buffers: tuple[str, ...], n_args: int, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """How errors name each argument of ``apply_module``'s ``shard_map``: as the caller passed it."""
+    return (
+        *(f"parameter {n!r}" for n in params),
+        *(f"buffer {n!r}" for n in buffers),
+        *(f"forward argument {k}" for k in range(n_args)),
+        *(f"forward keyword {k!r}" for k in keys),
+    )
 
 
 def _tensor_parallel(rules: Any, module: torch.nn.Module, placements: Sequence[Placement]) -> TensorParallel | None:

@@ -66,14 +66,28 @@ def structure(module: torch.nn.Module) -> Structure:
 
 
 def _fingerprint(module: torch.nn.Module) -> tuple[Any, ...]:
-    """Every submodule's mode, and the names and identities of what it holds: all that ``_read`` reads."""
+    """Every submodule's mode, and the names and identities of what it holds: all that ``_read`` reads.
+
+    Made at every ``apply_module`` call, so in one loop over the submodules (as ``modules()``
+    yields them, without its generator and names), each dict read in C.
+    """
     out: list[Any] = []
-    for sub in module.modules():
+    seen: set[int] = set()
+    todo = [module]
+    while todo:
+        sub = todo.pop()
+        if id(sub) in seen:
+            continue
+        seen.add(id(sub))
         state = vars(sub)
-        out.append((id(sub), sub.training, tuple(state["_non_persistent_buffers_set"])))
-        for kind in ("_parameters", "_buffers", "_modules"):  # names and identities, each in C
-            held = state[kind]
-            out += (tuple(held), tuple(map(id, held.values())))
+        params, buffers, children = state["_parameters"], state["_buffers"], state["_modules"]
+        out += (
+            id(sub), sub.training, tuple(state["_non_persistent_buffers_set"]),
+            tuple(params), tuple(map(id, params.values())),
+            tuple(buffers), tuple(map(id, buffers.values())),
+            tuple(children), tuple(map(id, children.values())),
+        )  # fmt: skip
+        todo += [m for m in reversed(children.values()) if m is not None]
     return tuple(out)
 
 

@@ -33,7 +33,9 @@ def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
 
     For each state key, a tree shaped like ``params``: an array in its parameter's layout
     where the state has the shard's shape (``exp_avg``), else the one value that every shard
-    of the parameter holds (``step``). The arrays share the optimizer's tensors: save them
+    of the parameter holds (``step``), or ``None`` for a parameter that has no state (a
+    frozen one, or one no step has had a gradient for yet: as ``Optimizer.state_dict``
+    leaves it out). The arrays share the optimizer's tensors: save them
     before its next step. An optimizer that has not stepped has no state yet: it is made
     the way ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` makes it
     (one step on zero gradients with the learning rate at 0, which leaves the parameters
@@ -53,7 +55,7 @@ def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
             an array or a tensor.
         SpecError: a leaf of ``params`` is not a parameter of ``opt`` (or the other way
             round), an array's shards sit in different groups, or the shards of one array
-            hold different scalars or different state keys.
+            hold different scalars or different state keys (some none).
         CollectiveMismatchError: in check mode, ranks hold different scalars for an array.
 
     >>> import optree, torch, fshard
@@ -77,7 +79,9 @@ def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
     scalars: list[tuple[str, torch.Tensor]] = []
     for key in keys:
         values = [_value(opt, a, key, path) for a, path in zip(arrays, paths)]
-        scalars += [(f"{key!r} of {p}", torch.as_tensor(v)) for p, v in zip(paths, values) if not _is_array(v)]
+        scalars += [
+            (f"{key!r} of {p}", torch.as_tensor(v)) for p, v in zip(paths, values) if v is not None and not _is_array(v)
+        ]
         state[key] = optree.tree_unflatten(treespec, values)
     backend = next((a.backend for a in arrays if isinstance(a, ShardedArray)), None)
     if scalars and backend is not None:
@@ -113,7 +117,7 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
 
     >>> import optree, torch, fshard
     >>> params = {"w": fshard.shard(torch.ones(4, 2), fshard.Chunk(0, [0, 1]))}
-    >>> opt = torch.optim.SGD(optree.tree_leaves(params), lr=0.1, momentum=0.9)
+    >>> opt = torch.optim.SGD([t.requires_grad_() for t in optree.tree_leaves(params)], lr=0.1, momentum=0.9)
     >>> saved = fshard.optimizer_state(opt, params)  # before the first step: momentum buffers of zeros
     >>> opt2 = torch.optim.SGD(optree.tree_leaves(params), lr=0.5, momentum=0.9)
     >>> fshard.load_optimizer_state(opt2, params, saved)
@@ -210,7 +214,8 @@ def _init_state(opt: torch.optim.Optimizer) -> None:
         return
     with torch.no_grad():
         for p in params:
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:  # a frozen parameter gets no state, as from any step
+                p.grad = torch.zeros_like(p)
     lrs = [g.get("lr") for g in opt.param_groups]
     for g in opt.param_groups:
         if "lr" in g:
@@ -232,10 +237,12 @@ def _value(opt: torch.optim.Optimizer, a: Leaf, key: str, path: str) -> Any:
     """The ``key`` state of array ``a``: an array of its layout, or its shards' one scalar."""
     own = _own(a)
     values = [opt.state.get(t, {}).get(key) for t in own]
+    if all(v is None for v in values):  # a frozen parameter, or one no step has had a gradient for yet
+        return None
     if any(v is None for v in values):
         msg = (
-            f"params{path} has no {key!r} state on some of its shards while other parameters have it "
-            "(a parameter that has had no gradient yet): step the optimizer over every parameter first."
+            f"params{path} has {key!r} state on some of its shards and none on others: its shards were "
+            "stepped apart (give the optimizer every shard, and step them together)."
         )
         raise SpecError(msg)
     if all(isinstance(v, torch.Tensor) and v.shape == t.shape for v, t in zip(values, own)):
@@ -306,8 +313,16 @@ def _brief(value: Any) -> str:
 
 
 def _put(opt: torch.optim.Optimizer, a: Leaf, value: Any, key: str, path: str) -> None:
-    """Gives each shard tensor of ``a`` its ``key`` state from ``value``."""
+    """Gives each shard tensor of ``a`` its ``key`` state from ``value`` (``None``: it had none)."""
     own = _own(a)
+    if value is None:  # as Optimizer.load_state_dict leaves a parameter the saved state does not name
+        for t in own:
+            held = opt.state.get(t)
+            if held is not None:
+                held.pop(key, None)
+                if not held:
+                    del opt.state[t]
+        return
     if isinstance(value, ShardedArray):
         if not isinstance(a, ShardedArray) or value.layout != a.layout:
             layout = a.layout if isinstance(a, ShardedArray) else "a plain tensor"

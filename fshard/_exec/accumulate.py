@@ -118,14 +118,14 @@ def key_of(inputs: Sequence[torch.Tensor], like: torch.Tensor) -> Key:
     return Key(inputs if inputs else (like,))
 
 
-_ASIDE: dict[tuple[int, ...], tuple[Key, list[torch.Tensor]]] = {}
+_ASIDE: dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]]] = {}
 
 
-def set_aside(key: Key, grads: Sequence[torch.Tensor]) -> None:
-    """Adds ``grads`` to what is set aside for the movement of ``key``'s tensors."""
+def set_aside(key: Key, grads: Sequence[torch.Tensor | None]) -> None:
+    """Adds ``grads`` to what is set aside for the movement of ``key``'s tensors (``None``: no gradient yet)."""
     held = _ASIDE.get(key.ids)
     if held is not None and held[0].alive():
-        grads = [a + g for a, g in zip(held[1], grads)]
+        grads = [a if g is None else g if a is None else a + g for a, g in zip(held[1], grads)]
     _ASIDE[key.ids] = (key, list(grads))
     if not _STEP_HOOK:  # from the first micro-batch kept aside on: optimizers' steps are checked
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_held))
@@ -172,7 +172,7 @@ def _refuse_held(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     raise SpecError(msg)
 
 
-def take_back(key: Key) -> list[torch.Tensor] | None:
+def take_back(key: Key) -> list[torch.Tensor | None] | None:
     """What is set aside for the movement of ``key``'s tensors (forgotten here), or ``None``.
 
     Raises:

@@ -27,6 +27,7 @@ and batched collectives as the processes that hold shards.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ __all__ = [
     "movement_nodes",
     "regroup",
     "scatter",
+    "sum_tree",
     "summed_uses",
 ]
 
@@ -319,7 +321,7 @@ def _after_aside(ctx: Any, dense: tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
         set_aside(ctx.key, dense)
         return None
     earlier = take_back(ctx.key)
-    return dense if earlier is None else tuple(g + e for g, e in zip(dense, earlier))
+    return dense if earlier is None else tuple(g if e is None else g + e for g, e in zip(dense, earlier))
 
 
 def _move_batched(info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...], how: Any) -> Any:
@@ -541,6 +543,74 @@ class _Regroup(torch.autograd.Function):
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
         *out, link = apply(_Regroup, with_batch(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
+
+
+class _SumTree(torch.autograd.Function):
+    """``_Regroup`` (``"sum"``) of the arrays of a tree in one node, on a backend of one process.
+
+    One node for the tree, as the buckets across processes are: a syncing backward that
+    reaches any of the arrays adds, for every one of them, what earlier micro-batches kept
+    aside (``no_sync``), also where this backward does not reach it; and an array that no
+    copy had a gradient for, here or in a micro-batch kept aside, gets none (``None``), as
+    torch leaves an unused tensor.
+    """
+
+    @staticmethod
+    def forward(
+        layouts: tuple[Layout, ...], backend: Any, counts: tuple[int, ...], like: torch.Tensor, *tensors: torch.Tensor
+    ) -> Any:
+        return (*(t.view_as(t) for t in tensors), link_of(like))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        layouts, backend, counts, like = inputs[:4]
+        tensors = inputs[4:]
+        ctx.args = (layouts, backend, counts, like.dtype, like.device)
+        ctx.like_shape = like.shape
+        ctx.set_materialize_grads(False)  # an array not used: None, not zeros
+        starts = itertools.accumulate(counts, initial=0)
+        ctx.sync = syncing()
+        ctx.keys = [key_of(tensors[at : at + n], like) for at, n in zip(starts, counts)]
+
+    @staticmethod
+    @opaque  # autograd calls it back, TorchDynamo's hook still on
+    def backward(ctx: Any, *grads: Any) -> Any:
+        layouts, backend, counts, dtype, device = ctx.args
+        like = carrier(grads, dtype, device)
+        out: list[torch.Tensor | None] = []
+        at = 0
+        for layout, n, key in zip(layouts, counts, ctx.keys):
+            mine, at = grads[at : at + n], at + n
+            if not ctx.sync:  # kept aside where this micro-batch gave it a gradient
+                if any(g is not None for g in mine):
+                    set_aside(key, _dense(layout, backend, mine, like))
+                out += [None] * n
+                continue
+            earlier = take_back(key)
+            if earlier is None and all(g is None for g in mine):
+                out += [None] * n
+                continue
+            dense = _dense(layout, backend, mine, like)
+            if earlier is not None:
+                dense = tuple(g if e is None else g + e for g, e in zip(dense, earlier))
+            back, _ = move(with_partial(layout, "sum"), layout, backend, dense, like)
+            out += back
+        return (None, None, None, link_grad(ctx, 3, like), *out)
+
+
+def sum_tree(
+    layouts: tuple[Layout, ...],
+    backend: Any,
+    counts: tuple[int, ...],
+    tensors: Sequence[torch.Tensor],
+    like: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``tensors`` (``counts[k]`` shards of ``layouts[k]`` each) unchanged; their copies' gradients summed in one node.
+
+    For a backend of one process (``_SumTree``); and the link.
+    """
+    *out, link = _run(_SumTree, layouts, backend, counts, like, *tensors)
+    return tuple(out), link
 
 
 @cached(256)

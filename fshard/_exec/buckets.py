@@ -24,12 +24,15 @@ each launched as soon as its gradients are in. Here:
   gradients that reached the blocks some other way (code that runs outside the function's
   torch-function mode, such as an activation checkpoint's recomputation) to the buckets not
   launched yet, launches the rest in order, waits, and gives each block its sum (views of
-  the buckets, no copy). The last bucket always leaves from there, carrying two more
-  elements: the number of gradients that arrived after their bucket had left, and a value
-  that the backward carries (``carrying``: the loss, for ``fshard.backward``; else zero).
+  the buckets, no copy). The last bucket always leaves from there, carrying more
+  elements: the number of gradients that arrived after their bucket had left, a value
+  that the backward carries (``carrying``: the loss, for ``fshard.backward``; else zero),
+  and one per leaf, the number of ranks whose blocks of it had a gradient.
   Where that count is not zero on some rank, every rank sums those gradients too, in one
   more movement. So every rank runs the same collectives in the same order, and the result
-  is the sum of every use, whichever way it came.
+  is the sum of every use, whichever way it came. A leaf that no rank used gets no
+  gradient (``None``), as torch leaves an unused tensor and DDP an unused parameter, and as
+  the local backend does: an optimizer then skips it (no momentum, no weight decay).
 
 The buckets' buffers are kept between steps, for the first block (``_Kept``), as DDP keeps
 its buckets: a fresh buffer each step would cost the memory's first touch (a page fault per
@@ -235,19 +238,25 @@ def run_parts(layouts: tuple[Layout, ...], rank: int) -> tuple[tuple[int, ...], 
     return tuple(out)
 
 
-_FLAG = 2  # the last bucket's own elements: the count of late gradients, and a carried value (``carrying``)
+# The last bucket's own elements: the count of late gradients, a carried value (``carrying``), then one per
+# leaf, the number of ranks whose blocks of it had a gradient (a leaf no rank used gets none, as in torch).
+_FLAG = 2
+
+
+def _flag_width(layouts: tuple[Layout, ...]) -> int:
+    return _FLAG + len(layouts)
 
 
 @cached(256)
 def _flag_layout(layouts: tuple[Layout, ...]) -> Layout:
-    """``_FLAG`` elements held by every rank that holds a shard of leaf 0 (every leaf's ranks), on its device."""
+    """The flag's elements (``_flag_width``) held by every rank that holds a shard of leaf 0 (every leaf's ranks)."""
     devices: dict[int, str] = {}
     for r, d in zip(layouts[0].columns.rank.tolist(), layouts[0].columns.devices):  # every rank holds leaf 0
         devices.setdefault(int(r), d)
     ranks = sorted(devices)
-    n = len(ranks)
-    lo, sz = np.zeros((n, 1), np.int64), np.full((n, 1), _FLAG, np.int64)
-    return Layout.from_arrays((_FLAG,), lo, sz, np.array(ranks, np.int64), [devices[r] for r in ranks])
+    n, width = len(ranks), _flag_width(layouts)
+    lo, sz = np.zeros((n, 1), np.int64), np.full((n, 1), width, np.int64)
+    return Layout.from_arrays((width,), lo, sz, np.array(ranks, np.int64), [devices[r] for r in ranks])
 
 
 @cached(256)
@@ -294,11 +303,14 @@ def _series(plan: tuple[Bucket, ...]) -> str:
 class _Slots:
     """Where each of a rank's shards sits in its bucket: ``where[position] = (bucket, range, offset)``.
 
-    ``where[-1]`` is the slot of the count and the carried value; ``numels[position]`` the shard's elements.
+    ``where[-1]`` is the slot of the flag (``flag`` elements: the count, the carried value, the leaves'
+    uses); ``numels[position]`` the shard's elements, ``leaves[position]`` its leaf.
     """
 
     where: dict[int, tuple[int, int, int]]
     numels: tuple[int, ...]
+    leaves: tuple[int, ...]
+    flag: int
 
 
 @cached(256)
@@ -306,6 +318,8 @@ def _slots(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> _
     plan = buckets(layouts, itemsize, cap, rank)
     assert plan is not None  # only asked where the buckets exist
     numels = tuple(int(np.prod(x.columns.sz[i], dtype=np.int64).item()) for x in layouts for i in x.indices_on(rank))
+    leaves = tuple(k for k, x in enumerate(layouts) for _ in x.indices_on(rank))
+    width = _flag_width(layouts)
     where: dict[int, tuple[int, int, int]] = {}
     for b, bucket in enumerate(plan):
         for j, part in enumerate(bucket.parts):
@@ -313,8 +327,8 @@ def _slots(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> _
             for q in part:
                 flag = q == bucket.flag
                 where[-1 if flag else bucket.positions[q]] = (b, j, at)
-                at += _FLAG if flag else numels[bucket.positions[q]]
-    return _Slots(where, numels)
+                at += width if flag else numels[bucket.positions[q]]
+    return _Slots(where, numels, leaves, width)
 
 
 class _State:
@@ -338,7 +352,7 @@ class _State:
         # Gradients are summed (and sent) in the reduce dtype; the blocks are the forward dtype's.
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
         self.forward = like.dtype if precision is None else precision.forward_dtype(like.dtype)
-        self.where, self.numels = slots.where, slots.numels
+        self.where, self.numels, self.leaves, self.flag = slots.where, slots.numels, slots.leaves, slots.flag
         self.kept = _Kept.of(tensors, (self.series, self.dtype, self.device))
         self.reset()
 
@@ -346,15 +360,15 @@ class _State:
         return self.numels[position]
 
     def _width(self, bucket: Bucket, q: int) -> int:
-        """Elements of entry ``q`` of ``bucket`` in its range: its box's, or ``_FLAG`` (count, carried value)."""
-        return _FLAG if q == bucket.flag else self._numel(bucket.positions[q])
+        """Elements of entry ``q`` of ``bucket`` in its range: its box's, or the flag's (count, carried value, uses)."""
+        return self.flag if q == bucket.flag else self._numel(bucket.positions[q])
 
     def reset(self) -> None:
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
         self.missing = [sum(p in self.where for p in bucket.positions) for bucket in self.plan]  # empty boxes: none
         self.given: set[int] = set()
         self.flights: list[Callable[[], tuple[torch.Tensor, ...]]] = []
-        self.earlier: list[torch.Tensor] | None = None  # what earlier micro-batches set aside
+        self.earlier: list[torch.Tensor | None] | None = None  # what earlier micro-batches set aside
         self.fetched = False
 
     def _earlier(self, position: int) -> torch.Tensor | None:
@@ -378,7 +392,7 @@ class _State:
 
     def _slot(self, position: int) -> torch.Tensor:
         b, j, at = self.where[position]
-        return self._buffer(b)[j][at : at + (_FLAG if position == -1 else self._numel(position))]
+        return self._buffer(b)[j][at : at + (self.flag if position == -1 else self._numel(position))]
 
     def take(self, position: int, grad: torch.Tensor) -> bool:
         """Adds ``grad`` to its bucket unless that bucket has left; launches the buckets now full.
@@ -439,7 +453,7 @@ class _State:
             runs = self.plan[0].runs
             self.posted = post(_plan(with_partial(runs, "sum"), runs), self._zeros(0), series=self.series)
 
-    def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
         late = [None if g is None else g.to(self.dtype) for g in late]
         outside = [k for k, g in enumerate(late) if g is not None and not self.take(k, g)]
@@ -454,9 +468,14 @@ class _State:
         flag[:1].fill_(len(outside))
         carry = _carry_for(self)
         if carry is None:
-            flag[1:].zero_()
+            flag[1:2].zero_()
         else:
-            flag[1:].copy_(carry.value.reshape(1))
+            flag[1:2].copy_(carry.value.reshape(1))
+        used = self.given.union(outside)
+        uses = [0.0] * (self.flag - _FLAG)
+        for position in used:
+            uses[self.leaves[position]] = 1.0
+        flag[_FLAG:].copy_(torch.tensor(uses, dtype=self.dtype))
         while len(self.flights) < len(self.plan):
             self._launch(len(self.flights))
         summed = [flight() for flight in self.flights]
@@ -474,6 +493,10 @@ class _State:
         if bool(summed[b][j][at] != 0):  # some rank had gradients after their bucket left: sum them all
             extra = [g if k in outside and g is not None else torch.zeros_like(out[k]) for k, g in enumerate(late)]
             out = [a + e for a, e in zip(out, self.sum_all(extra))]
+        if len(used) < len(self.shapes):  # a leaf no rank's blocks had a gradient for gets none (DDP's rule too)
+            unused = (summed[b][j][at + _FLAG : at + self.flag] == 0).nonzero().flatten()
+            gone = set(map(int, unused))
+            out = [None if self.leaves[k] in gone else g for k, g in enumerate(out)]
         self.reset()
         return out
 
@@ -483,7 +506,7 @@ class _State:
         for bucket in self.plan:
             at = bucket.positions
             packed = tuple(
-                torch.cat([self._zeros(_FLAG) if q == bucket.flag else grads[at[q]].reshape(-1) for q in part])
+                torch.cat([self._zeros(self.flag) if q == bucket.flag else grads[at[q]].reshape(-1) for q in part])
                 for part in bucket.parts
             )
             runs = bucket.runs
@@ -515,8 +538,8 @@ _CARRIES: list[Carry] = []  # the values of the backward passes running now (``c
 def carrying(carry: Carry) -> Generator[Carry, None, None]:
     """The context of a backward pass whose first last bucket over ``carry.backend``'s ranks carries ``carry``.
 
-    That bucket's summed elements (two, after the gradients: the count of late gradients and
-    this value) are an ``all_reduce`` anyway, so the value is summed with no collective of its
+    That bucket's summed elements (after the gradients: the count of late gradients, this
+    value, the leaves' uses) are an ``all_reduce`` anyway, so the value is summed with no collective of its
     own and no rank waits for the others to sum it. Buckets of another backend, other ranks or
     another device, of gradients summed in a dtype that would round the value, of micro-batches
     under ``no_sync``, or of gradients of gradients do not carry it (``total`` stays ``None``).
@@ -595,16 +618,19 @@ class _SumBuckets(torch.autograd.Function):
         state: _State = ctx.state
         like = _autograd.carrier(grads, state.dtype, state.device)
         if not state.sync:  # a micro-batch under no_sync: this rank's gradients wait for the syncing one
-            set_aside(state.key, state.dense(grads[:-1]))
+            # A block without one keeps none: a leaf no micro-batch used on any rank gets none at the end.
+            set_aside(state.key, [None if g is None else g.to(state.dtype) for g in grads[:-1]])
             return (None, None, *[None] * len(state.shapes))
         if torch.is_grad_enabled():  # gradients of gradients: one differentiable movement of them all
             dense = state.dense(grads[:-1])
             earlier = take_back(state.key)
-            back = state.sum_all(dense if earlier is None else [g + e for g, e in zip(dense, earlier)])
+            if earlier is not None:
+                dense = [g if e is None else g + e for g, e in zip(dense, earlier)]
+            back = state.sum_all(dense)
         else:
             back = state.finish(grads[:-1])
         if state.dtype != state.source:  # summed in the reduce dtype; the blocks get their own dtype
-            back = [g.to(state.source) for g in back]
+            back = [None if g is None else g.to(state.source) for g in back]
         return (None, _autograd.link_grad(ctx, 1, like), *back)
 
 

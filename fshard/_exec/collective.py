@@ -49,7 +49,9 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
     """
 
     def mark(fn: F) -> F:
-        signature = inspect.signature(fn)
+        # Read in check mode only: made at the first such call, not here (shard_map makes a
+        # collective function at every call of it, and apply_module calls shard_map each time).
+        signature = functools.cache(functools.partial(inspect.signature, fn))
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -59,7 +61,7 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
             settle = getattr(backend, "settle", None)  # a backend of one process has nothing to agree on
             if settle is None or not backend.spans_processes or not getattr(backend, "member", True):
                 return fn(*args, **kwargs)
-            what = _describe_call(name, signature, args, kwargs, local)
+            what = _describe_call(name, signature(), args, kwargs, local)
             try:
                 with calling(what):
                     out = fn(*args, **kwargs)

@@ -418,8 +418,11 @@ def _move_flat(
         else:  # one stacked tensor per shard held here: torch.stack packs the leaves in one copy
             stacked = (torch.stack(ts, part.dim) for ts in zip(*shards))
             data.extend(t.reshape(-1) for t in stacked) if group.flat else data.extend(stacked)
-    # What no_sync keys on: the shards, or the link of an array that holds none here.
-    with _accumulate.sources(tuple(itertools.chain.from_iterable(a._data or (a._first(),) for a in members))):  # pyright: ignore[reportPrivateUsage]
+    # What no_sync keys on: the shards, or the link of an array that holds none here, of the leaves that take
+    # a gradient. Those are the same at every micro-batch, where the others may be new arrays (a module's
+    # buffers, updated by each forward).
+    keyed = [a for a in members if a.requires_grad] or members
+    with _accumulate.sources(tuple(itertools.chain.from_iterable(a._data or (a._first(),) for a in keyed))):  # pyright: ignore[reportPrivateUsage]
         moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
     at = 0
     for part in group.parts:
@@ -464,6 +467,14 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
         leaves = [arrays[k] for k in group]
         backend = leaves[0].backend
         if not backend.spans_processes:  # copies in one process: nothing to fuse
+            functorch = torch._C._are_functorch_transforms_active()  # pyright: ignore[reportPrivateUsage]  # no public check
+            if mode == "sum" and precision is None and not functorch:  # one node, as the buckets across processes
+                counts = tuple(len(a.addressable_data) for a in leaves)
+                data = tuple(t for a in leaves for t in a.addressable_data)
+                shards, link = _autograd.sum_tree(tuple(a.layout for a in leaves), backend, counts, data, _like(leaves))
+                for k, a, at, n in zip(group, leaves, itertools.accumulate(counts, initial=0), counts):
+                    out[k] = ShardedArray._of(a.layout, shards[at : at + n], backend, a.dtype, link)  # pyright: ignore[reportPrivateUsage]
+                continue
             for k, a in zip(group, leaves):
                 data, link = _regroup(a.layout, backend, mode, a.addressable_data, a._first(), precision)  # pyright: ignore[reportPrivateUsage]
                 out[k] = ShardedArray(a.layout, data, backend, _dtype(a, precision), link)

@@ -112,4 +112,8 @@ def per_argument(precision: Any, n: int, what: str) -> tuple[Precision | None, .
             "per argument, or one Precision for all."
         )
         raise SpecError(msg)
-    return tuple(check_precision(p, f"{what} argument {k}'s") for k, p in enumerate(given))
+    # An entry that is None or a Precision checks as itself: no message made for it.
+    return tuple(
+        p if p is None or type(p) is Precision else check_precision(p, f"{what} argument {k}'s")
+        for k, p in enumerate(given)
+    )
