@@ -3,6 +3,7 @@ aligned layouts, operators, sum, gradients of replicas, and the replica-aware tr
 
 from __future__ import annotations
 
+import collections
 import re
 
 import pytest
@@ -133,15 +134,39 @@ def test_out_specs_lay_out_the_results_at_their_own_places():
         fshard.shard_map(both, in_specs=Chunk(0, R), out_specs=(summed, Chunk(0, R)))(rows)
     with pytest.raises(SpecError, match=r"its spec at \['row'\] would lay out the result at \['rows'\]"):
         fshard.shard_map(both, in_specs=Chunk(0, R), out_specs={"total": summed, "row": Chunk(0, R)})(rows)
-    with pytest.raises(SpecError, match="would lay out the result at the top"):
-        fshard.map_local(torch.neg, rows, out_spec={"rows": Chunk(0, R)})
     out = fshard.shard_map(both, in_specs=Chunk(0, R), out_specs={"total": summed, "rows": Chunk(0, R)})(rows)
     assert torch.equal(fshard.gather(out["rows"]), 2 * X)
     assert torch.allclose(fshard.gather(out["total"]), X.sum()[None])
-    # A list of specs for a tuple of results: the same places.
+    # A list of specs for a tuple of results: the same places; so is one spec in a tuple for one result.
     pair = fshard.shard_map(lambda t: (t, -t), in_specs=Chunk(0, R), out_specs=[Chunk(0, R), Chunk(0, R)])(rows)
     assert isinstance(pair, tuple)
     assert torch.equal(fshard.gather(pair[1]), -X)
+    negated = fshard.shard_map(torch.neg, in_specs=Chunk(0, R), out_specs=(Chunk(0, R),))(rows)
+    assert torch.equal(fshard.gather(negated), -X)
+    # Dicts match by key, whichever order their leaves come in (an OrderedDict's as inserted, a dict's sorted).
+    by_key = {"total": summed, "rows": Chunk(0, R)}
+    ordered = fshard.shard_map(lambda t: collections.OrderedDict(both(t)), in_specs=Chunk(0, R), out_specs=by_key)(rows)
+    assert list(ordered) == ["rows", "total"]
+    assert (ordered["rows"].layout.partial, ordered["total"].layout.partial) == (None, "sum")
+    specs = collections.OrderedDict([("total", summed), ("rows", Chunk(0, R))])
+    plain = fshard.shard_map(both, in_specs=Chunk(0, R), out_specs=specs)(rows)
+    assert (plain["rows"].layout.partial, plain["total"].layout.partial) == (None, "sum")
+    # A structure that cannot be hashed (its default factory) is matched too, at every call.
+    factory = _Unhashable()
+    for _ in range(2):
+        made = fshard.shard_map(
+            lambda t: collections.defaultdict(factory, both(t)), in_specs=Chunk(0, R), out_specs=specs
+        )(rows)
+        assert made["total"].layout.partial == "sum"
+
+
+class _Unhashable:
+    """A default factory that cannot be hashed, nor a tree that holds it."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __call__(self) -> None:
+        return None
 
 
 def test_shard_map_row_and_column_parallel_matmul_with_gradients():

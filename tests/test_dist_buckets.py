@@ -132,7 +132,7 @@ def test_gradients_summed_in_buckets_equal_the_local_backends(dist_pool, style, 
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def _unused(backend: Any, rows: torch.Tensor, micro: int) -> list[torch.Tensor | None]:
+def _unused(backend: Any, rows: torch.Tensor, micro: int, precision: Any = None) -> list[torch.Tensor | None]:
     """One shard's gradient of each of 4 weights after ``micro`` micro-batches (all but the last under no_sync).
 
     Weight 0 is used everywhere; weight 1 nowhere; weight 2 by the ranks whose rows sum above 0; weight 3 by
@@ -152,6 +152,7 @@ def _unused(backend: Any, rows: torch.Tensor, micro: int) -> list[torch.Tensor |
     for k in range(micro):
 
         def body(xb, a, b, c, d, first=k == 0):
+            xb = xb.to(a.dtype)  # the weights' forward dtype, with a precision
             y = xb @ a
             if xb.sum() > 0:
                 y = y * (xb @ c)
@@ -159,31 +160,39 @@ def _unused(backend: Any, rows: torch.Tensor, micro: int) -> list[torch.Tensor |
                 y = y + xb @ d
             return y.sum()[None]
 
-        step = fshard.shard_map(body, in_specs=(fshard.Chunk(0, R), *[rep] * 4), out_specs=fshard.Partial(rep))
+        precisions = (None, *[precision] * 4)
+        step = fshard.shard_map(
+            body, in_specs=(fshard.Chunk(0, R), *[rep] * 4), out_specs=fshard.Partial(rep), precision=precisions
+        )
         with fshard.no_sync() if k < micro - 1 else contextlib.nullcontext():
-            fshard.gather(step(x, *ws)).backward()
+            fshard.gather(step(x, *ws)).float().backward()
     return [shards[0].grad for shards in leaves]
 
 
-def _unused_on_rank(micro: int) -> list[torch.Tensor | None]:
+def _unused_on_rank(micro: int, precision: Any) -> list[torch.Tensor | None]:
     backend = TorchDistBackend()
-    return _unused(backend, _rows(backend.rank), micro)
+    return _unused(backend, _rows(backend.rank), micro, precision)
 
 
+_BF16 = fshard.Precision(param=torch.bfloat16, reduce=torch.float32)
+
+
+@pytest.mark.parametrize("precision", [None, _BF16])
 @pytest.mark.parametrize("micro", [1, 2])
-def test_a_weight_no_rank_used_gets_no_gradient_as_on_the_local_backend(dist_pool, micro):
+def test_a_weight_no_rank_used_gets_no_gradient_as_on_the_local_backend(dist_pool, micro, precision):
     """As torch (and DDP) leave a parameter no rank used: ``None``, so an optimizer skips it (momentum, decay)."""
-    expected = _unused(LocalBackend(world_size=4), torch.cat([_rows(r) for r in R]), micro)
+    expected = _unused(LocalBackend(world_size=4), torch.cat([_rows(r) for r in R]), micro, precision)
     assert expected[1] is None
     assert all(expected[k] is not None for k in (0, 2, 3))
     positive = [float(_rows(r).sum()) > 0 for r in R]
     assert any(positive)  # weight 2: some ranks use it, some do not
     assert not all(positive)
-    for grads in dist_pool.run(_unused_on_rank, micro, timeout=120):
+    tolerance = {"rtol": 0, "atol": 1e-12} if precision is None else {"rtol": 1e-5, "atol": 1e-5}  # fp32 sums
+    for grads in dist_pool.run(_unused_on_rank, micro, precision, timeout=120):
         assert grads[1] is None
         for got, want in zip(grads, expected):
             if want is not None:
-                torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+                torch.testing.assert_close(got, want, **tolerance)
 
 
 def test_buckets_leave_one_collective_each(dist_pool):

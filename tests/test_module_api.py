@@ -555,9 +555,17 @@ def test_apply_module_refuses_out_specs_shaped_otherwise_than_the_result() -> No
     model, ranks = torch.nn.Linear(4, 3), [0, 1]
     params, buffers = fshard.shard_module(model, fshard.replicated(ranks))
     x = fshard.shard(torch.randn(6, 4), fshard.Chunk(0, ranks))
-    where = r"apply_module\(\) out_specs .* spec at \['out'\] would lay out the result at the top"
+    rows, summed = fshard.Chunk(0, ranks), fshard.Partial(fshard.Replicated(ranks))
+
+    def both(m: torch.nn.Module, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = m(xb)
+        return y, y.sum()[None]
+
+    where = r"apply_module\(\) out_specs does not match the module's results: its spec at \['out'\] would lay out"
     with pytest.raises(fshard.SpecError, match=where):
-        fshard.apply_module(model, params, buffers, x, out_specs={"out": fshard.Chunk(0, ranks)})
+        fshard.apply_module(model, params, buffers, x, method=both, out_specs={"out": rows, "total": summed})
+    out, total = fshard.apply_module(model, params, buffers, x, method=both, out_specs=(rows, summed))[0]
+    assert (out.layout.partial, total.layout.partial) == (None, "sum")
 
 
 def test_apply_module_errors_name_what_its_caller_passed() -> None:

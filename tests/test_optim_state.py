@@ -174,6 +174,40 @@ def test_a_frozen_layer_has_no_state_and_its_run_resumes_as_the_run_that_never_s
     _assert_same(_gathered(resumed), _gathered(params))
 
 
+def _train_partly(
+    params: dict[str, fshard.ShardedArray], opt: torch.optim.Optimizer, steps: int, first: bool
+) -> list[float]:
+    """``_train``, where the first layer is used only with ``first`` (else its input is made without it)."""
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        full = fshard.gather(params)
+        h = torch.tanh(X @ full["0.weight"].T + full["0.bias"]) if first else torch.tanh(X.repeat(1, 2))
+        loss = torch.nn.functional.mse_loss(h @ full["2.weight"].T + full["2.bias"], Y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_layer_not_used_yet_resumes_without_state_as_the_run_that_never_stopped(tmp_path) -> None:
+    """Its state is ``None`` when saved; the fresh optimizer's ``like=`` has one, and it loads as none."""
+    params = _params([0, 1, 2, 3])
+    opt = _adamw(params)
+    _train_partly(params, opt, 2, first=False)
+    state = fshard.optimizer_state(opt, params)
+    assert state["state"]["exp_avg"]["0.weight"] is None
+    assert state["state"]["exp_avg"]["2.weight"] is not None
+    fshard.save(str(tmp_path / "params"), params)
+    fshard.save(str(tmp_path / "optim"), state)
+    resumed, again = _resume(str(tmp_path), [0, 1], _adamw)
+    assert all(t not in again.state for t in optree.tree_leaves(resumed["0.weight"]))
+    assert _train_partly(resumed, again, 2, first=True) == pytest.approx(
+        _train_partly(params, opt, 2, first=True), rel=0, abs=1e-12
+    )
+    _assert_same(_gathered(resumed), _gathered(params))
+
+
 def test_a_leaf_the_optimizer_does_not_know_is_named() -> None:
     params = _params([0, 1, 2, 3])
     opt = _adamw({k: v for k, v in params.items() if k != "2.bias"})

@@ -758,36 +758,60 @@ def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
         msg = f"{what} out_specs has {len(flat)} specs but fn returned {tree.num_leaves} tensors ({tree})."
         raise SpecError(msg)
     if tree is not None:
-        _check_paths(given, tree, what)
+        order = _spec_order(given, tree, what)
+        if order is not None:
+            flat = [flat[k] for k in order]
     return flat
 
 
 def check_out_specs(out_specs: Any, results: Any, what: str, maker: str) -> None:
-    """Refuses ``out_specs`` that would lay out ``results`` by other results' specs (``_check_paths``)."""
+    """Refuses ``out_specs`` that would lay out ``results`` by other results' specs (``_spec_order``)."""
     if not _is_spec(out_specs):
         given = optree.tree_structure(out_specs, is_leaf=_is_spec, none_is_leaf=True)
         tree = optree.tree_structure(results)
         if given.num_leaves == tree.num_leaves:  # else a count that fshard.shard_map refuses as such
-            _check_paths(given, tree, what, maker)
+            _spec_order(given, tree, what, maker)
 
 
-@cached(256)
-def _check_paths(given: Any, tree: Any, what: str, maker: str = "fn") -> None:
-    """Refuses ``out_specs`` whose specs sit at other places than the results they lay out.
+def _spec_order(given: Any, tree: Any, what: str, maker: str = "fn") -> tuple[int, ...] | None:
+    """Which spec lays out each result (``_match_paths``), made once per pair of structures where they hash."""
+    try:
+        return _matched(given, tree, what, maker)
+    except TypeError:  # a structure that cannot be hashed (a node's metadata): matched afresh
+        return _match_paths(given, tree, what, maker)
 
-    The k-th spec lays out the k-th result, in the order of each tree's leaves: a dict's by
-    sorted key. So specs keyed differently from the results, or a sequence of specs for a
-    dict of results, would lay out a result by another's spec; a list for a tuple (or a
-    namedtuple) is the same places, and passes.
+
+def _match_paths(given: Any, tree: Any, what: str, maker: str) -> tuple[int, ...] | None:
+    """Per result leaf, the position of the spec at its place; ``None`` where they are in the same order.
+
+    Specs match results by place: a dict's spec by its key, whatever order each dict's leaves
+    come in (a ``dict``'s sorted, an ``OrderedDict``'s as inserted). A list of specs for a
+    tuple (or a namedtuple) of results is the same places, and so is one spec in any
+    container for one result. Specs at other places (other keys, a sequence of specs for a
+    dict of results) would lay out a result by another's spec: ``SpecError``.
     """
-    for spec_path, result_path in zip(given.paths(), tree.paths()):
-        if spec_path != result_path:
-            msg = (
-                f"{what} out_specs does not match {maker}'s results: its spec at {_path(spec_path)} would lay out the "
-                f"result at {_path(result_path)} ({tree}). Give out_specs the structure of {maker}'s results, with the "
-                "same dict keys, or one spec for all of them."
-            )
-            raise SpecError(msg)
+    specs, results = given.paths(), tree.paths()
+    if specs == results or len(results) == 1:
+        return None
+    try:
+        where = {p: k for k, p in enumerate(specs)}
+    except TypeError:  # a place that cannot be hashed: compared in order only
+        where = {}
+    order = tuple(where.get(p, -1) for p in results)
+    if len(where) == len(specs) and -1 not in order:
+        return order
+    named = set(map(repr, results))  # by repr: a place need not hash
+    lost = [r for r, k in zip(results, order) if k < 0] or results
+    stray = [p for p in specs if repr(p) not in named] or specs
+    msg = (
+        f"{what} out_specs does not match {maker}'s results: its spec at {_path(stray[0])} would lay out the "
+        f"result at {_path(lost[0])} ({tree}). Give out_specs the structure of {maker}'s results, with the "
+        "same dict keys, or one spec for all of them."
+    )
+    raise SpecError(msg)
+
+
+_matched = cached(256)(_match_paths)
 
 
 def _path(path: tuple[Any, ...]) -> str:

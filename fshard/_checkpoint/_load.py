@@ -53,6 +53,8 @@ def _mismatch(saved: Saved, what: str, fix: str) -> CheckpointError:
 
 
 def _target_like(saved: Saved, like: Any) -> _Target:
+    if saved.kind == "scalar" and saved.value is None:  # saved with no value there (an optimizer state a
+        return _Target("value")  # parameter did not have): loaded as None, whatever like holds there
     if saved.kind == "scalar":
         if type(like) is not type(saved.value):
             what = f"is the {type(saved.value).__name__} {saved.value!r}, `like` has a {type(like).__name__}"

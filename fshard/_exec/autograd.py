@@ -552,20 +552,28 @@ class _SumTree(torch.autograd.Function):
     reaches any of the arrays adds, for every one of them, what earlier micro-batches kept
     aside (``no_sync``), also where this backward does not reach it; and an array that no
     copy had a gradient for, here or in a micro-batch kept aside, gets none (``None``), as
-    torch leaves an unused tensor.
+    torch leaves an unused tensor. With a ``precision``, as ``_CastMove``: the blocks in its
+    forward dtype, their gradients summed in its reduce dtype and returned in their own.
     """
 
     @staticmethod
     def forward(
-        layouts: tuple[Layout, ...], backend: Any, counts: tuple[int, ...], like: torch.Tensor, *tensors: torch.Tensor
+        layouts: tuple[Layout, ...],
+        backend: Any,
+        counts: tuple[int, ...],
+        precision: Any,
+        like: torch.Tensor,
+        *tensors: torch.Tensor,
     ) -> Any:
-        return (*(t.view_as(t) for t in tensors), link_of(like))
+        to = like.dtype if precision is None else precision.forward_dtype(like.dtype)
+        return (*(t.to(to) if t.dtype != to else t.view_as(t) for t in tensors), like.new_empty((0,), dtype=to))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        layouts, backend, counts, like = inputs[:4]
-        tensors = inputs[4:]
-        ctx.args = (layouts, backend, counts, like.dtype, like.device)
+        layouts, backend, counts, precision, like = inputs[:5]
+        tensors = inputs[5:]
+        wide = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
+        ctx.args = (layouts, backend, counts, like.dtype, wide, like.device)
         ctx.like_shape = like.shape
         ctx.set_materialize_grads(False)  # an array not used: None, not zeros
         starts = itertools.accumulate(counts, initial=0)
@@ -575,12 +583,13 @@ class _SumTree(torch.autograd.Function):
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
-        layouts, backend, counts, dtype, device = ctx.args
-        like = carrier(grads, dtype, device)
+        layouts, backend, counts, dtype, wide, device = ctx.args
+        like = carrier(grads, wide, device).to(wide)
         out: list[torch.Tensor | None] = []
         at = 0
         for layout, n, key in zip(layouts, counts, ctx.keys):
-            mine, at = grads[at : at + n], at + n
+            mine = [None if g is None else g.to(wide) for g in grads[at : at + n]]
+            at += n
             if not ctx.sync:  # kept aside where this micro-batch gave it a gradient
                 if any(g is not None for g in mine):
                     set_aside(key, _dense(layout, backend, mine, like))
@@ -594,8 +603,8 @@ class _SumTree(torch.autograd.Function):
             if earlier is not None:
                 dense = tuple(g if e is None else g + e for g, e in zip(dense, earlier))
             back, _ = move(with_partial(layout, "sum"), layout, backend, dense, like)
-            out += back
-        return (None, None, None, link_grad(ctx, 3, like), *out)
+            out += [b.to(dtype) for b in back]
+        return (None, None, None, None, link_grad(ctx, 4, like), *out)
 
 
 def sum_tree(
@@ -604,12 +613,13 @@ def sum_tree(
     counts: tuple[int, ...],
     tensors: Sequence[torch.Tensor],
     like: torch.Tensor,
+    precision: Any = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """``tensors`` (``counts[k]`` shards of ``layouts[k]`` each) unchanged; their copies' gradients summed in one node.
+    """``tensors`` (``counts[k]`` shards of ``layouts[k]`` each), their copies' gradients summed in one node.
 
-    For a backend of one process (``_SumTree``); and the link.
+    For a backend of one process (``_SumTree``); in ``precision``'s forward dtype where given. And the link.
     """
-    *out, link = _run(_SumTree, layouts, backend, counts, like, *tensors)
+    *out, link = _run(_SumTree, layouts, backend, counts, precision, like, *tensors)
     return tuple(out), link
 
 

@@ -468,12 +468,13 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
         backend = leaves[0].backend
         if not backend.spans_processes:  # copies in one process: nothing to fuse
             functorch = torch._C._are_functorch_transforms_active()  # pyright: ignore[reportPrivateUsage]  # no public check
-            if mode == "sum" and precision is None and not functorch:  # one node, as the buckets across processes
+            if mode == "sum" and not functorch:  # one node, as the buckets across processes
                 counts = tuple(len(a.addressable_data) for a in leaves)
                 data = tuple(t for a in leaves for t in a.addressable_data)
-                shards, link = _autograd.sum_tree(tuple(a.layout for a in leaves), backend, counts, data, _like(leaves))
+                layouts = tuple(a.layout for a in leaves)
+                shards, link = _autograd.sum_tree(layouts, backend, counts, data, _like(leaves), precision)
                 for k, a, at, n in zip(group, leaves, itertools.accumulate(counts, initial=0), counts):
-                    out[k] = ShardedArray._of(a.layout, shards[at : at + n], backend, a.dtype, link)  # pyright: ignore[reportPrivateUsage]
+                    out[k] = ShardedArray._of(a.layout, shards[at : at + n], backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
                 continue
             for k, a in zip(group, leaves):
                 data, link = _regroup(a.layout, backend, mode, a.addressable_data, a._first(), precision)  # pyright: ignore[reportPrivateUsage]
