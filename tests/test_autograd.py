@@ -300,6 +300,27 @@ def test_forward_mode_ad_through_movements() -> None:
         fshard.shard(fwad.make_dual(x, t), fshard.Partial(fshard.Replicated([0, 1]), "max"))
 
 
+@pytest.mark.parametrize("precision", [None, fshard.Precision(param=torch.bfloat16, reduce=torch.float32)])
+def test_forward_mode_ad_through_a_replicated_argument_of_shard_map(precision) -> None:
+    """A weight's tangent passes the node that sums its copies' gradients, cast as its values are."""
+    import torch.autograd.forward_ad as fwad
+
+    g = torch.Generator().manual_seed(0)
+    x, w, t = (torch.randn(*shape, generator=g) for shape in ((6, 4), (4, 3), (4, 3)))
+    w.requires_grad_()  # as a module's parameter: forward mode on a leaf that backward would reach too
+    step = fshard.shard_map(
+        lambda xb, wb: (xb.to(wb.dtype) @ wb).float(),
+        in_specs=(fshard.Chunk(0, [0, 1]), fshard.Replicated([0, 1])),
+        out_specs=fshard.Chunk(0, [0, 1]),
+        precision=(None, precision),
+    )
+    cast = torch.float32 if precision is None else torch.bfloat16
+    with fwad.dual_level():
+        y = fshard.gather(step(x, fwad.make_dual(w, t)))
+        tangent = fwad.unpack_dual(y).tangent
+    torch.testing.assert_close(tangent, (x.to(cast) @ t.to(cast)).float())
+
+
 def test_tensors_left_over_from_a_transform_move_as_plain_tensors() -> None:
     """A tensor kept from inside ``torch.func.grad`` (a dead wrapper) moves like its value."""
     kept: list[torch.Tensor] = []

@@ -143,6 +143,11 @@ def test_out_specs_lay_out_the_results_at_their_own_places():
     assert torch.equal(fshard.gather(pair[1]), -X)
     negated = fshard.shard_map(torch.neg, in_specs=Chunk(0, R), out_specs=(Chunk(0, R),))(rows)
     assert torch.equal(fshard.gather(negated), -X)
+    # Results with None between them pair with their specs by position, as they always have.
+    holes = fshard.shard_map(lambda t: (t, None, t.sum()[None]), in_specs=Chunk(0, R), out_specs=(Chunk(0, R), summed))
+    first, nothing, total = holes(rows)
+    assert nothing is None
+    assert (first.layout.partial, total.layout.partial) == (None, "sum")
     # Dicts match by key, whichever order their leaves come in (an OrderedDict's as inserted, a dict's sorted).
     by_key = {"total": summed, "rows": Chunk(0, R)}
     ordered = fshard.shard_map(lambda t: collections.OrderedDict(both(t)), in_specs=Chunk(0, R), out_specs=by_key)(rows)

@@ -566,6 +566,13 @@ def test_apply_module_refuses_out_specs_shaped_otherwise_than_the_result() -> No
         fshard.apply_module(model, params, buffers, x, method=both, out_specs={"out": rows, "total": summed})
     out, total = fshard.apply_module(model, params, buffers, x, method=both, out_specs=(rows, summed))[0]
     assert (out.layout.partial, total.layout.partial) == (None, "sum")
+    # One spec in a container for the one result, also beside the buffer updates that apply_module adds.
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    bn_params, bn_buffers = fshard.shard_module(bn, fshard.replicated(ranks))
+    for one in ((rows,), {"out": rows}):
+        got, new = fshard.apply_module(bn, bn_params, bn_buffers, x, out_specs=one)
+        assert got.layout == rows.layout((6, 3))
+        assert int(fshard.gather(new["1.num_batches_tracked"])) == 1
 
 
 def test_apply_module_errors_name_what_its_caller_passed() -> None:

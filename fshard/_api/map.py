@@ -785,10 +785,11 @@ def _match_paths(given: Any, tree: Any, what: str, maker: str) -> tuple[int, ...
     """Per result leaf, the position of the spec at its place; ``None`` where they are in the same order.
 
     Specs match results by place: a dict's spec by its key, whatever order each dict's leaves
-    come in (a ``dict``'s sorted, an ``OrderedDict``'s as inserted). A list of specs for a
-    tuple (or a namedtuple) of results is the same places, and so is one spec in any
-    container for one result. Specs at other places (other keys, a sequence of specs for a
-    dict of results) would lay out a result by another's spec: ``SpecError``.
+    come in (a ``dict``'s sorted, an ``OrderedDict``'s as inserted). A spec inside a container
+    of one spec at a result's place lays out that result (``(spec,)`` for one tensor). Sequences
+    pair by position (a list of specs for a tuple of results; results with ``None`` between
+    them). Specs at other places (other keys, a sequence of specs for a dict of results) would
+    lay out a result by another's spec: ``SpecError``.
     """
     specs, results = given.paths(), tree.paths()
     if specs == results or len(results) == 1:
@@ -797,9 +798,18 @@ def _match_paths(given: Any, tree: Any, what: str, maker: str) -> tuple[int, ...
         where = {p: k for k, p in enumerate(specs)}
     except TypeError:  # a place that cannot be hashed: compared in order only
         where = {}
-    order = tuple(where.get(p, -1) for p in results)
-    if len(where) == len(specs) and -1 not in order:
-        return order
+    order = [where.get(p, -1) if len(where) == len(specs) else -1 for p in results]
+    taken = set(order)
+    for n, r in enumerate(results):  # a container of one spec at the result's place
+        if order[n] < 0:
+            inside = [k for k, p in enumerate(specs) if k not in taken and p[: len(r)] == r]
+            if len(inside) == 1:
+                order[n] = inside[0]
+                taken.add(inside[0])
+    if -1 not in order:
+        return None if order == list(range(len(order))) else tuple(order)
+    if all(_by_position(p, r) for p, r in zip(specs, results)):  # sequences only: paired in order
+        return None
     named = set(map(repr, results))  # by repr: a place need not hash
     lost = [r for r, k in zip(results, order) if k < 0] or results
     stray = [p for p in specs if repr(p) not in named] or specs
@@ -809,6 +819,11 @@ def _match_paths(given: Any, tree: Any, what: str, maker: str) -> tuple[int, ...
         "same dict keys, or one spec for all of them."
     )
     raise SpecError(msg)
+
+
+def _by_position(spec: tuple[Any, ...], result: tuple[Any, ...]) -> bool:
+    """Whether two places differ only in sequence positions (a key never pairs by position)."""
+    return len(spec) == len(result) and all(a == b or (type(a) is int and type(b) is int) for a, b in zip(spec, result))
 
 
 _matched = cached(256)(_match_paths)

@@ -574,6 +574,7 @@ class _SumTree(torch.autograd.Function):
         tensors = inputs[5:]
         wide = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
         ctx.args = (layouts, backend, counts, like.dtype, wide, like.device)
+        ctx.to = like.dtype if precision is None else precision.forward_dtype(like.dtype)
         ctx.like_shape = like.shape
         ctx.set_materialize_grads(False)  # an array not used: None, not zeros
         starts = itertools.accumulate(counts, initial=0)
@@ -605,6 +606,19 @@ class _SumTree(torch.autograd.Function):
             back, _ = move(with_partial(layout, "sum"), layout, backend, dense, like)
             out += [b.to(dtype) for b in back]
         return (None, None, None, None, link_grad(ctx, 4, like), *out)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        """Forward mode: the tangents as the forward moves the values (cast to the forward dtype)."""
+        layouts, backend, counts, _dtype, _wide, device = ctx.args
+        like = carrier(tangents[5:], ctx.to, device).to(ctx.to)
+        out: list[torch.Tensor] = []
+        at = 5
+        for layout, n in zip(layouts, counts):
+            dense = _dense(layout, backend, tangents[at : at + n], like)
+            out += [t.to(ctx.to) if t.dtype != ctx.to else t.view_as(t) for t in dense]  # a view, as the forward's
+            at += n
+        return (*out, like.new_empty((0,)))
 
 
 def sum_tree(
