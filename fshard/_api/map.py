@@ -798,7 +798,9 @@ def _match_paths(given: Any, tree: Any, what: str, maker: str) -> tuple[int, ...
         where = {p: k for k, p in enumerate(specs)}
     except TypeError:  # a place that cannot be hashed: compared in order only
         where = {}
-    order = [where.get(p, -1) if len(where) == len(specs) else -1 for p in results]
+    if len(where) < len(specs):  # no places to look up (or two specs at one): none matched by place
+        where = {}
+    order = [where.get(p, -1) for p in results]
     taken = set(order)
     for n, r in enumerate(results):  # a container of one spec at the result's place
         if order[n] < 0:

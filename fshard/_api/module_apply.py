@@ -28,6 +28,7 @@ from fshard._api.module_rules import Structure, structure
 from fshard._api.module_tp import TensorParallel, row_parallel_class
 from fshard._api.move import reshard
 from fshard._array.array import ShardedArray
+from fshard._base.cache import cached
 from fshard._base.compile import body as compiled_where_called
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
@@ -293,7 +294,7 @@ def apply_module(
     return out, _updated_buffers(buffers, deltas, len(placements))
 
 
-@functools.lru_cache(maxsize=64)
+@cached(64)
 def _labels(params: tuple[str, ...], buffers: tuple[str, ...], n_args: int, keys: tuple[str, ...]) -> tuple[str, ...]:
     """How errors name each argument of ``apply_module``'s ``shard_map``: as the caller passed it."""
     return (

@@ -466,27 +466,23 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
     for group in _groups(arrays, needs):
         leaves = [arrays[k] for k in group]
         backend = leaves[0].backend
-        if not backend.spans_processes:  # copies in one process: nothing to fuse
-            functorch = torch._C._are_functorch_transforms_active()  # pyright: ignore[reportPrivateUsage]  # no public check
-            if mode == "sum" and not functorch:  # one node, as the buckets across processes
-                counts = tuple(len(a.addressable_data) for a in leaves)
-                data = tuple(t for a in leaves for t in a.addressable_data)
-                layouts = tuple(a.layout for a in leaves)
-                shards, link = _autograd.sum_tree(layouts, backend, counts, data, _like(leaves), precision)
-                for k, a, at, n in zip(group, leaves, itertools.accumulate(counts, initial=0), counts):
-                    out[k] = ShardedArray._of(a.layout, shards[at : at + n], backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
-                continue
-            for k, a in zip(group, leaves):
-                data, link = _regroup(a.layout, backend, mode, a.addressable_data, a._first(), precision)  # pyright: ignore[reportPrivateUsage]
-                out[k] = ShardedArray(a.layout, data, backend, _dtype(a, precision), link)
-            continue
         layouts = tuple(a.layout for a in leaves)
         data = tuple(t for a in leaves for t in a.addressable_data)
-        bucketed = None
-        if mode == "sum" and not torch._C._are_functorch_transforms_active():  # pyright: ignore[reportPrivateUsage]  # no public check
-            bucketed = _buckets.sum_in_buckets(layouts, backend, data, _like(leaves), precision)
-        if bucketed is not None:  # the blocks as they come: the function's uses of them are tapped
-            flat, link = bucketed
+        # Sums in one node for the tree: in one process, as the buckets do across processes.
+        summing = mode == "sum" and not torch._C._are_functorch_transforms_active()  # pyright: ignore[reportPrivateUsage]  # no public check
+        whole = None
+        if summing and not backend.spans_processes:
+            counts = tuple(len(a.addressable_data) for a in leaves)
+            whole = _autograd.sum_tree(layouts, backend, counts, data, _like(leaves), precision)
+        elif summing:
+            whole = _buckets.sum_in_buckets(layouts, backend, data, _like(leaves), precision)
+        if whole is None and not backend.spans_processes:  # under a transform: one node per array
+            for k, a in zip(group, leaves):
+                shards, link = _regroup(a.layout, backend, mode, a.addressable_data, a._first(), precision)  # pyright: ignore[reportPrivateUsage]
+                out[k] = ShardedArray(a.layout, shards, backend, _dtype(a, precision), link)
+            continue
+        if whole is not None:  # the blocks as they come (across processes, the function's uses are tapped)
+            flat, link = whole
         else:
             flat, link = _regroup(
                 _buckets.box_layout(layouts),
@@ -501,7 +497,7 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
             n = len(a.addressable_data)
             shards = (
                 flat[at : at + n]
-                if bucketed is not None
+                if whole is not None
                 else tuple(f.view(t.shape) for f, t in zip(flat[at:], a.addressable_data))
             )
             at += n
