@@ -195,6 +195,62 @@ def test_a_weight_no_rank_used_gets_no_gradient_as_on_the_local_backend(dist_poo
                 torch.testing.assert_close(got, want, **tolerance)
 
 
+def _sharded_uses(backend: Any, rows: torch.Tensor) -> list[torch.Tensor | None]:
+    """This rank's shards' gradients of 4 fully-sharded weights, gathered by one ``shard_map``.
+
+    Two split by rows (their boxes are ranges: one flat movement across processes), two by
+    columns (each moved alone). Of each kind, one is used by the ranks whose rows sum above
+    0 only, and the other by no rank.
+    """
+    by_rows, by_cols = fshard.Chunk(0, R), fshard.Chunk(1, R)
+    g = torch.Generator().manual_seed(3)
+    ws = [
+        fshard.shard(torch.randn(D + 2, D, generator=g, dtype=torch.float64), spec, backend=backend)
+        for spec in (by_rows, by_rows, by_cols, by_cols)
+    ]
+    leaves = [t.requires_grad_() for w in ws for t in w.addressable_data]
+    x = (
+        fshard.from_local_tensor(rows, dim=0)
+        if isinstance(backend, TorchDistBackend)
+        else fshard.shard(rows, by_rows, backend=backend)
+    )
+
+    def body(xb, a, b, c, d):
+        y = (xb @ a[:D].T).sum()  # every rank reads a
+        if xb.sum() > 0:
+            y = y + (xb @ c[:D]).square().sum()
+        return y[None]
+
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(body, in_specs=(by_rows, *[rep] * 4), out_specs=fshard.Partial(rep))
+    fshard.gather(step(x, *ws)).backward()
+    return [t.grad for t in leaves]
+
+
+def _sharded_uses_on_rank() -> list[torch.Tensor | None]:
+    backend = TorchDistBackend()
+    return _sharded_uses(backend, _rows(backend.rank))
+
+
+def test_fully_sharded_weights_some_or_no_rank_used_get_the_local_backends_gradients(dist_pool):
+    """Every movement of the tree runs its backward on every rank: zeros for a weight no use reached.
+
+    A weight moved alone and used on some ranks only ran its movement's backward (a
+    collective) on those ranks alone, which raised; and the local backend, which moves each
+    leaf alone, gave ``None`` where one flat movement across processes gives zeros.
+    """
+    expected = _sharded_uses(LocalBackend(world_size=4), torch.cat([_rows(r) for r in R]))
+    positive = [float(_rows(r).sum()) > 0 for r in R]
+    assert any(positive)
+    assert not all(positive)
+    unused = [k for k, g in enumerate(expected) if g is not None and not g.any()]
+    assert set(range(4, 8)) | set(range(12, 16)) <= set(unused)  # the shards of b and d: zeros
+    assert all(g is not None for g in expected)
+    for rank, grads in enumerate(dist_pool.run(_sharded_uses_on_rank, timeout=120)):
+        for got, want in zip(grads, expected[rank::4]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_buckets_leave_one_collective_each(dist_pool):
     """5 parameters of 288 bytes: one bucket each at a cap below that, one for all at 25 MiB."""
     few = dist_pool.run(_on_rank, "plain", 25.0, timeout=120)

@@ -64,6 +64,7 @@ __all__ = [
     "scatter",
     "sum_tree",
     "summed_uses",
+    "together",
 ]
 
 
@@ -635,6 +636,40 @@ def sum_tree(
     """
     *out, link = _run(_SumTree, layouts, backend, counts, precision, like, *tensors)
     return tuple(out), link
+
+
+class _Together(torch.autograd.Function):
+    """Identity of the results of a tree's movements: one node in front of them all.
+
+    A tree moves in several movements where its leaves' layouts do not share one (a leaf
+    whose boxes are no ranges moves alone). A movement's backward runs only where some
+    result of it has a gradient, so a leaf used on some ranks only (a per-shard function
+    that reads it on some shards) would have its movement's backward, a collective, run
+    on those ranks alone. Behind this node, every movement of the tree runs its backward
+    wherever any leaf of the tree has a gradient, and a leaf without one gets zeros, as
+    the leaves that one flat movement moves together do.
+    """
+
+    @staticmethod
+    def forward(*tensors: torch.Tensor) -> Any:
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass  # gradients materialize: an unused result gets zeros, so its movement's backward runs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return grads
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        return tuple(t.view_as(t) for t in tangents)
+
+
+def together(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` (the results of several movements of one tree) behind one node (``_Together``)."""
+    return tuple(apply(_Together, *tensors)) if len(tensors) > 1 else tuple(tensors)
 
 
 @cached(256)

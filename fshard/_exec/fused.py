@@ -360,6 +360,28 @@ def move_tree(
             if a.layout == layouts[k] and precision.casts(a.dtype):
                 data, link = move(a.layout, a.layout, backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
                 out[k] = ShardedArray._of(a.layout, data, backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
+    return _together(arrays, out, len(recipe.alone) + len(recipe.fused))
+
+
+def _together(arrays: Sequence[ShardedArray], out: list[ShardedArray], movements: int) -> list[ShardedArray]:
+    """``out`` behind one node (``autograd.together``) where the tree took several movements that record gradients.
+
+    So the backward of each runs wherever any of them has a gradient (on every rank alike,
+    whichever leaves a rank used), and a leaf no use reached gets zeros on every backend,
+    as those of one flat movement do.
+    """
+    made = [k for k, (a, b) in enumerate(zip(arrays, out)) if b is not a and b.requires_grad]
+    if (movements < 2 and len(made) <= movements) or len(made) < 2 or not torch.is_grad_enabled():
+        return out
+    if torch._C._are_functorch_transforms_active():  # pyright: ignore[reportPrivateUsage]  # no public check
+        return out
+    tensors = [t for k in made for t in (out[k].addressable_data or (out[k]._first(),))]  # pyright: ignore[reportPrivateUsage]
+    views = iter(_autograd.together(tensors))
+    for k in made:
+        b = out[k]
+        shards = tuple(next(views) for _ in b.addressable_data)
+        link = shards[0] if shards else next(views)  # where it holds no shard: its link
+        out[k] = ShardedArray._of(b.layout, shards, b.backend, b.dtype, link)  # pyright: ignore[reportPrivateUsage]
     return out
 
 
