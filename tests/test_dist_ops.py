@@ -329,3 +329,44 @@ def test_reshard_over_point_to_point_sends_the_minimum(dist_pool, src, dst):
     a, b = LAYOUTS[src], LAYOUTS[dst]
     out = dist_pool.run(_reshard_without_alltoall, a, b)
     assert sum(s for s, _ in out) == fshard.plan(a, b).min_elements_sent
+
+
+def _norm_tree(backend=None):
+    """20 arrays of 5 layouts (row and column chunks, replicas, a pair of ranks, pending sums) and a tensor."""
+    kw = {} if backend is None else {"backend": backend}
+    specs = [
+        fshard.Chunk(0, RANKS),
+        fshard.Chunk(1, RANKS),
+        fshard.Replicated(RANKS),
+        fshard.Chunk(0, [1, 2]),
+        fshard.Partial(fshard.Replicated(RANKS)),
+    ]
+    g = torch.Generator().manual_seed(7)
+    values = [torch.randn(SHAPE, generator=g, dtype=torch.float64) for _ in range(20)]
+    return {
+        "arrays": [fshard.shard(v, specs[k % 5], **kw) for k, v in enumerate(values)],
+        "t": torch.full((3,), 2.0, dtype=torch.float64),
+    }, values
+
+
+def _tree_norm_counted():
+    tree, _ = _norm_tree()
+    norm, _, runs = _counted(fshard.global_norm, tree)
+    (clipped, clip_norm), _, clip_runs = _counted(fshard.clip_grad_norm, tree, max_norm=1.0, eps=0.0)
+    return norm, runs, clip_norm, clip_runs, fshard.global_norm(clipped)
+
+
+def test_global_norm_of_a_tree_is_two_collectives_whatever_its_leaves(dist_pool):
+    """One movement reduces the tree's pending sums, one sums every rank's squares (each box once)."""
+    tree, values = _norm_tree(LOCAL)
+    # A pending sum's value is its summands' sum: shard() of a Partial spec puts the value in one summand.
+    want = (sum(v.square().sum() for v in values) + 12).sqrt()
+    torch.testing.assert_close(fshard.global_norm(tree), want, rtol=1e-14, atol=0)
+    for norm, runs, clip_norm, clip_runs, after in dist_pool.run(_tree_norm_counted, timeout=120):
+        torch.testing.assert_close(norm, want, rtol=1e-14, atol=0)
+        torch.testing.assert_close(clip_norm, want, rtol=1e-14, atol=0)
+        assert runs == 2
+        # The scaling sends nothing; map_local learns the blocks of an array that some rank holds none of
+        # (the 4 on ranks 1 and 2) from the ranks that hold them.
+        assert clip_runs == 2 + 4
+        torch.testing.assert_close(after, torch.tensor(1.0, dtype=torch.float64), rtol=1e-12, atol=0)

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, cast
+from typing import Any
 
+import numpy as np
 import optree
 import torch
 
 from fshard._api.map import map_local
 from fshard._api.move import gather, reshard, split_replicas
 from fshard._array.array import ShardedArray
+from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
 from fshard._exec.replicas import check_leaves
-from fshard._layout.layout import with_partial
+from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
 
 __all__ = ["check_replicas", "clip_grad_norm", "global_norm"]
 
@@ -69,7 +71,9 @@ def global_norm(tree: Any) -> torch.Tensor:
     Replicas of an array's box count once (not once per copy), a pending sum
     (``Partial``) is reduced first (its summands' norms say nothing about the value's),
     and a plain tensor counts once (it is the same value on every rank). A
-    collective: every rank gets the same norm.
+    collective: every rank gets the same norm, from two exchanges for the whole tree
+    (one movement reduces its pending sums, one sum adds up every process's squares),
+    whatever its number of leaves.
 
     >>> import torch, fshard
     >>> w = fshard.shard(torch.full((4, 2), 2.0), fshard.Replicated([0, 1, 2]))  # 3 copies
@@ -79,16 +83,19 @@ def global_norm(tree: Any) -> torch.Tensor:
     >>> float(fshard.global_norm([w, torch.tensor([2.0])]))  # a plain tensor counts once
     6.0
     """
+    leaves = optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ShardedArray))
+    arrays = [leaf for leaf in leaves if isinstance(leaf, ShardedArray)]
+    tensors = [
+        _stored(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedArray)
+    ]
+    wide = torch.float64 if any(x.dtype == torch.float64 for x in (*arrays, *tensors)) else torch.float32
     total = None
-    for leaf in optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ShardedArray)):
-        if isinstance(leaf, ShardedArray):
-            value = leaf if leaf.layout.partial is None else _reduced(leaf)
-            square = _gather_scalar((cast(Any, value) * value).sum())  # operators are installed on the class
-        elif isinstance(leaf, torch.Tensor):
-            square = _stored(leaf).pow(2).sum()
-        else:
-            continue
-        total = square if total is None else total + square
+    for same in _by_backend(_reduced(arrays)):
+        square = _gather_squares(same, wide)
+        total = square if total is None else total + square.to(total.device)
+    for t in tensors:  # the same value on every rank: once
+        square = _squares(t, wide)
+        total = square if total is None else total + square.to(total.device)
     if total is None:
         return torch.zeros(())
     return total.sqrt()
@@ -147,9 +154,77 @@ def _check_bound(name: str, value: Any) -> None:
         raise SpecError(f"clip_grad_norm() {name}={value!r}: give a finite number of at least 0.")
 
 
-def _reduced(x: ShardedArray) -> ShardedArray:
-    return reshard(x, with_partial(x.layout, None))
+def _reduced(arrays: list[ShardedArray]) -> list[ShardedArray]:
+    """``arrays`` with their pending sums reduced, all in one call (one movement per dtype and phase)."""
+    pending = [k for k, a in enumerate(arrays) if a.layout.partial is not None]
+    if not pending:
+        return arrays
+    moved = reshard([arrays[k] for k in pending], [with_partial(arrays[k].layout, None) for k in pending])
+    out = list(arrays)
+    for k, a in zip(pending, moved):
+        out[k] = a
+    return out
 
 
-def _gather_scalar(x: ShardedArray) -> torch.Tensor:
-    return gather(x).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+def _by_backend(arrays: list[ShardedArray]) -> list[list[ShardedArray]]:
+    """``arrays`` grouped by backend, in order of first appearance (most trees: one group)."""
+    groups: dict[int, list[ShardedArray]] = {}
+    for a in arrays:
+        groups.setdefault(id(a.backend), []).append(a)
+    return list(groups.values())
+
+
+def _squares(t: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """The sum of the squares of ``t``'s elements (their magnitudes, for a complex one), in ``wide``."""
+    t = t.abs() if t.is_complex() else t
+    return t.to(wide).square().sum()
+
+
+def _gather_squares(arrays: list[ShardedArray], wide: torch.dtype) -> torch.Tensor:
+    """The sum of the squares of every element of ``arrays`` (one backend's), each box once: one collective.
+
+    Each process adds up the squares of the boxes whose first copy it holds, one summand per
+    placement (``_summands``), and one ``gather`` sums them.
+    """
+    backend = arrays[0].backend
+    out, owners = _summands(tuple(a.layout for a in arrays))
+    if out is None:  # every array empty
+        return torch.zeros((), dtype=wide)
+    totals: dict[int, torch.Tensor] = {}
+    for a, own in zip(arrays, owners):
+        for i, t in zip(backend.addressable(a.layout), a.addressable_data):
+            j = own.get(i)
+            if j is not None:
+                square = _squares(t, wide)
+                totals[j] = square if j not in totals else totals[j] + square
+    mine = backend.addressable(out)
+    data = tuple(totals[j] if j in totals else torch.zeros((), dtype=wide, device=_device(out, j)) for j in mine)
+    link = arrays[0]._link_view().to(wide)  # pyright: ignore[reportPrivateUsage]  # package-internal: a rank holding no summand
+    return gather(ShardedArray(out, data, backend, wide, None if data else link))
+
+
+@cached(256)
+def _summands(layouts: tuple[Layout, ...]) -> tuple[Layout | None, tuple[dict[int, int], ...]]:
+    """A pending sum of one scalar per placement that holds the first copy of some box of ``layouts``.
+
+    And per layout, the shards whose squares count (each box's first copy, not empty), each
+    mapped to its placement's summand.
+    """
+    placements: dict[Any, int] = {}
+    owners: list[dict[int, int]] = []
+    for layout in layouts:
+        ids = replica_ids(layout)
+        _, first = np.unique(ids, return_index=True)
+        full: list[bool] = np.all(layout.columns.sz > 0, axis=1).tolist()  # a shard of no element counts nothing
+        own: dict[int, int] = {}
+        for i in sorted(int(i) for i in first if full[i]):
+            own[i] = placements.setdefault(layout.shards[i].placement, len(placements))
+        owners.append(own)
+    if not placements:
+        return None, tuple(owners)
+    metas = [ShardMeta((), (), placement) for placement in placements]
+    return Layout((), metas, "sum"), tuple(owners)
+
+
+def _device(layout: Layout, j: int) -> torch.device:
+    return torch.device(layout.shards[j].placement.device)
