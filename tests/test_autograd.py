@@ -527,3 +527,62 @@ def test_backward_of_gather_slices_each_ranks_own_gradient(dist_pool, spec) -> N
     assert (
         sum(f for _, f, _ in out) == fshard.plan(layout, fshard.Replicated([0, 1, 2, 3]).layout((4, 2))).elements_sent
     )
+
+
+# -- gradients of gradients through copies ---------------------------------------------------------
+
+
+def _copies_specs() -> dict[str, object]:
+    mesh = fshard.Mesh((2, 2), axis_names=("dp", "tp"))
+    return {
+        "replicated": fshard.Replicated([0, 1, 2]),
+        "rows over dp, copies over tp": fshard.Named(mesh, ("dp", None)),
+        "chunk": fshard.Chunk(0, [0, 1, 2, 3]),
+    }
+
+
+def _sin_through(spec: object, how: str):
+    """``t -> sin(t)`` through a ``shard_map`` (or ``map_local`` with an out_spec) of ``spec``, gathered."""
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        if how == "shard_map":
+            return fshard.gather(fshard.shard_map(torch.sin, spec, spec)(t))
+        return fshard.gather(fshard.map_local(torch.sin, fshard.shard(t, spec), out_spec=spec))
+
+    return f
+
+
+@pytest.mark.parametrize("how", ["shard_map", "map_local"])
+@pytest.mark.parametrize("name", list(_copies_specs()))
+def test_gradients_of_gradients_through_copies_are_the_functions(name: str, how: str) -> None:
+    """Second derivatives by double backward and by forward-over-reverse (``torch.func.hessian``).
+
+    A result's copies each take a share of its gradient, and each share feeds its copy's own
+    backward: the second-order parts that reach the shares sum over the copies. Read from one
+    copy alone, the term through the result came out divided by the number of copies.
+    """
+    f = _sin_through(_copies_specs()[name], how)
+    x = torch.tensor([[0.3, -1.2], [0.7, 2.0], [-0.4, 1.1], [1.5, 0.2]], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(f, (x,))
+    (g,) = torch.autograd.grad(f(x).square().sum(), x, create_graph=True)
+    torch.testing.assert_close(g, torch.sin(2 * x))
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(gg, 2 * torch.cos(2 * x.detach()))
+    h = torch.func.hessian(lambda t: f(t).square().sum())(x.detach())
+    torch.testing.assert_close(h.reshape(8, 8), torch.diag((2 * torch.cos(2 * x.detach())).reshape(-1)))
+
+
+def _second_order_over_processes(name: str) -> torch.Tensor:
+    f = _sin_through(_copies_specs()[name], "shard_map")
+    x = torch.tensor([[0.3, -1.2], [0.7, 2.0], [-0.4, 1.1], [1.5, 0.2]], dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(f(x).square().sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    return gg
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["rows over dp, copies over tp", "chunk"])
+def test_gradients_of_gradients_through_copies_over_gloo(dist_pool, name: str) -> None:
+    x = torch.tensor([[0.3, -1.2], [0.7, 2.0], [-0.4, 1.1], [1.5, 0.2]], dtype=torch.float64)
+    for gg in dist_pool.run(_second_order_over_processes, name, timeout=120):
+        torch.testing.assert_close(gg, 2 * torch.cos(2 * x))

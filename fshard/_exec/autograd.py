@@ -535,7 +535,20 @@ class _Regroup(torch.autograd.Function):
             back, _ = move(with_partial(layout, "sum"), layout, backend, summed, like)
         else:
             back = tuple(g / n for g, n in zip(dense, _copies(layout, backend)))
+            if torch.is_grad_enabled():
+                # Gradients of gradients: each copy's share feeds that copy's own backward (a computation
+                # per copy), so the gradients that reach the shares are summed over the copies, as those of a
+                # replicated argument are; read from one copy alone, the others' parts were lost.
+                back, _ = regroup(layout, backend, "sum", back, like)
         return (None, None, None, link_grad(ctx, 3, like), *back)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        """Forward mode: the identity's (the tangents as they are)."""
+        layout, backend, _mode, dtype, device = ctx.args
+        like = carrier(tangents[4:], dtype, device)
+        dense = _dense(layout, backend, tangents[4:], like)
+        return (*(t.view_as(t) for t in dense), like.new_empty((0,)))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
