@@ -205,5 +205,23 @@ def test_psum_under_torch_func_is_refused():
         torch.func.grad(lambda x: fshard.gather(f(x)).sum())(torch.ones(2))
 
 
+def _reduces_if(b: torch.Tensor, reduce: bool) -> torch.Tensor:
+    return fshard.psum(b, "x") if reduce else b * 2
+
+
+def test_a_body_whose_code_reduced_before_runs_under_torch_func_where_this_call_does_not_reduce():
+    """Only a call that reduces is refused under a transform, as across processes; the code's history is not."""
+    ranks = [0, 1, 2, 3]
+    spec = (fshard.Chunk(0, ranks), None)
+    x = torch.arange(8.0)
+    summed = fshard.gather(fshard.shard_map(_reduces_if, spec, fshard.Chunk(0, ranks))(x, True))
+    assert summed.tolist() == [12.0, 16.0] * 4
+    plain = fshard.shard_map(_reduces_if, spec, fshard.Chunk(0, ranks))  # a new shard_map of the same code
+    got = torch.func.grad(lambda t: fshard.gather(plain(t, False)).pow(2).sum())(x)
+    torch.testing.assert_close(got, 8 * x)
+    with pytest.raises(fshard.SpecError, match=re.escape("cannot run under a torch.func transform")):
+        torch.func.grad(lambda t: fshard.gather(plain(t, True)).pow(2).sum())(x)
+
+
 def test_a_closed_over_weight_gets_the_sum_of_its_uses():
     assert _max_error(programs.closed_over(), programs.closed_over(sharded_run=False)) <= 1e-12

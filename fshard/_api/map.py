@@ -604,7 +604,9 @@ def _bodies(
     position = _positions(layout)
     placements = tuple(position)
     mesh = _psum.body_mesh(reducing.specs, placements)
-    if backend.spans_processes or not reducing.threaded:
+    # One after another first; a body that reduces needs them all at once (in one process), which a torch.func
+    # transform cannot run: there only a body that does reduce in this call is refused.
+    if backend.spans_processes or not reducing.threaded or _body.in_transform():
         try:
             out: list[tuple[Slot, Any]] = []
             with context():
