@@ -225,3 +225,32 @@ def test_a_body_whose_code_reduced_before_runs_under_torch_func_where_this_call_
 
 def test_a_closed_over_weight_gets_the_sum_of_its_uses():
     assert _max_error(programs.closed_over(), programs.closed_over(sharded_run=False)) <= 1e-12
+
+
+def test_a_checkpoint_inside_a_body_that_reduces_is_refused_with_the_whole_call_as_the_way():
+    """The recomputation runs in the backward, where no body runs; a checkpoint of the whole shard_map works."""
+    import torch.utils.checkpoint as cp
+
+    mesh = fshard.Mesh((2, 2), axis_names=("dp", "tp"))
+    rows, whole = fshard.Named(mesh, ("dp", None)), fshard.Named(mesh, (None, None))
+
+    def block(xb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(xb + fshard.psum(xb @ wb, "tp"))
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 3, generator=g), torch.randn(3, 3, generator=g)
+
+    def grads(f, checkpointed: bool) -> list[torch.Tensor]:
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = cp.checkpoint(f, xs, ws, use_reentrant=False) if checkpointed else f(xs, ws)
+        fshard.gather(y).sum().backward()
+        return [xs.grad, ws.grad]
+
+    inside = fshard.shard_map(
+        lambda xb, wb: cp.checkpoint(block, xb, wb, use_reentrant=False), (rows, whole), rows, check_vma=False
+    )
+    with pytest.raises(fshard.SpecError, match="Checkpoint the whole shard_map call"):
+        grads(inside, checkpointed=False)
+    plain = fshard.shard_map(block, (rows, whole), rows, check_vma=False)
+    for got, want in zip(grads(plain, checkpointed=True), grads(plain, checkpointed=False)):
+        torch.testing.assert_close(got, want)

@@ -128,6 +128,14 @@ def _flat_mesh(placements: tuple[Placement, ...]) -> Mesh:
 def _enter(what: str, x: Any, axis: Any) -> tuple[_body.Body, tuple[str, ...]]:
     """The running body and ``axis`` as a tuple of names, checked."""
     body = _body.current()
+    if body is None and torch._C._current_graph_task_id() != -1:  # pyright: ignore[reportPrivateUsage]  # in a backward
+        msg = (
+            f"{what}() ran in a backward, where no shard_map body runs: torch.utils.checkpoint recomputes a "
+            "checkpointed function there, after its body has returned. Checkpoint the whole shard_map call "
+            "instead (torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False) with f the shard_map), "
+            f"or keep the {what}() outside the checkpointed function."
+        )
+        raise SpecError(msg)
     if body is None:
         msg = (
             f"{what}() was called outside a shard_map body: it reduces over the placements of a body. "
