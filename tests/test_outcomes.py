@@ -4,6 +4,8 @@ every rank raises; on the local backend the same programs give the same answers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -170,14 +172,70 @@ def _copies_that_differ(what: str) -> str:
     )
     try:
         fshard.gather(y)
-    except fshard.CollectiveMismatchError as exc:
+    except (fshard.CollectiveMismatchError, fshard.SpecError) as exc:
         return type(exc).__name__
     return "no error"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("what", ["shape", "dtype"])
-def test_full_copies_that_differ_across_ranks_raise_on_every_rank_at_their_next_movement(dist_pool, what):
+@pytest.mark.parametrize(("what", "error"), [("shape", "CollectiveMismatchError"), ("dtype", "SpecError")])
+def test_full_copies_that_differ_across_ranks_raise_on_every_rank_at_their_next_movement(dist_pool, what, error):
     """Each rank's own block lays out a result of full copies (no exchange in the call); ranks
-    whose results differ build different arrays, and the next movement's headers catch it."""
-    assert dist_pool.run(_copies_that_differ, what, timeout=60) == ["CollectiveMismatchError"] * 4
+    whose results differ build different arrays, and the next movement catches it: the check of
+    what fn returned that the call posted (structure and dtypes), else the movement's headers."""
+    assert dist_pool.run(_copies_that_differ, what, timeout=60) == [error] * 4
+
+
+def _known_layout_outcomes(what: str) -> str:
+    """A shard_map whose out_specs need no exchange, whose fn returns otherwise (or raises) on rank 3 only.
+
+    Each rank catches what the call raised and goes on to its next collective (a gather).
+    """
+    ranks = list(range(dist.get_world_size()))
+    rows = fshard.Chunk(0, ranks)
+
+    def fn(b: torch.Tensor) -> Any:
+        s = b.sum()[None]
+        if b[0, 0] < 0:  # rank 3's rows
+            if what == "structure":
+                return (s, s)
+            b.add_(1)  # refused: a write into an input block
+        return s
+
+    x = torch.ones(4, 2)
+    x[3] = -1
+    xs = fshard.shard(x, rows)
+    seen = []
+    try:
+        out = fshard.shard_map(fn, in_specs=rows, out_specs=fshard.Partial(fshard.Replicated(ranks)))(xs)
+        seen.append("returned")
+    except fshard.SpecError:
+        out = None
+        seen.append("raised")
+    try:
+        fshard.gather(xs)
+        seen.append("next collective ran")
+    except fshard.SpecError as exc:
+        message = str(exc)
+        seen.append(
+            "raised there: rank 3 raised" if "fn raised on rank(s) [3]" in message
+            else "raised there: rank 3's structure" if "another structure or other dtypes on ranks [3]" in message
+            else f"raised there: {message}"
+        )  # fmt: skip
+    del out
+    return " / ".join(seen)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("what", ["structure", "in-place"])
+def test_an_outcome_on_one_rank_only_raises_on_every_rank_at_the_next_collective(dist_pool, what):
+    """No rank waits at the call; each posts what fn returned, and the next collective compares: every rank raises.
+
+    Before, the other ranks went on, and their next collectives paired with rank 3's other ones (a gather
+    read the wrong array's data).
+    """
+    got = dist_pool.run(_known_layout_outcomes, what, timeout=60)
+    if what == "structure":
+        assert got == ["returned / raised there: rank 3's structure"] * 4
+    else:
+        assert got == ["returned / raised there: rank 3 raised"] * 3 + ["raised / raised there: rank 3 raised"]

@@ -21,6 +21,7 @@ from fshard._base.cache import cached
 from fshard._base.records import record
 from fshard._config import current
 from fshard._errors import LayoutError, SpecError
+from fshard._exec.agree import tree_kinds
 from fshard._exec.collective import collective
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
@@ -336,19 +337,12 @@ def _digest(dims: tuple[int, ...], treedef: Any, infos: tuple[Any, ...]) -> int:
 
     The structure goes in by its paths and node kinds (a repr may hold addresses), each dim counted from 0.
     """
-    structure = None if treedef is None else (optree.treespec_paths(treedef), _kinds(treedef))
+    structure = None if treedef is None else (optree.treespec_paths(treedef), tree_kinds(treedef))
     digest = hashlib.blake2b(repr((dims, structure, infos)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 
 _even_digest = cached(256)(_digest)  # made once per kind of batch
-
-
-def _kinds(treedef: Any) -> tuple[Any, ...]:
-    """A pytree structure's node types by qualified name, nested as the nodes are (``"leaf"`` for a leaf)."""
-    kind = treedef.type
-    name = "leaf" if kind is None else f"{kind.__module__}.{kind.__qualname__}"
-    return (name, tuple(_kinds(child) for child in optree.treespec_children(treedef)))
 
 
 def _even_verdict(

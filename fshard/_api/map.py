@@ -15,6 +15,7 @@ gradient (each counts 1/copies), which together give the exact gradient by linea
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import types
@@ -45,6 +46,7 @@ from fshard._exec.agree import (
     holds_nothing_somewhere,
     link_without_blocks,
     merge_results,
+    post_outcome,
     untouched,
 )
 from fshard._exec.collective import collective
@@ -540,11 +542,45 @@ def _run(
         used = _used(backend, first, [u for _, u, _ in seen], what)
         _buckets.compare_series(series, [b for _, _, b in seen], backend.ranks, what)
     else:
-        leaves, spec_tree = compute()
-        metas = (describe_results(spec_tree, leaves) or (None, []))[1]
-        _refuse_closed(backend, first, usage.closed, what)
-        used = set[int]()
+        # No process waits for the others here: each posts what fn returned (or that it raised), and the
+        # group's next collective compares them, so a process whose fn returned otherwise raises with the others.
+        try:
+            leaves, spec_tree = compute()
+            metas = (describe_results(spec_tree, leaves) or (None, []))[1]
+            _refuse_closed(backend, first, usage.closed, what)
+            out = _results(
+                out_specs, spec_tree, leaves, metas, set(), inputs, arrays, names, held, pending, check, what
+            )
+        except BaseException:  # an interrupt too: the others' next collective learns of it
+            if backend.spans_processes:
+                with contextlib.suppress(SpecError):  # where the check ends at once (NCCL), this error goes first
+                    post_outcome(backend, what, None)
+            _buckets.post_series(series)
+            raise
+        if backend.spans_processes:
+            post_outcome(backend, what, (spec_tree, metas))
         _buckets.post_series(series)  # their headers in flight now, ended in the backward
+        return out
+    return _results(out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what)
+
+
+def _results(
+    out_specs: Any,
+    spec_tree: Any,
+    leaves: list[dict[Slot, torch.Tensor]],
+    metas: Sequence[tuple[torch.dtype, dict[Any, tuple[int, ...]]]],
+    used: set[int],
+    inputs: Sequence[ShardedArray],
+    arrays: Sequence[ShardedArray],
+    names: Sequence[int | str],
+    held: Sequence[int],
+    pending: str | None,
+    check: bool,
+    what: str,
+) -> Any:
+    """The result tree of ``_run``: each leaf's blocks in the layout its spec and their shapes give."""
+    first = arrays[0].layout
+    backend = arrays[0].backend
     specs = _leaf_specs(out_specs, spec_tree, what)
     if spec_tree is None:  # no slot anywhere: the structure comes from the specs
         spec_tree = _spec_structure(out_specs)

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+from collections import Counter
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
+import optree
 import torch
 
+from fshard._base.cache import cached
 from fshard._errors import SpecError, as_error
 from fshard._exec import gathered as _varying
 from fshard._exec.readonly import read_only
@@ -25,6 +29,8 @@ from fshard._layout.layout import Layout
 __all__ = [
     "agree",
     "describe_results",
+    "post_outcome",
+    "tree_kinds",
     "holds_nothing_somewhere",
     "link_without_blocks",
     "merge_results",
@@ -68,6 +74,70 @@ def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) 
             error.add_note(f"(raised on rank {rank}; this rank's function returned)")
             raise error
     return result, [value for _, value in seen]
+
+
+def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None) -> None:
+    """Posts what this process's function returned (its tree and each leaf's dtype), or that it raised (``None``).
+
+    Where ``shard_map`` knows its results' layouts from the specs, no process waits for the
+    others at the call; but a function that returned another structure, or raised, on one
+    process only would leave the processes' next collectives paired wrongly. So each posts
+    a digest of its outcome (``check_later``), and the group's next collective compares them:
+    every process raises there where they differ, the one that raised too.
+    """
+
+    def verdict(pairs: Sequence[tuple[int, bool, int]]) -> SpecError | None:
+        failed = [r for r, f, _ in pairs if f]
+        if len(failed) == len(pairs):  # every process raised its own error at the call
+            return None
+        if failed:
+            return SpecError(
+                f"{what} fn raised on rank(s) {failed}, whose error says why; the other ranks returned, and raise "
+                "this at their next collective."
+            )
+        usual = Counter(d for _, _, d in pairs).most_common(1)[0][0]
+        odd = [r for r, _, d in pairs if d != usual]
+        if not odd:
+            return None
+        like = [r for r, _, d in pairs if d == usual]
+        return SpecError(
+            f"{what} fn returned another structure or other dtypes on ranks {odd} than on ranks {like} (this rank's: "
+            f"{_shown(outcome)}); return one structure, with one dtype per result, on every placement."
+        )
+
+    backend.check_later(what, outcome is None, 0 if outcome is None else _digest_of(*outcome), verdict)
+
+
+def _shown(outcome: tuple[Any, Sequence[Meta]] | None) -> str:
+    if outcome is None:
+        return "raised"
+    tree, metas = outcome
+    return f"{tree} of {[str(dtype) for dtype, _ in metas]}"
+
+
+def _outcome_digest(tree: Any, dtypes: tuple[torch.dtype, ...]) -> int:
+    """A digest of a result tree's structure (paths and node kinds) and its leaves' dtypes, alike on every process."""
+    structure = None if tree is None else (optree.treespec_paths(tree), tree_kinds(tree))
+    text = repr((structure, [str(dtype) for dtype in dtypes]))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+_cached_digest = cached(256)(_outcome_digest)  # one per kind of result
+
+
+def _digest_of(tree: Any, metas: Sequence[Meta]) -> int:
+    dtypes = tuple(dtype for dtype, _ in metas)
+    try:
+        return _cached_digest(tree, dtypes)
+    except TypeError:  # a structure that cannot be hashed (a node's metadata): made afresh
+        return _outcome_digest(tree, dtypes)
+
+
+def tree_kinds(treedef: Any) -> tuple[Any, ...]:
+    """A pytree structure's node types by qualified name, nested as the nodes are (``"leaf"`` for a leaf)."""
+    kind = treedef.type
+    name = "leaf" if kind is None else f"{kind.__module__}.{kind.__qualname__}"
+    return (name, tuple(tree_kinds(child) for child in optree.treespec_children(treedef)))
 
 
 @contextlib.contextmanager
