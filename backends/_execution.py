@@ -149,9 +149,14 @@ class Recipe:
 
     @property
     def calls(self) -> int:
-        """The torch calls that one run makes (where the views are on the outputs' device)."""
+        """The torch calls that one run makes (where the views are on the outputs' device).
+
+        A ``torch.cat`` counts as many as the views it joins: one call, but each view is an
+        entry of its list and an input it reads (a cat per shard of n views each, as a copy to
+        n replicas from n pieces builds, is n * n of them).
+        """
         views = len(self.cuts) + sum(r is not None for _, r in self.reads)
-        return views + sum(1 if f.dim is not None else 1 + 2 * len(f.views) for f in self.fills)
+        return views + sum(len(f.views) if f.dim is not None else 1 + 2 * len(f.views) for f in self.fills)
 
     def run(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """The outputs, from ``tensors`` (the inputs, in order), of ``dtype``."""

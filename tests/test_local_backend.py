@@ -209,11 +209,25 @@ def test_small_reshards_take_the_route_with_fewer_calls() -> None:
     def calls(a: Any, b: Any, shape: tuple[int, ...]) -> list[int]:
         return [r.calls for r in local._copying(fshard.plan(a.layout(shape), b.layout(shape)))]
 
+    # A cat counts as the views it joins.
     columns = fshard.Chunk(1, [0, 1, 2, 3])
-    assert calls(ROWS, columns, (64, 64)) == [1, 5]  # cat the rows, then split and clone the columns
-    assert calls(ROWS, columns, (256, 256)) == [8]  # too large: split each source, cat each destination
-    assert calls(GRID, ROWS, (64, 64)) == [8]  # through the whole array would take 14
-    assert calls(fshard.Partial(ROWS), fshard.Partial(columns), (64, 64)) == [8]  # summands: no whole
+    assert calls(ROWS, columns, (64, 64)) == [4, 5]  # cat the rows, then split and clone the columns
+    assert calls(ROWS, columns, (256, 256)) == [20]  # too large: split each source, cat each destination
+    assert calls(GRID, ROWS, (64, 64)) == [12]  # through the whole array would take 14
+    assert calls(fshard.Partial(ROWS), fshard.Partial(columns), (64, 64)) == [20]  # summands: no whole
+
+
+def test_a_copy_to_every_rank_goes_through_the_whole_array_once() -> None:
+    """Chunk(0) to Replicated on 256 ranks: one cat of 256 pieces and 256 clones, not a cat of 256 per rank.
+
+    Counted as one call each, the 256 cats of 256 views each (65,536 views: O(world ** 2) per call) looked
+    cheaper than the 257 calls through the whole array.
+    """
+    ranks = list(range(256))
+    route = local._copying(
+        fshard.plan(fshard.Chunk(0, ranks).layout((4096,)), fshard.Replicated(ranks).layout((4096,)))
+    )
+    assert [r.calls for r in route] == [256, 256]
 
 
 def test_a_recipe_copies_boxes_that_tile_no_single_dim() -> None:

@@ -96,8 +96,12 @@ def whole_on(layout: Layout, rank: int) -> Layout:
     return Replicated([Placement(rank, device)]).layout(layout.shape)
 
 
+@cached(1024)
 def _reduced(layout: Layout, dst: int | None) -> Layout:
-    """Where ``gather`` reduces a pending reduction: a copy on every rank of ``layout`` (or on ``dst``)."""
+    """Where ``gather`` reduces a pending reduction: a copy on every rank of ``layout`` (or on ``dst``).
+
+    Cached: made per call, it cost a look at every rank's shards and a new layout of one shard per rank.
+    """
     if dst is not None:
         return whole_on(layout, dst)
     firsts = [layout._shard(layout.indices_on(r)[0]).placement for r in layout.ranks]  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
