@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fshard
+from fshard.testing.launch import launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -115,3 +116,58 @@ def test_a_closed_over_weight_gets_the_sum_of_its_uses_on_gloo(dist_pool):
     dense = programs.closed_over(sharded_run=False)
     for rank, grad in enumerate(dist_pool.run(programs.closed_over, timeout=60)):
         assert _max_error(grad, dense) <= 1e-12, f"rank {rank}"
+
+
+def _psum_unlike(kind: str) -> str:
+    """A body whose placements reduce unlike each other: over other axes, or more often (rank 3 fewer)."""
+    old = fshard.config(timeout=3.0)
+    try:
+        mesh = fshard.Mesh((2, 2), axis_names=("dp", "tp"))
+        spec = fshard.Named(mesh, ("dp", "tp"))
+
+        def body(a: torch.Tensor) -> torch.Tensor:
+            last = bool(a.sum() < 0)  # the placement (dp=1, tp=1) alone
+            if kind == "none":  # alike: over tp, then over dp
+                return fshard.psum(fshard.psum(a, "tp"), "dp")
+            if kind == "axes":
+                return fshard.psum(a, "dp" if last else "tp")
+            s = fshard.psum(a.sum()[None], "tp")
+            return a * (s if last else fshard.psum(s, "tp"))
+
+        x = torch.arange(1.0, 17.0).reshape(4, 4)
+        x[2:, 2:] *= -1
+        try:
+            fshard.gather(fshard.shard_map(body, spec, spec, check_vma=False)(x))
+        except (fshard.CollectiveMismatchError, fshard.SpecError) as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        fshard.config(timeout=old.timeout)
+
+
+@pytest.mark.multiprocess
+def test_bodies_that_reduce_over_other_axes_raise_on_every_rank_at_the_first_use():
+    """The processes compare the partition before they make its groups: new_group pairs calls by order alone,
+    so rank 3, summing over dp where the others sum over tp, summed with the wrong rank, and no rank raised.
+
+    New processes: the pool's have made both partitions' groups (the case below).
+    """
+    got = launch(_psum_unlike, 4, "axes", timeout=120)
+    assert all("sum over other axes than this rank" in m for m in got), got
+    assert "ranks [3] sum over other axes" in got[0]
+    assert "ranks [0, 1, 2] sum over other axes" in got[3]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["axes", "count"])
+def test_bodies_that_reduce_unlike_each_other_raise_on_every_rank(dist_pool, kind):
+    """Over groups made before, or a psum fewer on one placement: a sum, on a group of its own, waits at most
+    config(timeout=...), then raises (it hung, and a sum over the whole job paired with another collective);
+    the ranks whose sums completed raise at their next collective, with the others."""
+    dist_pool.run(_psum_unlike, "none", timeout=60)  # every partition's groups made, alike
+    try:
+        got = dist_pool.run(_psum_unlike, kind, timeout=60)
+    finally:
+        dist_pool.restart()  # a sum left in flight on purpose
+    assert all(m != "no error" for m in got), got
+    assert any("did not all arrive within 3 s" in m for m in got), got

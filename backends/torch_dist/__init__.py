@@ -467,7 +467,8 @@ class TorchDistBackend:
         on the process group of those ranks.
         """
         self._require_member("psum")
-        self._check("psum", (), t.dtype)
+        # In check mode every rank compares the partition too (the axes it sums over): the same on every rank.
+        self._check("psum", (), t.dtype, f" within {sorted(map(sorted, partition))}" if partition else "")
         with in_flight():
             out = all_reduce_among(t, ranks, self._wire, partition or (ranks,))
         n = len(ranks)
@@ -492,16 +493,17 @@ class TorchDistBackend:
             )
             raise SpecError(msg)
 
-    def _check(self, op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None = None) -> None:
+    def _check(self, op: str, layouts: tuple[Layout, ...], dtype: torch.dtype | None = None, detail: str = "") -> None:
         """Before a collective: the checks left in flight end (``_later``); in check mode, one check round.
 
-        The round: every rank is about to run this collective, or all raise.
+        The round: every rank is about to run this collective, or all raise. ``detail``: more
+        that every rank must agree on (compared, not shown where a public call names the op).
         """
         if self.member:
             settle_checks(self.group)
         if self.member and current().check_collectives:
             moves = " -> ".join(describe_layout(x) for x in layouts)
-            what = f"{op}({moves})" + (f" on {dtype}" if dtype is not None else "")
+            what = f"{op}({moves}){detail}" + (f" on {dtype}" if dtype is not None else "")
             call = call_name()  # the public call it serves, which describes the arguments already
             if call is not None:
                 what = f"{call}, at {op} #{hashlib.blake2b(what.encode(), digest_size=4).hexdigest()}"

@@ -11,10 +11,15 @@ where the processes of the psum are not the whole job.
 
 from __future__ import annotations
 
-from typing import Any
+import datetime
+import hashlib
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+
+from fshard._config import current
+from fshard._errors import CollectiveMismatchError
 
 from ._watch import handed
 
@@ -26,17 +31,25 @@ _GROUPS: dict[tuple[tuple[int, ...], Any], Any] = {}
 _MADE: set[tuple[tuple[tuple[int, ...], ...], Any]] = set()  # partitions whose every group was made
 
 
-def subgroup(ranks: tuple[int, ...], partition: tuple[tuple[int, ...], ...]) -> Any:
+def subgroup(ranks: tuple[int, ...], partition: tuple[tuple[int, ...], ...], wire: torch.device) -> Any:
     """The process group of global ``ranks`` (sorted), one group of ``partition``, made once.
 
     Every process decides alike from the partition, which they share: whether it was made.
+    Where the partition covers the job, its groups are made after every process has shown it
+    uses that partition (one exchange, at its first use): ``new_group`` pairs the processes'
+    calls by their order alone, so bodies that sum over different axes on different placements
+    would otherwise make groups of the wrong processes, and sum with them.
+
+    Raises:
+        CollectiveMismatchError: on every process, where they use different partitions there.
     """
     world = dist.get_world_size()
-    if len(ranks) == world:
-        return dist.group.WORLD
+    # A sum over the whole job too has a group of its own: were it the default group's, a body that calls
+    # psum more often on some placements would pair its sum with another collective of the others.
     groups = tuple(sorted(tuple(sorted(g)) for g in partition))
     if sum(len(g) for g in groups) == world:  # the whole job: every process makes every group
         if (groups, dist.group.WORLD) not in _MADE:
+            _agree_on(groups, world, wire)
             for g in groups:
                 made = dist.new_group(list(g))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
                 _GROUPS.setdefault((g, dist.group.WORLD), made)
@@ -48,11 +61,49 @@ def subgroup(ranks: tuple[int, ...], partition: tuple[tuple[int, ...], ...]) -> 
     return _GROUPS[key]
 
 
+def _agree_on(groups: tuple[tuple[int, ...], ...], world: int, wire: torch.device) -> None:
+    """Raises on every process unless every process is about to make the groups of ``groups``."""
+    digest = int.from_bytes(hashlib.blake2b(repr(groups).encode(), digest_size=8).digest(), "big", signed=True)
+    mine = torch.tensor([digest], dtype=torch.int64, device=wire)
+    seen = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(seen, mine)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+    digests = [int(t.item()) for t in seen]
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digest]
+        msg = (
+            f"psum: ranks {odd} sum over other axes than this rank (rank {dist.get_rank()}, which sums within "
+            f"{[list(g) for g in groups]}) at the same psum() call: every placement's body must reduce over the "
+            "same axes, in the same order."
+        )
+        raise CollectiveMismatchError(msg)
+
+
 def all_reduce_among(
     t: torch.Tensor, ranks: tuple[int, ...], wire: torch.device, partition: tuple[tuple[int, ...], ...]
 ) -> torch.Tensor:
-    """The sum of ``t`` over the processes of ``ranks`` (this one among them): a new tensor on ``t``'s device."""
+    """The sum of ``t`` over the processes of ``ranks`` (this one among them): a new tensor on ``t``'s device.
+
+    The wait is bounded by ``config(timeout=...)`` where it is set: a body that calls ``psum`` fewer
+    times on some placements leaves the others waiting, and they raise ``CollectiveMismatchError``.
+    """
     buf = t.detach().to(wire, copy=True).contiguous()
     (summed,) = handed(buf)  # written in place: buf holds the sum
-    dist.all_reduce(summed, group=subgroup(tuple(sorted(ranks)), partition))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+    group = subgroup(tuple(sorted(ranks)), partition, wire)
+    work = cast("dist.Work", dist.all_reduce(summed, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+    timeout = current().timeout
+    if timeout is None:
+        work.wait()
+        return buf.to(t.device)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower():
+            raise
+        msg = (
+            f"psum: ranks {sorted(ranks)} did not all arrive within {timeout:g} s (config(timeout=...)): they are "
+            "stopped, slower than this rank, or their shard_map bodies called psum fewer times or over other axes "
+            "(every placement's body must call psum alike, in the same order). The sum stays in flight, so this "
+            "process group cannot be used again: end the job or destroy the group."
+        )
+        raise CollectiveMismatchError(msg) from exc
     return buf.to(t.device)
