@@ -140,6 +140,17 @@ def test_a_tied_parameter_is_one_array_whose_gradient_is_the_sum_of_its_uses() -
     assert model.wte.weight.grad.abs().sum() > 0
 
 
+def test_a_rule_that_lays_out_a_tied_name_otherwise_is_refused_not_ignored() -> None:
+    """The array is laid out by its first name's rule: a rule for the head's name alone would do nothing."""
+    model = gpt()
+    rules = {"head.weight": fshard.Chunk(0, RANKS), "*": fshard.Replicated(RANKS)}
+    with pytest.raises(fshard.SpecError, match=r"tied to 'wte.weight' \(the same tensor\)"):
+        fshard.shard_module(model, rules)
+    same = {"head.weight": fshard.Chunk(0, RANKS), "wte.weight": fshard.Chunk(0, RANKS), "*": fshard.Replicated(RANKS)}
+    params, _ = fshard.shard_module(model, same)  # both names alike: one array, as asked
+    assert params["wte.weight"].layout == fshard.Chunk(0, RANKS).layout(tuple(model.wte.weight.shape))
+
+
 @pytest.mark.parametrize("rules", ["replicated", "fully_sharded"])
 def test_a_tied_gpt_trains_like_the_dense_model(rules: str) -> None:
     model, dense = gpt(), gpt()
@@ -361,11 +372,6 @@ def test_fully_sharded_replicates_what_is_too_small_to_split() -> None:
 def test_bad_rules_name_the_entry(rules, message: str) -> None:
     with pytest.raises(fshard.SpecError, match=re.escape(message)):
         fshard.shard_module(gpt(), rules)
-
-
-def test_a_rule_may_name_a_tied_alias() -> None:
-    params, _ = fshard.shard_module(gpt(), {"head.weight": fshard.Replicated(RANKS), "*": fshard.Chunk(0, RANKS)})
-    assert params["wte.weight"].layout.shards[0].sizes == (4, D)  # the array is named and laid out by its first name
 
 
 def test_apply_module_refuses_parameters_of_another_module() -> None:

@@ -24,6 +24,7 @@ from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
 from fshard._layout.layout import Layout
+from fshard._layout.show import describe_layout
 from fshard._layout.specs import Chunk, Replicated, as_layout
 from fshard.backends import Backend
 
@@ -222,6 +223,7 @@ def shard_module(
         )
         raise SpecError(msg)
     layouts = {name: _fit(name, spec, tensors[name]) for name, spec in specs.items() if spec is not None}
+    _check_ties(rule_of, found, tensors, layouts)
     default = _default_buffer_spec(layouts, found)
     params = {name: _param(tensors[name], layouts[name], backend) for name in found.params}
     buffers = {n: _buffer(n, tensors[n], layouts, default, backend) for n in found.buffers}
@@ -242,6 +244,32 @@ def _rule_function(rules: Any) -> Callable[[str, torch.Tensor], Any]:
         f"got {type(rules).__name__}."
     )
     raise TypeError(msg)
+
+
+def _check_ties(
+    rule_of: Callable[[str, torch.Tensor], Any],
+    found: Structure,
+    tensors: Mapping[str, torch.Tensor],
+    layouts: Mapping[str, Layout],
+) -> None:
+    """Raises where the rules give a tied tensor's other name another layout than its first name's.
+
+    A tied tensor is one array, laid out by the rule for its first name: a rule for another of
+    its names that gives another layout would be ignored.
+    """
+    for alias, name in found.ties:
+        spec = rule_of(alias, tensors[name])
+        if spec is None or name not in layouts:
+            continue
+        wanted = _fit(alias, spec, tensors[name])
+        if wanted != layouts[name]:
+            msg = (
+                f"shard_module() rules lay out {alias!r} as {describe_layout(wanted)}, but it is tied to {name!r} "
+                f"(the same tensor), which they lay out as {describe_layout(layouts[name])}: a tied tensor is one "
+                f"array, laid out by the rule for its first name {name!r}. Give that name the layout you want, or "
+                "both names the same spec."
+            )
+            raise SpecError(msg)
 
 
 def _check_unused(rules: Any, names: Sequence[str]) -> None:
