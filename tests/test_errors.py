@@ -892,3 +892,24 @@ def test_an_array_has_no_backward_and_the_error_names_the_two_that_are() -> None
     assert w.grad is None
     assert torch.equal(fshard.backward(total), torch.tensor([14.0]))
     assert torch.equal(w.grad, 2 * torch.arange(4.0))
+
+
+def test_shard_map_names_the_argument_without_a_block_on_a_placement() -> None:
+    """An argument on more placements than the first: the error names the one without a block, and where."""
+    mesh = fshard.Mesh((2,), axis_names=("tp",), ranks=[1, 2])
+    f = fshard.shard_map(
+        lambda a, c: a * c, (fshard.Named(mesh, ("tp",)), fshard.Replicated([0, 1, 2, 3])), fshard.Named(mesh, ("tp",))
+    )
+    with pytest.raises(fshard.SpecError, match=r"argument 0 has no block on placement rank:0/cpu, where argument 1"):
+        f(torch.arange(4.0), torch.ones(1))
+    two = fshard.shard_map(lambda a: a, fshard.Chunk(0, [0, 0, 1]), fshard.Chunk(0, [0, 0, 1]))
+    with pytest.raises(fshard.SpecError, match=r"gives placement rank:0/cpu 2 blocks"):
+        two(torch.arange(6.0))
+
+
+def test_results_of_other_dtypes_on_some_placements_raise_the_spec_error_of_every_backend() -> None:
+    """The local backend raised the arrays' LayoutError; across processes the results are compared (SpecError)."""
+    rows = fshard.Chunk(0, [0, 1, 2, 3])
+    f = fshard.shard_map(lambda b: b.double() if b[0] < 0 else b, rows, rows)
+    with pytest.raises(fshard.SpecError, match=re.escape("result 0 has dtypes ['torch.float32', 'torch.float64']")):
+        f(torch.tensor([1.0, 2.0, 3.0, -4.0]))

@@ -457,13 +457,22 @@ def _aligned(layouts: tuple[Layout, ...], names: tuple[int | str, ...], one_bloc
         mine = _slots(layout)
         if one_block:
             bad = next((p for p, v in mine.items() if len(v) != 1), None)
-            missing = next((p for p in first if p not in mine), None) or next((p for p in mine if p not in first), None)
-            if bad is not None or missing is not None:
-                p = bad if bad is not None else missing
-                n = len(mine.get(p, ()))  # type: ignore[arg-type]
+            if bad is not None:
                 msg = (
-                    f"{what} {_arg(k)}: its spec gives placement {p} {n} blocks; fn runs once per placement, "
-                    "so every argument's spec must give each placement exactly one block."
+                    f"{what} {_arg(k)}: its spec gives placement {bad} {len(mine[bad])} blocks; fn runs once per "
+                    "placement, so every argument's spec must give each placement exactly one block."
+                )
+                raise SpecError(msg)
+            lacking = next(((p, k) for p in first if p not in mine), None) or next(
+                ((p, names[0]) for p in mine if p not in first), None
+            )
+            if lacking is not None:
+                p, without = lacking
+                other = names[0] if without == k else k
+                msg = (
+                    f"{what} {_arg(without)} has no block on placement {p}, where {_arg(other)} has one: fn runs "
+                    "once per placement, so every argument's spec must give the same placements exactly one block "
+                    "each (give every argument's spec the placements of the first one's)."
                 )
                 raise SpecError(msg)
         elif {p: len(v) for p, v in mine.items()} != {p: len(v) for p, v in first.items()}:
@@ -590,6 +599,8 @@ def _results(
     outs: list[ShardedArray] = []
     for n, (spec, blocks) in enumerate(zip(specs, leaves)):
         dtype, shapes = metas[n] if n < len(metas) else (arrays[0].dtype, {})
+        if len(blocks) > 1 and len(kinds := {t.dtype for t in blocks.values()}) > 1:  # as merge_results says it
+            raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks; return one.")
         link = None if held else link_without_blocks(inputs, dtype, used)
         layout = _out_layout(spec, shapes, slots, pending, what, n)
         if check:
