@@ -148,6 +148,14 @@ def test_out_specs_lay_out_the_results_at_their_own_places():
     first, nothing, total = holes(rows)
     assert nothing is None
     assert (first.layout.partial, total.layout.partial) == (None, "sum")
+    # A None at a None result's place stands for it, in a dict as in a sequence.
+    aux = fshard.shard_map(
+        lambda t: {"y": t, "aux": None}, in_specs=Chunk(0, R), out_specs={"y": Chunk(0, R), "aux": None}
+    )(rows)
+    assert aux["aux"] is None
+    assert torch.equal(fshard.gather(aux["y"]), X)
+    same = fshard.shard_map(lambda t: (t, None, -t), in_specs=Chunk(0, R), out_specs=(Chunk(0, R), None, summed))
+    assert same(rows)[2].layout.partial == "sum"
     # Dicts match by key, whichever order their leaves come in (an OrderedDict's as inserted, a dict's sorted).
     by_key = {"total": summed, "rows": Chunk(0, R)}
     ordered = fshard.shard_map(lambda t: collections.OrderedDict(both(t)), in_specs=Chunk(0, R), out_specs=by_key)(rows)

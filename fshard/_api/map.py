@@ -802,7 +802,7 @@ def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
     """One spec per result leaf: ``out_specs`` broadcast (a single spec) or matched to the results' tree."""
     if _is_spec(out_specs):
         return [out_specs] * (tree.num_leaves if tree is not None else 1)
-    flat, given = optree.tree_flatten(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+    flat, given = _flat_specs(out_specs, tree)
     if tree is not None and tree.num_leaves != len(flat):
         msg = f"{what} out_specs has {len(flat)} specs but fn returned {tree.num_leaves} tensors ({tree})."
         raise SpecError(msg)
@@ -813,11 +813,25 @@ def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
     return flat
 
 
+def _flat_specs(out_specs: Any, tree: Any) -> tuple[list[Any], Any]:
+    """``out_specs``' specs and their structure.
+
+    A ``None`` is a spec (a hole in a sequence of specs), except where the results hold
+    ``None`` at its place: then it stands for that ``None`` (``{"y": spec, "aux": None}``).
+    """
+    flat, given = optree.tree_flatten(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+    if tree is not None and tree.num_leaves != len(flat) and any(x is None for x in flat):
+        fewer, structure = optree.tree_flatten(out_specs, is_leaf=lambda x: x is not None and _is_spec(x))
+        if len(fewer) == tree.num_leaves:
+            return fewer, structure
+    return flat, given
+
+
 def check_out_specs(out_specs: Any, results: Any, what: str, maker: str) -> None:
     """Refuses ``out_specs`` that would lay out ``results`` by other results' specs (``_spec_order``)."""
     if not _is_spec(out_specs):
-        given = optree.tree_structure(out_specs, is_leaf=_is_spec, none_is_leaf=True)
         tree = optree.tree_structure(results)
+        given = _flat_specs(out_specs, tree)[1]
         if given.num_leaves == tree.num_leaves:  # else a count that fshard.shard_map refuses as such
             _spec_order(given, tree, what, maker)
 
