@@ -378,7 +378,7 @@ def _even_verdict(
 @cached(256)
 def _even_layout(ranks: tuple[int, ...], dim: int, shape: tuple[int, ...], device: str) -> Layout:
     """The layout whose block ``i`` along ``dim`` has ``shape`` on ``ranks[i]`` (every block on ``device``)."""
-    return _stacked(_dim(dim, len(shape)), [(r, shape, device) for r in ranks])
+    return _stacked(_dim(dim, len(shape)), tuple((r, shape, device) for r in ranks))
 
 
 def _dim(dim: int, ndim: int) -> int:
@@ -389,8 +389,12 @@ def _dim(dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-def _stacked(dim: int, blocks: Sequence[tuple[int, tuple[int, ...], str]]) -> Layout:
-    """The layout of ``blocks`` (rank, shape, device), stacked along ``dim`` in that order."""
+@cached(256)
+def _stacked(dim: int, blocks: tuple[tuple[int, tuple[int, ...], str], ...]) -> Layout:
+    """The layout of ``blocks`` (rank, shape, device), stacked along ``dim`` in that order.
+
+    Cached: a step's batches have the same blocks at every step, and the layout has a shard per rank.
+    """
     offsets = 0
     metas: list[ShardMeta] = []
     for rank, shape, device in blocks:
@@ -414,7 +418,7 @@ def _along(tensor: torch.Tensor, dim: int, seen: Sequence[Any], backend: Backend
         raise SpecError(f"from_local_tensor(): ranks passed tensors with different numbers of dims: {given}.")
     dim = _dim(dim, tensor.ndim)
     _check_blocks(seen, dim)
-    layout = _stacked(dim, [(rank, shape, device) for rank, shape, *_, device in seen])
+    layout = _stacked(dim, tuple((rank, shape, device) for rank, shape, *_, device in seen))
     return ShardedArray(layout, (tensor,), backend)
 
 
