@@ -385,7 +385,10 @@ class TorchDistBackend:
         them later would make the CPU wait for all the GPU work queued meanwhile.
         """
         self._require_member(what)
-        self._check(what, ())
+        if current().check_collectives:  # check mode's round (and the checks before this one end)
+            self._check(what, ())
+        # Else the checks posted before stay in flight with this one: ending them here would make every rank
+        # wait for the slowest at each call that posts one (a shard_map of a stage, say), not at a collective.
         with in_flight():
             post_check(self.group, self.ranks, self._wire, what, failed, digest, verdict)
         self.counters.collectives += 1
