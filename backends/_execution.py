@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy
 import torch
 
 from fshard._base.alloc import POOL_MIN_BYTES
@@ -99,6 +100,8 @@ class Fill:
 
     ``views`` (positions in a list of views) go to ``writes``; when they tile the result
     along dim ``dim``, in order, one ``torch.cat`` (or, for one view, one ``clone``) builds it.
+    ``covered``: the writes reach every element. A summand of a pending sum may hold a box that
+    no piece reaches (its value is in another summand there): those elements are zeros.
     """
 
     sizes: tuple[int, ...]
@@ -107,6 +110,7 @@ class Fill:
     writes: tuple[Index, ...]
     dim: int | None
     numel: int
+    covered: bool = True
 
     def build(self, views: Sequence[torch.Tensor], dtype: torch.dtype, direct: bool) -> torch.Tensor:
         """A new contiguous tensor of ``dtype`` on ``device`` (``direct``: the views are of both)."""
@@ -117,6 +121,8 @@ class Fill:
             out = mine[0].clone(memory_format=torch.contiguous_format) if len(mine) == 1 else torch.cat(mine, self.dim)
             return out if out.is_contiguous() else out.contiguous()
         out = new_tensor(self.sizes, dtype, self.device)
+        if not self.covered:  # new_tensor's memory may be recycled: what no write reaches is zero
+            out.zero_()
         for v, w in zip(mine, self.writes):
             out[w].copy_(v)
         return out
@@ -209,7 +215,23 @@ def _fill(sizes: Sizes, device: torch.device, got: Sequence[tuple[Sizes, Sizes, 
     """The ``Fill`` of an output from views ``got``: (offsets in it, sizes, view position), sorted."""
     writes = tuple(tuple(map(span_slice, at, size)) for at, size, _ in got)
     dim = _tiling_dim(sizes, [(at, size) for at, size, _ in got])
-    return Fill(sizes, device, tuple(k for _, _, k in got), writes, dim, math.prod(sizes))
+    numel = math.prod(sizes)
+    covered = dim is not None or _covers(sizes, [(at, size) for at, size, _ in got])
+    return Fill(sizes, device, tuple(k for _, _, k in got), writes, dim, numel, covered)
+
+
+def _covers(sizes: Sizes, boxes: Sequence[Box]) -> bool:
+    """Whether ``boxes`` together reach every element of a tensor of ``sizes`` (counted on a grid of their edges)."""
+    total = math.prod(sizes)
+    if sum(math.prod(z) for _, z in boxes) < total:
+        return False  # too few elements, even were no two boxes to overlap
+    edges = [
+        sorted({0, n, *(lo[d] for lo, _ in boxes), *(lo[d] + z[d] for lo, z in boxes)}) for d, n in enumerate(sizes)
+    ]
+    reached = numpy.zeros([len(e) - 1 for e in edges], dtype=bool)
+    for lo, z in boxes:
+        reached[tuple(slice(e.index(lo[d]), e.index(lo[d] + z[d])) for d, e in enumerate(edges))] = True
+    return bool(reached.all())
 
 
 def _tiling_dim(sizes: tuple[int, ...], boxes: Sequence[Box]) -> int | None:

@@ -150,10 +150,15 @@ def reduction(p: Any) -> Reduction:
     for r in p.dst.ranks:
         s = p.for_rank(r)
         crossing += s.elements_received
-        for m in (s.local, s.recv):  # each (destination shard, region) counted once
-            if len(m):
-                first, _ = unique_rows(np.c_[m.dst_shard, m.lo])
-                np.add.at(covered, m.dst_shard[first], m.numel[first])
+        # Each (destination shard, region) counted once, whether it comes from this rank or a peer (a region
+        # reached both ways, counted twice, left a shard that is not covered unfilled: stale memory read as a value).
+        reached = [m for m in (s.local, s.recv) if len(m)]
+        if reached:
+            shards = np.concatenate([m.dst_shard for m in reached])
+            starts = np.concatenate([m.lo for m in reached])
+            sizes = np.concatenate([m.numel for m in reached])
+            first, _ = unique_rows(np.c_[shards, starts])
+            np.add.at(covered, shards[first], sizes[first])
         local += [((i, _at(a, z)), target(j, b, z)) for i, a, j, b, z in _located(p, s.local)]
         regions: dict[tuple[int, Sizes, Sizes], tuple[dict[int, Index], dict[int, Target]]] = {}
         for (i, a, j, b, z), peer, lo in zip(_located(p, s.recv), s.recv.peer.tolist(), s.recv.lo.tolist()):

@@ -283,3 +283,32 @@ def test_a_world_size_bounds_ranks_as_a_process_group_does() -> None:
 def test_world_size_is_a_non_negative_int(world: Any) -> None:
     with pytest.raises(fshard.SpecError, match=re.escape(f"LocalBackend(world_size={world!r})")):
         LocalBackend(world_size=world)
+
+
+def test_a_summand_that_a_region_reaches_twice_is_still_filled_where_none_reaches() -> None:
+    """Rank 0's summand gets box (2, 1) from itself and from a peer: counted once, its 9 of 10 elements are no cover.
+
+    Counted twice, the shard was not filled, and its element (2, 0) read recycled memory (a stale value).
+    """
+    p0, p1, p2 = (fshard.Placement(r, "cpu") for r in range(3))
+    boxes = [((0, 0), (1, 1), p0), ((0, 1), (1, 1), p0), ((1, 0), (1, 2), p0), ((2, 0), (1, 1), p1),
+             ((2, 1), (1, 1), p1), ((2, 1), (1, 1), p0), ((3, 0), (2, 2), p0), ((2, 1), (1, 1), p2)]  # fmt: skip
+    a = fshard.Partial(fshard.Explicit([fshard.ShardMeta(*box) for box in boxes]))
+    b = fshard.Partial(fshard.Named(fshard.Mesh((2,), ranks=[p0, p1], axis_names=("x",)), (None, None)), over=("x",))
+    x = torch.arange(10.0).reshape(5, 2) - 3.0
+    plan = fshard.plan(a.layout((5, 2)), b.layout((5, 2)))
+    assert local.reduction(plan.phases[-1]).fill == frozenset({0, 1})
+    xs = fshard.shard(x, a)
+    for _ in range(20):  # each round recycles the last one's blocks
+        assert torch.equal(fshard.gather(fshard.reshard(xs, b)), x)
+
+
+def test_a_copy_into_a_tensor_that_its_pieces_do_not_cover_starts_from_zeros() -> None:
+    r = recipe([(1, 2)], [((2, 2), "cpu")], [(0, ((0, 0), (1, 2)), 0, (1, 0))])
+    assert [f.covered for f in r.fills] == [False]
+    out = r.run([torch.ones(1, 2)], torch.float32)[0]
+    assert out.tolist() == [[0.0, 0.0], [1.0, 1.0]]
+    whole = recipe(
+        [(1, 2), (1, 2)], [((2, 2), "cpu")], [(0, ((0, 0), (1, 2)), 0, (0, 0)), (1, ((0, 0), (1, 2)), 0, (1, 0))]
+    )
+    assert [f.covered for f in whole.fills] == [True]
