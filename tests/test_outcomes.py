@@ -239,3 +239,25 @@ def test_an_outcome_on_one_rank_only_raises_on_every_rank_at_the_next_collective
         assert got == ["returned / raised there: rank 3's structure"] * 4
     else:
         assert got == ["returned / raised there: rank 3 raised"] * 3 + ["raised / raised there: rank 3 raised"]
+
+
+def _many_calls_without_a_collective() -> tuple[int, float]:
+    """100 shard_maps whose results need no exchange, then one gather: the most checks in flight, and the sum."""
+    from fshard.backends.torch_dist import _later
+
+    ranks = list(range(dist.get_world_size()))
+    rows = fshard.Chunk(0, ranks)
+    f = fshard.shard_map(lambda b: b.sum()[None], in_specs=rows, out_specs=fshard.Partial(fshard.Replicated(ranks)))
+    xs = fshard.shard(torch.ones(8), rows)
+    most, out = 0, []
+    for _ in range(100):
+        out.append(f(xs))
+        most = max(most, _later.pending(xs.backend.group))
+    return most, float(fshard.gather(out[-1]))
+
+
+@pytest.mark.multiprocess
+def test_checks_in_flight_are_bounded_by_a_run_of_calls_without_a_collective(dist_pool):
+    for most, total in dist_pool.run(_many_calls_without_a_collective, timeout=60):
+        assert 1 <= most <= 64
+        assert total == 8.0

@@ -72,6 +72,7 @@ from ._exchange import gather_objects, outside_transforms
 from ._group import check_layout, facts
 from ._guard import Guard, guard
 from ._later import Verdict
+from ._later import pending as pending_checks
 from ._later import post as post_check
 from ._later import settle as settle_checks
 from ._reduce_messages import reduce_messages, run_by_messages
@@ -90,6 +91,10 @@ from ._transport import alltoall, copy_local, empty
 from ._watch import handed
 
 __all__ = ["TorchDistBackend"]
+
+# At most this many checks left in flight (``check_later``): a longer run of calls that post one, with no
+# collective between them, ends them at the next post.
+_CHECKS_IN_FLIGHT = 64
 
 _COUNTERS: dict[int, Counters] = {}
 _CPU = torch.device("cpu")
@@ -387,6 +392,8 @@ class TorchDistBackend:
         self._require_member(what)
         if current().check_collectives:  # check mode's round (and the checks before this one end)
             self._check(what, ())
+        elif pending_checks(self.group) >= _CHECKS_IN_FLIGHT:  # a long run of calls without a collective
+            settle_checks(self.group)
         # Else the checks posted before stay in flight with this one: ending them here would make every rank
         # wait for the slowest at each call that posts one (a shard_map of a stage, say), not at a collective.
         with in_flight():
