@@ -586,3 +586,19 @@ def test_gradients_of_gradients_through_copies_over_gloo(dist_pool, name: str) -
     x = torch.tensor([[0.3, -1.2], [0.7, 2.0], [-0.4, 1.1], [1.5, 0.2]], dtype=torch.float64)
     for gg in dist_pool.run(_second_order_over_processes, name, timeout=120):
         torch.testing.assert_close(gg, 2 * torch.cos(2 * x))
+
+
+def test_a_tree_of_one_movement_has_no_node_in_front_and_of_several_has_one() -> None:
+    """The node that makes every movement of a tree run its backward is there only where a tree takes several."""
+    rows, every = fshard.Chunk(0, [0, 1]), fshard.Replicated([0, 1])
+    alike = [fshard.shard(torch.ones(4, 2), rows), fshard.shard(torch.ones(4, 2), rows)]  # stacked: one movement
+    unlike = [fshard.shard(torch.ones(4, 2), rows), fshard.shard(torch.ones(6), rows)]
+    for tree in (alike, unlike):
+        for a in tree:
+            a.addressable_data[0].requires_grad_()
+
+    def nodes(tree: list[fshard.ShardedArray]) -> set[str]:
+        return {type(a.addressable_data[0].grad_fn).__name__ for a in fshard.reshard(tree, every)}
+
+    assert not any("Together" in n for n in nodes(alike))
+    assert nodes(unlike) == {"_TogetherBackward"}

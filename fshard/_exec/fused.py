@@ -355,12 +355,14 @@ def move_tree(
         out[k] = ShardedArray._of(layouts[k], data, backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
     for group in recipe.fused:
         _move_flat(group, arrays, layouts, move, out, precision)
+    movements = len(recipe.alone) + len(recipe.fused)
     if precision is not None:  # the arrays in place still change dtype: a cast each, nothing sent
         for k, a in enumerate(arrays):
             if a.layout == layouts[k] and precision.casts(a.dtype):
                 data, link = move(a.layout, a.layout, backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
                 out[k] = ShardedArray._of(a.layout, data, backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
-    return _together(arrays, out, len(recipe.alone) + len(recipe.fused))
+                movements += 1
+    return _together(arrays, out, movements)
 
 
 def _together(arrays: Sequence[ShardedArray], out: list[ShardedArray], movements: int) -> list[ShardedArray]:
@@ -368,10 +370,12 @@ def _together(arrays: Sequence[ShardedArray], out: list[ShardedArray], movements
 
     So the backward of each runs wherever any of them has a gradient (on every rank alike,
     whichever leaves a rank used), and a leaf no use reached gets zeros on every backend,
-    as those of one flat movement do.
+    as those of one flat movement do. One movement (a tree of one flat array) needs none.
     """
+    if movements < 2 or not torch.is_grad_enabled():
+        return out
     made = [k for k, (a, b) in enumerate(zip(arrays, out)) if b is not a and b.requires_grad]
-    if (movements < 2 and len(made) <= movements) or len(made) < 2 or not torch.is_grad_enabled():
+    if len(made) < 2:
         return out
     if torch._C._are_functorch_transforms_active():  # pyright: ignore[reportPrivateUsage]  # no public check
         return out
