@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy
+import numpy as np
 import torch
 
 from fshard._base.alloc import POOL_MIN_BYTES
@@ -228,7 +228,7 @@ def _covers(sizes: Sizes, boxes: Sequence[Box]) -> bool:
     edges = [
         sorted({0, n, *(lo[d] for lo, _ in boxes), *(lo[d] + z[d] for lo, z in boxes)}) for d, n in enumerate(sizes)
     ]
-    reached = numpy.zeros([len(e) - 1 for e in edges], dtype=bool)
+    reached = np.zeros([len(e) - 1 for e in edges], dtype=bool)
     for lo, z in boxes:
         reached[tuple(slice(e.index(lo[d]), e.index(lo[d] + z[d])) for d, e in enumerate(edges))] = True
     return bool(reached.all())

@@ -67,7 +67,7 @@ def _agree_on(groups: tuple[tuple[int, ...], ...], world: int, wire: torch.devic
     mine = torch.tensor([digest], dtype=torch.int64, device=wire)
     seen = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(seen, mine)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
-    digests = [int(t.item()) for t in seen]
+    digests = cast("list[int]", torch.cat(seen).tolist())  # pyright: ignore[reportUnknownMemberType]  # torch's stub
     if len(set(digests)) > 1:
         odd = [r for r, d in enumerate(digests) if d != digest]
         msg = (

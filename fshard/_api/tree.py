@@ -85,9 +85,7 @@ def global_norm(tree: Any) -> torch.Tensor:
     """
     leaves = optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ShardedArray))
     arrays = [leaf for leaf in leaves if isinstance(leaf, ShardedArray)]
-    tensors = [
-        _stored(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedArray)
-    ]
+    tensors = [_stored(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
     wide = torch.float64 if any(x.dtype == torch.float64 for x in (*arrays, *tensors)) else torch.float32
     total = None
     for same in _by_backend(_reduced(arrays)):
