@@ -50,3 +50,42 @@ def test_every_cache_of_a_layout_function_is_registered():
         "fshard._layout.batch.with_batch",
     }
     assert expected <= names
+
+
+def test_a_layout_that_many_entries_hold_is_charged_once():
+    # One source planned to six destinations: seven layouts held, each counted once (per entry, the
+    # source would count six times), plus the plans' own small arrays.
+    fshard.clear_caches()
+    ranks = list(range(2000))
+    shape = (8000, 8)
+    src = fshard.Chunk(0, ranks).layout(shape)
+    per = src.__fshard_nbytes__()
+    for k in range(1, 7):
+        fshard.plan(src, fshard.Chunk(0, ranks[k:] + ranks[:k]).layout(shape))
+    assert 7 * per <= _cache.cache_bytes() < 7.1 * per
+    fshard.clear_caches()
+    assert not _cache._CHARGED  # emptied caches forget what they charged: the next entries count it again
+    fshard.plan(src, fshard.Chunk(0, ranks[1:] + ranks[:1]).layout(shape))
+    assert _cache.cache_bytes() >= 2 * per
+
+
+def test_only_the_entries_the_lru_drops_are_subtracted():
+    import numpy as np
+
+    def block(n: int) -> np.ndarray:
+        return np.zeros(n)
+
+    memo = _cache.cached(2)(block)
+    entry = _cache._REGISTRY[-1]
+    try:
+        memo(1000)
+        one = entry.bytes
+        memo(1000 + 1)  # the lru keeps both: both counted
+        assert entry.bytes == 2 * one + 8
+        memo(1000 + 2)  # the lru drops the first to keep this one: one entry's average out, the new one in
+        assert memo.cache_info().currsize == 2
+        assert entry.bytes == (2 * one + 8) - (2 * one + 8) // 2 + one + 16
+        memo(1000 + 2)  # a hit: nothing charged
+        assert entry.bytes == (2 * one + 8) - (2 * one + 8) // 2 + one + 16
+    finally:
+        _cache._REGISTRY.remove(entry)

@@ -2,9 +2,13 @@
 
 ``cached(maxsize)`` is ``functools.lru_cache(maxsize)`` (a hit costs what a hit of
 ``lru_cache`` costs) that also counts the bytes of what it keeps: on each miss, the
-numpy arrays (and layouts) reachable from the new result are measured. All caches
-share one budget, ``CACHE_LIMIT_BYTES``: when a miss takes the total past it, the
-largest caches are emptied until the total is under half of it. Entries that
+numpy arrays (and layouts) reachable from the new result are measured. A layout is
+charged once, by the first entry that holds it: the caches of one movement (its plan,
+schedules, digests) key on the same layout objects, and at thousands of ranks a layout's
+columns are most of an entry, so charging it per entry would count one layout many
+times and empty the caches long before their memory is at the budget. All caches
+share one budget, ``CACHE_LIMIT_BYTES``: when a miss takes the total past it, every
+cache is emptied (and the layouts charged are forgotten with them). Entries that
 ``lru_cache`` drops by count are subtracted at the cache's average entry size, so
 the total is an estimate, not an exact figure. ``fshard.clear_caches()`` empties
 every cache (and hands the local backend's pooled memory back).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -33,10 +38,11 @@ class _Cache:
     name: str
     fn: Any = None
     bytes: int = 0
-    entries: int = 0
 
 
 _REGISTRY: list[_Cache] = []
+# The objects with a size of their own (layouts) charged since the caches were last emptied, by id.
+_CHARGED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def cached(maxsize: int) -> Callable[[F], F]:
@@ -77,21 +83,19 @@ def clear_caches() -> None:
 
 
 def _charge(entry: _Cache, nbytes: int) -> None:
-    size = entry.fn.cache_info().currsize if entry.fn is not None else entry.entries
-    if entry.entries and size <= entry.entries:  # lru_cache dropped an entry to make room
-        entry.bytes -= entry.bytes // entry.entries
-    entry.entries = size + 1
+    info = entry.fn.cache_info()
+    if info.maxsize is not None and info.currsize >= info.maxsize:  # lru_cache drops its oldest to keep this one
+        entry.bytes -= entry.bytes // info.currsize
     entry.bytes += nbytes
-    if cache_bytes() > CACHE_LIMIT_BYTES:
-        for c in sorted(_REGISTRY, key=lambda c: c.bytes, reverse=True):
+    if cache_bytes() > CACHE_LIMIT_BYTES:  # every cache: a layout charged by one may be held by others
+        for c in _REGISTRY:
             _clear(c)
-            if cache_bytes() <= CACHE_LIMIT_BYTES // 2:
-                break
 
 
 def _clear(c: _Cache) -> None:
     c.fn.cache_clear()
-    c.bytes = c.entries = 0
+    c.bytes = 0
+    _CHARGED.clear()  # a layout the next entries hold is charged again
 
 
 def _nbytes(x: object, depth: int = 0) -> int:
@@ -104,7 +108,10 @@ def _nbytes(x: object, depth: int = 0) -> int:
     if depth > 4 or x is None or isinstance(x, (int, float, str, bool)):
         return 64
     hook = getattr(type(x), "__fshard_nbytes__", None)
-    if hook is not None:  # a value that knows its size (a layout: its columns)
+    if hook is not None:  # a value that knows its size (a layout: its columns), charged once
+        if _CHARGED.get(id(x)) is x:
+            return 64
+        _CHARGED[id(x)] = x
         return int(hook(x))
     if isinstance(x, (tuple, list)):
         seq = cast("Sequence[object]", x)
