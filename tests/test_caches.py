@@ -89,3 +89,13 @@ def test_only_the_entries_the_lru_drops_are_subtracted():
         assert entry.bytes == (2 * one + 8) - (2 * one + 8) // 2 + one + 16
     finally:
         _cache._REGISTRY.remove(entry)
+
+
+def test_layouts_made_per_call_are_made_once():
+    # A sum's layout and a creation's on a device are O(world) to build: made once per layout,
+    # not at every call (at 4,096 ranks each took 15-19 ms).
+    x = fshard.shard(torch.arange(12.0).reshape(4, 3), fshard.Chunk(0, [0, 1]))
+    assert x.sum(1).layout is x.sum(1).layout  # no summed dim split: the boxes projected
+    assert x.sum(0).layout is x.sum(0).layout  # a pending sum
+    spec = fshard.Chunk(0, [0, 1])
+    assert fshard.zeros(spec, (4, 3), device="cpu").layout is fshard.zeros(spec, (4, 3), device="cpu").layout

@@ -13,6 +13,7 @@ import torch
 from fshard._api import random as _random
 from fshard._api.move import resolve_backend
 from fshard._array.array import ShardedArray
+from fshard._base.cache import cached
 from fshard._errors import LayoutError, SpecError
 from fshard._exec.collective import collective
 from fshard._interop.torch_objects import from_sharded_tensor
@@ -55,6 +56,12 @@ def _on_device(layout: Layout, device: Any) -> Layout:
         dev = str(torch.device(device))
     except (TypeError, RuntimeError) as exc:
         raise SpecError(f"device={device!r} is not a torch device such as 'cpu' or 'cuda:0'.") from exc
+    return _placed_on(layout, dev)
+
+
+@cached(256)
+def _placed_on(layout: Layout, dev: str) -> Layout:
+    """``layout`` with every shard on device ``dev`` of its rank."""
     shards = tuple(dataclasses.replace(s, placement=Placement(s.placement.rank, dev)) for s in layout.shards)
     return Layout(layout.shape, shards)
 

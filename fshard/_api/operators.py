@@ -19,6 +19,7 @@ import torch
 from fshard._api.map import map_local, regrouped
 from fshard._api.move import split_replicas
 from fshard._array.array import ShardedArray
+from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout, ShardMeta, with_partial
@@ -151,21 +152,14 @@ def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keep
     if layout.partial not in (None, "sum"):
         raise _refuse("sum()", self)
     dims = _dims(dim, layout.ndim)
-    # A shard is split along the summed dims if it does not span them whole and its sum is
-    # not empty: an empty shard whose projection holds elements would be a replica of zeros.
-    kept = [s for s in layout.shards if 0 not in _project(s.sizes, dims, keepdim, True)]
-    split = any(s.sizes[d] != layout.shape[d] for s in kept for d in dims)
-    if not split and layout.partial is None:
-        out = Layout(
-            _project(layout.shape, dims, keepdim, full=True),
-            [_project_meta(s, dims, keepdim) for s in layout.shards],
-        )
+    out = _kept_layout(layout, dims, keepdim)
+    if out is None:
+        return _partial_sum(self, dims, keepdim)
 
-        def block_sum(t: torch.Tensor) -> torch.Tensor:
-            return t.sum(dim=dims, keepdim=keepdim)
+    def block_sum(t: torch.Tensor) -> torch.Tensor:
+        return t.sum(dim=dims, keepdim=keepdim)
 
-        return map_local(block_sum, self, out_spec=out)
-    return _partial_sum(self, dims, keepdim)
+    return map_local(block_sum, self, out_spec=out)
 
 
 def _dims(dim: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
@@ -194,12 +188,30 @@ def _project_meta(s: ShardMeta, dims: tuple[int, ...], keepdim: bool) -> ShardMe
     return ShardMeta(_project(s.offsets, dims, keepdim, False), _project(s.sizes, dims, keepdim, True), s.placement)
 
 
-def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> ShardedArray:
-    """The per-shard sums as a pending sum: one summand per (placement, box), each element once."""
-    x = split_replicas(x)  # replicas of a summand: one keeps it, the others hold 0
-    layout, backend = x.layout, x.backend
-    # Of a value's replicas only the first contributes; their gradients are then summed to all.
-    x = regrouped(x, "sum")
+@cached(256)
+def _kept_layout(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> Layout | None:
+    """The layout of the sum over ``dims`` where no shard splits them (each box's sum is whole), else ``None``.
+
+    A shard is split along the summed dims if it does not span them whole and its sum is not
+    empty: an empty shard whose projection holds elements would be a replica of zeros.
+    """
+    if layout.partial is not None:
+        return None
+    kept = [s for s in layout.shards if 0 not in _project(s.sizes, dims, keepdim, True)]
+    if any(s.sizes[d] != layout.shape[d] for s in kept for d in dims):
+        return None
+    return Layout(
+        _project(layout.shape, dims, keepdim, full=True), [_project_meta(s, dims, keepdim) for s in layout.shards]
+    )
+
+
+@cached(256)
+def _summands(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> tuple[Layout, dict[int, int]]:
+    """The pending sum of the shards' sums over ``dims``, and which of its shards each shard of ``layout`` adds to.
+
+    One summand per (placement, box), each element once: of a box's replicas only the first
+    contributes, and an empty shard none.
+    """
     keys: dict[tuple[Any, ...], ShardMeta] = {}
     contributors: list[tuple[int, tuple[Any, ...]]] = []
     seen: set[tuple[Any, ...]] = set()
@@ -220,14 +232,22 @@ def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> Shard
             "so their sums do not form a layout; reshard to a spec that splits only the summed dims first."
         )
         raise SpecError(msg) from exc
-    data = dict(zip(backend.addressable(layout), x.addressable_data))
-    totals: dict[tuple[Any, ...], torch.Tensor] = {}
-    for i, key in contributors:
-        if i in data:
-            part = data[i].sum(dim=dims, keepdim=keepdim)
-            totals[key] = part if key not in totals else totals[key] + part
     index = {(m.offsets, m.sizes, m.placement): j for j, m in enumerate(out.shards)}
-    mine = backend.addressable(out)
-    by_index = {index[k]: t for k, t in totals.items()}
-    tensors = tuple(by_index[j] for j in mine)
+    return out, {i: index[key] for i, key in contributors}
+
+
+def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> ShardedArray:
+    """The per-shard sums as a pending sum (``_summands``)."""
+    x = split_replicas(x)  # replicas of a summand: one keeps it, the others hold 0
+    layout, backend = x.layout, x.backend
+    # Of a value's replicas only the first contributes; their gradients are then summed to all.
+    x = regrouped(x, "sum")
+    out, into = _summands(layout, dims, keepdim)
+    totals: dict[int, torch.Tensor] = {}
+    for i, t in zip(backend.addressable(layout), x.addressable_data):
+        j = into.get(i)
+        if j is not None:
+            part = t.sum(dim=dims, keepdim=keepdim)
+            totals[j] = part if j not in totals else totals[j] + part
+    tensors = tuple(totals[j] for j in backend.addressable(out))
     return ShardedArray(out, tensors, backend, x.dtype, None if tensors else x._link_view())  # pyright: ignore[reportPrivateUsage]  # package-internal

@@ -724,14 +724,18 @@ def _with_parts(parts: _varying.Parts, grad: torch.Tensor, backend: Any) -> torc
     mine, parts.grad = parts.grad, None
     if not any(has for has, _ in seen):
         return grad
-    zero = (0,) * grad.dim()
-    shape = tuple(grad.shape)
-    shards = [ShardMeta(zero, shape, f"rank:{r}/{dev}") for r, (_, dev) in zip(backend.ranks, seen)]
-    summands = Layout(shape, shards, "sum")
-    whole = Layout(shape, shards)
+    summands, whole = _parts_layouts(tuple(grad.shape), tuple(backend.ranks), tuple(dev for _, dev in seen))
     mine = mine if mine is not None else torch.zeros_like(grad)
     (summed,), _ = move(summands, whole, backend, (mine,), mine)
     return grad + summed
+
+
+@cached(64)
+def _parts_layouts(shape: tuple[int, ...], ranks: tuple[int, ...], devices: tuple[str, ...]) -> tuple[Layout, Layout]:
+    """A pending sum of one summand of ``shape`` per rank (on its device), and the full copies it sums into."""
+    zero = (0,) * len(shape)
+    shards = [ShardMeta(zero, shape, f"rank:{r}/{dev}") for r, dev in zip(ranks, devices)]
+    return Layout(shape, shards, "sum"), Layout(shape, shards)
 
 
 class _SumUses(torch.autograd.Function):
@@ -769,8 +773,8 @@ def _over_ranks(layout: Layout, shape: tuple[int, ...], rank: int) -> tuple[Layo
     found, firsts = np.unique(layout.columns.rank, return_index=True)
     ranks: list[int] = found.tolist()
     devices: list[str] = [layout.columns.devices[i] for i in firsts.tolist()]
-    shards = [ShardMeta((0,) * len(shape), shape, f"rank:{r}/{d}") for r, d in zip(ranks, devices)]
-    return Layout(shape, shards, "sum"), Layout(shape, shards), torch.device(devices[ranks.index(rank)])
+    summands, whole = _parts_layouts(shape, tuple(ranks), tuple(devices))
+    return summands, whole, torch.device(devices[ranks.index(rank)])
 
 
 def summed_uses(t: torch.Tensor, layout: Layout, backend: Any) -> torch.Tensor:
