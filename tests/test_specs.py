@@ -20,6 +20,7 @@ from fshard import (
     LayoutError,
     Mesh,
     Named,
+    Partial,
     Placement,
     Replicated,
     ShardMeta,
@@ -408,3 +409,47 @@ def test_any_object_with_a_layout_method_is_a_spec_even_unhashable():
 def test_resolving_a_spec_twice_gives_the_same_layout_value():
     spec = Named(Mesh((2, 2)), ("x", None))
     assert as_layout(spec, (4, 4)) is as_layout(Named(Mesh((2, 2)), ("x", None)), (4, 4))
+
+
+def _specs() -> list[object]:
+    mesh = Mesh((2, 2))
+    return [
+        Chunk(0, [0, 1, 2, 3]),
+        Replicated(["rank:0/cpu", "rank:1/cpu"]),
+        Single(2),
+        Explicit([((0,), (3,), 0), ((3,), (1,), 1)]),
+        mesh,
+        Named(mesh, ("x", None)),
+        Partial(Named(mesh, (None,)), over="y"),
+        Partial(Replicated([0, 1]).layout((3,))),
+    ]
+
+
+def _hashes() -> list[int]:
+    return [hash(s) for s in _specs()]
+
+
+def test_a_spec_is_hashed_once_and_alike_in_every_process():
+    # A spec of thousands of placements keys caches at every call: its hash is made once and kept, from
+    # its fields' text, so a spec pickled to another process (as a pool's worker gets it) keeps it.
+    import pickle
+    import subprocess
+    import sys
+
+    for spec, again in zip(_specs(), _specs()):
+        assert spec == again
+        assert hash(spec) == hash(again)
+        copy = pickle.loads(pickle.dumps(spec))
+        assert copy == spec
+        assert hash(copy) == hash(spec)
+    code = "import tests.test_specs as t; print(t._hashes())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert other.stdout.strip() == str(_hashes())
+    assert hash(Chunk(0, [0, 1])) != hash(Chunk(1, [0, 1]))
+
+
+def test_partial_of_an_unhashable_spec_is_unhashable_and_still_resolves():
+    spec = Partial(_RowsOf2())
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(spec)
+    assert as_layout(spec, (3, 1)).partial == "sum"

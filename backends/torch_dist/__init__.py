@@ -411,6 +411,27 @@ class TorchDistBackend:
         self.counters.collectives += 1
         return out
 
+    def alike(self, digest: int | None) -> bool:
+        """Whether every group rank passed this ``digest`` (``None``: one that matches none).
+
+        One ``all_reduce`` of three numbers, whatever the group's size: where it says so, the
+        ranks need not ``exchange`` what the digests stand for. ``digest`` must lie within
+        ±2**62; every rank learns the same answer.
+        """
+        self._require_member("exchange")
+        mine = 0 if digest is None else digest
+        if not -(1 << 62) < mine < 1 << 62:
+            raise ValueError(f"fshard internal error: digest {mine} is not within ±2**62.")
+        with outside_transforms():
+            self._check("exchange", ())
+            marks = torch.tensor([int(digest is None), mine, -mine], dtype=torch.int64, device=self._wire)
+            with in_flight():
+                (sent,) = handed(marks)
+                dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self.group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+        self.counters.collectives += 1
+        odd, high, low = cast("list[int]", marks.tolist())  # pyright: ignore[reportUnknownMemberType]  # torch's stub
+        return not odd and high == -low
+
     # -- internals ---------------------------------------------------------------------
 
     def _collective(

@@ -16,6 +16,7 @@ gradient (each counts 1/copies), which together give the exact gradient by linea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import types
@@ -42,11 +43,13 @@ from fshard._exec import gathered as _varying
 from fshard._exec import regather as _regather
 from fshard._exec.agree import (
     agree,
+    agree_alike,
     describe_results,
     holds_nothing_somewhere,
     link_without_blocks,
     merge_results,
     post_outcome,
+    tree_kinds,
     untouched,
 )
 from fshard._exec.collective import collective
@@ -545,11 +548,18 @@ def _run(
         def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
             return describe_results(r[1], r[0]), (usage.ages(), usage.closed), tuple(s.series for s in series)
 
-        (leaves, spec_tree), seen = agree(backend, compute, describe)
-        merged, metas = merge_results([d for d, _, _ in seen], what)
-        spec_tree = merged if merged is not None else spec_tree
-        used = _used(backend, first, [u for _, u, _ in seen], what)
-        _buckets.compare_series(series, [b for _, _, b in seen], backend.ranks, what)
+        (leaves, spec_tree), seen = agree_alike(backend, compute, describe, _alike_form)
+        if seen is None:  # every rank's results alike, placement for placement: nothing exchanged
+            (_, found), (ages, closed), mine = describe((leaves, spec_tree))
+            metas = cast("list[tuple[torch.dtype, _Alike]]", _alike_metas(found))
+            _refuse_closed(backend, first, closed, what)
+            used = set(ages)
+            _buckets.compare_series(series, [mine], backend.ranks, what)
+        else:
+            merged, metas = merge_results([d for d, _, _ in seen], what)
+            spec_tree = merged if merged is not None else spec_tree
+            used = _used(backend, first, [u for _, u, _ in seen], what)
+            _buckets.compare_series(series, [b for _, _, b in seen], backend.ranks, what)
     else:
         # No process waits for the others here: each posts what fn returned (or that it raised), and the
         # group's next collective compares them, so a process whose fn returned otherwise raises with the others.
@@ -580,7 +590,7 @@ def _results(
     out_specs: Any,
     spec_tree: Any,
     leaves: list[dict[Slot, torch.Tensor]],
-    metas: Sequence[tuple[torch.dtype, dict[Any, tuple[int, ...]]]],
+    metas: Sequence[tuple[torch.dtype, dict[Any, tuple[int, ...]] | _Alike]],
     used: set[int],
     inputs: Sequence[ShardedArray],
     arrays: Sequence[ShardedArray],
@@ -598,14 +608,13 @@ def _results(
         spec_tree = _spec_structure(out_specs)
     if not leaves:
         leaves = [{} for _ in specs]
-    slots = set(_slot_index(first).values())
     outs: list[ShardedArray] = []
     for n, (spec, blocks) in enumerate(zip(specs, leaves)):
         dtype, shapes = metas[n] if n < len(metas) else (arrays[0].dtype, {})
         if len(blocks) > 1 and len(kinds := {t.dtype for t in blocks.values()}) > 1:  # as merge_results says it
             raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks; return one.")
         link = None if held else link_without_blocks(inputs, dtype, used)
-        layout = _out_layout(spec, shapes, slots, pending, what, n)
+        layout = _out_layout(spec, shapes, first, pending, what, n)
         if check:
             _check_replicas(tuple(a.layout for a in arrays), names, layout, spec, what, n)
         outs.append(_wrap(layout, backend, blocks, link, dtype))
@@ -901,13 +910,78 @@ def _path(path: tuple[Any, ...]) -> str:
     return "".join(f"[{k!r}]" for k in path) or "the top"
 
 
-def _out_layout(
-    spec: Any, shapes: dict[Slot, tuple[int, ...]], slots: set[Slot], pending: str | None, what: str, n: int
-) -> Layout:
-    """The layout of result ``n``, checked against the block shapes and the slots where ``fn`` ran.
+@dataclasses.dataclass(frozen=True)
+class _Alike:
+    """A result's block shapes where every placement holds blocks of the same shapes: the k-th ``shapes[k]``."""
 
-    The block shapes are those known here: every rank's where they were exchanged.
+    shapes: tuple[tuple[int, ...], ...]
+
+    def spread(self, layout: Layout) -> dict[Slot, tuple[int, ...]]:
+        """The shape of the block at each slot of ``layout`` (the arguments' placements)."""
+        return {slot: self.shapes[slot[1]] for slot in _slot_index(layout).values()}
+
+
+def _alike_metas(
+    found: Sequence[tuple[torch.dtype, dict[Slot, tuple[int, ...]]]],
+) -> list[tuple[torch.dtype, _Alike]] | None:
+    """Per result leaf, its dtype and its block shapes by position on this rank's one placement.
+
+    ``None`` where this rank's blocks lie on several placements, or skip a position.
     """
+    out: list[tuple[torch.dtype, _Alike]] = []
+    for dtype, shapes in found:
+        slots = list(shapes)
+        if len({p for p, _ in slots}) != 1 or sorted(k for _, k in slots) != list(range(len(slots))):
+            return None
+        out.append((dtype, _Alike(tuple(shapes[slot] for slot in sorted(slots, key=lambda slot: slot[1])))))
+    return out
+
+
+def _alike_form(description: Any) -> Any:
+    """What a rank's description (``_run``'s ``describe``) says, naming no rank; ``None`` where it cannot.
+
+    Ranks whose forms are equal returned one structure and dtypes, blocks of the same shapes
+    at each position of their one placement, and used the same gathered and closed-over
+    tensors and buckets: each can then rebuild the others' descriptions from its own.
+    """
+    results, (ages, closed), series = description
+    if results is None:
+        return None
+    tree, found = results
+    metas = _alike_metas(found)
+    if metas is None:
+        return None
+    leaves = [(str(dtype), alike.shapes) for dtype, alike in metas]
+    return repr(tree), tree_kinds(tree), leaves, sorted(ages), closed, series
+
+
+def _out_layout(
+    spec: Any, shapes: dict[Slot, tuple[int, ...]] | _Alike, first: Layout, pending: str | None, what: str, n: int
+) -> Layout:
+    """The layout of result ``n``, checked against the block shapes and the slots of ``first`` (where ``fn`` ran).
+
+    The block shapes are those known here: every rank's where they were exchanged (or
+    alike). Made once per spec and shapes (``_laid_out``): on thousands of ranks a layout
+    and its checks take milliseconds.
+    """
+    key = shapes if isinstance(shapes, _Alike) else tuple(shapes.items())
+    try:
+        hash(spec)
+    except TypeError:  # a spec that cannot be hashed: laid out afresh
+        return _lay_out(spec, key, first, pending, what, n)
+    return _laid_out(spec, key, first, pending, what, n)
+
+
+def _lay_out(
+    spec: Any,
+    key: tuple[tuple[Slot, tuple[int, ...]], ...] | _Alike,
+    first: Layout,
+    pending: str | None,
+    what: str,
+    n: int,
+) -> Layout:
+    shapes = key.spread(first) if isinstance(key, _Alike) else dict(key)
+    slots = set(_slot_index(first).values())
     if spec is None:
         raise SpecError(f"{what} needs an out_spec for result {n}.")
     layout = spec if isinstance(spec, Layout) else as_layout(spec, _infer_shape(spec, shapes, what, n))
@@ -936,6 +1010,9 @@ def _out_layout(
             )
             raise SpecError(msg)
     return layout
+
+
+_laid_out = cached(256)(_lay_out)
 
 
 def _check_replicas(

@@ -28,6 +28,7 @@ from fshard._layout.layout import Layout
 
 __all__ = [
     "agree",
+    "agree_alike",
     "describe_results",
     "post_outcome",
     "tree_kinds",
@@ -60,13 +61,43 @@ def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) 
     (``KeyboardInterrupt``, ``SystemExit``) is a ``CollectiveMismatchError`` here that
     names the rank; the interrupted process posts it, then goes on being interrupted.
     """
+    result, seen = _agree(backend, compute, describe, None)
+    assert seen is not None  # always exchanged without ``alike``
+    return result, seen
+
+
+def agree_alike(
+    backend: Any, compute: Callable[[], T], describe: Callable[[T], Any], alike: Callable[[Any], Any]
+) -> tuple[T, list[Any] | None]:
+    """``agree``, with ``None`` for the descriptions where every process's is alike.
+
+    ``alike`` gives a form of a description that names no rank (``None`` where there is
+    none), from which the caller rebuilds every rank's description where all are alike.
+    The processes first compare digests of those forms (one ``all_reduce`` of three
+    numbers, ``backend.alike``): where every one is the same and nothing raised, the
+    descriptions themselves are not exchanged. So a call costs the same on thousands of
+    ranks as on two, unless the ranks' results differ; then they are exchanged as by
+    ``agree``, which raises where they must.
+    """
+    return _agree(backend, compute, describe, alike)
+
+
+def _agree(
+    backend: Any, compute: Callable[[], T], describe: Callable[[T], Any], alike: Callable[[Any], Any] | None
+) -> tuple[T, list[Any] | None]:
+    compare = getattr(backend, "alike", None) if alike is not None else None  # a backend may lack it: exchange
     try:
         result = compute()
         mine = ("ok", describe(result))
+        form = alike(mine[1]) if compare is not None and alike is not None else None
     except BaseException as exc:  # an interrupt too: the others would wait for this rank's entry
+        if compare is not None:
+            compare(None)  # matches none: every rank goes on to the exchange, which carries the error
         backend.exchange(("error", exc))
         exc._fshard_posted = True  # type: ignore[attr-defined]  # the others know: check mode settles it
         raise
+    if compare is not None and compare(None if form is None else _text_digest(repr(form))):
+        return result, None
     seen = backend.exchange(mine)
     for rank, (kind, value) in zip(backend.ranks, seen):
         if kind == "error":
@@ -74,6 +105,11 @@ def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) 
             error.add_note(f"(raised on rank {rank}; this rank's function returned)")
             raise error
     return result, [value for _, value in seen]
+
+
+def _text_digest(text: str) -> int:
+    """A digest of ``text`` within ±2**62, alike on every process."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
 
 
 def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None) -> None:

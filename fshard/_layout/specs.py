@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from fshard._base.cache import cached
+from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout, ShardMeta, ShardMetaLike, as_metas, with_partial, with_terms
 from fshard._layout.placement import Placement, PlacementLike, as_placement
@@ -41,9 +43,41 @@ Placements = Union[Iterable[PlacementLike], PlacementLike]
 
 
 def _set(obj: object, **fields: Any) -> None:
-    """Sets the fields of a frozen value once, in its ``__init__``."""
+    """Sets the fields of a frozen value once, in its ``__init__`` (its hash is made at the first ``hash``)."""
     for name, value in fields.items():
         object.__setattr__(obj, name, value)
+    object.__setattr__(obj, "_hash", 0)  # made at the first hash (``_hash_of``), outside any traced code
+
+
+@opaque  # reprs and hashlib: eagerly, where a compiled step hashes a spec
+def _digest(spec: Any) -> int | None:
+    """A spec's hash: a spec of thousands of placements is a key of caches at every call, so it is kept.
+
+    From the fields' text, not ``hash()``, so it is the same in every process (a pickled
+    spec keeps it) and equal specs have equal ones. ``None`` where a field cannot be hashed
+    (a spec of the user's inside ``Partial``): the spec cannot be either.
+    """
+    values = tuple(getattr(spec, f.name) for f in dataclasses.fields(spec) if f.compare)
+    try:
+        hash(values)
+    except TypeError:
+        return None
+    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "big", signed=True)
+
+
+def _hash_of(spec: Any) -> int:
+    """``spec``'s ``__hash__``: made at the first call and kept (0: not made yet; a digest of 0 is made again)."""
+    made = spec._hash
+    if made == 0:
+        made = _digest(spec)
+        object.__setattr__(spec, "_hash", made)
+    if made is None:
+        raise TypeError(f"unhashable type: '{type(spec).__name__}' (it holds an unhashable value)")
+    return made
+
+
+def _hash_field() -> Any:
+    return dataclasses.field(init=False, repr=False, compare=False)
 
 
 def _items(values: Any, what: str, expected: str = "a list or tuple") -> tuple[Any, ...]:
@@ -97,6 +131,10 @@ class Chunk:
 
     dim: int
     placements: tuple[Placement, ...]
+    _hash: int | None = _hash_field()
+
+    def __hash__(self) -> int:
+        return _hash_of(self)
 
     def __init__(self, dim: int, placements: Placements) -> None:
         if isinstance(dim, str):
@@ -127,6 +165,10 @@ class Replicated:
     """
 
     placements: tuple[Placement, ...]
+    _hash: int | None = _hash_field()
+
+    def __hash__(self) -> int:
+        return _hash_of(self)
 
     def __init__(self, placements: Placements) -> None:
         _set(self, placements=_placements(placements, "Replicated"))
@@ -146,6 +188,10 @@ class Single:
     """
 
     placement: Placement
+    _hash: int | None = _hash_field()
+
+    def __hash__(self) -> int:
+        return _hash_of(self)
 
     def __init__(self, placement: PlacementLike) -> None:
         _set(self, placement=as_placement(placement))
@@ -167,6 +213,10 @@ class Explicit:
     """
 
     shards: tuple[ShardMeta, ...]
+    _hash: int | None = _hash_field()
+
+    def __hash__(self) -> int:
+        return _hash_of(self)
 
     def __init__(self, shards: Iterable[Any]) -> None:
         if is_torch_spec(shards):
@@ -219,6 +269,10 @@ class Mesh:
     shape: tuple[int, ...]
     ranks: tuple[Placement, ...]
     axis_names: tuple[str, ...]
+    _hash: int | None = _hash_field()
+
+    def __hash__(self) -> int:
+        return _hash_of(self)
 
     def __init__(self, shape: Iterable[int], ranks: Any = None, axis_names: Iterable[str] | None = None) -> None:
         shape = check_shape(shape, "Mesh shape")
@@ -277,6 +331,10 @@ class Named:
 
     mesh: Mesh
     partition: tuple[PartitionEntry, ...]
+    _hash: int | None = _hash_field()
+
+    def __hash__(self) -> int:
+        return _hash_of(self)
 
     def __init__(self, mesh: Mesh, partition: Iterable[Any]) -> None:
         if not isinstance(mesh, Mesh):
@@ -370,6 +428,10 @@ class Partial:
     spec: Any
     op: str
     over: tuple[str, ...] | None
+    _hash: int | None = _hash_field()
+
+    def __hash__(self) -> int:
+        return _hash_of(self)
 
     def __init__(self, spec: Any, op: str = "sum", *, over: str | Iterable[str] | None = None) -> None:
         if isinstance(spec, Partial) or (isinstance(spec, Layout) and spec.partial is not None):

@@ -1,0 +1,127 @@
+"""shard_map results laid out from every rank's blocks (``Chunk`` out_specs), on 4 Gloo processes.
+
+Every rank must learn the other ranks' block shapes. Where every rank's results are alike
+(one structure and dtype, the same block shapes at each position), one ``all_reduce`` of
+three numbers says so, whatever the number of ranks, and nothing more is exchanged; where
+they differ, the ranks exchange their descriptions, and the results or errors are those of
+the local backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fshard
+from fshard import SpecError
+
+R = [0, 1, 2, 3]
+
+
+@contextlib.contextmanager
+def _calls() -> Iterator[dict[str, int]]:
+    """How many times the process group's all_reduce and all_to_all_single (an exchange's) run in the block."""
+    counts = {"all_reduce": 0, "all_to_all_single": 0}
+    saved = {name: getattr(dist, name) for name in counts}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _results(kind: str) -> tuple[Any, ...]:
+    """One shard_map whose results' extent comes from the blocks; its global shape, values and collectives."""
+    spec = fshard.Chunk(0, R)
+    rows = 6 if kind == "ragged" else 16  # 6 rows: blocks of 2, 2, 2 and 0 rows
+    x = fshard.shard(torch.arange(rows * 4.0).reshape(rows, 4), spec)
+
+    def fn(t: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return t * 2, {"sum": t.sum(1)}
+
+    step = fshard.shard_map(fn, in_specs=spec, out_specs=spec)
+    with _calls() as calls:
+        y, aux = step(x)
+    again, _ = step(x)
+    return y.shape, fshard.gather(y).tolist(), fshard.gather(aux["sum"]).tolist(), calls, again.layout is y.layout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["even", "ragged"])
+def test_results_alike_on_every_rank_need_one_all_reduce_and_no_exchange(dist_pool, kind):
+    shape, values, sums, _, same = _results(kind)
+    for got in dist_pool.run(_results, kind, timeout=60):
+        assert got[:3] == (shape, values, sums)  # the local backend's
+        # Alike: one all_reduce of the digests. Ragged blocks: that, then the exchange of the shapes.
+        assert got[3] == {"all_reduce": 1, "all_to_all_single": 1 if kind == "ragged" else 0}
+        assert got[4]  # the second call's layout is the first's: made once
+    assert same
+    assert shape == ((6, 4) if kind == "ragged" else (16, 4))
+
+
+def _differs(kind: str) -> tuple[str, str, list[str]]:
+    """A shard_map with Chunk out_specs whose fn differs on the block of rows 8-11 (rank 2's)."""
+    x = fshard.shard(torch.arange(32.0).reshape(16, 2), fshard.Chunk(0, R))
+
+    def fn(t: torch.Tensor) -> Any:
+        if t[0, 0] != 16:
+            return t + 1
+        if kind == "raises":
+            raise ValueError("fn refused this block")
+        return t.double() if kind == "dtype" else t[:1] if kind == "shape" else (t, t)
+
+    try:
+        fshard.shard_map(fn, in_specs=fshard.Chunk(0, R), out_specs=fshard.Chunk(0, R))(x)
+    except (ValueError, SpecError) as exc:
+        return type(exc).__name__, str(exc), getattr(exc, "__notes__", [])
+    return "no error", "", []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("kind", "error", "says"),
+    [
+        ("raises", "ValueError", "fn refused this block"),
+        ("dtype", "SpecError", "dtypes"),
+        ("structure", "SpecError", "returned"),
+        ("shape", "SpecError", "on placement rank:2/cpu has shape (1, 2) but out_spec gives that block"),
+    ],
+)
+def test_results_that_differ_on_one_rank_raise_on_every_rank(dist_pool, kind, error, says):
+    local = _differs(kind)
+    assert local[0] == error
+    assert says in local[1]
+    got = dist_pool.run(_differs, kind, timeout=60)
+    assert [g[0] for g in got] == [error] * 4
+    assert all(says in g[1] for g in got)
+    if kind == "raises":  # rank 2 raised its own error; the others raise it, naming rank 2
+        assert got[2][2] == []
+        assert got[0][2] == ["(raised on rank 2; this rank's function returned)"]
+
+
+def _digest_in_bounds() -> list[bool]:
+    from fshard._exec.agree import _text_digest
+
+    backend = fshard.shard(torch.zeros(4), fshard.Chunk(0, R)).backend
+    mine = _text_digest(f"rank {dist.get_rank() // 2}")  # ranks 0, 1 alike; 2, 3 alike
+    return [backend.alike(_text_digest("same")), backend.alike(mine), backend.alike(None)]
+
+
+@pytest.mark.multiprocess
+def test_alike_is_true_only_where_every_rank_passed_the_same_digest(dist_pool):
+    assert dist_pool.run(_digest_in_bounds, timeout=30) == [[True, False, False]] * 4
