@@ -4,7 +4,7 @@ Every rank must learn the other ranks' block shapes. Where every rank's results 
 (one structure and dtype, the same block shapes at each position), one ``all_reduce`` of
 three numbers says so, whatever the number of ranks, and nothing more is exchanged; where
 they differ, the ranks exchange their descriptions, and the results or errors are those of
-the local backend.
+the local backend. ``equal`` and ``allclose`` agree on their answer the same way.
 """
 
 from __future__ import annotations
@@ -125,3 +125,22 @@ def _digest_in_bounds() -> list[bool]:
 @pytest.mark.multiprocess
 def test_alike_is_true_only_where_every_rank_passed_the_same_digest(dist_pool):
     assert dist_pool.run(_digest_in_bounds, timeout=30) == [[True, False, False]] * 4
+
+
+def _equal(differ: bool) -> tuple[bool, bool, dict[str, int]]:
+    """equal and allclose of two arrays that differ on one block (rows 4-5, rank 2's) or nowhere."""
+    x = fshard.shard(torch.arange(8.0), fshard.Chunk(0, R))
+    y = fshard.map_local(lambda t: t + float(differ and t[0] == 4), x)
+    with _calls() as calls:
+        same = fshard.equal(x, y)
+        close = fshard.allclose(x, y)
+    return same, close, calls
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("differ", [False, True])
+def test_equal_and_allclose_agree_in_one_all_reduce_each(dist_pool, differ):
+    same, close, _ = _equal(differ)
+    assert same is close is (not differ)  # the local backend's answer
+    for got in dist_pool.run(_equal, differ, timeout=60):
+        assert got == (same, close, {"all_reduce": 2, "all_to_all_single": 0})

@@ -22,6 +22,7 @@ from fshard._exec import fused as _fused
 from fshard._exec.agree import (
     agree,
     holds_nothing_somewhere,
+    on_every_rank,
 )
 from fshard._exec.collective import collective
 from fshard._exec.replicas import check_leaves, checking
@@ -250,7 +251,7 @@ def equal(a: ShardedArray, b: ShardedArray) -> bool:
     """
     pair = _aligned(a, b, "equal()")
     ok = pair is not None and all(torch.equal(x, y) for x, y in zip(pair[0].addressable_data, pair[1].addressable_data))
-    return all(a.backend.exchange(ok))
+    return on_every_rank(a.backend, ok)
 
 
 @collective("allclose")
@@ -272,7 +273,7 @@ def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float =
         torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan)
         for x, y in zip(pair[0].addressable_data, pair[1].addressable_data)
     )
-    return all(a.backend.exchange(ok))
+    return on_every_rank(a.backend, ok)
 
 
 @collective("from_local_shards_and_layout", local=("shards",))

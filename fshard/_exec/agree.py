@@ -30,11 +30,13 @@ __all__ = [
     "agree",
     "agree_alike",
     "describe_results",
+    "every_rank",
     "post_outcome",
     "tree_kinds",
     "holds_nothing_somewhere",
     "link_without_blocks",
     "merge_results",
+    "on_every_rank",
     "untouched",
 ]
 
@@ -105,6 +107,26 @@ def _agree(
             error.add_note(f"(raised on rank {rank}; this rank's function returned)")
             raise error
     return result, [value for _, value in seen]
+
+
+def every_rank(backend: Any, value: Any) -> list[Any]:
+    """Every rank's ``value`` (small data, alike in ``repr`` where equal), in rank order (a collective).
+
+    Where every rank's is the same, one comparison of digests says so (``backend.alike``)
+    and nothing more is exchanged; else ``backend.exchange``.
+    """
+    compare = getattr(backend, "alike", None)
+    if compare is not None and compare(_text_digest(repr(value))):
+        return [value] * len(backend.ranks)
+    return backend.exchange(value)
+
+
+def on_every_rank(backend: Any, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (a collective): one comparison of digests where the backend has it."""
+    compare = getattr(backend, "alike", None)
+    if compare is None:
+        return all(backend.exchange(ok))
+    return bool(compare(1 if ok else None))
 
 
 def _text_digest(text: str) -> int:
