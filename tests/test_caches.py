@@ -64,7 +64,7 @@ def test_a_layout_that_many_entries_hold_is_charged_once():
         fshard.plan(src, fshard.Chunk(0, ranks[k:] + ranks[:k]).layout(shape))
     assert 7 * per <= _cache.cache_bytes() < 7.1 * per
     fshard.clear_caches()
-    assert not _cache._CHARGED  # emptied caches forget what they charged: the next entries count it again
+    assert not _cache._COUNTED  # emptied caches forget what they counted: the next entries count it again
     fshard.plan(src, fshard.Chunk(0, ranks[1:] + ranks[:1]).layout(shape))
     assert _cache.cache_bytes() >= 2 * per
 
@@ -99,3 +99,33 @@ def test_layouts_made_per_call_are_made_once():
     assert x.sum(0).layout is x.sum(0).layout  # a pending sum
     spec = fshard.Chunk(0, [0, 1])
     assert fshard.zeros(spec, (4, 3), device="cpu").layout is fshard.zeros(spec, (4, 3), device="cpu").layout
+
+
+def test_a_layout_stays_counted_while_another_cache_holds_it():
+    # The entry that first counted a layout leaves its lru; a plan still holds the layout, so it stays counted
+    # (it is counted while it lives), and it leaves the count when it dies.
+    import gc
+
+    fshard.clear_caches()
+    ranks = list(range(2000))
+    src = fshard.Chunk(0, ranks).layout((8000, 8))
+    per = src.__fshard_nbytes__()
+    memo = _cache.cached(1)(lambda layout: layout.numel)
+    entry = _cache._REGISTRY[-1]
+    try:
+        memo(src)  # counts src
+        dst = fshard.Chunk(0, ranks[1:] + ranks[:1]).layout((8000, 8))
+        fshard.plan(src, dst)  # holds src too
+        memo(dst)  # the lru of one drops src's entry
+        assert _cache.cache_bytes() >= 2 * per
+        fshard.clear_caches()
+        memo(src)
+        counted = _cache.cache_bytes()
+        assert counted >= per
+        memo.cache_clear()
+        del src
+        gc.collect()
+        assert _cache.cache_bytes() <= counted - per
+    finally:
+        _cache._REGISTRY.remove(entry)
+        fshard.clear_caches()

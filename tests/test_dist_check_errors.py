@@ -1,6 +1,7 @@
 """Check mode on 4 Gloo processes: an argument that is bad on one rank, a skipped
-collective or a different call makes every rank raise, never hang; outside check
-mode, a bad source tensor of ``shard(src=...)`` still raises on every rank."""
+collective or a different call makes every rank raise, never hang, and the checks
+a call posted end with it; outside check mode, a bad source tensor of
+``shard(src=...)`` still raises on every rank."""
 
 from __future__ import annotations
 
@@ -57,6 +58,42 @@ def _map_local_raises_on_rank_1():
         fshard.gather(y)
 
     return _outcome(program)
+
+
+def _check_mode_then_next(what: str) -> tuple[tuple[str, str, list[str]] | None, float]:
+    """In check mode, a shard_map or map_local whose fn returns another structure (or raises) on rank 3 only.
+
+    Then a gather outside check mode: no check of the failed call is left for it to raise.
+    """
+    x = fshard.shard(torch.arange(8.0).reshape(4, 2), fshard.Chunk(0, R))
+
+    def fn(t: torch.Tensor) -> object:
+        if t[0, 0] == 6:  # rank 3's block
+            if what.endswith("raises"):
+                raise ValueError("refused on rank 3")
+            return (t, t)
+        return t
+
+    if what.startswith("shard_map"):
+        rows = fshard.Chunk(0, R)
+        call = fshard.shard_map(fn, in_specs=rows, out_specs=fshard.Layout((4, 2), x.layout.shards))
+    else:
+        call = lambda a: fshard.map_local(fn, a)  # noqa: E731
+    got = _outcome(lambda: call(x), timeout=20.0)
+    return got, fshard.gather(x).sum().item()
+
+
+@pytest.mark.parametrize("what", ["shard_map-structure", "shard_map-raises", "map_local-structure", "map_local-raises"])
+def test_check_mode_ends_the_checks_a_call_posts(dist_pool, what):
+    got = dist_pool.run(_check_mode_then_next, what, timeout=60)
+    for error, total in got:
+        assert total == 28.0  # the next collective ran, on every rank
+        assert error is not None
+        if what.endswith("raises"):  # every rank raises rank 3's error
+            assert error[:2] == ("ValueError", "refused on rank 3")
+        else:
+            assert error[0] == "SpecError"
+            assert "another structure or other dtypes on ranks [3]" in error[1], error
 
 
 ONE_RANK_ERRORS = {

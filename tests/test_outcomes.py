@@ -261,3 +261,82 @@ def test_checks_in_flight_are_bounded_by_a_run_of_calls_without_a_collective(dis
     for most, total in dist_pool.run(_many_calls_without_a_collective, timeout=60):
         assert 1 <= most <= 64
         assert total == 8.0
+
+
+def _map_local_outcomes(what: str) -> str:
+    """map_local without out_spec (every rank holds a block), whose fn returns otherwise (or raises) on rank 3 only."""
+    ranks = list(range(dist.get_world_size()))
+    rows = fshard.Chunk(0, ranks)
+
+    def fn(b: torch.Tensor) -> Any:
+        if b[0, 0] < 0:  # rank 3's rows
+            if what == "structure":
+                return (b * 2, b * 2)
+            if what == "dtype":
+                return (b * 2).double()
+            if what == "resize":  # refused as it is laid out: a split dim resized
+                return (b * 2)[:0]
+            b.add_(1)  # refused: a write into an input block
+        return b * 2
+
+    x = torch.ones(4, 2)
+    x[3] = -1
+    xs = fshard.shard(x, rows)
+    seen = []
+    try:
+        out = fshard.map_local(fn, xs)
+        seen.append("returned")
+    except fshard.SpecError:
+        out = None
+        seen.append("raised")
+    try:
+        fshard.gather(xs)
+        seen.append("next collective ran")
+    except fshard.SpecError as exc:
+        message = str(exc)
+        seen.append(
+            "raised there: rank 3 raised" if "map_local() fn raised on rank(s) [3]" in message
+            else "raised there: rank 3's outcome" if "another structure or other dtypes on ranks [3]" in message
+            else f"raised there: {message}"
+        )  # fmt: skip
+    del out
+    return " / ".join(seen)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("what", ["structure", "dtype", "in-place", "resize"])
+def test_a_map_local_outcome_on_one_rank_only_raises_on_every_rank_at_the_next_collective(dist_pool, what):
+    """As shard_map's: map_local posts what fn returned, where no process waits for the others at the call."""
+    got = dist_pool.run(_map_local_outcomes, what, timeout=60)
+    if what in ("in-place", "resize"):
+        assert got == ["returned / raised there: rank 3 raised"] * 3 + ["raised / raised there: rank 3 raised"]
+    else:
+        assert got == ["returned / raised there: rank 3's outcome"] * 4
+
+
+def _posted_by_fshard_own_functions() -> tuple[int, int, int, int]:
+    """Collectives of fshard's own per-block functions (operators, clip's scaling), and of map_locals of the user's."""
+    ranks = list(range(dist.get_world_size()))
+    x = fshard.shard(torch.arange(8.0), fshard.Chunk(0, ranks))
+    backend = x.backend
+    before = backend.counters.collectives
+    y = -(x * 2 + 1) / 3
+    fshard.clip_grad_norm({"w": y}, 1.0)  # its norm's one sum of squares (no pending sum); the scaling posts none
+    own = backend.counters.collectives - before
+    before = backend.counters.collectives
+    fshard.gather(y)
+    alone = backend.counters.collectives - before
+    before = backend.counters.collectives
+    tree = {f"w{k}": fshard.map_local(lambda t, k=k: t * k, y) for k in range(5)}  # an update of each leaf
+    at_calls = backend.counters.collectives - before
+    fshard.gather(tree["w4"])
+    return own, alone, at_calls, backend.counters.collectives - before
+
+
+@pytest.mark.multiprocess
+def test_map_local_calls_hold_their_checks_for_one_at_the_next_collective(dist_pool):
+    """fshard's own per-block functions post no check; the user's map_locals send one for a run of calls."""
+    for own, alone, at_calls, with_gather in dist_pool.run(_posted_by_fshard_own_functions, timeout=60):
+        assert own == 1
+        assert at_calls == 0
+        assert with_gather == alone + 1

@@ -425,13 +425,17 @@ def _specs() -> list[object]:
     ]
 
 
-def _hashes() -> list[int]:
-    return [hash(s) for s in _specs()]
+def _hashes_of_pickled(blob: bytes) -> list[bool]:
+    """Whether each pickled spec hashes as a fresh, equal one does in this process."""
+    import pickle
+
+    return [hash(s) == hash(f) and s == f for s, f in zip(pickle.loads(blob), _specs())]
 
 
-def test_a_spec_is_hashed_once_and_alike_in_every_process():
-    # A spec of thousands of placements keys caches at every call: its hash is made once and kept, from
-    # its fields' text, so a spec pickled to another process (as a pool's worker gets it) keeps it.
+def test_a_spec_keeps_its_hash_and_a_pickle_carries_none():
+    # A spec of thousands of placements keys caches at every call: its hash is made once and kept. A pickle
+    # carries the fields only, so another process (a pool's worker) hashes it as its own equal specs.
+    import copy
     import pickle
     import subprocess
     import sys
@@ -439,13 +443,25 @@ def test_a_spec_is_hashed_once_and_alike_in_every_process():
     for spec, again in zip(_specs(), _specs()):
         assert spec == again
         assert hash(spec) == hash(again)
-        copy = pickle.loads(pickle.dumps(spec))
-        assert copy == spec
-        assert hash(copy) == hash(spec)
-    code = "import tests.test_specs as t; print(t._hashes())"
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert other.stdout.strip() == str(_hashes())
+        assert spec._hash == hash(spec)  # kept
+        for copied in (pickle.loads(pickle.dumps(spec)), copy.deepcopy(spec), copy.copy(spec)):
+            assert copied == spec
+            assert hash(copied) == hash(spec)
     assert hash(Chunk(0, [0, 1])) != hash(Chunk(1, [0, 1]))
+    blob = pickle.dumps(_specs())
+    code = f"import tests.test_specs as t; print(t._hashes_of_pickled({blob!r}))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert other.stdout.strip() == str([True] * len(_specs()))
+
+
+def test_equal_specs_hash_alike_whatever_the_types_of_their_values():
+    import numpy as np
+
+    class Rank(int):
+        pass
+
+    assert hash(Mesh((2,), axis_names=(np.str_("x"),))) == hash(Mesh((2,), axis_names=("x",)))
+    assert hash(Chunk(0, [Rank(0), Rank(1)])) == hash(Chunk(0, [0, 1]))
 
 
 def test_partial_of_an_unhashable_spec_is_unhashable_and_still_resolves():

@@ -48,6 +48,7 @@ from fshard._exec.agree import (
     holds_nothing_somewhere,
     link_without_blocks,
     merge_results,
+    post_failure,
     post_outcome,
     tree_kinds,
     untouched,
@@ -59,7 +60,7 @@ from fshard._layout.placement import Placement
 from fshard._layout.precision import check_floating, per_argument
 from fshard._layout.specs import Explicit, Partial, Replicated, as_layout
 
-__all__ = ["check_out_specs", "map_local", "map_same", "named_shard_map", "regrouped", "shard_map"]
+__all__ = ["check_out_specs", "map_local", "map_same", "named_shard_map", "regrouped", "same_everywhere", "shard_map"]
 
 Slot = tuple[Placement, int]
 _PROBE = 1 << 20  # an extent at which every part of a spec is non-empty
@@ -570,12 +571,11 @@ def _run(
             out = _results(
                 out_specs, spec_tree, leaves, metas, set(), inputs, arrays, names, held, pending, check, what
             )
-        except BaseException:  # an interrupt too: the others' next collective learns of it
+        except BaseException as exc:  # an interrupt too: the others' next collective learns of it
             with contextlib.suppress(SpecError, CollectiveMismatchError):  # this error goes first
                 _buckets.post_series(series)
             if backend.spans_processes:
-                with contextlib.suppress(SpecError, CollectiveMismatchError):
-                    post_outcome(backend, what, None)
+                post_failure(backend, what, exc)
             raise
         # The buckets' headers first: posting them ends the checks in flight, and this one is left for the
         # backward's first collective, where every rank meets anyway (not a wait for the slowest forward here).
@@ -1125,6 +1125,20 @@ def _wrap(
     return regrouped(out, "share")
 
 
+def same_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, marked as fshard's own per-block function (an operator's op, a scaling).
+
+    It returns one structure and dtype on every process alike, so ``map_local`` posts no
+    check of what it returned. The mark is on a wrapper, never on ``fn`` (a torch function, say).
+    """
+
+    def marked(*args: Any) -> Any:
+        return fn(*args)
+
+    marked._fshard_same = True  # type: ignore[attr-defined]  # a mark that map_local reads
+    return marked
+
+
 def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: str | None) -> Any:
     """``map_local`` of arrays that share a layout (``pending``: the result is a pending sum).
 
@@ -1146,6 +1160,19 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
             outs = tuple(fn(*ts) for ts in zip(*(a.addressable_data for a in arrays)))
         return _result_leaves(outs)
 
+    def results(tree: Any, leaves: list[tuple[torch.Tensor, ...]], metas: Sequence[Any], used: set[int]) -> Any:
+        if tree is None:  # no shard anywhere: the result's link joins every argument's
+            link = link_without_blocks(arrays, first.dtype, used)
+            return ShardedArray(_pending(base, pending, terms), (), backend, first.dtype, link)
+        out: list[ShardedArray] = []
+        for n, (dtype, sizes) in enumerate(metas):
+            layout = _pending(_infer_layout(base, sizes), pending, terms)
+            if leaves:
+                out.append(ShardedArray(layout, leaves[n], backend, dtype))
+            else:
+                out.append(ShardedArray(layout, (), backend, dtype, link_without_blocks(arrays, dtype, used)))
+        return optree.tree_unflatten(tree, out)
+
     if holds_nothing_somewhere(backend, first.layout):
 
         def describe(r: tuple[Any, list[tuple[torch.Tensor, ...]]]) -> Any:
@@ -1153,23 +1180,23 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
 
         (tree, leaves), seen = agree(backend, compute, describe)
         tree, metas = merge_results([d for d, _ in seen], "map_local()")
-        used = _used(backend, first.layout, [u for _, u in seen], "map_local()")
-    else:
+        return results(tree, leaves, metas, _used(backend, first.layout, [u for _, u in seen], "map_local()"))
+    # As shard_map's: each process posts what fn returned (or that it raised, here or in laying its results
+    # out), which the group's next collective compares, unless fn is fshard's own (``same_everywhere``).
+    # Held back: the calls until the next post or collective send one check (an update of each leaf of a tree).
+    posts = backend.spans_processes and not getattr(fn, "_fshard_same", False)
+    try:
         tree, leaves = compute()
         metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
         _refuse_closed(backend, first.layout, usage.closed, "map_local()")
-        used = set[int]()
-    if tree is None:  # no shard anywhere: the result's link joins every argument's
-        link = link_without_blocks(arrays, first.dtype, used)
-        return ShardedArray(_pending(base, pending, terms), (), backend, first.dtype, link)
-    results: list[ShardedArray] = []
-    for n, (dtype, sizes) in enumerate(metas):
-        layout = _pending(_infer_layout(base, sizes), pending, terms)
-        if leaves:
-            results.append(ShardedArray(layout, leaves[n], backend, dtype))
-        else:
-            results.append(ShardedArray(layout, (), backend, dtype, link_without_blocks(arrays, dtype, used)))
-    return optree.tree_unflatten(tree, results)
+        out = results(tree, leaves, metas, set())
+    except BaseException as exc:  # an interrupt too: the others' next collective learns of it
+        if posts:
+            post_failure(backend, "map_local()", exc, hold=True)
+        raise
+    if posts:
+        post_outcome(backend, "map_local()", (tree, metas), hold=True)
+    return out
 
 
 def _pending(layout: Layout, pending: str | None, terms: Any) -> Layout:

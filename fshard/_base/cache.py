@@ -3,12 +3,13 @@
 ``cached(maxsize)`` is ``functools.lru_cache(maxsize)`` (a hit costs what a hit of
 ``lru_cache`` costs) that also counts the bytes of what it keeps: on each miss, the
 numpy arrays (and layouts) reachable from the new result are measured. A layout is
-charged once, by the first entry that holds it: the caches of one movement (its plan,
-schedules, digests) key on the same layout objects, and at thousands of ranks a layout's
-columns are most of an entry, so charging it per entry would count one layout many
-times and empty the caches long before their memory is at the budget. All caches
-share one budget, ``CACHE_LIMIT_BYTES``: when a miss takes the total past it, every
-cache is emptied (and the layouts charged are forgotten with them). Entries that
+counted once, from the first entry that holds it until it dies: the caches of one
+movement (its plan, schedules, digests) key on the same layout objects, and at thousands
+of ranks a layout's columns are most of an entry, so charging it per entry would count
+one layout many times and empty the caches long before their memory is at the budget;
+and a layout lives as long as any cache (or array) holds it, whichever entry charged it.
+All caches share one budget, ``CACHE_LIMIT_BYTES``: when a miss takes the total past it,
+every cache is emptied (and the layouts counted are forgotten with them). Entries that
 ``lru_cache`` drops by count are subtracted at the cache's average entry size, so
 the total is an estimate, not an exact figure. ``fshard.clear_caches()`` empties
 every cache (and hands the local backend's pooled memory back).
@@ -41,8 +42,10 @@ class _Cache:
 
 
 _REGISTRY: list[_Cache] = []
-# The objects with a size of their own (layouts) charged since the caches were last emptied, by id.
-_CHARGED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+# The objects with a size of their own (layouts) counted since the caches were last emptied, by id: each
+# with the finalizer that takes its bytes off ``_LIVE_BYTES`` when it dies.
+_COUNTED: dict[int, weakref.finalize[Any, Any]] = {}
+_LIVE_BYTES = [0]
 
 
 def cached(maxsize: int) -> Callable[[F], F]:
@@ -66,7 +69,7 @@ def cached(maxsize: int) -> Callable[[F], F]:
 
 def cache_bytes() -> int:
     """The estimated bytes held by every registered cache."""
-    return sum(c.bytes for c in _REGISTRY)
+    return sum(c.bytes for c in _REGISTRY) + _LIVE_BYTES[0]
 
 
 def clear_caches() -> None:
@@ -77,8 +80,7 @@ def clear_caches() -> None:
     >>> import fshard
     >>> fshard.clear_caches()
     """
-    for c in _REGISTRY:
-        _clear(c)
+    _clear_all()
     _alloc.empty_cache()
 
 
@@ -87,15 +89,30 @@ def _charge(entry: _Cache, nbytes: int) -> None:
     if info.maxsize is not None and info.currsize >= info.maxsize:  # lru_cache drops its oldest to keep this one
         entry.bytes -= entry.bytes // info.currsize
     entry.bytes += nbytes
-    if cache_bytes() > CACHE_LIMIT_BYTES:  # every cache: a layout charged by one may be held by others
-        for c in _REGISTRY:
-            _clear(c)
+    if cache_bytes() > CACHE_LIMIT_BYTES:  # every cache: a layout counted for one may be held by others
+        _clear_all()
 
 
-def _clear(c: _Cache) -> None:
-    c.fn.cache_clear()
-    c.bytes = 0
-    _CHARGED.clear()  # a layout the next entries hold is charged again
+def _clear_all() -> None:
+    for c in _REGISTRY:
+        c.fn.cache_clear()
+        c.bytes = 0
+    for done in _COUNTED.values():  # a layout that the next entries hold is counted again
+        done.detach()
+    _COUNTED.clear()
+    _LIVE_BYTES[0] = 0
+
+
+def _count(x: object, nbytes: int) -> None:
+    """Counts ``x``'s ``nbytes`` until it dies (or the caches are emptied)."""
+    key = id(x)
+    _LIVE_BYTES[0] += nbytes
+    _COUNTED[key] = weakref.finalize(x, _gone, key, nbytes)
+
+
+def _gone(key: int, nbytes: int) -> None:
+    _COUNTED.pop(key, None)
+    _LIVE_BYTES[0] -= nbytes
 
 
 def _nbytes(x: object, depth: int = 0) -> int:
@@ -108,11 +125,10 @@ def _nbytes(x: object, depth: int = 0) -> int:
     if depth > 4 or x is None or isinstance(x, (int, float, str, bool)):
         return 64
     hook = getattr(type(x), "__fshard_nbytes__", None)
-    if hook is not None:  # a value that knows its size (a layout: its columns), charged once
-        if _CHARGED.get(id(x)) is x:
-            return 64
-        _CHARGED[id(x)] = x
-        return int(hook(x))
+    if hook is not None:  # a value that knows its size (a layout: its columns), counted once while it lives
+        if id(x) not in _COUNTED:  # a dead one's id is taken off as it dies, so an id here is x's
+            _count(x, int(hook(x)))
+        return 64
     if isinstance(x, (tuple, list)):
         seq = cast("Sequence[object]", x)
         sample = seq[:64]  # a long sequence is charged as many times its first 64 items

@@ -21,7 +21,7 @@ import optree
 import torch
 
 from fshard._base.cache import cached
-from fshard._errors import SpecError, as_error
+from fshard._errors import CollectiveMismatchError, SpecError, as_error
 from fshard._exec import gathered as _varying
 from fshard._exec.readonly import read_only
 from fshard._layout.layout import Layout
@@ -30,7 +30,7 @@ __all__ = [
     "agree",
     "agree_alike",
     "describe_results",
-    "every_rank",
+    "post_failure",
     "post_outcome",
     "tree_kinds",
     "holds_nothing_somewhere",
@@ -109,18 +109,6 @@ def _agree(
     return result, [value for _, value in seen]
 
 
-def every_rank(backend: Any, value: Any) -> list[Any]:
-    """Every rank's ``value`` (small data, alike in ``repr`` where equal), in rank order (a collective).
-
-    Where every rank's is the same, one comparison of digests says so (``backend.alike``)
-    and nothing more is exchanged; else ``backend.exchange``.
-    """
-    compare = getattr(backend, "alike", None)
-    if compare is not None and compare(_text_digest(repr(value))):
-        return [value] * len(backend.ranks)
-    return backend.exchange(value)
-
-
 def on_every_rank(backend: Any, ok: bool) -> bool:
     """Whether ``ok`` holds on every rank (a collective): one comparison of digests where the backend has it."""
     compare = getattr(backend, "alike", None)
@@ -134,7 +122,7 @@ def _text_digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
 
 
-def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None) -> None:
+def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None, *, hold: bool = False) -> None:
     """Posts what this process's function returned (its tree and each leaf's dtype), or that it raised (``None``).
 
     Where ``shard_map`` knows its results' layouts from the specs, no process waits for the
@@ -142,6 +130,9 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
     process only would leave the processes' next collectives paired wrongly. So each posts
     a digest of its outcome (``check_later``), and the group's next collective compares them:
     every process raises there where they differ, the one that raised too.
+
+    ``hold``: the digest waits for the group's next post or collective, folded with every
+    digest held since into one check (a ``map_local`` of each leaf of a tree posts one).
     """
 
     def verdict(pairs: Sequence[tuple[int, bool, int]]) -> SpecError | None:
@@ -163,7 +154,25 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
             f"{_shown(outcome)}); return one structure, with one dtype per result, on every placement."
         )
 
-    backend.check_later(what, outcome is None, 0 if outcome is None else _digest_of(*outcome), verdict)
+    digest = 0 if outcome is None else _digest_of(*outcome)
+    if hold:
+        backend.check_later(what, outcome is None, digest, verdict, hold=True)
+    else:
+        backend.check_later(what, outcome is None, digest, verdict)
+
+
+def post_failure(backend: Any, what: str, error: BaseException, *, hold: bool = False) -> None:
+    """Posts that this process's function raised ``error`` (``post_outcome``); its own error goes first.
+
+    Where the check ends at once (check mode, NCCL), every process has learned of the failure
+    by then, the others raising the check's error: ``error`` is marked so, and check mode's
+    round at the end of the call, which they skip, is skipped here too.
+    """
+    try:
+        post_outcome(backend, what, None, hold=hold)
+    except (SpecError, CollectiveMismatchError) as verdict:
+        if getattr(verdict, "_fshard_agreed", False):
+            error._fshard_agreed = True  # type: ignore[attr-defined]  # as the verdict every other rank raises
 
 
 def _shown(outcome: tuple[Any, Sequence[Meta]] | None) -> str:

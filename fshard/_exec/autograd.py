@@ -42,7 +42,6 @@ from fshard._errors import SpecError
 from fshard._exec import flight as _flight
 from fshard._exec import gathered as _varying
 from fshard._exec.accumulate import key_of, set_aside, syncing, take_back
-from fshard._exec.agree import every_rank
 from fshard._exec.replicas import check_global, checking
 from fshard._layout.batch import with_batch
 from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
@@ -721,7 +720,7 @@ def _with_parts(parts: _varying.Parts, grad: torch.Tensor, backend: Any) -> torc
     """
     if parts.since == _varying.calls():
         return grad
-    seen = every_rank(backend, (parts.grad is not None, str(grad.device)))
+    seen = backend.exchange((parts.grad is not None, str(grad.device)))  # each rank's device: a GPU each, say
     mine, parts.grad = parts.grad, None
     if not any(has for has, _ in seen):
         return grad

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -13,7 +12,6 @@ import numpy as np
 import torch
 
 from fshard._base.cache import cached
-from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout, ShardMeta, ShardMetaLike, as_metas, with_partial, with_terms
 from fshard._layout.placement import Placement, PlacementLike, as_placement
@@ -46,34 +44,37 @@ def _set(obj: object, **fields: Any) -> None:
     """Sets the fields of a frozen value once, in its ``__init__`` (its hash is made at the first ``hash``)."""
     for name, value in fields.items():
         object.__setattr__(obj, name, value)
-    object.__setattr__(obj, "_hash", 0)  # made at the first hash (``_hash_of``), outside any traced code
+    object.__setattr__(obj, "_hash", 0)
 
 
-@opaque  # reprs and hashlib: eagerly, where a compiled step hashes a spec
-def _digest(spec: Any) -> int | None:
-    """A spec's hash: a spec of thousands of placements is a key of caches at every call, so it is kept.
-
-    From the fields' text, not ``hash()``, so it is the same in every process (a pickled
-    spec keeps it) and equal specs have equal ones. ``None`` where a field cannot be hashed
-    (a spec of the user's inside ``Partial``): the spec cannot be either.
-    """
-    values = tuple(getattr(spec, f.name) for f in dataclasses.fields(spec) if f.compare)
-    try:
-        hash(values)
-    except TypeError:
-        return None
-    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "big", signed=True)
+def _values(spec: Any) -> tuple[Any, ...]:
+    """The fields that make a spec's value (what ``==`` compares)."""
+    return tuple(getattr(spec, f.name) for f in dataclasses.fields(spec) if f.compare)
 
 
 def _hash_of(spec: Any) -> int:
-    """``spec``'s ``__hash__``: made at the first call and kept (0: not made yet; a digest of 0 is made again)."""
-    made = spec._hash
+    """``spec``'s ``__hash__``: its fields' hash, made at the first call and kept.
+
+    A spec of thousands of placements is a key of caches at every call. 0: not made yet (a
+    hash of 0 is made again); a spec unpickled from an older fshard has no ``_hash`` yet.
+    """
+    made = getattr(spec, "_hash", 0)
     if made == 0:
-        made = _digest(spec)
+        made = hash(_values(spec))  # TypeError where a field cannot be hashed (a spec of the user's)
         object.__setattr__(spec, "_hash", made)
-    if made is None:
-        raise TypeError(f"unhashable type: '{type(spec).__name__}' (it holds an unhashable value)")
     return made
+
+
+def _reduce(spec: Any) -> tuple[Any, ...]:
+    """Pickles a spec by its fields, not its kept hash (``hash()`` of a str differs from process to process)."""
+    return _rebuilt, (type(spec), _values(spec))
+
+
+def _rebuilt(cls: type[Any], values: tuple[Any, ...]) -> Any:
+    spec: Any = object.__new__(cls)
+    names = [f.name for f in dataclasses.fields(spec) if f.compare]
+    _set(spec, **dict(zip(names, values)))
+    return spec
 
 
 def _hash_field() -> Any:
@@ -131,10 +132,13 @@ class Chunk:
 
     dim: int
     placements: tuple[Placement, ...]
-    _hash: int | None = _hash_field()
+    _hash: int = _hash_field()
 
     def __hash__(self) -> int:
         return _hash_of(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _reduce(self)
 
     def __init__(self, dim: int, placements: Placements) -> None:
         if isinstance(dim, str):
@@ -165,10 +169,13 @@ class Replicated:
     """
 
     placements: tuple[Placement, ...]
-    _hash: int | None = _hash_field()
+    _hash: int = _hash_field()
 
     def __hash__(self) -> int:
         return _hash_of(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _reduce(self)
 
     def __init__(self, placements: Placements) -> None:
         _set(self, placements=_placements(placements, "Replicated"))
@@ -188,10 +195,13 @@ class Single:
     """
 
     placement: Placement
-    _hash: int | None = _hash_field()
+    _hash: int = _hash_field()
 
     def __hash__(self) -> int:
         return _hash_of(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _reduce(self)
 
     def __init__(self, placement: PlacementLike) -> None:
         _set(self, placement=as_placement(placement))
@@ -213,10 +223,13 @@ class Explicit:
     """
 
     shards: tuple[ShardMeta, ...]
-    _hash: int | None = _hash_field()
+    _hash: int = _hash_field()
 
     def __hash__(self) -> int:
         return _hash_of(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _reduce(self)
 
     def __init__(self, shards: Iterable[Any]) -> None:
         if is_torch_spec(shards):
@@ -269,10 +282,13 @@ class Mesh:
     shape: tuple[int, ...]
     ranks: tuple[Placement, ...]
     axis_names: tuple[str, ...]
-    _hash: int | None = _hash_field()
+    _hash: int = _hash_field()
 
     def __hash__(self) -> int:
         return _hash_of(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _reduce(self)
 
     def __init__(self, shape: Iterable[int], ranks: Any = None, axis_names: Iterable[str] | None = None) -> None:
         shape = check_shape(shape, "Mesh shape")
@@ -331,10 +347,13 @@ class Named:
 
     mesh: Mesh
     partition: tuple[PartitionEntry, ...]
-    _hash: int | None = _hash_field()
+    _hash: int = _hash_field()
 
     def __hash__(self) -> int:
         return _hash_of(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _reduce(self)
 
     def __init__(self, mesh: Mesh, partition: Iterable[Any]) -> None:
         if not isinstance(mesh, Mesh):
@@ -428,10 +447,13 @@ class Partial:
     spec: Any
     op: str
     over: tuple[str, ...] | None
-    _hash: int | None = _hash_field()
+    _hash: int = _hash_field()
 
     def __hash__(self) -> int:
         return _hash_of(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _reduce(self)
 
     def __init__(self, spec: Any, op: str = "sum", *, over: str | Iterable[str] | None = None) -> None:
         if isinstance(spec, Partial) or (isinstance(spec, Layout) and spec.partial is not None):
