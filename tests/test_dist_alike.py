@@ -47,7 +47,9 @@ def _calls() -> Iterator[dict[str, int]]:
 
 def _results(kind: str) -> tuple[Any, ...]:
     """One shard_map whose results' extent comes from the blocks; its global shape, values and collectives."""
-    spec = fshard.Chunk(0, R)
+    mesh = fshard.Mesh((2, 2), R)
+    # Named: rows split over x, copies along y (ranks 0, 1 alike, and 2, 3).
+    spec = fshard.Named(mesh, ("x",)) if kind == "named" else fshard.Chunk(0, R)
     rows = 6 if kind == "ragged" else 16  # 6 rows: blocks of 2, 2, 2 and 0 rows
     x = fshard.shard(torch.arange(rows * 4.0).reshape(rows, 4), spec)
 
@@ -62,7 +64,7 @@ def _results(kind: str) -> tuple[Any, ...]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["even", "ragged"])
+@pytest.mark.parametrize("kind", ["even", "ragged", "named"])
 def test_results_alike_on_every_rank_need_one_all_reduce_and_no_exchange(dist_pool, kind):
     shape, values, sums, _, same = _results(kind)
     for got in dist_pool.run(_results, kind, timeout=60):
