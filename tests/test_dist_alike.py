@@ -9,40 +9,17 @@ the local backend. ``equal`` and ``allclose`` agree on their answer the same way
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _counting import calls
 
 import fshard
 from fshard import SpecError
 
 R = [0, 1, 2, 3]
-
-
-@contextlib.contextmanager
-def _calls() -> Iterator[dict[str, int]]:
-    """How many times the process group's all_reduce and all_to_all_single (an exchange's) run in the block."""
-    counts = {"all_reduce": 0, "all_to_all_single": 0}
-    saved = {name: getattr(dist, name) for name in counts}
-
-    def counting(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return saved[name](*args, **kwargs)
-
-        return call
-
-    for name in counts:
-        setattr(dist, name, counting(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 def _results(kind: str) -> tuple[Any, ...]:
@@ -57,10 +34,10 @@ def _results(kind: str) -> tuple[Any, ...]:
         return t * 2, {"sum": t.sum(1)}
 
     step = fshard.shard_map(fn, in_specs=spec, out_specs=spec)
-    with _calls() as calls:
+    with calls() as counts:
         y, aux = step(x)
     again, _ = step(x)
-    return y.shape, fshard.gather(y).tolist(), fshard.gather(aux["sum"]).tolist(), calls, again.layout is y.layout
+    return y.shape, fshard.gather(y).tolist(), fshard.gather(aux["sum"]).tolist(), counts, again.layout is y.layout
 
 
 @pytest.mark.multiprocess
@@ -133,10 +110,10 @@ def _equal(differ: bool) -> tuple[bool, bool, dict[str, int]]:
     """equal and allclose of two arrays that differ on one block (rows 4-5, rank 2's) or nowhere."""
     x = fshard.shard(torch.arange(8.0), fshard.Chunk(0, R))
     y = fshard.map_local(lambda t: t + float(differ and t[0] == 4), x)
-    with _calls() as calls:
+    with calls() as counts:
         same = fshard.equal(x, y)
         close = fshard.allclose(x, y)
-    return same, close, calls
+    return same, close, counts
 
 
 @pytest.mark.multiprocess

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from _counting import calls
 from torch.utils.checkpoint import checkpoint
 
 import fshard
@@ -528,30 +529,6 @@ def test_a_block_keeps_no_tap_after_its_call(dist_pool):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@contextlib.contextmanager
-def _rounds():
-    """Counts the process group calls made inside: ``{"all_to_all_single": n, "all_reduce": m}``."""
-    import torch.distributed as dist
-
-    counts = {"all_to_all_single": 0, "all_reduce": 0}
-    saved = {name: getattr(dist, name) for name in counts}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            counts[name] += 1
-            return saved[name](*args, **kwargs)
-
-        return call
-
-    for name in counts:
-        setattr(dist, name, counting(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def _backward_rounds(cap_mb: float, out: str = "copies") -> tuple[dict[str, int], dict[str, int], int]:
     """The process group calls of one data-parallel forward (the shard_map call) and backward, and its buckets.
 
@@ -570,12 +547,12 @@ def _backward_rounds(cap_mb: float, out: str = "copies") -> tuple[dict[str, int]
         rep = fshard.Replicated(R)
         spec = fshard.Partial(rep) if out == "copies" else fshard.Chunk(0, R)
         step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=spec)
-        with _rounds() as forward:
+        with calls() as forward:
             y = step(x, *params)
         loss = fshard.gather(y).sum()
         layouts = tuple(p.layout for p in params)
         plan = _buckets.buckets(layouts, 8, max(int(cap_mb * (1 << 20)), 1), backend.rank)
-        with _rounds() as backward:
+        with calls() as backward:
             loss.backward()
         return dict(forward), backward, len(plan)
     finally:
@@ -670,7 +647,7 @@ def _small_sums() -> list[tuple[torch.Tensor, dict[str, int]]]:
         layout = fshard.Partial(fshard.Replicated(R), op=op).layout((3,))
         (i,) = layout.indices_on(backend.rank)
         x = fshard.from_local_shards_and_layout([fshard.Shard(layout.shards[i], mine)], layout, backend=backend)
-        with _rounds() as counts:
+        with calls() as counts:
             got = fshard.gather(x)
         out.append((got, dict(counts)))
     return out

@@ -186,28 +186,18 @@ def test_full_copies_that_differ_across_ranks_raise_on_every_rank_at_their_next_
     assert dist_pool.run(_copies_that_differ, what, timeout=60) == [error] * 4
 
 
-def _known_layout_outcomes(what: str) -> str:
-    """A shard_map whose out_specs need no exchange, whose fn returns otherwise (or raises) on rank 3 only.
+def _call_then_next(call: Any) -> str:
+    """What ``call(xs)`` did on this rank (``xs``: rows of ones, rank 3's -1), then what the next collective did.
 
     Each rank catches what the call raised and goes on to its next collective (a gather).
     """
     ranks = list(range(dist.get_world_size()))
-    rows = fshard.Chunk(0, ranks)
-
-    def fn(b: torch.Tensor) -> Any:
-        s = b.sum()[None]
-        if b[0, 0] < 0:  # rank 3's rows
-            if what == "structure":
-                return (s, s)
-            b.add_(1)  # refused: a write into an input block
-        return s
-
     x = torch.ones(4, 2)
     x[3] = -1
-    xs = fshard.shard(x, rows)
+    xs = fshard.shard(x, fshard.Chunk(0, ranks))
     seen = []
     try:
-        out = fshard.shard_map(fn, in_specs=rows, out_specs=fshard.Partial(fshard.Replicated(ranks)))(xs)
+        out = call(xs)
         seen.append("returned")
     except fshard.SpecError:
         out = None
@@ -219,11 +209,27 @@ def _known_layout_outcomes(what: str) -> str:
         message = str(exc)
         seen.append(
             "raised there: rank 3 raised" if "fn raised on rank(s) [3]" in message
-            else "raised there: rank 3's structure" if "another structure or other dtypes on ranks [3]" in message
+            else "raised there: rank 3's outcome" if "another structure or other dtypes on ranks [3]" in message
             else f"raised there: {message}"
         )  # fmt: skip
     del out
     return " / ".join(seen)
+
+
+def _known_layout_outcomes(what: str) -> str:
+    """A shard_map whose out_specs need no exchange, whose fn returns otherwise (or raises) on rank 3 only."""
+    ranks = list(range(dist.get_world_size()))
+    rows = fshard.Chunk(0, ranks)
+
+    def fn(b: torch.Tensor) -> Any:
+        s = b.sum()[None]
+        if b[0, 0] < 0:  # rank 3's rows
+            if what == "structure":
+                return (s, s)
+            b.add_(1)  # refused: a write into an input block
+        return s
+
+    return _call_then_next(fshard.shard_map(fn, in_specs=rows, out_specs=fshard.Partial(fshard.Replicated(ranks))))
 
 
 @pytest.mark.multiprocess
@@ -236,7 +242,7 @@ def test_an_outcome_on_one_rank_only_raises_on_every_rank_at_the_next_collective
     """
     got = dist_pool.run(_known_layout_outcomes, what, timeout=60)
     if what == "structure":
-        assert got == ["returned / raised there: rank 3's structure"] * 4
+        assert got == ["returned / raised there: rank 3's outcome"] * 4
     else:
         assert got == ["returned / raised there: rank 3 raised"] * 3 + ["raised / raised there: rank 3 raised"]
 
@@ -265,8 +271,6 @@ def test_checks_in_flight_are_bounded_by_a_run_of_calls_without_a_collective(dis
 
 def _map_local_outcomes(what: str) -> str:
     """map_local without out_spec (every rank holds a block), whose fn returns otherwise (or raises) on rank 3 only."""
-    ranks = list(range(dist.get_world_size()))
-    rows = fshard.Chunk(0, ranks)
 
     def fn(b: torch.Tensor) -> Any:
         if b[0, 0] < 0:  # rank 3's rows
@@ -279,28 +283,7 @@ def _map_local_outcomes(what: str) -> str:
             b.add_(1)  # refused: a write into an input block
         return b * 2
 
-    x = torch.ones(4, 2)
-    x[3] = -1
-    xs = fshard.shard(x, rows)
-    seen = []
-    try:
-        out = fshard.map_local(fn, xs)
-        seen.append("returned")
-    except fshard.SpecError:
-        out = None
-        seen.append("raised")
-    try:
-        fshard.gather(xs)
-        seen.append("next collective ran")
-    except fshard.SpecError as exc:
-        message = str(exc)
-        seen.append(
-            "raised there: rank 3 raised" if "map_local() fn raised on rank(s) [3]" in message
-            else "raised there: rank 3's outcome" if "another structure or other dtypes on ranks [3]" in message
-            else f"raised there: {message}"
-        )  # fmt: skip
-    del out
-    return " / ".join(seen)
+    return _call_then_next(lambda xs: fshard.map_local(fn, xs))
 
 
 @pytest.mark.multiprocess
