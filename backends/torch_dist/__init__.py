@@ -73,7 +73,6 @@ from ._group import check_layout, facts
 from ._guard import Guard, guard
 from ._later import Verdict
 from ._later import drop as drop_checks
-from ._later import hold as hold_check
 from ._later import pending as pending_checks
 from ._later import post as post_check
 from ._later import settle as settle_checks
@@ -256,7 +255,7 @@ class TorchDistBackend:
         """
         if not self._all_reduces(plan):
             return None
-        self._settle()
+        settle_checks(self.group)
         with in_flight():
             return self._guard(_all_reduce_op(series), plan, like.dtype).post(self.group)
 
@@ -383,7 +382,7 @@ class TorchDistBackend:
         self._move(f"gather(dst={dst})", p, tensors, whole, like.dtype, direct=all_contiguous(layout, target))
         return next(iter(whole.values()), None)
 
-    def check_later(self, what: str, failed: bool, digest: int, verdict: Verdict, *, hold: bool = False) -> None:
+    def check_later(self, what: str, failed: bool, digest: int, verdict: Verdict) -> None:
         """Posts this rank's ``(failed, digest)`` for the check ``what``, ended by the group's next collective.
 
         No rank waits for the others here. That collective hands every rank's pair, in group
@@ -391,29 +390,19 @@ class TorchDistBackend:
         Under NCCL the check ends here, at once: its messages go through the GPU, and reading
         them later would make the CPU wait for all the GPU work queued meanwhile. In check
         mode the call's own end ends it (``settle``).
-
-        ``hold``: nothing is sent now; the group's next post or collective sends it, with every
-        check held since, as one check whose error names what differed (``_later.hold``).
-        ``verdict`` is not used then.
         """
         self._require_member(what)
-        if hold:
-            hold_check(self.group, self.ranks, self._wire, what, failed, digest)
-            return
         if current().check_collectives:  # check mode's round (and the checks before this one end)
             self._check(what, ())
         elif pending_checks(self.group) >= _CHECKS_IN_FLIGHT:  # a long run of calls without a collective
-            self._settle()
+            settle_checks(self.group)
         # Else the checks posted before stay in flight with this one: ending them here would make every rank
         # wait for the slowest at each call that posts one (a shard_map of a stage, say), not at a collective.
         with in_flight():
-            self.counters.collectives += post_check(self.group, self.ranks, self._wire, what, failed, digest, verdict)
+            post_check(self.group, self.ranks, self._wire, what, failed, digest, verdict)
+        self.counters.collectives += 1
         if facts(self.group).on_cuda:
-            self._settle()
-
-    def _settle(self) -> None:
-        """Ends the checks in flight on the group (``_later.settle``), those held back posted first, and counted."""
-        self.counters.collectives += settle_checks(self.group)
+            settle_checks(self.group)
 
     def exchange(self, obj: Any) -> list[Any]:
         """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""
@@ -544,7 +533,7 @@ class TorchDistBackend:
         that every rank must agree on (compared, not shown where a public call names the op).
         """
         if self.member:
-            self._settle()
+            settle_checks(self.group)
         if self.member and current().check_collectives:
             moves = " -> ".join(describe_layout(x) for x in layouts)
             what = f"{op}({moves}){detail}" + (f" on {dtype}" if dtype is not None else "")
@@ -576,7 +565,7 @@ class TorchDistBackend:
         # The checks the call posted (what its function returned), on every rank once it ended: their verdicts
         # now where it returned everywhere; where it raised, every rank raises what the round compared.
         if error is None:
-            self._settle()
+            settle_checks(self.group)
         else:
             drop_checks(self.group)
 

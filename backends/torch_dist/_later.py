@@ -14,11 +14,6 @@ raises, so no rank waits for it; it raises again at its next collective, with th
 once by the call that posts it (``TorchDistBackend.check_later``). Checks of a default group
 destroyed since are dropped; so are those left at exit.
 
-A check may also be held back (``hold``): nothing is sent at the call, and the checks held
-since the last post fold into one pair, a chain of their digests, which the group's next
-post or collective posts as one check. A run of calls that each need a check (``map_local``
-of each leaf of a tree) then costs one check, not one per call.
-
 A wait is bounded by ``config(timeout=...)`` where it is set.
 """
 
@@ -28,9 +23,7 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -38,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from fshard._config import current
-from fshard._errors import CollectiveMismatchError, SpecError
+from fshard._errors import CollectiveMismatchError
 
 from ._watch import handed
 
-__all__ = ["Verdict", "drop", "hold", "pending", "post", "settle"]
+__all__ = ["Verdict", "drop", "pending", "post", "settle"]
 
 # Every rank's (failed, digest), in group order, to the error every rank raises (None: they agree).
 Verdict = Callable[[Sequence[tuple[int, bool, int]]], BaseException | None]
@@ -57,45 +50,8 @@ class _Check:
     verdict: Verdict
 
 
-@dataclasses.dataclass
-class _Held:
-    """The checks held back on a group since its last post: their names, and their pairs chained into one."""
-
-    ranks: tuple[int, ...]
-    wire: torch.device
-    whats: dict[str, None]  # the distinct names, in order
-    failed: bool = False
-    chain: int = 0
-
-    def add(self, what: str, failed: bool, digest: int) -> None:
-        self.whats.setdefault(what, None)
-        self.failed = self.failed or failed
-        text = f"{self.chain} {int(failed)} {digest}".encode()
-        self.chain = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True)
-
-    def verdict(self, pairs: Sequence[tuple[int, bool, int]]) -> BaseException | None:
-        """Every rank's chain alike: each made the same calls with the same outcomes (a failed one raised there)."""
-        usual = Counter(d for _, _, d in pairs).most_common(1)[0][0]
-        odd = [r for r, _, d in pairs if d != usual]
-        if not odd:
-            return None
-        what = " / ".join(self.whats)
-        failed = [r for r, f, _ in pairs if f]
-        if failed:
-            return SpecError(
-                f"{what} fn raised on rank(s) {failed}, whose error says why; the other ranks returned, and raise "
-                "this at their next collective."
-            )
-        like = [r for r, _, d in pairs if d == usual]
-        return SpecError(
-            f"{what} fn returned another structure or other dtypes on ranks {odd} than on ranks {like}; return one "
-            "structure, with one dtype per result, on every placement."
-        )
-
-
 # Keyed on (group, default group), as the group's facts are: a new init_process_group starts afresh.
 _PENDING: dict[tuple[Any, Any], list[_Check]] = {}
-_HELD: dict[tuple[Any, Any], _Held] = {}
 _LOCK = threading.Lock()  # the backward's thread may settle while the caller's thread posts
 # all_gather_single replaces the deprecated all_gather_into_tensor where torch has it
 _gather = cast(
@@ -106,36 +62,8 @@ _gather = cast(
 
 def post(
     group: Any, ranks: tuple[int, ...], wire: torch.device, what: str, failed: bool, digest: int, verdict: Verdict
-) -> int:
-    """Posts this rank's ``(failed, digest)`` for the check ``what`` of ``group``, left in flight.
-
-    The checks held back before it go first, as one. Returns how many collectives it started.
-    """
-    return _flush(group) + _post(group, ranks, wire, what, failed, digest, verdict)
-
-
-def hold(group: Any, ranks: tuple[int, ...], wire: torch.device, what: str, failed: bool, digest: int) -> None:
-    """Holds this rank's ``(failed, digest)`` for the check ``what`` back, for the group's next post or collective."""
-    with _LOCK:
-        _forget_old_groups()
-        held = _HELD.setdefault((group, dist.group.WORLD), _Held(ranks, wire, {}))
-        held.add(what, failed, digest)
-
-
-def _flush(group: Any) -> int:
-    """Posts the checks held back on ``group`` as one (1), or nothing where none is (0)."""
-    if not _HELD:
-        return 0
-    with _LOCK:
-        held = _HELD.pop((group, dist.group.WORLD), None)
-    if held is None:
-        return 0
-    return _post(group, held.ranks, held.wire, " / ".join(held.whats), held.failed, held.chain, held.verdict)
-
-
-def _post(
-    group: Any, ranks: tuple[int, ...], wire: torch.device, what: str, failed: bool, digest: int, verdict: Verdict
-) -> int:
+) -> None:
+    """Posts this rank's ``(failed, digest)`` for the check ``what`` of ``group``, left in flight."""
     mine, out = handed(
         torch.tensor([int(failed), digest], dtype=torch.int64, device=wire),
         torch.empty(2 * len(ranks), dtype=torch.int64, device=wire),
@@ -144,7 +72,6 @@ def _post(
     with _LOCK:
         _forget_old_groups()
         _PENDING.setdefault((group, dist.group.WORLD), []).append(_Check(what, ranks, out, work, verdict))
-    return 1
 
 
 def _forget_old_groups() -> None:
@@ -152,15 +79,12 @@ def _forget_old_groups() -> None:
     world = dist.group.WORLD
     for key in [k for k in _PENDING if k[1] is not world]:
         del _PENDING[key]
-    for key in [k for k in _HELD if k[1] is not world]:
-        del _HELD[key]
 
 
 @atexit.register
 def _forget_all() -> None:
     """At exit, the checks nobody will settle let go of their tensors (the exit waits for those)."""
     _PENDING.clear()
-    _HELD.clear()
 
 
 def pending(group: Any) -> int:
@@ -168,18 +92,15 @@ def pending(group: Any) -> int:
     return len(_PENDING.get((group, dist.group.WORLD), ()))
 
 
-def settle(group: Any) -> int:
-    """Ends every check of ``group`` in flight here, in the order posted, the ones held back posted first.
-
-    Returns how many collectives it started (1 where checks were held back, else 0).
+def settle(group: Any) -> None:
+    """Ends every check of ``group`` in flight here, in the order posted.
 
     Raises:
         BaseException: the first error a check's verdict gives (on every rank alike).
         CollectiveMismatchError: a check's gather did not end within ``config(timeout=...)``.
     """
-    started = _flush(group)
     if not _PENDING:  # the common case: one dict lookup
-        return started
+        return
     with _LOCK:
         _forget_old_groups()
         checks = _PENDING.pop((group, dist.group.WORLD), None)
@@ -192,26 +113,25 @@ def settle(group: Any) -> int:
     if error is not None:
         error._fshard_agreed = True  # type: ignore[attr-defined]  # every rank raises it: no check round after
         raise error
-    return started
 
 
 def drop(group: Any) -> None:
     """Ends every check of ``group`` in flight here without its verdict: the call that posted them raised.
 
-    Check mode's round at the end of that call has told every rank how it ended, and every
-    rank posted them (each posts its check before it raises), so the waits end.
+    Check mode's round at the end of that call has told every rank how it ended. Each rank
+    posts its check before it raises, so the waits end; a rank that is stopped or slower
+    than ``config(check_timeout=...)`` is waited for that long at most, as the round did.
     """
     with _LOCK:
         _forget_old_groups()
-        _HELD.pop((group, dist.group.WORLD), None)  # every rank held the same: none sends it
         checks = _PENDING.pop((group, dist.group.WORLD), None)
     for check in checks or ():
         with contextlib.suppress(CollectiveMismatchError):  # the call's own error goes first
-            _wait(check)
+            _wait(check, current().check_timeout)
 
 
-def _wait(check: _Check) -> None:
-    timeout = current().timeout
+def _wait(check: _Check, timeout: float | None = None) -> None:
+    timeout = current().timeout if timeout is None else timeout
     if timeout is None:
         check.work.wait()
         return

@@ -60,7 +60,7 @@ from fshard._layout.placement import Placement
 from fshard._layout.precision import check_floating, per_argument
 from fshard._layout.specs import Explicit, Partial, Replicated, as_layout
 
-__all__ = ["check_out_specs", "map_local", "map_same", "named_shard_map", "regrouped", "same_everywhere", "shard_map"]
+__all__ = ["check_out_specs", "map_local", "map_same", "named_shard_map", "regrouped", "shard_map"]
 
 Slot = tuple[Placement, int]
 _PROBE = 1 << 20  # an extent at which every part of a spec is non-empty
@@ -1125,20 +1125,6 @@ def _wrap(
     return regrouped(out, "share")
 
 
-def same_everywhere(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, marked as fshard's own per-block function (an operator's op, a scaling).
-
-    It returns one structure and dtype on every process alike, so ``map_local`` posts no
-    check of what it returned. The mark is on a wrapper, never on ``fn`` (a torch function, say).
-    """
-
-    def marked(*args: Any) -> Any:
-        return fn(*args)
-
-    marked._fshard_same = True  # type: ignore[attr-defined]  # a mark that map_local reads
-    return marked
-
-
 def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: str | None) -> Any:
     """``map_local`` of arrays that share a layout (``pending``: the result is a pending sum).
 
@@ -1181,22 +1167,13 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
         (tree, leaves), seen = agree(backend, compute, describe)
         tree, metas = merge_results([d for d, _ in seen], "map_local()")
         return results(tree, leaves, metas, _used(backend, first.layout, [u for _, u in seen], "map_local()"))
-    # As shard_map's: each process posts what fn returned (or that it raised, here or in laying its results
-    # out), which the group's next collective compares, unless fn is fshard's own (``same_everywhere``).
-    # Held back: the calls until the next post or collective send one check (an update of each leaf of a tree).
-    posts = backend.spans_processes and not getattr(fn, "_fshard_same", False)
-    try:
-        tree, leaves = compute()
-        metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
-        _refuse_closed(backend, first.layout, usage.closed, "map_local()")
-        out = results(tree, leaves, metas, set())
-    except BaseException as exc:  # an interrupt too: the others' next collective learns of it
-        if posts:
-            post_failure(backend, "map_local()", exc, hold=True)
-        raise
-    if posts:
-        post_outcome(backend, "map_local()", (tree, metas), hold=True)
-    return out
+    # Every process holds blocks: none waits for the others, and none learns what the others' fn returned.
+    # A structure or dtype that differs per process is caught by the next movement's headers where the
+    # results' layouts or dtypes differ (design notes).
+    tree, leaves = compute()
+    metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
+    _refuse_closed(backend, first.layout, usage.closed, "map_local()")
+    return results(tree, leaves, metas, set())
 
 
 def _pending(layout: Layout, pending: str | None, terms: Any) -> Layout:

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 import torch.utils.checkpoint
 
-from fshard._api.map import check_out_specs, map_local, named_shard_map, same_everywhere
+from fshard._api.map import check_out_specs, map_local, named_shard_map
 from fshard._api.module_rules import Structure, structure
 from fshard._api.module_tp import TensorParallel, row_parallel_class
 from fshard._api.move import reshard
@@ -451,7 +451,7 @@ def _updated_buffers(
     names = list(deltas)
     summed = reshard([deltas[k] for k in names], [buffers[k].layout for k in names])
     for name, d in zip(names, cast("list[ShardedArray]", summed)):
-        out[name] = map_local(same_everywhere(functools.partial(_mean_update, n=n)), buffers[name], d)
+        out[name] = map_local(functools.partial(_mean_update, n=n), buffers[name], d)
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fshard._api.map import map_local, regrouped, same_everywhere
+from fshard._api.map import map_local, regrouped
 from fshard._api.move import split_replicas
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
@@ -71,8 +71,7 @@ def _linear(rule: str | None, symbol: str, left: Any, right: Any) -> bool:
 
 
 def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any], Any]:
-    op, symbol, rule = _BINARY[name]
-    fn = same_everywhere(op)
+    fn, symbol, rule = _BINARY[name]
 
     def method(self: ShardedArray, other: Any) -> Any:
         left, right = (other, self) if reflected else (self, other)
@@ -91,9 +90,9 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
             linear = _linear(rule, symbol, left, right)
 
             def with_number(t: torch.Tensor) -> Any:
-                return op(other, t) if reflected else op(t, other)
+                return fn(other, t) if reflected else fn(t, other)
 
-            return map_local(same_everywhere(with_number), split_replicas(self) if linear else self, linear=linear)
+            return map_local(with_number, split_replicas(self) if linear else self, linear=linear)
         return NotImplemented
 
     method.__name__ = f"__{'r' if reflected else ''}{name}__"
@@ -106,11 +105,8 @@ def _neg(self: ShardedArray) -> ShardedArray:
     if self.layout.partial not in (None, "sum"):
         raise _refuse("unary -", self)
     if self.layout.partial is None:
-        return map_local(_NEG, self)
-    return map_local(_NEG, split_replicas(self), linear=True)
-
-
-_NEG = same_everywhere(operator.neg)
+        return map_local(operator.neg, self)
+    return map_local(operator.neg, split_replicas(self), linear=True)
 
 
 def _bool(self: ShardedArray) -> bool:

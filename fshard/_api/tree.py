@@ -10,7 +10,7 @@ import numpy as np
 import optree
 import torch
 
-from fshard._api.map import map_local, same_everywhere
+from fshard._api.map import map_local
 from fshard._api.move import gather, reshard, split_replicas
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
@@ -122,7 +122,6 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
     norm = global_norm(tree)
     scale = torch.clamp(max_norm / (norm + eps), max=1.0).detach()
 
-    @same_everywhere
     def scaled(t: torch.Tensor) -> torch.Tensor:
         return t * scale.to(t.dtype)
 

@@ -122,7 +122,7 @@ def _text_digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
 
 
-def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None, *, hold: bool = False) -> None:
+def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None) -> None:
     """Posts what this process's function returned (its tree and each leaf's dtype), or that it raised (``None``).
 
     Where ``shard_map`` knows its results' layouts from the specs, no process waits for the
@@ -130,9 +130,6 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
     process only would leave the processes' next collectives paired wrongly. So each posts
     a digest of its outcome (``check_later``), and the group's next collective compares them:
     every process raises there where they differ, the one that raised too.
-
-    ``hold``: the digest waits for the group's next post or collective, folded with every
-    digest held since into one check (a ``map_local`` of each leaf of a tree posts one).
     """
 
     def verdict(pairs: Sequence[tuple[int, bool, int]]) -> SpecError | None:
@@ -154,22 +151,18 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
             f"{_shown(outcome)}); return one structure, with one dtype per result, on every placement."
         )
 
-    digest = 0 if outcome is None else _digest_of(*outcome)
-    if hold:
-        backend.check_later(what, outcome is None, digest, verdict, hold=True)
-    else:
-        backend.check_later(what, outcome is None, digest, verdict)
+    backend.check_later(what, outcome is None, 0 if outcome is None else _digest_of(*outcome), verdict)
 
 
-def post_failure(backend: Any, what: str, error: BaseException, *, hold: bool = False) -> None:
+def post_failure(backend: Any, what: str, error: BaseException) -> None:
     """Posts that this process's function raised ``error`` (``post_outcome``); its own error goes first.
 
-    Where the check ends at once (check mode, NCCL), every process has learned of the failure
-    by then, the others raising the check's error: ``error`` is marked so, and check mode's
-    round at the end of the call, which they skip, is skipped here too.
+    Where the check ends at once (NCCL), every process has learned of the failure by then,
+    the others raising the check's error: ``error`` is marked so, and check mode's round at
+    the end of the call, which they skip, is skipped here too.
     """
     try:
-        post_outcome(backend, what, None, hold=hold)
+        post_outcome(backend, what, None)
     except (SpecError, CollectiveMismatchError) as verdict:
         if getattr(verdict, "_fshard_agreed", False):
             error._fshard_agreed = True  # type: ignore[attr-defined]  # as the verdict every other rank raises
