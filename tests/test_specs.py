@@ -444,6 +444,7 @@ def test_a_spec_keeps_its_hash_and_a_pickle_carries_none():
         assert spec == again
         assert hash(spec) == hash(again)
         assert spec._hash == hash(spec)  # kept
+        assert pickle.loads(pickle.dumps(spec))._hash == 0  # made afresh where it is unpickled
         for copied in (pickle.loads(pickle.dumps(spec)), copy.deepcopy(spec), copy.copy(spec)):
             assert copied == spec
             assert hash(copied) == hash(spec)

@@ -549,9 +549,9 @@ def _run(
         def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
             return describe_results(r[1], r[0]), (usage.ages(), usage.closed), tuple(s.series for s in series)
 
-        (leaves, spec_tree), seen = agree_alike(backend, compute, describe, _alike_form)
+        (leaves, spec_tree), seen, described = agree_alike(backend, compute, describe, _alike_form)
         if seen is None:  # every rank's results alike, placement for placement: nothing exchanged
-            (_, found), (ages, closed), mine = describe((leaves, spec_tree))
+            (_, found), (ages, closed), mine = described
             metas = cast("list[tuple[torch.dtype, _Alike]]", _alike_metas(found))
             _refuse_closed(backend, first, closed, what)
             used = set(ages)

@@ -63,15 +63,15 @@ def agree(backend: Any, compute: Callable[[], T], describe: Callable[[T], Any]) 
     (``KeyboardInterrupt``, ``SystemExit``) is a ``CollectiveMismatchError`` here that
     names the rank; the interrupted process posts it, then goes on being interrupted.
     """
-    result, seen = _agree(backend, compute, describe, None)
+    result, seen, _ = _agree(backend, compute, describe, None)
     assert seen is not None  # always exchanged without ``alike``
     return result, seen
 
 
 def agree_alike(
     backend: Any, compute: Callable[[], T], describe: Callable[[T], Any], alike: Callable[[Any], Any]
-) -> tuple[T, list[Any] | None]:
-    """``agree``, with ``None`` for the descriptions where every process's is alike.
+) -> tuple[T, list[Any] | None, Any]:
+    """``agree``, with ``None`` for the descriptions where every process's is alike, and this process's own.
 
     ``alike`` gives a form of a description that names no rank (``None`` where there is
     none), from which the caller rebuilds every rank's description where all are alike.
@@ -86,7 +86,7 @@ def agree_alike(
 
 def _agree(
     backend: Any, compute: Callable[[], T], describe: Callable[[T], Any], alike: Callable[[Any], Any] | None
-) -> tuple[T, list[Any] | None]:
+) -> tuple[T, list[Any] | None, Any]:
     compare = getattr(backend, "alike", None) if alike is not None else None  # a backend may lack it: exchange
     try:
         result = compute()
@@ -99,14 +99,14 @@ def _agree(
         exc._fshard_posted = True  # type: ignore[attr-defined]  # the others know: check mode settles it
         raise
     if compare is not None and compare(None if form is None else _text_digest(repr(form))):
-        return result, None
+        return result, None, mine[1]
     seen = backend.exchange(mine)
     for rank, (kind, value) in zip(backend.ranks, seen):
         if kind == "error":
             error = as_error(value, rank, "function")
             error.add_note(f"(raised on rank {rank}; this rank's function returned)")
             raise error
-    return result, [value for _, value in seen]
+    return result, [value for _, value in seen], mine[1]
 
 
 def on_every_rank(backend: Any, ok: bool) -> bool:
@@ -178,8 +178,7 @@ def _shown(outcome: tuple[Any, Sequence[Meta]] | None) -> str:
 def _outcome_digest(tree: Any, dtypes: tuple[torch.dtype, ...]) -> int:
     """A digest of a result tree's structure (paths and node kinds) and its leaves' dtypes, alike on every process."""
     structure = None if tree is None else (optree.treespec_paths(tree), tree_kinds(tree))
-    text = repr((structure, [str(dtype) for dtype in dtypes]))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big", signed=True)
+    return _text_digest(repr((structure, [str(dtype) for dtype in dtypes])))
 
 
 _cached_digest = cached(256)(_outcome_digest)  # one per kind of result

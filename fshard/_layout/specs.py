@@ -134,12 +134,6 @@ class Chunk:
     placements: tuple[Placement, ...]
     _hash: int = _hash_field()
 
-    def __hash__(self) -> int:
-        return _hash_of(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _reduce(self)
-
     def __init__(self, dim: int, placements: Placements) -> None:
         if isinstance(dim, str):
             msg = f"ChunkShardingSpec does not support named dimension {dim!r}: give an int dim."
@@ -171,12 +165,6 @@ class Replicated:
     placements: tuple[Placement, ...]
     _hash: int = _hash_field()
 
-    def __hash__(self) -> int:
-        return _hash_of(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _reduce(self)
-
     def __init__(self, placements: Placements) -> None:
         _set(self, placements=_placements(placements, "Replicated"))
 
@@ -196,12 +184,6 @@ class Single:
 
     placement: Placement
     _hash: int = _hash_field()
-
-    def __hash__(self) -> int:
-        return _hash_of(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _reduce(self)
 
     def __init__(self, placement: PlacementLike) -> None:
         _set(self, placement=as_placement(placement))
@@ -224,12 +206,6 @@ class Explicit:
 
     shards: tuple[ShardMeta, ...]
     _hash: int = _hash_field()
-
-    def __hash__(self) -> int:
-        return _hash_of(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _reduce(self)
 
     def __init__(self, shards: Iterable[Any]) -> None:
         if is_torch_spec(shards):
@@ -283,12 +259,6 @@ class Mesh:
     ranks: tuple[Placement, ...]
     axis_names: tuple[str, ...]
     _hash: int = _hash_field()
-
-    def __hash__(self) -> int:
-        return _hash_of(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _reduce(self)
 
     def __init__(self, shape: Iterable[int], ranks: Any = None, axis_names: Iterable[str] | None = None) -> None:
         shape = check_shape(shape, "Mesh shape")
@@ -348,12 +318,6 @@ class Named:
     mesh: Mesh
     partition: tuple[PartitionEntry, ...]
     _hash: int = _hash_field()
-
-    def __hash__(self) -> int:
-        return _hash_of(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _reduce(self)
 
     def __init__(self, mesh: Mesh, partition: Iterable[Any]) -> None:
         if not isinstance(mesh, Mesh):
@@ -449,12 +413,6 @@ class Partial:
     over: tuple[str, ...] | None
     _hash: int = _hash_field()
 
-    def __hash__(self) -> int:
-        return _hash_of(self)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _reduce(self)
-
     def __init__(self, spec: Any, op: str = "sum", *, over: str | Iterable[str] | None = None) -> None:
         if isinstance(spec, Partial) or (isinstance(spec, Layout) and spec.partial is not None):
             raise SpecError(f"Partial() takes a non-partial spec, got {spec!r}: pending reductions do not nest.")
@@ -504,6 +462,10 @@ def _over(spec: Any, over: Any) -> tuple[str, ...]:
             raise SpecError(msg)
     return axes
 
+
+for _spec in (Chunk, Replicated, Single, Explicit, Mesh, Named, Partial):  # values whose hash is kept
+    _spec.__hash__ = _hash_of  # type: ignore[method-assign,assignment]
+    _spec.__reduce__ = _reduce  # type: ignore[method-assign,assignment]
 
 Spec = Union[Chunk, Named, Replicated, Single, Explicit, Partial]
 SpecLike = Union[Spec, Layout]
