@@ -44,6 +44,7 @@ from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.validate import Columns
 
 _LAYOUT, _DTYPE, _BACKEND, _DATA = map(operator.attrgetter, ("_layout", "_dtype", "_backend", "_data"))  # map() in C
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 __all__ = ["Flat", "flat_layouts", "flat_range", "launch_tree", "move_arguments", "move_tree", "regroup_tree"]
 
@@ -446,10 +447,20 @@ def _move_flat(
             data.extend(t.reshape(-1) for t in stacked) if group.flat else data.extend(stacked)
     # What no_sync keys on: the shards, or the link of an array that holds none here, of the leaves that take
     # a gradient. Those are the same at every micro-batch, where the others may be new arrays (a module's
-    # buffers, updated by each forward).
-    keyed = [a for a in members if a.requires_grad] or members
-    with _accumulate.sources(tuple(itertools.chain.from_iterable(a._data or (a._first(),) for a in keyed))):  # pyright: ignore[reportPrivateUsage]
-        moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
+    # buffers, updated by each forward). Where every leaf holds shards here and all or none take a gradient
+    # (a tree of parameters, or of values), that is every shard: found in C, without a call per leaf.
+    held = list(map(_DATA, members))
+    mixed, every, keys = True, all(held), ()
+    if every:
+        keys = tuple(itertools.chain.from_iterable(held))
+        needs = list(map(_REQUIRES_GRAD, keys))
+        mixed = any(needs) and not all(needs)
+    if mixed:
+        keyed = [a for a in members if a.requires_grad] or members
+        keys = tuple(itertools.chain.from_iterable(a._data or (a._first(),) for a in keyed))  # pyright: ignore[reportPrivateUsage]
+    with _accumulate.sources(keys):
+        like = members[0]._data[0] if every else _like(members)  # pyright: ignore[reportPrivateUsage]  # no links to join
+        moved, link = move(group.src, group.dst, backend, tuple(data), like)
     at = 0
     for part in group.parts:
         got = moved[at : at + len(part.sizes)]
@@ -472,7 +483,7 @@ def _move_flat(
             made = [ShardedArray._of(x, (), backend, dtype, link) for x in to]  # pyright: ignore[reportPrivateUsage]
         for k, a in zip(part.leaves, made):
             out[k] = a
-    if link.requires_grad:  # a leaf that needs no gradient, moved beside ones that do, gives a result that needs none
+    if mixed and link.requires_grad:  # a leaf that needs no gradient, moved beside ones that do: its result needs none
         for k, a in zip(group.leaves, members):
             if not a.requires_grad:
                 b = out[k]
