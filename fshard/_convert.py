@@ -154,6 +154,15 @@ def _write_file(path: Path, source: Source, group: list[int], bar: Any) -> None:
 def _to_hf(source: Source, target: Path, shard_size: int, budget: int | None, progress: bool | None) -> None:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CheckpointError(f"convert() writes a new Hugging Face folder: {target} exists and is not empty.")
+    seen: set[str] = set()
+    for name in (i.name for i in source.items):
+        if name in seen:  # a file would hold two tensors under one name, one of them unreadable
+            msg = (
+                f"convert() to hf names each tensor by its keys joined with '.', and {name!r} names two tensors of "
+                "the source (a key that holds a '.' beside nested keys): rename one of them, or convert to fshard."
+            )
+            raise CheckpointError(msg)
+        seen.add(name)
     too_big = [i.name for i in source.items if budget is not None and i.nbytes > budget]
     if too_big:
         msg = (

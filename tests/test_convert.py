@@ -260,3 +260,29 @@ def test_no_staging_left_after_a_failed_hugging_face_write(dcp_folder: Path, tmp
         convert(dcp_folder, tmp_path / "hf", to="hf")
     assert list(tmp_path.iterdir()) == []
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_two_tensors_of_one_dotted_name_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    fshard.save(tmp_path / "fs", {"a": {"b": torch.ones(2, 2)}, "a.b": torch.zeros(3)})
+    with pytest.raises(fshard.CheckpointError, match=r"'a\.b' names two tensors of the source .* rename one"):
+        convert(tmp_path / "fs", tmp_path / "hf", to="hf")
+    assert not (tmp_path / "hf").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["fs"]  # no staging folder left behind
+
+
+@pytest.mark.parametrize("kind", ["fshard", "dcp", "hf"])
+def test_a_spec_that_does_not_fit_a_leaf_names_it(tmp_path: Path, kind: str) -> None:
+    tree = {"w": torch.ones(4, 4), "opt": {"step": torch.tensor(10.0)}}
+    if kind == "fshard":
+        fshard.save(tmp_path / "ck", tree)
+        where = r"Leaf \['opt'\]\['step'\] \(torch.float32, shape \(\)\)"
+    elif kind == "dcp":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(tree, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+        where = r"Tensor 'opt.step' \(torch.float32, shape \(\)\)"
+    else:
+        save_file({"w": tree["w"], "opt.step": tree["opt"]["step"]}, tmp_path / "ck")
+        where = r"Tensor 'opt.step' \(torch.float32, shape \(\)\)"
+    with pytest.raises(fshard.SpecError, match=where + r": Invalid sharding dim: 0 for a 0-D array"):
+        fshard.load(tmp_path / "ck", specs=fshard.Chunk(0, [0, 1]))

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,12 +21,12 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
-from fshard._checkpoint._collective import agree, agree_on, progress_bar
+from fshard._checkpoint._collective import agree, agree_on, layout_digest, progress_bar
 from fshard._checkpoint._dcp_chunks import Locator
 from fshard._checkpoint._dcp_exchange import Buffers, exchange
-from fshard._checkpoint._dcp_meta import BytesEntry, read_metadata
+from fshard._checkpoint._dcp_meta import METADATA, BytesEntry, DcpMetadata, read_metadata
 from fshard._checkpoint._dcp_plan import Pieces, plan_pieces
-from fshard._checkpoint._dcp_targets import coordinator, targets
+from fshard._checkpoint._dcp_targets import Target, coordinator, targets
 from fshard._checkpoint._format import check_flag, checkpoint_path
 from fshard._checkpoint._raw import Files, Stored, read_box
 from fshard._errors import CheckpointError
@@ -43,9 +45,21 @@ def load_dcp(
     root = checkpoint_path(path, "load()")
     check_flag("load() progress", progress, optional=True)
     coord = coordinator(like, backend, default_backend)
-    (md, _), seen = agree_on(coord, "fshard.load", lambda: (read_metadata(root), coord.rank), lambda out: out[1])
-    ranks = tuple(int(r) for r in seen) if coord.spans_processes else (0,)
-    chosen, raw = agree(coord, "fshard.load", lambda: targets(md, like, specs, coord, ranks))
+    (md, _), seen = agree_on(coord, "fshard.load", lambda: _metadata(root, coord), lambda out: out[1])
+    if len({d for _, d in seen}) > 1:  # each rank would read its own folder's bytes into the others' boxes
+        msg = (
+            f"fshard.load of {root}: the ranks read different DCP folders (their {METADATA} files differ): give "
+            "every rank the same checkpoint."
+        )
+        raise CheckpointError(msg)
+    ranks = tuple(r for r, _ in seen) if coord.spans_processes else (0,)
+    (chosen, raw), seen = agree_on(coord, "fshard.load", lambda: targets(md, like, specs, coord, ranks), _digest)
+    if len(set(seen)) > 1:
+        msg = (
+            f"fshard.load of {root}: the ranks asked for different tensors or layouts (like= or specs= differ "
+            "between ranks). Every rank must pass the same like= or specs= (load is collective)."
+        )
+        raise CheckpointError(msg)
     pieces = plan_pieces(chosen, coord.spans_processes)
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
@@ -63,6 +77,30 @@ def load_dcp(
         if e.name in values or e.name in blobs:
             out[e.name] = values[e.name] if e.name in values else blobs[e.name]
     return out
+
+
+def _metadata(root: Path, coord: Backend) -> tuple[DcpMetadata, tuple[int, str]]:
+    """The folder's metadata, and this rank with a digest of the metadata's bytes.
+
+    DCP names each save in its metadata (a save id), so two folders' digests differ even
+    where they hold tensors of the same names and shapes; copies of one folder agree.
+    """
+    md = read_metadata(root)
+    try:
+        digest = hashlib.sha256((root / METADATA).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise CheckpointError(f"DCP metadata {root / METADATA} cannot be read: {exc.strerror or exc}.") from None
+    return md, (int(coord.rank or 0), digest)
+
+
+def _digest(chosen: tuple[Sequence[Target], Sequence[BytesEntry]]) -> str:
+    """A digest of the tensors a rank builds (names and layouts, devices aside) and of the entries read as bytes."""
+    h = hashlib.sha256()
+    for t in chosen[0]:
+        h.update(repr((t.entry.name, t.plain)).encode())
+        h.update(layout_digest(t.layout))
+    h.update(repr([e.name for e in chosen[1]]).encode())
+    return h.hexdigest()
 
 
 def _mine(p: Pieces, coord: Backend) -> np.ndarray:

@@ -119,7 +119,10 @@ def _pick(
 
 
 def _from_spec(e: TensorEntry, spec: Any, coord: Backend) -> Target:
-    layout = as_layout(spec, e.shape)
+    try:
+        layout = as_layout(spec, e.shape)
+    except SpecError as exc:
+        raise SpecError(f"Tensor {e.name!r} ({e.dtype}, shape {e.shape}): {exc}") from None
     if layout.partial is not None:
         msg = (
             f"{e.name!r}: the target layout has a pending {layout.partial} (partial={layout.partial!r}), but a "

@@ -80,7 +80,15 @@ def _prepare(root: Path, kind: str, like: Any, specs: Any, options: dict[str, An
 
 
 def _digest(sources: dict[str, Source], wants: list[Want]) -> str:
+    """What a rank reads: its files' samples of data, and each target's pieces and layout.
+
+    Ranks whose digests differ read different checkpoints or targets (each would read its own
+    bytes into boxes that others send on), so the load raises on every rank.
+    """
     h = hashlib.sha256()
+    for header in sorted({id(s.header): s.header for s in sources.values()}.values(), key=lambda x: x.path.name):
+        h.update(repr((header.path.name, header.size)).encode())
+        h.update(header.sample)
     for w in wants:
         pieces = [(p, sources[p.source].header.path.name, sources[p.source].entry.begin) for p in w.view.pieces]
         h.update(repr((w.name, w.view.shape, str(w.view.dtype), w.view.dim, pieces, str(w.dtype))).encode())

@@ -15,7 +15,7 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
-from fshard._checkpoint._collective import agree_on, progress_bar
+from fshard._checkpoint._collective import agree_on, layout_digest, progress_bar
 from fshard._checkpoint._dcp import load_dcp
 from fshard._checkpoint._detect import checkpoint_kind
 from fshard._checkpoint._format import INDEX, Saved, check_flag, check_not_partial, checkpoint_path, read_index
@@ -81,7 +81,10 @@ def _target_spec(saved: Saved, spec: Any, backend: Backend | None) -> _Target:
     if spec is None:
         return _Target("tensor")
     b = default_backend() if backend is None else backend
-    layout = as_layout(spec, saved.shape)
+    try:
+        layout = as_layout(spec, saved.shape)
+    except SpecError as exc:
+        raise SpecError(f"Leaf {saved.where} ({saved.dtype}, shape {saved.shape}): {exc}") from None
     check_not_partial(f"Leaf {saved.where}", layout)
     b.check_layout(layout)
     return _Target("array", layout, b)
@@ -266,8 +269,11 @@ def load(
             truncated or tampered file, a tree, shape or dtype that does not
             match (naming file and tensor), an index or data file that resolves outside
             the checkpoint directory (a symlink), or "changed during load" when saves
-            replaced the checkpoint three times during one load.
-        SpecError: a target layout with a pending reduction (``Partial``).
+            replaced the checkpoint three times during one load; on every rank, where the
+            ranks found different kinds of checkpoint at their paths, read different
+            checkpoints, or asked for different targets.
+        SpecError: a target layout with a pending reduction (``Partial``), or a spec that
+            does not fit a leaf (naming it).
 
     Raises for Hugging Face checkpoints: ``CheckpointError`` for a header or index that is
     malformed, oversized or lies about the data (naming file and tensor), for names that
@@ -288,22 +294,67 @@ def load(
     if backend is not None and not isinstance(backend, Backend):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise TypeError(f"load() backend= takes an fshard backend or None, got {type(backend).__name__}.")
     hf = {"dtype": dtype, "rename": rename, "fuse": fuse}
-    kind = checkpoint_kind(checkpoint_path(path, "load()"))
+    coord = _coordinator(like) or backend or default_backend()
+    kind, ranks = _agreed_kind(checkpoint_path(path, "load()"), coord)
     if kind != "fshard":
         return _load_foreign(kind, path, like, specs, hf, backend, progress)
     if any(v is not None for v in hf.values()):
         raise TypeError("load() dtype=, rename= and fuse= apply to Hugging Face checkpoints, not to fshard's own.")
-    coord = _coordinator(like) or backend or default_backend()
     attempt = lambda: _attempt(path, like, specs, verify, backend, progress, coord)  # noqa: E731
+    seen: list[Any] = []
     for _ in range(_ATTEMPTS):
-        tree, seen = agree_on(coord, "fshard.load", attempt, lambda out: out[:2])
+        tree, seen = agree_on(coord, "fshard.load", attempt, lambda out: out[:3])
         if len(set(seen)) == 1 and not seen[0][1]:
-            return tree[2]
+            return tree[3]
+        if len({s[0] for s in seen}) == 1 and not any(s[1] for s in seen):  # one checkpoint, other targets
+            msg = (
+                f"fshard.load of {path}: the ranks asked for different targets (like= or specs= differ between "
+                "ranks). Every rank must pass the same like= or specs= (load is collective)."
+            )
+            raise CheckpointError(msg)
+    if any(s[1] for s in seen):
+        msg = (
+            f"Checkpoint {path} changed during load {_ATTEMPTS} times in a row: another process is saving to it. "
+            "Load again once that save has finished."
+        )
+        raise CheckpointError(msg)
+    read = _by_value(ranks, [f"index.json sha256 {s[0][:12]}..." for s in seen])
     msg = (
-        f"Checkpoint {path} changed during load {_ATTEMPTS} times in a row: another process is saving to it. "
-        "Load again once that save has finished."
+        f"fshard.load of {path}: the ranks read different checkpoints ({read}) in {_ATTEMPTS} attempts: give every "
+        "rank the same checkpoint (or load again, if another process was saving to it)."
     )
     raise CheckpointError(msg)
+
+
+def _by_value(ranks: Sequence[int], values: Sequence[Any]) -> str:
+    """Which of ``ranks`` hold each of ``values`` (one per rank): ``ranks [0, 2]: a; ranks [1]: b``."""
+    holders: dict[Any, list[int]] = {}
+    for r, v in zip(ranks, values):
+        holders.setdefault(v, []).append(r)
+    return "; ".join(f"ranks {rs}: {v}" for v, rs in holders.items())
+
+
+_KINDS = {
+    "fshard": "an fshard checkpoint (or nothing)",
+    "hf-file": "a Hugging Face safetensors file",
+    "hf-folder": "a Hugging Face folder",
+    "dcp": "a torch DCP folder",
+}
+
+
+def _agreed_kind(root: Path, coord: Backend) -> tuple[str, list[int]]:
+    """The kind of checkpoint at ``root`` (``checkpoint_kind``), the same on every rank of ``coord``; and the ranks.
+
+    Each kind's load runs other collectives, so ranks that found different kinds at their
+    paths (a path per node, one of them stale) raise here, together, before any of them.
+    """
+    kind, seen = agree_on(coord, "fshard.load", lambda: checkpoint_kind(root), lambda k: (coord.rank or 0, k))
+    ranks = [r for r, _ in seen]
+    if len({k for _, k in seen}) > 1:
+        found = _by_value(ranks, [_KINDS[k] for _, k in seen])
+        msg = f"fshard.load of {root}: the ranks found different kinds of checkpoint there ({found}): give every rank the same checkpoint."  # noqa: E501
+        raise CheckpointError(msg)
+    return kind, ranks
 
 
 def _load_foreign(
@@ -341,21 +392,35 @@ def _coordinator(like: Any) -> Backend | None:
 
 def _attempt(
     path: Any, like: Any, specs: Any, verify: Any, backend: Backend | None, progress: Any, coord: Backend
-) -> tuple[str, bool, Any]:
-    """(fingerprint of the index read, whether the checkpoint changed under this read, the tree or None)."""
+) -> tuple[str, bool, str, Any]:
+    """One read of the checkpoint: (index fingerprint, changed under this read, targets' digest, tree or None).
+
+    The tree is ``None`` where a save replaced the index and then deleted files this read needed.
+    """
     root = checkpoint_path(path, "load()")
     check_flag("load() verify", verify)
     check_flag("load() progress", progress, optional=True)
     index, fingerprint = read_index(root)
     saved = saved_leaves(root, index)
     targets = _targets(saved, index["tree"], like, specs, backend)
+    digest = _targets_digest(targets)
     try:
         values = _read_all(root, index, saved, targets, verify, progress, coord)
     except CheckpointError:
         if _fingerprint(root) != fingerprint:  # a save replaced the index, then deleted files this read needed
-            return fingerprint, True, None
+            return fingerprint, True, digest, None
         raise
-    return fingerprint, False, unflatten(index["tree"], values)
+    return fingerprint, False, digest, unflatten(index["tree"], values)
+
+
+def _targets_digest(targets: Sequence[_Target]) -> str:
+    """A digest of what each leaf is read into, alike on ranks that asked for the same (devices aside)."""
+    h = hashlib.sha256()
+    for t in targets:
+        h.update(t.kind.encode())
+        if t.layout is not None:
+            h.update(layout_digest(t.layout))
+    return h.hexdigest()
 
 
 def _fingerprint(root: Path) -> str | None:
