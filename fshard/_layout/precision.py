@@ -90,8 +90,9 @@ def check_floating(precision: Precision | None, dtype: torch.dtype, what: str) -
     """Raises ``SpecError`` naming ``what`` where ``precision`` would cast an array whose ``dtype`` is not floating."""
     if precision is not None and not dtype.is_floating_point:
         msg = (
-            f"{what} has dtype {dtype}, but precision={precision!r} casts floating arrays only: give it no "
-            "precision (shard_map takes one per argument: precision=(fshard.Precision(...), None))."
+            f"{what} has dtype {dtype}, but precision={precision!r} casts floating arrays only: move it without "
+            "a precision (of a tree, the leaves that are not floating, such as integer buffers, in a call of their "
+            "own; shard_map takes one per argument: precision=(fshard.Precision(...), None))."
         )
         raise SpecError(msg)
 
