@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
+from torch.nn.utils import parametrize
 
 from fshard._api.map import check_out_specs, map_local, named_shard_map
 from fshard._api.module_rules import Structure, structure
@@ -30,6 +31,7 @@ from fshard._api.move import reshard
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
 from fshard._base.compile import body as compiled_where_called
+from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
 from fshard._layout.placement import Placement
@@ -102,7 +104,9 @@ def _copy(
     done = memo.get(id(module))
     if done is not None:
         return done
-    out = _shallow(module)
+    # torch's is_parametrized, without Module.__getattr__ (an exception per module that has none)
+    parametrized = isinstance(vars(module)["_modules"].get("parametrizations"), torch.nn.ModuleDict)
+    out = _parametrized_clone(module, found) if parametrized else _shallow(module)
     memo[id(module)] = out
     axis = rows.get(id(module))
     if axis is not None:  # a row-parallel Linear: its clone sums its product over the axis
@@ -136,6 +140,73 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     state = vars(module).copy()
     state.pop("_compiled_call_impl", None)  # as Module.__getstate__
     object.__setattr__(out, "__dict__", state)
+    return out
+
+
+@opaque  # TorchDynamo traces _injected wrongly: run it, and the copy, eagerly
+def _parametrized_clone(module: torch.nn.Module, found: Structure) -> torch.nn.Module:
+    """``_shallow(module)`` for a module with ``torch.nn.utils.parametrize`` parametrizations (``weight_norm``).
+
+    torch gives such a module a class of its own, which refuses ``__getstate__`` (and so
+    ``copy.copy``) to keep it from being pickled. It adds to the module's class only that
+    refusal, a ``__deepcopy__`` and a property per parametrized tensor, which computes it from
+    ``self.parametrizations`` (the clone's, holding the placement's blocks): where the module's
+    class copies plainly, the clone is the same new object holding a copy of its ``__dict__``.
+
+    Raises:
+        SpecError: the class copies otherwise (``__copy__``, ``__getstate__``, slots), or a
+            ``torch.nn.utils.parametrize.cached()`` is on: its cache is keyed by the module, so
+            every placement's clone would read the value of the first one computed.
+    """
+    cls = type(module)
+    if not (_injected(cls) and _copies_plainly(cls.__bases__[0])):
+        msg = (
+            f"apply_module() cannot clone the parametrized {_parametrized_names(module, found)}: its class "
+            f"{cls.__bases__[0].__qualname__} copies otherwise than torch.nn.Module does, and torch refuses "
+            "copy.copy of a parametrized module. Remove the parametrizations before sharding "
+            "(torch.nn.utils.parametrize.remove_parametrizations(module, name)), or give the class "
+            "torch.nn.Module's copy."
+        )
+        raise SpecError(msg)
+    if getattr(parametrize, "_cache_enabled"):  # noqa: B009  # cached()'s switch: no public getter, untyped
+        msg = (
+            f"apply_module() runs the parametrized {_parametrized_names(module, found)} inside "
+            "torch.nn.utils.parametrize.cached(), whose cache is keyed by the module: every placement would "
+            "read the value computed first (from one placement's blocks, or the module's own parameters). "
+            "Call apply_module outside cached()."
+        )
+        raise SpecError(msg)
+    out = object.__new__(cls)
+    state = vars(module).copy()
+    state.pop("_compiled_call_impl", None)  # as Module.__getstate__
+    object.__setattr__(out, "__dict__", state)
+    return out
+
+
+def _injected(cls: type) -> bool:
+    """Whether ``cls`` is a class that ``torch.nn.utils.parametrize`` made: its base, and nothing but the above.
+
+    Not cached: torch makes one such class per module, and its properties hold the module.
+    """
+    getstate = vars(cls).get("__getstate__")
+    return (
+        getattr(getstate, "__qualname__", None) == "_inject_new_class.<locals>.getstate"
+        and getattr(getstate, "__module__", None) == parametrize.__name__
+        and len(cls.__bases__) == 1
+        and all(k in _INJECTED or isinstance(v, property) for k, v in vars(cls).items())
+    )
+
+
+_INJECTED = frozenset({"__getstate__", "__deepcopy__", "__module__", "__doc__"})  # parametrize's, besides properties
+
+
+def _parametrized_names(module: torch.nn.Module, found: Structure) -> list[str]:
+    """The dotted names of a parametrized module's parametrized tensors (``"0.weight"``), from its originals'."""
+    out: list[str] = []
+    for tensor, chain in cast("Mapping[str, torch.nn.Module]", vars(module)["_modules"]["parametrizations"]).items():
+        own_params, own_buffers = found.slots[id(chain)]  # a buffer's parametrization keeps buffers
+        local, full = (*own_params, *own_buffers)[0]  # ("original0", "0.parametrizations.weight.original0")
+        out.append(full[: -len(f"parametrizations.{tensor}.{local}")] + tensor)
     return out
 
 

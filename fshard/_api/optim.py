@@ -5,7 +5,9 @@ keeps, per shard tensor, state of the shard's shape (AdamW's ``exp_avg`` and ``e
 SGD's ``momentum_buffer``) and scalars (``step``). Taken array by array, the first are
 arrays with the parameters' layouts, which ``fshard.save`` writes and ``fshard.load(like=...)``
 reads onto any layout and world size; the scalars are one value per array, the same on
-every shard of it.
+every shard of it. ``step`` is a scalar even where the shard is one too (a 0-d parameter,
+CLIP's ``logit_scale``), and keeps its own dtype on loading, as ``Optimizer.load_state_dict``
+keeps it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ __all__ = ["load_optimizer_state", "optimizer_state"]
 
 Leaf = ShardedArray | torch.Tensor
 
+# The state key that torch's optimizers count steps in: a scalar whatever the parameter's shape,
+# which Optimizer.load_state_dict never casts to the parameter's dtype (a bf16 count stops at 256).
+_STEP = "step"
+
 
 @collective("optimizer_state")
 def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
@@ -33,13 +39,13 @@ def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
 
     For each state key, a tree shaped like ``params``: an array in its parameter's layout
     where the state has the shard's shape (``exp_avg``), else the one value that every shard
-    of the parameter holds (``step``), or ``None`` for a parameter that has no state (a
-    frozen one, or one no step has had a gradient for yet: as ``Optimizer.state_dict``
-    leaves it out). The arrays share the optimizer's tensors: save them
-    before its next step. An optimizer that has not stepped has no state yet: it is made
-    the way ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` makes it
-    (one step on zero gradients with the learning rate at 0, which leaves the parameters
-    as they are), which is what a ``like=`` for loading needs.
+    of the parameter holds (``step``, whatever the parameter's shape), or ``None`` for a
+    parameter that has no state (a frozen one, or one no step has had a gradient for yet:
+    as ``Optimizer.state_dict`` leaves it out). The arrays share the optimizer's tensors:
+    save them before its next step. An optimizer that has not stepped has no state yet: it
+    is made the way ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
+    makes it (one step on zero gradients with the learning rate at 0, which leaves the
+    parameters as they are), which is what a ``like=`` for loading needs.
 
     Args:
         opt: a ``torch.optim.Optimizer`` whose parameters are the leaves of ``params``.
@@ -99,8 +105,9 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
     Load ``state`` with ``fshard.load(path, like=fshard.optimizer_state(opt, params))``: its
     arrays then have the layouts of ``params``. Each shard tensor gets its part of every array
     (cast to the parameter's dtype and device where floating point, as
-    ``Optimizer.load_state_dict`` does) and its own copy of every scalar; each parameter group
-    gets the saved hyperparameters (set ``lr`` after this call to change it).
+    ``Optimizer.load_state_dict`` does) and its own copy of every scalar (``step`` in the dtype
+    it was saved in, as there); each parameter group gets the saved hyperparameters (set
+    ``lr`` after this call to change it).
 
     Args:
         opt: a ``torch.optim.Optimizer`` whose parameters are the leaves of ``params``, in
@@ -234,7 +241,7 @@ def _init_state(opt: torch.optim.Optimizer) -> None:
 
 
 def _value(opt: torch.optim.Optimizer, a: Leaf, key: str, path: str) -> Any:
-    """The ``key`` state of array ``a``: an array of its layout, or its shards' one scalar."""
+    """The ``key`` state of array ``a``: an array of its layout, or its shards' one scalar (``step`` always)."""
     own = _own(a)
     values = [opt.state.get(t, {}).get(key) for t in own]
     if all(v is None for v in values):  # a frozen parameter, or one no step has had a gradient for yet
@@ -245,7 +252,7 @@ def _value(opt: torch.optim.Optimizer, a: Leaf, key: str, path: str) -> Any:
             "stepped apart (give the optimizer every shard, and step them together)."
         )
         raise SpecError(msg)
-    if all(isinstance(v, torch.Tensor) and v.shape == t.shape for v, t in zip(values, own)):
+    if key != _STEP and all(isinstance(v, torch.Tensor) and v.shape == t.shape for v, t in zip(values, own)):
         tensors = [cast(torch.Tensor, v).detach() for v in values]
         if isinstance(a, torch.Tensor):
             return tensors[0]
@@ -332,7 +339,7 @@ def _put(opt: torch.optim.Optimizer, a: Leaf, value: Any, key: str, path: str) -
             )
             raise SpecError(msg)
         parts = _own(value)
-    elif isinstance(a, torch.Tensor) and isinstance(value, torch.Tensor) and value.shape == a.shape and value.ndim:
+    elif isinstance(a, torch.Tensor) and isinstance(value, torch.Tensor) and value.shape == a.shape and key != _STEP:
         parts = [value]
     else:  # a scalar: every shard tensor gets its own copy (optimizers step them in place)
         for t in own:
@@ -340,4 +347,5 @@ def _put(opt: torch.optim.Optimizer, a: Leaf, value: Any, key: str, path: str) -
         return
     for t, v in zip(own, parts):
         v = v.detach()
-        opt.state[t][key] = v.to(device=t.device, dtype=t.dtype) if v.is_floating_point() else v.to(t.device)
+        floating = v.is_floating_point() and key != _STEP
+        opt.state[t][key] = v.to(device=t.device, dtype=t.dtype) if floating else v.to(t.device)

@@ -56,6 +56,7 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
+from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec import flight as _flight
@@ -409,6 +410,7 @@ def _drop(address: int, serial: int) -> None:
         del _ENTRIES[address]
 
 
+@opaque  # autograd calls it back, TorchDynamo's hook still on
 def _pack(t: torch.Tensor) -> Any:
     entry = _ENTRIES.get(_address(t))
     if entry is None or entry.dtype != t.dtype:
@@ -417,6 +419,7 @@ def _pack(t: torch.Tensor) -> Any:
     return entry.group.token(position, t, offset)
 
 
+@opaque  # autograd calls it back, TorchDynamo's hook still on
 def _unpack(saved: Any) -> torch.Tensor:
     if isinstance(saved, _Token):
         return saved.group.take(saved)
