@@ -121,6 +121,10 @@ def map_local(
     _check_terms(arrays)
     base = with_partial(arrays[0].layout, None)
     if out_spec is None and all(with_partial(a.layout, None) == base for a in arrays):
+        if pending is not None:
+            # fn runs on each summand: a replicated argument's copies each meet another summand
+            # (p * v), so its gradient is the sum of theirs, as shard_map's arguments' are (_run).
+            arrays = tuple(_fused.regroup_tree(arrays, "sum"))
         return map_same(fn, arrays, pending)
     if out_spec is None:
         k = next(k for k, a in enumerate(arrays) if with_partial(a.layout, None) != base)

@@ -26,7 +26,7 @@ from fshard._exec.agree import (
 )
 from fshard._exec.collective import collective
 from fshard._exec.replicas import check_leaves, checking
-from fshard._layout.layout import Layout, ShardMeta, with_terms
+from fshard._layout.layout import Layout, ShardMeta, with_partial, with_terms
 from fshard._layout.placement import Placement
 from fshard._layout.precision import Precision, check_floating, check_precision
 from fshard._layout.specs import Replicated, as_layout
@@ -231,10 +231,13 @@ def split_replicas(array: ShardedArray) -> ShardedArray:
 
 
 def _aligned(a: ShardedArray, b: ShardedArray, what: str) -> tuple[ShardedArray, ShardedArray] | None:
+    """``a`` and ``b`` in one layout, their values (a pending sum reduced, not its summands); ``None``: other shapes."""
     _check_array(a, what)
     _check_array(b, what)
     if a.shape != b.shape:
         return None
+    if a.layout.partial is not None:
+        a = reshard(a, with_partial(a.layout, None))
     return a, reshard(b, a.layout)
 
 
@@ -242,7 +245,8 @@ def _aligned(a: ShardedArray, b: ShardedArray, what: str) -> tuple[ShardedArray,
 def equal(a: ShardedArray, b: ShardedArray) -> bool:
     """True when both arrays have the same shape and values (collective).
 
-    If the layouts differ, ``b`` is resharded to ``a``'s layout first.
+    If the layouts differ, ``b`` is resharded to ``a``'s layout first; a pending sum is
+    compared by its value (reduced first), not by its summands.
 
     >>> import torch, fshard
     >>> t = torch.arange(6.0)
@@ -258,6 +262,9 @@ def equal(a: ShardedArray, b: ShardedArray) -> bool:
 def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> bool:
     """``torch.allclose`` over whole arrays (collective); ``b`` is resharded to ``a``'s layout.
 
+    A pending sum is compared by its value (reduced first). Arrays of two dtypes raise
+    ``TypeError`` on every rank, as ``torch.allclose`` refuses them.
+
     >>> import torch, fshard
     >>> x = fshard.shard(torch.ones(4), fshard.Chunk(0, [0, 1]))
     >>> fshard.allclose(x, fshard.map_local(lambda t: t + 1e-9, x))
@@ -268,6 +275,14 @@ def allclose(a: ShardedArray, b: ShardedArray, rtol: float = 1e-5, atol: float =
             raise TypeError(f"allclose() {name} must be a real number, got {value!r} ({type(value).__name__}).")
     if not isinstance(equal_nan, bool):
         raise TypeError(f"allclose() equal_nan must be a bool, got {equal_nan!r} ({type(equal_nan).__name__}).")
+    _check_array(a, "allclose()")
+    _check_array(b, "allclose()")
+    if a.dtype != b.dtype:  # as torch.allclose refuses; decided from the arrays' dtypes, on every rank alike
+        msg = (
+            f"allclose() compares arrays of one dtype, got {a.dtype} and {b.dtype}: convert one first, "
+            f"e.g. fshard.map_local(lambda t: t.to({b.dtype}), a)."
+        )
+        raise TypeError(msg)
     pair = _aligned(a, b, "allclose()")
     ok = pair is not None and all(
         torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan)

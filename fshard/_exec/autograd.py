@@ -244,7 +244,13 @@ def _gradients_back(
         if aside is None:
             return None, like
         dense = aside
-    return (move(frm, to, backend, dense, like)[0] if frm != to else dense), like
+    back = move(frm, to, backend, dense, like)[0] if frm != to else dense
+    if src.partial == "sum" and torch.is_grad_enabled():
+        # Gradients of gradients: each summand's copy of the gradient feeds that summand's own
+        # backward (a computation per copy), so the gradients that reach the copies are summed
+        # over them, as those of a replicated argument are; read from one copy, the others' were lost.
+        back, _ = regroup(to, backend, "sum", back, like)
+    return back, like
 
 
 class _CastMove(torch.autograd.Function):

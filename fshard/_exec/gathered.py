@@ -223,6 +223,10 @@ class _PerShard(TorchFunctionMode):
         self.views: dict[int, torch.Tensor] = {}
         self.usage = usage
         self.closed, self.own, self.since = closed, own, since
+        # The torch.func level the function was called at: a tensor of a deeper level was made by a
+        # transform inside it (the leaf that torch.func.grad differentiates), not closed over.
+        level = _functorch.maybe_current_level()
+        self.level: int = -1 if level is None else int(level)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # No gradient recorded (no_grad, inference, a reentrant checkpoint's forward): nothing to tap or set
@@ -318,6 +322,7 @@ class _PerShard(TorchFunctionMode):
             and key not in self.own
             and ((node := x.grad_fn) is None or node._sequence_nr() < self.since)  # pyright: ignore[reportPrivateUsage]  # older than the call
             and not (key in _GATHERED_KEYS and _GATHERED.get(key) is x)
+            and _functorch.maybe_get_level(x) <= self.level
         ):
             view = self.closed(x)
             if self.usage is not None:
@@ -329,6 +334,7 @@ class _PerShard(TorchFunctionMode):
 
 
 _grad_enabled = torch.is_grad_enabled
+_functorch: Any = getattr(torch._C, "_functorch")  # pyright: ignore[reportPrivateUsage]  # noqa: B009  # torch's functorch bindings, untyped
 
 
 def _ints(x: Any) -> bool:
