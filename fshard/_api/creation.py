@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from fshard._api import random as _random
 from fshard._api.move import resolve_backend
 from fshard._array.array import ShardedArray
+from fshard._base import boxes as _boxes
 from fshard._base.cache import cached
 from fshard._errors import LayoutError, SpecError
 from fshard._exec.collective import collective
 from fshard._interop.torch_objects import from_sharded_tensor
-from fshard._layout.layout import Layout, ShardMeta
-from fshard._layout.placement import Placement
+from fshard._layout.layout import Layout, ShardMeta, replica_ids
 from fshard._layout.specs import as_layout
 from fshard._layout.torch_meta import is_sharded_tensor
 from fshard._layout.validate import MAX_EXTENT, check_shape
@@ -61,9 +61,31 @@ def _on_device(layout: Layout, device: Any) -> Layout:
 
 @cached(256)
 def _placed_on(layout: Layout, dev: str) -> Layout:
-    """``layout`` with every shard on device ``dev`` of its rank."""
-    shards = tuple(dataclasses.replace(s, placement=Placement(s.placement.rank, dev)) for s in layout.shards)
-    return Layout(layout.shape, shards)
+    """``layout`` with every shard on device ``dev`` of its rank (its pending reduction and terms kept)."""
+    lo, sz, rank, _ = layout.columns
+    return Layout.from_arrays(layout.shape, lo, sz, rank, dev, layout.partial, layout.terms)
+
+
+@cached(256)
+def _filled(layout: Layout) -> np.ndarray | None:
+    """Per shard, whether it takes the requested values (``None``: every shard does).
+
+    Of a pending sum, each box's first summand (its first copy in layout order and that
+    copy's replicas, ``Layout.terms``) takes them and the other summands hold zeros, so the
+    sum is the requested value; every copy of a pending max or min takes them.
+
+    >>> import fshard
+    >>> _filled(fshard.Partial(fshard.Replicated([0, 1, 2])).layout((2,))).tolist()
+    [True, False, False]
+    """
+    if layout.partial != "sum":
+        return None
+    lo, sz, _, _ = layout.columns
+    first, box = _boxes.unique_rows(np.c_[lo, sz])
+    ids = replica_ids(layout)
+    out = ids == ids[first[box]]
+    out.setflags(write=False)
+    return out
 
 
 def check_dtype(dtype: Any) -> torch.dtype | None:
@@ -81,14 +103,19 @@ def _check_grad(requires_grad: Any, dtype: torch.dtype) -> None:
         raise TypeError(f"requires_grad=True needs a floating point or complex dtype, got {dtype}.")
 
 
-def _check_sizes(layout: Layout, index: tuple[int, ...], dtype: torch.dtype) -> None:
+def _check_sizes(layout: Layout, dtype: torch.dtype) -> None:
     """Raises ``LayoutError`` for a shard too large for one tensor (more than 2**63 - 1 bytes).
 
-    An empty shard counts its other extents: torch multiplies every extent before the 0
-    and refuses ``torch.zeros(2**40, 2**40, 0)`` as it refuses ``torch.zeros(2**40, 2**40)``.
+    Every shard of the layout is checked, not only this rank's, so that every rank raises
+    the same error. An empty shard counts its other extents: torch multiplies every extent
+    before the 0 and refuses ``torch.zeros(2**40, 2**40, 0)`` as it refuses
+    ``torch.zeros(2**40, 2**40)``.
     """
-    for i in index:
-        sizes = layout._shard(i).sizes  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
+    sz = layout.columns.sz
+    # float64 bytes are within a factor 1 + 1e-14: those above half the limit are counted exactly.
+    approx = np.where(sz > 0, sz, 1).astype(np.float64).prod(axis=1) * dtype.itemsize
+    for i in np.flatnonzero(approx > MAX_EXTENT / 2).tolist():
+        sizes = tuple(sz[i].tolist())
         if math.prod(s for s in sizes if s) * dtype.itemsize > MAX_EXTENT:
             empty = " (it is empty, but torch counts the extents other than 0 all the same)" if 0 in sizes else ""
             msg = (
@@ -106,12 +133,13 @@ def _create(
     backend = resolve_backend(backend)
     layout = _on_device(as_layout(spec, parse_shape(shape)), device)
     backend.check_layout(layout)
-    index = backend.addressable(layout)
-    _check_sizes(layout, index, dtype)
+    _check_sizes(layout, dtype)
+    filled = _filled(layout)
     data: list[torch.Tensor] = []
-    for i in index:
+    for i in backend.addressable(layout):
         meta = layout._shard(i)  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
-        t = fill(meta, dtype, torch.device(meta.placement.device))
+        dev = torch.device(meta.placement.device)
+        t = fill(meta, dtype, dev) if filled is None or filled[i] else torch.zeros(meta.sizes, dtype=dtype, device=dev)
         data.append(t.requires_grad_(requires_grad) if requires_grad else t)
     return ShardedArray(layout, data, backend, dtype, requires_grad=requires_grad)
 
@@ -244,6 +272,7 @@ def rand(
     >>> torch.equal(fshard.gather(a), fshard.gather(b))
     True
     """
+    dtype = _random.real_dtype(check_dtype(dtype) or torch.get_default_dtype(), "rand()")
     s = _seed(seed)
     gshape = parse_shape(shape)
     fill: Fill = lambda m, dt, dev: _random.box_uniform(s, gshape, m.offsets, m.sizes, dt, dev)  # noqa: E731
@@ -267,6 +296,7 @@ def randn(
     >>> torch.equal(a.addressable_shards[0].data, a.addressable_shards[1].data)
     True
     """
+    dtype = _random.real_dtype(check_dtype(dtype) or torch.get_default_dtype(), "randn()")
     s = _seed(seed)
     gshape = parse_shape(shape)
     fill: Fill = lambda m, dt, dev: _random.box_normal(s, gshape, m.offsets, m.sizes, dt, dev)  # noqa: E731
@@ -274,16 +304,19 @@ def randn(
 
 
 def _like(
-    maker: Callable[..., ShardedArray], array: object, dtype: Any, requires_grad: bool, **kw: Any
+    maker: Callable[..., ShardedArray], array: object, dtype: Any, requires_grad: bool, random: bool = False, **kw: Any
 ) -> ShardedArray:
     if is_sharded_tensor(array):  # torch's ShardedTensor: its layout and process group
         array = from_sharded_tensor(array)
     if not isinstance(array, ShardedArray):
         raise TypeError(f"{maker.__name__}_like() takes a ShardedArray, got {type(array).__name__}.")
+    dtype = check_dtype(dtype)
+    if random:
+        _random.real_dtype(dtype or array.dtype, f"{maker.__name__}_like()", inherited=dtype is None)
     return maker(
         array.layout,
         array.layout.shape,
-        dtype=check_dtype(dtype) or array.dtype,
+        dtype=dtype or array.dtype,
         requires_grad=requires_grad,
         backend=array.backend,
         **kw,
@@ -348,7 +381,7 @@ def rand_like(
     >>> fshard.equal(fshard.rand_like(x, seed=3), fshard.rand(fshard.Replicated([0]), 3, seed=3))
     True
     """
-    return _like(rand, array, dtype, requires_grad, seed=seed)
+    return _like(rand, array, dtype, requires_grad, random=True, seed=seed)
 
 
 @collective("randn_like")
@@ -361,4 +394,4 @@ def randn_like(
     >>> fshard.randn_like(fshard.zeros(fshard.Chunk(0, [0, 1]), 3), seed=3).shape
     torch.Size([3])
     """
-    return _like(randn, array, dtype, requires_grad, seed=seed)
+    return _like(randn, array, dtype, requires_grad, random=True, seed=seed)

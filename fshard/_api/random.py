@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["box_normal", "box_uniform", "draw_seed"]
+__all__ = ["box_normal", "box_uniform", "draw_seed", "real_dtype"]
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _MUL1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -85,6 +85,26 @@ def box_normal(
     u1 = 1.0 - _unit(_bits(seed, 1, idx), torch.float64 if work == torch.float64 else torch.float32)
     u2 = _unit(_bits(seed, 2, idx), work)
     return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).to(dtype)
+
+
+def real_dtype(dtype: torch.dtype, what: str, inherited: bool = False) -> torch.dtype:
+    """``dtype`` if it is a real floating point dtype, else ``TypeError`` naming ``what`` and the fix.
+
+    ``inherited``: ``dtype`` is the array's own, not given (for the ``*_like`` functions).
+
+    >>> real_dtype(torch.bfloat16, "rand()")
+    torch.bfloat16
+    """
+    if dtype.is_floating_point:
+        return dtype
+    got = f"the array's dtype is {dtype}" if inherited else f"got dtype={dtype}"
+    msg = f"{what} makes real floating point values, {got}: give dtype=torch.float32 (or float16, bfloat16, float64)."
+    if dtype.is_complex:
+        msg += (
+            " For complex values make the real and imaginary parts as two real arrays (two seeds) "
+            "and combine them: fshard.map_local(torch.complex, re, im)."
+        )
+    raise TypeError(msg)
 
 
 def draw_seed() -> int:
