@@ -133,12 +133,14 @@ def install() -> None:
 
 
 def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> ShardedArray:
-    """The sum over ``dim`` (every dim by default), as a ``ShardedArray``.
+    """The sum over ``dim`` (every dim where it is ``None`` or ``()``, as ``torch.sum``), as a ``ShardedArray``.
 
     Each shard sums its own box. Over dims that no shard splits the result keeps the
     layout (replicas stay replicas); over a split dim the shards' sums are partial, so
     the result is a pending sum (``Partial``) with one summand per placement and box,
-    each element counted once: ``gather`` or ``reshard`` completes it.
+    each element counted once: ``gather`` or ``reshard`` completes it. The result has
+    ``torch.sum``'s dtype on every rank (an int or bool array sums to int64), and an
+    empty array sums to zeros.
 
     >>> import torch, fshard
     >>> x = fshard.shard(torch.arange(12.0).reshape(4, 3), fshard.Chunk(0, [0, 1]))
@@ -147,6 +149,10 @@ def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keep
     ('sum', [18.0, 22.0, 26.0])
     >>> fshard.gather(x.sum(1)).tolist()
     [3.0, 12.0, 21.0, 30.0]
+    >>> b = fshard.shard(torch.tensor([True, False, True]), fshard.Chunk(0, [0, 1]))
+    >>> s = b.sum(dim=())
+    >>> s.dtype, fshard.gather(s).item()
+    (torch.int64, 2)
     """
     layout = self.layout
     if layout.partial not in (None, "sum"):
@@ -163,9 +169,10 @@ def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keep
 
 
 def _dims(dim: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
-    if dim is None:
+    """``dim`` as sorted dims in ``range(ndim)``: ``None`` and ``()`` name every dim, as in ``torch.sum``."""
+    dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+    if not dims:
         return tuple(range(ndim))
-    dims = (dim,) if isinstance(dim, int) else tuple(dim)
     out: list[int] = []
     for d in dims:
         if isinstance(d, bool) or not isinstance(d, int) or not -ndim <= d < max(ndim, 1):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's dims
@@ -210,17 +217,19 @@ def _summands(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> tuple[Lay
     """The pending sum of the shards' sums over ``dims``, and which of its shards each shard of ``layout`` adds to.
 
     One summand per (placement, box), each element once: of a box's replicas only the first
-    contributes, and an empty shard none.
+    contributes, and an empty shard none, unless the array is empty: then every shard whose
+    sum has elements contributes its zeros, so that the summands cover the result.
     """
+    empty = 0 in layout.shape
     keys: dict[tuple[Any, ...], ShardMeta] = {}
     contributors: list[tuple[int, tuple[Any, ...]]] = []
     seen: set[tuple[Any, ...]] = set()
     for i, s in enumerate(layout.shards):
         box = (s.offsets, s.sizes)
-        if 0 in s.sizes or (layout.partial is None and box in seen):
+        meta = _project_meta(s, dims, keepdim)
+        if 0 in (meta.sizes if empty else s.sizes) or (layout.partial is None and box in seen):
             continue
         seen.add(box)
-        meta = _project_meta(s, dims, keepdim)
         key = (meta.offsets, meta.sizes, s.placement)
         keys.setdefault(key, meta)
         contributors.append((i, key))
@@ -236,8 +245,15 @@ def _summands(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> tuple[Lay
     return out, {i: index[key] for i, key in contributors}
 
 
+@cached(64)
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """``torch.sum``'s result dtype for arrays of ``dtype``: an int or bool array sums to int64."""
+    return torch.empty(0, dtype=dtype, device="meta").sum().dtype
+
+
 def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> ShardedArray:
-    """The per-shard sums as a pending sum (``_summands``)."""
+    """The per-shard sums as a pending sum (``_summands``), in ``torch.sum``'s result dtype on every rank."""
+    dtype = _sum_dtype(x.dtype)
     x = split_replicas(x)  # replicas of a summand: one keeps it, the others hold 0
     layout, backend = x.layout, x.backend
     # Of a value's replicas only the first contributes; their gradients are then summed to all.
@@ -250,4 +266,5 @@ def _partial_sum(x: ShardedArray, dims: tuple[int, ...], keepdim: bool) -> Shard
             part = t.sum(dim=dims, keepdim=keepdim)
             totals[j] = part if j not in totals else totals[j] + part
     tensors = tuple(totals[j] for j in backend.addressable(out))
-    return ShardedArray(out, tensors, backend, x.dtype, None if tensors else x._link_view())  # pyright: ignore[reportPrivateUsage]  # package-internal
+    link = None if tensors else x._link_view().to(dtype)  # pyright: ignore[reportPrivateUsage]  # package-internal
+    return ShardedArray(out, tensors, backend, dtype, link)
