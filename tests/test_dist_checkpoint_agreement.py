@@ -138,3 +138,24 @@ def test_ranks_that_find_different_kinds_of_checkpoint_all_raise(dist_pool: Any,
     assert all(r.startswith("CheckpointError: fshard.load of ") and found in r for r in results), results
     # Nothing was left in flight: the group moves data again.
     assert dist_pool.run(_load, [str(ours)] * 4, [None] * 4, timeout=TIMEOUT) == [_expected(STEPS[1], ["w", "b"])] * 4
+
+
+def _load_like_on_own_device(path: str) -> str:
+    """Every rank asks for the same layouts, each naming the CPU its own way (as ``cuda:{local_rank}`` would)."""
+    device = "cpu" if dist.get_rank() % 2 else "cpu:0"
+    like = {
+        "w": fshard.zeros(fshard.Chunk(0, ALL), 6, 4, device=device),
+        "b": fshard.zeros(fshard.Replicated(ALL), 6, device=device),
+    }
+    try:
+        out = fshard.load(path, like=like)
+    except (fshard.CheckpointError, fshard.CollectiveMismatchError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return repr({k: fshard.gather(v).tolist() for k, v in sorted(out.items())})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ranks_that_name_their_devices_differently_load_alike(dist_pool: Any, tmp_path: Path, kind: str) -> None:
+    saved = _write(kind, tmp_path / "saved", STEPS[1])
+    results = dist_pool.run(_load_like_on_own_device, str(saved), timeout=TIMEOUT)
+    assert results == [_expected(STEPS[1], ["w", "b"])] * 4

@@ -139,3 +139,25 @@ def test_equal_and_allclose_compare_a_pending_sums_value_and_refuse_two_dtypes_o
     }
     assert _compare_pending(LOCAL) == want
     assert dist_pool.run(_compare_pending, None, timeout=TIMEOUT) == [want] * 4
+
+
+def _terms_times(backend: Any, op: str) -> list[float]:
+    """``d/dv`` of ``(gather(p op v) * W).sum()`` where ``p`` is pending over mesh axis "a" and replicated over "b"."""
+    mesh = fshard.Mesh((2, 2), ALL, ("a", "b"))
+    v = V.clone().requires_grad_()
+    p = fshard.reshard(fshard.shard(X[0], fshard.Replicated(ALL), backend=backend),
+                       fshard.Partial(fshard.Named(mesh, (None,)), over="a"))  # fmt: skip
+    assert p.layout.terms is not None  # each summand held by two replicas
+    w = fshard.shard(v, fshard.Replicated(ALL), backend=backend)
+    y = p * w if op == "mul" else fshard.map_local(lambda a, b: a * b, p, w, linear=True)
+    (fshard.gather(y) * torch.tensor([1.0, 10.0, 100.0], dtype=D)).sum().backward()
+    assert v.grad is not None
+    return v.grad.tolist()
+
+
+@pytest.mark.parametrize("op", ["mul", "map_local"])
+def test_a_pending_sum_with_replicas_of_its_summands_counts_each_summand_once(dist_pool: Any, op: str) -> None:
+    want = (X[0] * torch.tensor([1.0, 10.0, 100.0], dtype=D)).tolist()
+    assert _terms_times(LOCAL, op) == pytest.approx(want, rel=1e-12)
+    for got in dist_pool.run(_terms_times, None, op, timeout=TIMEOUT):
+        assert got == pytest.approx(want, rel=1e-12)

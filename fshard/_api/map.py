@@ -29,7 +29,7 @@ import optree
 import torch
 
 from fshard._api import psum as _psum
-from fshard._api.move import check_plain, check_tensor, resolved
+from fshard._api.move import check_plain, check_tensor, resolved, split_replicas
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
@@ -121,10 +121,12 @@ def map_local(
     _check_terms(arrays)
     base = with_partial(arrays[0].layout, None)
     if out_spec is None and all(with_partial(a.layout, None) == base for a in arrays):
-        if pending is not None:
+        if pending is not None and any(a.layout.partial is None and a.requires_grad for a in arrays):
             # fn runs on each summand: a replicated argument's copies each meet another summand
             # (p * v), so its gradient is the sum of theirs, as shard_map's arguments' are (_run).
-            arrays = tuple(_fused.regroup_tree(arrays, "sum"))
+            # Replicas of one summand (Layout.terms) would count it once per replica: each copy
+            # becomes a summand of its own first, as the operators' linear maps do.
+            arrays = tuple(_fused.regroup_tree([split_replicas(a) for a in arrays], "sum"))
         return map_same(fn, arrays, pending)
     if out_spec is None:
         k = next(k for k, a in enumerate(arrays) if with_partial(a.layout, None) != base)

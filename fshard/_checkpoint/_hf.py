@@ -21,7 +21,7 @@ import torch
 
 from fshard._api.move import reshard
 from fshard._array.array import ShardedArray
-from fshard._checkpoint._collective import agree_on, progress_bar
+from fshard._checkpoint._collective import agree_on, layout_digest, progress_bar
 from fshard._checkpoint._fuse import View, apply_fuse, rename_all
 from fshard._checkpoint._hf_files import Source, catalog
 from fshard._checkpoint._hf_plan import ReadPlan, plan_reads
@@ -92,9 +92,7 @@ def _digest(sources: dict[str, Source], wants: list[Want]) -> str:
     for w in wants:
         pieces = [(p, sources[p.source].header.path.name, sources[p.source].entry.begin) for p in w.view.pieces]
         h.update(repr((w.name, w.view.shape, str(w.view.dtype), w.view.dim, pieces, str(w.dtype))).encode())
-        cols = w.layout.columns
-        for part in (cols.lo.tobytes(), cols.sz.tobytes(), cols.rank.tobytes(), repr(cols.devices).encode()):
-            h.update(part)
+        h.update(layout_digest(w.layout))  # devices aside: each rank may name its own (cuda:{local_rank})
     return h.hexdigest()
 
 
