@@ -138,3 +138,15 @@ def test_sum_still_refuses_a_dim_named_twice() -> None:
     x = fshard.shard(X.double(), Chunk(0, R))
     with pytest.raises(fshard.SpecError, match="names a dim twice"):
         x.sum((0, -3))
+
+
+@pytest.mark.parametrize("dim", [0, -1, (0,), (-1,)])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_a_0d_array_sums_over_dim_0_or_minus_1_as_torch(dim: Any, keepdim: bool) -> None:
+    t = torch.tensor(3.5, dtype=torch.float64)
+    got = fshard.gather(fshard.shard(t, fshard.Replicated([0, 1])).sum(dim, keepdim=keepdim))
+    want = t.sum(dim, keepdim=keepdim)
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError, match=r"expected to be in range of \[-1, 0\], but got 1"):
+        fshard.shard(t, fshard.Replicated([0, 1])).sum(1)

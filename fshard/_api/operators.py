@@ -174,14 +174,15 @@ def _dims(dim: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
     if not dims:
         return tuple(range(ndim))
     out: list[int] = []
+    n = max(ndim, 1)  # torch wraps a 0-d tensor's dims as one dim's: 0 and -1 name it
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or not -ndim <= d < max(ndim, 1):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's dims
-            msg = f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {d})"
+        if isinstance(d, bool) or not isinstance(d, int) or not -n <= d < n:  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's dims
+            msg = f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {d})"
             raise IndexError(msg)
-        out.append(d % ndim if ndim else 0)
+        out.append(d % n)
     if len(set(out)) != len(out):
         raise SpecError(f"sum() got dim {dim!r}, which names a dim twice.")
-    return tuple(sorted(out))
+    return tuple(sorted(out)) if ndim else ()  # of a 0-d array: the array itself, as torch.sum gives it
 
 
 def _project(values: tuple[int, ...], dims: tuple[int, ...], keepdim: bool, full: bool) -> tuple[int, ...]:
