@@ -7,6 +7,7 @@ the two agree within float64 rounding (1e-12), and both match the dense referenc
 from __future__ import annotations
 
 import math
+import re
 
 import psum_programs as programs
 import pytest
@@ -170,4 +171,5 @@ def test_bodies_that_reduce_unlike_each_other_raise_on_every_rank(dist_pool, kin
     finally:
         dist_pool.restart()  # a sum left in flight on purpose
     assert all(m != "no error" for m in got), got
-    assert any("did not all arrive within 3 s" in m for m in got), got
+    # The sum's own wait, or the comparison after the bodies on a rank whose sum completed: bounded either way.
+    assert any(re.search(r"did not (all )?arrive within 3 s", m) for m in got), got

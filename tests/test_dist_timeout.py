@@ -91,3 +91,41 @@ def test_bad_timeouts_are_refused(value, error, match):
     with pytest.raises(error, match=re.escape(match)):
         fshard.config(timeout=value)
     assert fshard.config().timeout is None
+
+
+def _late_to_an_exchange(case: str, late: float):
+    """Rank 3 reaches a call whose first collective is an exchange of metadata ``late`` seconds after the others."""
+    old = fshard.config(timeout=1.0)
+    try:
+        calls = {
+            "shard(src=0)": lambda: fshard.shard(SMALL, fshard.Chunk(0, RANKS), src=0),
+            "from_local_tensor": lambda: fshard.from_local_tensor(SMALL[:2], dim=0),
+            "equal": lambda: fshard.equal(a, a),
+        }
+        a = fshard.shard(SMALL, fshard.Chunk(0, RANKS))
+        if dist.get_rank() == 3:
+            time.sleep(late)
+        start = time.monotonic()
+        try:
+            calls[case]()
+        except fshard.CollectiveMismatchError as exc:
+            return str(exc), time.monotonic() - start
+        return "no error", time.monotonic() - start
+    finally:
+        fshard.config(timeout=old.timeout)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["shard(src=0)", "from_local_tensor", "equal"])
+def test_an_exchange_of_metadata_is_bounded_by_the_timeout_too(dist_pool, case):
+    try:
+        got = dist_pool.run(_late_to_an_exchange, case, 5.0, timeout=30)
+    finally:
+        dist_pool.restart()  # the timed-out collectives were left in flight on purpose
+    for message, seconds in got[:3]:
+        assert re.match(
+            r"an? (exchange of metadata|comparison of digests): some ranks of process group \[0, 1, 2, 3\] did not "
+            r"arrive within 1 s \(config\(timeout=\.\.\.\)\)",
+            message,
+        ), message
+        assert 0.9 < seconds < 4.0, seconds  # bounded by the timeout, not by the straggler's 5 s

@@ -68,7 +68,7 @@ from fshard._plan.direct import Plan
 from .._execution import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, broke_in_flight, check, in_flight
 from ._choice import all_contiguous, by_messages, direct, rows_in_order, step
-from ._exchange import gather_objects, outside_transforms
+from ._exchange import bounded_wait, gather_objects, outside_transforms
 from ._group import check_layout, facts
 from ._guard import Guard, guard
 from ._later import Verdict
@@ -429,7 +429,11 @@ class TorchDistBackend:
             marks = torch.tensor([int(digest is None), mine, -mine], dtype=torch.int64, device=self._wire)
             with in_flight():
                 (sent,) = handed(marks)
-                dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self.group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+                work = cast(
+                    "dist.Work",
+                    dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self.group, async_op=True),  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+                )
+                bounded_wait(work, "a comparison of digests", self.group)
         self.counters.collectives += 1
         odd, high, low = cast("list[int]", marks.tolist())  # pyright: ignore[reportUnknownMemberType]  # torch's stub
         return not odd and high == -low

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+import datetime
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from fshard._errors import SpecError
+from fshard._config import current
+from fshard._errors import CollectiveMismatchError, SpecError
 
 from ._check import in_flight
 from ._choice import has_alltoall
@@ -88,8 +90,34 @@ def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -
     with in_flight():
         if has_alltoall(str(dist.get_backend(group))):
             into, mine = handed(out, mine.repeat(n))
-            dist.all_to_all_single(into, mine, group=group)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+            work = cast("dist.Work", dist.all_to_all_single(into, mine, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
         else:
             into, mine = handed(out, mine)
-            dist.all_gather_into_tensor(into, mine, group=group)  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; older torch lacks all_gather_single
+            work = cast("dist.Work", dist.all_gather_into_tensor(into, mine, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType, reportDeprecated]  # untyped in torch; older torch lacks all_gather_single
+        bounded_wait(work, "an exchange of metadata", group)
     return out.cpu().numpy().reshape(n, row.size)
+
+
+def bounded_wait(work: Any, what: str, group: Any) -> None:
+    """``work.wait()``, at most ``config(timeout=...)`` seconds where that is set.
+
+    A rank that waits longer raises ``CollectiveMismatchError``: the others are stopped,
+    slow, or made another call, and none of them will send what this collective waits for.
+    """
+    timeout = current().timeout
+    if timeout is None:
+        work.wait()
+        return
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower():
+            raise
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        msg = (
+            f"{what}: some ranks of process group {ranks} did not arrive within {timeout:g} s (config(timeout=...)): "
+            "they are stopped, slower than this rank, or called fewer fshard functions (every rank must call each "
+            "one, in the same order). The collective stays in flight, so this process group cannot be used again: "
+            "end the job or destroy the group; raise config(timeout=...) if those ranks are only slow."
+        )
+        raise CollectiveMismatchError(msg) from exc

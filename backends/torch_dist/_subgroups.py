@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError
 
+from ._exchange import bounded_wait
 from ._watch import handed
 
 __all__ = ["all_reduce_among"]
@@ -66,7 +67,8 @@ def _agree_on(groups: tuple[tuple[int, ...], ...], world: int, wire: torch.devic
     digest = int.from_bytes(hashlib.blake2b(repr(groups).encode(), digest_size=8).digest(), "big", signed=True)
     mine = torch.tensor([digest], dtype=torch.int64, device=wire)
     seen = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(seen, mine)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+    work = cast("dist.Work", dist.all_gather(seen, mine, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+    bounded_wait(work, "psum's agreement on its groups", None)
     digests = cast("list[int]", torch.cat(seen).tolist())  # pyright: ignore[reportUnknownMemberType]  # torch's stub
     if len(set(digests)) > 1:
         odd = [r for r, d in enumerate(digests) if d != digest]
