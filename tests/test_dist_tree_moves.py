@@ -163,3 +163,18 @@ def test_a_leaf_that_needs_no_gradient_moved_with_ones_that_do_gives_one_that_ne
     local = _mixed_requires_grad()
     assert local == ([True, False, False], [True, False, False])
     assert all(got == local for got in dist_pool.run(_mixed_requires_grad, timeout=120))
+
+
+def _tree_of_one_holder(dtype_name: str) -> list[list[int]]:
+    """A tree of arrays that rank 0 alone holds, in a dtype without an ``add`` (float8, uint16, uint32), replicated."""
+    dtype = getattr(torch, dtype_name)
+    x = torch.arange(12).reshape(3, 4).to(dtype)
+    a = fshard.shard(x, fshard.Single(0), src=0)
+    out = fshard.reshard({"x": a, "y": a}, fshard.Replicated([0, 1, 2, 3]))
+    return [out[k].addressable_data[0].view(torch.uint8).reshape(-1).tolist() for k in ("x", "y")]
+
+
+@pytest.mark.parametrize("dtype_name", ["float8_e4m3fn", "uint16", "uint32"])
+def test_a_tree_held_by_one_rank_moves_in_dtypes_without_add(dist_pool, dtype_name):
+    want = torch.arange(12).reshape(3, 4).to(getattr(torch, dtype_name)).view(torch.uint8).reshape(-1).tolist()
+    assert dist_pool.run(_tree_of_one_holder, dtype_name, timeout=60) == [[want, want]] * 4

@@ -154,8 +154,9 @@ def _like(arrays: Sequence[ShardedArray]) -> torch.Tensor:
     backward reaches their history on this rank too).
     """
     links = [a._first() for a in arrays[1:] if not a._data]  # pyright: ignore[reportPrivateUsage]  # 0-element links
-    if not links:
-        return arrays[0]._first()  # pyright: ignore[reportPrivateUsage]  # package-internal
+    first = arrays[0]._first()  # pyright: ignore[reportPrivateUsage]  # package-internal
+    if not links or not (first.requires_grad or any(t.requires_grad for t in links)):
+        return first  # no history to join (and no add for float8, uint16 or uint32)
     like = arrays[0]._link_view()  # pyright: ignore[reportPrivateUsage]
     for link in links:
         like = like + link
