@@ -336,3 +336,20 @@ def test_a_large_reduce_sends_from_the_summands_and_receives_one_peer_at_a_time(
 def test_large_reduces_are_bit_identical_to_the_local_backend(dist_pool, name):
     # Column pieces are not contiguous in the summand: each is staged in a buffer of its own.
     assert all(equal for equal, _ in dist_pool.run(_reduce_big, name, timeout=120))
+
+
+def _pending_sum_of(dtype_name: str, n: int) -> list[int]:
+    """Rank r's summand holds r + 1 everywhere; the gathered sum (of n elements) as a list."""
+    dtype = getattr(torch, dtype_name)
+    layout = fshard.Partial(fshard.Replicated([0, 1, 2, 3])).layout((n,))
+    rank = dist.get_rank()
+    parts = [
+        fshard.Shard(m, torch.full(m.sizes, rank + 1, dtype=dtype)) for m in layout.shards if m.placement.rank == rank
+    ]
+    return fshard.gather(fshard.from_local_shards_and_layout(parts, layout)).to(torch.int64).tolist()
+
+
+@pytest.mark.parametrize("n", [0, 3, 100_000])
+def test_pending_sums_of_a_dtype_that_gloo_does_not_reduce(dist_pool, n):
+    """int16: Gloo's all_reduce refuses it, so the sum goes by messages, combined by torch here."""
+    assert dist_pool.run(_pending_sum_of, "int16", n, timeout=60) == [[10] * n] * 4

@@ -235,7 +235,7 @@ class TorchDistBackend:
                         out = combine_inline(plan, tensors[0], guarded, self.group)
                     self._count(plan.for_rank(self.rank).elements_sent, out.element_size())
                     return (out.view(plan.dst._shard(j).sizes).to(shard_device(plan.dst, j)),)  # pyright: ignore[reportPrivateUsage]  # one shard's meta, not all
-            if kind is not None and _on_wire(plan, wire):
+            if kind is not None and _on_wire(plan, wire) and _reduces(wire, like.dtype):
                 return self._collective(kind, plan, tensors, like)
         for p in plan.phases:
             if p.op is None:
@@ -253,7 +253,7 @@ class TorchDistBackend:
         ends it, so a series whose headers were posted early starts without waiting for the
         other ranks. ``None`` where ``launch`` would run ``plan`` some other way.
         """
-        if not self._all_reduces(plan):
+        if not self._all_reduces(plan, like.dtype):
             return None
         settle_checks(self.group)
         with in_flight():
@@ -287,7 +287,7 @@ class TorchDistBackend:
         round of headers of its own. ``posted``: the headers' round, posted before
         (``post_headers``), which this launch ends.
         """
-        if self._all_reduces(plan):
+        if self._all_reduces(plan, like.dtype):
             wire = self._wire
             op = _all_reduce_op(series)
             self._check(op, (plan.src, plan.dst), like.dtype)
@@ -637,12 +637,13 @@ class TorchDistBackend:
 
         return out, finish
 
-    def _all_reduces(self, plan: Any) -> bool:
+    def _all_reduces(self, plan: Any, dtype: torch.dtype) -> bool:
         """Whether ``launch`` runs ``plan`` as one ``all_reduce`` (a pending sum into a full copy on every rank)."""
         if plan.src.partial is None or not self.member:
             return False
         wire = self._wire
-        return collective_kind(plan, self.ranks, wire.type == "cuda") == "all_reduce" and _on_wire(plan, wire)
+        kind = collective_kind(plan, self.ranks, wire.type == "cuda")
+        return kind == "all_reduce" and _on_wire(plan, wire) and _reduces(wire, dtype)
 
     def _guard(self, op: str, p: Plan, dtype: torch.dtype) -> Guard:
         """The movement's header and round (``_guard``): ranks that move differently raise, every one."""
@@ -655,6 +656,29 @@ class TorchDistBackend:
         counters.elements_sent += sent
         counters.bytes_sent += sent * itemsize
         counters.collectives += 1
+
+
+# Gloo reduces none of these (RuntimeError "Invalid scalar type"): their pending sums go by messages,
+# combined here with torch's ops, as the small ones always do.
+_GLOO_UNREDUCED = frozenset(
+    getattr(torch, name)
+    for name in (
+        "int16",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    )
+    if hasattr(torch, name)
+)
+
+
+def _reduces(wire: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the collective backend on ``wire`` reduces ``dtype`` (Gloo on the CPU lacks a few)."""
+    return wire.type != "cpu" or dtype not in _GLOO_UNREDUCED
 
 
 def _all_reduce_op(series: str) -> str:
