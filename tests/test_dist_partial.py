@@ -353,3 +353,26 @@ def _pending_sum_of(dtype_name: str, n: int) -> list[int]:
 def test_pending_sums_of_a_dtype_that_gloo_does_not_reduce(dist_pool, n):
     """int16: Gloo's all_reduce refuses it, so the sum goes by messages, combined by torch here."""
     assert dist_pool.run(_pending_sum_of, "int16", n, timeout=60) == [[10] * n] * 4
+
+
+def _complex_max(backend) -> str:
+    """A pending max of complex values, built and then reduced: the error each rank raises."""
+    layout = fshard.Partial(fshard.Replicated([0, 1, 2, 3]), "max").layout((2,))
+    index = range(4) if backend is not None else [dist.get_rank()]
+    parts = [fshard.Shard(layout.shards[i], torch.full((2,), 1 + 1j, dtype=torch.complex64)) for i in index]
+    x = fshard.from_local_shards_and_layout(parts, layout, backend=backend)
+    try:
+        fshard.gather(x, dst=0)
+    except fshard.SpecError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_pending_max_of_complex_values_is_refused_on_every_rank(dist_pool):
+    want = (
+        "A pending max of torch.complex64 values cannot be reduced: complex numbers have no order. Reduce their "
+        "absolute values or real parts instead (fshard.map_local(torch.abs, x) before the Partial), or use a "
+        "pending sum."
+    )
+    assert _complex_max(LocalBackend()) == want
+    assert dist_pool.run(_complex_max, None, timeout=60) == [want] * 4

@@ -425,7 +425,17 @@ def move(
 
     The link is a 0-element tensor that carries the autograd history on a process
     that holds no shard of ``dst`` (see ``ShardedArray``); ``like`` is the source's.
+
+    Raises:
+        SpecError: a pending max or min of complex values (they have no order), on every rank.
     """
+    if src.partial in ("max", "min") and like.dtype.is_complex:
+        msg = (
+            f"A pending {src.partial} of {like.dtype} values cannot be reduced: complex numbers have no order. "
+            "Reduce their absolute values or real parts instead (fshard.map_local(torch.abs, x) before the "
+            "Partial), or use a pending sum."
+        )
+        raise SpecError(msg)
     *out, link = _run(_Move, src, dst, backend, like, *tensors)
     return tuple(out), link
 
