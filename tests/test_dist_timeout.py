@@ -17,21 +17,26 @@ SMALL = torch.arange(96.0).reshape(8, 12)  # its data travels with the headers
 BIG = torch.arange(float(1 << 16)).reshape(256, 256)  # a round of headers, then the data
 
 
-def _straggler(x, late: float):
-    """Rank 3 reaches the reshard ``late`` seconds after the others; each rank's outcome and seconds."""
+def _late(call, late: float):
+    """Rank 3 makes ``call`` ``late`` seconds after the others, under a 1 s timeout; each rank's outcome and seconds."""
     old = fshard.config(timeout=1.0)
     try:
-        a = fshard.shard(x, fshard.Chunk(0, RANKS))
         if dist.get_rank() == 3:
             time.sleep(late)
         start = time.monotonic()
         try:
-            fshard.reshard(a, fshard.Chunk(1, RANKS))
+            call()
         except fshard.CollectiveMismatchError as exc:
             return str(exc), time.monotonic() - start
         return "no error", time.monotonic() - start
     finally:
         fshard.config(timeout=old.timeout)
+
+
+def _straggler(x, late: float):
+    """Rank 3 reaches the reshard ``late`` seconds after the others."""
+    a = fshard.shard(x, fshard.Chunk(0, RANKS))
+    return _late(lambda: fshard.reshard(a, fshard.Chunk(1, RANKS)), late)
 
 
 @pytest.mark.multiprocess
@@ -95,24 +100,13 @@ def test_bad_timeouts_are_refused(value, error, match):
 
 def _late_to_an_exchange(case: str, late: float):
     """Rank 3 reaches a call whose first collective is an exchange of metadata ``late`` seconds after the others."""
-    old = fshard.config(timeout=1.0)
-    try:
-        calls = {
-            "shard(src=0)": lambda: fshard.shard(SMALL, fshard.Chunk(0, RANKS), src=0),
-            "from_local_tensor": lambda: fshard.from_local_tensor(SMALL[:2], dim=0),
-            "equal": lambda: fshard.equal(a, a),
-        }
-        a = fshard.shard(SMALL, fshard.Chunk(0, RANKS))
-        if dist.get_rank() == 3:
-            time.sleep(late)
-        start = time.monotonic()
-        try:
-            calls[case]()
-        except fshard.CollectiveMismatchError as exc:
-            return str(exc), time.monotonic() - start
-        return "no error", time.monotonic() - start
-    finally:
-        fshard.config(timeout=old.timeout)
+    a = fshard.shard(SMALL, fshard.Chunk(0, RANKS))
+    calls = {
+        "shard(src=0)": lambda: fshard.shard(SMALL, fshard.Chunk(0, RANKS), src=0),
+        "from_local_tensor": lambda: fshard.from_local_tensor(SMALL[:2], dim=0),
+        "equal": lambda: fshard.equal(a, a),
+    }
+    return _late(calls[case], late)
 
 
 @pytest.mark.multiprocess
