@@ -41,7 +41,7 @@ import torch.distributed as dist
 from fshard._base.cache import cached
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError
-from fshard._layout.layout import Layout
+from fshard._layout.layout import Layout, layout_digest
 from fshard._layout.show import describe_layout
 from fshard._plan import plan
 
@@ -68,21 +68,6 @@ _INLINE_TOTAL = 1 << 20
 def inline_bytes(world: int) -> int:
     """Bytes of data that may follow a header in one segment of the round (alike on every rank)."""
     return min(_INLINE_MAX, _INLINE_TOTAL // max(world, 1))
-
-
-@cached(1024)
-def _digest(layout: Layout) -> bytes:
-    """4 bytes that name the layout's shape, pending op (and its terms) and boxes with their ranks.
-
-    Not devices, which ranks may name differently for one layout.
-    """
-    h = hashlib.blake2b(digest_size=4)
-    h.update(repr((layout.shape, layout.partial)).encode())
-    if layout.terms is not None:
-        h.update(layout.terms.tobytes())
-    for a in (layout.columns.lo, layout.columns.sz, layout.columns.rank):
-        h.update(np.ascontiguousarray(a, np.int64).tobytes())
-    return h.digest()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -319,7 +304,9 @@ def guard(
     """The ``Guard`` of moving ``dtype`` data from ``src`` to ``dst`` by ``op`` on the group of ``ranks``."""
     code = _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
     op_digest = hashlib.blake2b(op.encode(), digest_size=4).digest()
-    header = np.frombuffer(_TAG + code.to_bytes(2, "little") + op_digest + _digest(src) + _digest(dst), np.uint8)
+    header = np.frombuffer(
+        _TAG + code.to_bytes(2, "little") + op_digest + layout_digest(src)[:4] + layout_digest(dst)[:4], np.uint8
+    )
     sent = plan(src, dst).min_elements_sent * dtype.itemsize
     inline = wire.type == "cpu" and alltoall and 0 < sent <= inline_bytes(len(ranks))
     tiled = torch.from_numpy(np.tile(header, len(ranks))).to(wire)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sys
 from collections.abc import Callable, Generator
 from typing import Any
 
-import numpy as np
-
 from fshard._checkpoint._format import PROGRESS_MIN_BYTES
 from fshard._errors import CheckpointError
-from fshard._layout.layout import Layout
 from fshard.backends import Backend
 
 
@@ -41,19 +37,6 @@ def agree_on(
     if failed:
         raise CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
     return out, [s for _, _, s in seen]
-
-
-def layout_digest(layout: Layout) -> bytes:
-    """16 bytes that name ``layout``'s shape, pending op and boxes with their ranks: what ranks must agree on.
-
-    Not devices, which ranks may name differently for one layout.
-    """
-    h = hashlib.blake2b(repr((layout.shape, layout.partial)).encode(), digest_size=16)
-    for a in (layout.columns.lo, layout.columns.sz, layout.columns.rank):
-        h.update(np.ascontiguousarray(a, np.int64).tobytes())
-    if layout.terms is not None:
-        h.update(layout.terms.tobytes())
-    return h.digest()
 
 
 class _NoBar:

@@ -21,7 +21,7 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
-from fshard._checkpoint._collective import agree, agree_on, layout_digest, progress_bar
+from fshard._checkpoint._collective import agree, agree_on, progress_bar
 from fshard._checkpoint._dcp_chunks import Locator
 from fshard._checkpoint._dcp_exchange import Buffers, exchange
 from fshard._checkpoint._dcp_meta import METADATA, BytesEntry, DcpMetadata, read_metadata
@@ -30,6 +30,7 @@ from fshard._checkpoint._dcp_targets import Target, coordinator, targets
 from fshard._checkpoint._format import check_flag, checkpoint_path
 from fshard._checkpoint._raw import Files, Stored, read_box
 from fshard._errors import CheckpointError
+from fshard._layout.layout import layout_digest
 from fshard.backends import Backend, default_backend
 
 __all__ = ["EXCHANGE_BYTES", "load_dcp"]

@@ -21,13 +21,14 @@ import torch
 
 from fshard._api.move import reshard
 from fshard._array.array import ShardedArray
-from fshard._checkpoint._collective import agree_on, layout_digest, progress_bar
+from fshard._checkpoint._collective import agree_on, progress_bar
 from fshard._checkpoint._fuse import View, apply_fuse, rename_all
 from fshard._checkpoint._hf_files import Source, catalog
 from fshard._checkpoint._hf_plan import ReadPlan, plan_reads
 from fshard._checkpoint._hf_read import read_boxes
 from fshard._checkpoint._hf_targets import Want, wants_like, wants_plain, wants_specs
 from fshard._errors import CheckpointError
+from fshard._layout.layout import layout_digest
 from fshard.backends import Backend
 
 __all__ = ["load_hf"]

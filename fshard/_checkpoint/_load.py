@@ -15,7 +15,7 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._base.alloc import new
-from fshard._checkpoint._collective import agree_on, layout_digest, progress_bar
+from fshard._checkpoint._collective import agree_on, progress_bar
 from fshard._checkpoint._dcp import load_dcp
 from fshard._checkpoint._detect import checkpoint_kind
 from fshard._checkpoint._format import INDEX, Saved, check_flag, check_not_partial, checkpoint_path, read_index
@@ -25,7 +25,7 @@ from fshard._checkpoint._schema import saved_leaves
 from fshard._checkpoint._tree import match, unflatten
 from fshard._errors import CheckpointError, SpecError
 from fshard._exec.collective import collective
-from fshard._layout.layout import Layout, ShardMeta
+from fshard._layout.layout import Layout, ShardMeta, layout_digest
 from fshard._layout.placement import Placement
 from fshard._layout.specs import as_layout
 from fshard._plan import plan

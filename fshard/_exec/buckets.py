@@ -67,7 +67,7 @@ from fshard._errors import CollectiveMismatchError
 from fshard._exec import autograd as _autograd
 from fshard._exec import gathered as _gathered
 from fshard._exec.accumulate import Key, set_aside, syncing, take_back
-from fshard._layout.layout import Layout, replica_ids, with_partial
+from fshard._layout.layout import Layout, layout_digest, replica_ids, with_partial
 from fshard._plan import plan as _plan
 
 __all__ = [
@@ -292,10 +292,7 @@ def _series(plan: tuple[Bucket, ...]) -> str:
     """A name of the buckets' layouts, the same on every rank: ranks whose buckets differ anywhere differ here."""
     h = hashlib.blake2b(digest_size=8)
     for bucket in plan:
-        c = bucket.runs.columns
-        h.update(repr(bucket.runs.shape).encode())
-        for a in (c.lo, c.sz, c.rank):
-            h.update(np.ascontiguousarray(a, np.int64).tobytes())
+        h.update(layout_digest(bucket.runs))
     return f"buckets {len(plan)} {h.hexdigest()}"
 
 

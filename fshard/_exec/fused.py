@@ -153,8 +153,10 @@ def _like(arrays: Sequence[ShardedArray]) -> torch.Tensor:
     The first array's, joined to the links of the arrays that hold no shard here (so the
     backward reaches their history on this rank too).
     """
-    links = [a._first() for a in arrays[1:] if not a._data]  # pyright: ignore[reportPrivateUsage]  # 0-element links
     first = arrays[0]._first()  # pyright: ignore[reportPrivateUsage]  # package-internal
+    if all(map(_DATA, arrays)):  # in C: every array holds shards here, so there is no link to join
+        return first
+    links = [a._first() for a in arrays[1:] if not a._data]  # pyright: ignore[reportPrivateUsage]  # 0-element links
     if not links or not (first.requires_grad or any(t.requires_grad for t in links)):
         return first  # no history to join (and no add for float8, uint16 or uint32)
     like = arrays[0]._link_view()  # pyright: ignore[reportPrivateUsage]
@@ -451,8 +453,8 @@ def _move_flat(
     # buffers, updated by each forward). Where every leaf holds shards here and all or none take a gradient
     # (a tree of parameters, or of values), that is every shard: found in C, without a call per leaf.
     held = list(map(_DATA, members))
-    mixed, every, keys = True, all(held), ()
-    if every:
+    mixed, keys = True, ()
+    if all(held):
         keys = tuple(itertools.chain.from_iterable(held))
         needs = list(map(_REQUIRES_GRAD, keys))
         mixed = any(needs) and not all(needs)
@@ -460,8 +462,7 @@ def _move_flat(
         keyed = [a for a in members if a.requires_grad] or members
         keys = tuple(itertools.chain.from_iterable(a._data or (a._first(),) for a in keyed))  # pyright: ignore[reportPrivateUsage]
     with _accumulate.sources(keys):
-        like = members[0]._data[0] if every else _like(members)  # pyright: ignore[reportPrivateUsage]  # no links to join
-        moved, link = move(group.src, group.dst, backend, tuple(data), like)
+        moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
     at = 0
     for part in group.parts:
         got = moved[at : at + len(part.sizes)]

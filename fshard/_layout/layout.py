@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
@@ -28,7 +29,17 @@ from fshard._layout.validate import (
     validate_memo,
 )
 
-__all__ = ["Columns", "Layout", "ShardMeta", "ShardMetaLike", "as_metas", "replica_ids", "with_partial", "with_terms"]
+__all__ = [
+    "Columns",
+    "Layout",
+    "ShardMeta",
+    "ShardMetaLike",
+    "as_metas",
+    "layout_digest",
+    "replica_ids",
+    "with_partial",
+    "with_terms",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -388,6 +399,21 @@ def _same_terms(a: np.ndarray | None, b: np.ndarray | None) -> bool:
 
 
 @cached(256)
+@cached(1024)
+def layout_digest(layout: Layout) -> bytes:
+    """16 bytes that name ``layout``'s shape, pending op (with its terms) and boxes with their ranks.
+
+    What ranks that hold one layout agree on: devices are left out, which ranks may name
+    differently for one layout (each its own GPU).
+    """
+    h = hashlib.blake2b(repr((layout.shape, layout.partial)).encode(), digest_size=16)
+    if layout.terms is not None:
+        h.update(layout.terms.tobytes())
+    for a in (layout.columns.lo, layout.columns.sz, layout.columns.rank):
+        h.update(np.ascontiguousarray(a, np.int64).tobytes())
+    return h.digest()
+
+
 def replica_ids(layout: Layout) -> np.ndarray:
     """Per shard, an id that two shards share exactly when they must hold equal data.
 
