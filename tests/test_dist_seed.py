@@ -79,6 +79,14 @@ def _new_group():
         assert not backend.member
         with pytest.raises(fshard.SpecError, match="not in this array's process group"):
             fshard.gather(st)
+        # Per-shard functions too: this rank could not learn what fn returned on the group's ranks.
+        for call in (
+            lambda: fshard.map_local(lambda t: t.to(torch.int32), st),
+            lambda: st + 1,
+            lambda: fshard.shard_map(lambda t: t * 2, in_specs=spec, out_specs=spec)(st),
+        ):
+            with pytest.raises(fshard.SpecError, match="rank 0 is not in this array's process group"):
+                call()
         return None
     assert backend.ranks == (1, 2, 3)
     x = torch.arange(200.0).reshape(10, 20)

@@ -392,7 +392,18 @@ def _check_regather(backend: Any, layout: Layout) -> None:
 
 
 def _check_backends(arrays: Sequence[ShardedArray], what: str) -> None:
+    """Refuses arrays of different backends, and a call from a rank outside its backend's process group.
+
+    Such a rank holds no block and takes no part in the group's exchanges, so it could not
+    learn what ``fn`` returned there (nor that it raised): it raises, as a movement does.
+    """
     first = arrays[0].backend
+    if not getattr(first, "member", True):
+        msg = (
+            f"{what}: rank {first.rank} is not in this array's process group; call collective fshard "
+            "functions on it only from ranks of its group (if dist.get_rank() in ranks: ...)."
+        )
+        raise SpecError(msg)
     for k, a in enumerate(arrays):
         if a.backend is not first and a.backend != first:
             msg = f"{what} arguments 0 and {k} live on different backends ({first!r} and {a.backend!r})."
