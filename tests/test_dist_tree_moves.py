@@ -178,3 +178,23 @@ def _tree_of_one_holder(dtype_name: str) -> list[list[int]]:
 def test_a_tree_held_by_one_rank_moves_in_dtypes_without_add(dist_pool, dtype_name):
     want = torch.arange(12).reshape(3, 4).to(getattr(torch, dtype_name)).view(torch.uint8).reshape(-1).tolist()
     assert dist_pool.run(_tree_of_one_holder, dtype_name, timeout=60) == [[want, want]] * 4
+
+
+def _tree_with_none() -> tuple[bool, bool, bool]:
+    tree = {
+        "w": fshard.shard(torch.arange(8.0), fshard.Chunk(0, R)),
+        "skip": None,
+        "b": fshard.shard(torch.ones(4), fshard.Chunk(0, R)),
+    }
+    moved = fshard.reshard(tree, fshard.Replicated(R))
+    got = fshard.gather(tree)
+    on_two = fshard.gather(tree, dst=2)
+    return (
+        moved["skip"] is None and torch.equal(moved["w"].addressable_data[0], torch.arange(8.0)),
+        got["skip"] is None and torch.equal(got["w"], torch.arange(8.0)) and torch.equal(got["b"], torch.ones(4)),
+        on_two["skip"] is None,
+    )
+
+
+def test_none_in_a_tree_is_kept_across_processes(dist_pool):
+    assert dist_pool.run(_tree_with_none, timeout=60) == [(True, True, True)] * 4

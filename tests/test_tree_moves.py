@@ -112,6 +112,23 @@ def test_trees_refuse_leaves_that_are_not_arrays():
         fshard.reshard({"a": _tree()["w"]}, {"b": fshard.Replicated(R)})
 
 
+def test_none_in_a_tree_is_kept_as_shard_keeps_it():
+    # None is an empty subtree (optree, torch's pytree, JAX): shard, reshard and gather keep it in place.
+    sharded = fshard.shard({"w": torch.arange(8.0), "bias": None, "pair": (torch.ones(4), None)}, fshard.Chunk(0, R))
+    assert sharded["bias"] is None and sharded["pair"][1] is None
+    moved = fshard.reshard(sharded, fshard.Replicated(R))
+    assert moved["bias"] is None and moved["pair"][1] is None
+    assert moved["w"].layout == fshard.Replicated(R).layout((8,))
+    by_specs = fshard.reshard(sharded, {"w": fshard.Single(1), "bias": None, "pair": (fshard.Single(2), None)})
+    assert by_specs["pair"][0].layout == fshard.Single(2).layout((4,)) and by_specs["bias"] is None
+    got = fshard.gather(moved)
+    assert torch.equal(got["w"], torch.arange(8.0)) and got["bias"] is None and got["pair"][1] is None
+    assert fshard.gather({"only": None}) == {"only": None}
+    for fn in (fshard.gather, lambda t: fshard.reshard(t, fshard.Replicated(R))):  # None alone is no tree of arrays
+        with pytest.raises(TypeError, match="takes a ShardedArray, got NoneType"):
+            fn(None)
+
+
 def test_flat_ranges_are_the_boxes_in_row_major_order():
     assert flat_range(fshard.Chunk(0, [0, 1, 2]).layout((5, 3))).tolist() == [[0, 6], [6, 6], [12, 3]]
     assert flat_range(fshard.Chunk(1, [0, 1]).layout((1, 6))).tolist() == [[0, 3], [3, 3]]  # one row: ranges

@@ -407,8 +407,14 @@ def is_spec(x: Any) -> bool:
 
 
 def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
-    """The arrays of a pytree and its structure; ``TypeError`` naming a leaf that is no array."""
-    leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_array, none_is_leaf=True)
+    """The arrays of a pytree and its structure; ``TypeError`` naming a leaf that is no array.
+
+    ``None`` in a tree is an empty subtree, kept where it is (as ``shard`` keeps it, and as
+    optree, torch's pytree and JAX read it); ``None`` itself is no tree of arrays.
+    """
+    if tree is None:
+        _check_leaves(tree, [None], what)
+    leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_array, none_is_leaf=False)
     if set(map(type, leaves)) != _ARRAY_TYPE:  # one pass in C for the common case
         _check_leaves(tree, leaves, what)
     if leaves:
@@ -417,7 +423,8 @@ def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
 
 
 def _check_leaves(tree: Any, leaves: list[Any], what: str) -> None:
-    for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True), leaves):
+    paths = [()] if tree is None else optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=False)
+    for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, ShardedArray):
             if not path:
                 msg = f"{what} takes a ShardedArray, got {type(leaf).__name__}. A pytree of ShardedArrays is taken too."
@@ -442,7 +449,7 @@ def _reshard_tree(tree: Any, specs: Any, precision: Precision | None) -> Any:
         empty: Any = optree.tree_unflatten(treedef, cast("list[Any]", []))
         return empty
     if precision is not None:
-        for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True), leaves):
+        for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=False), leaves):
             check_floating(precision, leaf.dtype, f"reshard()'s leaf at {path}")
     src = tuple(map(_LAYOUT, leaves))
     backend = leaves[0].backend
@@ -493,7 +500,7 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
         empty: Any = optree.tree_unflatten(treedef, cast("list[Any]", []))
         return empty
     if checking():  # copies that drifted apart: gather would return one of them
-        paths = optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=True)
+        paths = optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=False)
         check_leaves([(f"the leaf at {p} passed to gather()", a) for p, a in zip(paths, leaves)], "gather()")
     backend = leaves[0].backend
     if dst is not None:
