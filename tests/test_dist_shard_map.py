@@ -181,3 +181,32 @@ def test_a_local_world_of_four_refuses_the_closure_as_four_processes_do():
     every = fshard.shard(torch.arange(8.0), fshard.Chunk(0, [0, 1, 2, 3]), backend=four)
     fshard.gather(fshard.map_local(lambda t: t * w, every)).sum().backward()
     assert w.grad.tolist() == [28.0]
+
+
+def _array_made_inside_a_body(kind: str) -> str:
+    """An fn that makes an array of its block: each placement's, not one global value; refused on both backends."""
+    ranks = [0, 1, 2, 3]
+    rows = fshard.Chunk(0, ranks)
+    twice = fshard.shard_map(lambda t: t * 2, in_specs=rows, out_specs=rows)
+    fns = {
+        "shard_map of the block": lambda b: fshard.gather(twice(b)),
+        "shard of the block": lambda b: fshard.gather(fshard.shard(b, fshard.Replicated(ranks))),
+        "shard from a rank": lambda b: fshard.gather(fshard.shard(b, fshard.Replicated(ranks), src=0)),
+    }
+    x = fshard.shard(torch.arange(8.0), rows)
+    try:
+        if kind == "map_local":
+            fshard.map_local(fns["shard of the block"], x)
+        else:
+            fshard.shard_map(fns[kind], in_specs=rows, out_specs=rows)(x)
+    except fshard.SpecError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["shard_map of the block", "shard of the block", "shard from a rank", "map_local"])
+def test_an_array_made_of_a_block_inside_fn_is_refused_on_both_backends(dist_pool, kind):
+    local = _array_made_inside_a_body(kind)
+    what = "map_local()" if kind == "map_local" else "shard_map()"
+    assert local.startswith(f"shard() was called inside {what}'s fn, which runs once per placement")
+    assert dist_pool.run(_array_made_inside_a_body, kind, timeout=60) == [local] * 4

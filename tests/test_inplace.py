@@ -399,13 +399,14 @@ def test_a_body_in_threads_inside_a_per_shard_body_keeps_the_outer_check() -> No
     # Ranks 4-7 hold nothing: the outer map_local runs under the per-shard mode while gradients are recorded.
     o = fshard.shard(torch.arange(8.0).reshape(4, 2).requires_grad_(), ROWS, backend=LocalBackend(world_size=8))
 
+    ones = fshard.shard(torch.ones(4, 2), fshard.Chunk(0, R))  # an array made outside, used inside
+
     def outer(ob: torch.Tensor) -> torch.Tensor:
         def inner(t: torch.Tensor) -> torch.Tensor:
             s = fshard.psum(t.sum(), "x")
             ob.detach().add_(1)  # the outer call's input block
             return s[None]
 
-        ones = fshard.shard(torch.ones(4, 2), fshard.Chunk(0, R))
         fshard.shard_map(inner, in_specs=fshard.Chunk(0, R), out_specs=fshard.Chunk(0, R))(ones)
         return ob * 1
 

@@ -115,14 +115,16 @@ def test_trees_refuse_leaves_that_are_not_arrays():
 def test_none_in_a_tree_is_kept_as_shard_keeps_it():
     # None is an empty subtree (optree, torch's pytree, JAX): shard, reshard and gather keep it in place.
     sharded = fshard.shard({"w": torch.arange(8.0), "bias": None, "pair": (torch.ones(4), None)}, fshard.Chunk(0, R))
-    assert sharded["bias"] is None and sharded["pair"][1] is None
+    assert (sharded["bias"], sharded["pair"][1]) == (None, None)
     moved = fshard.reshard(sharded, fshard.Replicated(R))
-    assert moved["bias"] is None and moved["pair"][1] is None
+    assert (moved["bias"], moved["pair"][1]) == (None, None)
     assert moved["w"].layout == fshard.Replicated(R).layout((8,))
     by_specs = fshard.reshard(sharded, {"w": fshard.Single(1), "bias": None, "pair": (fshard.Single(2), None)})
-    assert by_specs["pair"][0].layout == fshard.Single(2).layout((4,)) and by_specs["bias"] is None
+    assert by_specs["pair"][0].layout == fshard.Single(2).layout((4,))
+    assert by_specs["bias"] is None
     got = fshard.gather(moved)
-    assert torch.equal(got["w"], torch.arange(8.0)) and got["bias"] is None and got["pair"][1] is None
+    assert torch.equal(got["w"], torch.arange(8.0))
+    assert (got["bias"], got["pair"][1]) == (None, None)
     assert fshard.gather({"only": None}) == {"only": None}
     for fn in (fshard.gather, lambda t: fshard.reshard(t, fshard.Replicated(R))):  # None alone is no tree of arrays
         with pytest.raises(TypeError, match="takes a ShardedArray, got NoneType"):

@@ -413,7 +413,7 @@ def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
     optree, torch's pytree and JAX read it); ``None`` itself is no tree of arrays.
     """
     if tree is None:
-        _check_leaves(tree, [None], what)
+        raise TypeError(f"{what} takes a ShardedArray, got NoneType. A pytree of ShardedArrays is taken too.")
     leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_array, none_is_leaf=False)
     if set(map(type, leaves)) != _ARRAY_TYPE:  # one pass in C for the common case
         _check_leaves(tree, leaves, what)
@@ -423,8 +423,7 @@ def _leaves(tree: Any, what: str) -> tuple[list[ShardedArray], Any]:
 
 
 def _check_leaves(tree: Any, leaves: list[Any], what: str) -> None:
-    paths = [()] if tree is None else optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=False)
-    for path, leaf in zip(paths, leaves):
+    for path, leaf in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=False), leaves):
         if not isinstance(leaf, ShardedArray):
             if not path:
                 msg = f"{what} takes a ShardedArray, got {type(leaf).__name__}. A pytree of ShardedArrays is taken too."

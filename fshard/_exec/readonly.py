@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "unchecked"]
+__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "running", "unchecked"]
 
 T = TypeVar("T")
 
@@ -274,6 +274,15 @@ def read_only(tensors: Sequence[torch.Tensor], what: str) -> contextlib.Abstract
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return _mode(tensors, what)
+
+
+def running() -> str | None:
+    """The ``what`` of the per-block function running on this thread (its check on the stack), else ``None``."""
+    for i in range(_depth()):
+        mode = _mode_at(i)
+        if type(mode) is _ReadOnly:
+            return mode.what
+    return None
 
 
 @opaque  # where TorchDynamo runs map_local's frame eagerly, it would still trace this call
