@@ -336,3 +336,35 @@ def test_a_prefetched_pending_sum_leaves_its_summands_as_they_are(dist_pool):
     for before, after, total in dist_pool.run(_prefetch_a_pending_sum, timeout=60):
         assert torch.equal(before, after)
         assert torch.equal(total, torch.arange(4.0) * 10)
+
+
+def _prefetch_then(what: str) -> list[str]:
+    """A prefetch whose step goes wrong: its arrays written in place before the call, or the step raising before it."""
+    torch.manual_seed(0)
+    block = torch.nn.Linear(8, 8)
+    params, _ = fshard.shard_module(block, fshard.fully_sharded(R))
+    opt = torch.optim.SGD([t.requires_grad_() for a in params.values() for t in a.addressable_data], lr=0.1)
+    x = fshard.shard(torch.randn(4, 8), ROWS)
+    fshard.gather(fshard.apply_module(block, params, {}, x)[0]).sum().backward()
+    seen = []
+    ahead = fshard.prefetch(params, EVERYWHERE)
+    if what == "written":
+        opt.step()  # writes the prefetched arrays' shards in place
+        try:
+            fshard.apply_module(block, params, {}, x)
+        except fshard.SpecError as e:
+            seen.append("written in place since the prefetch started" in str(e))
+    else:
+        seen.append(ahead.pending)  # the step stopped here: its call never ran
+        fshard.prefetch(params, EVERYWHERE)  # the next step's
+        seen.append(ahead.pending)
+    y, _ = fshard.apply_module(block, params, {}, x)  # and the next call works
+    want = torch.nn.functional.linear(fshard.gather(x), *(fshard.gather(params[n]) for n in ("weight", "bias")))
+    seen.append(torch.allclose(fshard.gather(y), want))
+    seen.append(not _flight.pending())
+    return seen
+
+
+@pytest.mark.parametrize(("what", "seen"), [("written", [True, True, True]), ("raised", [True, False, True, True])])
+def test_a_prefetch_whose_step_went_wrong_raises_or_is_replaced_alike_on_every_rank(dist_pool, what, seen):
+    assert dist_pool.run(_prefetch_then, what, timeout=60) == [seen] * 4

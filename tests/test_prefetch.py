@@ -151,12 +151,33 @@ def _moved_in_the_call(x, w, b):
     return fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS)(x, w, b)
 
 
-def test_prefetching_arrays_in_flight_already_raises():
+def test_a_prefetch_of_arrays_in_flight_replaces_the_unused_one():
     params = _params()
+    x = _x()
     ahead = fshard.prefetch(params[0], EVERYWHERE)
-    with pytest.raises(fshard.SpecError, match=re.escape("array 0 (shape (8, 8)) is in flight already")):
-        fshard.prefetch(params[0], EVERYWHERE)
-    ahead.cancel()
+    again = fshard.prefetch(params[0], EVERYWHERE)
+    assert (ahead.pending, again.pending) == (False, True)
+    assert _flight.pending() == (again._pending,)
+    step = fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS)
+    assert torch.equal(fshard.gather(step(x, *params[0])), fshard.gather(_moved_in_the_call(x, *params[0])))
+    assert not again.pending
+
+
+def test_a_step_that_raised_after_its_prefetch_leaves_the_next_step_working():
+    params = _params()
+    x = _x()
+    step = fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS)
+
+    def train_step(fail: bool) -> torch.Tensor:
+        fshard.prefetch(params[0], EVERYWHERE)  # the handle is not kept, as in the docs' loop
+        if fail:
+            raise ValueError("a bad batch")
+        return fshard.gather(step(x, *params[0]))
+
+    with pytest.raises(ValueError, match="a bad batch"):
+        train_step(True)
+    assert torch.equal(train_step(False), fshard.gather(_moved_in_the_call(x, *params[0])))
+    assert not _flight.pending()
 
 
 @pytest.mark.parametrize(

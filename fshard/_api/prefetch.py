@@ -73,7 +73,9 @@ def prefetch(arrays: Any, spec: Any, *, precision: Precision | None = None) -> P
     ahead's compute (FSDP2's ``set_modules_to_forward_prefetch``). The call runs the movement's
     own autograd function, so values and gradients are bit-identical and the gradients reach
     the sources by its backward (a reduce-scatter); with ``regather=True`` the backward gathers
-    them again as without a prefetch. Every rank must prefetch alike (SPMD).
+    them again as without a prefetch. Every rank must prefetch alike (SPMD). A prefetch of
+    arrays that an earlier prefetch moves, unused (its step raised before the call), replaces
+    it: the earlier data is waited for and dropped.
 
     Args:
         arrays: a pytree of ``ShardedArray`` (a block's parameters from ``fshard.shard_module``,
@@ -86,8 +88,8 @@ def prefetch(arrays: Any, spec: Any, *, precision: Precision | None = None) -> P
         A ``Prefetch``: keep it, or ``cancel()`` it where no call will use it.
 
     Raises:
-        SpecError: ``arrays`` holds something other than arrays, none, or an array in flight
-            already (prefetched and not used yet); the spec does not fit; or, at the call
+        SpecError: ``arrays`` holds something other than arrays, or none; the spec does not
+            fit; or, at the call
             that uses it, that call moves other arrays besides, to other layouts, or in another
             precision, or an array was written in place in between.
 
@@ -112,7 +114,7 @@ def prefetch(arrays: Any, spec: Any, *, precision: Precision | None = None) -> P
     if precision is not None:
         for a in sources:
             check_floating(precision, a.dtype, "prefetch() array")
-    _check_free(sources)
+    _replace_stale(sources)
     layouts = [as_layout(spec, a.shape) for a in sources]
     moving = [(a, x) for a, x in zip(sources, layouts) if x != a.layout]
     for a, x in moving:
@@ -128,15 +130,15 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, ShardedArray)
 
 
-def _check_free(sources: list[ShardedArray]) -> None:
-    """Refuses arrays that a pending prefetch moves already."""
+def _replace_stale(sources: list[ShardedArray]) -> None:
+    """Cancels the unused prefetches that move any of ``sources``: this prefetch replaces them.
+
+    Such a prefetch was left behind by a step that stopped between it and the call that would
+    have used it (an exception, say). Every rank runs the same program, so every rank cancels
+    alike; the earlier data is waited for and dropped, and the arrays it moved besides these
+    move in their own call.
+    """
     ids = {id(a) for a in sources}
     for p in _flight.pending():
-        if not p.ids.isdisjoint(ids):
-            k = next(k for k, a in enumerate(sources) if id(a) in p.ids)
-            msg = (
-                f"prefetch(): array {k} (shape {tuple(sources[k].shape)}) is in flight already: an earlier prefetch "
-                "of it has not been used yet. Call the function that uses the earlier prefetch first, or cancel() "
-                "it; prefetch each block's arrays once per use."
-            )
-            raise SpecError(msg)
+        if not p.ids.isdisjoint(ids) and _flight.drop(p):
+            p.launches.finish()

@@ -52,10 +52,16 @@ class Launches:
         return wait()
 
     def finish(self) -> None:
-        """Waits for every launched plan not landed yet (a movement given up: nothing is left in flight)."""
-        while self.landed < len(self.started):
-            self.started[self.landed][2]()
-            self.landed += 1
+        """Waits for every launched plan not landed yet (a movement given up: nothing is left in flight).
+
+        Its results are dropped, so no gradient is recorded: they may view sources written in
+        place since the launch (the reason a claim gives it up), which autograd refuses to
+        record a use of.
+        """
+        with torch.no_grad():
+            while self.landed < len(self.started):
+                self.started[self.landed][2]()
+                self.landed += 1
 
 
 _MODE = threading.local()  # ``mode``: None, or ("launch" | "land", Launches)
