@@ -265,3 +265,37 @@ def test_state_saved_on_four_gloo_processes_resumes_on_two(dist_pool, tmp_path) 
     for r in results:
         assert r["resumed"] == pytest.approx(r["uninterrupted"], abs=1e-12, rel=0)
     assert all(r["resumed"] == results[0]["resumed"] for r in results)
+
+
+def test_the_state_of_a_parameter_kept_whole_loads_into_its_shards_once_it_is_sharded() -> None:
+    # A bias kept as a plain tensor when saved, a Chunk array now: each shard takes its box of the state.
+    three = fshard.Chunk(0, [0, 1, 2])
+    whole = fshard.shard_params(_model(), lambda name, t: fshard.Chunk(0, [0, 1]) if t.ndim == 2 else None)
+    opt = _adamw(whole)
+    _train_mixed(whole, opt, 2)
+    state = fshard.optimizer_state(opt, whole)
+    assert isinstance(state["state"]["exp_avg"]["0.bias"], torch.Tensor)
+    # The weights keep their layout (leaves of their own); the plain biases become arrays over three ranks.
+    params = {
+        k: fshard.map_local(lambda t: t.detach().clone(), v)
+        if isinstance(v, fshard.ShardedArray)
+        else fshard.shard(v.detach(), three)
+        for k, v in whole.items()
+    }
+    opt2 = _adamw(params)
+    fshard.load_optimizer_state(opt2, params, state)
+    assert [tuple(opt2.state[t]["exp_avg"].shape) for t in params["0.bias"].addressable_data] == [(6,), (6,), (4,)]
+    assert _train_mixed(params, opt2, 2) == pytest.approx(_train_mixed(whole, opt, 2), abs=1e-12, rel=0)
+
+
+def _train_mixed(params: dict[str, Any], opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    """``_train`` of a tree of arrays and plain tensors."""
+    model, losses = _model(), []
+    for _ in range(steps):
+        opt.zero_grad()
+        full = {k: fshard.gather(v) if isinstance(v, fshard.ShardedArray) else v for k, v in params.items()}
+        loss = torch.nn.functional.mse_loss(torch.func.functional_call(model, full, (X,)), Y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -45,7 +45,9 @@ def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
     save them before its next step. An optimizer that has not stepped has no state yet: it
     is made the way ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
     makes it (one step on zero gradients with the learning rate at 0, which leaves the
-    parameters as they are), which is what a ``like=`` for loading needs.
+    parameters as they are), which is what a ``like=`` for loading needs. That state stays the
+    optimizer's (AdamW has counted a step; SGD's momentum holds the weight decay term), so its
+    next steps differ slightly from those of an optimizer never asked, as with torch's.
 
     Args:
         opt: a ``torch.optim.Optimizer`` whose parameters are the leaves of ``params``.
@@ -341,6 +343,17 @@ def _put(opt: torch.optim.Optimizer, a: Leaf, value: Any, key: str, path: str) -
         parts = _own(value)
     elif isinstance(a, torch.Tensor) and isinstance(value, torch.Tensor) and value.shape == a.shape and key != _STEP:
         parts = [value]
+    elif (
+        isinstance(a, ShardedArray)
+        and isinstance(value, torch.Tensor)
+        and value.ndim
+        and value.shape == a.shape
+        and key != _STEP
+    ):
+        # The state of the whole parameter (saved where it was a plain tensor): each shard takes its box.
+        parts = [
+            value[tuple(slice(o, o + n) for o, n in zip(s.meta.offsets, s.meta.sizes))] for s in a.addressable_shards
+        ]
     else:  # a scalar: every shard tensor gets its own copy (optimizers step them in place)
         for t in own:
             opt.state[t][key] = value.clone() if isinstance(value, torch.Tensor) else value
