@@ -469,3 +469,39 @@ def test_a_subclass_whose_type_cannot_be_hashed_runs_behind_the_check() -> None:
     assert torch.equal(block, torch.ones(2))
     assert not readonly.pure(torch.Tensor.add, (_NoHash,), (x, 1), {})
     assert readonly.pure(torch.Tensor.add, (torch.nn.Parameter,), (x, 1), {})
+
+
+def _under_inference_mode() -> tuple[list[list[float]], str]:
+    """Per-block functions of arrays made under inference_mode (inference tensors keep no version counter)."""
+    ranks = [0, 1, 2, 3] if torch.distributed.is_initialized() else [0, 1]
+    rows = fshard.Chunk(0, ranks)
+    twice = fshard.shard_map(lambda b: 2 * b, in_specs=rows, out_specs=rows)
+    summed = fshard.shard_map(lambda b: fshard.psum(b.sum(), "x")[None], rows, fshard.Replicated(ranks), check_vma=False)
+    with torch.inference_mode():
+        a = fshard.shard(torch.arange(8.0), rows)
+        values = [fshard.gather(y).tolist() for y in (fshard.map_local(torch.sin, a), a * 2, twice(a), summed(a))]
+        try:
+            fshard.map_local(lambda t: t.add_(1), a)
+            refused = "no error"
+        except SpecError as e:
+            refused = str(e).split(",")[0]
+        values.append(fshard.gather(a).tolist())
+    return values, refused
+
+
+def _expected_under_inference_mode() -> list[list[float]]:
+    x = torch.arange(8.0)
+    return [x.sin().tolist(), (x * 2).tolist(), (x * 2).tolist(), [28.0], x.tolist()]
+
+
+def test_per_block_functions_run_under_inference_mode_and_still_refuse_writes() -> None:
+    values, refused = _under_inference_mode()
+    assert values == _expected_under_inference_mode()
+    assert refused == "map_local() fn called aten::add_.Tensor"
+
+
+@pytest.mark.multiprocess
+def test_per_block_functions_run_under_inference_mode_on_every_rank(dist_pool) -> None:
+    for values, refused in dist_pool.run(_under_inference_mode, timeout=60):
+        assert values == _expected_under_inference_mode()
+        assert refused == "map_local() fn called aten::add_.Tensor"

@@ -23,7 +23,7 @@ import torch
 from fshard._base.cache import cached
 from fshard._errors import CollectiveMismatchError, SpecError, as_error
 from fshard._exec import gathered as _varying
-from fshard._exec.readonly import read_only
+from fshard._exec.readonly import read_only, versions
 from fshard._layout.layout import Layout
 
 __all__ = [
@@ -209,18 +209,17 @@ def untouched(tensors: Sequence[torch.Tensor], what: str) -> Generator[None, Non
     the tensor's version counter, which its views share: that is read after the block, which
     then raises, the write done.
     """
-    before = [t._version for t in tensors]
+    before = versions(tensors)
     with read_only(tensors, what):
         yield
-    for t, version in zip(tensors, before):
-        if t._version != version:
-            msg = (
-                f"{what} fn wrote into an input block in place (an in-place op such as t.mul_(10), or out=), "
-                "in code that the check before each op does not see (compiled by Inductor, say), so the block "
-                "holds the written values: ShardedArray values are immutable, and other arrays and tensors may "
-                "share that memory. Return a new tensor instead (t * 10)."
-            )
-            raise SpecError(msg)
+    if versions(tensors) != before:
+        msg = (
+            f"{what} fn wrote into an input block in place (an in-place op such as t.mul_(10), or out=), "
+            "in code that the check before each op does not see (compiled by Inductor, say), so the block "
+            "holds the written values: ShardedArray values are immutable, and other arrays and tensors may "
+            "share that memory. Return a new tensor instead (t * 10)."
+        )
+        raise SpecError(msg)
 
 
 def describe_results(tree: Any, leaves: Sequence[dict[Any, torch.Tensor]]) -> tuple[Any, list[Meta]] | None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fshard._errors import SpecError
+from fshard._exec import readonly as _readonly
 from fshard._layout.show import describe_layout
 
 __all__ = ["Launches", "Pending", "add", "claim", "drop", "execute", "landing", "launching", "pending", "versions"]
@@ -138,7 +139,7 @@ _LOCK = threading.Lock()
 
 def versions(arrays: Sequence[Any]) -> tuple[int, ...]:
     """The version counters of the arrays' shard tensors (an in-place write bumps one)."""
-    return tuple(t._version for a in arrays for t in a.addressable_data)
+    return tuple(_readonly.versions(t for a in arrays for t in a.addressable_data))
 
 
 def pending() -> tuple[Pending, ...]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "running", "unchecked"]
+__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "running", "unchecked", "versions"]
 
 T = TypeVar("T")
 
@@ -274,6 +274,19 @@ def read_only(tensors: Sequence[torch.Tensor], what: str) -> contextlib.Abstract
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return _mode(tensors, what)
+
+
+def versions(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The version counters of ``tensors`` (an in-place write bumps one); -1 for an inference tensor, which has none.
+
+    Outside inference mode torch refuses any in-place write into an inference tensor; inside
+    it, the read-only mode refuses it before it runs.
+    """
+    tensors = list(tensors)
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return [-1 if t.is_inference() else t._version for t in tensors]
 
 
 def running() -> str | None:
