@@ -476,7 +476,9 @@ def _under_inference_mode() -> tuple[list[list[float]], str]:
     ranks = [0, 1, 2, 3] if torch.distributed.is_initialized() else [0, 1]
     rows = fshard.Chunk(0, ranks)
     twice = fshard.shard_map(lambda b: 2 * b, in_specs=rows, out_specs=rows)
-    summed = fshard.shard_map(lambda b: fshard.psum(b.sum(), "x")[None], rows, fshard.Replicated(ranks), check_vma=False)
+    summed = fshard.shard_map(
+        lambda b: fshard.psum(b.sum(), "x")[None], rows, fshard.Replicated(ranks), check_vma=False
+    )
     with torch.inference_mode():
         a = fshard.shard(torch.arange(8.0), rows)
         values = [fshard.gather(y).tolist() for y in (fshard.map_local(torch.sin, a), a * 2, twice(a), summed(a))]
