@@ -173,3 +173,30 @@ def test_bodies_that_reduce_unlike_each_other_raise_on_every_rank(dist_pool, kin
     assert all(m != "no error" for m in got), got
     # The sum's own wait, or the comparison after the bodies on a rank whose sum completed: bounded either way.
     assert any(re.search(r"did not (all )?arrive within 3 s", m) for m in got), got
+
+
+def _sums_over_overlapping_subsets() -> list:
+    """psum in shard_maps over subsets of the job that share ranks ([3, 1] then [3, 0], ...): no group per subset."""
+    out = []
+    for ranks in ([3, 1], [3, 0], [0, 1], [0, 2], [0, 1, 3], [2, 1, 0]):
+        x = torch.arange(3.0 * len(ranks), dtype=torch.float64, requires_grad=True)
+        f = fshard.shard_map(
+            lambda b: fshard.psum(b * b, "x"), fshard.Chunk(0, ranks), fshard.Replicated(ranks), check_vma=False
+        )
+        y = fshard.gather(f(x))
+        y.sum().backward()
+        n = fshard.shard_map(  # fewer elements than ranks, integers
+            lambda b: fshard.psum(b[:1], "x"), fshard.Chunk(0, ranks), fshard.Replicated(ranks), check_vma=False
+        )(torch.arange(len(ranks)) + 1)
+        out.append((y.tolist(), x.grad.tolist(), fshard.gather(n).tolist()))
+    return out
+
+
+def test_psums_over_subsets_that_share_ranks_match_local(dist_pool):
+    old = fshard.config(timeout=60.0)
+    try:
+        local = _sums_over_overlapping_subsets()
+    finally:
+        fshard.config(timeout=old.timeout)
+    assert local[0][2] == [3]
+    assert dist_pool.run(_sums_over_overlapping_subsets, timeout=120) == [local] * 4

@@ -1,12 +1,19 @@
 """Process groups of a few ranks, for the reductions of ``shard_map`` bodies over mesh axes.
 
 A body's ``psum`` over a mesh axis sums over the processes that differ only along that
-axis: the axis **partitions** the ranks into groups. The first time a partition is used,
-every process makes every group of it, in the same order (``new_group`` is collective
-over the whole job, and every process reaches the same ``psum`` at once), and keeps them.
-Groups made by the members only (``use_local_synchronization=True``) were measured to
-hang on Gloo after other groups of the same ranks had been made, so they are used only
-where the processes of the psum are not the whole job.
+axis: the axis **partitions** the ranks into groups. Where the partition covers the whole
+job, the first time it is used every process makes every group of it, in the same order
+(``new_group`` is collective over the whole job, and every process reaches the same
+``psum`` at once), and keeps them.
+
+Where it does not (a ``shard_map`` over some of the job's ranks), the other processes run
+no body and cannot take part in a ``new_group``, and groups made by their members only
+(``use_local_synchronization=True``) hang on Gloo once a process makes a second one
+(torch 2.13: ranks 0 and 1, then 0 and 2). Those sums go by messages on the default group
+instead, tagged apart from the movements' messages: each member sums one slice of the
+tensor, its members' parts in rank order, and sends that slice of the sum to the others
+(a reduce-scatter and an all-gather, ``2 (k - 1)`` messages per member of ``k``, each
+element sent twice), so every member gets the same bits.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ _MADE: set[tuple[tuple[tuple[int, ...], ...], Any]] = set()  # partitions whose 
 def subgroup(ranks: tuple[int, ...], partition: tuple[tuple[int, ...], ...], wire: torch.device) -> Any:
     """The process group of global ``ranks`` (sorted), one group of ``partition``, made once.
 
+    ``None`` where the partition does not cover the whole job: that sum goes by messages.
+
     Every process decides alike from the partition, which they share: whether it was made.
     Where the partition covers the job, its groups are made after every process has shown it
     uses that partition (one exchange, at its first use): ``new_group`` pairs the processes'
@@ -56,10 +65,7 @@ def subgroup(ranks: tuple[int, ...], partition: tuple[tuple[int, ...], ...], wir
                 _GROUPS.setdefault((g, dist.group.WORLD), made)
             _MADE.add((groups, dist.group.WORLD))
         return _GROUPS[(ranks, dist.group.WORLD)]
-    key = (ranks, dist.group.WORLD)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
-    return _GROUPS[key]
+    return None  # not the whole job: the sum goes by messages (``_sum_by_messages``)
 
 
 def _agree_on(groups: tuple[tuple[int, ...], ...], world: int, wire: torch.device) -> None:
@@ -89,23 +95,66 @@ def all_reduce_among(
     times on some placements leaves the others waiting, and they raise ``CollectiveMismatchError``.
     """
     buf = t.detach().to(wire, copy=True).contiguous()
+    members = tuple(sorted(ranks))
+    group = subgroup(members, partition, wire)
+    if group is None:
+        return _sum_by_messages(buf, members).to(t.device)
     (summed,) = handed(buf)  # written in place: buf holds the sum
-    group = subgroup(tuple(sorted(ranks)), partition, wire)
     work = cast("dist.Work", dist.all_reduce(summed, group=group, async_op=True))  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+    _wait(work, members)
+    return buf.to(t.device)
+
+
+_TAG = 1 << 30  # the messages of sums by messages: apart from the movements' tags (a pair's box numbers)
+
+
+def _sum_by_messages(buf: torch.Tensor, members: tuple[int, ...]) -> torch.Tensor:
+    """The sum of ``buf`` over the processes ``members`` (global ranks, sorted; this one among them).
+
+    Member ``i`` sums slice ``i`` of the flat tensor (its members' parts in rank order) and
+    sends that slice of the sum to every other member: the same bits on every member.
+    """
+    me = members.index(dist.get_rank())
+    flat = buf.reshape(-1)
+    slices = torch.tensor_split(flat, len(members))
+    mine = slices[me]
+    parts = [torch.empty_like(mine) for _ in members]
+    parts[me] = mine
+    ops = [dist.P2POp(dist.irecv, parts[k], peer, tag=_TAG) for k, peer in enumerate(members) if k != me]
+    ops += [dist.P2POp(dist.isend, slices[k], peer, tag=_TAG) for k, peer in enumerate(members) if k != me]
+    _exchange(ops, members)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    out = torch.empty_like(flat)
+    pieces = torch.tensor_split(out, len(members))
+    pieces[me].copy_(total)
+    ops = [dist.P2POp(dist.irecv, pieces[k], peer, tag=_TAG + 1) for k, peer in enumerate(members) if k != me]
+    ops += [dist.P2POp(dist.isend, total, peer, tag=_TAG + 1) for k, peer in enumerate(members) if k != me]
+    _exchange(ops, members)
+    return out.view(buf.shape)
+
+
+def _exchange(ops: list[dist.P2POp], members: tuple[int, ...]) -> None:
+    for work in dist.batch_isend_irecv(ops) if ops else []:  # pyright: ignore[reportUnknownMemberType]  # untyped in torch
+        _wait(work, members)
+
+
+def _wait(work: Any, members: tuple[int, ...]) -> None:
+    """``work.wait()``, at most ``config(timeout=...)`` seconds where that is set."""
     timeout = current().timeout
     if timeout is None:
         work.wait()
-        return buf.to(t.device)
+        return
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
         if "timed out" not in str(exc).lower():
             raise
         msg = (
-            f"psum: ranks {sorted(ranks)} did not all arrive within {timeout:g} s (config(timeout=...)): they are "
+            f"psum: ranks {list(members)} did not all arrive within {timeout:g} s (config(timeout=...)): they are "
             "stopped, slower than this rank, or their shard_map bodies called psum fewer times or over other axes "
             "(every placement's body must call psum alike, in the same order). The sum stays in flight, so this "
             "process group cannot be used again: end the job or destroy the group."
         )
         raise CollectiveMismatchError(msg) from exc
-    return buf.to(t.device)
