@@ -376,3 +376,28 @@ def test_a_pending_max_of_complex_values_is_refused_on_every_rank(dist_pool):
     )
     assert _complex_max(LocalBackend()) == want
     assert dist_pool.run(_complex_max, None, timeout=60) == [want] * 4
+
+
+def _complex_max_made(backend, how: str) -> str:
+    """A pending max of complex values made by a movement, shard or creation: refused where it is made."""
+    kw = {"backend": backend} if backend is not None else {}
+    to = fshard.Partial(fshard.Replicated([0, 1]), "max")
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    makers = {
+        "reshard": lambda: fshard.reshard(fshard.shard(z, fshard.Single(0), **kw), to),
+        "shard": lambda: fshard.shard(z, to, **kw),
+        "zeros": lambda: fshard.zeros(to, 2, dtype=torch.complex64, **kw),
+        "zeros_like": lambda: fshard.zeros_like(fshard.zeros(to, 2, **kw), dtype=torch.complex64),
+    }
+    try:
+        makers[how]()
+    except fshard.SpecError as exc:
+        return str(exc).split(":")[0]
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["reshard", "shard", "zeros", "zeros_like"])
+def test_a_pending_max_of_complex_values_is_refused_where_it_is_made_on_every_rank(dist_pool, how):
+    want = "A pending max of torch.complex64 values cannot be reduced"
+    assert _complex_max_made(LocalBackend(world_size=4), how) == want
+    assert dist_pool.run(_complex_max_made, None, how, timeout=60) == [want] * 4

@@ -16,6 +16,7 @@ from fshard._array.array import ShardedArray
 from fshard._base import boxes as _boxes
 from fshard._base.cache import cached
 from fshard._errors import LayoutError, SpecError
+from fshard._exec.autograd import check_orderable
 from fshard._exec.collective import collective
 from fshard._interop.torch_objects import from_sharded_tensor
 from fshard._layout.layout import Layout, ShardMeta, replica_ids
@@ -134,6 +135,7 @@ def _create(
     layout = _on_device(as_layout(spec, parse_shape(shape)), device)
     backend.check_layout(layout)
     _check_sizes(layout, dtype)
+    check_orderable(layout.partial, dtype)
     filled = _filled(layout)
     data: list[torch.Tensor] = []
     for i in backend.addressable(layout):

@@ -427,17 +427,28 @@ def move(
     that holds no shard of ``dst`` (see ``ShardedArray``); ``like`` is the source's.
 
     Raises:
-        SpecError: a pending max or min of complex values (they have no order), on every rank.
+        SpecError: a pending max or min of complex values (they have no order), on every rank,
+            to reduce or to make.
     """
-    if src.partial in ("max", "min") and like.dtype.is_complex:
+    check_orderable(src.partial, like.dtype)
+    check_orderable(dst.partial, like.dtype)
+    *out, link = _run(_Move, src, dst, backend, like, *tensors)
+    return tuple(out), link
+
+
+def check_orderable(op: str | None, dtype: torch.dtype) -> None:
+    """Refuses a pending max or min of complex values (they have no order), on every rank alike.
+
+    Raises:
+        SpecError: ``op`` is ``"max"`` or ``"min"`` and ``dtype`` is complex.
+    """
+    if op in ("max", "min") and dtype.is_complex:
         msg = (
-            f"A pending {src.partial} of {like.dtype} values cannot be reduced: complex numbers have no order. "
+            f"A pending {op} of {dtype} values cannot be reduced: complex numbers have no order. "
             "Reduce their absolute values or real parts instead (fshard.map_local(torch.abs, x) before the "
             "Partial), or use a pending sum."
         )
         raise SpecError(msg)
-    *out, link = _run(_Move, src, dst, backend, like, *tensors)
-    return tuple(out), link
 
 
 def move_summing(
