@@ -325,6 +325,17 @@ def test_from_local_shards_on_the_local_backend_takes_every_rank():
         fshard.from_local_shards([parts[0], fshard.Shard(parts[1].meta, parts[1].data.half())], SHAPE)
 
 
+def test_from_local_shards_on_the_local_backend_lists_the_shards_rank_by_rank():
+    # Given out of rank order in one list, as a process per rank could not give them: the same layout as across processes.
+    parts = [_rows(5, 5, 1), _rows(0, 5, 0)]
+    a = fshard.from_local_shards(parts, SHAPE)
+    assert [m.placement.rank for m in a.layout.shards] == [0, 1]
+    assert a.layout == fshard.Chunk(0, [0, 1]).layout(SHAPE)
+    assert torch.equal(fshard.gather(a + fshard.shard(X, fshard.Chunk(0, [0, 1]))), 2 * X)
+    with pytest.raises(TypeError, match=r"item 1 is a Tensor, not an fshard\.Shard"):  # named where it was given
+        fshard.from_local_shards([parts[0], X], SHAPE)
+
+
 def test_from_local_shards_empty_array_keeps_its_dtype():
     a = fshard.from_local_shards(
         [fshard.Shard(fshard.ShardMeta((0,), (0,), 0), torch.zeros(0, dtype=torch.int8))], (0,)

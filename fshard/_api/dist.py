@@ -182,7 +182,7 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
     >>> fshard.gather(fshard.from_local_shards(parts, (4, 3)))[:, 0].tolist()
     [0, 0, 1, 1]
     """
-    backend, shards = _backend(group, "from_local_shards()"), _sequence(shards)
+    backend, shards = _backend(group, "from_local_shards()"), _by_rank(_sequence(shards))
     reports = backend.exchange(_describe(shards, shape, backend.rank))
     bad = [_at(r.rank, p) for r in reports for p in r.problems if "not an fshard.Shard" in p]
     if bad:
@@ -196,6 +196,19 @@ def from_local_shards(shards: Sequence[Shard], shape: Any, *, group: Any = None)
     dtype = next((p.dtype for r in reports for p in r.pieces), torch.get_default_dtype())
     grad = any(p.requires_grad for r in reports for p in r.pieces)
     return ShardedArray(layout, mine, backend, dtype, requires_grad=grad)
+
+
+def _by_rank(shards: Sequence[Any]) -> list[Any]:
+    """``shards`` listed rank by rank, in the order given within a rank (a stable sort).
+
+    Across processes each rank passes its own shards, so this changes nothing there; in one
+    process the shards of every rank come in one list, in any order, and the layout is the
+    same as across processes.
+    """
+
+    if not all(isinstance(s, Shard) for s in shards):  # refused below, naming each by its position as given
+        return list(shards)
+    return sorted(shards, key=lambda s: s.meta.placement.rank)
 
 
 @collective("from_local_tensor", local=("tensor",))
