@@ -326,7 +326,7 @@ def test_from_local_shards_on_the_local_backend_takes_every_rank():
 
 
 def test_from_local_shards_on_the_local_backend_lists_the_shards_rank_by_rank():
-    # Given out of rank order in one list, as a process per rank could not give them: the same layout as across processes.
+    # Given out of rank order in one list (no process per rank could): the same layout as across processes.
     parts = [_rows(5, 5, 1), _rows(0, 5, 0)]
     a = fshard.from_local_shards(parts, SHAPE)
     assert [m.placement.rank for m in a.layout.shards] == [0, 1]

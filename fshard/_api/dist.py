@@ -205,7 +205,6 @@ def _by_rank(shards: Sequence[Any]) -> list[Any]:
     process the shards of every rank come in one list, in any order, and the layout is the
     same as across processes.
     """
-
     if not all(isinstance(s, Shard) for s in shards):  # refused below, naming each by its position as given
         return list(shards)
     return sorted(shards, key=lambda s: s.meta.placement.rank)
