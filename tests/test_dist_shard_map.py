@@ -210,3 +210,36 @@ def test_an_array_made_of_a_block_inside_fn_is_refused_on_both_backends(dist_poo
     what = "map_local()" if kind == "map_local" else "shard_map()"
     assert local.startswith(f"shard() was called inside {what}'s fn, which runs once per placement")
     assert dist_pool.run(_array_made_inside_a_body, kind, timeout=60) == [local] * 4
+
+
+def _closure_without_gradient(use: str, backend=None) -> list:
+    """A closed-over tensor that requires grad, used only in ways that give it no gradient; ranks 2, 3 hold no block."""
+    w = torch.tensor([1.5, -2.0], requires_grad=True)
+    uses = {
+        "detach": lambda t: t * w.detach(),
+        "shape": lambda t: t * w.shape[0],
+        "tolist": lambda t: t * w.tolist()[0],
+        "data": lambda t: t * w.data,
+        "both": lambda t: t * w.detach() + t * w,  # a use with a gradient too: refused
+    }
+    kw = {} if backend is None else {"backend": backend}
+    rows = fshard.shard(torch.arange(8.0).reshape(4, 2), fshard.Chunk(0, [0, 1]), **kw)
+    try:
+        return fshard.gather(fshard.map_local(uses[use], rows)).tolist()
+    except fshard.SpecError as e:
+        return [str(e).split(",")[0]]
+
+
+@pytest.mark.parametrize("use", ["detach", "shape", "tolist", "data", "both"])
+def test_a_closure_used_without_gradient_is_not_refused_on_either_backend(dist_pool, use):
+    from fshard.backends.local import LocalBackend
+
+    local = _closure_without_gradient(use, LocalBackend(world_size=4))
+    x = torch.arange(8.0).reshape(4, 2)
+    w = torch.tensor([1.5, -2.0])
+    want = {"detach": x * w, "shape": x * 2, "tolist": x * 1.5, "data": x * w}
+    if use == "both":
+        assert local == ["map_local() fn uses 1 tensor(s) from outside its arguments that require grad (closed over)"]
+    else:
+        assert local == want[use].tolist()
+    assert dist_pool.run(_closure_without_gradient, use, timeout=60) == [local] * 4

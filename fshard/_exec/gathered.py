@@ -37,6 +37,7 @@ gathers registered after it, which is the same on every rank that gathered alike
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 from collections.abc import Callable, Collection, Container, Generator, Mapping
 from typing import Any, cast
@@ -241,7 +242,7 @@ class _PerShard(TorchFunctionMode):
             # TorchDynamo traces a direct call (a call of func through a helper here, after a graph break,
             # is traced wrongly by torch 2.13).
             return func(*args, **(kwargs or {}))
-        if _grad_enabled():
+        if _grad_enabled() and not _gradient_free(func):
             args = self._swapped(args)
             if kwargs:
                 kwargs = {k: self._swap_any(v) for k, v in kwargs.items()}
@@ -334,6 +335,34 @@ class _PerShard(TorchFunctionMode):
 
 
 _grad_enabled = torch.is_grad_enabled
+
+# Calls whose result carries no gradient to their tensor arguments: a closed-over tensor used only
+# through them (w.detach(), w.shape[0], w.tolist()) needs no summed gradient, so it is not taken for one.
+_GRADIENT_FREE: frozenset[Any] = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "detach", "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",
+        "is_floating_point", "is_complex", "data_ptr", "item", "tolist", "__len__", "__bool__", "__index__",
+        "__int__", "__float__", "get_device",
+    )
+)  # fmt: skip
+_GRADIENT_FREE_ATTRIBUTES = frozenset((
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "layout", "ndim", "is_cuda", "names",
+    "grad", "data", "itemsize", "nbytes", "is_sparse", "is_quantized", "is_meta", "_version",
+))  # fmt: skip
+
+
+def _gradient_free(func: Any) -> bool:
+    """Whether a torch call of ``func`` gives its tensor arguments no gradient (``_GRADIENT_FREE``, attribute reads)."""
+    if func in _GRADIENT_FREE:
+        return True
+    return (
+        type(func) is types.MethodWrapperType
+        and func.__name__ == "__get__"
+        and getattr(func.__self__, "__name__", None) in _GRADIENT_FREE_ATTRIBUTES
+    )
+
+
 _functorch: Any = getattr(torch._C, "_functorch")  # pyright: ignore[reportPrivateUsage]  # noqa: B009  # torch's functorch bindings, untyped
 
 
