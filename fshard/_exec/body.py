@@ -12,10 +12,16 @@ every placement's value before any placement goes on:
 
 A body that raises, or returns while the others wait at a reduction, aborts the
 rendezvous: no thread waits for ever, and the call raises the first placement's error.
-The thread running a body gets the caller's grad mode and its torch-function and
-torch-dispatch modes (the read-only check of input blocks among them), since torch keeps
-those per thread. ``torch.func`` transforms (also per thread) are not
-carried over: ``psum`` refuses to run under them.
+The thread running a body gets the torch state the caller's thread keeps for itself:
+its grad, inference and forward-grad modes, its torch-function and torch-dispatch modes
+(the read-only check of input blocks among them), autocast, and the innermost
+saved-tensor hooks (torch 2.8 on, where they can be read). Where there are such hooks,
+the bodies take turns, one running at a time in placement order up to its next
+reduction, so the hooks see the tensors in one order, the same at a recomputation (a
+checkpoint's); on a call whose first body ran ahead on the calling thread to find that
+it reduces, the hooks saw that body's discarded tensors, and the threads run without
+them. ``torch.func`` transforms (also per thread) are not carried over: ``psum`` refuses
+to run under them.
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ def entered(body: Body) -> Generator[None, None, None]:
     _STATE.body = body
     try:
         yield
+    except NeedsThreads:
+        _STATE.probed = body.placements  # this call's bodies start again in threads
+        raise
     finally:
         _STATE.body = outer
 
@@ -102,6 +111,17 @@ class Rendezvous:
         self._round = 0
         self._last: Sequence[torch.Tensor] = ()
         self._failed = False
+        self._turn: int | None = None  # the body that runs now, where they take turns
+
+    def take_turns(self) -> None:
+        """From now on one body runs at a time, in placement order, each up to its next reduction or its end."""
+        self._turn = 0
+
+    def begin(self, index: int) -> None:
+        """Body ``index`` starts: where the bodies take turns, once its turn comes."""
+        if self._turn is not None:
+            with self._cond:
+                self._await_turn(index)
 
     def reduce(
         self,
@@ -128,11 +148,26 @@ class Rendezvous:
             mine = self._round
             if len(self._pending) == len(self.placements):
                 self._complete(groups, combine)
+            else:
+                self._pass_turn(index)
             while self._round == mine and not self._failed:
                 self._cond.wait()
             if self._round == mine:
                 raise _Aborted
+            if self._turn is not None:
+                self._await_turn(index)
             return self._last[index]
+
+    def _await_turn(self, index: int) -> None:
+        while self._turn != index and not self._failed:
+            self._cond.wait()
+        if self._failed:
+            raise _Aborted
+
+    def _pass_turn(self, index: int) -> None:
+        if self._turn is not None:
+            self._turn = index + 1
+            self._cond.notify_all()
 
     def _complete(
         self, groups: tuple[tuple[int, ...], ...], combine: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]
@@ -157,6 +192,8 @@ class Rendezvous:
             raise
         self._pending = {}
         self._round += 1
+        if self._turn is not None:
+            self._turn = 0
         self._cond.notify_all()
 
     def _differ(self, i: int, j: int, a: str, b: str) -> str:
@@ -176,6 +213,7 @@ class Rendezvous:
                 self._failed = True
                 self._cond.notify_all()
                 raise CollectiveMismatchError(self._unfinished_message(index, waiting))
+            self._pass_turn(index)
 
     def fail(self) -> None:
         """Aborts every reduction, now and later (a body raised)."""
@@ -198,20 +236,23 @@ class Rendezvous:
 
 
 def run_threaded(calls: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Any]:
-    """Runs ``calls`` concurrently, each in its own thread under this thread's modes; their results in order.
+    """Runs ``calls`` concurrently, each in its own thread under this thread's torch state; their results in order.
 
     Raises:
         BaseException: the first call's error, in call order (the others are aborted).
     """
-    grad = torch.is_grad_enabled()
-    functions = [m for m in _get_current_function_mode_stack() if not _gathered.is_per_shard_mode(m)]
-    dispatch = _get_current_dispatch_mode_stack()
+    # This call's first body ran ahead on this thread (the placements tuple is the one the call gives both).
+    probed, _STATE.probed = getattr(_STATE, "probed", None) is rendezvous.placements, None
+    state = _ThreadState.read(hooks=not probed)
+    if state.hooks is not None:  # their calls in one order, the same at a recomputation (a checkpoint's)
+        rendezvous.take_turns()
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException | None] = [None] * len(calls)
 
     def run(i: int) -> None:
         try:
-            with _modes(grad, functions, dispatch):
+            rendezvous.begin(i)
+            with state.applied():
                 results[i] = calls[i]()
             rendezvous.finish(i)
         except BaseException as e:  # handed to the caller's thread
@@ -229,21 +270,103 @@ def run_threaded(calls: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> 
     return results
 
 
-@contextlib.contextmanager
-def _modes(grad: bool, functions: Sequence[Any], dispatch: Sequence[Any]) -> Generator[None, None, None]:
-    """The caller's grad mode and torch-function / torch-dispatch modes, on this thread."""
-    for m in functions:
-        torch._C._push_on_torch_function_stack(m)  # pyright: ignore[reportPrivateUsage]
-    for m in dispatch:
-        _push_mode(m)
-    try:
-        with torch.set_grad_enabled(grad):
+_autograd: Any = getattr(torch._C, "_autograd")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
+_AUTOCAST_DEVICES: tuple[str, ...] = tuple(getattr(torch._C, "_autocast_supported_devices", lambda: ("cpu", "cuda"))())  # pyright: ignore[reportPrivateUsage]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThreadState:
+    """The torch state a thread keeps for itself that changes what a body computes, read on one thread.
+
+    Global state (default dtype, deterministic algorithms, anomaly mode, ``torch.backends``
+    flags, matmul precision, the number of intra-op threads, the random generators) is
+    every thread's already.
+    """
+
+    grad: bool
+    inference: bool
+    forward_grad: bool
+    functions: tuple[Any, ...]
+    dispatch: tuple[Any, ...]
+    autocast: tuple[tuple[str, torch.dtype], ...]  # the device types autocast is on for, with its dtype
+    autocast_cache: bool
+    hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None  # the innermost pair
+    hooks_disabled: str | None  # why saved-tensor hooks are refused, where they are
+
+    @staticmethod
+    def read(*, hooks: bool = True) -> _ThreadState:
+        """This thread's state; without its saved-tensor hooks where not ``hooks``."""
+        autocast: tuple[tuple[str, torch.dtype], ...] = ()
+        if torch._C._is_any_autocast_enabled():  # pyright: ignore[reportPrivateUsage]
+            autocast = tuple(
+                (d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)
+            )
+        top = getattr(_autograd, "_top_saved_tensors_default_hooks", None) if hooks else None  # torch 2.8 on
+        enabled = _autograd._saved_tensors_hooks_is_enabled()
+        return _ThreadState(
+            grad=torch.is_grad_enabled(),
+            inference=torch.is_inference_mode_enabled(),
+            forward_grad=torch._C._is_fwd_grad_enabled(),  # pyright: ignore[reportPrivateUsage]
+            functions=tuple(m for m in _get_current_function_mode_stack() if not _gathered.is_per_shard_mode(m)),
+            dispatch=tuple(_get_current_dispatch_mode_stack()),
+            autocast=autocast,
+            autocast_cache=torch.is_autocast_cache_enabled(),
+            hooks=None if top is None else top(False),
+            hooks_disabled=None if enabled else _autograd._saved_tensors_hooks_get_disabled_error_message(),
+        )
+
+    @contextlib.contextmanager
+    def applied(self) -> Generator[None, None, None]:
+        """This state, on this thread (a fresh one: what it had before is put back on leaving)."""
+        with contextlib.ExitStack() as stack:
+            for m in self.functions:
+                torch._C._push_on_torch_function_stack(m)  # pyright: ignore[reportPrivateUsage]
+                stack.callback(torch._C._pop_torch_function_stack)  # pyright: ignore[reportPrivateUsage]
+            for m in self.dispatch:
+                _push_mode(m)
+                stack.callback(_pop_mode)
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            if self.forward_grad != torch._C._is_fwd_grad_enabled():  # pyright: ignore[reportPrivateUsage]
+                stack.enter_context(_forward_grad(self.forward_grad))
+            if self.autocast:
+                stack.enter_context(_autocast(self.autocast, self.autocast_cache))
+            if self.hooks is not None:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.hooks))
+            if self.hooks_disabled is not None:
+                stack.enter_context(torch.autograd.graph.disable_saved_tensors_hooks(self.hooks_disabled))
             yield
+
+
+@contextlib.contextmanager
+def _forward_grad(enabled: bool) -> Generator[None, None, None]:
+    torch._C._set_fwd_grad_enabled(enabled)  # pyright: ignore[reportPrivateUsage]
+    try:
+        yield
     finally:
-        for _ in dispatch:
-            _pop_mode()
-        for _ in functions:
-            torch._C._pop_torch_function_stack()  # pyright: ignore[reportPrivateUsage]
+        torch._C._set_fwd_grad_enabled(not enabled)  # pyright: ignore[reportPrivateUsage]
+
+
+@contextlib.contextmanager
+def _autocast(devices: Sequence[tuple[str, torch.dtype]], cache: bool) -> Generator[None, None, None]:
+    """Autocast on for ``devices`` (device type, dtype), as ``torch.autocast`` sets it."""
+    before = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d, _ in devices]
+    cache_before = torch.is_autocast_cache_enabled()
+    for d, dtype in devices:
+        torch.set_autocast_enabled(d, True)
+        torch.set_autocast_dtype(d, dtype)
+    torch.autocast_increment_nesting()
+    torch.set_autocast_cache_enabled(cache)
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        for d, enabled, dtype in before:
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, dtype)
+        torch.set_autocast_cache_enabled(cache_before)
 
 
 class GroupSum(torch.autograd.Function):
