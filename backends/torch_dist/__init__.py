@@ -215,10 +215,12 @@ class TorchDistBackend:
 
         A copy phase goes by one ``all_to_all_single`` of packed per-peer buffers, or, when
         every received box lands in place and the boxes are few and large, one message per
-        box; a reduce phase combines contributions (``all_reduce``/``reduce_scatter_tensor``
-        where the layouts are theirs). On Gloo, an all-reduce small enough to follow the
-        headers (a loss, say) is one round: every rank's summand to every other rank, combined
-        on each in group order.
+        box; a reduce phase combines contributions (under NCCL by ``all_reduce``/
+        ``reduce_scatter_tensor`` where the layouts are theirs). On Gloo every element is
+        summed in the local backend's order (its owner's summand first, then ascending rank):
+        an all-reduce small enough to follow the headers (a loss, say) is one round, every
+        rank's summand to every other rank; a larger one is a reduce-scatter to the owners
+        and their parts sent to every rank.
         """
         itemsize = like.element_size()
         log_move("torch_dist", plan, itemsize, facts(self.group).rank)
