@@ -188,3 +188,21 @@ def test_each_owner_adds_its_own_summand_first(dist_pool, size):
     # Rank 3 owns the last quarter and adds -2^24 first: 2^24 - 2^24 + 1 + 1. The others lose the ones.
     assert [r[0] for r in results] == [[0.0, 0.0, 0.0, 2.0]] * 4
     assert sum(r[1] for r in results) == 2 * (len(R) - 1) * n  # the plan's bound: a reduce-scatter and an all-gather
+
+
+def _prefetched(size: str) -> list[bool]:
+    """A pending sum prefetched to Replicated, then taken by shard_map: the bits of the call without the prefetch."""
+    backend = TorchDistBackend()
+    a = _array("all", "sum", SHAPES[size], torch.float32, backend)
+    everywhere = fshard.Replicated(R)
+    same = fshard.shard_map(lambda t: t * 1, in_specs=everywhere, out_specs=everywhere)
+    plain = same(a).addressable_data[0]
+    ahead = fshard.prefetch([a], everywhere)
+    taken = same(a).addressable_data[0]
+    local = _array("all", "sum", SHAPES[size], torch.float32, LocalBackend(world_size=4))
+    return [not ahead.pending, torch.equal(plain, taken), torch.equal(taken, fshard.gather(local))]
+
+
+@pytest.mark.parametrize("size", ["small", "medium", "large"])
+def test_a_prefetched_pending_sum_gives_the_bits_of_the_call_without_it(dist_pool, size):
+    assert dist_pool.run(_prefetched, size, timeout=120) == [[True, True, True]] * 4

@@ -303,3 +303,22 @@ def _train_mixed(params: dict[str, Any], opt: torch.optim.Optimizer, steps: int)
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def test_a_whole_parameters_state_gives_each_replica_held_here_a_tensor_of_its_own() -> None:
+    from fshard.backends.local import LocalBackend
+
+    plain = fshard.shard_params(_model(), lambda name, t: None)  # every parameter a plain tensor
+    opt = torch.optim.SGD(_leaves(plain), lr=1e-2, momentum=0.9)
+    _train_mixed(plain, opt, 2)
+    state = fshard.optimizer_state(opt, plain)
+    never_stopped = fshard.shard_params(_model(), lambda name, t: None)
+    losses = _train_mixed(never_stopped, torch.optim.SGD(_leaves(never_stopped), lr=1e-2, momentum=0.9), 4)
+    both = fshard.Replicated([0, 1])
+    params = {k: fshard.shard(v.detach(), both, backend=LocalBackend(world_size=2)) for k, v in plain.items()}
+    opt2 = torch.optim.SGD(_leaves(params), lr=1e-2, momentum=0.9)
+    fshard.load_optimizer_state(opt2, params, state)
+    first, second = (opt2.state[t]["momentum_buffer"] for t in params["0.weight"].addressable_data)
+    assert first.data_ptr() != second.data_ptr()
+    assert _train_mixed(params, opt2, 2) == pytest.approx(losses[2:], abs=1e-12, rel=0)
+    assert torch.equal(*params["0.weight"].addressable_data)  # the replicas stepped alike

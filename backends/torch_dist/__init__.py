@@ -276,12 +276,14 @@ class TorchDistBackend:
 
         A pending sum into a full copy on every rank of the group (data parallel's
         gradients) runs as an ``all_reduce`` left in flight after the movement's round of
-        headers, so computation goes on while it runs. A plan of one copy phase (a gather of
-        a fully-sharded block's parameters) starts its messages after the movement's round of
-        headers (where the data travels with the headers, they are checked at the wait) and
-        leaves them in flight. Any other plan runs here, at once. A copy's sources must not
-        change until the wait. ``given_up``: ``tensors`` are the caller's own buffers (a
-        bucket's), which the sum may be written into; else they are left as they are.
+        headers, so computation goes on while it runs; on Gloo, one that is no bucket's (no
+        ``series``: a prefetched pending sum) runs at once, in the local backend's order. A
+        plan of one copy phase (a gather of a fully-sharded block's parameters) starts its
+        messages after the movement's round of headers (where the data travels with the
+        headers, they are checked at the wait) and leaves them in flight. Any other plan runs
+        here, at once. A copy's sources must not change until the wait. ``given_up``:
+        ``tensors`` are the caller's own buffers (a bucket's), which the sum may be written
+        into; else they are left as they are.
 
         ``series`` names a sequence of launches (buckets) that every rank makes alike; it
         joins the round of headers, so ranks whose sequences differ raise at its first
@@ -289,6 +291,11 @@ class TorchDistBackend:
         round of headers of its own. ``posted``: the headers' round, posted before
         (``post_headers``), which this launch ends.
         """
+        if not series and self._wire.type == "cpu" and self._all_reduces(plan, like.dtype):
+            # A movement's all-reduce on Gloo (a prefetched pending sum) adds in the local backend's order, as
+            # ``execute`` runs it: at once here, so the call that takes it gets the bits it would move itself.
+            result = self.execute(plan, tensors, like)
+            return lambda: result
         if self._all_reduces(plan, like.dtype):
             wire = self._wire
             op = _all_reduce_op(series)

@@ -350,9 +350,11 @@ def _put(opt: torch.optim.Optimizer, a: Leaf, value: Any, key: str, path: str) -
         and value.shape == a.shape
         and key != _STEP
     ):
-        # The state of the whole parameter (saved where it was a plain tensor): each shard takes its box.
+        # The state of the whole parameter (saved where it was a plain tensor): each shard takes its box, a tensor
+        # of its own (replicas held here would otherwise share one, which the optimizer would step once per replica).
         parts = [
-            value[tuple(slice(o, o + n) for o, n in zip(s.meta.offsets, s.meta.sizes))] for s in a.addressable_shards
+            value[tuple(slice(o, o + n) for o, n in zip(s.meta.offsets, s.meta.sizes))].clone()
+            for s in a.addressable_shards
         ]
     else:  # a scalar: every shard tensor gets its own copy (optimizers step them in place)
         for t in own:
