@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import fshard
-from fshard.backends.torch_dist._reduce_phase import collective_kind
+from fshard.backends.torch_dist._reduce_collective import collective_kind
 
 from .floors import (
     Built,

@@ -24,7 +24,7 @@ from fshard import Chunk, Layout, Mesh, Named, Partial, Replicated, Single
 from fshard._api.move import split_replicas
 from fshard._layout.layout import replica_ids, with_partial, with_terms
 from fshard._layout.show import describe_layout
-from fshard.backends.torch_dist._reduce_phase import collective_kind
+from fshard.backends.torch_dist._reduce_collective import collective_kind
 
 MESH = Mesh((2, 2), axis_names=("dp", "tp"))
 OVER_TP = Partial(Named(MESH, (None,)), over="tp")  # [Replicate(), Partial()]

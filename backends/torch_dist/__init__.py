@@ -76,17 +76,9 @@ from ._later import drop as drop_checks
 from ._later import pending as pending_checks
 from ._later import post as post_check
 from ._later import settle as settle_checks
+from ._reduce_collective import collective_kind, combine_inline, run_collective, start_all_reduce
 from ._reduce_messages import reduce_messages, run_by_messages
-from ._reduce_phase import (
-    as_bytes,
-    collective_kind,
-    combine_inline,
-    reduce_schedule,
-    run_collective,
-    run_local,
-    run_reduce,
-    start_all_reduce,
-)
+from ._reduce_phase import as_bytes, reduce_schedule, run_local, run_reduce
 from ._subgroups import all_reduce_among
 from ._transport import alltoall, copy_local, empty
 from ._watch import handed
