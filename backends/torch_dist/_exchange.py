@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import functools
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -98,11 +100,12 @@ def _all_gather_bytes(row: np.ndarray, group: Any, n: int, wire: torch.device) -
     return out.cpu().numpy().reshape(n, row.size)
 
 
-def bounded_wait(work: Any, what: str, group: Any) -> None:
+def bounded_wait(work: Any, what: str, group: Any, late: Callable[[float], str] | None = None) -> None:
     """``work.wait()``, at most ``config(timeout=...)`` seconds where that is set.
 
     A rank that waits longer raises ``CollectiveMismatchError``: the others are stopped,
     slow, or made another call, and none of them will send what this collective waits for.
+    ``late``: the message for the timeout (in seconds) where the caller has its own.
     """
     timeout = current().timeout
     if timeout is None:
@@ -113,11 +116,14 @@ def bounded_wait(work: Any, what: str, group: Any) -> None:
     except RuntimeError as exc:
         if "timed out" not in str(exc).lower():
             raise
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        msg = (
-            f"{what}: some ranks of process group {ranks} did not arrive within {timeout:g} s (config(timeout=...)): "
-            "they are stopped, slower than this rank, or called fewer fshard functions (every rank must call each "
-            "one, in the same order). The collective stays in flight, so this process group cannot be used again: "
-            "end the job or destroy the group; raise config(timeout=...) if those ranks are only slow."
-        )
-        raise CollectiveMismatchError(msg) from exc
+        raise CollectiveMismatchError((late or functools.partial(_late, what, group))(timeout)) from exc
+
+
+def _late(what: str, group: Any, timeout: float) -> str:
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return (
+        f"{what}: some ranks of process group {ranks} did not arrive within {timeout:g} s (config(timeout=...)): "
+        "they are stopped, slower than this rank, or called fewer fshard functions (every rank must call each "
+        "one, in the same order). The collective stays in flight, so this process group cannot be used again: "
+        "end the job or destroy the group; raise config(timeout=...) if those ranks are only slow."
+    )

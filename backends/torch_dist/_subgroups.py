@@ -18,14 +18,12 @@ element sent twice), so every member gets the same bits.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from fshard._config import current
 from fshard._errors import CollectiveMismatchError
 
 from ._exchange import bounded_wait
@@ -141,20 +139,14 @@ def _exchange(ops: list[dist.P2POp], members: tuple[int, ...]) -> None:
 
 
 def _wait(work: Any, members: tuple[int, ...]) -> None:
-    """``work.wait()``, at most ``config(timeout=...)`` seconds where that is set."""
-    timeout = current().timeout
-    if timeout is None:
-        work.wait()
-        return
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        if "timed out" not in str(exc).lower():
-            raise
-        msg = (
+    """``work.wait()``, at most ``config(timeout=...)`` seconds where that is set (``bounded_wait``)."""
+
+    def late(timeout: float) -> str:
+        return (
             f"psum: ranks {list(members)} did not all arrive within {timeout:g} s (config(timeout=...)): they are "
             "stopped, slower than this rank, or their shard_map bodies called psum fewer times or over other axes "
             "(every placement's body must call psum alike, in the same order). The sum stays in flight, so this "
             "process group cannot be used again: end the job or destroy the group."
         )
-        raise CollectiveMismatchError(msg) from exc
+
+    bounded_wait(work, "psum", None, late)
