@@ -565,14 +565,13 @@ def test_a_backward_runs_its_buckets_and_nothing_else(dist_pool, cap_mb, out):
     """One all_reduce per bucket, summed in place, and no other round in the backward.
 
     The ranks compare their series of buckets in the forward: in the call's comparison of
-    outcomes where it has one, else in a round of headers that the call posts and the first
-    launch ends. A loss gathered after the last shard_map has no per-shard part on any rank,
-    so its backward exchanges nothing.
+    outcomes where it has one (an all_reduce), else in the check of outcomes that the call
+    posts (an all_gather, not counted here) and the first launch ends: no round of headers.
+    A loss gathered after the last shard_map has no per-shard part on any rank, so its
+    backward exchanges nothing.
     """
     for forward, backward, n in dist_pool.run(_backward_rounds, cap_mb, out, timeout=120):
-        assert forward == (
-            {"all_to_all_single": 1, "all_reduce": 0} if out == "copies" else {"all_to_all_single": 0, "all_reduce": 1}
-        )
+        assert forward == {"all_to_all_single": 0, "all_reduce": 0 if out == "copies" else 1}
         assert backward == {"all_reduce": n, "all_to_all_single": 0}
         assert n == (1 if cap_mb == 25.0 else 5)
 
@@ -631,12 +630,35 @@ def _different_buckets(out: str) -> str:
 
 @pytest.mark.parametrize("out", ["copies", "split"])
 def test_ranks_whose_buckets_differ_raise_on_every_rank(dist_pool, out):
-    """In the call's exchange (naming the setting), or where the first bucket ends its round of headers."""
-    want = "in different buckets" if out == "split" else "all_reduce buckets"
+    """In the call's exchange, or in the check of outcomes that the call posts (the first launch ends it)."""
     for message in dist_pool.run(_different_buckets, out, timeout=120):
-        assert want in message, message
-        if out == "split":
-            assert "bucket_cap_mb" in message
+        assert "in different buckets" in message, message
+        assert "bucket_cap_mb" in message
+
+
+def _no_sync_on_rank_0() -> str:
+    """A data-parallel forward under ``no_sync`` on rank 0 only, whose backward would send nothing there."""
+    backend = TorchDistBackend()
+    x = fshard.from_local_tensor(_rows(backend.rank), dim=0)
+    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+    for p in params:
+        p.addressable_data[0].requires_grad_()
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+    with fshard.no_sync() if backend.rank == 0 else contextlib.nullcontext():
+        loss = step(x, *params)
+    try:
+        total = fshard.gather(loss)  # the next collective: a bucket's launch would be one too
+    except fshard.CollectiveMismatchError as exc:
+        return str(exc)
+    return f"no error: {total}"
+
+
+def test_a_step_under_no_sync_on_some_ranks_only_raises_on_every_rank(dist_pool):
+    """The other ranks' buckets would wait for rank 0's, which never leave: every rank raises, at its next collective."""
+    for message in dist_pool.run(_no_sync_on_rank_0, timeout=120):
+        assert "ranks [0] and ranks [1, 2, 3] would sum the gradients of its arguments in different buckets" in message
+        assert "fshard.no_sync() on every rank or on none" in message
 
 
 def _small_sums() -> list[tuple[torch.Tensor, dict[str, int]]]:

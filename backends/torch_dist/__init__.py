@@ -240,19 +240,6 @@ class TorchDistBackend:
             tensors = tuple(out.values())
         return tuple(tensors)
 
-    def post_headers(self, plan: Any, like: torch.Tensor, *, series: str) -> Any:
-        """Posts the round of headers of ``launch(plan, ..., series=series)`` now, left in flight.
-
-        Every rank posts it at the same point of its program (its forward, say); the launch
-        ends it, so a series whose headers were posted early starts without waiting for the
-        other ranks. ``None`` where ``launch`` would run ``plan`` some other way.
-        """
-        if not self._all_reduces(plan, like.dtype):
-            return None
-        settle_checks(self.group)
-        with in_flight():
-            return self._guard(_all_reduce_op(series), plan, like.dtype).post(self.group)
-
     def launch(
         self,
         plan: Any,
@@ -261,7 +248,6 @@ class TorchDistBackend:
         *,
         series: str = "",
         checked: bool = False,
-        posted: Any = None,
         given_up: bool = False,
     ) -> Callable[[], tuple[torch.Tensor, ...]]:
         """Starts ``plan`` and returns a function that waits for it and gives its result (``execute``'s).
@@ -279,9 +265,8 @@ class TorchDistBackend:
 
         ``series`` names a sequence of launches (buckets) that every rank makes alike; it
         joins the round of headers, so ranks whose sequences differ raise at its first
-        launch. ``checked``: a later launch of a series whose first one checked it, with no
-        round of headers of its own. ``posted``: the headers' round, posted before
-        (``post_headers``), which this launch ends.
+        launch. ``checked``: the ranks agreed on the series before (its first launch, or a
+        check that every rank posted at the call that made it): no round of headers here.
         """
         if not series and self._wire.type == "cpu" and self._all_reduces(plan, like.dtype):
             # A movement's all-reduce on Gloo (a prefetched pending sum) adds in the local backend's order, as
@@ -299,7 +284,7 @@ class TorchDistBackend:
             out = mine if in_place else empty(sizes, like.dtype, wire)  # a bucket is summed in place
             guarded = self._guard(op, plan, like.dtype)
             with in_flight():
-                work = start_all_reduce(plan, mine, out, self.group, None if checked else guarded, posted)
+                work = start_all_reduce(plan, mine, out, self.group, None if checked else guarded)
 
             def done() -> tuple[torch.Tensor, ...]:
                 with in_flight():
@@ -383,8 +368,10 @@ class TorchDistBackend:
         self._move(f"gather(dst={dst})", p, tensors, whole, like.dtype, direct=all_contiguous(layout, target))
         return next(iter(whole.values()), None)
 
-    def check_later(self, what: str, failed: bool, digest: int, verdict: Verdict) -> None:
+    def check_later(self, what: str, failed: bool, digest: int | tuple[int, ...], verdict: Verdict) -> None:
         """Posts this rank's ``(failed, digest)`` for the check ``what``, ended by the group's next collective.
+
+        ``digest``: a number within ±2**63, or a tuple of them of one length on every rank.
 
         No rank waits for the others here. That collective hands every rank's pair, in group
         order, to ``verdict`` first, and raises the error it gives on every rank (``_later``).

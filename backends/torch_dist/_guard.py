@@ -145,16 +145,6 @@ class Guard:
             )
         return got, work
 
-    def post(self, group: Any) -> Round:
-        """Starts a round of headers alone, with a receive buffer of its own, to end (``agree``) later.
-
-        Other rounds may run on this thread in between; they use the thread's shared buffer.
-        """
-        if self.wire.type == "cpu" and self.alltoall:
-            box, work, _ = self._round(None, (), group, own=True)
-            return box, work
-        return self._alone(group)
-
     def agree(self, group: Any, opened: Round | None = None) -> None:
         """Ends the round of headers ``opened`` (or a round started here).
 

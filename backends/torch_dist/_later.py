@@ -3,8 +3,9 @@
 A call that builds a value from what this rank alone knows, trusting that every rank
 passed alike (``from_local_tensor(..., even=True)``: each rank's block the same size), must
 still make every rank raise where they did not. A blocking round would make every rank wait
-for the slowest one at that call. Instead each rank posts a digest of what it passed and
-whether it failed, ``(failed, digest)``, as one ``all_gather`` left in flight (``post``),
+for the slowest one at that call. Instead each rank posts a digest of what it passed (one
+number, or a tuple of them of a length fixed by the check) and whether it failed,
+``(failed, digest)``, as one ``all_gather`` left in flight (``post``),
 and the group's next collective (``settle``, which every movement, exchange and launch of
 the ``torch_dist`` backend calls first) waits for it, by then long done, and hands every
 rank's pair to the check's ``verdict``. Every rank reads the same pairs, so every rank
@@ -37,14 +38,16 @@ from ._watch import handed
 
 __all__ = ["Verdict", "drop", "pending", "post", "settle"]
 
-# Every rank's (failed, digest), in group order, to the error every rank raises (None: they agree).
-Verdict = Callable[[Sequence[tuple[int, bool, int]]], BaseException | None]
+# Every rank's (rank, failed, digest), in group order, to the error every rank raises (None: they agree). The
+# digest is as posted: a number, or a tuple of numbers.
+Verdict = Callable[[Sequence[tuple[int, bool, Any]]], BaseException | None]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Check:
     what: str
     ranks: tuple[int, ...]
+    width: int | None  # the numbers in a tuple digest; None: one number
     out: torch.Tensor
     work: Any
     verdict: Verdict
@@ -61,17 +64,28 @@ _gather = cast(
 
 
 def post(
-    group: Any, ranks: tuple[int, ...], wire: torch.device, what: str, failed: bool, digest: int, verdict: Verdict
+    group: Any,
+    ranks: tuple[int, ...],
+    wire: torch.device,
+    what: str,
+    failed: bool,
+    digest: int | tuple[int, ...],
+    verdict: Verdict,
 ) -> None:
-    """Posts this rank's ``(failed, digest)`` for the check ``what`` of ``group``, left in flight."""
+    """Posts this rank's ``(failed, digest)`` for the check ``what`` of ``group``, left in flight.
+
+    Every rank posts a digest of one form at one check: a number, or a tuple of one length.
+    """
+    width = len(digest) if isinstance(digest, tuple) else None
+    numbers = [int(failed), *(digest if isinstance(digest, tuple) else (digest,))]
     mine, out = handed(
-        torch.tensor([int(failed), digest], dtype=torch.int64, device=wire),
-        torch.empty(2 * len(ranks), dtype=torch.int64, device=wire),
+        torch.tensor(numbers, dtype=torch.int64, device=wire),
+        torch.empty(len(numbers) * len(ranks), dtype=torch.int64, device=wire),
     )
     work = _gather(out, mine, group=group, async_op=True)
     with _LOCK:
         _forget_old_groups()
-        _PENDING.setdefault((group, dist.group.WORLD), []).append(_Check(what, ranks, out, work, verdict))
+        _PENDING.setdefault((group, dist.group.WORLD), []).append(_Check(what, ranks, width, out, work, verdict))
 
 
 def _forget_old_groups() -> None:
@@ -107,8 +121,9 @@ def settle(group: Any) -> None:
     error: BaseException | None = None
     for check in checks or ():
         _wait(check)
-        pairs = cast("list[list[int]]", check.out.view(-1, 2).tolist())  # pyright: ignore[reportUnknownMemberType]  # torch's stub
-        verdict = check.verdict([(r, bool(f), d) for r, (f, d) in zip(check.ranks, pairs)])
+        rows = cast("list[list[int]]", check.out.view(len(check.ranks), -1).tolist())  # pyright: ignore[reportUnknownMemberType]  # torch's stub
+        digests = [row[1] if check.width is None else tuple(row[1:]) for row in rows]
+        verdict = check.verdict([(r, bool(row[0]), d) for r, row, d in zip(check.ranks, rows, digests)])
         error = error or verdict
     if error is not None:
         error._fshard_agreed = True  # type: ignore[attr-defined]  # every rank raises it: no check round after

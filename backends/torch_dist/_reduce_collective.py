@@ -72,17 +72,14 @@ def _one_each(layout: Layout, order: tuple[int, ...]) -> bool:
     return len(ranks) == len(order) and set(ranks) == set(order)
 
 
-def start_all_reduce(
-    p: Any, mine: torch.Tensor, out: torch.Tensor, group: Any, guard: Any, opened: Any = None
-) -> dist.Work:
+def start_all_reduce(p: Any, mine: torch.Tensor, out: torch.Tensor, group: Any, guard: Any) -> dist.Work:
     """``all_reduce`` of this rank's summand ``mine`` into ``out``, in flight after the round of headers (``guard``).
 
     ``out`` may be ``mine`` itself: the sum is then written over it. ``guard`` ``None``: the
-    headers were checked before (the first of a series of launches), no round here;
-    ``opened``: the round of headers, posted earlier (``Guard.post``), ended here.
+    ranks agreed on the sum before (``launch``'s ``checked``), no round here.
     """
     if guard is not None:
-        guard.agree(group, opened)
+        guard.agree(group)
     if out is not mine:
         out.copy_(mine)
     (summed,) = handed(out)  # written in place: out holds the sum

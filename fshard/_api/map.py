@@ -15,7 +15,6 @@ gradient (each counts 1/copies), which together give the exact gradient by linea
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -34,7 +33,7 @@ from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
 from fshard._base.compile import opaque, with_body
-from fshard._errors import CollectiveMismatchError, SpecError
+from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec import body as _body
 from fshard._exec import buckets as _buckets
@@ -589,16 +588,13 @@ def _run(
                 out_specs, spec_tree, leaves, metas, set(), inputs, arrays, names, held, pending, check, what
             )
         except BaseException as exc:  # an interrupt too: the others' next collective learns of it
-            with contextlib.suppress(SpecError, CollectiveMismatchError):  # this error goes first
-                _buckets.post_series(series)
             if backend.spans_processes:
                 post_failure(backend, what, exc)
             raise
-        # The buckets' headers first: posting them ends the checks in flight, and this one is left for the
-        # backward's first collective, where every rank meets anyway (not a wait for the slowest forward here).
-        _buckets.post_series(series)  # their headers in flight now, ended in the backward
+        # Left for the backward's first collective, where every rank meets anyway (not a wait for the slowest
+        # forward here); the buckets' series rides in it, so their first launch has no round of headers.
         if backend.spans_processes:
-            post_outcome(backend, what, (spec_tree, metas))
+            post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series))
         return out
     return _results(out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what)
 

@@ -122,17 +122,19 @@ def _text_digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
 
 
-def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None) -> None:
+def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None, series: str = "") -> None:
     """Posts what this process's function returned (its tree and each leaf's dtype), or that it raised (``None``).
 
     Where ``shard_map`` knows its results' layouts from the specs, no process waits for the
     others at the call; but a function that returned another structure, or raised, on one
     process only would leave the processes' next collectives paired wrongly. So each posts
     a digest of its outcome (``check_later``), and the group's next collective compares them:
-    every process raises there where they differ, the one that raised too.
+    every process raises there where they differ, the one that raised too. ``series`` names
+    the buckets in which the backward will sum the arguments' gradients (``buckets.agreed``):
+    its digest rides in the same check, so their first launch needs no round of its own.
     """
 
-    def verdict(pairs: Sequence[tuple[int, bool, int]]) -> SpecError | None:
+    def verdict(pairs: Sequence[tuple[int, bool, Any]]) -> SpecError | CollectiveMismatchError | None:
         failed = [r for r, f, _ in pairs if f]
         if len(failed) == len(pairs):  # every process raised its own error at the call
             return None
@@ -141,17 +143,26 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
                 f"{what} fn raised on rank(s) {failed}, whose error says why; the other ranks returned, and raise "
                 "this at their next collective."
             )
-        usual = Counter(d for _, _, d in pairs).most_common(1)[0][0]
-        odd = [r for r, _, d in pairs if d != usual]
-        if not odd:
-            return None
-        like = [r for r, _, d in pairs if d == usual]
-        return SpecError(
-            f"{what} fn returned another structure or other dtypes on ranks {odd} than on ranks {like} (this rank's: "
-            f"{_shown(outcome)}); return one structure, with one dtype per result, on every placement."
-        )
+        for part in (0, 1):
+            usual = Counter(d[part] for _, _, d in pairs).most_common(1)[0][0]
+            odd = [r for r, _, d in pairs if d[part] != usual]
+            if not odd:
+                continue
+            like = [r for r, _, d in pairs if d[part] == usual]
+            if part == 0:
+                return SpecError(
+                    f"{what} fn returned another structure or other dtypes on ranks {odd} than on ranks {like} (this "
+                    f"rank's: {_shown(outcome)}); return one structure, with one dtype per result, on every placement."
+                )
+            return CollectiveMismatchError(
+                f"{what}: ranks {odd} and ranks {like} would sum the gradients of its arguments in different "
+                f"buckets (this rank's: {series or 'none'}): give every rank the same fshard.config(bucket_cap_mb=...) and "
+                "the same arguments, and make the call inside fshard.no_sync() on every rank or on none."
+            )
+        return None
 
-    backend.check_later(what, outcome is None, 0 if outcome is None else _digest_of(*outcome), verdict)
+    digest = 0 if outcome is None else _digest_of(*outcome)
+    backend.check_later(what, outcome is None, (digest, _text_digest(series)), verdict)
 
 
 def post_failure(backend: Any, what: str, error: BaseException) -> None:

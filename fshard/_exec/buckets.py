@@ -12,8 +12,8 @@ each launched as soon as its gradients are in. Here:
   rank holds every argument, a bucket is one ``all_reduce`` of one buffer, summed in place
   (the buffer is written by the gradients' first arrivals, with no zeroing pass), and the
   ranks check that they run the same buckets once per call: in the call's exchange of
-  outcomes where it has one (``compare_series``), else in a round of headers that the call
-  posts in its forward and the first launch ends (``post_series``);
+  outcomes where it has one (``compare_series``), else in the check of outcomes that the
+  call posts and the first launch ends (``agreed``), with no round of headers of their own;
 - the first use in the function of any block of a run of a bucket's blocks (at most 1 MiB,
   ``_tap_groups``) goes through that run's **tap** (``gathered.register_tap``): one autograd
   node for the run's blocks, not a Python call per parameter each way. Its backward runs
@@ -73,11 +73,11 @@ from fshard._plan import plan as _plan
 __all__ = [
     "Bucket",
     "Carry",
+    "agreed",
     "box_layout",
     "buckets",
     "carrying",
     "compare_series",
-    "post_series",
     "run_layout",
     "run_parts",
     "series_of",
@@ -344,7 +344,7 @@ class _State:
         self.sync, self.key = syncing(), Key(tensors)  # outside a syncing step, nothing leaves: all is set aside
         self.series = _series(plan)
         self.checked = False  # the ranks compared their series in the call's exchange: no round of headers
-        self.posted: Any = None  # else the first bucket's round of headers, posted in the forward
+        self.agreed = False  # else the call's check of outcomes carried it: no round at the next first launch
         self.source, self.device = like.dtype, like.device
         # Gradients are summed (and sent) in the reduce dtype; the blocks are the forward dtype's.
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
@@ -436,19 +436,11 @@ class _State:
             self.flights.append(lambda: done)
         else:  # the ranks check the whole series of buckets once, at the first
             plan = _plan(with_partial(runs, "sum"), runs)
-            checked, posted = b > 0 or self.checked, self.posted if b == 0 else None
-            self.posted = None  # a round is ended once; a later backward (retain_graph) has its own
-            flight = start(
-                plan, tensors, self._like(tensors), series=self.series, checked=checked, posted=posted, given_up=True
-            )
+            checked = b > 0 or self.checked or self.agreed
+            if b == 0:
+                self.agreed = False  # the call's check covers one backward; a later one (retain_graph) has its round
+            flight = start(plan, tensors, self._like(tensors), series=self.series, checked=checked, given_up=True)
             self.flights.append(flight)
-
-    def post(self) -> None:
-        """Posts the first bucket's round of headers now (every rank at the same point), for the backward to end."""
-        post = getattr(self.backend, "post_headers", None)
-        if post is not None and not self.checked and self.sync and torch.is_grad_enabled():  # a backward may come
-            runs = self.plan[0].runs
-            self.posted = post(_plan(with_partial(runs, "sum"), runs), self._zeros(0), series=self.series)
 
     def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
@@ -729,14 +721,21 @@ def compare_series(states: Sequence[_State], seen: Sequence[tuple[str, ...]], ra
         state.checked = True
 
 
-def post_series(states: Sequence[_State]) -> None:
-    """Posts the round of headers of each of ``states``' first bucket, where no exchange compared them.
+def agreed(states: Sequence[_State]) -> str:
+    """The text of ``states``' series that the call's check of outcomes carries, marking them so.
 
-    Every rank calls it at the same point of the forward; the backward's first launch ends
-    the round, by then done, so it starts without waiting for the other ranks.
+    Every rank calls it at the same point of the call and posts the text's digest in that
+    check (``agree.post_outcome``); the group's next collective compares the digests, and a
+    bucket's launch is one, so the backward's first launch starts without a round of headers.
+    A state whose series the ranks compared already, or whose backward sends nothing (no
+    gradient recorded, ``no_sync``), is not in the text.
     """
+    named: list[str] = []
     for state in states:
-        state.post()
+        if not state.checked and state.sync and torch.is_grad_enabled():  # a backward may come, and send
+            state.agreed = True
+            named.append(f"{state.series} of {state.dtype}")
+    return "; ".join(named)
 
 
 def _tap(
