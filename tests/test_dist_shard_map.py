@@ -57,7 +57,30 @@ def _closed_over_with_replicas() -> list[float]:
     return w.grad.tolist()
 
 
+def _closed_over_under_vmap_of_grad() -> list[list[float]]:
+    """Per-example gradients (``vmap(grad(f))``) of a tensor that a per-shard function closes over."""
+    a = fshard.shard(torch.arange(12.0, dtype=torch.float64).reshape(4, 3), fshard.Chunk(0, [0, 1, 2, 3]))
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        return fshard.gather(fshard.map_local(lambda t: t * w, a)).pow(2).sum()
+
+    return torch.func.vmap(torch.func.grad(f))(torch.arange(6.0, dtype=torch.float64).reshape(2, 3)).tolist()
+
+
+def _closed_over_under_hessian() -> list[list[float]]:
+    """``hessian`` (forward over reverse) of a function whose per-shard body closes over its argument."""
+    a = fshard.shard(torch.arange(12.0, dtype=torch.float64).reshape(4, 3), fshard.Chunk(0, [0, 1, 2, 3]))
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        return fshard.gather(fshard.shard_map(lambda t: torch.sin(t * w), fshard.Chunk(0, [0, 1, 2, 3]),
+                                              fshard.Chunk(0, [0, 1, 2, 3]))(a)).sum()  # fmt: skip
+
+    return torch.func.hessian(f)(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)).tolist()
+
+
 PROGRAMS = {
+    "closed-over-under-vmap-of-grad": _closed_over_under_vmap_of_grad,
+    "closed-over-under-hessian": _closed_over_under_hessian,
     "closed-over-scalar": _closed_over_scalar,
     "closed-over-module": _closed_over_module,
     "closed-over-map-local": _closed_over_in_map_local,
@@ -84,6 +107,14 @@ def test_gradients_of_closed_over_tensors_are_the_same_on_both_backends(dist_poo
 def test_closed_over_gradient_is_the_sum_of_its_uses():
     # loss = sum(2 * b * y) with y = 3 * sum(x): d loss / d x_i = 3 * 2 * sum(x) = 16.8.
     assert _close(_closed_over_scalar(), [6 * 2.8] * 8)
+
+
+def test_closed_over_gradients_under_transforms_are_those_of_the_dense_program():
+    x = torch.arange(12.0, dtype=torch.float64).reshape(4, 3)
+    w = torch.arange(6.0, dtype=torch.float64).reshape(2, 3)
+    assert _close(_closed_over_under_vmap_of_grad(), (2 * (x * x).sum(0) * w).tolist())  # d/dw sum((x w)^2)
+    v = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    assert _close(_closed_over_under_hessian(), torch.diag(-(x * x * torch.sin(x * v)).sum(0)).tolist())
 
 
 def _closed_over_where_a_rank_holds_no_block() -> str:

@@ -790,6 +790,15 @@ class _SumUses(torch.autograd.Function):
         (out,), _ = move(summands, total, backend, (here,), here)
         return None, None, out.to(g.device)
 
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        return tangents[2].view_as(tangents[2])  # the forward is the identity: so is its derivative
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], layout: Layout, backend: Any, t: torch.Tensor) -> Any:
+        # Elementwise in the backward (a sum over ranks of whatever shape): the batch is one more dim of it.
+        return apply(_SumUses, layout, backend, t), in_dims[2]
+
 
 @cached(256)
 def _over_ranks(layout: Layout, shape: tuple[int, ...], rank: int) -> tuple[Layout, Layout, torch.device]:
