@@ -655,7 +655,7 @@ def _no_sync_on_rank_0() -> str:
 
 
 def test_a_step_under_no_sync_on_some_ranks_only_raises_on_every_rank(dist_pool):
-    """The other ranks' buckets would wait for rank 0's, which never leave: every rank raises, at its next collective."""
+    """The other ranks' buckets would wait for rank 0's, which never leave: every rank raises at its next collective."""
     for message in dist_pool.run(_no_sync_on_rank_0, timeout=120):
         assert "ranks [0] and ranks [1, 2, 3] would sum the gradients of its arguments in different buckets" in message
         assert "fshard.no_sync() on every rank or on none" in message

@@ -156,8 +156,9 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
                 )
             return CollectiveMismatchError(
                 f"{what}: ranks {odd} and ranks {like} would sum the gradients of its arguments in different "
-                f"buckets (this rank's: {series or 'none'}): give every rank the same fshard.config(bucket_cap_mb=...) and "
-                "the same arguments, and make the call inside fshard.no_sync() on every rank or on none."
+                f"buckets (this rank's: {series or 'none'}): give every rank the same "
+                "fshard.config(bucket_cap_mb=...) and the same arguments, and make the call inside "
+                "fshard.no_sync() on every rank or on none."
             )
         return None
 

@@ -795,9 +795,9 @@ class _SumUses(torch.autograd.Function):
         return tangents[2].view_as(tangents[2])  # the forward is the identity: so is its derivative
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], layout: Layout, backend: Any, t: torch.Tensor) -> Any:
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> Any:
         # Elementwise in the backward (a sum over ranks of whatever shape): the batch is one more dim of it.
-        return apply(_SumUses, layout, backend, t), in_dims[2]
+        return apply(_SumUses, *args), in_dims[2]
 
 
 @cached(256)
