@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from fshard._checkpoint._collective import progress_bar
-from fshard._checkpoint._format import checkpoint_path, human
+from fshard._checkpoint._format import CODES, checkpoint_path, human
 from fshard._checkpoint._hf_commit import writing
-from fshard._checkpoint._hf_write import header_bytes, write_order
+from fshard._checkpoint._hf_write import METADATA_KEY, header_bytes, write_order
 from fshard._checkpoint._info import checkpoint_info
 from fshard._checkpoint._ranges import byte_view, whole, write_runs
 from fshard._checkpoint._sources import Source, open_source
@@ -89,6 +89,7 @@ def convert(
     with contextlib.ExitStack() as stack:
         source = open_source(source_path, stack, verify=verify)
         to = to or ("hf" if source.kind == "fshard" else "fshard")
+        _check_dtypes(source, to)
         if to == "fshard":
             tree, item = source.tree()
 
@@ -101,6 +102,18 @@ def convert(
         else:
             raise SpecError(f"convert() to= takes 'fshard' or 'hf', got {to!r}.")
         return _summary(source, source_path, to, target)
+
+
+def _check_dtypes(source: Source, to: str) -> None:
+    """Refuses a source holding a dtype that neither target stores (a DCP folder may hold complex32)."""
+    odd = [i for i in source.items if i.dtype not in CODES]
+    if odd:
+        msg = (
+            f"convert() to {to}: {source.kind} {source.root} holds {odd[0].dtype} tensors {[i.name for i in odd[:3]]}, "
+            "a dtype that fshard and Hugging Face checkpoints do not store: load them with fshard.load and save "
+            "them cast (to complex64, say)."
+        )
+        raise CheckpointError(msg)
 
 
 def _summary(source: Source, src: Path, to: str, dst: Path) -> str:
@@ -156,6 +169,12 @@ def _to_hf(source: Source, target: Path, shard_size: int, budget: int | None, pr
         raise CheckpointError(f"convert() writes a new Hugging Face folder: {target} exists and is not empty.")
     seen: set[str] = set()
     for name in (i.name for i in source.items):
+        if name == METADATA_KEY:
+            msg = (
+                f"convert() to hf cannot name a tensor {name!r}, the key a safetensors header keeps for its "
+                "metadata: convert to fshard instead."
+            )
+            raise CheckpointError(msg)
         if name in seen:  # a file would hold two tensors under one name, one of them unreadable
             msg = (
                 f"convert() to hf names each tensor by its keys joined with '.', and {name!r} names two tensors of "
@@ -170,7 +189,8 @@ def _to_hf(source: Source, target: Path, shard_size: int, budget: int | None, pr
             "bytes: raise max_memory, or convert to fshard (written block by block)."
         )
         raise CheckpointError(msg)
-    groups = _groups([i.nbytes for i in source.items], min(shard_size, budget or shard_size))
+    # No tensors: one file of none, as save_safetensors writes, so that the folder loads.
+    groups = _groups([i.nbytes for i in source.items], min(shard_size, budget or shard_size)) or [[]]
     names = (
         ["model.safetensors"]
         if len(groups) == 1

@@ -270,6 +270,37 @@ def test_two_tensors_of_one_dotted_name_are_refused_before_anything_is_written(t
     assert [p.name for p in tmp_path.iterdir()] == ["fs"]  # no staging folder left behind
 
 
+def test_a_source_without_tensors_becomes_what_save_safetensors_writes(tmp_path: Path) -> None:
+    fshard.save(tmp_path / "ck", {"step": 3})
+    line = convert(tmp_path / "ck", tmp_path / "hf", to="hf")
+    assert line.startswith("0 tensors (0 B) from fshard")
+    fshard.save_safetensors(tmp_path / "ref", {})
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (tmp_path / "ref" / "model.safetensors").read_bytes()
+    assert fshard.load(tmp_path / "hf") == {}
+    assert load_file(tmp_path / "hf" / "model.safetensors") == {}
+
+
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused(tmp_path: Path) -> None:
+    fshard.save(tmp_path / "fs", {"__metadata__": torch.ones(2)})
+    with pytest.raises(fshard.CheckpointError, match=r"cannot name a tensor '__metadata__'.* convert to fshard"):
+        convert(tmp_path / "fs", tmp_path / "hf", to="hf")
+    assert [p.name for p in tmp_path.iterdir()] == ["fs"]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("to", ["fshard", "hf"])
+def test_a_dtype_neither_target_stores_is_named(tmp_path: Path, to: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"z": torch.zeros(2, dtype=torch.complex32), "w": torch.ones(2)}, checkpoint_id=tmp_path / "d", no_dist=True
+        )
+    with pytest.raises(fshard.CheckpointError, match=re.escape("holds torch.complex32 tensors ['z'], a dtype that")):
+        convert(tmp_path / "d", tmp_path / "out", to=to)
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
 @pytest.mark.parametrize("kind", ["fshard", "dcp", "hf"])
 def test_a_spec_that_does_not_fit_a_leaf_names_it(tmp_path: Path, kind: str) -> None:
     tree = {"w": torch.ones(4, 4), "opt": {"step": torch.tensor(10.0)}}

@@ -17,6 +17,9 @@ import torch.distributed.checkpoint as dcp
 import fshard
 from fshard._checkpoint import _dcp_pickle, _raw
 from fshard._checkpoint._dcp_meta import read_metadata
+from fshard._convert import convert
+
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")  # complex32 tensors
 
 _G = torch.Generator().manual_seed(3)
 DENSE = {
@@ -119,6 +122,64 @@ def test_safetensors_serialization_reads_too(tmp_path: Path) -> None:
         dcp.save({k: v.contiguous() for k, v in tensors.items()}, storage_writer=writer, no_dist=True)
     out = fshard.load(tmp_path / "st", specs=lambda name, shape, dtype: fshard.Replicated([0, 1]))
     assert all(_same(fshard.gather(out[k]), v) for k, v in tensors.items())
+
+
+def test_safetensors_serialization_with_non_tensor_entries_reads_too(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+
+    tensors = {k: v.contiguous() for k, v in DENSE.items() if k != "model.empty"}
+    writer = FileSystemWriter(tmp_path / "st", serialization_format=SerializationFormat.SAFETENSORS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the non-tensor entries come first in the file, the safetensors part after
+        dcp.save({**tensors, "extra": {"lr": 0.5}}, storage_writer=writer, no_dist=True)
+    out = fshard.load(tmp_path / "st", specs=lambda name, shape, dtype: fshard.Chunk(0, [0, 1]) if shape else None)
+    assert all(_same(fshard.gather(out[k]), v) for k, v in tensors.items() if v.dim())
+    assert torch.load(io.BytesIO(fshard.load(tmp_path / "st")["extra.lr"]), weights_only=True) == 0.5
+
+
+def _views() -> dict[str, torch.Tensor]:
+    """Tensors with torch's lazy negative and conjugate bits, which ``torch.save`` keeps unresolved."""
+    z = torch.randn(6, 4, dtype=torch.complex64, generator=_G)
+    return {
+        "conj": z.conj(),
+        "conj_t": z.t().conj(),  # transposed strides too
+        "neg": torch._neg_view(torch.randn(6, 5, generator=_G)),
+        "neg_bf16": torch._neg_view(torch.randn(3, 4, generator=_G).to(torch.bfloat16)),
+        "neg_conj": torch._neg_view(z.conj()),
+        "conj_chalf": z.to(torch.complex32).conj(),
+        "neg_chalf": torch._neg_view(z.to(torch.complex32)),
+        "neg_i32": torch._neg_view(torch.tensor([[1, -2, -(2**31)]], dtype=torch.int32)),
+    }
+
+
+def _saved_views(path: Path, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Saves ``views`` with DCP; returns what torch's ``dcp.load`` reads back."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(views, checkpoint_id=path, no_dist=True)
+        back = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in views.items()}
+        dcp.load(back, checkpoint_id=path, no_dist=True)
+    assert all(_same(back[k], v.resolve_conj().resolve_neg()) for k, v in views.items())
+    return back
+
+
+def test_negated_and_conjugated_views_load_as_torch_loads_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    back = _saved_views(tmp_path / "views", _views())
+    assert all(_same(v, back[k]) for k, v in fshard.load(tmp_path / "views").items())
+    rows = fshard.load(tmp_path / "views", specs=fshard.Chunk(0, [0, 1]))  # each rank reads a part of the chunk
+    assert all(_same(fshard.gather(v), back[k]) for k, v in rows.items())
+    monkeypatch.setattr(_raw, "BLOCK", 8)  # through 8-byte buffers, box by box
+    cols = fshard.load(tmp_path / "views", specs=fshard.Chunk(1, [0, 1, 2]))
+    assert all(_same(fshard.gather(v), back[k]) for k, v in cols.items())
+
+
+def test_convert_writes_the_values_of_negated_and_conjugated_views(tmp_path: Path) -> None:
+    views = {k: v for k, v in _views().items() if "chalf" not in k}  # fshard checkpoints store no complex32
+    back = _saved_views(tmp_path / "views", views)
+    convert(tmp_path / "views", tmp_path / "converted")
+    out = fshard.load(tmp_path / "converted")
+    assert sorted(out) == sorted(views)
+    assert all(_same(v, back[k]) for k, v in out.items())
 
 
 def test_small_read_buffers_give_the_same_values(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:

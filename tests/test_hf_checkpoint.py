@@ -436,12 +436,13 @@ SAVE_ERRORS = [
     ([torch.ones(1)], TypeError, "tree must be a dict of names to arrays and tensors, got list"),
     ({1: torch.ones(1)}, TypeError, "tree key 1 at the root is not a str"),
     ({"a": {"b": torch.ones(1)}, "a.b": torch.ones(1)}, TypeError, "tree names 'a.b' twice"),
+    ({"__metadata__": torch.ones(2), "w": torch.zeros(3)}, TypeError, "names a tensor '__metadata__', the key a"),
     ({"p": fshard.Partial(fshard.Replicated([0, 1]))}, fshard.SpecError, "has a pending sum"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("tree", "error", "phrase"), SAVE_ERRORS, ids=["scalar", "list", "int-key", "twice", "partial"]
+    ("tree", "error", "phrase"), SAVE_ERRORS, ids=["scalar", "list", "int-key", "twice", "metadata-key", "partial"]
 )
 def test_save_errors(tmp_path: Path, tree: Any, error: type[Exception], phrase: str) -> None:
     if isinstance(tree, dict) and isinstance(tree.get("p"), fshard.Partial):

@@ -4,8 +4,10 @@ DCP's ``FileSystemWriter`` stores each chunk as one ``torch.save`` archive (an u
 zip) at ``offset`` of its ``.distcp`` file, or, with ``SerializationFormat.SAFETENSORS``,
 all of a rank's chunks as one safetensors file named by entry. ``locate`` finds the
 chunk's raw elements without reading them: the archive's pickle is read by
-``torch.load(..., map_location="meta", weights_only=True)`` (shape, strides, dtype;
-torch's restricted unpickler, no data), its data record by ``zipfile``.
+``torch.load(..., map_location="meta", weights_only=True)`` (shape, strides, dtype,
+negative and conjugate bits; torch's restricted unpickler, no data), its data record
+by ``zipfile``. A chunk saved as a negated or conjugated view is stored unresolved,
+with its bit: its values are resolved as they are read, as ``torch.load`` would.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class Locator:
 
     def __init__(self, root: Path, files: Files) -> None:
         self.root, self.files = root, files
-        self.headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+        self.headers: dict[tuple[Path, int], tuple[int, dict[str, Any]]] = {}
 
     def path(self, name: str) -> Path:
         path = self.root / name
@@ -105,13 +107,16 @@ class Locator:
         item = entry.dtype.itemsize
         if order is None or (meta.storage_offset() + chunk.numel) * item > record:
             raise CheckpointError(f"{where} stores its elements with strides {meta.stride()} that fshard cannot read.")
+        if meta.is_neg() and not _negatable(entry.dtype):
+            raise CheckpointError(f"{where} is a negated view of {entry.dtype}, which torch cannot negate.")
         at = chunk.offset + start + int(meta.storage_offset()) * item
-        return stored_at(path, at, entry.dtype, chunk.sizes, order)
+        return stored_at(path, at, entry.dtype, chunk.sizes, order, neg=meta.is_neg(), conj=meta.is_conj())
 
     def _safetensors(self, path: Path, entry: TensorEntry, chunk: Chunk) -> Stored:
-        if path not in self.headers:
-            self.headers[path] = safetensors_header(self.files, path)
-        header = self.headers[path]
+        key = (path, chunk.offset)  # where the rank's safetensors file starts, after its non-tensor entries
+        if key not in self.headers:
+            self.headers[key] = safetensors_header(self.files, path, chunk.offset)
+        header = self.headers[key]
         stored = safetensors_tensor(self.files, path, entry.name, header)
         if stored.dtype != entry.dtype or stored.shape != chunk.sizes:
             msg = (
@@ -120,6 +125,15 @@ class Locator:
             )
             raise CheckpointError(msg)
         return stored
+
+
+def _negatable(dtype: torch.dtype) -> bool:
+    """Whether torch has a negation for ``dtype`` (not for bool, float8 or the wide unsigned integers)."""
+    try:
+        torch.zeros(1, dtype=dtype).neg_()
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def _data_record(archive: zipfile.ZipFile, window: _Window, where: str) -> tuple[int, int]:

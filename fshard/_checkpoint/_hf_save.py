@@ -18,7 +18,7 @@ from fshard._checkpoint._collective import agree, agree_on
 from fshard._checkpoint._format import checkpoint_path
 from fshard._checkpoint._hf_commit import check_target, commit, discard, stage_for, writing
 from fshard._checkpoint._hf_direct import create_files, write_boxes
-from fshard._checkpoint._hf_write import file_names, parse_size, shard_files, write_order
+from fshard._checkpoint._hf_write import METADATA_KEY, file_names, parse_size, shard_files, write_order
 from fshard._checkpoint._lock import save_lock
 from fshard._errors import CheckpointError, SpecError
 from fshard._exec.collective import collective
@@ -57,7 +57,8 @@ def save_safetensors(path: str | os.PathLike[str], tree: Any, *, max_shard_size:
             or ``"512MiB"`` (2**20). A tensor larger than this gets a file of its own.
 
     Raises:
-        TypeError: ``tree`` is not a dict of str keys whose leaves are arrays or tensors.
+        TypeError: ``tree`` is not a dict of str keys whose leaves are arrays or tensors, or it
+            names a tensor twice or ``"__metadata__"`` (the key of the file's metadata).
         SpecError: a bad ``max_shard_size``, or an array with a pending reduction (``Partial``).
         CheckpointError: ``path`` is a file or an fshard checkpoint, another save holds it,
             writing failed (naming the file), or ranks gave different trees.
@@ -75,7 +76,7 @@ def save_safetensors(path: str | os.PathLike[str], tree: Any, *, max_shard_size:
     try:
         root = Path(os.path.abspath(checkpoint_path(path, "save_safetensors()")))
         _flatten(tree, "", leaves)
-        _check_unique(leaves)
+        _check_names(leaves)
         limit = parse_size(max_shard_size)
         backend, failure = _backend_of(leaves), None
     except (TypeError, SpecError, CheckpointError) as exc:  # reported through the first exchange, so no rank waits
@@ -107,9 +108,16 @@ def _flatten(tree: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
             raise TypeError(msg)
 
 
-def _check_unique(leaves: Sequence[tuple[str, Any]]) -> None:
+def _check_names(leaves: Sequence[tuple[str, Any]]) -> None:
+    """Each name once, and none that the safetensors header keeps for its metadata."""
     seen: set[str] = set()
     for name, _ in leaves:
+        if name == METADATA_KEY:
+            msg = (
+                f"save_safetensors() tree names a tensor {name!r}, the key a safetensors header keeps for its "
+                "metadata (no reader would accept the file): rename the tensor."
+            )
+            raise TypeError(msg)
         if name in seen:
             raise TypeError(f"save_safetensors() tree names {name!r} twice (nested dicts join keys with '.').")
         seen.add(name)

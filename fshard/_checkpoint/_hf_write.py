@@ -22,7 +22,10 @@ import torch
 from fshard._checkpoint._format import CODES
 from fshard._errors import SpecError
 
-__all__ = ["file_names", "header_bytes", "parse_size", "shard_files", "write_order"]
+__all__ = ["METADATA_KEY", "file_names", "header_bytes", "parse_size", "shard_files", "write_order"]
+
+# The key of a safetensors header that holds the file's metadata, not a tensor.
+METADATA_KEY = "__metadata__"
 
 
 # The safetensors library orders a file's tensors by dtype, in this order, then by name.
@@ -84,7 +87,7 @@ def write_order(names: Sequence[str], dtypes: Sequence[torch.dtype]) -> list[int
 
 def header_bytes(entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
     """The length prefix and JSON header of a file holding ``entries`` (name, dtype, shape) in data order."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {METADATA_KEY: {"format": "pt"}}
     at = 0
     for name, dtype, shape in entries:
         n = math.prod(shape) * dtype.itemsize

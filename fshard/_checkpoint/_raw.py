@@ -1,7 +1,9 @@
 """Reading boxes of tensors stored as raw bytes in files, with bounded memory.
 
 A ``Stored`` tensor is a dense array at a known file offset: row-major, or row-major
-after a permutation of its dims (``torch.save`` keeps a transposed tensor's strides).
+after a permutation of its dims (``torch.save`` keeps a transposed tensor's strides),
+its values possibly to be negated or conjugated as read (``torch.save`` keeps a
+view's negative and conjugate bits and leaves its elements as they are).
 ``read_box`` copies one box of it into a destination tensor, reading only the byte
 span of the box: straight into the destination when the box is one run of bytes and
 the destination is contiguous CPU memory, else through buffers of at most ``BLOCK``
@@ -48,7 +50,8 @@ class Stored:
     """A tensor of ``shape`` whose element 0 starts at byte ``start`` of ``path``.
 
     On disk it is the row-major array of shape ``disk_shape``: ``order`` lists the
-    tensor's dims from the slowest-varying to the fastest.
+    tensor's dims from the slowest-varying to the fastest. The tensor's values are
+    those on disk negated where ``neg``, and conjugated where ``conj``.
     """
 
     path: Path
@@ -56,6 +59,8 @@ class Stored:
     dtype: torch.dtype
     shape: tuple[int, ...]
     order: tuple[int, ...]
+    neg: bool = False
+    conj: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -155,12 +160,13 @@ def _read(files: Files, stored: Stored, lo: tuple[int, ...], size: tuple[int, ..
     at = stored.start + first * item
     if span == math.prod(size) and dest.is_contiguous() and dest.device.type == "cpu":
         files.read_into(stored.path, byte_view(dest), at)
+        _resolve(stored, dest)
         return
     if span * item <= BLOCK or all(n == 1 for n in size):
         buf = torch.empty(span * item, dtype=torch.uint8)
         files.read_into(stored.path, byte_view(buf), at)
         strides = contiguous_strides(shape)
-        dest.copy_(buf.view(stored.dtype).as_strided(size, strides))
+        dest.copy_(_resolve(stored, buf.view(stored.dtype).as_strided(size, strides)))
         return
     d = next(k for k, n in enumerate(size) if n > 1)  # split the slowest dim that has more than one index
     one = _span(shape, lo, (*size[:d], 1, *size[d + 1 :]))[1]
@@ -173,9 +179,28 @@ def _read(files: Files, stored: Stored, lo: tuple[int, ...], size: tuple[int, ..
         _read(files, stored, sub_lo, (*size[:d], n, *size[d + 1 :]), dest.narrow(d, a, n))
 
 
-def stored_at(path: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...], order: Any = None) -> Stored:
-    """A ``Stored`` row-major tensor (or in ``order``)."""
-    return Stored(path, start, dtype, shape, tuple(range(len(shape))) if order is None else tuple(order))
+def _resolve(stored: Stored, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (CPU elements just read from ``stored``), negated and conjugated in place as ``stored`` says."""
+    if stored.neg:
+        values.neg_()
+    if stored.conj:
+        values.conj_physical_()
+    return values
+
+
+def stored_at(
+    path: Path,
+    start: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    order: Any = None,
+    *,
+    neg: bool = False,
+    conj: bool = False,
+) -> Stored:
+    """A ``Stored`` row-major tensor (or in ``order``), its values negated where ``neg``, conjugated where ``conj``."""
+    dims = tuple(range(len(shape))) if order is None else tuple(order)
+    return Stored(path, start, dtype, shape, dims, neg, conj)
 
 
 # safetensors dtype code -> torch dtype (the inverse of _format.CODES).
@@ -185,21 +210,26 @@ DTYPE_OF_CODE = {code: dtype for dtype, code in CODES.items()}
 _MAX_HEADER = 100_000_000
 
 
-def safetensors_header(files: Files, path: Path) -> tuple[int, dict[str, Any]]:
-    """(byte where the data starts, the parsed JSON header) of a safetensors file; nothing else is read."""
-    size = files.size(path)
+def safetensors_header(files: Files, path: Path, at: int = 0) -> tuple[int, dict[str, Any]]:
+    """(byte of ``path`` where the data starts, the parsed JSON header) of the safetensors file at byte ``at``.
+
+    Nothing else is read. ``at`` is 0 but where the safetensors file is a part of
+    ``path`` (DCP writes a rank's non-tensor entries before it).
+    """
+    size = files.size(path) - at
+    where = str(path) if at == 0 else f"{path} at byte {at}"
     if size < 8:
-        raise CheckpointError(f"{path} is {size} bytes long: too short for a safetensors file.")
-    n = int.from_bytes(files.read(path, 0, 8), "little")
+        raise CheckpointError(f"{where} has {size} bytes: too short for a safetensors file.")
+    n = int.from_bytes(files.read(path, at, 8), "little")
     if n > min(_MAX_HEADER, size - 8):
-        raise CheckpointError(f"{path} is not a safetensors file: its header length {n} exceeds the file.")
+        raise CheckpointError(f"{where} is not a safetensors file: its header length {n} exceeds the file.")
     try:
-        header = json.loads(files.read(path, 8, n).decode("utf-8"))
+        header = json.loads(files.read(path, at + 8, n).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path} is not a safetensors file: its header is no JSON ({exc}).") from None
+        raise CheckpointError(f"{where} is not a safetensors file: its header is no JSON ({exc}).") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path} is not a safetensors file: its header is no JSON object.")
-    return 8 + n, cast("dict[str, Any]", header)
+        raise CheckpointError(f"{where} is not a safetensors file: its header is no JSON object.")
+    return at + 8 + n, cast("dict[str, Any]", header)
 
 
 def safetensors_tensor(files: Files, path: Path, name: str, header: tuple[int, dict[str, Any]]) -> Stored:
