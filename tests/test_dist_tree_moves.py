@@ -198,3 +198,46 @@ def _tree_with_none() -> tuple[bool, bool, bool]:
 
 def test_none_in_a_tree_is_kept_across_processes(dist_pool):
     assert dist_pool.run(_tree_with_none, timeout=60) == [(True, True, True)] * 4
+
+
+def _pending_tree(backend=None) -> dict[str, fshard.ShardedArray]:
+    """Pending sums whose summands differ in scale (so that the order of their addition shows in the bits)."""
+    pending = fshard.Partial(fshard.Replicated(R))
+    out = {}
+    for name, n, dtype in (("a", 1000, torch.float32), ("b", 301, torch.float32), ("c", 17, torch.float32),
+                           ("d", 17, torch.float32), ("e", 9, torch.float64)):  # fmt: skip
+        layout = pending.layout((n,))
+        g = torch.Generator().manual_seed(n + ord(name))
+        summands = [(torch.randn(n, generator=g) * 10.0**r).to(dtype) for r in R]
+        held = range(4) if backend is not None else [TorchDistBackend().rank]
+        shards = [fshard.Shard(layout.shards[i], summands[i]) for i in held]
+        out[name] = fshard.from_local_shards_and_layout(
+            shards, layout, **({} if backend is None else {"backend": backend})
+        )
+    return out
+
+
+def _pending_tree_moves() -> list[list[torch.Tensor]]:
+    """Each leaf of a tree of pending sums reshard to copies, to chunks, and gathered: this rank's tensors."""
+    out = []
+    for spec in (fshard.Replicated(R), fshard.Chunk(0, R)):
+        moved = fshard.reshard(_pending_tree(), spec)
+        out.append([moved[k].addressable_data[0] for k in sorted(moved)])
+    gathered = fshard.gather(_pending_tree())
+    out.append([gathered[k] for k in sorted(gathered)])
+    return out
+
+
+def test_a_tree_of_pending_sums_adds_as_the_local_backend_does(dist_pool):
+    """The tree packs alike in one process, so every element has the same owner and its sum the same bits."""
+    from fshard.backends.local import LocalBackend
+
+    backend = LocalBackend(world_size=4)
+    for rank, got in enumerate(dist_pool.run(_pending_tree_moves, timeout=60)):
+        for k, spec in enumerate((fshard.Replicated(R), fshard.Chunk(0, R))):
+            moved = fshard.reshard(_pending_tree(backend), spec)
+            for name, tensor in zip(sorted(moved), got[k]):
+                assert torch.equal(tensor, moved[name].addressable_data[rank]), (spec, name)
+        gathered = fshard.gather(_pending_tree(backend))
+        for name, tensor in zip(sorted(gathered), got[2]):
+            assert torch.equal(tensor, gathered[name]), name

@@ -507,11 +507,13 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
     receivers = set(backend.receivers(leaves[0].layout, dst))
     # Across processes and without gradients, where every receiver holds a shard, the whole array on
     # each (reduced first) is a layout of the array: those leaves move as one tree. The others go
-    # through gather one by one (as every leaf does in one process): a gathered tensor that needs a
-    # gradient is one whose per-shard uses gather's backward sums, on every backend alike.
+    # through gather one by one (as every leaf does in one process, but pending sums, which pack alike
+    # on every backend to add alike: fused.move_tree): a gathered tensor that needs a gradient is one
+    # whose per-shard uses gather's backward sums, on every backend alike.
     grads = torch.is_grad_enabled() and any(a.requires_grad for a in leaves)
     src = tuple(a.layout for a in leaves)
-    fused, targets = _gather_targets(src, dst, tuple(receivers)) if backend.spans_processes and not grads else ((), ())
+    packs = backend.spans_processes or any(x.partial is not None for x in src)
+    fused, targets = _gather_targets(src, dst, tuple(receivers)) if packs and not grads else ((), ())
     out: list[Any] = [None] * len(leaves)
     moved = _fused.move_tree([leaves[k] for k in fused], targets)
     for k, a in zip(fused, moved):

@@ -1,7 +1,10 @@
 """Trees of arrays moved as one: every leaf's plan in one movement of a flat array.
 
 (On a backend that spans processes: in one process a movement is copies alone, and the
-leaves move one by one, to the same values.)
+leaves move one by one, to the same values. Not so pending sums: a reduction adds each
+element's summands on the rank that owns it in the plan, in an order that starts with the
+owner's own, and the flat array's elements have other owners than each leaf's alone. So a
+tree of pending sums packs alike on every backend, and its sums have the same bits.)
 
 A movement of a tree of arrays (``reshard`` of a tree, ``shard_map``'s arguments, the
 reduction of their gradients) would cost one collective per leaf. Here the leaves of one
@@ -246,7 +249,8 @@ def _recipe(src: tuple[Layout, ...], dst: tuple[Layout, ...], dtypes: tuple[torc
     in one flat movement, small leaves of equal layouts stacked in it. Small leaves of equal
     layouts whose boxes are no ranges stack on their own (one movement per stack), and so do
     those of one process, where a movement is copies alone but a movement per leaf costs
-    its call. Every other leaf moves alone.
+    its call. Every other leaf moves alone. Pending sums pack in one process as across
+    processes, so that their elements have the same owners, and their sums the same bits.
     """
     alone: list[int] = []
     fused: list[_Fused] = []
@@ -254,15 +258,16 @@ def _recipe(src: tuple[Layout, ...], dst: tuple[Layout, ...], dtypes: tuple[torc
     for k, (a, b, t) in enumerate(zip(src, dst, dtypes)):
         if a != b:
             keys.setdefault((t, a.partial, b.partial), []).append(k)
-    for (dtype, *_), found in keys.items():
+    for (dtype, pending, _), found in keys.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
+        packs = backend.spans_processes or pending is not None
         ranges: list[int] = []
         for members in _classes(src, dst, found, itemsize):
             first = members[0]
-            stack = _stack(src[first], dst[first], members, backend)
+            stack = _stack(src[first], dst[first], members, backend, packs)
             if stack is not None:
                 fused.append(stack)
-            elif backend.spans_processes and _fusable(src[first]) and _fusable(dst[first]):
+            elif packs and _fusable(src[first]) and _fusable(dst[first]):
                 ranges += members
             else:
                 alone += members
@@ -281,15 +286,16 @@ def _classes(src: tuple[Layout, ...], dst: tuple[Layout, ...], found: list[int],
     return list(classes.values())
 
 
-def _stack(a: Layout, b: Layout, members: list[int], backend: Any) -> _Fused | None:
+def _stack(a: Layout, b: Layout, members: list[int], backend: Any, packs: bool) -> _Fused | None:
     """A movement of its own for a class of leaves stacked along a new dim 0, where one is due.
 
-    It is for several leaves whose boxes are no ranges across processes (they cannot join
-    the flat array), or in one process; not for copies that are summands with replicas.
+    It is for several leaves whose boxes are no ranges where leaves pack in a flat array
+    (``packs``: across processes, and pending sums anywhere), or for leaves that do not
+    pack; not for copies that are summands with replicas.
     """
     if len(members) < 2 or a.terms is not None or b.terms is not None:
         return None
-    if backend.spans_processes and _fusable(a) and _fusable(b):
+    if packs and _fusable(a) and _fusable(b):
         return None  # they join the flat array
     sa, sb = _stacked(a, len(members), 0), _stacked(b, len(members), 0)
     return _Fused(sa, sb, (_Part(tuple(members), 0, _sizes(sb, backend)),), flat=False)
