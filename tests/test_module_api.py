@@ -322,6 +322,151 @@ def test_buffers_of_a_module_in_eval_mode_come_back_unchanged() -> None:
     torch.testing.assert_close(fshard.gather(out), model(x), rtol=0, atol=ATOL)
 
 
+class Kept(torch.nn.Module):
+    """Buffers a forward keeps: running extremes from infinities, values written alike or per batch, counters, flags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inf = float("inf")
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("low", torch.full((4,), inf))  # the last element stays +inf on every placement
+        self.register_buffer("high", torch.full((3,), -inf))
+        self.register_buffer("alike", torch.tensor([1e8, 3e9, 1e30]))  # far from what the forward writes
+        self.register_buffer("own", torch.full((3,), 1e30))
+        self.register_buffer("steps", torch.tensor(0))
+        self.register_buffer("ticks", torch.tensor(0))
+        self.register_buffer("ready", torch.tensor(False))
+        self.register_buffer("negative", torch.zeros(3, dtype=torch.bool))
+
+    def forward(self, xb: torch.Tensor) -> torch.Tensor:
+        self.low[:3] = torch.minimum(self.low[:3], xb.amin(0))  # in place
+        self.high = torch.maximum(self.high, xb.amax(0))  # assigned
+        self.alike.copy_(torch.tensor([1.5, 0.25, 7.0]))
+        self.own.copy_(xb.sum(0))
+        self.steps += 1
+        self.ticks.add_((xb[:, 0] > 0).sum())
+        self.ready = torch.tensor(True)
+        self.negative = (xb < 0).any(0)
+        return self.lin(xb)
+
+
+def kept_buffers(ranks: list[int]) -> dict[str, fshard.ShardedArray]:
+    """``Kept``'s buffers after one forward on 12 rows, each placement of ``ranks`` running on its own."""
+    torch.manual_seed(0)
+    model, x = Kept(), torch.randn(12, 3)
+    params, buffers = fshard.shard_module(model, fshard.replicated(ranks))
+    return fshard.apply_module(model, params, buffers, fshard.shard(x, fshard.Chunk(0, ranks)))[1]
+
+
+@pytest.mark.parametrize("ranks", [[0], [0, 1, 2], RANKS])
+def test_updated_buffers_are_the_value_the_placements_share_or_else_the_mean_of_their_values(ranks) -> None:
+    """Exact where every placement holds one value, infinities included; else the mean of the values, not of steps."""
+    new = {k: fshard.gather(a) for k, a in kept_buffers(ranks).items()}
+    torch.manual_seed(0)
+    Kept()
+    blocks, n = torch.randn(12, 3).chunk(len(ranks)), len(ranks)
+
+    def assert_mean(got: torch.Tensor, values: list[torch.Tensor]) -> None:  # summed in an order of fshard's
+        torch.testing.assert_close(got, sum(values) / n, rtol=1e-6, atol=0)
+
+    assert_mean(new["low"][:3], [b.amin(0) for b in blocks])
+    assert new["low"][3] == float("inf")
+    assert_mean(new["high"], [b.amax(0) for b in blocks])
+    assert torch.equal(new["alike"], torch.tensor([1.5, 0.25, 7.0]))
+    assert_mean(new["own"], [b.sum(0) for b in blocks])
+    assert int(new["steps"]) == 1
+    assert int(new["ticks"]) == sum(int((b[:, 0] > 0).sum()) for b in blocks) // n  # rounded down
+    assert new["ready"].dtype == torch.bool
+    assert bool(new["ready"])
+    assert torch.equal(new["negative"], torch.stack([(b < 0).any(0) for b in blocks]).all(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_value_every_placement_writes_comes_back_exactly_on_3_placements(dtype: torch.dtype) -> None:
+    """Three copies of 0.1 sum to a number whose third is not 0.1, and a step from 3e9 to 0.1 loses its digits."""
+
+    class Tenth(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("value", torch.tensor([0.0, 3e9], dtype=dtype))
+
+        def forward(self, xb: torch.Tensor) -> torch.Tensor:
+            self.value.fill_(0.1)
+            return xb
+
+    ranks = [0, 1, 2]
+    model = Tenth()
+    _, buffers = fshard.shard_module(model, fshard.replicated(ranks))
+    _, new = fshard.apply_module(model, {}, buffers, fshard.shard(torch.zeros(6, 2), fshard.Chunk(0, ranks)))
+    assert torch.equal(fshard.gather(new["value"]), torch.full((2,), 0.1, dtype=dtype))
+
+
+def _gloo_kept() -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+
+    return {k: a.local_tensor() for k, a in kept_buffers(list(range(dist.get_world_size()))).items()}
+
+
+@pytest.mark.multiprocess
+def test_updated_buffers_on_4_gloo_processes_are_the_local_backends_bit_for_bit(dist_pool) -> None:
+    want = {k: fshard.gather(a) for k, a in kept_buffers(RANKS).items()}
+    for got in dist_pool.run(_gloo_kept, timeout=120):
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype, name
+            assert torch.equal(got[name], t), name
+
+
+class Assigning(torch.nn.Module):
+    """Assigns a new tensor to its buffer ``name`` in the forward."""
+
+    def __init__(self, name: str, value: torch.Tensor, persistent: bool = True) -> None:
+        super().__init__()
+        self.name = name
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer(name, value, persistent=persistent)
+
+    def forward(self, xb: torch.Tensor) -> torch.Tensor:
+        setattr(self, self.name, getattr(self, self.name) + 1)
+        return self.lin(xb)
+
+
+def apply_assigning(model: torch.nn.Module) -> dict[str, fshard.ShardedArray]:
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    return fshard.apply_module(model, params, buffers, fshard.shard(torch.randn(8, 4), fshard.Chunk(0, RANKS)))[1]
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (Assigning("calls", torch.zeros(()), persistent=False), "non-persistent buffer: only the persistent"),
+        (Assigning("calls", torch.zeros(())).eval(), "a buffer of a submodule in eval mode (Assigning)"),
+        (Assigning("calls", torch.zeros((), dtype=torch.complex64)), "a torch.complex64 buffer"),
+    ],
+    ids=["non-persistent", "eval-mode", "complex"],
+)
+def test_assigning_to_a_read_only_buffer_raises_naming_it_rather_than_losing_the_value(model, message: str) -> None:
+    with pytest.raises(fshard.SpecError, match=r"^apply_module\(\): the forward replaced buffer 'calls', ") as info:
+        apply_assigning(model)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "got"),
+    [(torch.zeros(2, dtype=torch.float64), "shape (3,), torch.float64"), (torch.zeros(3), "shape (3,), torch.float32")],
+    ids=["dtype", "shape"],
+)
+def test_an_updated_buffer_keeps_its_shape_and_dtype(value: torch.Tensor, got: str) -> None:
+    class Replacing(Assigning):
+        def forward(self, xb: torch.Tensor) -> torch.Tensor:
+            self.calls = torch.zeros(3, dtype=torch.float64 if self.calls.ndim else torch.float32)
+            return self.lin(xb)
+
+    with pytest.raises(fshard.SpecError, match=r"^apply_module\(\): the forward left buffer 'calls' holding ") as info:
+        apply_assigning(Replacing("calls", value))
+    assert got in str(info.value)
+
+
 def test_a_rule_that_chunks_num_batches_tracked_names_it() -> None:
     with pytest.raises(fshard.SpecError, match=re.escape("buffer '1.num_batches_tracked' (shape (), torch.int64)")):
         fshard.shard_module(bn_model(), {"*": fshard.Chunk(0, RANKS)})
@@ -579,6 +724,52 @@ def test_apply_module_refuses_out_specs_shaped_otherwise_than_the_result() -> No
         got, new = fshard.apply_module(bn, bn_params, bn_buffers, x, out_specs=one)
         assert got.layout == rows.layout((6, 3))
         assert int(fshard.gather(new["1.num_batches_tracked"])) == 1
+
+
+class TwoResults(torch.nn.Module):
+    """A Linear, a BatchNorm when ``bn``, and two results: a tuple, or a dict when ``as_dict``."""
+
+    def __init__(self, bn: bool, as_dict: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 3)
+        self.bn = torch.nn.BatchNorm1d(3) if bn else torch.nn.Identity()
+        self.as_dict = as_dict
+
+    def forward(self, xb: torch.Tensor) -> Any:
+        h = self.bn(self.lin(xb))
+        return {"h": h, "total": h.sum(1)} if self.as_dict else (h, h.sum(1))
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+@pytest.mark.parametrize("bn", ["no-buffers", "eval", "train"])
+@pytest.mark.parametrize("one", ["default", "Chunk(0)"])
+def test_one_out_spec_lays_out_every_tensor_of_a_tree_result(as_dict: bool, bn: str, one: str) -> None:
+    """Also beside the buffer updates of a BatchNorm in training mode."""
+    ranks = [0, 1]
+    model = TwoResults(bn != "no-buffers", as_dict).train(bn == "train")
+    params, buffers = fshard.shard_module(model, fshard.replicated(ranks))
+    x = torch.randn(8, 4)
+    kw = {} if one == "default" else {"out_specs": fshard.Chunk(0, ranks)}
+    out, new = fshard.apply_module(model, params, buffers, fshard.shard(x, fshard.Chunk(0, ranks)), **kw)
+    h, total = (out["h"], out["total"]) if as_dict else out
+    assert h.layout == fshard.Chunk(0, ranks).layout((8, 3))
+    assert total.layout == fshard.Chunk(0, ranks).layout((8,))
+    if bn == "train":
+        assert int(fshard.gather(new["bn.num_batches_tracked"])) == 1
+    else:
+        want = model(x)
+        torch.testing.assert_close(fshard.gather(h), want["h"] if as_dict else want[0], rtol=0, atol=1e-6)
+
+
+def test_out_specs_that_do_not_fit_the_result_count_only_its_tensors() -> None:
+    """The buffer updates that apply_module carries are none of the caller's business."""
+    ranks = [0, 1]
+    model = TwoResults(bn=True, as_dict=False)
+    params, buffers = fshard.shard_module(model, fshard.replicated(ranks))
+    rows = fshard.Chunk(0, ranks)
+    with pytest.raises(fshard.SpecError, match=r"^apply_module\(\) out_specs has 3 specs but .* returned 2 tensors"):
+        fshard.apply_module(model, params, buffers, fshard.shard(torch.randn(8, 4), rows), out_specs=(rows,) * 3)
 
 
 def test_apply_module_errors_name_what_its_caller_passed() -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint
 from torch.nn.utils import parametrize
 
-from fshard._api.map import check_out_specs, map_local, named_shard_map
+from fshard._api.map import check_out_specs, named_shard_map
 from fshard._api.module_rules import Structure, structure
 from fshard._api.module_tp import TensorParallel, row_parallel_class
 from fshard._api.move import reshard
@@ -33,7 +33,9 @@ from fshard._base.cache import cached
 from fshard._base.compile import body as compiled_where_called
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
+from fshard._exec import body as _body
 from fshard._exec.collective import collective
+from fshard._layout.layout import Layout
 from fshard._layout.placement import Placement
 from fshard._layout.precision import check_precision
 from fshard._layout.specs import Chunk, Partial, Replicated
@@ -251,22 +253,28 @@ def apply_module(
     ``use_reentrant=False`` recomputes with the same tensors (``use_reentrant=True`` is
     refused); tied parameters are one array used in every place.
 
-    Buffers that the forward updates in place (BatchNorm's running statistics) come back in
-    ``new_buffers``: each placement updates them from its own rows, and the result is the mean
-    of the placements' updates (a counter advances by their mean, rounded down), computed the
-    same on every rank: data parallelism without SyncBatchNorm, with the running statistics
-    averaged over the ranks. Only the persistent buffers of submodules in training mode may
-    change (they take part in one reduction per call, so register constants with
-    ``persistent=False``); the others are read-only. Unchanged buffers are the arrays passed in.
+    Buffers that the forward updates, in place or by assigning a new tensor (BatchNorm's
+    running statistics, a flag set at the first batch), come back in ``new_buffers``: each
+    placement updates its own copy from its own rows, and each element of the result is the
+    value the placements hold where they all hold one (an element left as it was, or one that
+    every placement writes alike: exactly that value, infinities included), else the mean of
+    their values (integers and bools rounded down: a counter advances by the mean of the
+    placements' steps, a bool is ``True`` where every placement holds ``True``), the same on
+    every rank: data parallelism without SyncBatchNorm, with the running statistics averaged
+    over the ranks. Only the persistent buffers of real or bool dtype of submodules in
+    training mode may change (they take part in one reduction per call, so register
+    constants with ``persistent=False``); the others are read-only, come back as the arrays
+    passed in, and a forward that writes into one or assigns another tensor to it raises.
 
     Args:
         module: the ``torch.nn.Module`` whose structure (and code) runs.
         params: names to arrays, from ``fshard.shard_module`` (or ``fshard.load`` of them).
         buffers: names to arrays, as ``params``.
         args: the forward's arguments.
-        out_specs: the result's spec(s), a pytree matching it: ``fshard.Partial(...)`` for a loss
-            summed over placements. Default: ``Chunk(0)`` over the placements when the first
-            array argument is laid out that way, ``Replicated`` when it is replicated.
+        out_specs: the result's spec(s): one for every tensor of the result, or a pytree matching
+            it; ``fshard.Partial(...)`` for a loss summed over placements. Default: ``Chunk(0)``
+            over the placements when the first array argument is laid out that way,
+            ``Replicated`` when it is replicated.
         method: runs ``method(clone, *args, **kwargs)`` instead of the forward (a loss of the
             module's output, say).
         rules: the rules ``params`` were sharded with. Tensor-parallel ones
@@ -293,7 +301,8 @@ def apply_module(
         SpecError: a parameter or buffer of the module is missing from ``params``/``buffers``,
             the default ``out_specs`` does not apply, tensor-parallel ``rules`` that do not fit
             the module or its placements (or a reshape that fixes the head count), values would
-            have to come off the meta device, or the checks of ``fshard.shard_map``.
+            have to come off the meta device, the forward assigns to a read-only buffer or
+            gives an updated one another shape or dtype, or the checks of ``fshard.shard_map``.
         TypeError: ``module`` is not a module, or ``method`` is neither ``None`` nor callable.
 
     >>> import torch, fshard
@@ -330,6 +339,7 @@ def apply_module(
     precisions += [None] * (len(in_specs) - len(pnames))
     updated = found.updated
     n_args = len(args)
+    kept: dict[Placement, dict[str, torch.Tensor]] = {}  # each placement's values of the updated buffers
 
     def body(*blocks: Any) -> Any:
         ps = dict(zip(pnames, blocks))
@@ -342,27 +352,26 @@ def apply_module(
         call_args, call_kwargs = rest[:n_args], dict(zip(keys, rest[n_args:]))
         with _local_heads_hint(tp):
             out = clone(*call_args, **call_kwargs) if method is None else method(clone, *call_args, **call_kwargs)
-        if out_specs is not None and not torch.compiler.is_compiling():  # named as the caller wrote it (shard_map
-            check_out_specs(out_specs, out, "apply_module()", "the module")  # checks it too, paired with the buffers)
-        return out, {name: _delta(_read_back(found, memo, name), olds[name]) for name in updated}
+        if out_specs is not None and not torch.compiler.is_compiling():  # named as the caller wrote it
+            check_out_specs(out_specs, out, "apply_module()", "the module")
+        _keep(kept, found, memo, bs, olds)
+        return out
 
     first = next((v for v in inputs if isinstance(v, ShardedArray)), None)
-    specs = (_default_out_specs(first, placements, tp) if out_specs is None else out_specs,
-             {name: Partial(everywhere) for name in updated})  # fmt: skip
     # Under tensor parallelism a result is whole along tp because psum made it so, which the
     # replication check cannot see; check mode still compares the copies' contents.
     run = named_shard_map(
         compiled_where_called(body),  # as shard_map's fn: compiled where apply_module's caller is
         in_specs=tuple(in_specs),
-        out_specs=specs,
+        out_specs=_default_out_specs(first, placements, tp) if out_specs is None else out_specs,
         check_vma=tp is None,
         regather=regather,
         precision=precisions,
         what="apply_module()",
         labels=_labels(found.params, found.buffers, n_args, tuple(keys)),
     )
-    out, deltas = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
-    return out, _updated_buffers(buffers, deltas, len(placements))
+    out = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
+    return out, _updated_buffers(buffers, updated, kept, placements)
 
 
 @cached(64)
@@ -499,34 +508,123 @@ def _default_out_specs(first: ShardedArray | None, placements: list[Placement], 
     raise SpecError(msg)
 
 
-def _read_back(found: Structure, memo: Mapping[int, torch.nn.Module], name: str) -> torch.Tensor:
+def _held(found: Structure, memo: Mapping[int, torch.nn.Module], name: str) -> Any:
+    """What buffer ``name``'s place in the clone holds after the forward (``None`` where it was deleted)."""
     owner, local = found.homes[name]
-    return vars(memo[owner])["_buffers"][local]
+    return vars(memo[owner])["_buffers"].get(local)
 
 
-def _delta(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """What the forward added to a buffer: exactly zero where it left an element as it was (inf included)."""
-    new = new.detach()
-    if not new.is_floating_point():
-        return new - old
-    return torch.where(new == old, torch.zeros_like(new), new - old)
+@opaque  # reads the running body and the clone's modules: eagerly, at a graph break under torch.compile
+def _keep(
+    kept: dict[Placement, dict[str, torch.Tensor]],
+    found: Structure,
+    memo: Mapping[int, torch.nn.Module],
+    given: Mapping[str, torch.Tensor],
+    olds: Mapping[str, torch.Tensor],
+) -> None:
+    """Files the running placement's values of the updated buffers in ``kept``; refuses replaced read-only ones.
+
+    ``given`` holds the tensors the clone was made with, ``olds`` the updated buffers' blocks.
+    """
+    for name in found.read_only:
+        if _held(found, memo, name) is not given[name]:
+            raise SpecError(_replaced_message(found, memo, name, given[name].dtype))
+    here = _body.current()
+    assert here is not None, "apply_module's body runs inside its shard_map"
+    values = {name: _checked_value(name, _held(found, memo, name), old) for name, old in olds.items()}
+    kept[here.placements[here.index]] = values
+
+
+def _replaced_message(found: Structure, memo: Mapping[int, torch.nn.Module], name: str, dtype: torch.dtype) -> str:
+    """Why buffer ``name`` is read-only, and how to make it come back."""
+    owner, local = found.homes[name]
+    module = memo[owner]
+    if local in vars(module)["_non_persistent_buffers_set"]:
+        why = "a non-persistent buffer"
+        fix = f"register it with persistent=True (register_buffer({local!r}, tensor, persistent=True))"
+    elif not module.training:
+        why = f"a buffer of a submodule in eval mode ({type(module).__name__})"
+        fix = "put the submodule in training mode (module.train()) for the calls that update it"
+    else:
+        why = f"a {dtype} buffer, which has no mean over the placements"
+        fix = "keep it in a real or bool dtype (torch.view_as_real for a complex one)"
+    return (
+        f"apply_module(): the forward replaced buffer {name!r}, {why}: only the persistent buffers of submodules "
+        f"in training mode come back in new_buffers, the others are read-only, so the new value would be lost. "
+        f"For its update to come back, {fix}; or leave the buffer as it is."
+    )
+
+
+def _checked_value(name: str, new: Any, old: torch.Tensor) -> torch.Tensor:
+    """Buffer ``name``'s value after the forward, on ``old``'s device, as the combination sums it.
+
+    Raises:
+        SpecError: the forward deleted it or gave it another shape or dtype than ``old``'s.
+    """
+    if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
+        got = "nothing" if new is None else f"shape {tuple(new.shape)}, {new.dtype}"
+        msg = (
+            f"apply_module(): the forward left buffer {name!r} holding {got}, in place of shape "
+            f"{tuple(old.shape)}, {old.dtype}: new_buffers keeps each buffer's shape and dtype. Update it in "
+            f"place (self.{name.rsplit('.', 1)[-1]}.copy_(value)) or assign a tensor of its shape and dtype."
+        )
+        raise SpecError(msg)
+    return new.detach().to(old.device, _wire(old.dtype))
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a buffer's values are combined: its own if floating, else ``int64`` (bool included)."""
+    return dtype if dtype.is_floating_point else torch.int64
 
 
 def _updated_buffers(
-    buffers: Mapping[str, ShardedArray], deltas: Mapping[str, ShardedArray], n: int
+    buffers: Mapping[str, ShardedArray],
+    updated: Sequence[str],
+    kept: Mapping[Placement, Mapping[str, torch.Tensor]],
+    placements: Sequence[Placement],
 ) -> dict[str, ShardedArray]:
-    """The buffers plus the mean of the placements' updates: one reduction for the whole tree."""
+    """The buffers, the updated ones combined over the placements (``_combined``): one movement for the whole tree.
+
+    Each placement's value of each updated buffer is pending three times, as a summand and
+    as a candidate for the largest and the smallest value.
+    """
     out = dict(buffers)
-    if not deltas:
+    if not updated:
         return out
-    names = list(deltas)
-    summed = reshard([deltas[k] for k in names], [buffers[k].layout for k in names])
-    for name, d in zip(names, cast("list[ShardedArray]", summed)):
-        out[name] = map_local(functools.partial(_mean_update, n=n), buffers[name], d)
+    parts = [_pending(buffers[k], k, kept, tuple(placements), op) for op in _OPS for k in updated]
+    reduced = cast("list[ShardedArray]", reshard(parts, [buffers[k].layout for _ in _OPS for k in updated]))
+    n = len(updated)
+    for k, name in enumerate(updated):
+        total, hi, lo = (reduced[j * n + k].addressable_data for j in range(len(_OPS)))
+        data = [_combined(*values, n=len(placements), dtype=buffers[name].dtype) for values in zip(total, hi, lo)]
+        out[name] = ShardedArray(buffers[name].layout, data, buffers[name].backend, buffers[name].dtype)
     return out
 
 
-def _mean_update(old: torch.Tensor, summed: torch.Tensor, n: int) -> torch.Tensor:
-    if not old.is_floating_point():
-        return old + torch.div(summed, n, rounding_mode="floor")
-    return torch.where(summed == 0, old, old + summed / n)
+_OPS = ("sum", "max", "min")
+
+
+def _pending(
+    buffer: ShardedArray,
+    name: str,
+    kept: Mapping[Placement, Mapping[str, torch.Tensor]],
+    placements: tuple[Placement, ...],
+    op: str,
+) -> ShardedArray:
+    """The placements' values of buffer ``name`` as a pending ``op`` over them, from those this process holds."""
+    layout = _pending_layout(placements, op, buffer.shape)
+    held: Sequence[int] = buffer.backend.addressable(layout)
+    data = tuple(kept[layout.shards[i].placement][name] for i in held)
+    return ShardedArray(layout, data, buffer.backend, _wire(buffer.dtype))
+
+
+@cached(256)
+def _pending_layout(placements: tuple[Placement, ...], op: str, shape: tuple[int, ...]) -> Layout:
+    """``Partial(Replicated(placements), op)``'s layout of ``shape``: made once, not per buffer and call."""
+    return Partial(Replicated(placements), op).layout(shape)
+
+
+def _combined(total: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Where the ``n`` placements hold one value, that value; elsewhere their mean (integers: rounded down)."""
+    mean = total / n if total.is_floating_point() else torch.div(total, n, rounding_mode="floor")
+    return torch.where(hi == lo, hi, mean).to(dtype)

@@ -47,7 +47,8 @@ class Structure:
     params: tuple[str, ...]
     buffers: tuple[str, ...]
     ties: tuple[tuple[str, str], ...]  # (alias, the name of the array it reads)
-    updated: tuple[str, ...]  # buffers the forward may update: persistent, of a module in training mode
+    updated: tuple[str, ...]  # buffers the forward may update: persistent, of a module in training mode (_updatable)
+    read_only: tuple[str, ...]  # the other buffers, which the forward may neither update nor replace
     slots: Mapping[int, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]]
     homes: Mapping[str, tuple[int, str]]
 
@@ -114,17 +115,20 @@ def _read(module: torch.nn.Module) -> Structure:
                 elif kind == "_buffers":
                     buffers.append(name)
                     homes[name] = (id(sub), local)
-                    if sub.training and local not in sub._non_persistent_buffers_set and _number(t):  # pyright: ignore[reportPrivateUsage]
+                    if sub.training and local not in sub._non_persistent_buffers_set and _updatable(t):  # pyright: ignore[reportPrivateUsage]
                         updated.append(name)
                 if fill:
                     out.append((local, key))
     params_names = tuple(n for n in dict.fromkeys(first.values()) if n not in homes)
     frozen = {k: (tuple(p), tuple(b)) for k, (p, b) in slots.items()}
-    return Structure(params_names, tuple(buffers), tuple(ties), tuple(updated), frozen, homes)
+    changing = set(updated)
+    read_only = tuple(n for n in buffers if n not in changing)
+    return Structure(params_names, tuple(buffers), tuple(ties), tuple(updated), read_only, frozen, homes)
 
 
-def _number(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or (not t.is_complex() and t.dtype != torch.bool)
+def _updatable(t: torch.Tensor) -> bool:
+    """Whether a buffer like ``t`` has a value combined over placements: a real or bool dtype, not quantized."""
+    return not (t.is_complex() or t.is_quantized)
 
 
 # -- rules ------------------------------------------------------------------------------------
