@@ -204,12 +204,12 @@ def _pending_tree(backend=None) -> dict[str, fshard.ShardedArray]:
     """Pending sums whose summands differ in scale (so that the order of their addition shows in the bits)."""
     pending = fshard.Partial(fshard.Replicated(R))
     out = {}
-    for name, n, dtype in (("a", 1000, torch.float32), ("b", 301, torch.float32), ("c", 17, torch.float32),
-                           ("d", 17, torch.float32), ("e", 9, torch.float64)):  # fmt: skip
-        layout = pending.layout((n,))
+    for name, n, dtype in (("0", 40, torch.float32), ("a", 1000, torch.float32), ("b", 301, torch.float32),
+                           ("c", 17, torch.float32), ("d", 17, torch.float32), ("e", 9, torch.float64)):  # fmt: skip
+        layout = (fshard.Partial(fshard.Replicated(R[:2])) if name == "0" else pending).layout((n,))  # first: 2 ranks
         g = torch.Generator().manual_seed(n + ord(name))
         summands = [(torch.randn(n, generator=g) * 10.0**r).to(dtype) for r in R]
-        held = range(4) if backend is not None else [TorchDistBackend().rank]
+        held = range(len(layout.shards)) if backend is not None else layout.indices_on(TorchDistBackend().rank)
         shards = [fshard.Shard(layout.shards[i], summands[i]) for i in held]
         out[name] = fshard.from_local_shards_and_layout(
             shards, layout, **({} if backend is None else {"backend": backend})

@@ -401,6 +401,27 @@ def test_a_value_every_placement_writes_comes_back_exactly_on_3_placements(dtype
     assert torch.equal(fshard.gather(new["value"]), torch.full((2,), 0.1, dtype=dtype))
 
 
+@pytest.mark.parametrize(("dtype", "big"), [(torch.float16, 20000.0), (torch.bfloat16, 2e38), (torch.float32, 2e38)])
+def test_the_mean_of_values_near_the_largest_of_their_dtype_is_finite(dtype: torch.dtype, big: float) -> None:
+    """Four values whose sum exceeds the dtype's largest number: their mean is still theirs, not inf."""
+
+    class Near(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("value", torch.zeros(1, dtype=dtype))
+
+        def forward(self, xb: torch.Tensor) -> torch.Tensor:
+            self.value.fill_(big * float(xb[0, 0]))  # 1.0 on two placements, 1.5 on the others
+            return xb
+
+    x = torch.tensor([1.0, 1.0, 1.5, 1.5]).repeat_interleave(2).reshape(8, 1)
+    model = Near()
+    _, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    _, new = fshard.apply_module(model, {}, buffers, fshard.shard(x, fshard.Chunk(0, RANKS)))
+    values = torch.tensor([big, big, 1.5 * big, 1.5 * big], dtype=dtype).double()
+    assert torch.equal(fshard.gather(new["value"]), values.mean().reshape(1).to(dtype))
+
+
 def _gloo_kept() -> dict[str, torch.Tensor]:
     import torch.distributed as dist
 

@@ -573,8 +573,8 @@ def _checked_value(name: str, new: Any, old: torch.Tensor) -> torch.Tensor:
 
 
 def _wire(dtype: torch.dtype) -> torch.dtype:
-    """The dtype in which a buffer's values are combined: its own if floating, else ``int64`` (bool included)."""
-    return dtype if dtype.is_floating_point else torch.int64
+    """The dtype in which a buffer's values are combined: ``float64`` if floating (each exactly), else ``int64``."""
+    return torch.float64 if dtype.is_floating_point else torch.int64
 
 
 def _updated_buffers(
@@ -611,10 +611,16 @@ def _pending(
     placements: tuple[Placement, ...],
     op: str,
 ) -> ShardedArray:
-    """The placements' values of buffer ``name`` as a pending ``op`` over them, from those this process holds."""
+    """The placements' values of buffer ``name`` as a pending ``op`` over them, from those this process holds.
+
+    A floating value is a summand divided by the number of placements: the sum is then their
+    mean, with no total that could overflow on the way.
+    """
     layout = _pending_layout(placements, op, buffer.shape)
     held: Sequence[int] = buffer.backend.addressable(layout)
     data = tuple(kept[layout.shards[i].placement][name] for i in held)
+    if op == "sum" and buffer.dtype.is_floating_point:
+        data = tuple(t / len(placements) for t in data)
     return ShardedArray(layout, data, buffer.backend, _wire(buffer.dtype))
 
 
@@ -625,6 +631,6 @@ def _pending_layout(placements: tuple[Placement, ...], op: str, shape: tuple[int
 
 
 def _combined(total: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Where the ``n`` placements hold one value, that value; elsewhere their mean (integers: rounded down)."""
-    mean = total / n if total.is_floating_point() else torch.div(total, n, rounding_mode="floor")
+    """Where the ``n`` placements hold one value, that value; elsewhere their mean (``total``; integers: floored)."""
+    mean = total if total.is_floating_point() else torch.div(total, n, rounding_mode="floor")
     return torch.where(hi == lo, hi, mean).to(dtype)

@@ -504,7 +504,10 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
     backend = leaves[0].backend
     if dst is not None:
         dst = backend.check_rank(dst, "dst")
-    receivers = set(backend.receivers(leaves[0].layout, dst))
+    receivers: set[int] = set(backend.receivers(leaves[0].layout, dst))
+    if dst is None and not backend.spans_processes:  # the ranks of the job that this process stands for
+        size: int = getattr(backend, "world_size", 0)
+        receivers = set(range(size)) if size else {r for a in leaves for r in a.layout.ranks}
     # Across processes and without gradients, where every receiver holds a shard, the whole array on
     # each (reduced first) is a layout of the array: those leaves move as one tree. The others go
     # through gather one by one (as every leaf does in one process, but pending sums, which pack alike
