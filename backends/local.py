@@ -317,7 +317,9 @@ class LocalBackend:
 
 
 def _is_rank(rank: Any) -> bool:
-    """Whether ``rank`` equals a non-negative int that a layout can hold (int64, as ``torch_dist`` checks)."""
+    """Whether ``rank`` equals a non-negative int that a layout can hold (int64, as ``torch_dist`` checks); no bool."""
+    if isinstance(rank, (bool, np.bool_)):
+        return False
     try:
         return bool(rank == int(rank)) and 0 <= int(rank) < MAX_EXTENT
     except (TypeError, ValueError, OverflowError):

@@ -3,6 +3,8 @@ shards too large for one tensor, with the same answer (value or error) on every 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -337,3 +339,17 @@ def test_pending_sums_on_processes(dist_pool):
     randn = fshard.gather(fshard.randn(fshard.Single(0), 3, seed=4)).tolist()
     local = [[1.0] * 3, [0.0] * 3, [1.0] * 3, [0.0] * 3]
     assert got == [(r, [1.0, 1.0], [3.0, 3.0], rand, randn, local[r]) for r in range(4)]
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**70 + 5, -(2**63) - 1])
+def test_a_seed_beyond_64_bits_is_refused_rather_than_wrapped(seed: int) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"seed {seed} does not fit 64 bits")):
+        fshard.rand(fshard.Chunk(0, [0, 1]), 4, seed=seed)
+
+
+def test_the_ends_of_the_seed_range_draw_as_their_bit_patterns() -> None:
+    """-1 and 2**64 - 1 are one 64-bit pattern, as for torch.manual_seed; both ends are accepted."""
+    spec = fshard.Chunk(0, [0, 1])
+    top = fshard.gather(fshard.rand(spec, 4, seed=2**64 - 1))
+    assert torch.equal(fshard.gather(fshard.rand(spec, 4, seed=-1)), top)
+    fshard.rand(spec, 4, seed=-(2**63))

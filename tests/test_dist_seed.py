@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -217,6 +218,11 @@ def _invalid_sharding():
     st = fshard.empty(fshard.Chunk(0, [0]), 10, 20)
     with pytest.raises(TypeError, match="not supported for ShardedArray"):
         torch.add(st, torch.empty(10, 20))
+    for flag in (True, np.bool_(True)):  # equal to rank 1, but no rank
+        with pytest.raises(fshard.SpecError, match=r"dst=(np\.)?True.*: Global rank .* does not exist"):
+            fshard.gather(st, dst=flag)
+        with pytest.raises(fshard.SpecError, match=r"src=(np\.)?True.*: Global rank .* does not exist"):
+            fshard.shard(torch.zeros(10, 20), fshard.Chunk(0, [0]), src=flag)
 
 
 def test_invalid_sharding(dist_pool):

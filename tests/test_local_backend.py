@@ -244,7 +244,9 @@ def test_a_recipe_copies_boxes_that_tile_no_single_dim() -> None:
 # -- rank arguments: checked as torch_dist checks them -----------------------------------------
 
 
-@pytest.mark.parametrize("dst", [-1, 1.5, "1", float("nan")], ids=["negative", "fraction", "string", "nan"])
+@pytest.mark.parametrize(
+    "dst", [-1, 1.5, "1", float("nan"), True], ids=["negative", "fraction", "string", "nan", "bool"]
+)
 def test_gather_to_no_rank_raises(dst: Any) -> None:
     a = fshard.shard(X, ROWS)
     want = f"dst={dst!r}: Global rank {dst!r} does not exist in input process group (the local backend"
@@ -252,7 +254,7 @@ def test_gather_to_no_rank_raises(dst: Any) -> None:
         fshard.gather(a, dst=dst)
 
 
-@pytest.mark.parametrize("src", [-1, 0.5, "0"], ids=["negative", "fraction", "string"])
+@pytest.mark.parametrize("src", [-1, 0.5, "0", True], ids=["negative", "fraction", "string", "bool"])
 def test_shard_from_no_rank_raises(src: Any) -> None:
     with pytest.raises(fshard.SpecError, match=re.escape(f"src={src!r}: Global rank {src!r} does not exist")):
         fshard.shard(X, ROWS, src=src)
@@ -260,7 +262,7 @@ def test_shard_from_no_rank_raises(src: Any) -> None:
 
 def test_rank_arguments_that_equal_a_rank_pass() -> None:
     a = fshard.shard(X, ROWS)
-    for dst in (True, 2.0, torch.tensor(3)):  # equal to ranks 1, 2, 3, as torch_dist's `rank in ranks`
+    for dst in (2.0, torch.tensor(3)):  # equal to ranks 2, 3, as torch_dist's `rank in ranks` (a bool is no rank)
         assert torch.equal(fshard.gather(a, dst=dst), X)
 
 

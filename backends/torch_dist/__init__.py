@@ -53,6 +53,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -502,7 +503,7 @@ class TorchDistBackend:
 
     def check_rank(self, rank: Any, what: str) -> int:
         """``rank`` as an int; raises ``SpecError`` unless it is a global rank of the group."""
-        if isinstance(rank, str) or rank not in self.ranks:
+        if isinstance(rank, (str, bool, np.bool_)) or rank not in self.ranks:
             msg = (
                 f"{what}={rank!r}: Global rank {rank!r} does not exist in input process group "
                 f"(global ranks {list(self.ranks)})."

@@ -159,14 +159,24 @@ def _check_fill(fill_value: Any, dtype: Any) -> None:
 
 
 def _seed(seed: Any) -> int:
-    """``seed`` as an int (``None``: one drawn from torch's default generator)."""
+    """``seed`` as an int (``None``: one drawn from torch's default generator).
+
+    Raises:
+        TypeError: ``seed`` is neither an int nor ``None``.
+        ValueError: it does not fit 64 bits (``torch.manual_seed``'s range), where two seeds would give one stream.
+    """
     if seed is None:
         return _random.draw_seed()
     if not isinstance(seed, bool):
         try:
-            return operator.index(seed)
+            value = operator.index(seed)
         except TypeError:
             pass
+        else:
+            if not -(1 << 63) <= value < 1 << 64:
+                msg = f"seed {value} does not fit 64 bits: give one in [-2**63, 2**64), as torch.manual_seed takes."
+                raise ValueError(msg)
+            return value
     raise TypeError(f"seed must be an int or None, got {seed!r} ({type(seed).__name__}).")
 
 
