@@ -529,6 +529,18 @@ def test_a_block_keeps_no_tap_after_its_call(dist_pool):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _data_parallel(out_spec: Any) -> tuple[TorchDistBackend, fshard.ShardedArray, list[fshard.ShardedArray], Any]:
+    """This rank's rows, the replicated weights (leaves that need a gradient), and a data-parallel step over them."""
+    backend = TorchDistBackend()
+    x = fshard.from_local_tensor(_rows(backend.rank), dim=0)
+    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+    for p in params:
+        p.addressable_data[0].requires_grad_()
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=out_spec)
+    return backend, x, params, step
+
+
 def _backward_rounds(cap_mb: float, out: str = "copies") -> tuple[dict[str, int], dict[str, int], int]:
     """The process group calls of one data-parallel forward (the shard_map call) and backward, and its buckets.
 
@@ -539,14 +551,8 @@ def _backward_rounds(cap_mb: float, out: str = "copies") -> tuple[dict[str, int]
     """
     old = fshard.config(bucket_cap_mb=cap_mb)
     try:
-        backend = TorchDistBackend()
-        x = fshard.from_local_tensor(_rows(backend.rank), dim=0)
-        params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
-        for p in params:
-            p.addressable_data[0].requires_grad_()
-        rep = fshard.Replicated(R)
-        spec = fshard.Partial(rep) if out == "copies" else fshard.Chunk(0, R)
-        step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=spec)
+        spec = fshard.Partial(fshard.Replicated(R)) if out == "copies" else fshard.Chunk(0, R)
+        backend, x, params, step = _data_parallel(spec)
         with calls() as forward:
             y = step(x, *params)
         loss = fshard.gather(y).sum()
@@ -638,13 +644,7 @@ def test_ranks_whose_buckets_differ_raise_on_every_rank(dist_pool, out):
 
 def _no_sync_on_rank_0() -> str:
     """A data-parallel forward under ``no_sync`` on rank 0 only, whose backward would send nothing there."""
-    backend = TorchDistBackend()
-    x = fshard.from_local_tensor(_rows(backend.rank), dim=0)
-    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
-    for p in params:
-        p.addressable_data[0].requires_grad_()
-    rep = fshard.Replicated(R)
-    step = fshard.shard_map(_body("plain"), in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+    backend, x, params, step = _data_parallel(fshard.Partial(fshard.Replicated(R)))
     with fshard.no_sync() if backend.rank == 0 else contextlib.nullcontext():
         loss = step(x, *params)
     try:
