@@ -187,6 +187,22 @@ def _module_api_cold() -> dict[str, Any]:
     return {"compiled": compiled, "eager": _module_steps(None), "graphs": seen}
 
 
+def _psum_body_cold() -> dict[str, Any]:
+    """A compiled step whose shard_map body calls psum, its first call compiled: psum runs eagerly inside it."""
+    ranks = [0, 1, 2, 3]
+    f = fshard.shard_map(
+        lambda b: torch.cos(fshard.psum(torch.sin(b) * 3, "x")) + 1,
+        fshard.Chunk(0, ranks),
+        fshard.Chunk(0, ranks),
+        check_vma=False,
+    )
+    x = torch.arange(8.0, dtype=torch.float64)
+    step = torch.compile(lambda t: fshard.gather(f(t)).sum() * 2, backend="aot_eager")
+    compiled = [float(step(x)) for _ in range(3)]
+    parts = torch.sin(x).reshape(4, 2) * 3
+    return {"compiled": compiled, "want": float((torch.cos(parts.sum(0)) + 1).sum() * 4 * 2)}
+
+
 def _max_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max(abs(p - q) for p, q in zip(a, b))
@@ -221,6 +237,11 @@ def test_a_step_through_the_module_api_compiles_from_a_cold_start() -> None:
     body = [ops for _, ops in got["graphs"] if "mse_loss" in ops]
     assert body  # the module's forward and the per-block loss, compiled where apply_module runs them
     assert all("linear" in ops and "tanh" in ops for ops in body)
+
+
+def test_a_step_whose_body_calls_psum_compiles_from_a_cold_start() -> None:
+    got = _cold_program("_psum_body_cold")
+    assert _max_diff(got["compiled"], [got["want"]] * 3) <= 1e-12
 
 
 def _training_on_the_pool() -> dict[str, Any]:

@@ -174,6 +174,26 @@ def test_a_checkpoint_of_the_whole_call_recomputes_the_bodies():
         assert len(runs) == 8  # the forward, then the recomputation of what the bodies saved
 
 
+@needs_hook_stack
+def test_a_checkpoint_around_the_first_call_of_a_body_that_reduces_recomputes_it_alike():
+    """No body runs ahead under the checkpoint's hooks to find out that it reduces: its recomputation matches."""
+
+    def body(a):  # a function of its own: no call of it has reduced before this test
+        return torch.sin(fshard.psum(torch.tanh(a), "x"))
+
+    def loss(x):
+        y = fshard.gather(f(x))
+        return (torch.exp(y) * y).sum()  # saves tensors after the call, which the recomputation must match
+
+    ranks = [0, 1, 2, 3]
+    f = fshard.shard_map(body, fshard.Replicated(ranks), fshard.Replicated(ranks), check_vma=False)
+    x = torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(3, 5).requires_grad_()
+    got = torch.autograd.grad(cp.checkpoint(loss, x, use_reentrant=False), x)
+    y = torch.sin(4 * torch.tanh(x))
+    want = torch.autograd.grad((torch.exp(y) * y).sum(), x)
+    torch.testing.assert_close(got, want)
+
+
 def test_inference_mode_reaches_the_bodies_that_reduce():
     seen: list[tuple[bool, bool, bool]] = []
 

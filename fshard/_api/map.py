@@ -677,8 +677,11 @@ def _bodies(
     placements = tuple(position)
     mesh = _psum.body_mesh(reducing.specs, placements)
     # One after another first; a body that reduces needs them all at once (in one process), which a torch.func
-    # transform cannot run: there only a body that does reduce in this call is refused.
-    if backend.spans_processes or not reducing.threaded or _body.in_transform():
+    # transform cannot run: there only a body that does reduce in this call is refused. Under saved-tensor hooks
+    # (a checkpoint) no body runs ahead to find out: the hooks would see tensors that its recomputation does not
+    # make, so the bodies take turns in threads from the start, in the order one after another would run them.
+    ahead = not reducing.threaded and not (_body.under_hooks() and not _body.in_transform())
+    if backend.spans_processes or ahead or _body.in_transform():
         try:
             out: list[tuple[Slot, Any]] = []
             with context():

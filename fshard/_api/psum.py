@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from fshard._base.cache import cached
+from fshard._base.compile import opaque
 from fshard._base.function import apply
 from fshard._errors import SpecError
 from fshard._exec import body as _body
@@ -26,6 +27,7 @@ __all__ = ["body_mesh", "pmean", "psum"]
 Groups = tuple[tuple[int, ...], ...]
 
 
+@opaque  # a reduction across bodies, run eagerly: a graph break inside a compiled body
 def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     """The sum of ``x`` over the placements of a ``shard_map`` body that differ only along mesh axes ``axis``.
 
@@ -79,6 +81,7 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     return body.rendezvous.reduce(body.index, axes, x, groups, lambda ts: apply(_body.GroupSum, groups, *ts))  # pyright: ignore[reportUnknownLambdaType, reportUnknownArgumentType]
 
 
+@opaque  # as psum
 def pmean(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     """The mean of ``x`` over mesh axes ``axis``: ``psum(x, axis)`` over the number of placements summed.
 

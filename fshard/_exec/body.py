@@ -18,9 +18,10 @@ its grad, inference and forward-grad modes, its torch-function and torch-dispatc
 saved-tensor hooks (torch 2.8 on, where they can be read). Where there are such hooks,
 the bodies take turns, one running at a time in placement order up to its next
 reduction, so the hooks see the tensors in one order, the same at a recomputation (a
-checkpoint's); on a call whose first body ran ahead on the calling thread to find that
-it reduces, the hooks saw that body's discarded tensors, and the threads run without
-them. ``torch.func`` transforms (also per thread) are not carried over: ``psum`` refuses
+checkpoint's). Under such hooks no body runs ahead on the calling thread to find out
+whether the call reduces (``under_hooks``; the hooks would see tensors that are thrown
+away): the bodies start in threads at once. Where hooks were set inside a body that ran
+ahead, the threads run without them. ``torch.func`` transforms (also per thread) are not carried over: ``psum`` refuses
 to run under them.
 """
 
@@ -44,7 +45,7 @@ from fshard._errors import CollectiveMismatchError
 from fshard._exec import gathered as _gathered
 from fshard._layout.placement import Placement
 
-__all__ = ["Body", "NeedsThreads", "Rendezvous", "current", "entered", "in_transform", "run_threaded"]
+__all__ = ["Body", "NeedsThreads", "Rendezvous", "current", "entered", "in_transform", "run_threaded", "under_hooks"]
 
 _functorch: Any = getattr(torch._C, "_functorch")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
 
@@ -271,6 +272,14 @@ def run_threaded(calls: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> 
 
 
 _autograd: Any = getattr(torch._C, "_autograd")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
+
+
+def under_hooks() -> bool:
+    """Whether saved-tensor hooks are on here that a body's thread takes over (torch 2.8 on): a checkpoint's, say."""
+    top = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
 _AUTOCAST_DEVICES: tuple[str, ...] = tuple(getattr(torch._C, "_autocast_supported_devices", lambda: ("cpu", "cuda"))())  # pyright: ignore[reportPrivateUsage]
 
 
