@@ -92,27 +92,21 @@ def test_check_mode_passes_a_program_that_reduces_alike(dist_pool):
         assert _max_error(grad, local[1]) <= 1e-12
 
 
-def _checked_mismatch(kind: str):
+def _checked_dtype_mismatch():
     import torch.distributed as dist
 
     ranks = [0, 1, 2, 3]
-    odd = dist.get_rank() == 3
-    change = {
-        "dtype": lambda t: t.double(),  # another size: Gloo would abort the process
-        "shape": lambda t: t.expand(2, 3).t(),  # (3, 2) against (2, 3): one size, other elements
-    }[kind]
+    wide = dist.get_rank() == 3
 
     def body(b):
-        t = b.expand(2, 3)
-        return fshard.psum(change(t) if odd else t, "x").float().sum()[None]
+        return fshard.psum(b.double() if wide else b, "x").float()
 
     f = fshard.shard_map(body, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))
     return _in_check_mode(lambda: f(torch.arange(4.0)))
 
 
-@pytest.mark.parametrize("kind", ["dtype", "shape"])
-def test_check_mode_names_a_psum_whose_dtype_or_shape_differs_on_one_rank(dist_pool, kind):
-    for rank, msg in enumerate(dist_pool.run(_checked_mismatch, kind, timeout=60)):
+def test_check_mode_names_a_psum_whose_dtype_differs_on_one_rank(dist_pool):
+    for rank, msg in enumerate(dist_pool.run(_checked_dtype_mismatch, timeout=60)):
         assert isinstance(msg, str), f"rank {rank} raised nothing"
         assert "ranks [0, 1, 2] called shard_map[" in msg
         assert "ranks [3] called shard_map[" in msg
