@@ -7,6 +7,8 @@ elements; with ``src=None`` nothing is sent. Every leaf equals ``shard`` of that
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -95,6 +97,27 @@ def test_a_bad_leaf_on_the_source_rank_raises_on_every_rank(dist_pool):
         assert kind == "TypeError"
         assert "the leaf at ('step',) is of type int" in message
         assert "on rank 2" in message
+
+
+def _spec_off_the_source(case: str) -> str:
+    """Rank 1 passes a spec unlike the others' (one that fits no tensor of the source, or a tree of other keys)."""
+    rank = TorchDistBackend().rank
+    tree = {"a": torch.ones(4, 2), "b": torch.ones(3)} if rank == 0 else None
+    spec: Any = fshard.Chunk(0, R)
+    if rank == 1:
+        spec = fshard.Chunk(5, R) if case == "bad dim" else {"a": fshard.Chunk(0, R), "c": fshard.Chunk(0, R)}
+    try:
+        fshard.shard(tree, spec, src=0)
+    except (fshard.SpecError, ValueError) as exc:
+        return str(exc)
+    return "returned"
+
+
+@pytest.mark.parametrize("case", ["bad dim", "other keys"])
+def test_a_spec_unlike_the_others_off_the_source_rank_raises_on_every_rank_at_once(dist_pool, case):
+    for rank, message in enumerate(dist_pool.run(_spec_off_the_source, case, timeout=30)):
+        assert "passed another spec than ranks" in message, (rank, message)
+        assert "give every rank the same spec" in message
 
 
 def _gradients() -> tuple[list[float] | None, list[float] | None]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 from typing import Any, cast, overload
 
 import optree
@@ -19,7 +21,7 @@ from fshard._exec.collective import collective
 from fshard._exec.fused import move_tree
 from fshard._exec.replicas import check_global, checking
 from fshard._interop.torch_objects import shard_sharded_tensor
-from fshard._layout.layout import Layout, with_partial
+from fshard._layout.layout import Layout, layout_digest, with_partial
 from fshard._layout.specs import as_layout
 from fshard._layout.torch_meta import is_sharded_tensor
 from fshard.backends import Backend
@@ -63,10 +65,11 @@ def _source(tensor: Any, src: int, spec: Any, backend: Backend) -> tuple[tuple[i
         info = (src, tuple(tensor.shape), tensor.dtype, tensor.requires_grad, None, None)
     else:
         info = (src, None, None, False, problem, None)
-    seen = backend.exchange(info)
+    seen = backend.exchange((*info, _spec_digest(spec)))
     if len({s[0] for s in seen}) != 1:
         msg = f"src={src} on rank {backend.rank} does not match with src_rank on other ranks: {[s[0] for s in seen]}."
         raise SpecError(msg)
+    _check_specs_alike(src, [s[6] for s in seen], backend)
     bad = next((s[4] for s in seen if s[4] is not None), None)
     if bad is not None:
         kind, msg = bad
@@ -79,6 +82,42 @@ def _source(tensor: Any, src: int, spec: Any, backend: Backend) -> tuple[tuple[i
         return owner[1], resolved(cast("torch.Tensor", tensor))
     # The stand-in requires grad like the source, so every rank's shards join autograd alike.
     return owner[1], torch.empty(0, dtype=owner[2], requires_grad=owner[3])
+
+
+def _spec_digest(spec: Any) -> str:
+    """A digest of ``spec`` (one spec, or a pytree of them: dict keys sorted), alike on every process.
+
+    A ``Layout`` counts by its digest: its repr would make an object per shard. Devices are
+    left out, as ``layout_digest`` leaves them out: ranks may name one GPU each their own way.
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(spec, is_leaf=is_spec, none_is_leaf=True)
+    h = hashlib.blake2b(repr(paths).encode(), digest_size=8)
+    for leaf in leaves:
+        h.update(layout_digest(leaf) if isinstance(leaf, Layout) else _DEVICE.sub("", repr(leaf)).encode())
+    return h.hexdigest()
+
+
+_DEVICE = re.compile(r", device='[^']*'")  # a Placement's device in a spec's repr
+
+
+def _check_specs_alike(src: int, digests: list[str], backend: Backend) -> None:
+    """Raises on every rank where the ranks passed different specs.
+
+    A spec that fits rank ``src``'s tensors on some ranks only would raise on those alone,
+    after the exchange, and leave the others waiting.
+    """
+    if len(set(digests)) == 1:
+        return
+    group: Any = backend  # the one that exchanged, so a group of processes: its ranks in the exchange's order
+    ranks: list[int] = list(group.ranks)
+    mine = digests[ranks.index(group.rank)]
+    like = [r for r, d in zip(ranks, digests) if d == mine]
+    other = [r for r, d in zip(ranks, digests) if d != mine]
+    msg = (
+        f"shard(..., src={src}): ranks {like} passed another spec than ranks {other}: every rank lays out the "
+        f"tensors that rank {src} sends by its own spec, so give every rank the same spec."
+    )
+    raise SpecError(msg)
 
 
 def _source_problem(tensor: Any, src: int, spec: Any) -> tuple[str, str] | None:
