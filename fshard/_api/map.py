@@ -680,7 +680,7 @@ def _bodies(
     # transform cannot run: there only a body that does reduce in this call is refused. Under saved-tensor hooks
     # (a checkpoint) no body runs ahead to find out: the hooks would see tensors that its recomputation does not
     # make, so the bodies take turns in threads from the start, in the order one after another would run them.
-    ahead = not reducing.threaded and not (_body.under_hooks() and not _body.in_transform())
+    ahead = not reducing.threaded and not _body.under_hooks()
     if backend.spans_processes or ahead or _body.in_transform():
         try:
             out: list[tuple[Slot, Any]] = []
