@@ -515,7 +515,7 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
     # whose per-shard uses gather's backward sums, on every backend alike.
     grads = torch.is_grad_enabled() and any(a.requires_grad for a in leaves)
     src = tuple(a.layout for a in leaves)
-    packs = backend.spans_processes or any(x.partial is not None for x in src)
+    packs = _fused.packs_flat(backend, *(x.partial for x in src))
     fused, targets = _gather_targets(src, dst, tuple(receivers)) if packs and not grads else ((), ())
     out: list[Any] = [None] * len(leaves)
     moved = _fused.move_tree([leaves[k] for k in fused], targets)

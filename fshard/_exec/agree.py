@@ -143,17 +143,14 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
                 f"{what} fn raised on rank(s) {failed}, whose error says why; the other ranks returned, and raise "
                 "this at their next collective."
             )
-        for part in (0, 1):
-            usual = Counter(d[part] for _, _, d in pairs).most_common(1)[0][0]
-            odd = [r for r, _, d in pairs if d[part] != usual]
-            if not odd:
-                continue
-            like = [r for r, _, d in pairs if d[part] == usual]
-            if part == 0:
-                return SpecError(
-                    f"{what} fn returned another structure or other dtypes on ranks {odd} than on ranks {like} (this "
-                    f"rank's: {_shown(outcome)}); return one structure, with one dtype per result, on every placement."
-                )
+        odd, like = _apart([d[0] for _, _, d in pairs], [r for r, _, _ in pairs])
+        if odd:
+            return SpecError(
+                f"{what} fn returned another structure or other dtypes on ranks {odd} than on ranks {like} (this "
+                f"rank's: {_shown(outcome)}); return one structure, with one dtype per result, on every placement."
+            )
+        odd, like = _apart([d[1] for _, _, d in pairs], [r for r, _, _ in pairs])
+        if odd:
             return CollectiveMismatchError(
                 f"{what}: ranks {odd} and ranks {like} would sum the gradients of its arguments in different "
                 f"buckets (this rank's: {series or 'none'}): give every rank the same "
@@ -164,6 +161,12 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
 
     digest = 0 if outcome is None else _digest_of(*outcome)
     backend.check_later(what, outcome is None, (digest, _text_digest(series)), verdict)
+
+
+def _apart(digests: Sequence[int], ranks: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The ranks whose digest is not the most common one, and those whose digest is."""
+    usual = Counter(digests).most_common(1)[0][0]
+    return [r for r, d in zip(ranks, digests) if d != usual], [r for r, d in zip(ranks, digests) if d == usual]
 
 
 def post_failure(backend: Any, what: str, error: BaseException) -> None:

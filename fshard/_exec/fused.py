@@ -49,7 +49,16 @@ from fshard._layout.validate import Columns
 _LAYOUT, _DTYPE, _BACKEND, _DATA = map(operator.attrgetter, ("_layout", "_dtype", "_backend", "_data"))  # map() in C
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
-__all__ = ["Flat", "flat_layouts", "flat_range", "launch_tree", "move_arguments", "move_tree", "regroup_tree"]
+__all__ = [
+    "Flat",
+    "flat_layouts",
+    "flat_range",
+    "launch_tree",
+    "move_arguments",
+    "move_tree",
+    "packs_flat",
+    "regroup_tree",
+]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -260,7 +269,7 @@ def _recipe(src: tuple[Layout, ...], dst: tuple[Layout, ...], dtypes: tuple[torc
             keys.setdefault((t, a.partial, b.partial), []).append(k)
     for (dtype, pending, _), found in keys.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
-        packs = backend.spans_processes or pending is not None
+        packs = packs_flat(backend, pending)
         ranges: list[int] = []
         for members in _classes(src, dst, found, itemsize):
             first = members[0]
@@ -284,6 +293,15 @@ def _classes(src: tuple[Layout, ...], dst: tuple[Layout, ...], found: list[int],
     for k in found:
         classes.setdefault((src[k], dst[k]) if src[k].numel * itemsize <= STACK_MAX_BYTES else k, []).append(k)
     return list(classes.values())
+
+
+def packs_flat(backend: Any, *partials: str | None) -> bool:
+    """Whether leaves with these pending reductions move in a flat array on ``backend``.
+
+    Across processes, always; in one process only pending sums, so that their elements have
+    the owners they have across processes, and their sums the same bits.
+    """
+    return backend.spans_processes or any(p is not None for p in partials)
 
 
 def _stack(a: Layout, b: Layout, members: list[int], backend: Any, packs: bool) -> _Fused | None:
