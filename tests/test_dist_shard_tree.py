@@ -164,3 +164,36 @@ def test_check_mode_compares_a_tree_on_every_rank_leaf_by_leaf(dist_pool):
         assert kind == "CollectiveMismatchError"
         assert "the tensor at ('b',) of shard()'s tree (torch.float32, shape (3,))" in message
         assert "('a',)" not in message
+
+
+def _check_mode_structures(case: str) -> tuple[str, str, list[str]] | None:
+    from _pool import outcome
+
+    rank = TorchDistBackend().rank
+    t = torch.arange(4.0)
+    if case == "other keys":  # rank 0's key is another: each rank would get its own tree
+        tree: Any = {"a": t} if rank == 0 else {"b": t}
+    else:  # rank 0 passes two leaves, the others one
+        tree = [t, t] if rank == 0 else [t]
+    old = fshard.config(check_collectives=True)
+    try:
+        return outcome(lambda: fshard.shard(tree, fshard.Chunk(0, R)))
+    finally:
+        fshard.config(check_collectives=old.check_collectives)
+
+
+@pytest.mark.parametrize("case", ["other keys", "other counts"])
+def test_check_mode_compares_the_structure_of_a_tree_on_every_rank(dist_pool, case):
+    results = dist_pool.run(_check_mode_structures, case, timeout=60)
+    for rank, result in enumerate(results):
+        assert result is not None
+        kind, message, _ = result
+        assert kind == "CollectiveMismatchError"
+        if case == "other keys":
+            assert "shard()'s tree differs between ranks in its structure: ranks [0] passed digest" in message
+            assert f"(this rank's: PyTreeSpec({{{'a' if rank == 0 else 'b'!r}: *}}))" in message
+        else:
+            counts = "ranks [1, 2, 3] passed 1 tensor, ranks [0] passed 2 tensors"
+            assert f"shard()'s tree differs between ranks: {counts}" in message
+            assert f"(this rank passed {2 if rank == 0 else 1})" in message
+            assert "to shard one rank's tree, pass src=k" in message

@@ -622,3 +622,46 @@ def test_an_array_without_shards_here_keeps_a_0_element_link() -> None:
     assert rebuilt.addressable_data == ()
     with pytest.raises(LayoutError, match=re.escape("has a 0-element link, got one of shape (3,)")):
         optree.tree_map(lambda t: torch.ones(3), x)
+
+
+@pytest.mark.parametrize("tree_map", [optree.tree_map, torch_pytree.tree_map], ids=["optree", "torch-pytree"])
+def test_a_map_that_casts_casts_an_array_without_shards_here(tree_map) -> None:
+    class NoShardsHere:
+        """A backend stand-in for a process that holds no shard of any layout."""
+
+        name = "none-here"
+
+        def addressable(self, layout: Layout) -> tuple[int, ...]:
+            return ()
+
+    x = fshard.ShardedArray(Chunk(0, [0, 1]).layout((4,)), (), NoShardsHere(), torch.float32)
+    cast = tree_map(lambda t: t.to(torch.float16), x)
+    assert cast.dtype == torch.float16  # as on the ranks that hold shards: one dtype on every rank
+    assert optree.tree_leaves(cast)[0].dtype == torch.float16
+
+
+def test_a_tree_map_to_other_leaves_is_a_container_that_fshard_functions_refuse(rows) -> None:
+    a, spec = rows, Chunk(0, [0, 1, 2, 3])
+    sizes = optree.tree_map(lambda t: t.shape, a)  # a container of torch.Size leaves (torch.func's in_dims)
+    assert optree.tree_leaves(sizes, none_is_leaf=True) == [t.shape for t in a.addressable_data]
+    assert "leaves=[torch.Size([" in repr(sizes)
+    assert "leaves=[1, 1, 1, 1]" in repr(optree.tree_map(lambda t: 1, a))
+    calls = {
+        "gather": lambda: fshard.gather(sizes),
+        "gather of a tree": lambda: fshard.gather([sizes]),
+        "reshard": lambda: fshard.reshard(sizes, Replicated([0, 1])),
+        "map_local": lambda: fshard.map_local(lambda t: t, sizes),
+        "shard_map": lambda: fshard.shard_map(lambda t: t, in_specs=(spec,), out_specs=spec)(sizes),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match="holds Size where its shard tensors should be: a pytree map") as info:
+            call()
+        assert "fshard.map_local" in str(info.value), name
+
+
+def test_torch_pytree_key_paths_name_each_shard_as_optree_does(rows) -> None:
+    paths = [torch_pytree.keystr(p) for p, _ in torch_pytree.tree_flatten_with_path({"w": rows})[0]]
+    assert paths == ["['w'][0]", "['w'][1]", "['w'][2]", "['w'][3]"]
+    assert optree.tree_paths({"w": rows}) == [("w", k) for k in range(4)]
+    doubled = torch_pytree.tree_map_with_path(lambda path, t: t * 2, {"w": rows})
+    assert torch.equal(fshard.gather(doubled["w"]), fshard.gather(rows) * 2)

@@ -115,6 +115,7 @@ def map_local(
     for k, a in enumerate(arrays):
         if not isinstance(a, ShardedArray):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
             raise TypeError(f"map_local() argument {k} takes a ShardedArray, got {type(a).__name__}.")
+        a._first()  # pyright: ignore[reportPrivateUsage]  # raises for a tree map's container of other leaves
     _check_backends(arrays, "map_local()")
     pending = _check_partial(arrays, linear)
     _check_terms(arrays)

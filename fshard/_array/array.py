@@ -249,7 +249,10 @@ class ShardedArray:
         """Whether the shards take part in autograd (on every process, including one without shards)."""
         if self._link is not None:
             return self._link.requires_grad
-        return any(t.requires_grad for t in self._data)
+        try:
+            return any(t.requires_grad for t in self._data)
+        except AttributeError:  # no tensors: a tree map's container of other leaves
+            raise _of_other_leaves(self) from None
 
     @property
     @opaque  # builds ShardMetas from the layout's columns
@@ -321,7 +324,10 @@ class ShardedArray:
 
         It gives the movement its dtype, device and autograd history.
         """
-        return self._link if self._link is not None else self._data[0]
+        first = self._link if self._link is not None else self._data[0]
+        if not isinstance(first, torch.Tensor):
+            raise _of_other_leaves(self)
+        return first
 
     def _link_view(self) -> torch.Tensor:
         """A 0-element view of ``_first()``.
@@ -338,6 +344,18 @@ class ShardedArray:
             "fshard.map_local, or gather() first."
         )
         raise TypeError(msg)
+
+
+def _of_other_leaves(x: ShardedArray) -> TypeError:
+    """The error for a node of other leaves than tensors (a tree map's result) where an array is needed."""
+    kinds = sorted({type(c).__name__ for c in _children(x)})
+    return TypeError(
+        f"This ShardedArray holds {', '.join(kinds)} where its shard tensors should be: a pytree map "
+        "(optree.tree_map, torch.utils._pytree.tree_map) built it from a function that returns no tensor. "
+        "Such a node is a container of those leaves, for tree utilities (torch.func's in_dims): no fshard "
+        "function takes it. Map with a function that returns a tensor of each shard's shape, or use "
+        "fshard.map_local."
+    )
 
 
 def _new_link(dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
@@ -383,7 +401,8 @@ def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedAr
         layout = batched_layout(layout, children, backend.addressable(layout)) or layout
         if backend.addressable(layout) or len(children) != 1:
             return ShardedArray(layout, children, backend, dtype)
-        return ShardedArray(layout, (), backend, dtype, children[0])
+        # The link carries the dtype where no shard is: a map that casts casts it, as it casts the shards.
+        return ShardedArray(layout, (), backend, children[0].dtype, children[0])
     # Tree utilities also rebuild nodes around other leaves (torch.func's in_dims trees hold
     # ints and None): such a node is a container of those leaves, unchecked, as JAX asks.
     node = object.__new__(ShardedArray)
@@ -393,6 +412,13 @@ def _unflatten(aux: tuple[Layout, Any, torch.dtype], children: Any) -> ShardedAr
     return node
 
 
+@opaque
+def _flatten_with_keys(x: ShardedArray) -> tuple[list[tuple[Any, torch.Tensor]], tuple[Layout, Any, torch.dtype]]:
+    """The children with torch's keys (``tree_map_with_path``): each named by its position, as optree's paths are."""
+    children, aux = _flatten(x)
+    return [(torch_pytree.SequenceKey(i), c) for i, c in enumerate(children)], aux
+
+
 _GLOBAL = getattr(optree.registry, "__GLOBAL_NAMESPACE", "fshard")
 optree.register_pytree_node(ShardedArray, _flatten, lambda aux, ch: _unflatten(aux, ch), namespace=_GLOBAL)  # type: ignore[arg-type]
 torch_pytree.register_pytree_node(
@@ -400,6 +426,7 @@ torch_pytree.register_pytree_node(
     opaque(lambda x: (list(_children(x)), (x._layout, x._backend, x._dtype))),
     opaque(lambda children, aux: _unflatten(aux, children)),  # torch passes (children, context)
     serialized_type_name="fshard.ShardedArray",
+    flatten_with_keys_fn=_flatten_with_keys,
 )
 
 
@@ -419,6 +446,9 @@ def array_repr(x: ShardedArray) -> str:
     some shards: that would need the other processes.
     """
     layout = x.layout
+    children = _children(x)
+    if not all(isinstance(c, torch.Tensor) for c in children):  # a tree map's container of other leaves
+        return f"ShardedArray(shape={tuple(x.shape)}, leaves={list(children)!r}, layout={layout_repr(layout)})"
     head = f"ShardedArray(shape={tuple(x.shape)}, dtype={x.dtype}, backend={x.backend.name}"
     values = _values(x)
     return f"{head}, layout={layout_repr(layout)}{values})"

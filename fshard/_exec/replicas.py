@@ -17,6 +17,7 @@ same table and reaches the same verdict, so all raise or none.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -41,45 +42,90 @@ def checking() -> bool:
     return _config.current().check_collectives
 
 
-def check_global(backend: Any, tensors: Sequence[tuple[str, torch.Tensor]], *, gradient: bool = False) -> None:
+def check_global(
+    backend: Any,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    *,
+    gradient: bool = False,
+    tree: tuple[str, str] | None = None,
+) -> None:
     """In check mode, raises on every rank unless every rank passed the same ``tensors``.
 
-    ``tensors`` are (description, tensor) pairs, alike in number on every rank. One
-    exchange of a digest per tensor (a second only where ranks hold them on different
-    device types, which hash differently); nothing outside check mode or in one process.
-    ``gradient``: the tensors are the gradients of a value that every rank holds whole
-    (a gathered tensor), which differ where ranks computed their losses from per-rank data.
+    ``tensors`` are (description, tensor) pairs. One exchange of a digest per tensor (a
+    second only where ranks hold them on different device types, which hash differently);
+    nothing outside check mode or in one process. ``gradient``: the tensors are the
+    gradients of a value that every rank holds whole (a gathered tensor), which differ where
+    ranks computed their losses from per-rank data. ``tree``: the tensors are the leaves of
+    a pytree, ``(description, structure)``, whose structure every rank must pass alike too.
 
     Raises:
-        CollectiveMismatchError: a tensor differs between ranks, naming it, the ranks
-            grouped by digest, and ``fshard.from_local_tensor`` for per-rank batches.
+        CollectiveMismatchError: ranks passed other numbers of tensors, trees of other
+            structures, or a tensor differs between ranks, naming it, the ranks grouped by
+            digest, and ``fshard.from_local_tensor`` for per-rank batches.
     """
     if not (checking() and backend.spans_processes and getattr(backend, "member", True)):
         return
     kinds: list[Kind] = [kind_of(t) for _, t in tensors]
-    seen = _entries(backend, backend.exchange([(k, digest(t, k)) for k, (_, t) in zip(kinds, tensors)]), len(tensors))
-    if any(len({e[n][0] for e in seen}) > 1 for n in range(len(tensors))):
+    mine = [(k, digest(t, k)) for k, (_, t) in zip(kinds, tensors)]
+    if tree is not None:  # the structure's digest rides as one more entry
+        mine.append(("bytes", hashlib.blake2b(tree[1].encode(), digest_size=16).digest()))
+    seen = _entries(backend, backend.exchange(mine))
+    _same_count(backend, seen, len(tensors), tree)
+    if tree is not None:
+        structures = _grouped(backend, [entry[-1][1] for entry in seen])
+        if len(structures) > 1:
+            msg = (
+                f"{tree[0]} differs between ranks in its structure: {_groups(structures, 'passed')} (this rank's: "
+                f"{tree[1]}). Every rank passes the same tree, of the same keys and nodes (SPMD); to shard one "
+                "rank's tree, pass src=k."
+            )
+            raise CollectiveMismatchError(msg)
+        seen = [entry[:-1] for entry in seen]
+    if any(len({pair[0] for pair in column}) > 1 for column in zip(*seen)):  # a tensor's kinds differ
         mine = [("device", digest(t, "device")) for _, t in tensors]
-        seen = _entries(backend, backend.exchange(mine), len(tensors))
+        seen = _entries(backend, backend.exchange(mine))
     for n, (what, _) in enumerate(tensors):
-        groups: dict[bytes, list[int]] = {}
-        for rank, entry in zip(backend.ranks, seen):
-            groups.setdefault(entry[n][1], []).append(rank)
+        groups = _grouped(backend, [entry[n][1] for entry in seen])
         if len(groups) > 1:
             message = _gradient_message if gradient else _global_message
-            raise CollectiveMismatchError(message(what, list(groups.items()), len(seen)))
+            raise CollectiveMismatchError(message(what, groups, len(seen)))
 
 
-def _entries(backend: Any, seen: list[Any], n: int) -> list[Any]:
-    """The peers' digest entries, checked to be what ``check_global`` sends (they are untrusted)."""
+def _grouped(backend: Any, values: Sequence[bytes]) -> list[tuple[bytes, list[int]]]:
+    """The ranks of ``backend`` grouped by their value (in ``values``, in rank order)."""
+    groups: dict[bytes, list[int]] = {}
+    for rank, value in zip(backend.ranks, values):
+        groups.setdefault(value, []).append(rank)
+    return list(groups.items())
+
+
+def _same_count(backend: Any, seen: Sequence[Any], n: int, tree: tuple[str, str] | None) -> None:
+    """Raises where the ranks passed other numbers of tensors (``seen``: each rank's entries)."""
+    extra = 0 if tree is None else 1
+    counts: dict[int, list[int]] = {}
     for rank, entry in zip(backend.ranks, seen):
-        if not _is_entry(entry, n):
-            raise CollectiveMismatchError(f"Refused digests from rank {rank}: not {n} (kind, bytes) pairs.")
+        counts.setdefault(len(entry) - extra, []).append(rank)
+    if len(counts) > 1:
+        call = call_name()
+        what = tree[0] if tree is not None else f"The tensors passed{f' to {call}' if call is not None else ''}"
+        passed = ", ".join(f"ranks {ranks} passed {k} tensor{'s' * (k != 1)}" for k, ranks in sorted(counts.items()))
+        msg = (
+            f"{what} differs between ranks: {passed} (this rank passed {n}). Every rank passes the same "
+            "tensors (SPMD); to shard one rank's tree, pass src=k."
+        )
+        raise CollectiveMismatchError(msg)
+
+
+def _entries(backend: Any, seen: list[Any]) -> list[Any]:
+    """The peers' digest entries, checked to be lists of what ``check_global`` sends (they are untrusted)."""
+    for rank, entry in zip(backend.ranks, seen):
+        if not _is_entry(entry):
+            raise CollectiveMismatchError(f"Refused digests from rank {rank}: not a list of (kind, bytes) pairs.")
     return seen
 
 
-def _is_entry(entry: Any, n: int) -> bool:
-    if type(entry) is not list or len(cast("list[Any]", entry)) != n:
+def _is_entry(entry: Any) -> bool:
+    if type(entry) is not list:
         return False
     pairs = cast("list[Any]", entry)
     return all(type(e) is tuple and len(e) == 2 and e[0] in ("bytes", "device") and type(e[1]) is bytes for e in pairs)
