@@ -165,12 +165,23 @@ def _title(info: dict[str, Any]) -> str:
 
 
 def _render_saved(path: Path, plots: Sequence[Path]) -> int:
-    info = json.loads(path.read_text())["machine"]
-    rows = report.load_rows(path)
+    try:
+        info = json.loads(path.read_text())["machine"]
+        rows = report.load_rows(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # ValueError: not JSON, or not UTF-8 text
+        print(
+            f"fshard bench --render: {path} is not a results file that bench saved ({type(exc).__name__}: {exc}); "
+            "give the .json that a run wrote (its last line names it).",
+            file=sys.stderr,
+        )
+        return 2
     report.render(rows, info)
     print(report.markdown(rows))
-    for written in report.plot(rows, plots, _title(info)):
-        print(f"plot: {written}")
+    written = report.plot(rows, plots, _title(info))
+    for done in written:
+        print(f"plot: {done}")
+    if plots and not written:
+        print(f"plot: none written, {path} holds no rows of the sized cases (local, torch_dist) to draw")
     return 0
 
 

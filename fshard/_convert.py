@@ -90,6 +90,7 @@ def convert(
         source = open_source(source_path, stack, verify=verify)
         to = to or ("hf" if source.kind == "fshard" else "fshard")
         _check_dtypes(source, to)
+        _check_budget(source, budget)
         if to == "fshard":
             tree, item = source.tree()
 
@@ -114,6 +115,20 @@ def _check_dtypes(source: Source, to: str) -> None:
             "them cast (to complex64, say)."
         )
         raise CheckpointError(msg)
+
+
+def _check_budget(source: Source, budget: int | None) -> None:
+    """Refuses a ``max_memory`` that holds less than one element of some tensor, before anything is written."""
+    if budget is None or not source.items:
+        return
+    widest = max(source.items, key=lambda i: i.dtype.itemsize)
+    if widest.dtype.itemsize > budget:
+        msg = (
+            f"convert() max_memory={budget} bytes holds less than one element of {widest.name} ({widest.dtype}, "
+            f"{widest.dtype.itemsize} bytes): raise it to at least {widest.dtype.itemsize} bytes (a block of "
+            "one element at a time is slow: megabytes, as '256MB', is the usual size)."
+        )
+        raise SpecError(msg)
 
 
 def _summary(source: Source, src: Path, to: str, dst: Path) -> str:
@@ -267,8 +282,12 @@ def main_info(argv: Sequence[str], prog: str) -> int:
     parser.add_argument("path", type=Path, help="fshard checkpoint, torch DCP folder, or Hugging Face file or folder")
     args = parser.parse_args(argv)
     try:
-        print(checkpoint_info(args.path))
+        text = checkpoint_info(args.path)
     except CheckpointError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # a reader that stopped early (`| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush is quiet too
     return 0

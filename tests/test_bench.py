@@ -363,6 +363,28 @@ def test_render_saved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert (tmp_path / "p.png").exists()
 
 
+def test_render_of_no_results_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    for name in ("missing.json", "text.json", "empty.json", "binary.json", "."):
+        path = tmp_path / name
+        assert run.main(["--render", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"fshard bench --render: {path} is not a results file that bench saved" in err, name
+        assert "Traceback" not in err
+
+
+def test_render_says_when_it_draws_no_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("rich")
+    unsized = [Row("training", "GPT d_model 128", "fshard DP", 0.03)]
+    path = report.save(unsized, INFO, Settings(), tmp_path / "b.json", 1.0)
+    assert run.main(["--render", str(path), "--plot", str(tmp_path / "p.png")]) == 0
+    assert "plot: none written" in capsys.readouterr().out
+    assert not (tmp_path / "p.png").exists()
+
+
 # -- running cases --------------------------------------------------------------------------
 
 

@@ -345,7 +345,7 @@ def test_a_first_save_that_crashes_leaves_no_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(Crash):
         fshard.save(tmp_path / "ck", {"t": torch.ones(2)})
     monkeypatch.undo()
-    with pytest.raises(fshard.CheckpointError, match=r"index.json does not exist \(an interrupted save"):
+    with pytest.raises(fshard.CheckpointError, match=r"index.json does not exist \(an interrupted fshard save"):
         fshard.load(tmp_path / "ck")
 
 

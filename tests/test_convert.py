@@ -228,8 +228,8 @@ def test_cli_info_of_a_hugging_face_folder(tmp_path: Path, capsys: pytest.Captur
         (["convert", "a"], 2, "the following arguments are required: dst"),
         (["convert", "a", "b", "--max-memory", "0"], 2, "--max-memory must be a positive number of bytes"),
         (["convert", "a", "b", "--to", "pt"], 2, "argument --to: invalid choice: 'pt'"),
-        (["convert", "/no/such/dir", "/tmp/x"], 1, "/no/such/dir/index.json does not exist"),
-        (["info", "/no/such/dir"], 1, "/no/such/dir/index.json does not exist"),
+        (["convert", "/no/such/dir", "/tmp/x"], 1, "/no/such/dir does not exist: give an fshard checkpoint's folder"),
+        (["info", "/no/such/dir"], 1, "/no/such/dir does not exist: give an fshard checkpoint's folder"),
     ],
     ids=["missing-dst", "bad-size", "bad-to", "missing-src", "info-missing"],
 )
@@ -317,3 +317,53 @@ def test_a_spec_that_does_not_fit_a_leaf_names_it(tmp_path: Path, kind: str) -> 
         where = r"Tensor 'opt.step' \(torch.float32, shape \(\)\)"
     with pytest.raises(fshard.SpecError, match=where + r": Invalid sharding dim: 0 for a 0-D array"):
         fshard.load(tmp_path / "ck", specs=fshard.Chunk(0, [0, 1]))
+
+
+def test_a_max_memory_below_one_element_is_refused_before_anything_is_written(
+    dcp_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "out"
+    assert cli.main(["convert", str(dcp_folder), str(target), "--max-memory", "2"], prog="fshard") == 1
+    err = capsys.readouterr().err
+    assert "convert() max_memory=2 bytes holds less than one element of" in err
+    assert "raise it to at least" in err
+    assert "Traceback" not in err
+    assert not target.exists()
+
+
+def test_folders_of_formats_fshard_does_not_read_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    config.save_pretrained(tmp_path / "bin")  # a folder of the older kind: its weights a torch.save pickle
+    torch.save(transformers.GPT2LMHeadModel(config).state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # dcp.save: "torch.distributed is disabled ... single process"
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "per-rank", no_dist=True, use_collectives=False)
+    (tmp_path / "empty").mkdir()
+    expected = {
+        "bin": "holds PyTorch .bin weights (torch.save pickles), which fshard does not read",
+        "per-rank": "holds torch DCP data files but no .metadata file: a folder saved with use_collectives=False",
+        "empty": "holds no .metadata (torch DCP) or .safetensors files (Hugging Face): it is no checkpoint",
+    }
+    for name, message in expected.items():
+        assert cli.main(["info", str(tmp_path / name)], prog="fshard") == 1
+        assert message in capsys.readouterr().err, name
+        with pytest.raises(fshard.CheckpointError, match=re.escape(message)):
+            fshard.load(tmp_path / name)
+
+
+def test_info_into_a_closed_pipe_ends_quietly(dcp_folder: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: a write raises BrokenPipeError
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "fshard", "info", str(dcp_folder)], stdout=write, stderr=subprocess.PIPE, timeout=120
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 0
+    assert b"Traceback" not in done.stderr

@@ -697,7 +697,8 @@ CASES = [
     pytest.param(
         lambda: fshard.from_sharded_tensor(None),
         TypeError,
-        "from_sharded_tensor() takes a torch ShardedTensor, got NoneType.",
+        "from_sharded_tensor() takes a torch ShardedTensor, got NoneType. For a state dict that mixes "
+        "ShardedTensors and tensors, fshard.shard_params(state_dict) converts each ShardedTensor and keeps the rest.",
         id="from-sharded-tensor-none",
     ),
     pytest.param(

@@ -199,6 +199,35 @@ def _is_dict(value: object) -> TypeGuard[dict[str, Any]]:
     return isinstance(value, dict)
 
 
+def _not_a_checkpoint(root: Path, where: Path, is_dir: bool) -> str:
+    """Why ``root``, which holds no ``index.json``, is read by none of the loaders, and what to do."""
+    if not is_dir:
+        return (
+            f"{root} does not exist: give an fshard checkpoint's folder, a torch DCP folder, or a Hugging Face "
+            "safetensors file or folder."
+        )
+    try:
+        names = [p.name for p in root.iterdir()]
+    except OSError:
+        names = []
+    if any(n.endswith(".bin") or n == "pytorch_model.bin.index.json" for n in names):
+        return (
+            f"{root} holds PyTorch .bin weights (torch.save pickles), which fshard does not read: save the model "
+            "as safetensors first (transformers' model.save_pretrained(folder), safetensors by default), then "
+            "read that folder."
+        )
+    if any(n.endswith(".distcp") or (n.startswith("__") and n.endswith(".metadata")) for n in names):
+        return (
+            f"{root} holds torch DCP data files but no .metadata file: a folder saved with "
+            "use_collectives=False (a metadata file per rank) or a save that did not finish. fshard reads DCP "
+            "folders with one .metadata (dcp.save with its collectives); save it that way."
+        )
+    return (
+        f"{where} does not exist (an interrupted fshard save leaves no index), and {root} holds no .metadata "
+        "(torch DCP) or .safetensors files (Hugging Face): it is no checkpoint that fshard reads."
+    )
+
+
 def read_index(root: Path) -> tuple[dict[str, Any], str]:
     """``index.json`` with its top level and digest checked, and the SHA-256 of its bytes as read.
 
@@ -212,8 +241,7 @@ def read_index(root: Path) -> tuple[dict[str, Any], str]:
     if exists and not found:
         raise CheckpointError(f"{where} is not a file: {root} is not an fshard checkpoint, or its index was replaced.")
     if not found:
-        hint = " (an interrupted save leaves no index)" if is_dir else ""
-        raise CheckpointError(f"{where} does not exist{hint}: {root} is not an fshard checkpoint.")
+        raise CheckpointError(_not_a_checkpoint(root, where, is_dir))
     inside(root, where)
     try:
         raw = where.read_bytes()

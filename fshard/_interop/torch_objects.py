@@ -153,7 +153,12 @@ def from_sharded_tensor(st: Any) -> ShardedArray:
     >>> dist.destroy_process_group()
     """
     if not is_sharded_tensor(st):
-        raise TypeError(f"from_sharded_tensor() takes a torch ShardedTensor, got {type(st).__name__}.")
+        msg = (
+            f"from_sharded_tensor() takes a torch ShardedTensor, got {type(st).__name__}. For a state dict that "
+            "mixes ShardedTensors and tensors, fshard.shard_params(state_dict) converts each ShardedTensor and "
+            "keeps the rest."
+        )
+        raise TypeError(msg)
     layout = Layout.from_torch_metadata(st.metadata())
     shards = [Shard(_shard_meta(s.metadata), s.tensor) for s in st.local_shards()]
     return from_local_shards_and_layout(shards, layout, backend=_torch_dist_backend(st._process_group))
