@@ -206,3 +206,44 @@ def _prefetched(size: str) -> list[bool]:
 @pytest.mark.parametrize("size", ["small", "medium", "large"])
 def test_a_prefetched_pending_sum_gives_the_bits_of_the_call_without_it(dist_pool, size):
     assert dist_pool.run(_prefetched, size, timeout=120) == [[True, True, True]] * 4
+
+
+def _spread(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A rank's gradient of a block: values over seven orders of magnitude, whose sum depends on the order."""
+    g = torch.Generator().manual_seed(100 + rank + 7 * shape[0])
+    return torch.randn(*shape, generator=g) * 10.0 ** torch.randint(-3, 4, shape, generator=g)
+
+
+def _tree_over_two_axes() -> list[bool]:
+    """Two leaves split over ``fs`` and copied over ``dp``, gathered by one call: each shard's gradient, bit for bit.
+
+    The backward sums the 4 ranks' gradients of each block; across processes the tree moves as one flat array.
+    """
+
+    def grads(backend: object) -> list[list[torch.Tensor]]:
+        mesh = fshard.Mesh((2, 2), R, axis_names=("dp", "fs"))
+        ws = [fshard.shard(torch.zeros(s), fshard.Named(mesh, ("fs", None)), backend=backend) for s in ((6, 4), (3, 4))]
+        for w in ws:
+            for t in w.addressable_data:
+                t.requires_grad_()
+        rows = fshard.Chunk(0, R)
+        x = fshard.shard(torch.arange(4.0), rows, backend=backend)
+
+        def body(xb: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
+            rank = int(xb.item())
+            return sum((b * _spread(rank, tuple(b.shape))).sum() for b in blocks)[None]
+
+        everywhere = fshard.Replicated(R)
+        f = fshard.shard_map(body, in_specs=(rows, everywhere, everywhere), out_specs=fshard.Partial(everywhere))
+        torch.autograd.backward([t.sum() for t in f(x, *ws).addressable_data])
+        return [[t.grad for t in w.addressable_data] for w in ws]
+
+    rank = dist.get_rank()
+    mesh = fshard.Mesh((2, 2), R, axis_names=("dp", "fs"))
+    mine = [fshard.Named(mesh, ("fs", None)).layout(s).indices_on(rank) for s in ((6, 4), (3, 4))]
+    here, local = grads(TorchDistBackend()), grads(LocalBackend(world_size=4))
+    return [torch.equal(g, local[k][i]) for k in range(2) for g, i in zip(here[k], mine[k])]
+
+
+def test_a_tree_over_two_mesh_axes_sums_its_gradients_in_the_local_backends_bits(dist_pool):
+    assert dist_pool.run(_tree_over_two_axes, timeout=120) == [[True, True]] * 4

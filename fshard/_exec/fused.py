@@ -251,7 +251,9 @@ def _flat_stack(src: Layout, dst: Layout, n: int) -> tuple[int, Layout, Layout] 
 
 
 @cached(256)
-def _recipe(src: tuple[Layout, ...], dst: tuple[Layout, ...], dtypes: tuple[torch.dtype, ...], backend: Any) -> _Recipe:
+def _recipe(
+    src: tuple[Layout, ...], dst: tuple[Layout, ...], dtypes: tuple[torch.dtype, ...], backend: Any, sums: bool = False
+) -> _Recipe:
     """``move_tree``'s plan for leaves of layouts ``src`` and dtypes ``dtypes`` moving to ``dst`` on ``backend``.
 
     Per dtype (and pending reductions), across processes: the leaves whose boxes are ranges
@@ -259,7 +261,9 @@ def _recipe(src: tuple[Layout, ...], dst: tuple[Layout, ...], dtypes: tuple[torc
     layouts whose boxes are no ranges stack on their own (one movement per stack), and so do
     those of one process, where a movement is copies alone but a movement per leaf costs
     its call. Every other leaf moves alone. Pending sums pack in one process as across
-    processes, so that their elements have the same owners, and their sums the same bits.
+    processes, so that their elements have the same owners, and their sums the same bits;
+    so do leaves whose backward sums their copies' gradients (``sums``, where the targets
+    have copies).
     """
     alone: list[int] = []
     fused: list[_Fused] = []
@@ -269,7 +273,7 @@ def _recipe(src: tuple[Layout, ...], dst: tuple[Layout, ...], dtypes: tuple[torc
             keys.setdefault((t, a.partial, b.partial), []).append(k)
     for (dtype, pending, _), found in keys.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
-        packs = packs_flat(backend, pending)
+        packs = packs_flat(backend, pending, summing=sums and any(_has_copies(dst[k]) for k in found))
         ranges: list[int] = []
         for members in _classes(src, dst, found, itemsize):
             first = members[0]
@@ -295,13 +299,14 @@ def _classes(src: tuple[Layout, ...], dst: tuple[Layout, ...], found: list[int],
     return list(classes.values())
 
 
-def packs_flat(backend: Any, *partials: str | None) -> bool:
+def packs_flat(backend: Any, *partials: str | None, summing: bool = False) -> bool:
     """Whether leaves with these pending reductions move in a flat array on ``backend``.
 
-    Across processes, always; in one process only pending sums, so that their elements have
-    the owners they have across processes, and their sums the same bits.
+    Across processes, always; in one process only pending sums, and movements whose
+    backward sums copies' gradients (``summing``), so that the summed elements have the
+    owners they have across processes, and their sums the same bits.
     """
-    return backend.spans_processes or any(p is not None for p in partials)
+    return backend.spans_processes or summing or any(p is not None for p in partials)
 
 
 def _stack(a: Layout, b: Layout, members: list[int], backend: Any, packs: bool) -> _Fused | None:
@@ -376,7 +381,8 @@ def move_tree(
     backend = arrays[0]._backend  # pyright: ignore[reportPrivateUsage]  # the slots, not the properties: a tree is many
     if list(map(_BACKEND, arrays)).count(backend) != len(arrays):  # in C: the common case, one backend for all
         return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
-    recipe = _recipe(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend)
+    sums = summing and torch.is_grad_enabled() and any(a.requires_grad for a in arrays)  # a backward will sum
+    recipe = _recipe(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend, sums)
     for k in recipe.alone:
         a = arrays[k]
         data, link = move(a.layout, layouts[k], backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
