@@ -142,7 +142,8 @@ def test_the_block_before_has_landed_when_a_blocks_gradients_go_to_their_shards(
     execute = type(backend).execute
 
     def recorded(self, plan, tensors, like):
-        if plan.src.partial is not None and plan.src.shape == (D, D):  # a block's weight gradient, summed
+        # A block's gradients summed: its weight's and bias's, packed in one flat array (as across processes).
+        if plan.src.partial is not None and plan.src.shape == (D * D + D,):
             seen.append((_regather.in_flight(), _regather.live_groups()))
         return execute(self, plan, tensors, like)
 

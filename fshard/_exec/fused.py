@@ -381,7 +381,7 @@ def move_tree(
     backend = arrays[0]._backend  # pyright: ignore[reportPrivateUsage]  # the slots, not the properties: a tree is many
     if list(map(_BACKEND, arrays)).count(backend) != len(arrays):  # in C: the common case, one backend for all
         return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
-    sums = summing and torch.is_grad_enabled() and any(a.requires_grad for a in arrays)  # a backward will sum
+    sums = summing and any(a.requires_grad for a in arrays)  # a backward may sum (as a prefetch launched ahead)
     recipe = _recipe(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend, sums)
     for k in recipe.alone:
         a = arrays[k]
