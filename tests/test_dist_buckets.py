@@ -419,14 +419,15 @@ def test_an_optimizer_step_with_gradients_kept_aside_raises_and_drops_them(dist_
 def _block_skipped_at_the_end(style: str, world: int | None = None) -> tuple[str, list[Any], list[Any]]:
     """Two blocks, one call each; the last micro-batch skips the second block, which the first used under no_sync.
 
-    Returns the error of the last micro-batch's backward, and the gradients of a whole step after it with those
-    of the same step alone (nothing kept aside is added to it).
+    Returns the error of the optimizer's step after it (the second block's gradients are still kept aside), and
+    the gradients of a whole step after that with those of the same step alone (nothing kept aside is added).
     """
     backend = TorchDistBackend() if world is None else LocalBackend(world_size=world)
     rows = fshard.Chunk(0, R)
     spec = fshard.Replicated(R) if style == "dp" else rows
     blocks = [fshard.shard(w[:, :D], spec, backend=backend) for w in _weights()[:2]]
     leaves = [t.requires_grad_() for b in blocks for t in b.addressable_data]
+    opt = torch.optim.SGD(leaves, lr=0.0)  # a step that changes nothing: the gradients alone are compared
     layer = fshard.shard_map(lambda x, w: torch.tanh(x @ w), in_specs=(rows, fshard.Replicated(R)), out_specs=rows)
 
     def loss(x: fshard.ShardedArray, used: list[fshard.ShardedArray]) -> torch.Tensor:
@@ -437,33 +438,28 @@ def _block_skipped_at_the_end(style: str, world: int | None = None) -> tuple[str
     x = fshard.shard(torch.cat([_rows(r) for r in R]), rows, backend=backend)
     with fshard.no_sync():
         loss(x, blocks).backward()
-    try:
-        loss(x, blocks[:1]).backward()  # the second block's gradients, kept aside, cannot be summed now
-        message = "no error"
-    except fshard.SpecError as exc:
-        message = str(exc)
-    for t in leaves:
-        t.grad = None
+    loss(x, blocks[:1]).backward()  # sums the first block's; the second block's stay aside
+    message = _step_refusal(opt)
+    opt.zero_grad()
     loss(x, blocks).backward()
     after = [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
+    opt.zero_grad()
     loss(x, blocks).backward()
     return message, after, [t.grad for t in leaves]
 
 
 @pytest.mark.parametrize("world", [None, 4])
 @pytest.mark.parametrize("style", ["dp", "fsdp"])
-def test_a_block_the_last_micro_batch_skips_raises_at_its_backward_on_every_rank(dist_pool, style, world):
-    """Its gradients kept aside would be lost, or added to a later step's: every rank raises, and drops them."""
+def test_a_block_the_last_micro_batch_skips_is_refused_by_the_step_on_every_rank(dist_pool, style, world):
+    """Its gradients kept aside would be lost, or added to a later step's: every rank's step raises, and drops them."""
     results = (
         [_block_skipped_at_the_end(style, world)]
         if world
         else dist_pool.run(_block_skipped_at_the_end, style, timeout=120)
     )
     for message, after, alone in results:
-        assert "earlier micro-batches kept 1 more aside, for arrays that this micro-batch did not move" in message
-        assert "belongs inside no_sync(), with a later micro-batch that calls it outside" in message
+        assert "fshard.no_sync() still keeps aside" in message
+        assert "a block that earlier micro-batches used and it skips keeps its gradients aside" in message
         assert all(torch.equal(a, b) for a, b in zip(after, alone))
 
 

@@ -7,6 +7,7 @@ elements; with ``src=None`` nothing is sent. Every leaf equals ``shard`` of that
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -173,6 +174,8 @@ def _check_mode_structures(case: str) -> tuple[str, str, list[str]] | None:
     t = torch.arange(4.0)
     if case == "other keys":  # rank 0's key is another: each rank would get its own tree
         tree: Any = {"a": t} if rank == 0 else {"b": t}
+    elif case == "same":  # one tree whose node shows its metadata by address (another on each rank)
+        tree = {"a": collections.defaultdict(lambda: 0, w=t)}
     else:  # rank 0 passes two leaves, the others one
         tree = [t, t] if rank == 0 else [t]
     old = fshard.config(check_collectives=True)
@@ -182,16 +185,19 @@ def _check_mode_structures(case: str) -> tuple[str, str, list[str]] | None:
         fshard.config(check_collectives=old.check_collectives)
 
 
-@pytest.mark.parametrize("case", ["other keys", "other counts"])
+@pytest.mark.parametrize("case", ["other keys", "other counts", "same"])
 def test_check_mode_compares_the_structure_of_a_tree_on_every_rank(dist_pool, case):
     results = dist_pool.run(_check_mode_structures, case, timeout=60)
+    if case == "same":
+        assert results == [None] * 4
+        return
     for rank, result in enumerate(results):
         assert result is not None
         kind, message, _ = result
         assert kind == "CollectiveMismatchError"
         if case == "other keys":
             assert "shard()'s tree differs between ranks in its structure: ranks [0] passed digest" in message
-            assert f"(this rank's: PyTreeSpec({{{'a' if rank == 0 else 'b'!r}: *}}))" in message
+            assert f"(this rank's: leaves at [({'a' if rank == 0 else 'b'!r},)])" in message
         else:
             counts = "ranks [1, 2, 3] passed 1 tensor, ranks [0] passed 2 tensors"
             assert f"shard()'s tree differs between ranks: {counts}" in message

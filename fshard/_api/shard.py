@@ -406,7 +406,8 @@ def _shard_tree(tree: Any, spec: Any, backend: Backend) -> Any:
             f"the tensor at {path} of shard()'s tree ({x.dtype}, shape {x.shape})"
             for path, x in zip(found.paths, found.leaves)
         ]
-        check_global(backend, list(zip(described, fulls)), tree=("shard()'s tree", str(found.treedef)))
+        # The leaves' paths, not the treedef's text, which may show a node's metadata by address.
+        check_global(backend, list(zip(described, fulls)), tree=("shard()'s tree", f"leaves at {found.paths}"))
     targets = _targets(found, spec, backend)
     arrays: list[ShardedArray] = []
     for full, target in zip(fulls, targets):

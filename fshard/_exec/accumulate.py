@@ -10,9 +10,10 @@ to its own gradients and sums the total once: the bytes of one step, whatever th
 of micro-batches, as DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync(False)``.
 
 Whether a movement syncs is decided when it runs forward, as DDP decides. Gradients set
-aside for movements that the syncing micro-batch does not make again (a block it skips, or
-arrays that are gone) cannot be summed any more: the end of the syncing backward raises
-rather than drop them. An optimizer's step over
+aside for tensors that are gone by then (a step that moved other arrays) cannot be summed
+any more: the syncing backward raises rather than drop them. Gradients set aside for a
+movement that the syncing micro-batch does not make again (a block it skips) stay aside,
+and the optimizer's step refuses them. An optimizer's step over
 tensors whose gradients are still set aside (the last micro-batch run inside the context
 too) raises and drops them, since the step would leave them out and a later backward
 would add them to another step's.
@@ -126,10 +127,9 @@ def key_of(inputs: Sequence[torch.Tensor], like: torch.Tensor) -> Key:
 
 
 _ASIDE: dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]]] = {}
-# Keys of gradients kept aside for arrays that are gone, whose ids another array's key took: left over
-# as those still in ``_ASIDE`` are, whatever the allocator reused (which differs from rank to rank).
+# Keys of gradients kept aside for arrays that are gone, whose ids another array's key took: reported
+# as lost, as those still in ``_ASIDE`` are, whatever the allocator reused (which differs from rank to rank).
 _DISPLACED: list[Key] = []
-_WATCHED = [-1]  # the graph task whose end checks that nothing is left aside
 
 
 def set_aside(key: Key, grads: Sequence[torch.Tensor | None]) -> None:
@@ -175,12 +175,15 @@ def _refuse_held(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     if all(mine.isdisjoint(ids) for ids, (key, _) in _ASIDE.items() if key.alive()):
         return
     _ASIDE.clear()  # all of it: what a rank keeps for arrays it holds no shard of is in no optimizer of its own
+    _DISPLACED.clear()
     msg = (
         f"{type(optimizer).__name__}.step() over parameters whose gradients fshard.no_sync() still keeps aside: "
         "no backward outside no_sync() has summed them across ranks, so the step would leave them out, and a "
         "later backward would add them to another step's. Every gradient kept aside was dropped. Run the last "
         "micro-batch of each step outside `with fshard.no_sync():` (its backward sums every micro-batch's "
-        "gradients once), then step."
+        "gradients once), then step; that micro-batch must make every call the others made (a block that "
+        "earlier micro-batches used and it skips keeps its gradients aside: run a micro-batch that skips a "
+        "block inside no_sync(), and one that calls it last)."
     )
     raise SpecError(msg)
 
@@ -188,50 +191,27 @@ def _refuse_held(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 def take_back(key: Key) -> list[torch.Tensor | None] | None:
     """What is set aside for the movement of ``key``'s tensors (forgotten here), or ``None``.
 
-    Called by a syncing backward, whose end then checks that it took back everything kept
-    aside (``_nothing_left``).
+    An entry is taken back only by the very tensors it was kept for (their weak references
+    compared, not their ids, which a dead tensor's successor may reuse on one rank and not on
+    another).
+
+    Raises:
+        SpecError: gradients were set aside for tensors that no longer exist: they would be lost.
     """
     if not (_ASIDE or _DISPLACED):  # the common case: no micro-batch kept aside
         return None
-    task = torch._C._current_graph_task_id()  # pyright: ignore[reportPrivateUsage]  # no public form
-    if task != -1 and _WATCHED[0] != task:
-        _WATCHED[0] = task
-        torch.autograd.Variable._execution_engine.queue_callback(_nothing_left)  # pyright: ignore[reportPrivateUsage, reportAttributeAccessIssue]  # torch's own hook for the end of a backward
+    lost = [ids for ids, (k, _) in _ASIDE.items() if not k.alive()]
+    for ids in lost:
+        del _ASIDE[ids]
+    if lost or _DISPLACED:
+        _DISPLACED.clear()
+        msg = (
+            "Gradients accumulated under fshard.no_sync() belong to arrays that no longer exist, so they "
+            "cannot be summed: pass the same arrays (the ones the optimizer holds) to every micro-batch."
+        )
+        raise SpecError(msg)
     held = _ASIDE.get(key.ids)
     if held is None or not held[0].same(key):
         return None
     del _ASIDE[key.ids]
     return held[1]
-
-
-def _nothing_left() -> None:
-    """At the end of a syncing backward: raises where gradients kept aside were not taken back.
-
-    They belong to movements that earlier micro-batches made and this one did not (a block
-    it skipped), or to arrays that are gone: no backward will sum them across ranks. Every
-    rank runs the same micro-batches, so every rank raises here alike, whatever its
-    allocator reused, and drops them all.
-
-    Raises:
-        SpecError: gradients kept aside were left over.
-    """
-    if not (_ASIDE or _DISPLACED):
-        return
-    left = [key for key, _ in _ASIDE.values()] + _DISPLACED
-    gone = sum(not key.alive() for key in left)
-    _ASIDE.clear()
-    _DISPLACED.clear()
-    why = (
-        f"{gone} of them for arrays that no longer exist (pass the same arrays, the ones the optimizer holds, "
-        "to every micro-batch)"
-        if gone
-        else "for arrays that this micro-batch did not move"
-    )
-    msg = (
-        f"The backward outside fshard.no_sync() summed the gradients kept aside for the arrays that its "
-        f"micro-batch moved, but earlier micro-batches kept {len(left)} more aside, {why}: no backward can sum "
-        "them across ranks now, so every gradient kept aside was dropped. The last micro-batch must make the "
-        "calls the others made, with the same arrays: one that skips a block (a layer dropped, an expert not "
-        "routed to) belongs inside no_sync(), with a later micro-batch that calls it outside."
-    )
-    raise SpecError(msg)
