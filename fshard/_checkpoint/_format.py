@@ -199,7 +199,7 @@ def _is_dict(value: object) -> TypeGuard[dict[str, Any]]:
     return isinstance(value, dict)
 
 
-def _not_a_checkpoint(root: Path, where: Path, is_dir: bool) -> str:
+def _not_a_checkpoint(root: Path, is_dir: bool) -> str:
     """Why ``root``, which holds no ``index.json``, is read by none of the loaders, and what to do."""
     if not is_dir:
         return (
@@ -223,7 +223,7 @@ def _not_a_checkpoint(root: Path, where: Path, is_dir: bool) -> str:
             "folders with one .metadata (dcp.save with its collectives); save it that way."
         )
     return (
-        f"{where} does not exist (an interrupted fshard save leaves no index), and {root} holds no .metadata "
+        f"{root / INDEX} does not exist (an interrupted fshard save leaves no index), and {root} holds no .metadata "
         "(torch DCP) or .safetensors files (Hugging Face): it is no checkpoint that fshard reads."
     )
 
@@ -241,7 +241,7 @@ def read_index(root: Path) -> tuple[dict[str, Any], str]:
     if exists and not found:
         raise CheckpointError(f"{where} is not a file: {root} is not an fshard checkpoint, or its index was replaced.")
     if not found:
-        raise CheckpointError(_not_a_checkpoint(root, where, is_dir))
+        raise CheckpointError(_not_a_checkpoint(root, is_dir))
     inside(root, where)
     try:
         raw = where.read_bytes()

@@ -381,7 +381,9 @@ def move_tree(
     backend = arrays[0]._backend  # pyright: ignore[reportPrivateUsage]  # the slots, not the properties: a tree is many
     if list(map(_BACKEND, arrays)).count(backend) != len(arrays):  # in C: the common case, one backend for all
         return _per_backend(arrays, layouts, summing, precision)  # arrays of several backends: each backend's apart
-    sums = summing and any(a.requires_grad for a in arrays)  # a backward may sum (as a prefetch launched ahead)
+    # Whether a backward may sum copies (a prefetch launches ahead under no_grad, so not grad mode): it decides
+    # how one process packs; across processes every tree packs flat anyway, and nothing is asked per leaf.
+    sums = summing and not backend.spans_processes and any(a.requires_grad for a in arrays)
     recipe = _recipe(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend, sums)
     for k in recipe.alone:
         a = arrays[k]
