@@ -89,7 +89,8 @@ def blocks(
     # dim k: the first whose trailing slab fits, so that blocks are runs of indices of dim k
     k = next((d for d in range(len(shape)) if math.prod(shape[d + 1 :]) * itemsize <= budget), None)
     if k is None:  # convert() refuses such a budget before it writes; a caller of its own learns why here
-        raise CheckpointError(f"A block budget of {budget} bytes holds less than one element ({itemsize} bytes): give at least {itemsize}.")
+        msg = f"A block budget of {budget} bytes holds less than one element ({itemsize} bytes): give at least {itemsize}."
+        raise CheckpointError(msg)
     slab = math.prod(shape[k + 1 :]) * itemsize
     rows = max(1, budget // slab)
     for outer in _indices(shape[:k]):
