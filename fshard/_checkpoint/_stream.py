@@ -89,7 +89,7 @@ def blocks(
     # dim k: the first whose trailing slab fits, so that blocks are runs of indices of dim k
     k = next((d for d in range(len(shape)) if math.prod(shape[d + 1 :]) * itemsize <= budget), None)
     if k is None:  # convert() refuses such a budget before it writes; a caller of its own learns why here
-        msg = f"A block budget of {budget} bytes holds less than one element ({itemsize} bytes): give at least {itemsize}."
+        msg = f"A block budget of {budget} bytes is less than one element ({itemsize} bytes): give {itemsize} or more."
         raise CheckpointError(msg)
     slab = math.prod(shape[k + 1 :]) * itemsize
     rows = max(1, budget // slab)
