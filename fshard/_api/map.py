@@ -27,6 +27,7 @@ import numpy as np
 import optree
 import torch
 
+from fshard._api import map_trees as _trees
 from fshard._api import psum as _psum
 from fshard._api.move import check_plain, check_tensor, resolved, split_replicas
 from fshard._api.shard import shard
@@ -168,7 +169,10 @@ def shard_map(
 
     Args:
         fn: a function of one block per argument, returning a tensor or a pytree of them.
-        in_specs: one spec per positional argument (a single spec when there is one).
+        in_specs: one spec per positional argument (a single spec when there is one). An
+            argument may be a pytree of arrays and tensors (a dict of parameters, say): its
+            entry is one spec for every leaf, or a tree of specs that is a prefix of it, and
+            ``fn`` gets the same structure with blocks in place of the arrays.
         out_specs: the results' specs; each global shape is inferred from the blocks.
         check_vma: refuse ``out_specs`` that claim replicas the arguments do not imply.
             ``False`` trusts ``fn`` to return equal results on the claimed copies (for a
@@ -186,8 +190,9 @@ def shard_map(
             Values and gradients are bit-identical.
 
     Raises:
-        SpecError: an argument's spec gives a placement zero or several blocks, the
-            results do not fit ``out_specs``, or ``out_specs`` claims a replication
+        SpecError: an argument's spec gives a placement zero or several blocks, a tree of
+            specs does not fit its argument, the results do not fit ``out_specs``, or
+            ``out_specs`` claims a replication
             that the arguments contradict; with ``regather``, some rank runs no ``fn``
             (it could not take part in the movement again), or an argument's shards
             were written in place before the backward.
@@ -237,6 +242,22 @@ def named_shard_map(
     # The targets of arguments that are all arrays are cached on the specs (none of them None).
     specs_key = _SpecsKey.of(specs) if all(s is not None for s in specs) else None
 
+    by_structure: dict[Any, Callable[..., Any]] = {}  # per structure of tree arguments: the shard_map of the leaves
+
+    def of_leaves(args: tuple[Any, ...]) -> Any:
+        """The call where some argument is a pytree of arrays: the ``shard_map`` of its leaves (``map_trees``)."""
+        key, flat, trees = _trees.flatten(args, specs)
+        inner = by_structure.get(key)
+        if inner is None:
+            how = _trees.describe(args, trees, specs, precisions, labels, what)
+            if len(by_structure) >= 64:  # a program that passes ever new structures: made again as needed
+                by_structure.clear()
+            inner = by_structure[key] = named_shard_map(
+                how.function(fn), how.specs, out_specs, check_vma=check_vma, precision=how.precisions,
+                regather=regather, what=what, labels=how.labels,
+            )  # fmt: skip
+        return inner(*flat)
+
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
     def call(*args: Any) -> Any:
         if len(specs) != len(args):
@@ -250,6 +271,8 @@ def named_shard_map(
             # Every argument an array of one backend: their targets resolved and checked once per tuple of layouts.
             arrays = list(enumerate(args))
             targets = list(_targets(specs_key, backend, tuple(a.layout for a in args)))
+        elif any(spec is not None and _trees.is_tree(a) for a, spec in zip(args, specs)):
+            return of_leaves(args)
         for k, (a, spec) in enumerate(() if arrays else zip(args, specs)):
             if spec is None:
                 if isinstance(a, (torch.Tensor, ShardedArray)):
@@ -264,8 +287,8 @@ def named_shard_map(
                 targets.append(None)
             else:
                 msg = (
-                    f"shard_map() argument {k} is a {type(a).__name__}: give a ShardedArray or a tensor, "
-                    "or in_spec None."
+                    f"shard_map() argument {k} is a {type(a).__name__}: give a ShardedArray, a tensor or a "
+                    "pytree of them (a tuple, list or dict), or in_spec None."
                 )
                 raise SpecError(msg)
         if not arrays:
