@@ -123,21 +123,19 @@ def _fshard_program(d: int, style: str) -> tuple[Any, Any]:
     model = GPT(d)
     ranks = list(range(dist.get_world_size()))
     spec = fshard.Replicated(ranks) if style == "dp" else fshard.Chunk(0, ranks)
-    names = [n for n, _ in model.named_parameters()]
     params = fshard.shard_params(model, lambda name, t: spec)
     model.to("meta")  # a template for functional_call: the arrays hold the values
     leaves = [t.requires_grad_() for a in params.values() for t in a.addressable_data]
     opt = torch.optim.SGD(leaves, lr=1e-3)
 
-    def block_loss(tokens: torch.Tensor, targets: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-        logits = torch.func.functional_call(model, dict(zip(names, ws)), (tokens,))
+    def block_loss(tokens: torch.Tensor, targets: torch.Tensor, ws: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = torch.func.functional_call(model, ws, (tokens,))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")[None]
 
     rows = fshard.Chunk(0, ranks)
-    loss_of = fshard.shard_map(
-        block_loss, in_specs=(rows, rows, *[fshard.Replicated(ranks)] * len(names)),
-        out_specs=fshard.Partial(fshard.Replicated(ranks)),
-    )  # fmt: skip
+    loss_of = fshard.shard_map(  # the parameters one dict, with one spec: they move (and sum) as one tree
+        block_loss, in_specs=(rows, rows, fshard.Replicated(ranks)), out_specs=fshard.Partial(fshard.Replicated(ranks))
+    )
     state = {"step": 0}
 
     def step() -> float:
@@ -146,7 +144,7 @@ def _fshard_program(d: int, style: str) -> tuple[Any, Any]:
         xs, ys = fshard.from_local_tensor((tokens, targets), dim=0, even=True)  # checked at the next collective
         opt.zero_grad()
         # The backward from each rank's summand of the loss at once; data parallel's last bucket sums the loss.
-        loss = fshard.backward(loss_of(xs, ys, *params.values()) / ys.numel())
+        loss = fshard.backward(loss_of(xs, ys, params) / ys.numel())
         opt.step()
         return float(loss)
 
@@ -506,17 +504,17 @@ def _fshard_tp_program(d: int, dp: int) -> tuple[Any, Any]:
     torch.manual_seed(0)
     mesh = fshard.Mesh((dp, 2), axis_names=("dp", "tp"))
     params = fshard.shard_params(TPGPT(d), _tp_specs(mesh))
-    names, spec = list(params), _tp_specs(mesh)
+    spec = _tp_specs(mesh)
     leaves = [t.requires_grad_() for a in params.values() for t in a.addressable_data]
     opt = torch.optim.SGD(leaves, lr=1e-3)
 
-    def body(tokens: torch.Tensor, targets: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-        logits = _tp_forward(dict(zip(names, ws)), tokens, d)
+    def body(tokens: torch.Tensor, targets: torch.Tensor, ws: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = _tp_forward(ws, tokens, d)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")[None]
 
     rows = fshard.Named(mesh, ("dp", None))
     loss_of = fshard.shard_map(
-        body, in_specs=(rows, rows, *[spec(n, a) for n, a in params.items()]),
+        body, in_specs=(rows, rows, {n: spec(n, a) for n, a in params.items()}),  # a dict of specs for the dict
         out_specs=fshard.Partial(fshard.Named(mesh, (None,)), over=("dp",)), check_vma=False,
     )  # fmt: skip
     state = {"step": 0}
@@ -525,7 +523,7 @@ def _fshard_tp_program(d: int, dp: int) -> tuple[Any, Any]:
         tokens, targets = _tp_batch(state["step"], dp)
         state["step"] += 1
         opt.zero_grad()
-        loss = fshard.gather(loss_of(tokens, targets, *params.values())) / targets.numel()
+        loss = fshard.gather(loss_of(tokens, targets, params)) / targets.numel()
         loss.backward()
         opt.step()
         return float(loss.detach())

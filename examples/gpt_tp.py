@@ -136,23 +136,23 @@ def tp_specs(mesh: fshard.Mesh) -> Any:
 def tp_program(mesh: fshard.Mesh, net: GPT) -> tuple[Any, dict[str, fshard.ShardedArray]]:
     """The TP+DP training step on ``mesh`` (axes dp, tp) for ``net``'s parameters, and the sharded parameters."""
     params = fshard.shard_params(net, tp_specs(mesh))
-    names, spec = list(params), tp_specs(mesh)
+    spec = tp_specs(mesh)
     leaves = [t.requires_grad_() for a in params.values() for t in a.addressable_data]
     opt = torch.optim.SGD(leaves, lr=LR)
 
-    def body(tokens: torch.Tensor, targets: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-        logits = gpt(dict(zip(names, ws)), tokens, axis="tp")
+    def body(tokens: torch.Tensor, targets: torch.Tensor, ws: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = gpt(ws, tokens, axis="tp")
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")[None]
 
     rows = fshard.Named(mesh, ("dp", None))
     loss_of = fshard.shard_map(
-        body, in_specs=(rows, rows, *[spec(n, a) for n, a in params.items()]),
+        body, in_specs=(rows, rows, {n: spec(n, a) for n, a in params.items()}),  # a dict of specs for the dict
         out_specs=fshard.Partial(fshard.Named(mesh, (None,)), over=("dp",)), check_vma=False,
     )  # fmt: skip
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> float:
         opt.zero_grad()
-        loss = fshard.gather(loss_of(tokens, targets, *params.values())) / targets.numel()
+        loss = fshard.gather(loss_of(tokens, targets, params)) / targets.numel()
         loss.backward()
         opt.step()
         return float(loss.detach())
