@@ -137,8 +137,8 @@ def _from_local_even():
     rows, targets = torch.full((2, 3), float(rank)), torch.arange(2) + 2 * rank
     before = counters.collectives
     tree = fshard.from_local_tensor({"x": rows, "y": targets}, dim=0, even=True)
-    posted = counters.collectives - before
-    in_flight = _later.pending(None)  # the check rides on the next collective: nothing waited for yet
+    posted = counters.collectives - before  # the check waits for the next one posted, or the next collective
+    in_flight = _later.pending(None)  # nothing waited for yet
     exchanged = fshard.from_local_tensor({"x": rows, "y": targets}, dim=0)  # that collective ends it
     settled = _later.pending(None)
     same = [tree[k].layout == exchanged[k].layout for k in "xy"]
@@ -155,9 +155,9 @@ def _from_local_even():
 
 
 @pytest.mark.multiprocess
-def test_from_local_tensor_even_posts_its_check_and_the_next_collective_ends_it(dist_pool):
+def test_from_local_tensor_even_leaves_its_check_to_the_next_collective_which_ends_it(dist_pool):
     for posted, in_flight, settled, same in dist_pool.run(_from_local_even, timeout=60):
-        assert (posted, in_flight, settled) == (1, 1, 0)
+        assert (posted, in_flight, settled) == (0, 1, 0)
         assert all(same), same
 
 
@@ -364,3 +364,88 @@ def _sub_group():
 @pytest.mark.multiprocess
 def test_from_local_shards_on_a_sub_group(dist_pool):
     assert dist_pool.run(_sub_group) == [None] + [["rank:1/cpu", "rank:2/cpu", "rank:3/cpu"]] * 3
+
+
+def _step_of(rows: torch.Tensor, fail_here: bool = False) -> tuple[int, str, str]:
+    """A data-parallel forward: a batch ``from_local_tensor(even=True)``, then a shard_map that moves nothing.
+
+    Returns the collectives the two calls started, and the errors (or "") of the batch's call
+    and of the next collective (a gather of the loss).
+    """
+    from fshard.backends.torch_dist import TorchDistBackend
+
+    counters = TorchDistBackend().counters
+    rep = fshard.Replicated(RANKS)
+    w = fshard.shard(torch.ones(3), rep)
+    before = counters.collectives
+    own = ""
+    try:
+        xs = fshard.from_local_tensor(rows, dim=1 if fail_here else 0, even=True)
+        loss = fshard.shard_map(lambda xb, wb: (xb @ wb).sum()[None], in_specs=(fshard.Chunk(0, RANKS), rep),
+                                out_specs=fshard.Partial(rep))(xs, w)  # fmt: skip
+    except fshard.SpecError as e:
+        own, loss = str(e), None
+    started = counters.collectives - before
+    later = ""
+    try:
+        if loss is not None:
+            fshard.gather(loss)
+        else:  # this rank raised at the call: its next collective
+            fshard.gather(fshard.shard(torch.ones(4), fshard.Chunk(0, RANKS)))
+    except fshard.SpecError as e:
+        later = str(e)
+    return started, own, later
+
+
+def _one_gather_for_both() -> list[tuple[int, str, str]]:
+    rank = dist.get_rank()
+    alike = _step_of(torch.ones(2, 3))
+    unlike = _step_of(torch.ones(3 if rank == 2 else 2, 3))  # rank 2's batch has another shape
+    failed = _step_of(torch.ones(2) if rank == 1 else torch.ones(2, 3), fail_here=rank == 1)  # dim 1 of 1-D: rank 1
+    return [alike, unlike, failed]
+
+
+@pytest.mark.multiprocess
+def test_a_batchs_check_goes_with_the_next_call_s_check_in_one_gather_and_every_rank_still_raises(dist_pool):
+    for rank, (alike, unlike, failed) in enumerate(dist_pool.run(_one_gather_for_both, timeout=60)):
+        assert alike == (1, "", "")  # the batch's check and the shard_map's outcome: one gather
+        assert unlike[:2] == (1, "")
+        assert "ranks [2] passed blocks unlike those of ranks [0, 1, 3]" in unlike[2]  # at the next collective
+        if rank == 1:  # its own error at the call, posted at once; again at its next collective, with the others
+            assert failed[0] == 1
+            assert "Invalid sharding dim: 1 for 1-D local tensors" in failed[1]
+        else:
+            assert failed[:2] == (1, "")
+        assert "raised on rank(s) [1]" in failed[2]
+
+
+def test_frames_are_cut_alike_where_one_rank_posted_fewer_records():
+    from fshard.backends.torch_dist import _later
+
+    def record(what: str, width: int) -> _later._Record:
+        return _later._Record(what, False, tuple(range(width)), width, lambda pairs: None)
+
+    checks = [record("from_local_tensor(dim=0)", 1)] * 3 + [record("shard_map()", 2)]
+    assert [len(f) for f in _later._frames(checks)] == [3, 1]  # 1 + 3 * 4 numbers, then 5 more: a second frame
+    assert [len(f) for f in _later._frames(checks[:3])] == [3]  # a rank that failed at the third: the same first
+    assert [len(f) for f in _later._frames(checks[2:])] == [2]
+
+
+def test_a_rank_whose_frame_lacks_a_record_or_holds_another_calls_is_named():
+    from fshard.backends.torch_dist import _later
+
+    def record(what: str, digest: tuple[int, ...]) -> _later._Record:
+        return _later._Record(what, False, digest, len(digest), lambda pairs: ValueError(repr(pairs)))
+
+    mine = [record("from_local_tensor(dim=0)", (7,)), record("shard_map()", (8, 9))]
+
+    def frame(records: list[_later._Record]) -> list[int]:
+        numbers = [len(records), *(n for r in records for n in r.numbers())]
+        return numbers + [0] * (_later._FRAME - len(numbers))
+
+    rows = [frame(mine), frame(mine[:1])]  # rank 1 posted the first only
+    assert str(_later._verdict(mine[0], 0, (0, 1), rows)) == "[(0, False, (7,)), (1, False, (7,))]"
+    assert "rank 1 posted no check of this call" in str(_later._verdict(mine[1], 1, (0, 1), rows))
+    rows = [frame(mine), frame([record("gather(dim=0)", (7,)), mine[1]])]  # rank 1's first is another call's
+    assert "rank 1 posted no check of this call" in str(_later._verdict(mine[0], 0, (0, 1), rows))
+    assert str(_later._verdict(mine[1], 1, (0, 1), rows)) == "[(0, False, (8, 9)), (1, False, (8, 9))]"

@@ -177,8 +177,9 @@ def _on_rank() -> tuple[torch.Tensor, list[torch.Tensor], int, torch.Tensor, lis
     backend = TorchDistBackend()
     x, y = (t.chunk(4)[backend.rank] for t in _batch4())
     xs, ys = fshard.from_local_tensor((x, y), dim=0, even=True)
+    p = _params4()
     before = backend.counters.collectives
-    tree_loss, tree_grads = _step4(_params4(), xs, ys)
+    tree_loss, tree_grads = _step4(p, xs, ys)
     n_tree = backend.counters.collectives - before
     q = _params4()
     rep = fshard.Replicated(R4)

@@ -369,10 +369,14 @@ class TorchDistBackend:
         self._move(f"gather(dst={dst})", p, tensors, whole, like.dtype, direct=all_contiguous(layout, target))
         return next(iter(whole.values()), None)
 
-    def check_later(self, what: str, failed: bool, digest: int | tuple[int, ...], verdict: Verdict) -> None:
+    def check_later(
+        self, what: str, failed: bool, digest: int | tuple[int, ...], verdict: Verdict, *, defer: bool = False
+    ) -> None:
         """Posts this rank's ``(failed, digest)`` for the check ``what``, ended by the group's next collective.
 
         ``digest``: a number within ±2**63, or a tuple of them of one length on every rank.
+        ``defer``: the check waits on this rank for the next check posted, or the next
+        collective, and goes with it, in one gather (a rank where it failed posts it at once).
 
         No rank waits for the others here. That collective hands every rank's pair, in group
         order, to ``verdict`` first, and raises the error it gives on every rank (``_later``).
@@ -383,15 +387,23 @@ class TorchDistBackend:
         self._require_member(what)
         if current().check_collectives:  # check mode's round (and the checks before this one end)
             self._check(what, ())
+            defer = False
         elif pending_checks(self.group) >= _CHECKS_IN_FLIGHT:  # a long run of calls without a collective
-            settle_checks(self.group)
+            self._settle_checks()
         # Else the checks posted before stay in flight with this one: ending them here would make every rank
         # wait for the slowest at each call that posts one (a shard_map of a stage, say), not at a collective.
+        on_cuda = facts(self.group).on_cuda
         with in_flight():
-            post_check(self.group, self.ranks, self._wire, what, failed, digest, verdict)
-        self.counters.collectives += 1
-        if facts(self.group).on_cuda:
-            settle_checks(self.group)
+            gathers = post_check(
+                self.group, self.ranks, self._wire, what, failed, digest, verdict, defer=defer and not on_cuda
+            )
+        self.counters.collectives += gathers
+        if on_cuda:
+            self._settle_checks()
+
+    def _settle_checks(self) -> None:
+        """The checks posted here end (``_later.settle``); those that waited to go with the next go now."""
+        self.counters.collectives += settle_checks(self.group)
 
     def exchange(self, obj: Any) -> list[Any]:
         """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""
@@ -526,7 +538,7 @@ class TorchDistBackend:
         that every rank must agree on (compared, not shown where a public call names the op).
         """
         if self.member:
-            settle_checks(self.group)
+            self._settle_checks()
         if self.member and current().check_collectives:
             moves = " -> ".join(describe_layout(x) for x in layouts)
             what = f"{op}({moves}){detail}" + (f" on {dtype}" if dtype is not None else "")
@@ -558,7 +570,7 @@ class TorchDistBackend:
         # The checks the call posted (what its function returned), on every rank once it ended: their verdicts
         # now where it returned everywhere; where it raised, every rank raises what the round compared.
         if error is None:
-            settle_checks(self.group)
+            self._settle_checks()
         else:
             drop_checks(self.group)
 

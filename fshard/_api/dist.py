@@ -305,9 +305,10 @@ def _tree_of_tensors(tensor: Any) -> tuple[list[torch.Tensor], Any]:
 def _even(tensor: Any, dim: int, backend: Any) -> Any:
     """``from_local_tensor(tensor, dim, even=True)`` across processes: every rank's blocks taken to be alike.
 
-    This rank's blocks are checked here and its digest of them posted (``check_later``); the
-    group's next collective compares every rank's, so every rank raises there where they differ.
-    A rank whose own check fails posts that it failed before it raises.
+    This rank's blocks are checked here and its digest of them posted (``check_later``), to go
+    with the next check posted or the group's next collective, in one gather; that collective
+    compares every rank's, so every rank raises there where they differ. A rank whose own
+    check fails posts that it failed at once, before it raises.
     """
     what = f"from_local_tensor(dim={dim}, even=True)"
     infos: tuple[Any, ...] | None = None  # this rank's blocks, once read
@@ -333,7 +334,7 @@ def _even(tensor: Any, dim: int, backend: Any) -> Any:
         digest = _even_digest(dims, treedef, infos)
     except TypeError:  # a structure that cannot be hashed (a node's metadata): made afresh
         digest = _digest(dims, treedef, infos)
-    backend.check_later(what, False, digest, verdict)
+    backend.check_later(what, False, digest, verdict, defer=True)  # goes with the next check, in one gather
     return arrays[0] if treedef is None else optree.tree_unflatten(treedef, arrays)
 
 
