@@ -143,6 +143,47 @@ def test_errors_of_the_leaves_name_the_leaf():
     assert "where argument 0['v'] has one" in str(info.value)
 
 
+def test_a_tree_of_specs_matches_an_ordered_dict_by_key_not_by_order():
+    seen = {}
+
+    def body(p):
+        seen.update({k: tuple(v.shape) for k, v in p.items()})
+        return p["w"]
+
+    rows_and_copies = {"w": ROWS, "b": REP}  # a dict's order is not the argument's
+    f = fshard.shard_map(body, in_specs=(rows_and_copies,), out_specs=ROWS)
+    f(collections.OrderedDict(w=torch.ones(4, 2), b=torch.ones(4, 2)))
+    assert seen == {"w": (2, 2), "b": (4, 2)}
+    g = fshard.shard_map(body, in_specs=(collections.OrderedDict(b=REP, w=ROWS),), out_specs=ROWS)
+    seen.clear()
+    g({"w": torch.ones(4, 2), "b": torch.ones(4, 2)})
+    assert seen == {"w": (2, 2), "b": (4, 2)}
+
+
+def test_each_call_gets_its_own_dicts_order():
+    f = fshard.shard_map(lambda d: torch.cat(list(d.values()), 1), in_specs=REP, out_specs=REP)
+    zeros, ones = torch.zeros(2, 2), torch.ones(2, 2)
+    first = fshard.gather(f({"a": ones, "b": zeros}))
+    second = fshard.gather(f({"b": zeros, "a": ones}))  # the same keys in another order: the same structure
+    assert first[0].tolist() == [1, 1, 0, 0]
+    assert second[0].tolist() == [0, 0, 1, 1]
+
+
+def test_a_precision_reaches_the_floating_leaves_of_its_tree_only():
+    seen = []
+    f = fshard.shard_map(
+        lambda p: seen.append((p["w"].dtype, p["n"].dtype)) or p["w"],
+        in_specs=REP,
+        out_specs=REP,
+        precision=fshard.Precision(param=torch.bfloat16),
+    )
+    f({"w": torch.ones(2), "n": torch.tensor([3])})  # a counter (num_batches_tracked) beside a weight
+    assert set(seen) == {(torch.bfloat16, torch.int64)}
+    seen.clear()
+    f({"w": torch.ones(2), "n": torch.tensor([3.0])})  # the same structure, a floating leaf: its precision too
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
+
+
 R4 = [0, 1, 2, 3]
 
 

@@ -52,19 +52,24 @@ class Flat:
     specs: tuple[Any, ...]
     precisions: tuple[Any, ...]
     labels: tuple[str, ...]
-    shapes: tuple[tuple[Any, int], ...]  # per argument: its treedef (None: passed whole) and its leaf count
+    counts: tuple[int | None, ...]  # per argument: its leaf count (None: passed whole)
 
     def function(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` as a function of the leaves' blocks: each tree argument rebuilt first."""
-        shapes = self.shapes
+        """``fn`` as a function of the leaves' blocks and, last, the call's treedefs: each tree rebuilt first.
+
+        The treedefs are the call's own, not the first call's: two dicts with the same keys in
+        another order share a ``Flat`` (their treedefs compare equal) but not their order.
+        """
+        counts = self.counts
 
         @functools.wraps(fn)  # the body's code stays fn's (shard_map remembers the bodies that reduce)
-        def of_leaves(*flat: Any) -> Any:
+        def of_leaves(*blocks: Any) -> Any:
+            treedefs = blocks[-1]
             full: list[Any] = []
             at = 0
-            for treedef, n in shapes:
-                full.append(flat[at] if treedef is None else optree.tree_unflatten(treedef, flat[at : at + n]))
-                at += n
+            for treedef, n in zip(treedefs, counts):
+                full.append(blocks[at] if n is None else optree.tree_unflatten(treedef, blocks[at : at + n]))
+                at += 1 if n is None else n
             return fn(*full)
 
         return of_leaves
@@ -77,26 +82,38 @@ def _path(path: tuple[Any, ...]) -> str:
 Trees = list[tuple[Any, list[Any]] | None]  # per argument: its leaves' paths and the leaves, or None (passed whole)
 
 
+def _kind(x: Any) -> int:
+    """A leaf's kind as the structure's key holds it: 0 a value, 1 an array or tensor, 2 a floating one."""
+    if not _array(x):
+        return 0
+    return 2 if x.dtype.is_floating_point else 1
+
+
 def flatten(args: Sequence[Any], specs: Sequence[Any]) -> tuple[Any, tuple[Any, ...], Trees]:
     """``args`` with each tree argument (``is_tree``, its spec not ``None``) flattened into its leaves.
 
-    Returns the structure's key (hashable: each tree's treedef and which of its leaves are
-    arrays or tensors), the flat arguments, and each tree's paths and leaves (for ``describe``).
+    Returns the structure's key (hashable: each tree's treedef and its leaves' kinds), the
+    flat arguments, the call's treedefs last (``Flat.function`` rebuilds the trees with them),
+    and each tree's paths and leaves (for ``describe``).
     """
     key: list[Any] = []
     flat: list[Any] = []
+    treedefs: list[Any] = []
     trees: Trees = []
     for a, spec in zip(args, specs):
         if spec is not None and not _array(a):
             paths, leaves, treedef = optree.tree_flatten_with_path(a, is_leaf=_array, none_is_leaf=True)
             if not optree.treespec_is_leaf(treedef):
-                key.append((treedef, tuple(map(_array, leaves))))
+                key.append((treedef, tuple(map(_kind, leaves))))
                 flat.extend(leaves)
+                treedefs.append(treedef)
                 trees.append((paths, leaves))
                 continue
         key.append(None)
         flat.append(a)
+        treedefs.append(None)
         trees.append(None)
+    flat.append(tuple(treedefs))
     return tuple(key), tuple(flat), trees
 
 
@@ -111,9 +128,11 @@ def describe(
     """How the arguments that ``flatten`` gave ``trees`` pass as leaves: each leaf's spec, precision and name.
 
     A tree argument's spec is one spec for every leaf, or a tree of specs that is a prefix of
-    the argument's (a dict of specs with the argument's keys, say); ``None`` there passes that
-    part unchanged. Array and tensor leaves take their spec and the argument's precision;
-    other leaves (numbers, ``None``) are passed to the function unchanged.
+    the argument's (a dict of specs with the argument's keys, say), matched by key, not by
+    order; ``None`` there passes values that are not tensors. Array and tensor leaves take
+    their spec, and the floating ones the argument's precision; other leaves (numbers,
+    ``None``) are passed to the function unchanged. The last flat argument (the call's
+    treedefs) takes the spec ``None``.
 
     Raises:
         SpecError: a tree of specs does not fit its argument, or an array or tensor leaf has
@@ -122,30 +141,33 @@ def describe(
     flat_specs: list[Any] = []
     flat_precisions: list[Any] = []
     flat_labels: list[str] = []
-    shapes: list[tuple[Any, int]] = []
+    counts: list[int | None] = []
     for k, (a, tree, spec) in enumerate(zip(args, trees, specs)):
         name = f"argument {k}" if labels is None else labels[k]
         if tree is None:
-            shapes.append((None, 1))
+            counts.append(None)
             flat_specs.append(spec)
             flat_precisions.append(precisions[k])
             flat_labels.append(name)
             continue
         paths, leaves = tree
-        leaf_specs = [spec] * len(leaves) if not _spec_tree(spec) else _broadcast(spec, a, name, what)
+        leaf_specs = [spec] * len(leaves) if not _spec_tree(spec) else _by_path(spec, a, paths, name, what)
         for path, leaf, s in zip(paths, leaves, leaf_specs):
-            is_array = _array(leaf)
-            if is_array and s is None:
+            kind = _kind(leaf)
+            if kind and s is None:
                 msg = (
                     f"{what} {name}{_path(path)} is a {type(leaf).__name__} but its in_spec is None: give it a "
                     "spec (None passes only values that are not tensors)."
                 )
                 raise SpecError(msg)
-            flat_specs.append(s if is_array else None)
-            flat_precisions.append(precisions[k] if is_array else None)
+            flat_specs.append(s if kind else None)
+            flat_precisions.append(precisions[k] if kind == 2 else None)
             flat_labels.append(f"{name}{_path(path)}")
-        shapes.append((optree.tree_structure(a, is_leaf=_array, none_is_leaf=True), len(leaves)))
-    return Flat(tuple(flat_specs), tuple(flat_precisions), tuple(flat_labels), tuple(shapes))
+        counts.append(len(leaves))
+    flat_specs.append(None)  # the call's treedefs
+    flat_precisions.append(None)
+    flat_labels.append("the structure of the arguments")
+    return Flat(tuple(flat_specs), tuple(flat_precisions), tuple(flat_labels), tuple(counts))
 
 
 def _spec_tree(spec: Any) -> bool:
@@ -153,14 +175,18 @@ def _spec_tree(spec: Any) -> bool:
     return not _spec(spec)
 
 
-def _broadcast(spec: Any, a: Any, name: str, what: str) -> list[Any]:
-    """The spec of each leaf of ``a``, from ``spec``, a tree of specs that is a prefix of ``a``."""
+def _by_path(spec: Any, a: Any, paths: Sequence[tuple[Any, ...]], name: str, what: str) -> list[Any]:
+    """The spec of each leaf of ``a`` (at ``paths``), from ``spec``, a tree of specs that is a prefix of ``a``.
+
+    Matched by path, so that a dict of specs fits an ``OrderedDict`` argument whatever the
+    order of either's keys (optree pairs two dicts' values in their own orders).
+    """
 
     def leaf(x: Any) -> bool:
         return _spec(x) or _array(x)
 
     try:
-        return optree.broadcast_prefix(spec, a, is_leaf=leaf, none_is_leaf=True)
+        optree.broadcast_prefix(spec, a, is_leaf=leaf, none_is_leaf=True)  # the structures: the same keys, arities
     except ValueError:  # optree's message shows the argument's values: the structures say what differs
         specs = optree.tree_structure(spec, is_leaf=leaf, none_is_leaf=True)
         given = optree.tree_structure(a, is_leaf=leaf, none_is_leaf=True)
@@ -170,3 +196,7 @@ def _broadcast(spec: Any, a: Any, name: str, what: str) -> list[Any]:
             "specs with its keys, say), or as a prefix of it."
         )
         raise SpecError(msg) from None
+    spec_paths, spec_leaves, _ = optree.tree_flatten_with_path(spec, is_leaf=leaf, none_is_leaf=True)
+    at = dict(zip(spec_paths, spec_leaves))
+    # Each leaf's spec is the one at the longest prefix of its path (there is exactly one: the structures fit).
+    return [next(at[p[:n]] for n in range(len(p), -1, -1) if p[:n] in at) for p in paths]
