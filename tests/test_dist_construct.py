@@ -419,16 +419,28 @@ def test_a_batchs_check_goes_with_the_next_call_s_check_in_one_gather_and_every_
         assert "raised on rank(s) [1]" in failed[2]
 
 
-def test_frames_are_cut_alike_where_one_rank_posted_fewer_records():
+def test_frames_are_cut_alike_where_one_rank_failed():
     from fshard.backends.torch_dist import _later
 
-    def record(what: str, width: int) -> _later._Record:
-        return _later._Record(what, False, tuple(range(width)), width, lambda pairs: None)
+    def record(what: str, width: int, failed: bool = False) -> _later._Record:
+        return _later._Record(what, failed, tuple(range(width)), width, lambda pairs: None)
 
-    checks = [record("from_local_tensor(dim=0)", 1)] * 3 + [record("shard_map()", 2)]
-    assert [len(f) for f in _later._frames(checks)] == [3, 1]  # 1 + 3 * 4 numbers, then 5 more: a second frame
-    assert [len(f) for f in _later._frames(checks[:3])] == [3]  # a rank that failed at the third: the same first
-    assert [len(f) for f in _later._frames(checks[2:])] == [2]
+    batch, outcome = record("from_local_tensor(dim=0)", 1), record("shard_map()", 2)
+    queued: list[_later._Record] = []
+    for _ in range(2):  # two batches' checks wait (4 numbers each: the queue's 8)
+        frames, queued = _later._cut(queued, batch, defer=True)
+        assert frames == []
+    frames, left = _later._cut(queued, batch, defer=True)  # a third: those waiting go first
+    assert [len(f) for f in frames] == [2]
+    assert left == [batch]
+    frames, left = _later._cut(left, outcome, defer=False)  # then the call's check, with it: one frame
+    assert [len(f) for f in frames] == [2]
+    assert left == []
+    # Where the third failed, that rank posts its frames at once: the same two, so they pair with the others'.
+    failed_frames, left = _later._cut(queued, record("from_local_tensor(dim=0)", 1, failed=True), defer=True)
+    assert [len(f) for f in failed_frames] == [2, 1]
+    assert left == []
+    assert all(1 + sum(len(r.numbers()) for r in f) <= _later._FRAME for f in [*frames, *failed_frames])
 
 
 def test_a_rank_whose_frame_lacks_a_record_or_holds_another_calls_is_named():
@@ -449,3 +461,7 @@ def test_a_rank_whose_frame_lacks_a_record_or_holds_another_calls_is_named():
     rows = [frame(mine), frame([record("gather(dim=0)", (7,)), mine[1]])]  # rank 1's first is another call's
     assert "rank 1 posted no check of this call" in str(_later._verdict(mine[0], 0, (0, 1), rows))
     assert str(_later._verdict(mine[1], 1, (0, 1), rows)) == "[(0, False, (8, 9)), (1, False, (8, 9))]"
+    garbage_rows = ([3, *[10**6] * 15], [99, *[2] * 15], [2, 1, 0, 30, *[0] * 12], [2, 1, 0, -40, *[0] * 12])
+    for garbage in garbage_rows:  # a gather paired wrongly: no frame
+        rows = [frame(mine), garbage]
+        assert all("rank 1 posted no check" in str(_later._verdict(r, k, (0, 1), rows)) for k, r in enumerate(mine))

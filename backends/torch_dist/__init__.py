@@ -403,7 +403,10 @@ class TorchDistBackend:
 
     def _settle_checks(self) -> None:
         """The checks posted here end (``_later.settle``); those that waited to go with the next go now."""
-        self.counters.collectives += settle_checks(self.group)
+        settle_checks(self.group, self._count_checks)
+
+    def _count_checks(self, gathers: int) -> None:
+        self.counters.collectives += gathers
 
     def exchange(self, obj: Any) -> list[Any]:
         """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""

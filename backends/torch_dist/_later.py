@@ -19,11 +19,16 @@ destroyed since are dropped; so are those left at exit.
 numbers): a count, then records ``(tag, failed, width, digest...)``, the tag naming the
 check's call. A check posted with ``defer=True`` (a batch's ``from_local_tensor``: a small
 collective costs a millisecond of CPU per rank on Gloo) waits on this rank for the next
-check posted or the next collective, and goes in that frame: one collective for both. A
-rank whose own check failed posts at once, in a frame of its own; its frame is as large as
-the others', which hold its record and those posted after it, so the gathers still pair up
-one to one and no rank waits for it. A record that some rank's frame lacks, or holds for
-another call, raises ``CollectiveMismatchError`` on the ranks that posted it.
+check posted or the next collective, and goes in that frame: one collective for both. The
+checks waiting fill at most ``_QUEUE`` numbers, so that the next check fits in their frame
+(a deferred one that would pass that sends those waiting first, alike on every rank). A rank
+whose own deferred check failed posts at once, with those waiting: its frame is the one
+that holds that check on the other ranks (with the check posted after it there), so the
+gathers still pair one to one and no rank waits for it where it stops. A record that some
+rank's frame lacks, or holds for another call, raises ``CollectiveMismatchError`` on the ranks
+that posted it. A rank that catches its own error and goes on makes calls that the others do
+not make at that point, and its checks may then pair with theirs wrongly: let such an error
+end the step on every rank (check mode compares every call).
 
 A wait is bounded by ``config(timeout=...)`` where it is set.
 """
@@ -56,6 +61,8 @@ Verdict = Callable[[Sequence[tuple[int, bool, Any]]], BaseException | None]
 
 
 _FRAME = 16  # numbers per rank in each posted gather: a count, then records (tag, failed, width, digest...)
+_DIGEST = 4  # numbers in a digest at most: a record holds at most 7
+_QUEUE = _FRAME - 1 - (3 + _DIGEST)  # numbers of the checks waiting at most: any record posted next fits beside them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,43 +137,37 @@ def post(
     """Posts this rank's ``(failed, digest)`` for the check ``what`` of ``group``, left in flight.
 
     Every rank posts a digest of one form at one check: a number, or a tuple of one length
-    (at most ``_FRAME - 4`` numbers). ``defer``: unless it failed, the check waits for the
-    next one posted, or the group's next collective, and goes with it. Returns the number of
-    gathers started (0, 1, or 2 where the checks waiting fill a frame).
+    (at most ``_DIGEST`` numbers). ``defer``: the check waits for the next one posted, or the
+    group's next collective, and goes with it; where it failed, it goes at once (with those
+    waiting), in the frame that the others' holds it in. Returns the number of gathers
+    started (0, 1 or 2).
     """
     numbers = digest if isinstance(digest, tuple) else (digest,)
-    if len(numbers) > _FRAME - 4:
-        raise ValueError(f"A check's digest holds at most {_FRAME - 4} numbers, got {len(numbers)}.")
+    if len(numbers) > _DIGEST:
+        raise ValueError(f"A check's digest holds at most {_DIGEST} numbers, got {len(numbers)}.")
     record = _Record(what, failed, numbers, len(numbers) if isinstance(digest, tuple) else None, verdict)
     with _LOCK:
         _forget_old_groups()
         state = _PENDING.setdefault((group, dist.group.WORLD), _Group(ranks, wire))
-        if defer and not failed:
-            state.queued.append(record)
-            return 0
-        # A failed check goes at once, with those waiting: the others' frame holds them, this one and those after.
-        batches = _frames([*state.queued, record])
-        state.queued = []
-        state.frames.extend(_launch(group, state, records) for records in batches)
-    return len(batches)
+        frames, state.queued = _cut(state.queued, record, defer)
+        state.frames.extend(_launch(group, state, records) for records in frames)
+    return len(frames)
 
 
-def _frames(records: list[_Record]) -> list[list[_Record]]:
-    """``records`` cut into frames, in order, each as full as it can be.
+def _cut(queued: list[_Record], record: _Record, defer: bool) -> tuple[list[list[_Record]], list[_Record]]:
+    """The frames to post now, and the checks left waiting, when ``record`` is posted beside ``queued``.
 
-    Ranks that posted the same records cut them alike, and a rank that posted the first of
-    another rank's records cut those as that rank did.
+    The checks waiting fill at most ``_QUEUE`` numbers, so that any check posted next fits in
+    their frame: where a deferred one would pass that, those waiting go first, alike on every
+    rank (the one where it failed too, which then posts it at once, with those still waiting).
     """
-    out: list[list[_Record]] = [[]]
-    used = 1
-    for r in records:
-        n = len(r.numbers())
-        if used + n > _FRAME:
-            out.append([])
-            used = 1
-        out[-1].append(r)
-        used += n
-    return out
+    frames: list[list[_Record]] = []
+    if defer and queued and sum(len(r.numbers()) for r in [*queued, record]) > _QUEUE:
+        frames.append(queued)
+        queued = []
+    if defer and not record.failed:
+        return frames, [*queued, record]
+    return [*frames, [*queued, record]], []
 
 
 def _launch(group: Any, state: _Group, records: list[_Record]) -> _Check:
@@ -200,10 +201,11 @@ def pending(group: Any) -> int:
     return 0 if state is None else len(state.queued) + sum(len(c.records) for c in state.frames)
 
 
-def settle(group: Any) -> int:
+def settle(group: Any, launched: Callable[[int], None] | None = None) -> None:
     """Ends every check of ``group`` posted here, in the order posted (those waiting go first, in one gather).
 
-    Returns the number of gathers started (the checks that were waiting).
+    ``launched`` is told how many gathers this started (the checks that were waiting), before
+    any wait.
 
     Raises:
         BaseException: the first error a check's verdict gives (on every rank alike).
@@ -211,13 +213,14 @@ def settle(group: Any) -> int:
             ranks posted checks of different calls.
     """
     if not _PENDING:  # the common case: one dict lookup
-        return 0
+        return
     with _LOCK:
         _forget_old_groups()
         state = _PENDING.pop((group, dist.group.WORLD), None)
-        batches = _frames(state.queued) if state is not None and state.queued else []
-        if state is not None:
-            state.frames.extend(_launch(group, state, records) for records in batches)
+        if state is not None and state.queued:
+            state.frames.append(_launch(group, state, state.queued))
+            if launched is not None:
+                launched(1)
     error: BaseException | None = None
     for check in () if state is None else state.frames:
         _wait(check)
@@ -227,7 +230,6 @@ def settle(group: Any) -> int:
     if error is not None:
         error._fshard_agreed = True  # type: ignore[attr-defined]  # every rank raises it: no check round after
         raise error
-    return len(batches)
 
 
 def _verdict(record: _Record, position: int, ranks: tuple[int, ...], rows: list[list[int]]) -> BaseException | None:
@@ -235,17 +237,32 @@ def _verdict(record: _Record, position: int, ranks: tuple[int, ...], rows: list[
     pairs: list[tuple[int, bool, Any]] = []
     tag = _tag(record.what)
     for rank, row in zip(ranks, rows):
-        at, count = 1, row[0]
-        for _ in range(min(position, count)):  # the records before it
-            at += 3 + row[at + 2]
-        if position >= count or row[at] != tag or row[at + 2] != len(record.digest):
+        found = _record_at(row, position)
+        if found is None or found[0] != tag or len(found[2]) != len(record.digest):
             return CollectiveMismatchError(
                 f"{record.what}: rank {rank} posted no check of this call where this rank did (it made another "
                 "call there, or fewer): every rank must call each fshard function, in the same order."
             )
-        digest = row[at + 3 : at + 3 + row[at + 2]]
-        pairs.append((rank, bool(row[at + 1]), digest[0] if record.width is None else tuple(digest)))
+        _, failed, digest = found
+        pairs.append((rank, failed, digest[0] if record.width is None else digest))
     return record.verdict(pairs)
+
+
+def _record_at(row: list[int], position: int) -> tuple[int, bool, tuple[int, ...]] | None:
+    """The ``position``-th record of a rank's frame ``row``: (tag, failed, digest); ``None`` where it has none.
+
+    A frame is read as posted; one that is not a frame (a gather paired wrongly) gives ``None``
+    rather than an error of its own.
+    """
+    if not 0 <= position < row[0] <= _FRAME:
+        return None
+    at = 1
+    for k in range(position + 1):
+        if at + 3 > _FRAME or not 0 <= row[at + 2] <= _DIGEST or at + 3 + row[at + 2] > _FRAME:
+            return None
+        if k < position:
+            at += 3 + row[at + 2]
+    return row[at], bool(row[at + 1]), tuple(row[at + 3 : at + 3 + row[at + 2]])
 
 
 def drop(group: Any) -> None:
