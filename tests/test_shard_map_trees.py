@@ -20,10 +20,11 @@ R = [0, 1]
 REP, ROWS = fshard.Replicated(R), fshard.Chunk(0, R)
 
 
-def _params(backend=None) -> dict[str, fshard.ShardedArray]:
+def _params(backend=None, w_spec=ROWS, b_spec=REP) -> dict[str, fshard.ShardedArray]:
+    """Two parameters as a dict of arrays whose shards take gradients: ``w`` (3x2) and ``b`` (2)."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(3, 2, generator=g, dtype=torch.float64), torch.randn(2, generator=g, dtype=torch.float64)
-    out = {"w": fshard.shard(w, fshard.Chunk(0, R), backend=backend), "b": fshard.shard(b, REP, backend=backend)}
+    out = {"w": fshard.shard(w, w_spec, backend=backend), "b": fshard.shard(b, b_spec, backend=backend)}
     for a in out.values():
         for t in a.addressable_data:
             t.requires_grad_()
@@ -197,16 +198,7 @@ def _step4(params, x, y):
 
 
 def _params4(backend=None) -> dict[str, fshard.ShardedArray]:
-    g = torch.Generator().manual_seed(0)
-    full = {
-        "w": torch.randn(3, 2, generator=g, dtype=torch.float64),
-        "b": torch.randn(2, generator=g, dtype=torch.float64),
-    }
-    out = {k: fshard.shard(v, fshard.Replicated(R4), backend=backend) for k, v in full.items()}
-    for a in out.values():
-        for t in a.addressable_data:
-            t.requires_grad_()
-    return out
+    return _params(backend, fshard.Replicated(R4), fshard.Replicated(R4))
 
 
 def _batch4() -> tuple[torch.Tensor, torch.Tensor]:
