@@ -45,8 +45,9 @@ def is_tree(x: Any) -> bool:
 class Flat:
     """How a structure of arguments passes as leaves: the ``shard_map`` of the leaves takes ``specs``.
 
-    Made once per structure (``flatten``'s key: the trees' shapes, and which leaves are
-    arrays), on which ``specs``, ``precisions``, ``labels`` and ``function`` depend alone.
+    Made once per structure (``flatten``'s key: the trees' shapes, which leaves are arrays,
+    and which of those are floating), on which ``specs``, ``precisions``, ``labels`` and
+    ``function`` depend alone.
     """
 
     specs: tuple[Any, ...]
