@@ -71,10 +71,6 @@ def _arg(name: int | str) -> str:
     return name if isinstance(name, str) else f"argument {name}"
 
 
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, Layout) or hasattr(x, "layout")
-
-
 @with_body  # fn is compiled where the caller is
 @collective("map_local")
 def map_local(
@@ -244,9 +240,8 @@ def named_shard_map(
 
     by_structure: dict[Any, Callable[..., Any]] = {}  # per structure of tree arguments: the shard_map of the leaves
 
-    def of_leaves(args: tuple[Any, ...]) -> Any:
+    def of_leaves(args: tuple[Any, ...], key: Any, flat: tuple[Any, ...], trees: _trees.Trees) -> Any:
         """The call where some argument is a pytree of arrays: the ``shard_map`` of its leaves (``map_trees``)."""
-        key, flat, trees = _trees.flatten(args, specs)
         inner = by_structure.get(key)
         if inner is None:
             how = _trees.describe(args, trees, specs, precisions, labels, what)
@@ -271,8 +266,10 @@ def named_shard_map(
             # Every argument an array of one backend: their targets resolved and checked once per tuple of layouts.
             arrays = list(enumerate(args))
             targets = list(_targets(specs_key, backend, tuple(a.layout for a in args)))
-        elif any(spec is not None and _trees.is_tree(a) for a, spec in zip(args, specs)):
-            return of_leaves(args)
+        elif any(spec is not None and not _trees.is_array(a) for a, spec in zip(args, specs)):
+            key, flat, trees = _trees.flatten(args, specs)  # a container argument: its leaves
+            if any(k is not None for k in key):
+                return of_leaves(args, key, flat, trees)
         for k, (a, spec) in enumerate(() if arrays else zip(args, specs)):
             if spec is None:
                 if isinstance(a, (torch.Tensor, ShardedArray)):
@@ -796,9 +793,9 @@ def _used(backend: Any, layout: Layout, seen: Sequence[tuple[frozenset[int], int
 
 
 def _spec_structure(out_specs: Any) -> Any:
-    if _is_spec(out_specs):
+    if _trees.is_spec(out_specs):
         return optree.tree_structure(cast(Any, 0))  # a single leaf
-    return optree.tree_structure(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+    return optree.tree_structure(out_specs, is_leaf=_trees.is_spec, none_is_leaf=True)
 
 
 def regrouped(a: ShardedArray, mode: str) -> ShardedArray:
@@ -852,7 +849,7 @@ def _known_here(spec: Any) -> bool:
 
 def _leaf_specs(out_specs: Any, tree: Any, what: str) -> list[Any]:
     """One spec per result leaf: ``out_specs`` broadcast (a single spec) or matched to the results' tree."""
-    if _is_spec(out_specs):
+    if _trees.is_spec(out_specs):
         return [out_specs] * (tree.num_leaves if tree is not None else 1)
     flat, given = _flat_specs(out_specs, tree)
     if tree is not None and tree.num_leaves != len(flat):
@@ -871,9 +868,9 @@ def _flat_specs(out_specs: Any, tree: Any) -> tuple[list[Any], Any]:
     A ``None`` is a spec (a hole in a sequence of specs), except where the results hold
     ``None`` at its place: then it stands for that ``None`` (``{"y": spec, "aux": None}``).
     """
-    flat, given = optree.tree_flatten(out_specs, is_leaf=_is_spec, none_is_leaf=True)
+    flat, given = optree.tree_flatten(out_specs, is_leaf=_trees.is_spec, none_is_leaf=True)
     if tree is not None and tree.num_leaves != len(flat) and any(x is None for x in flat):
-        fewer, structure = optree.tree_flatten(out_specs, is_leaf=lambda x: x is not None and _is_spec(x))
+        fewer, structure = optree.tree_flatten(out_specs, is_leaf=lambda x: x is not None and _trees.is_spec(x))
         if len(fewer) == tree.num_leaves:
             return fewer, structure
     return flat, given
@@ -881,7 +878,7 @@ def _flat_specs(out_specs: Any, tree: Any) -> tuple[list[Any], Any]:
 
 def check_out_specs(out_specs: Any, results: Any, what: str, maker: str) -> None:
     """Refuses ``out_specs`` that would lay out ``results`` by other results' specs (``_spec_order``)."""
-    if not _is_spec(out_specs):
+    if not _trees.is_spec(out_specs):
         tree = optree.tree_structure(results)
         given = _flat_specs(out_specs, tree)[1]
         if given.num_leaves == tree.num_leaves:  # else a count that fshard.shard_map refuses as such
@@ -947,7 +944,7 @@ _matched = cached(256)(_match_paths)
 
 
 def _path(path: tuple[Any, ...]) -> str:
-    return "".join(f"[{k!r}]" for k in path) or "the top"
+    return _trees.path_text(path) or "the top"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,23 +22,17 @@ from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout
 
-__all__ = ["Flat", "describe", "flatten", "is_tree"]
+__all__ = ["Flat", "Trees", "describe", "flatten", "is_array", "is_spec", "path_text"]
 
 
-def _array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is an array or a tensor: a leaf of a tree argument that takes a spec."""
     return isinstance(x, (ShardedArray, torch.Tensor))
 
 
-def _spec(x: Any) -> bool:
-    """A spec (or ``None``) at a leaf of an ``in_specs`` tree, as ``shard_map`` reads one."""
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is one spec (or ``None``), a leaf of a tree of specs, as ``shard_map`` reads one."""
     return x is None or isinstance(x, Layout) or hasattr(x, "layout")
-
-
-def is_tree(x: Any) -> bool:
-    """Whether ``x`` is a container (a tuple, list, dict or other pytree node) rather than one value."""
-    if _array(x):
-        return False
-    return not optree.treespec_is_leaf(optree.tree_structure(x, is_leaf=_array, none_is_leaf=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,39 +70,43 @@ class Flat:
         return of_leaves
 
 
-def _path(path: tuple[Any, ...]) -> str:
+def path_text(path: tuple[Any, ...]) -> str:
+    """A pytree path as an index expression: ``['w'][0]``; empty for the root."""
     return "".join(f"[{k!r}]" for k in path)
 
 
-Trees = list[tuple[Any, list[Any]] | None]  # per argument: its leaves' paths and the leaves, or None (passed whole)
+# Per argument: its leaves' paths, the leaves and their kinds (``_kind``), or None (passed whole).
+Trees = list[tuple[Any, list[Any], tuple[int, ...]] | None]
 
 
 def _kind(x: Any) -> int:
     """A leaf's kind as the structure's key holds it: 0 a value, 1 an array or tensor, 2 a floating one."""
-    if not _array(x):
+    if not is_array(x):
         return 0
     return 2 if x.dtype.is_floating_point else 1
 
 
 def flatten(args: Sequence[Any], specs: Sequence[Any]) -> tuple[Any, tuple[Any, ...], Trees]:
-    """``args`` with each tree argument (``is_tree``, its spec not ``None``) flattened into its leaves.
+    """``args`` with each tree argument (a container of values, its spec not ``None``) flattened into its leaves.
 
-    Returns the structure's key (hashable: each tree's treedef and its leaves' kinds), the
-    flat arguments, the call's treedefs last (``Flat.function`` rebuilds the trees with them),
-    and each tree's paths and leaves (for ``describe``).
+    Returns the structure's key (hashable: each tree's treedef and its leaves' kinds; all
+    ``None`` where no argument is a tree), the flat arguments, the call's treedefs last
+    (``Flat.function`` rebuilds the trees with them), and each tree's paths, leaves and
+    kinds (for ``describe``).
     """
     key: list[Any] = []
     flat: list[Any] = []
     treedefs: list[Any] = []
     trees: Trees = []
     for a, spec in zip(args, specs):
-        if spec is not None and not _array(a):
-            paths, leaves, treedef = optree.tree_flatten_with_path(a, is_leaf=_array, none_is_leaf=True)
+        if spec is not None and not is_array(a):
+            paths, leaves, treedef = optree.tree_flatten_with_path(a, is_leaf=is_array, none_is_leaf=True)
             if not optree.treespec_is_leaf(treedef):
-                key.append((treedef, tuple(map(_kind, leaves))))
+                kinds = tuple(map(_kind, leaves))
+                key.append((treedef, kinds))
                 flat.extend(leaves)
                 treedefs.append(treedef)
-                trees.append((paths, leaves))
+                trees.append((paths, leaves, kinds))
                 continue
         key.append(None)
         flat.append(a)
@@ -151,29 +149,23 @@ def describe(
             flat_precisions.append(precisions[k])
             flat_labels.append(name)
             continue
-        paths, leaves = tree
-        leaf_specs = [spec] * len(leaves) if not _spec_tree(spec) else _by_path(spec, a, paths, name, what)
-        for path, leaf, s in zip(paths, leaves, leaf_specs):
-            kind = _kind(leaf)
+        paths, leaves, kinds = tree
+        leaf_specs = [spec] * len(leaves) if is_spec(spec) else _by_path(spec, a, paths, name, what)
+        for path, leaf, kind, s in zip(paths, leaves, kinds, leaf_specs):
             if kind and s is None:
                 msg = (
-                    f"{what} {name}{_path(path)} is a {type(leaf).__name__} but its in_spec is None: give it a "
+                    f"{what} {name}{path_text(path)} is a {type(leaf).__name__} but its in_spec is None: give it a "
                     "spec (None passes only values that are not tensors)."
                 )
                 raise SpecError(msg)
             flat_specs.append(s if kind else None)
             flat_precisions.append(precisions[k] if kind == 2 else None)
-            flat_labels.append(f"{name}{_path(path)}")
+            flat_labels.append(f"{name}{path_text(path)}")
         counts.append(len(leaves))
     flat_specs.append(None)  # the call's treedefs
     flat_precisions.append(None)
     flat_labels.append("the structure of the arguments")
     return Flat(tuple(flat_specs), tuple(flat_precisions), tuple(flat_labels), tuple(counts))
-
-
-def _spec_tree(spec: Any) -> bool:
-    """Whether ``spec`` is a tree of specs (a container of them) rather than one spec."""
-    return not _spec(spec)
 
 
 def _by_path(spec: Any, a: Any, paths: Sequence[tuple[Any, ...]], name: str, what: str) -> list[Any]:
@@ -184,7 +176,7 @@ def _by_path(spec: Any, a: Any, paths: Sequence[tuple[Any, ...]], name: str, wha
     """
 
     def leaf(x: Any) -> bool:
-        return _spec(x) or _array(x)
+        return is_spec(x) or is_array(x)
 
     try:
         optree.broadcast_prefix(spec, a, is_leaf=leaf, none_is_leaf=True)  # the structures: the same keys, arities
