@@ -235,8 +235,10 @@ def named_shard_map(
     reducing = Reducing(specs, fn)
     precisions = per_argument(precision, len(specs), what)
 
-    # The targets of arguments that are all arrays are cached on the specs (none of them None).
-    specs_key = _SpecsKey.of(specs) if all(s is not None for s in specs) else None
+    # The targets of a call whose arguments with a spec are all arrays are cached on those specs.
+    given = [k for k, s in enumerate(specs) if s is not None]  # the positions with a spec
+    plain = [k for k, s in enumerate(specs) if s is None]  # passed to fn as they are
+    specs_key = _SpecsKey.of([specs[k] for k in given]) if given else None
 
     by_structure: dict[Any, Callable[..., Any]] = {}  # per structure of tree arguments: the shard_map of the leaves
 
@@ -262,10 +264,16 @@ def named_shard_map(
         arrays: list[tuple[int, ShardedArray]] = []
         targets: list[Layout | None] = []  # where each array argument moves (None: a tensor, sharded there)
         extras: list[tuple[int, Any]] = []
-        if specs_key is not None and all(type(a) is ShardedArray and a.backend is backend for a in args):
-            # Every argument an array of one backend: their targets resolved and checked once per tuple of layouts.
-            arrays = list(enumerate(args))
-            targets = list(_targets(specs_key, backend, tuple(a.layout for a in args)))
+        if (
+            specs_key is not None
+            and all(type(args[k]) is ShardedArray and args[k].backend is backend for k in given)
+            and not any(isinstance(args[k], (torch.Tensor, ShardedArray)) for k in plain)
+        ):
+            # Every argument with a spec an array of one backend: their targets resolved and checked once per
+            # tuple of layouts (a tree's leaves, with the call's treedefs as its last argument, come here).
+            arrays = [(k, args[k]) for k in given]
+            extras = [(k, args[k]) for k in plain]
+            targets = list(_targets(specs_key, backend, tuple(a.layout for _, a in arrays)))
         elif any(spec is not None and not _trees.is_array(a) for a, spec in zip(args, specs)):
             key, flat, trees = _trees.flatten(args, specs)  # a container argument: its leaves
             if any(k is not None for k in key):

@@ -301,13 +301,15 @@ class _Slots:
     """Where each of a rank's shards sits in its bucket: ``where[position] = (bucket, range, offset)``.
 
     ``where[-1]`` is the slot of the flag (``flag`` elements: the count, the carried value, the leaves'
-    uses); ``numels[position]`` the shard's elements, ``leaves[position]`` its leaf.
+    uses); ``numels[position]`` the shard's elements, ``leaves[position]`` its leaf; ``widths[bucket][range]``
+    the elements of each of its entries, in order (a split of the range's tensor cuts it into them).
     """
 
     where: dict[int, tuple[int, int, int]]
     numels: tuple[int, ...]
     leaves: tuple[int, ...]
     flag: int
+    widths: tuple[tuple[tuple[int, ...], ...], ...]
 
 
 @cached(256)
@@ -318,14 +320,20 @@ def _slots(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> _
     leaves = tuple(k for k, x in enumerate(layouts) for _ in x.indices_on(rank))
     width = _flag_width(layouts)
     where: dict[int, tuple[int, int, int]] = {}
+    widths: list[tuple[tuple[int, ...], ...]] = []
     for b, bucket in enumerate(plan):
+        ranges: list[tuple[int, ...]] = []
         for j, part in enumerate(bucket.parts):
             at = 0
+            sizes: list[int] = []
             for q in part:
                 flag = q == bucket.flag
                 where[-1 if flag else bucket.positions[q]] = (b, j, at)
-                at += width if flag else numels[bucket.positions[q]]
-    return _Slots(where, numels, leaves, width)
+                sizes.append(width if flag else numels[bucket.positions[q]])
+                at += sizes[-1]
+            ranges.append(tuple(sizes))
+        widths.append(tuple(ranges))
+    return _Slots(where, numels, leaves, width, tuple(widths))
 
 
 class _State:
@@ -350,6 +358,8 @@ class _State:
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
         self.forward = like.dtype if precision is None else precision.forward_dtype(like.dtype)
         self.where, self.numels, self.leaves, self.flag = slots.where, slots.numels, slots.leaves, slots.flag
+        self.widths = slots.widths
+        self.held = len(self.where) - (-1 in self.where)  # the boxes that have a slot (empty ones: none; -1: the flag)
         self.kept = _Kept.of(tensors, (self.series, self.dtype, self.device))
         self.reset()
 
@@ -362,6 +372,8 @@ class _State:
 
     def reset(self) -> None:
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
+        self.views: dict[int, torch.Tensor] = {}  # each box's view of its bucket, in its block's shape; -1: the flag
+        self.cuts: list[dict[int, torch.Tensor] | None] = [None] * len(self.plan)  # those views, bucket by bucket
         self.missing = [sum(p in self.where for p in bucket.positions) for bucket in self.plan]  # empty boxes: none
         self.given: set[int] = set()
         self.flights: list[Callable[[], tuple[torch.Tensor, ...]]] = []
@@ -369,18 +381,39 @@ class _State:
         self.fetched = False
 
     def _earlier(self, position: int) -> torch.Tensor | None:
+        earlier = self._all_earlier()
+        return None if earlier is None else earlier[position]
+
+    def _all_earlier(self) -> list[torch.Tensor | None] | None:
+        """What earlier micro-batches set aside, one per position (``None``: nothing), taken back once."""
         if not self.fetched:
             self.earlier, self.fetched = take_back(self.key), True
-        return None if self.earlier is None else self.earlier[position]
+        return self.earlier
 
     def _buffer(self, b: int) -> list[torch.Tensor]:
         buf = self.buffers[b]
         if buf is None:
-            bucket = self.plan[b]
-            sizes = [sum(self._width(bucket, q) for q in part) for part in bucket.parts]
+            sizes = [sum(widths) for widths in self.widths[b]]
             # Not zeroed: each box is written by its first gradient (copy_), or zeroed before its bucket leaves.
             buf = self.buffers[b] = [self._new(b, j, n) for j, n in enumerate(sizes)]
+            cut = self.cuts[b] = self._cut(b, buf)
+            self.views.update(cut)
         return buf
+
+    def _cut(self, b: int, ranges: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each box of bucket ``b`` in ``ranges`` (its ranges' tensors), as a view in its block's shape (-1: the flag).
+
+        One split per range: the views of every box of a step are made at once, not one per gradient.
+        """
+        bucket = self.plan[b]
+        out: dict[int, torch.Tensor] = {}
+        for part, widths, total in zip(bucket.parts, self.widths[b], ranges):
+            for q, piece in zip(part, torch.split(total, list(widths))):
+                if q == bucket.flag:
+                    out[-1] = piece
+                else:
+                    out[bucket.positions[q]] = piece.view(self.shapes[bucket.positions[q]])
+        return out
 
     def _new(self, b: int, j: int, n: int) -> torch.Tensor:
         if self.kept is None:
@@ -388,8 +421,12 @@ class _State:
         return self.kept.take((b, j, n), n, self.dtype, self.device)
 
     def _slot(self, position: int) -> torch.Tensor:
-        b, j, at = self.where[position]
-        return self._buffer(b)[j][at : at + (self.flag if position == -1 else self._numel(position))]
+        """The view of ``position``'s box in its bucket (``views``), in its block's shape; -1: the flag's elements."""
+        view = self.views.get(position)
+        if view is None:
+            self._buffer(self.where[position][0])
+            view = self.views[position]
+        return view
 
     def take(self, position: int, grad: torch.Tensor) -> bool:
         """Adds ``grad`` to its bucket unless that bucket has left; launches the buckets now full.
@@ -403,14 +440,14 @@ class _State:
         b = self.where[position][0]
         if b < len(self.flights):
             return False
-        slot = self._slot(position)
+        slot = self._slot(position)  # the block's shape, as the gradient's
         if position in self.given:
-            slot.add_(grad.reshape(-1))
+            slot.add_(grad)
         else:
-            slot.copy_(grad.reshape(-1))
+            slot.copy_(grad)
             earlier = self._earlier(position)
             if earlier is not None:
-                slot.add_(earlier.reshape(-1))
+                slot.add_(earlier)
             self.given.add(position)
             self.missing[b] -= 1
         while len(self.flights) < len(self.plan) - 1 and self.missing[len(self.flights)] == 0:
@@ -446,13 +483,13 @@ class _State:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
         late = [None if g is None else g.to(self.dtype) for g in late]
         outside = [k for k, g in enumerate(late) if g is not None and not self.take(k, g)]
-        for k in range(len(self.shapes)):  # used by earlier micro-batches only
-            earlier = self._earlier(k)
+        for k, earlier in enumerate(self._all_earlier() or ()):  # used by earlier micro-batches only
             if k not in self.given and earlier is not None:
                 self.take(k, torch.zeros_like(earlier))
-        for position, (b, _, _) in self.where.items():  # boxes no gradient reached: zero in their bucket
-            if position >= 0 and position not in self.given and b >= len(self.flights):
-                self._slot(position).zero_()
+        if len(self.given) < self.held:  # boxes no gradient reached: zero in their bucket
+            for position, (b, _, _) in self.where.items():
+                if position >= 0 and position not in self.given and b >= len(self.flights):
+                    self._slot(position).zero_()
         flag = self._slot(-1)
         flag[:1].fill_(len(outside))
         carry = _carry_for(self)
@@ -471,11 +508,12 @@ class _State:
         out: list[Any] = [
             None if position in self.where else self._zeros(*shape) for position, shape in enumerate(self.shapes)
         ]
-        for b, bucket in enumerate(self.plan):  # each range cut into its boxes by one split: views, no copy
-            for part, total in zip(bucket.parts, summed[b]):
-                for q, piece in zip(part, torch.split(total, [self._width(bucket, q) for q in part])):
-                    if q != bucket.flag:
-                        out[bucket.positions[q]] = piece.view(self.shapes[bucket.positions[q]])
+        for b, ranges in enumerate(summed):  # each box a view of its sum, no copy
+            # Summed in place (the buffers themselves): the views the gradients were copied into.
+            cut = self.cuts[b] if all(x is y for x, y in zip(ranges, self._buffer(b))) else None
+            for position, view in (cut or self._cut(b, ranges)).items():
+                if position >= 0:
+                    out[position] = view
         b, j, at = self.where[-1]
         if carry is not None:  # a copy: the bucket's buffer is kept for the next step
             carry.total = summed[b][j][at + 1 : at + 2].to(carry.value.dtype, copy=True)
