@@ -208,6 +208,27 @@ def test_a_layer_not_used_yet_resumes_without_state_as_the_run_that_never_stoppe
     _assert_same(_gathered(resumed), _gathered(params))
 
 
+def test_a_none_in_params_is_a_parameter_not_there_and_stays_none_in_the_state(tmp_path) -> None:
+    params = _params([0, 1, 2, 3])
+    tree = {"layers": params, "norm": None}  # a model's tree with a part it lacks
+    opt = _adamw(tree)
+    _train(params, opt, 2)
+    state = fshard.optimizer_state(opt, tree)
+    assert all(state["state"][key]["norm"] is None for key in ("exp_avg", "exp_avg_sq", "step"))
+    assert state["param_groups"][0]["arrays"] == [f"['layers'][{k!r}]" for k in sorted(params)]
+    fshard.save(tmp_path / "optim", state)
+    opt.zero_grad(set_to_none=True)  # the resumed run's optimizer, over the same parameters, has not stepped
+    opt2 = _adamw(tree)
+    fshard.load_optimizer_state(opt2, tree, fshard.load(tmp_path / "optim", like=fshard.optimizer_state(opt2, tree)))
+    for a in params.values():
+        for t in a.addressable_data:
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt2.state[t][key], opt.state[t][key])
+    moved = {k: {**v, "norm": v["layers"]["0.bias"]} for k, v in state["state"].items()}  # a value where it has None
+    with pytest.raises(fshard.SpecError, match=re.escape("is a tree of another structure than params")):
+        fshard.load_optimizer_state(opt2, tree, {**state, "state": moved})
+
+
 def test_a_leaf_the_optimizer_does_not_know_is_named() -> None:
     params = _params([0, 1, 2, 3])
     opt = _adamw({k: v for k, v in params.items() if k != "2.bias"})

@@ -51,7 +51,8 @@ def optimizer_state(opt: torch.optim.Optimizer, params: Any) -> dict[str, Any]:
 
     Args:
         opt: a ``torch.optim.Optimizer`` whose parameters are the leaves of ``params``.
-        params: a tree of ``ShardedArray`` (and plain tensor) parameters.
+        params: a tree of ``ShardedArray`` (and plain tensor) parameters; a ``None`` in it is a
+            parameter that is not there (a layer without a bias), ``None`` in every state tree too.
 
     Returns:
         ``{"state": {key: tree like params}, "param_groups": [...]}``; each group holds its
@@ -138,8 +139,12 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
     groups = _groups(opt, arrays, paths)
     saved = _check_groups(state, len(opt.param_groups), groups, paths)
     for key, tree in cast("dict[str, Any]", state["state"]).items():
-        values, spec = optree.tree_flatten(tree, is_leaf=_is_array, none_is_leaf=True)
-        if spec != treespec:
+        try:  # a value per parameter (None: it had none), where params has None a None
+            values = treespec.flatten_up_to(tree)
+        except ValueError:
+            values = None
+        if values is None or any(isinstance(v, (list, tuple, dict)) for v in values):
+            spec = optree.tree_structure(tree, is_leaf=_is_array, none_is_leaf=True)
             msg = (
                 f"load_optimizer_state() state {key!r} is a tree of another structure than params "
                 f"({spec} against {treespec}): load it with like=fshard.optimizer_state(opt, params)."
@@ -168,9 +173,13 @@ def _is_array(x: Any) -> bool:
 
 
 def _flatten(params: Any) -> tuple[list[Leaf], Any, list[str]]:
-    """The arrays (and plain tensors) of ``params``, its structure over them, and their paths."""
-    leaves, treespec = optree.tree_flatten(params, is_leaf=_is_array, none_is_leaf=True)
-    paths = ["".join(f"[{k!r}]" for k in p) for p in optree.tree_paths(params, is_leaf=_is_array, none_is_leaf=True)]
+    """The arrays (and plain tensors) of ``params``, its structure over them, and their paths.
+
+    A ``None`` in ``params`` is a parameter that is not there (a layer without a bias): it stays
+    ``None`` in the state's trees.
+    """
+    leaves, treespec = optree.tree_flatten(params, is_leaf=_is_array)
+    paths = ["".join(f"[{k!r}]" for k in p) for p in optree.tree_paths(params, is_leaf=_is_array)]
     for leaf, path in zip(leaves, paths):
         if not isinstance(leaf, (ShardedArray, torch.Tensor)):
             msg = f"params{path} is a {type(leaf).__name__}: give a tree of ShardedArrays and tensors."
