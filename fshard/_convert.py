@@ -268,10 +268,22 @@ def main_convert(argv: Sequence[str], prog: str) -> int:
             progress=args.progress,
         )
     except (CheckpointError, SpecError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {_as_options(str(exc))}", file=sys.stderr)
         return 1
     print(f"converted {line}")
     return 0
+
+
+# How ``convert``'s errors name its arguments, and how the command names the same: a user of the command
+# reads its own options, not the Python call's keywords.
+_OPTIONS = (("convert() ", ""), ("max_memory=", "--max-memory "), ("raise max_memory", "raise --max-memory"))
+
+
+def _as_options(text: str) -> str:
+    """``text``, an error of ``convert``, with its keywords named as the command's options."""
+    for keyword, option in _OPTIONS:
+        text = text.replace(keyword, option)
+    return text
 
 
 def main_info(argv: Sequence[str], prog: str) -> int:

@@ -325,10 +325,27 @@ def test_a_max_memory_below_one_element_is_refused_before_anything_is_written(
     target = tmp_path / "out"
     assert cli.main(["convert", str(dcp_folder), str(target), "--max-memory", "2"], prog="fshard") == 1
     err = capsys.readouterr().err
-    assert "convert() max_memory=2 bytes holds less than one element of" in err
+    assert "fshard convert: --max-memory 2 bytes holds less than one element of" in err  # its option, not the keyword
+    assert "convert()" not in err
+    assert "max_memory" not in err
     assert "raise it to at least" in err
     assert "Traceback" not in err
     assert not target.exists()
+
+
+def test_the_command_names_its_own_options_in_its_errors(
+    dcp_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        cli.main(["convert", str(dcp_folder), str(tmp_path / "x"), "--to", "hf", "--max-memory", "16"], prog="fshard")
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "hold more than --max-memory 16 bytes: raise --max-memory, or convert to fshard" in err
+    assert cli.main(["convert", str(dcp_folder), str(dcp_folder)], prog="fshard") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fshard convert: writes a new checkpoint: the target ")
+    assert "convert()" not in err
 
 
 def test_folders_of_formats_fshard_does_not_read_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
