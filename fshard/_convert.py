@@ -19,7 +19,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,6 +55,20 @@ def parse_size(value: int | str, what: str = "size") -> int:
     return int(float(m[1]) * unit)
 
 
+class _Words(NamedTuple):
+    """How ``convert``'s errors name it and its arguments: as the Python call, or as the command's options."""
+
+    call: str  # the converter, as the subject of a sentence
+    lead: str  # the start of an error about an argument
+    to: str  # before a target format
+    memory: str  # before a number of bytes held at once
+    memory_name: str  # that setting, named alone
+
+
+_PYTHON = _Words("convert()", "convert() ", "convert() to ", "max_memory=", "max_memory")
+_COMMAND = _Words("convert", "", "--to ", "--max-memory ", "--max-memory")
+
+
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -82,15 +96,29 @@ def convert(
         CheckpointError: a damaged source, ``dst`` equal to ``src``, or a target that cannot be written.
         SpecError: a bad ``to``, ``max_memory`` or ``max_shard_size``.
     """
-    source_path, target = checkpoint_path(src, "convert()"), checkpoint_path(dst, "convert()")
-    budget = None if max_memory is None else parse_size(max_memory, "max_memory")
+    return _convert(src, dst, to, max_memory, max_shard_size, verify, progress, _PYTHON)
+
+
+def _convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    to: str | None,
+    max_memory: int | str | None,
+    max_shard_size: int | str,
+    verify: bool,
+    progress: bool | None,
+    words: _Words,
+) -> str:
+    """``convert``, its errors worded with ``words`` (the Python call's, or the command's)."""
+    source_path, target = checkpoint_path(src, words.call), checkpoint_path(dst, words.call)
+    budget = None if max_memory is None else parse_size(max_memory, words.memory_name)
     if source_path.resolve() == target.resolve():
-        raise CheckpointError(f"convert() writes a new checkpoint: the target {target} is the source itself.")
+        raise CheckpointError(f"{words.call} writes a new checkpoint: the target {target} is the source itself.")
     with contextlib.ExitStack() as stack:
         source = open_source(source_path, stack, verify=verify)
         to = to or ("hf" if source.kind == "fshard" else "fshard")
-        _check_dtypes(source, to)
-        _check_budget(source, budget)
+        _check_dtypes(source, to, words)
+        _check_budget(source, budget, words)
         if to == "fshard":
             tree, item = source.tree()
 
@@ -99,32 +127,32 @@ def convert(
 
             save_streamed(target, tree, read, budget=budget, progress=progress)
         elif to == "hf":
-            _to_hf(source, target, parse_size(max_shard_size, "max_shard_size"), budget, progress)
+            _to_hf(source, target, parse_size(max_shard_size, "max_shard_size"), budget, progress, words)
         else:
-            raise SpecError(f"convert() to= takes 'fshard' or 'hf', got {to!r}.")
+            raise SpecError(f"{words.lead}to= takes 'fshard' or 'hf', got {to!r}.")
         return _summary(source, source_path, to, target)
 
 
-def _check_dtypes(source: Source, to: str) -> None:
+def _check_dtypes(source: Source, to: str, words: _Words) -> None:
     """Refuses a source holding a dtype that neither target stores (a DCP folder may hold complex32)."""
     odd = [i for i in source.items if i.dtype not in CODES]
     if odd:
         msg = (
-            f"convert() to {to}: {source.kind} {source.root} holds {odd[0].dtype} tensors {[i.name for i in odd[:3]]}, "
+            f"{words.to}{to}: {source.kind} {source.root} holds {odd[0].dtype} tensors {[i.name for i in odd[:3]]}, "
             "a dtype that fshard and Hugging Face checkpoints do not store: load them with fshard.load and save "
             "them cast (to complex64, say)."
         )
         raise CheckpointError(msg)
 
 
-def _check_budget(source: Source, budget: int | None) -> None:
+def _check_budget(source: Source, budget: int | None, words: _Words) -> None:
     """Refuses a ``max_memory`` that holds less than one element of some tensor, before anything is written."""
     if budget is None or not source.items:
         return
     widest = max(source.items, key=lambda i: i.dtype.itemsize)
     if widest.dtype.itemsize > budget:
         msg = (
-            f"convert() max_memory={budget} bytes holds less than one element of {widest.name} ({widest.dtype}, "
+            f"{words.lead}{words.memory}{budget} bytes holds less than one element of {widest.name} ({widest.dtype}, "
             f"{widest.dtype.itemsize} bytes): raise it to at least {widest.dtype.itemsize} bytes (a block of "
             "one element at a time is slow: megabytes, as '256MB', is the usual size)."
         )
@@ -179,20 +207,22 @@ def _write_file(path: Path, source: Source, group: list[int], bar: Any) -> None:
             os.close(fd)
 
 
-def _to_hf(source: Source, target: Path, shard_size: int, budget: int | None, progress: bool | None) -> None:
+def _to_hf(
+    source: Source, target: Path, shard_size: int, budget: int | None, progress: bool | None, words: _Words
+) -> None:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise CheckpointError(f"convert() writes a new Hugging Face folder: {target} exists and is not empty.")
+        raise CheckpointError(f"{words.call} writes a new Hugging Face folder: {target} exists and is not empty.")
     seen: set[str] = set()
     for name in (i.name for i in source.items):
         if name == METADATA_KEY:
             msg = (
-                f"convert() to hf cannot name a tensor {name!r}, the key a safetensors header keeps for its "
+                f"{words.to}hf cannot name a tensor {name!r}, the key a safetensors header keeps for its "
                 "metadata: convert to fshard instead."
             )
             raise CheckpointError(msg)
         if name in seen:  # a file would hold two tensors under one name, one of them unreadable
             msg = (
-                f"convert() to hf names each tensor by its keys joined with '.', and {name!r} names two tensors of "
+                f"{words.to}hf names each tensor by its keys joined with '.', and {name!r} names two tensors of "
                 "the source (a key that holds a '.' beside nested keys): rename one of them, or convert to fshard."
             )
             raise CheckpointError(msg)
@@ -200,8 +230,8 @@ def _to_hf(source: Source, target: Path, shard_size: int, budget: int | None, pr
     too_big = [i.name for i in source.items if budget is not None and i.nbytes > budget]
     if too_big:
         msg = (
-            f"A Hugging Face file holds each tensor whole, and {too_big[:3]} hold more than max_memory={budget} "
-            "bytes: raise max_memory, or convert to fshard (written block by block)."
+            f"A Hugging Face file holds each tensor whole, and {too_big[:3]} hold more than {words.memory}{budget} "
+            f"bytes: raise {words.memory_name}, or convert to fshard (written block by block)."
         )
         raise CheckpointError(msg)
     # No tensors: one file of none, as save_safetensors writes, so that the folder loads.
@@ -258,32 +288,22 @@ def main_convert(argv: Sequence[str], prog: str) -> int:
         except SpecError as exc:
             parser.error(str(exc))
     try:
-        line = convert(
+        # Its errors name the command's options (--max-memory), not the Python call's keywords.
+        line = _convert(
             args.src,
             args.dst,
-            to=args.to,
-            max_memory=args.max_memory,
-            max_shard_size=args.max_shard_size,
-            verify=not args.no_verify,
-            progress=args.progress,
+            args.to,
+            args.max_memory,
+            args.max_shard_size,
+            not args.no_verify,
+            args.progress,
+            _COMMAND,
         )
     except (CheckpointError, SpecError) as exc:
-        print(f"{prog}: {_as_options(str(exc))}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     print(f"converted {line}")
     return 0
-
-
-# How ``convert``'s errors name its arguments, and how the command names the same: a user of the command
-# reads its own options, not the Python call's keywords.
-_OPTIONS = (("convert() ", ""), ("max_memory=", "--max-memory "), ("raise max_memory", "raise --max-memory"))
-
-
-def _as_options(text: str) -> str:
-    """``text``, an error of ``convert``, with its keywords named as the command's options."""
-    for keyword, option in _OPTIONS:
-        text = text.replace(keyword, option)
-    return text
 
 
 def main_info(argv: Sequence[str], prog: str) -> int:

@@ -344,7 +344,7 @@ def test_the_command_names_its_own_options_in_its_errors(
     assert "hold more than --max-memory 16 bytes: raise --max-memory, or convert to fshard" in err
     assert cli.main(["convert", str(dcp_folder), str(dcp_folder)], prog="fshard") == 1
     err = capsys.readouterr().err
-    assert err.startswith("fshard convert: writes a new checkpoint: the target ")
+    assert err.startswith("fshard convert: convert writes a new checkpoint: the target ")
     assert "convert()" not in err
 
 

@@ -225,8 +225,12 @@ def test_a_none_in_params_is_a_parameter_not_there_and_stays_none_in_the_state(t
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(opt2.state[t][key], opt.state[t][key])
     moved = {k: {**v, "norm": v["layers"]["0.bias"]} for k, v in state["state"].items()}  # a value where it has None
-    with pytest.raises(fshard.SpecError, match=re.escape("is a tree of another structure than params")):
+    with pytest.raises(fshard.SpecError, match=re.escape("is a tree of another structure than params")) as info:
         fshard.load_optimizer_state(opt2, tree, {**state, "state": moved})
+    assert "Expected None" in str(info.value)  # where the trees part: optree's own words
+    nested = {k: {**v, "layers": {**v["layers"], "0.bias": [v["layers"]["0.bias"]]}} for k, v in state["state"].items()}
+    with pytest.raises(fshard.SpecError, match=re.escape("is a tree of another structure than params")):
+        fshard.load_optimizer_state(opt2, tree, {**state, "state": nested})  # a list where an array belongs
 
 
 def test_a_leaf_the_optimizer_does_not_know_is_named() -> None:

@@ -136,6 +136,19 @@ def test_an_array_leaf_whose_spec_is_none_is_named_by_its_path():
         f(p)
 
 
+def test_arguments_whose_spec_is_none_pass_as_they_are_each_call():
+    """Beside arrays, a None-spec argument reaches fn as given at each call (its array's targets cached once)."""
+    p = _params()
+    f = fshard.shard_map(lambda w, c, b: w * c + b.sum(), in_specs=(ROWS, None, REP), out_specs=ROWS)
+    for c in (2.0, 3.0):
+        torch.testing.assert_close(
+            fshard.gather(f(p["w"], c, p["b"])), fshard.gather(p["w"]) * c + fshard.gather(p["b"]).sum()
+        )
+    for wrong in (torch.ones(2), p["b"]):
+        with pytest.raises(fshard.SpecError, match=r"argument 1 is a (Tensor|ShardedArray) but its in_spec is None"):
+            f(p["w"], wrong, p["b"])
+
+
 def test_errors_of_the_leaves_name_the_leaf():
     t = torch.ones(4, 2)
     f = fshard.shard_map(lambda q: q["w"], in_specs=({"w": fshard.Replicated([0]), "v": REP},), out_specs=REP)

@@ -139,15 +139,16 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
     groups = _groups(opt, arrays, paths)
     saved = _check_groups(state, len(opt.param_groups), groups, paths)
     for key, tree in cast("dict[str, Any]", state["state"]).items():
-        try:  # a value per parameter (None: it had none), where params has None a None
-            values = treespec.flatten_up_to(tree)
-        except ValueError:
-            values = None
-        if values is None or any(isinstance(v, (list, tuple, dict)) for v in values):
-            spec = optree.tree_structure(tree, is_leaf=_is_array, none_is_leaf=True)
+        values: list[Any] = []
+        try:  # one value per parameter (None: it had none), and None where params has None
+            values, why = list(treespec.flatten_up_to(tree)), ""
+        except ValueError as exc:
+            why = f" ({exc})"
+        if why or any(v is not None and not _is_leaf(v) for v in values):
+            spec = optree.tree_structure(tree, is_leaf=_is_array)
             msg = (
-                f"load_optimizer_state() state {key!r} is a tree of another structure than params "
-                f"({spec} against {treespec}): load it with like=fshard.optimizer_state(opt, params)."
+                f"load_optimizer_state() state {key!r} is a tree of another structure than params: {spec} against "
+                f"{treespec}{why}. Load it with like=fshard.optimizer_state(opt, params)."
             )
             raise SpecError(msg)
         for a, v, path in zip(arrays, values, paths):
@@ -170,6 +171,11 @@ def _check_optimizer(what: str, opt: Any) -> None:
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, ShardedArray)
+
+
+def _is_leaf(x: Any) -> bool:
+    """Whether ``x`` is one state value (an array, a tensor, a number), not a container of them."""
+    return optree.treespec_is_leaf(optree.tree_structure(x, is_leaf=_is_array))
 
 
 def _flatten(params: Any) -> tuple[list[Leaf], Any, list[str]]:

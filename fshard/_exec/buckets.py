@@ -510,8 +510,10 @@ class _State:
         ]
         for b, ranges in enumerate(summed):  # each box a view of its sum, no copy
             # Summed in place (the buffers themselves): the views the gradients were copied into.
-            cut = self.cuts[b] if all(x is y for x, y in zip(ranges, self._buffer(b))) else None
-            for position, view in (cut or self._cut(b, ranges)).items():
+            buffers = self.buffers[b]  # made when the bucket left
+            in_place = buffers is not None and all(x is y for x, y in zip(ranges, buffers))
+            cut = self.cuts[b] if in_place else None
+            for position, view in (self._cut(b, ranges) if cut is None else cut).items():
                 if position >= 0:
                     out[position] = view
         b, j, at = self.where[-1]
