@@ -18,6 +18,7 @@ from typing import Any, cast
 import optree
 import torch
 
+from fshard._api.map_trees import path_text
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._exec.accumulate import step_unchecked
@@ -185,7 +186,7 @@ def _flatten(params: Any) -> tuple[list[Leaf], Any, list[str]]:
     ``None`` in the state's trees.
     """
     leaves, treespec = optree.tree_flatten(params, is_leaf=_is_array)
-    paths = ["".join(f"[{k!r}]" for k in p) for p in optree.tree_paths(params, is_leaf=_is_array)]
+    paths = [path_text(p) for p in optree.tree_paths(params, is_leaf=_is_array)]
     for leaf, path in zip(leaves, paths):
         if not isinstance(leaf, (ShardedArray, torch.Tensor)):
             msg = f"params{path} is a {type(leaf).__name__}: give a tree of ShardedArrays and tensors."

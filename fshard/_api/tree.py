@@ -11,6 +11,7 @@ import optree
 import torch
 
 from fshard._api.map import map_local
+from fshard._api.map_trees import path_text
 from fshard._api.move import gather, reshard, split_replicas
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
@@ -61,7 +62,7 @@ def check_replicas(tree: Any) -> None:
 
 def _path(keys: tuple[Any, ...]) -> str:
     """A leaf's place in a tree, as indexing spells it: ``['params'][0]`` (the root: ``the root``)."""
-    return "".join(f"[{k!r}]" for k in keys) or "the root"
+    return path_text(keys) or "the root"
 
 
 @collective("global_norm")

@@ -301,12 +301,11 @@ class _Slots:
     """Where each of a rank's shards sits in its bucket: ``where[position] = (bucket, range, offset)``.
 
     ``where[-1]`` is the slot of the flag (``flag`` elements: the count, the carried value, the leaves'
-    uses); ``numels[position]`` the shard's elements, ``leaves[position]`` its leaf; ``widths[bucket][range]``
-    the elements of each of its entries, in order (a split of the range's tensor cuts it into them).
+    uses); ``leaves[position]`` a shard's leaf; ``widths[bucket][range]`` the elements of each of
+    the range's entries, in order (a split of the range's tensor cuts it into them).
     """
 
     where: dict[int, tuple[int, int, int]]
-    numels: tuple[int, ...]
     leaves: tuple[int, ...]
     flag: int
     widths: tuple[tuple[tuple[int, ...], ...], ...]
@@ -333,7 +332,7 @@ def _slots(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int) -> _
                 at += sizes[-1]
             ranges.append(tuple(sizes))
         widths.append(tuple(ranges))
-    return _Slots(where, numels, leaves, width, tuple(widths))
+    return _Slots(where, leaves, width, tuple(widths))
 
 
 class _State:
@@ -357,18 +356,11 @@ class _State:
         # Gradients are summed (and sent) in the reduce dtype; the blocks are the forward dtype's.
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
         self.forward = like.dtype if precision is None else precision.forward_dtype(like.dtype)
-        self.where, self.numels, self.leaves, self.flag = slots.where, slots.numels, slots.leaves, slots.flag
+        self.where, self.leaves, self.flag = slots.where, slots.leaves, slots.flag
         self.widths = slots.widths
         self.held = len(self.where) - (-1 in self.where)  # the boxes that have a slot (empty ones: none; -1: the flag)
         self.kept = _Kept.of(tensors, (self.series, self.dtype, self.device))
         self.reset()
-
-    def _numel(self, position: int) -> int:
-        return self.numels[position]
-
-    def _width(self, bucket: Bucket, q: int) -> int:
-        """Elements of entry ``q`` of ``bucket`` in its range: its box's, or the flag's (count, carried value, uses)."""
-        return self.flag if q == bucket.flag else self._numel(bucket.positions[q])
 
     def reset(self) -> None:
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
@@ -532,7 +524,7 @@ class _State:
     def sum_all(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``grads`` (one per position) summed over the ranks that hold copies, bucket by bucket, at once."""
         out = list(grads)
-        for bucket in self.plan:
+        for b, bucket in enumerate(self.plan):
             at = bucket.positions
             packed = tuple(
                 torch.cat([self._zeros(self.flag) if q == bucket.flag else grads[at[q]].reshape(-1) for q in part])
@@ -540,11 +532,9 @@ class _State:
             )
             runs = bucket.runs
             done, _ = _autograd.move(with_partial(runs, "sum"), runs, self.backend, packed, self._like(packed))
-            for part, total in zip(bucket.parts, done):
-                pieces = torch.split(total, [self._width(bucket, q) for q in part])
-                for q, piece in zip(part, pieces):
-                    if q != bucket.flag:
-                        out[at[q]] = piece.view(self.shapes[at[q]])
+            for position, view in self._cut(b, done).items():
+                if position >= 0:
+                    out[position] = view
         return out
 
 
