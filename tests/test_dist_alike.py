@@ -18,7 +18,7 @@ from _counting import calls
 
 import fshard
 from fshard import SpecError
-from fshard._api.map import _laid_out
+from fshard._api.map_out import laid_out
 
 R = [0, 1, 2, 3]
 
@@ -37,9 +37,9 @@ def _results(kind: str) -> tuple[Any, ...]:
     step = fshard.shard_map(fn, in_specs=spec, out_specs=spec)
     with calls() as counts:
         y, aux = step(x)
-    hits = _laid_out.cache_info().hits
+    hits = laid_out.cache_info().hits
     again, _ = step(x)
-    made_once = again.layout is y.layout and _laid_out.cache_info().hits >= hits + 2  # both results' layouts
+    made_once = again.layout is y.layout and laid_out.cache_info().hits >= hits + 2  # both results' layouts
     return y.shape, fshard.gather(y).tolist(), fshard.gather(aux["sum"]).tolist(), counts, made_once
 
 

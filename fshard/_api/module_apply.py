@@ -24,7 +24,8 @@ import torch
 import torch.utils.checkpoint
 from torch.nn.utils import parametrize
 
-from fshard._api.map import check_out_specs, named_shard_map
+from fshard._api.map import named_shard_map
+from fshard._api.map_out import check_out_specs
 from fshard._api.module_rules import Structure, structure
 from fshard._api.module_tp import TensorParallel, row_parallel_class
 from fshard._api.move import reshard

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from fshard._api.map import map_local, regrouped
+from fshard._api.map import map_local
+from fshard._api.map_run import regrouped
 from fshard._api.move import split_replicas
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached

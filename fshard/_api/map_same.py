@@ -1,0 +1,168 @@
+"""``map_local`` of arrays that share a layout: each result's layout inferred from its shards.
+
+The result keeps the arguments' layout, with dims that no shard splits resized to the
+function's new extent.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import optree
+import torch
+
+from fshard._api.map_context import per_shard, refuse_closed, used_gathered
+from fshard._api.move import check_tensor, resolved
+from fshard._array.array import ShardedArray
+from fshard._base.compile import opaque
+from fshard._errors import SpecError
+from fshard._exec import gathered as _varying
+from fshard._exec.agree import (
+    agree,
+    describe_results,
+    holds_nothing_somewhere,
+    link_without_blocks,
+    merge_results,
+    untouched,
+)
+from fshard._layout.layout import Layout, ShardMeta, with_partial, with_terms
+
+__all__ = ["map_same"]
+
+
+def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: str | None) -> Any:
+    """``map_local`` of arrays that share a layout (``pending``: the result is a pending sum).
+
+    Each result leaf's layout is inferred from its shards: the arguments' layout, with
+    dims that no shard splits resized to the new extent. Where some process holds no
+    shard, the processes share what ``fn`` returned (structure, dtypes, shapes), so
+    that one learns them too, and an error ``fn`` raised anywhere is raised everywhere.
+    """
+    first = arrays[0]
+    backend, base = first.backend, with_partial(first.layout, None)
+    index = backend.addressable(first.layout)
+    terms = next((a.layout.terms for a in arrays if a.layout.partial is not None), None)
+
+    usage = _varying.Usage()
+    own = [t for a in arrays for t in a.addressable_data]
+
+    def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+        with untouched(own, "map_local()"), per_shard(backend, usage, first.layout, own):
+            outs = tuple(fn(*ts) for ts in zip(*(a.addressable_data for a in arrays)))
+        return _result_leaves(outs)
+
+    def results(tree: Any, leaves: list[tuple[torch.Tensor, ...]], metas: Sequence[Any], used: set[int]) -> Any:
+        if tree is None:  # no shard anywhere: the result's link joins every argument's
+            link = link_without_blocks(arrays, first.dtype, used)
+            return ShardedArray(_pending(base, pending, terms), (), backend, first.dtype, link)
+        out: list[ShardedArray] = []
+        for n, (dtype, sizes) in enumerate(metas):
+            layout = _pending(_infer_layout(base, sizes), pending, terms)
+            if leaves:
+                out.append(ShardedArray(layout, leaves[n], backend, dtype))
+            else:
+                out.append(ShardedArray(layout, (), backend, dtype, link_without_blocks(arrays, dtype, used)))
+        return optree.tree_unflatten(tree, out)
+
+    if holds_nothing_somewhere(backend, first.layout):
+
+        def describe(r: tuple[Any, list[tuple[torch.Tensor, ...]]]) -> Any:
+            return describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), (usage.ages(), usage.closed)
+
+        (tree, leaves), seen = agree(backend, compute, describe)
+        tree, metas = merge_results([d for d, _ in seen], "map_local()")
+        return results(tree, leaves, metas, used_gathered(backend, first.layout, [u for _, u in seen], "map_local()"))
+    # Every process holds blocks: none waits for the others, and none learns what the others' fn returned.
+    # A structure or dtype that differs per process is caught by the next movement's headers where the
+    # results' layouts or dtypes differ (design notes).
+    tree, leaves = compute()
+    metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
+    refuse_closed(backend, first.layout, usage.closed, "map_local()")
+    return results(tree, leaves, metas, set())
+
+
+def _pending(layout: Layout, pending: str | None, terms: Any) -> Layout:
+    """``layout`` with the pending op of a linear map of pending sums, and their summands' terms."""
+    return layout if pending is None else with_terms(with_partial(layout, pending), terms)
+
+
+_LEAF = optree.tree_structure(cast(Any, 0))  # the structure of a single leaf
+
+
+def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+    """The results' tree structure (``None`` when there is none here) and each leaf's shards."""
+    if not outs:
+        return None, []
+    if all(type(o) is torch.Tensor and _is_plain(o) for o in outs):  # the common case: one plain tensor each
+        leaves = [tuple(outs)]
+        tree = _LEAF
+    else:
+        flat = [optree.tree_flatten(o) for o in outs]
+        tree = flat[0][1]
+        if any(spec != tree for _, spec in flat):
+            raise SpecError(f"map_local() fn returned different structures on different shards: {tree} and others.")
+        leaves = [
+            tuple(resolved(check_tensor(f[0][n], "map_local() fn result")) for f in flat)
+            for n in range(tree.num_leaves)
+        ]
+    for leaf in leaves:
+        if len(leaf) > 1 and len({t.dtype for t in leaf}) > 1:
+            raise SpecError(
+                f"map_local() fn returned dtypes {sorted({str(t.dtype) for t in leaf})} on different shards."
+            )
+    return tree, leaves
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    """Strided, not nested, quantized, conjugated or negated: kept as it is, unchecked."""
+    return t.layout == torch.strided and not (t.is_nested or t.is_quantized or t.is_conj() or t.is_neg())
+
+
+@opaque  # layout arithmetic in numpy: run eagerly under torch.compile
+def _infer_layout(layout: Layout, sizes: dict[int, tuple[int, ...]]) -> Layout:
+    """The layout of ``map_local``'s result, from the shapes of the result shards known here."""
+    if all(s == tuple(layout.columns.sz[i].tolist()) for i, s in sizes.items()):
+        return layout
+    if any(len(s) != layout.ndim for s in sizes.values()):
+        msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."
+        raise SpecError(msg)
+    shape = tuple(_new_extent(layout, sizes, d) for d in range(layout.ndim))
+    return Layout(shape, tuple(_resize(s, layout.shape, shape) for s in layout.shards))
+
+
+def _new_extent(layout: Layout, sizes: dict[int, tuple[int, ...]], d: int) -> int:
+    """The result's extent along ``d``: the sum of the new sizes of the distinct intervals that tile the dim.
+
+    There is one interval when no shard splits the dim.
+    """
+    new: dict[tuple[int, int], set[int]] = {}
+    for i, s in sizes.items():
+        m = layout._shard(i)  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
+        new.setdefault((m.offsets[d], m.sizes[d]), set()).add(s[d])
+    if all(k[1] == n for k, v in new.items() for n in v):
+        return layout.shape[d]
+    split = any(m.sizes[d] != layout.shape[d] for m in layout.shards)
+    olds = sorted(k for k in new if k[1] > 0)
+    if split:
+        msg = (
+            f"map_local() fn changed dim {d}, which the layout splits, from sizes {[k[1] for k in olds]} "
+            f"to {[sorted(new[k]) for k in olds]}; pass out_spec= for the result."
+        )
+        raise SpecError(msg)
+    covered = sum(k[1] for k in olds)
+    tiles = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(olds)) and olds and olds[0][0] == 0
+    if any(len(new[k]) > 1 for k in olds) or not tiles or covered != layout.shape[d]:
+        msg = (
+            f"map_local() cannot infer the new extent of dim {d} from the shards held here "
+            f"(new sizes per interval: { {k: sorted(v) for k, v in new.items()} }); pass out_spec=Layout(...)."
+        )
+        raise SpecError(msg)
+    return sum(next(iter(new[k])) for k in olds)
+
+
+def _resize(meta: ShardMeta, old: Sequence[int], new: Sequence[int]) -> ShardMeta:
+    """``meta`` with every dim it spans whole stretched (or shrunk) to the new extent."""
+    sizes = tuple(n if o == 0 and s == m else s for n, m, o, s in zip(new, old, meta.offsets, meta.sizes))
+    return ShardMeta(meta.offsets, sizes, meta.placement)
