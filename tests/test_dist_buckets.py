@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 import fshard
 from fshard._exec import buckets as _buckets
 from fshard._exec import gathered as _gathered
+from fshard._plan import buckets as _bucket_plan
 from fshard.backends.local import LocalBackend
 from fshard.backends.torch_dist import TorchDistBackend
 
@@ -261,7 +262,7 @@ def test_buckets_leave_one_collective_each(dist_pool):
 
 def test_a_bucket_plan_is_one_range_per_bucket_where_every_rank_holds_every_leaf():
     layouts = tuple(fshard.Replicated(R).layout((D, D)) for _ in range(5))
-    plan = _buckets.buckets(layouts, 8, 2 * D * D * 8, rank=1)
+    plan = _bucket_plan.buckets(layouts, 8, 2 * D * D * 8, rank=1)
     assert plan is not None
     assert [len(b.positions) for b in plan] == [2, 2, 1]  # the last leaves first; two per bucket
     assert [b.positions for b in plan] == [(4, 3), (2, 1), (0,)]
@@ -280,7 +281,7 @@ def test_only_a_last_bucket_on_the_losss_device_carries_it():
     """
     backend = types.SimpleNamespace(ranks=tuple(R))  # what the rule reads of a backend: its ranks
     layouts = tuple(fshard.Replicated(R).layout((D, D)) for _ in range(2))
-    plan = _buckets.buckets(layouts, 4, 1 << 20, rank=0)
+    plan = _bucket_plan.buckets(layouts, 4, 1 << 20, rank=0)
     assert plan is not None
 
     def state(device: str, dtype: torch.dtype = torch.float32) -> Any:
@@ -604,7 +605,7 @@ def _backward_rounds(cap_mb: float, out: str = "copies") -> tuple[dict[str, int]
             y = step(x, *params)
         loss = fshard.gather(y).sum()
         layouts = tuple(p.layout for p in params)
-        plan = _buckets.buckets(layouts, 8, max(int(cap_mb * (1 << 20)), 1), backend.rank)
+        plan = _bucket_plan.buckets(layouts, 8, max(int(cap_mb * (1 << 20)), 1), backend.rank)
         with calls() as backward:
             loss.backward()
         return dict(forward), backward, len(plan)
@@ -648,7 +649,9 @@ def _taps_and_launches(cap_mb: float) -> tuple[int, int, int, list[torch.Tensor]
         backend = TorchDistBackend()
         x = fshard.from_local_tensor(_rows(backend.rank), dim=0)
         grads = _grads("plain", backend, x)
-        plan = _buckets.buckets(tuple([fshard.Replicated(R).layout((D, D))] * 5), 8, max(int(cap_mb * (1 << 20)), 1), 0)
+        plan = _bucket_plan.buckets(
+            tuple([fshard.Replicated(R).layout((D, D))] * 5), 8, max(int(cap_mb * (1 << 20)), 1), 0
+        )
         return len(taps), early[0], len(plan), grads
     finally:
         _buckets._Tap.forward, _buckets._State.finish = forward, finish

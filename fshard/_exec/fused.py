@@ -45,6 +45,7 @@ from fshard._exec import buckets as _buckets
 from fshard._exec import flight as _flight
 from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.validate import Columns
+from fshard._plan import buckets as _bucket_plan
 
 _LAYOUT, _DTYPE, _BACKEND, _DATA = map(operator.attrgetter, ("_layout", "_dtype", "_backend", "_data"))  # map() in C
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -556,7 +557,7 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
             flat, link = whole
         else:
             flat, link = _regroup(
-                _buckets.box_layout(layouts),
+                _bucket_plan.box_layout(layouts),
                 backend,
                 mode,
                 tuple(t.reshape(-1) for t in data),
