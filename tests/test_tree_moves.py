@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import fshard
-from fshard._exec.buckets import box_layout
-from fshard._exec.fused import flat_layouts, flat_range
+from fshard._plan.buckets import box_layout
+from fshard._plan.fuse import flat_layouts, flat_range
 from fshard.backends.local import LOCAL
 
 R = [0, 1, 2, 3]

@@ -31,6 +31,7 @@ from fshard._layout.placement import Placement
 from fshard._layout.precision import Precision, check_floating, check_precision
 from fshard._layout.specs import Replicated, as_layout
 from fshard._layout.torch_meta import is_torch_spec
+from fshard._plan import fuse as _fuse
 from fshard.backends import Backend, default_backend
 
 __all__ = [
@@ -515,7 +516,7 @@ def _gather_tree(tree: Any, dst: int | None) -> Any:
     # whose per-shard uses gather's backward sums, on every backend alike.
     grads = torch.is_grad_enabled() and any(a.requires_grad for a in leaves)
     src = tuple(a.layout for a in leaves)
-    packs = _fused.packs_flat(backend, *(x.partial for x in src))
+    packs = _fuse.packs_flat(backend, *(x.partial for x in src))
     fused, targets = _gather_targets(src, dst, tuple(receivers)) if packs and not grads else ((), ())
     out: list[Any] = [None] * len(leaves)
     moved = _fused.move_tree([leaves[k] for k in fused], targets)

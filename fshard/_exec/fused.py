@@ -10,7 +10,7 @@ A movement of a tree of arrays (``reshard`` of a tree, ``shard_map``'s arguments
 reduction of their gradients) would cost one collective per leaf. Here the leaves of one
 dtype are laid end to end in one 1-D **flat array**: leaf ``l`` takes the range
 ``[base_l, base_l + numel_l)``, and each of its shards is the range its box covers in the
-leaf's row-major order. That needs boxes that are ranges (``flat_range``: a box whose
+leaf's row-major order. That needs boxes that are ranges (``fshard._plan.fuse``: a box whose
 dims after its first partial one are whole and before it are single rows, as dim-0 chunks,
 replicas and whole arrays are). The flat array's layouts are ordinary layouts, so the tree
 moves by one plan (cached on the tree's layouts), with one collective per phase; its
@@ -21,113 +21,33 @@ Gradients need no rule of their own: the flat movement is a movement (``autograd
 and flattening and unflattening are views.
 
 For the reduction of copies (``regroup``), only the boxes' sizes matter, not where they
-lie: there every distinct box of every leaf gets a range of its own (``box_layout``), so
+lie: there every distinct box of every leaf gets a range of its own (``buckets.box_layout``), so
 any layout fuses.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from fshard._array.array import ShardedArray
-from fshard._base.cache import cached
 from fshard._exec import accumulate as _accumulate
 from fshard._exec import autograd as _autograd
 from fshard._exec import buckets as _buckets
 from fshard._exec import flight as _flight
-from fshard._layout.layout import Layout, replica_ids
-from fshard._layout.validate import Columns
+from fshard._layout.layout import Layout
 from fshard._plan import buckets as _bucket_plan
+from fshard._plan.fuse import Fused, has_copies, recipe_of
 
 _LAYOUT, _DTYPE, _BACKEND, _DATA = map(operator.attrgetter, ("_layout", "_dtype", "_backend", "_data"))  # map() in C
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
-__all__ = [
-    "Flat",
-    "flat_layouts",
-    "flat_range",
-    "launch_tree",
-    "move_arguments",
-    "move_tree",
-    "packs_flat",
-    "regroup_tree",
-]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Flat:
-    """The flat array's layouts before and after a tree's movement.
-
-    The shards of leaf ``l`` follow those of the leaves before it, so a rank's addressable
-    shards of the flat array are its leaves' addressable shards, leaf by leaf.
-    """
-
-    src: Layout
-    dst: Layout
-
-
-def flat_range(layout: Layout) -> np.ndarray | None:
-    """Per shard, ``(start, numel)`` of its box in the row-major order of ``layout.shape``.
-
-    ``None`` where some non-empty box is not one range of that order: a box is one where
-    every dim before its last partial one is a single row (dims after it are whole).
-    """
-    c: Columns = layout.columns
-    n, d = c.sz.shape
-    numel = np.prod(c.sz, axis=1) if d else np.ones(n, np.int64)
-    if d == 0:
-        return np.stack([np.zeros(n, np.int64), numel], axis=1)
-    shape = np.asarray(layout.shape, np.int64)
-    partial = c.sz != shape
-    last = np.where(partial.any(axis=1), d - 1 - partial[:, ::-1].argmax(axis=1), -1)[:, None]
-    dims = np.arange(d, dtype=np.int64).reshape(1, d)
-    ok = (numel == 0) | ((dims >= last) | (c.sz == 1)).all(axis=1)
-    if not bool(np.all(ok)):
-        return None
-    strides = np.cumprod(np.concatenate([shape[1:], [1]])[::-1])[::-1]
-    start = np.where(numel > 0, c.lo @ strides, 0)
-    return np.stack([start, numel], axis=1)
-
-
-@cached(256)
-def flat_layouts(src: tuple[Layout, ...], dst: tuple[Layout, ...]) -> Flat | None:
-    """The flat array's source and destination layouts for moving leaves ``src`` to ``dst``.
-
-    ``None`` where some box is not a range (``flat_range``), or the leaves' pending reductions differ.
-    """
-    if len({x.partial for x in src}) > 1 or len({x.partial for x in dst}) > 1:
-        return None
-    if any(x.terms is not None for x in (*src, *dst)):  # summands with replicas: each leaf its own plan
-        return None
-    ranges_src = [flat_range(x) for x in src]
-    ranges_dst = [flat_range(x) for x in dst]
-    if any(r is None for r in ranges_src) or any(r is None for r in ranges_dst):
-        return None
-    sizes = np.array([x.numel for x in src], np.int64)
-    base = np.cumsum(sizes) - sizes
-    total = int(sizes.sum())
-    return Flat(
-        _virtual(src, [r for r in ranges_src if r is not None], base, total),
-        _virtual(dst, [r for r in ranges_dst if r is not None], base, total),
-    )
-
-
-def _virtual(layouts: Sequence[Layout], ranges: Sequence[np.ndarray], base: np.ndarray, total: int) -> Layout:
-    """One 1-D layout of ``total`` elements: leaf ``l``'s shard ``i`` at ``base[l] + ranges[l][i]``."""
-    lo = np.concatenate([b + r[:, 0] for b, r in zip(base.tolist(), ranges)])
-    sz = np.concatenate([r[:, 1] for r in ranges])
-    lo = np.where(sz > 0, lo, 0)
-    rank = np.concatenate([x.columns.rank for x in layouts])
-    devices = [d for x in layouts for d in x.columns.devices]
-    return Layout.from_arrays((total,), lo[:, None], sz[:, None], rank, devices, layouts[0].partial)
+__all__ = ["launch_tree", "move_arguments", "move_tree", "regroup_tree"]
 
 
 def flatten(data: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
@@ -178,181 +98,6 @@ def _like(arrays: Sequence[ShardedArray]) -> torch.Tensor:
     return like
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Part:
-    """Leaves that move as one piece: one leaf, or several stacked along a new dim ``dim``.
-
-    Leaves stacked together have equal layouts before and after the movement, so a rank holds
-    the same shards of each: its shard ``j`` of the stack is the leaves' shards ``j``, stacked.
-    ``sizes``: the piece's destination shards here (of the stacked shape).
-    """
-
-    leaves: tuple[int, ...]
-    dim: int | None
-    sizes: tuple[tuple[int, ...], ...]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Fused:
-    """One movement of several leaves: the layouts it moves between and its parts, in order.
-
-    ``flat``: the parts take the ranges of a flat array (``flat_layouts``); else there is one
-    part, a stack, moved in its stacked layouts. ``leaves``: the parts' leaves, in order.
-    """
-
-    src: Layout
-    dst: Layout
-    parts: tuple[_Part, ...]
-    flat: bool
-    leaves: tuple[int, ...] = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "leaves", tuple(k for part in self.parts for k in part.leaves))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Recipe:
-    """How ``move_tree`` moves a tree of arrays, from their layouts alone (cached).
-
-    ``alone``: the leaves that move one by one; ``fused``: the movements of several leaves.
-    The other leaves are already in their layouts.
-    """
-
-    alone: tuple[int, ...]
-    fused: tuple[_Fused, ...]
-
-
-# A leaf of at most this many bytes is stacked with the leaves of its layouts: a movement's
-# cost per leaf (a shard per leaf to pack, unpack and index) is then paid once per stack.
-# Larger leaves move as leaves of the flat array, where stacking would only add a copy.
-STACK_MAX_BYTES = 1 << 20
-
-
-def _stacked(layout: Layout, n: int, dim: int) -> Layout:
-    """``layout`` of ``n`` arrays stacked along a new dim ``dim`` that no shard splits."""
-    c: Columns = layout.columns
-    rows = len(c.rank)
-    lo = np.insert(c.lo.reshape(rows, layout.ndim), dim, 0, axis=1)
-    sz = np.insert(c.sz.reshape(rows, layout.ndim), dim, n, axis=1)
-    shape = (*layout.shape[:dim], n, *layout.shape[dim:])
-    return Layout.from_arrays(shape, lo, sz, c.rank, list(c.devices), layout.partial)
-
-
-def _flat_stack(src: Layout, dst: Layout, n: int) -> tuple[int, Layout, Layout] | None:
-    """Where ``n`` leaves of layouts ``src -> dst`` stack with every box still a range, and the stacked layouts.
-
-    Along a new dim 0 where that keeps them ranges (no copy to unstack), else along dim 1
-    (dim-0 chunks); ``None`` where neither does.
-    """
-    for dim in range(min(src.ndim, 1) + 1):
-        a, b = _stacked(src, n, dim), _stacked(dst, n, dim)
-        if _fusable(a) and _fusable(b):
-            return dim, a, b
-    return None
-
-
-@cached(256)
-def _recipe(
-    src: tuple[Layout, ...], dst: tuple[Layout, ...], dtypes: tuple[torch.dtype, ...], backend: Any, sums: bool = False
-) -> _Recipe:
-    """``move_tree``'s plan for leaves of layouts ``src`` and dtypes ``dtypes`` moving to ``dst`` on ``backend``.
-
-    Per dtype (and pending reductions), across processes: the leaves whose boxes are ranges
-    in one flat movement, small leaves of equal layouts stacked in it. Small leaves of equal
-    layouts whose boxes are no ranges stack on their own (one movement per stack), and so do
-    those of one process, where a movement is copies alone but a movement per leaf costs
-    its call. Every other leaf moves alone. Pending sums pack in one process as across
-    processes, so that their elements have the same owners, and their sums the same bits;
-    so do leaves whose backward sums their copies' gradients (``sums``, where the targets
-    have copies).
-    """
-    alone: list[int] = []
-    fused: list[_Fused] = []
-    keys: dict[tuple[Any, ...], list[int]] = {}
-    for k, (a, b, t) in enumerate(zip(src, dst, dtypes)):
-        if a != b:
-            keys.setdefault((t, a.partial, b.partial), []).append(k)
-    for (dtype, pending, _), found in keys.items():
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        packs = packs_flat(backend, pending, summing=sums and any(_has_copies(dst[k]) for k in found))
-        ranges: list[int] = []
-        for members in _classes(src, dst, found, itemsize):
-            first = members[0]
-            stack = _stack(src[first], dst[first], members, backend, packs)
-            if stack is not None:
-                fused.append(stack)
-            elif packs and _fusable(src[first]) and _fusable(dst[first]):
-                ranges += members
-            else:
-                alone += members
-        if len(ranges) > 1:
-            fused.append(_fuse(src, dst, ranges, itemsize, backend))
-        else:
-            alone += ranges
-    return _Recipe(tuple(sorted(alone)), tuple(fused))
-
-
-def _classes(src: tuple[Layout, ...], dst: tuple[Layout, ...], found: list[int], itemsize: int) -> list[list[int]]:
-    """``found`` in classes of equal layouts before and after; a large leaf is a class of its own."""
-    classes: dict[Any, list[int]] = {}
-    for k in found:
-        classes.setdefault((src[k], dst[k]) if src[k].numel * itemsize <= STACK_MAX_BYTES else k, []).append(k)
-    return list(classes.values())
-
-
-def packs_flat(backend: Any, *partials: str | None, summing: bool = False) -> bool:
-    """Whether leaves with these pending reductions move in a flat array on ``backend``.
-
-    Across processes, always; in one process only pending sums, and movements whose
-    backward sums copies' gradients (``summing``), so that the summed elements have the
-    owners they have across processes, and their sums the same bits.
-    """
-    return backend.spans_processes or summing or any(p is not None for p in partials)
-
-
-def _stack(a: Layout, b: Layout, members: list[int], backend: Any, packs: bool) -> _Fused | None:
-    """A movement of its own for a class of leaves stacked along a new dim 0, where one is due.
-
-    It is for several leaves whose boxes are no ranges where leaves pack in a flat array
-    (``packs``: across processes, and pending sums anywhere), or for leaves that do not
-    pack; not for copies that are summands with replicas.
-    """
-    if len(members) < 2 or a.terms is not None or b.terms is not None:
-        return None
-    if packs and _fusable(a) and _fusable(b):
-        return None  # they join the flat array
-    sa, sb = _stacked(a, len(members), 0), _stacked(b, len(members), 0)
-    return _Fused(sa, sb, (_Part(tuple(members), 0, _sizes(sb, backend)),), flat=False)
-
-
-def _fuse(src: tuple[Layout, ...], dst: tuple[Layout, ...], leaves: list[int], itemsize: int, backend: Any) -> _Fused:
-    """One flat movement of ``leaves`` (boxes that are ranges): small leaves of equal layouts stacked."""
-    parts: list[_Part] = []
-    a_layouts: list[Layout] = []
-    b_layouts: list[Layout] = []
-    for members in _classes(src, dst, leaves, itemsize):
-        first = members[0]
-        stack = _flat_stack(src[first], dst[first], len(members)) if len(members) > 1 else None
-        if stack is None:
-            for k in members:
-                parts.append(_Part((k,), None, _sizes(dst[k], backend)))
-                a_layouts.append(src[k])
-                b_layouts.append(dst[k])
-        else:
-            dim, sa, sb = stack
-            parts.append(_Part(tuple(members), dim, _sizes(sb, backend)))
-            a_layouts.append(sa)
-            b_layouts.append(sb)
-    flat = flat_layouts(tuple(a_layouts), tuple(b_layouts))
-    assert flat is not None  # every box is a range and the leaves share their pending reductions
-    return _Fused(flat.src, flat.dst, tuple(parts), flat=True)
-
-
-def _sizes(layout: Layout, backend: Any) -> tuple[tuple[int, ...], ...]:
-    sz: Any = layout.columns.sz
-    return tuple(tuple(sz[i].tolist()) for i in backend.addressable(layout))
-
-
 def move_tree(
     arrays: Sequence[ShardedArray], layouts: Sequence[Layout], *, summing: bool = False, precision: Any = None
 ) -> list[ShardedArray]:
@@ -361,7 +106,7 @@ def move_tree(
     ``summing``: the backward sums the gradients of the destination's copies (``move_summing``).
     An array already in its layout is returned as it is (cast alone, with a ``precision``
     that casts it). Which leaves move together, and how they are laid out in the flat
-    array, is computed once per tree of layouts (``_recipe``).
+    array, is computed once per tree of layouts (``fuse.recipe_of``).
 
     Where ``summing`` and the same movement was launched ahead (``launch_tree``, registered
     with ``flight.add``), its data is taken instead: the movement lands (``flight``).
@@ -385,7 +130,7 @@ def move_tree(
     # Whether a backward may sum copies (a prefetch launches ahead under no_grad, so not grad mode): it decides
     # how one process packs; across processes every tree packs flat anyway, and nothing is asked per leaf.
     sums = summing and not backend.spans_processes and any(a.requires_grad for a in arrays)
-    recipe = _recipe(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend, sums)
+    recipe = recipe_of(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend, sums)
     for k in recipe.alone:
         a = arrays[k]
         data, link = move(a.layout, layouts[k], backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
@@ -463,7 +208,7 @@ def _per_backend(
 
 
 def _move_flat(
-    group: _Fused,
+    group: Fused,
     arrays: Sequence[ShardedArray],
     layouts: Sequence[Layout],
     move: Any,
@@ -534,7 +279,7 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
     the copies' gradients are summed in its reduce dtype.
     """
     out = list(arrays)
-    needs = [a.requires_grad and a.layout.partial is None and _has_copies(a.layout) for a in arrays]
+    needs = [a.requires_grad and a.layout.partial is None and has_copies(a.layout) for a in arrays]
     for group in _groups(arrays, needs):
         leaves = [arrays[k] for k in group]
         backend = leaves[0].backend
@@ -621,20 +366,3 @@ def _regroup(
     if precision is None:
         return _autograd.regroup(layout, backend, mode, tensors, like)
     return _autograd.move_cast(layout, layout, backend, tensors, like, precision, summing=True)
-
-
-@cached(1024)
-def _fusable(layout: Layout) -> bool:
-    """Whether ``layout`` can join a flat array.
-
-    Every box a range of its row-major order (``flat_range``), and its copies all replicas
-    or all summands (no ``terms``).
-    """
-    return layout.terms is None and flat_range(layout) is not None
-
-
-@cached(1024)
-def _has_copies(layout: Layout) -> bool:
-    """Whether some box of ``layout`` is held more than once."""
-    ids = replica_ids(layout)
-    return len(np.unique(ids)) < len(ids)
