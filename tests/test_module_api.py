@@ -691,7 +691,7 @@ def test_the_structure_sees_a_tensor_replaced_under_the_same_name_and_a_new_buff
 
 def test_the_clone_copies_each_submodule_as_copy_copy_does() -> None:
     """Each submodule of the clone holds what ``copy.copy`` would give it, less what the clone replaces."""
-    from fshard._api.module_apply import functional_clone
+    from fshard._api.module_clone import functional_clone
 
     model = gpt()
     clone, copies = functional_clone(model, dict(model.named_parameters()), dict(model.named_buffers()))
@@ -707,7 +707,7 @@ def test_the_clone_copies_each_submodule_as_copy_copy_does() -> None:
 
 def test_the_clone_copies_modules_with_their_own_state_methods_and_compiled_ones_as_copy_copy_does() -> None:
     """Modules that copy their own way (``__setstate__``), and a compiled one, whose compiled call is left out."""
-    from fshard._api.module_apply import functional_clone
+    from fshard._api.module_clone import functional_clone
 
     model = torch.nn.Sequential(
         torch.nn.Linear(4, 4), torch.nn.MultiheadAttention(4, 2, batch_first=True), torch.nn.LayerNorm(4)
@@ -852,7 +852,7 @@ def test_a_module_with_its_own_copy_protocol_is_copied_through_it(cls: type[torc
 
 def test_a_module_compiled_in_place_runs_uncompiled_in_the_clone() -> None:
     """As ``copy.copy`` of a module does (``Module.__getstate__``), the clone leaves a compiled forward behind."""
-    from fshard._api.module_apply import functional_clone
+    from fshard._api.module_clone import functional_clone
 
     model = torch.nn.Linear(2, 2)
     vars(model)["_compiled_call_impl"] = lambda *a, **k: pytest.fail("the compiled forward ran")
