@@ -142,6 +142,7 @@ def _torch_dist(group: Any) -> Backend:
 
     if group is not None:
         return TorchDistBackend(group)
-    if not _WORLD or _WORLD[0].world is not dist.GroupMember.WORLD:
+    world = dist.GroupMember.WORLD
+    if not _WORLD or world is None or _WORLD[0].world is not world:  # None: no group (TorchDistBackend says so)
         _WORLD[:] = [TorchDistBackend(None)]
     return _WORLD[0]

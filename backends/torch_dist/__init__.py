@@ -48,8 +48,10 @@ follows the group: CUDA for an NCCL group, CPU otherwise.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -57,7 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fshard._base.cache import cached
+from fshard._base.cache import cached, clear_caches
 from fshard._base.calls import call_name
 from fshard._config import current
 from fshard._errors import SpecError
@@ -70,7 +72,7 @@ from .._execution import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, broke_in_flight, check, in_flight
 from ._choice import all_contiguous, by_messages, direct, rows_in_order, step
 from ._exchange import bounded_wait, gather_objects, outside_transforms
-from ._group import check_layout, facts
+from ._group import check_layout, facts, forget_facts
 from ._guard import Guard, guard
 from ._later import Verdict
 from ._later import drop as drop_checks
@@ -80,7 +82,7 @@ from ._later import settle as settle_checks
 from ._reduce_collective import collective_kind, combine_inline, run_collective, start_all_reduce
 from ._reduce_messages import reduce_messages, run_by_messages
 from ._reduce_phase import as_bytes, reduce_schedule, run_local, run_reduce
-from ._subgroups import all_reduce_among
+from ._subgroups import all_reduce_among, forget_subgroups
 from ._transport import alltoall, copy_local, empty
 from ._watch import handed
 
@@ -132,7 +134,11 @@ class TorchDistBackend:
 
     group: Any = None
     name: str = dataclasses.field(default="torch_dist", init=False)
-    world: Any = dataclasses.field(default=None, init=False, repr=False)
+    # The default group, weakly: an array the program still holds (a module-level one, say) must not keep
+    # a destroyed group alive until the interpreter's teardown, where its Gloo threads abort the process
+    # ("terminate called without an active exception") as they let go of a finished collective's tensors.
+    _world: Any = dataclasses.field(default=None, init=False, repr=False)
+    _world_id: int = dataclasses.field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -143,13 +149,25 @@ class TorchDistBackend:
             raise RuntimeError(msg)
         if self.group is not None and self.group is dist.GroupMember.WORLD:
             object.__setattr__(self, "group", None)
-        object.__setattr__(self, "world", dist.GroupMember.WORLD)
+        world = dist.GroupMember.WORLD
+        object.__setattr__(self, "_world", weakref.ref(world))
+        object.__setattr__(self, "_world_id", id(world))
+
+    @property
+    def world(self) -> Any:
+        """The default group this backend was made in; ``None`` once torch has let go of it (destroyed)."""
+        return self._world()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, TorchDistBackend) and self.group is other.group and self.world is other.world
+        return (
+            isinstance(other, TorchDistBackend)
+            and self.group is other.group
+            and self._world_id == other._world_id
+            and self.world is other.world
+        )
 
     def __hash__(self) -> int:
-        return hash(("torch_dist", id(self.group), id(self.world)))
+        return hash(("torch_dist", id(self.group), self._world_id))
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (and copied) as its group alone: remade, it is that group's backend in the default group then."""
@@ -698,3 +716,19 @@ def _nothing() -> None:
 def _on_wire(p: Plan, wire: torch.device) -> bool:
     """Whether every shard of both layouts is placed on the wire's device type (as every rank sees)."""
     return all(torch.device(d).type == wire.type for d in {*p.src.columns.devices, *p.dst.columns.devices})
+
+
+@atexit.register
+def _let_go_of_groups() -> None:
+    """At exit, fshard lets go of every process group it refers to, while other threads can still run.
+
+    ``destroy_process_group`` drops torch's references, and a group is freed with the last one. A
+    group that fshard still held (a cache keyed on it, its facts, the groups that ``psum`` made) would
+    be freed at the interpreter's teardown instead, where a Gloo thread that lets go of a finished
+    collective's tensors (the program's own last ``all_reduce``, say) aborts the process ("terminate
+    called without an active exception"). The backends that arrays hold refer to the default group
+    weakly, so a module-level array keeps no group alive either.
+    """
+    forget_facts()
+    forget_subgroups()
+    clear_caches()

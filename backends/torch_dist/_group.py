@@ -17,7 +17,7 @@ from fshard._layout.layout import Layout
 from .._execution import shard_device
 from ._choice import has_alltoall
 
-__all__ = ["Facts", "check_layout", "facts"]
+__all__ = ["Facts", "check_layout", "facts", "forget_facts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +72,8 @@ def check_layout(layout: Layout, group: Facts, member: bool) -> None:
             raise SpecError(msg)
     for i in layout.indices_on(group.rank):
         shard_device(layout, i)
+
+
+def forget_facts() -> None:
+    """Drops every group's facts (and with them this table's references to the groups)."""
+    _FACTS.clear()

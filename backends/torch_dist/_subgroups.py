@@ -29,7 +29,7 @@ from fshard._errors import CollectiveMismatchError
 from ._exchange import bounded_wait
 from ._watch import handed
 
-__all__ = ["all_reduce_among"]
+__all__ = ["all_reduce_among", "forget_subgroups"]
 
 # Keyed on (ranks, default group): a new init_process_group makes a new default group, so a
 # stale group is never used.
@@ -150,3 +150,9 @@ def _wait(work: Any, members: tuple[int, ...]) -> None:
         )
 
     bounded_wait(work, "psum", None, late)
+
+
+def forget_subgroups() -> None:
+    """Drops the groups made here (torch keeps its own references to them while they live)."""
+    _GROUPS.clear()
+    _MADE.clear()

@@ -7,6 +7,7 @@ imported inside the functions, so importing fshard never pulls in process-group 
 
 from __future__ import annotations
 
+import atexit
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -226,6 +227,9 @@ def _device_mesh(mesh: Any, array: ShardedArray) -> tuple[Any, Mesh]:
 
 # Building a DeviceMesh creates process groups (collectively): one per mesh and device type is enough.
 _DEVICE_MESHES: dict[tuple[Mesh, str], tuple[Any, Any]] = {}
+# Let go of them (and of the default group) at exit, as fshard's backends do: a group still held at the
+# interpreter's teardown can abort the process there (fshard.backends.torch_dist._let_go_of_groups).
+atexit.register(_DEVICE_MESHES.clear)
 
 
 def _partition(mesh: Mesh, choice: Sequence[int | str | None], ndim: int) -> tuple[Any, ...]:
