@@ -4,7 +4,7 @@ torch frees a process group with its last reference. One that outlives
 ``destroy_process_group`` is freed at the interpreter's teardown instead, where a Gloo
 thread that lets go of a finished collective's tensors (the program's own last
 ``all_reduce``, say) aborts the process: "terminate called without an active exception",
-exit status -6. So fshard holds no group past that point: a backend refers to the default
+exit status -6. So fshard holds no group into the teardown: a backend refers to the default
 group weakly (a module-level array keeps none alive), and fshard's own tables (a group's
 facts, the groups ``psum`` made, caches keyed on a group) let go of theirs at exit.
 

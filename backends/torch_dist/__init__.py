@@ -720,14 +720,16 @@ def _on_wire(p: Plan, wire: torch.device) -> bool:
 
 @atexit.register
 def _let_go_of_groups() -> None:
-    """At exit, fshard lets go of every process group it refers to, while other threads can still run.
+    """At exit, fshard's tables let go of the process groups they name, while other threads can still run.
 
     ``destroy_process_group`` drops torch's references, and a group is freed with the last one. A
     group that fshard still held (a cache keyed on it, its facts, the groups that ``psum`` made) would
     be freed at the interpreter's teardown instead, where a Gloo thread that lets go of a finished
     collective's tensors (the program's own last ``all_reduce``, say) aborts the process ("terminate
     called without an active exception"). The backends that arrays hold refer to the default group
-    weakly, so a module-level array keeps no group alive either.
+    weakly, so a module-level array keeps it alive no longer either (a group given explicitly is held
+    by its backends, as by the program that made it). An exit handler registered before this one, and
+    so run after it, that still calls fshard fills the tables again.
     """
     forget_facts()
     forget_subgroups()

@@ -1,9 +1,11 @@
 """Result layouts: which ``out_spec`` lays out each result, and the layout it gives the result's blocks.
 
-Specs match results by place (a dict's spec by its key, sequences by position). A
-result's layout is checked against the shapes of its blocks and the placements where the
-function ran, and an ``out_spec`` that claims copies of results whose arguments differ
-is refused (JAX's replication check). Layouts are made once per spec and block shapes.
+The function runs once per slot (``map_slots``): the output layout's k-th shard on a
+placement is the result of that placement's k-th call. Specs match results by place (a
+dict's spec by its key, sequences by position). A result's layout is checked against the
+shapes of its blocks and the placements where the function ran, and an ``out_spec`` that
+claims copies of results whose arguments differ is refused (JAX's replication check).
+Layouts are made once per spec and block shapes.
 """
 
 from __future__ import annotations

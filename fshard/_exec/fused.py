@@ -21,8 +21,8 @@ Gradients need no rule of their own: the flat movement is a movement (``autograd
 and flattening and unflattening are views.
 
 For the reduction of copies (``regroup``), only the boxes' sizes matter, not where they
-lie: there every distinct box of every leaf gets a range of its own (``buckets.box_layout``), so
-any layout fuses.
+lie: there every distinct box of every leaf gets a range of its own
+(``fshard._plan.buckets.box_layout``), so any layout fuses.
 """
 
 from __future__ import annotations
