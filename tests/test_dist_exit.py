@@ -4,9 +4,9 @@ torch frees a process group with its last reference. One that outlives
 ``destroy_process_group`` is freed at the interpreter's teardown instead, where a Gloo
 thread that lets go of a finished collective's tensors (the program's own last
 ``all_reduce``, say) aborts the process: "terminate called without an active exception",
-exit status -6. So fshard holds no group into the teardown: a backend refers to the default
-group weakly (a module-level array keeps none alive), and fshard's own tables (a group's
-facts, the groups ``psum`` made, caches keyed on a group) let go of theirs at exit.
+exit status -6. So fshard holds no group into the teardown: a backend refers to its groups
+weakly (a module-level array keeps none alive), and fshard's own tables (a group's facts,
+the groups ``psum`` made, caches keyed on a group) let go of theirs at exit.
 
 Each program runs in fresh processes, as a user's script does. The abort comes in some runs
 only, so the program also checks, at exit after fshard's own exit handlers, that the
@@ -34,8 +34,8 @@ PROGRAM = textwrap.dedent(
 
     def freed():  # at exit, after fshard's own exit handlers (registered later, run earlier)
         gc.collect()
-        if world() is not None:
-            print("the destroyed default group is still alive at exit", flush=True)
+        if world() is not None or sub() is not None:
+            print("a destroyed group is still alive at exit", flush=True)
             os._exit(3)
 
     atexit.register(freed)
@@ -54,6 +54,11 @@ PROGRAM = textwrap.dedent(
         check_vma=False,  # psum made the sums equal along "i"
     )(x)
     assert fshard.gather(total).item() == 66.0
+    group = dist.new_group(R)  # an array of a group given explicitly, kept at module level too
+    z = fshard.from_local_tensor(torch.ones(2), dim=0, group=group)
+    assert fshard.gather(z).tolist() == [1.0] * (2 * len(R))
+    sub = weakref.ref(group)
+    del group
     dist.all_reduce(torch.ones(4))  # a tensor that only the collective's work holds by its end
     world = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()

@@ -91,3 +91,24 @@ def test_checks_in_flight_go_with_their_default_group():
     zero, one = launch(_pending_across_groups, 2, timeout=90)
     assert one == [1]
     assert zero == [1, 1, 6, 0]
+
+
+def _destroyed_subgroup() -> list[str]:
+    group = dist.new_group([0, 1])
+    x = fshard.from_local_tensor(torch.ones(2), dim=0, group=group)
+    before = fshard.gather(x).tolist()
+    dist.destroy_process_group(group)
+    del group  # torch let go of it; the array's backend holds it weakly
+    shown = repr(x.backend)  # a backend whose group is gone still says what it is
+    try:
+        fshard.gather(x)
+        return [str(before), shown, "no error"]
+    except fshard.SpecError as exc:
+        return [str(before), shown, f"SpecError {exc}"]
+
+
+def test_an_array_of_a_destroyed_group_refuses_to_move():
+    for before, shown, got in launch(_destroyed_subgroup, 2, timeout=90):
+        assert before == "[1.0, 1.0, 1.0, 1.0]"
+        assert shown == "TorchDistBackend(destroyed group)"
+        assert got.startswith("SpecError This array's process group was destroyed"), got

@@ -51,7 +51,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import hashlib
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -72,7 +71,7 @@ from .._execution import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, broke_in_flight, check, in_flight
 from ._choice import all_contiguous, by_messages, direct, rows_in_order, step
 from ._exchange import bounded_wait, gather_objects, outside_transforms
-from ._group import check_layout, facts, forget_facts
+from ._group import check_layout, facts, forget_facts, weakly
 from ._guard import Guard, guard
 from ._later import Verdict
 from ._later import drop as drop_checks
@@ -93,6 +92,7 @@ __all__ = ["TorchDistBackend"]
 _CHECKS_IN_FLIGHT = 64
 
 _COUNTERS: dict[int, Counters] = {}
+_NONE_ID = id(None)
 _CPU = torch.device("cpu")
 _WARM: set[int] = set()
 # all_gather_single replaces the deprecated all_gather_into_tensor where torch has it
@@ -106,7 +106,7 @@ all_gather = cast(
 ALL_GATHER_WIRES = frozenset({"cuda"})
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class TorchDistBackend:
     """Runs plans across the processes of a ``torch.distributed`` process group.
 
@@ -116,8 +116,10 @@ class TorchDistBackend:
     Two backends are equal when they name the same group of the same default group
     (``world``, the default group when the backend was made): after
     ``destroy_process_group`` and a new ``init_process_group``, a new backend differs from
-    the old ones, so nothing cached for them serves it. ``counters`` (shared by all
-    backends of a group) count the elements this process sent and the collectives it ran.
+    the old ones, so nothing cached for them serves it. The backend refers to both groups
+    weakly: an array does not keep a destroyed group alive, and refuses to move once torch
+    has let go of its group. ``counters`` (shared by all backends of a group) count the
+    elements this process sent and the collectives it ran.
 
     >>> import torch, fshard
     >>> from fshard.backends.torch_dist import TorchDistBackend
@@ -132,26 +134,47 @@ class TorchDistBackend:
         RuntimeError: torch.distributed is not initialised.
     """
 
-    group: Any = None
     name: str = dataclasses.field(default="torch_dist", init=False)
-    # The default group, weakly: an array the program still holds (a module-level one, say) must not keep
-    # a destroyed group alive until the interpreter's teardown, where its Gloo threads abort the process
+    # The groups, weakly: an array the program still holds (a module-level one, say) must not keep a
+    # destroyed group alive until the interpreter's teardown, where its Gloo threads abort the process
     # ("terminate called without an active exception") as they let go of a finished collective's tensors.
-    _world: Any = dataclasses.field(default=None, init=False, repr=False)
-    _world_id: int = dataclasses.field(default=0, init=False, repr=False)
+    _group: Callable[[], Any] = dataclasses.field(repr=False)
+    _group_id: int = dataclasses.field(repr=False)
+    _world: Callable[[], Any] = dataclasses.field(repr=False)
+    _world_id: int = dataclasses.field(repr=False)
 
-    def __post_init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             msg = (
                 "TorchDistBackend needs torch.distributed to be initialised: call "
                 "dist.init_process_group(...) first (torchrun does it for you), or use the local backend."
             )
             raise RuntimeError(msg)
-        if self.group is not None and self.group is dist.GroupMember.WORLD:
-            object.__setattr__(self, "group", None)
         world = dist.GroupMember.WORLD
-        object.__setattr__(self, "_world", weakref.ref(world))
+        if group is world:
+            group = None
+        object.__setattr__(self, "name", "torch_dist")
+        object.__setattr__(self, "_group", weakly(group))
+        object.__setattr__(self, "_group_id", id(group))
+        object.__setattr__(self, "_world", weakly(world))
         object.__setattr__(self, "_world_id", id(world))
+
+    @property
+    def group(self) -> Any:
+        """The process group (``None``: the default group).
+
+        Raises:
+            SpecError: torch has let go of the group (``destroy_process_group``), so its arrays
+                cannot move any more.
+        """
+        group = self._group()
+        if group is None and self._group_id != _NONE_ID:
+            msg = (
+                "This array's process group was destroyed (dist.destroy_process_group), so the array cannot "
+                "move any more: make it again on a live group (fshard.from_local_tensor, fshard.shard)."
+            )
+            raise SpecError(msg)
+        return group
 
     @property
     def world(self) -> Any:
@@ -161,19 +184,22 @@ class TorchDistBackend:
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, TorchDistBackend)
-            and self.group is other.group
+            and self._group_id == other._group_id
             and self._world_id == other._world_id
-            and self.world is other.world
+            and self._group() is other._group()
+            and self._world() is other._world()
         )
 
     def __hash__(self) -> int:
-        return hash(("torch_dist", id(self.group), self._world_id))
+        return hash(("torch_dist", self._group_id, self._world_id))
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (and copied) as its group alone: remade, it is that group's backend in the default group then."""
         return (TorchDistBackend, (self.group,))
 
     def __repr__(self) -> str:
+        if self._group() is None and self._group_id != _NONE_ID:
+            return "TorchDistBackend(destroyed group)"
         return f"TorchDistBackend(ranks={list(self.ranks)})" if self.member else "TorchDistBackend(non-member)"
 
     @property
@@ -208,9 +234,9 @@ class TorchDistBackend:
     @property
     def counters(self) -> Counters:
         """Elements (and their bytes) this process sent to other ranks, and collectives it ran, on this group."""
-        counters = _COUNTERS.get(id(self.group))
+        counters = _COUNTERS.get(self._group_id)
         if counters is None:
-            counters = _COUNTERS[id(self.group)] = Counters()
+            counters = _COUNTERS[self._group_id] = Counters()
         return counters
 
     def addressable(self, layout: Any) -> tuple[int, ...]:
@@ -723,13 +749,13 @@ def _let_go_of_groups() -> None:
     """At exit, fshard's tables let go of the process groups they name, while other threads can still run.
 
     ``destroy_process_group`` drops torch's references, and a group is freed with the last one. A
-    group that fshard still held (a cache keyed on it, its facts, the groups that ``psum`` made) would
+    group that fshard still held (a cache keyed on it, the groups that ``psum`` made) would
     be freed at the interpreter's teardown instead, where a Gloo thread that lets go of a finished
     collective's tensors (the program's own last ``all_reduce``, say) aborts the process ("terminate
-    called without an active exception"). The backends that arrays hold refer to the default group
-    weakly, so a module-level array keeps it alive no longer either (a group given explicitly is held
-    by its backends, as by the program that made it). An exit handler registered before this one, and
-    so run after it, that still calls fshard fills the tables again.
+    called without an active exception"). The backends that arrays hold, and the table of the groups'
+    facts, refer to their groups weakly, so a module-level array keeps none alive either. An exit
+    handler registered before this one, and so run after it, that still calls fshard fills the tables
+    again.
     """
     forget_facts()
     forget_subgroups()

@@ -6,6 +6,9 @@ Its facts are read once per group, and layouts are checked against it once per (
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -17,7 +20,7 @@ from fshard._layout.layout import Layout
 from .._execution import shard_device
 from ._choice import has_alltoall
 
-__all__ = ["Facts", "check_layout", "facts", "forget_facts"]
+__all__ = ["Facts", "check_layout", "facts", "forget_facts", "weakly"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,25 +37,41 @@ class Facts:
     alltoall: bool
 
 
-# Keyed on (group, default group): a new init_process_group makes a new default group, so a
-# stale entry is never read; the key holds both groups, so their ids are not reused meanwhile.
-_FACTS: dict[tuple[Any, Any], Facts] = {}
+# Keyed on the ids of (group, default group): a new init_process_group makes a new default group, so
+# a stale entry is never read. The groups are held weakly (a destroyed group must not live on in this
+# table: see ``forget_facts``), and an entry serves only the very groups it was made for.
+_FACTS: dict[tuple[int, int], tuple[Callable[[], Any], Callable[[], Any], Facts]] = {}
 
 
 def facts(group: Any) -> Facts:
-    key = (group, dist.group.WORLD)
-    found = _FACTS.get(key)
-    if found is None:
-        if len(_FACTS) > 64:
-            _FACTS.clear()
-        ranks: tuple[int, ...] = ()
-        name = ""
-        if group is not dist.GroupMember.NON_GROUP_MEMBER:  # (a process outside the group has neither)
-            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-            name = str(dist.get_backend(group))
-        on_cuda = name == "nccl" or ("cuda:" in name and "cpu:" not in name)
-        found = _FACTS[key] = Facts(dist.get_rank(), ranks, on_cuda, has_alltoall(name))
+    world = dist.group.WORLD
+    key = (id(group), id(world))
+    entry = _FACTS.get(key)
+    if entry is not None and entry[0]() is group and entry[1]() is world:
+        return entry[2]
+    if len(_FACTS) > 64:
+        _FACTS.clear()
+    ranks: tuple[int, ...] = ()
+    name = ""
+    if group is not dist.GroupMember.NON_GROUP_MEMBER:  # (a process outside the group has neither)
+        ranks = tuple(dist.get_process_group_ranks(group or world))
+        name = str(dist.get_backend(group))
+    on_cuda = name == "nccl" or ("cuda:" in name and "cpu:" not in name)
+    found = Facts(dist.get_rank(), ranks, on_cuda, has_alltoall(name))
+    _FACTS[key] = (weakly(group), weakly(world), found)
     return found
+
+
+def weakly(x: Any) -> Callable[[], Any]:
+    """A weak reference to a process group; for ``None`` or torch's non-member sentinel (an int), ``x`` itself."""
+    try:
+        return weakref.ref(x)
+    except TypeError:  # not a group: nothing to keep alive
+        return functools.partial(_same, x)
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 @cached(256)
@@ -75,5 +94,5 @@ def check_layout(layout: Layout, group: Facts, member: bool) -> None:
 
 
 def forget_facts() -> None:
-    """Drops every group's facts (and with them this table's references to the groups)."""
+    """Drops every group's facts."""
     _FACTS.clear()
