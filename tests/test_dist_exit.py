@@ -5,8 +5,9 @@ torch frees a process group with its last reference. One that outlives
 thread that lets go of a finished collective's tensors (the program's own last
 ``all_reduce``, say) aborts the process: "terminate called without an active exception",
 exit status -6. So fshard holds no group into the teardown: a backend refers to its groups
-weakly (a module-level array keeps none alive), and fshard's own tables (a group's facts,
-the groups ``psum`` made, caches keyed on a group) let go of theirs at exit.
+weakly (a module-level array keeps none alive), as does the table of groups' facts, and
+fshard's other tables (the groups ``psum`` made, caches keyed on a group) let go of theirs at
+exit.
 
 Each program runs in fresh processes, as a user's script does. The abort comes in some runs
 only, so the program also checks, at exit after fshard's own exit handlers, that the

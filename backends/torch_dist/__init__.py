@@ -71,7 +71,7 @@ from .._execution import Counters, new_shard, shard_device, slice_shards
 from ._check import agreed, broke_in_flight, check, in_flight
 from ._choice import all_contiguous, by_messages, direct, rows_in_order, step
 from ._exchange import bounded_wait, gather_objects, outside_transforms
-from ._group import check_layout, facts, forget_facts, weakly
+from ._group import check_layout, facts, weakly
 from ._guard import Guard, guard
 from ._later import Verdict
 from ._later import drop as drop_checks
@@ -168,13 +168,17 @@ class TorchDistBackend:
                 cannot move any more.
         """
         group = self._group()
-        if group is None and self._group_id != _NONE_ID:
+        if group is None and self._destroyed():
             msg = (
                 "This array's process group was destroyed (dist.destroy_process_group), so the array cannot "
                 "move any more: make it again on a live group (fshard.from_local_tensor, fshard.shard)."
             )
             raise SpecError(msg)
         return group
+
+    def _destroyed(self) -> bool:
+        """Whether torch has let go of this backend's group (given explicitly: the default group is ``None``)."""
+        return self._group_id != _NONE_ID and self._group() is None
 
     @property
     def world(self) -> Any:
@@ -198,7 +202,7 @@ class TorchDistBackend:
         return (TorchDistBackend, (self.group,))
 
     def __repr__(self) -> str:
-        if self._group() is None and self._group_id != _NONE_ID:
+        if self._destroyed():
             return "TorchDistBackend(destroyed group)"
         return f"TorchDistBackend(ranks={list(self.ranks)})" if self.member else "TorchDistBackend(non-member)"
 
@@ -757,6 +761,5 @@ def _let_go_of_groups() -> None:
     handler registered before this one, and so run after it, that still calls fshard fills the tables
     again.
     """
-    forget_facts()
     forget_subgroups()
     clear_caches()

@@ -20,7 +20,7 @@ from fshard._layout.layout import Layout
 from .._execution import shard_device
 from ._choice import has_alltoall
 
-__all__ = ["Facts", "check_layout", "facts", "forget_facts", "weakly"]
+__all__ = ["Facts", "check_layout", "facts", "weakly"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Facts:
 
 # Keyed on the ids of (group, default group): a new init_process_group makes a new default group, so
 # a stale entry is never read. The groups are held weakly (a destroyed group must not live on in this
-# table: see ``forget_facts``), and an entry serves only the very groups it was made for.
+# table: see ``_let_go_of_groups``), and an entry serves only the very groups it was made for.
 _FACTS: dict[tuple[int, int], tuple[Callable[[], Any], Callable[[], Any], Facts]] = {}
 
 
@@ -91,8 +91,3 @@ def check_layout(layout: Layout, group: Facts, member: bool) -> None:
             raise SpecError(msg)
     for i in layout.indices_on(group.rank):
         shard_device(layout, i)
-
-
-def forget_facts() -> None:
-    """Drops every group's facts."""
-    _FACTS.clear()
