@@ -238,6 +238,82 @@ def test_operators_match_torch(name, spec):
     assert torch.equal(fshard.gather(OPS[name](a, b)), OPS[name](X, Y))
 
 
+NUMBER_OPS = {
+    "div": (lambda a: a / 4, lambda t: t / 4),
+    "rdiv": (lambda a: 2 / a, lambda t: 2 / t),
+    "mul": (lambda a: a * 3, lambda t: t * 3),
+    "rsub": (lambda a: 1 - a, lambda t: 1 - t),
+    "neg": (lambda a: -a, lambda t: -t),
+    "lt": (lambda a: a < 0.5, lambda t: t < 0.5),
+    "int-div": (lambda a: a / 2, lambda t: t / 2),  # an int64 array: true division makes floats
+}
+
+
+@pytest.mark.parametrize("name", list(NUMBER_OPS))
+@pytest.mark.parametrize("spec", [Chunk(0, R), GRID, Replicated([0, 1]), Chunk(0, [0, 0, 1, 1])])
+def test_an_operator_with_a_number_gives_map_locals_array_without_it(name, spec, monkeypatch):
+    """Values bit for bit, layout, dtype and gradients of each block, with one per-shard call counted."""
+    from fshard._api import operators
+    from fshard._exec import gathered
+
+    op, fn = NUMBER_OPS[name]
+    x = X.clone() if name != "int-div" else torch.arange(48).reshape(8, 6)
+    grads = name not in ("lt", "int-div")
+    if grads:
+        x.requires_grad_()
+    a = fshard.shard(x, spec)
+    want = fshard.map_local(fn, a)
+    calls = gathered.calls()
+    monkeypatch.setattr(operators, "map_local", None)  # the operator must not need it
+    got = op(a)
+    assert gathered.calls() == calls + 1  # counted as map_local counts its call: every rank alike
+    assert got.layout == want.layout
+    assert got.dtype == want.dtype
+    assert all(torch.equal(g, w) for g, w in zip(got.addressable_data, want.addressable_data))
+    if grads:
+        (g,) = torch.autograd.grad(fshard.gather(got).sum(), x)
+        (w,) = torch.autograd.grad(fshard.gather(want).sum(), x)
+        assert torch.equal(g, w)
+
+
+def test_an_operator_on_a_pending_sum_keeps_its_summands_and_terms(monkeypatch):
+    from fshard._api import operators
+    from fshard._api.move import split_replicas
+
+    p, parts = _summands()
+    dp_tp = Mesh((2, 2), axis_names=("dp", "tp"))
+    twice = fshard.reshard(p, Partial(Named(dp_tp, (None,)), over="tp"))  # each summand held twice (terms)
+    assert twice.layout.terms is not None
+    split = [split_replicas(q) for q in (p, twice)]  # the operators' linear maps split replicas of summands first
+    want = [fshard.map_local(fn, q, linear=True) for q in split for fn in (lambda t: t / 4, lambda t: -t)]
+    monkeypatch.setattr(operators, "map_local", None)
+    got = [f(q) for q in (p, twice) for f in (lambda q: q / 4, lambda q: -q)]
+    for g, w in zip(got, want):
+        assert g.layout == w.layout
+        assert torch.equal(fshard.gather(g), fshard.gather(w))
+    assert torch.allclose(fshard.gather(got[0]), sum(parts) / 4)
+    assert torch.allclose(fshard.gather(got[2]), sum(parts) / 4)  # each summand counted once
+
+
+def test_an_operator_runs_through_map_local_in_check_mode(monkeypatch):
+    """Check mode compares each call across ranks: the operator is then map_local's call."""
+    from fshard._api import operators
+
+    seen = []
+    real = operators.map_local
+    monkeypatch.setattr(operators, "map_local", lambda *a, **k: seen.append(1) or real(*a, **k))
+    a = fshard.shard(X, Chunk(0, R))
+    old = fshard.config(check_collectives=True)
+    try:
+        got = fshard.gather(a / 2)
+    finally:
+        fshard.config(check_collectives=old.check_collectives)
+    assert seen == [1]
+    assert torch.equal(got, X / 2)
+    _ = a / 2
+    assert seen == [1]
+
+
 def test_operators_refuse_what_is_not_linear_in_a_pending_sum():
     p = fshard.shard(X, Chunk(1, R)).sum(1)
     x = fshard.shard(X.sum(1), fshard.Layout(p.layout.shape, p.layout.shards))  # p's boxes, not pending

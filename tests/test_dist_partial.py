@@ -201,6 +201,24 @@ def test_backward_of_a_gathered_replica_sums_its_uses_over_ranks(dist_pool):
     assert dist_pool.run(_replicated_bias_backward) == [[8.0] * 3] * 4
 
 
+def _operator_on_a_gathered_block(through_map_local: bool):
+    """``a * 2`` where ``a``'s block is a gathered tensor: its use per shard is a part of the gather's gradient."""
+    leaf = torch.arange(3.0, dtype=torch.float64).requires_grad_()
+    bf = fshard.gather(fshard.shard(leaf, fshard.Replicated(R)))
+    layout = fshard.Replicated(R).layout((3,))
+    a = fshard.from_local_shards_and_layout([fshard.Shard(layout.shards_on(dist.get_rank())[0], bf)], layout)
+    y = fshard.map_local(lambda t: t * 2, a) if through_map_local else a * 2
+    (fshard.gather(y) * torch.tensor([1.0, 10.0, 100.0], dtype=torch.float64)).sum().backward()
+    return leaf.grad.tolist()
+
+
+def test_an_operator_on_a_gathered_block_sums_its_uses_as_map_local_does(dist_pool):
+    """The operators run on plain blocks directly; a gathered block goes through map_local's per-shard context."""
+    want = dist_pool.run(_operator_on_a_gathered_block, True)
+    assert want == [[8.0, 80.0, 800.0]] * 4  # every rank's use of the copy, summed
+    assert dist_pool.run(_operator_on_a_gathered_block, False) == want
+
+
 # -- summands with replicas: [Replicate(), Partial()] on a (dp, tp) mesh ---------------------
 
 DPTP = fshard.Mesh((2, 2), axis_names=("dp", "tp"))

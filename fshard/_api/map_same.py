@@ -29,7 +29,7 @@ from fshard._exec.agree import (
 )
 from fshard._layout.layout import Layout, ShardMeta, with_partial, with_terms
 
-__all__ = ["map_same"]
+__all__ = ["is_plain", "map_same"]
 
 
 def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: str | None) -> Any:
@@ -95,7 +95,7 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
     """The results' tree structure (``None`` when there is none here) and each leaf's shards."""
     if not outs:
         return None, []
-    if all(type(o) is torch.Tensor and _is_plain(o) for o in outs):  # the common case: one plain tensor each
+    if all(type(o) is torch.Tensor and is_plain(o) for o in outs):  # the common case: one plain tensor each
         leaves = [tuple(outs)]
         tree = _LEAF
     else:
@@ -115,7 +115,7 @@ def _result_leaves(outs: Sequence[Any]) -> tuple[Any, list[tuple[torch.Tensor, .
     return tree, leaves
 
 
-def _is_plain(t: torch.Tensor) -> bool:
+def is_plain(t: torch.Tensor) -> bool:
     """Strided, not nested, quantized, conjugated or negated: kept as it is, unchecked."""
     return t.layout == torch.strided and not (t.is_nested or t.is_quantized or t.is_conj() or t.is_neg())
 

@@ -1,11 +1,13 @@
 """Operators on ``ShardedArray``: elementwise arithmetic and comparisons, and ``sum``.
 
 Arithmetic between two arrays of one layout, or with a Python number, is
-``map_local``. A pending sum (``Partial``) takes part only where the operation is
-linear in it, so no function ever runs on summands as if they were the value:
-``p + q`` and ``p - q`` (both pending sums of one layout), ``p * c``, ``p / c``,
-``-p`` and ``p * x`` / ``p / x`` with ``x`` an array of the same boxes that is not
-partial. Everything else on a pending reduction raises ``SpecError`` with the fix.
+``map_local``; with a number (and unary minus) it runs on the blocks directly
+where ``map_local``'s context would do nothing (``_on_blocks``). A pending sum
+(``Partial``) takes part only where the operation is linear in it, so no function
+ever runs on summands as if they were the value: ``p + q`` and ``p - q`` (both
+pending sums of one layout), ``p * c``, ``p / c``, ``-p`` and ``p * x`` / ``p / x``
+with ``x`` an array of the same boxes that is not partial. Everything else on a
+pending reduction raises ``SpecError`` with the fix.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from typing import Any
 
 import torch
 
+from fshard import _config
 from fshard._api.map import map_local
 from fshard._api.map_run import regrouped
+from fshard._api.map_same import is_plain as _is_plain
 from fshard._api.move import split_replicas
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
+from fshard._exec import gathered as _varying
+from fshard._exec.agree import holds_nothing_somewhere
 from fshard._layout.layout import Layout, ShardMeta, with_partial
 
 __all__ = ["array_sum", "install"]
@@ -93,7 +99,9 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
             def with_number(t: torch.Tensor) -> Any:
                 return fn(other, t) if reflected else fn(t, other)
 
-            return map_local(with_number, split_replicas(self) if linear else self, linear=linear)
+            operand = split_replicas(self) if linear else self
+            done = _on_blocks(with_number, operand)
+            return done if done is not None else map_local(with_number, operand, linear=linear)
         return NotImplemented
 
     method.__name__ = f"__{'r' if reflected else ''}{name}__"
@@ -101,13 +109,52 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
     return method
 
 
+def _on_blocks(fn: Callable[[torch.Tensor], Any], a: ShardedArray) -> ShardedArray | None:
+    """``map_local(fn, a)`` run on the blocks directly, where its context does nothing; else ``None``.
+
+    ``fn`` is an operator of a block and a number: it closes over no tensor, writes into no
+    block and keeps each block's shape and layout. So where every process holds blocks of
+    ``a`` (no process needs to learn what the others' returned) and no block is gathered
+    across processes or tapped (whose uses per shard go through views of their own), its
+    results are ``map_local``'s, layout and gradients alike, without the per-shard mode, the
+    in-place check and the result's inference. ``None`` (``map_local`` runs it) under
+    ``torch.compile`` or a ``torch.func`` transform, in check mode (which compares the
+    call across ranks), and where a result is not a plain tensor of its block's shape.
+    """
+    blocks = a._data  # pyright: ignore[reportPrivateUsage]  # the slots: a hot path
+    backend = a._backend  # pyright: ignore[reportPrivateUsage]
+    if (
+        not blocks
+        or torch.compiler.is_compiling()
+        or _transforms_active()
+        or _config.current().check_collectives
+        or holds_nothing_somewhere(backend, a.layout)
+        or not all(type(t) in _BLOCK_TYPES for t in blocks)  # no subclass, nor a tree map's other leaves
+        or not _varying.plain(blocks)
+    ):
+        return None
+    outs = [fn(t) for t in blocks]  # the same calls map_local would make, in its order
+    dtype = outs[0].dtype
+    if not all(
+        type(o) is torch.Tensor and o.shape == t.shape and o.dtype == dtype and _is_plain(o)
+        for o, t in zip(outs, blocks)
+    ):
+        return None  # map_local's rules and errors: fn writes nothing, so running it again changes nothing
+    _varying.count_call()
+    return ShardedArray._many([a.layout], [tuple(outs)], backend, dtype)[0]  # pyright: ignore[reportPrivateUsage]
+
+
+_transforms_active: Any = torch._C._are_functorch_transforms_active  # pyright: ignore[reportPrivateUsage]
+_BLOCK_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _neg(self: ShardedArray) -> ShardedArray:
     """Unary minus, shard by shard (linear, so a pending sum stays one)."""
     if self.layout.partial not in (None, "sum"):
         raise _refuse("unary -", self)
-    if self.layout.partial is None:
-        return map_local(operator.neg, self)
-    return map_local(operator.neg, split_replicas(self), linear=True)
+    operand = self if self.layout.partial is None else split_replicas(self)
+    done = _on_blocks(operator.neg, operand)
+    return done if done is not None else map_local(operator.neg, operand, linear=operand.layout.partial is not None)
 
 
 def _bool(self: ShardedArray) -> bool:

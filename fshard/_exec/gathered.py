@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from collections.abc import Callable, Collection, Container, Generator, Mapping
+from collections.abc import Callable, Collection, Container, Generator, Mapping, Sequence
 from typing import Any, cast
 
 import optree
@@ -54,12 +54,14 @@ __all__ = [
     "Parts",
     "Usage",
     "calls",
+    "count_call",
     "forget_taps",
     "is_per_shard_mode",
     "join",
     "mark",
     "mark_gathered",
     "per_shard",
+    "plain",
     "register",
     "register_tap",
 ]
@@ -111,6 +113,23 @@ def register(t: torch.Tensor, parts: Parts) -> None:
     _KEYS[key] = n
     _BY_KEY[n] = t
     weakref.finalize(t, _forget, key)
+
+
+def plain(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether none of ``tensors`` is gathered across processes or tapped.
+
+    A per-shard function of them alone (closing over no tensor) then sees them as they are,
+    and needs no context (``per_shard``). A call run so must still be counted (``count_call``).
+    """
+    return not any(id(t) in _LIVE_KEYS or id(t) in _TAPPED_KEYS for t in tensors)
+
+
+def count_call() -> None:
+    """Counts a per-shard call run without a context (``calls``), as ``per_shard`` counts one.
+
+    Every rank counts every call alike, whichever way each ran it.
+    """
+    _CALLS[0] += 1
 
 
 def _forget(key: int) -> None:
