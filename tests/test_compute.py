@@ -314,6 +314,31 @@ def test_an_operator_runs_through_map_local_in_check_mode(monkeypatch):
     assert seen == [1]
 
 
+def test_an_operator_in_a_compiled_step_compiles_its_blocks_as_map_local_does():
+    """A compiled caller compiles map_local's per-block function: an operator's too, so not on the blocks directly."""
+    a = fshard.shard(X.clone().requires_grad_(), Chunk(0, R))
+
+    def step(a):
+        return a / 3, fshard.map_local(lambda t: t / 3, a)
+
+    got, want = torch.compile(step, backend="aot_eager")(a)
+    nodes = {type(t.grad_fn).__name__ for t in (*got.addressable_data, *want.addressable_data)}
+    assert nodes == {"CompiledFunctionBackward"}
+    assert torch.equal(fshard.gather(got), fshard.gather(want))
+
+
+def test_an_operator_that_raises_counts_its_call_as_map_local_does():
+    """A gather's backward asks whether any per-shard call ran since, on every rank alike: a raising one counts."""
+    from fshard._exec import gathered
+
+    flags = fshard.shard(torch.tensor([True, False, True, True]), Chunk(0, [0, 1]))
+    for raising in (lambda: -flags, lambda: fshard.map_local(lambda t: -t, flags)):
+        calls = gathered.calls()
+        with pytest.raises(RuntimeError, match="Negation, the `-` operator, on a bool tensor is not supported"):
+            raising()
+        assert gathered.calls() == calls + 1
+
+
 def test_operators_refuse_what_is_not_linear_in_a_pending_sum():
     p = fshard.shard(X, Chunk(1, R)).sum(1)
     x = fshard.shard(X.sum(1), fshard.Layout(p.layout.shape, p.layout.shards))  # p's boxes, not pending

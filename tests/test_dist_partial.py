@@ -219,6 +219,18 @@ def test_an_operator_on_a_gathered_block_sums_its_uses_as_map_local_does(dist_po
     assert dist_pool.run(_operator_on_a_gathered_block, False) == want
 
 
+def _operator_where_some_rank_holds_nothing():
+    """``a / 2`` of rows held by ranks 0 and 1 only: every rank learns the result's dtype (map_local's exchange)."""
+    a = fshard.shard(torch.arange(12.0).reshape(4, 3), fshard.Chunk(0, [0, 1]))
+    half = a / 2
+    return half.dtype, fshard.gather(half).tolist()
+
+
+def test_an_operator_where_some_rank_holds_nothing_runs_on_every_rank(dist_pool):
+    want = (torch.float32, (torch.arange(12.0).reshape(4, 3) / 2).tolist())
+    assert dist_pool.run(_operator_where_some_rank_holds_nothing, timeout=60) == [want] * 4
+
+
 # -- summands with replicas: [Replicate(), Partial()] on a (dp, tp) mesh ---------------------
 
 DPTP = fshard.Mesh((2, 2), axis_names=("dp", "tp"))

@@ -25,7 +25,7 @@ from fshard._api.map_same import is_plain as _is_plain
 from fshard._api.move import split_replicas
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
-from fshard._base.compile import opaque
+from fshard._base.compile import compiled_caller, opaque
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
 from fshard._exec.agree import holds_nothing_somewhere
@@ -117,15 +117,17 @@ def _on_blocks(fn: Callable[[torch.Tensor], Any], a: ShardedArray) -> ShardedArr
     ``a`` (no process needs to learn what the others' returned) and no block is gathered
     across processes or tapped (whose uses per shard go through views of their own), its
     results are ``map_local``'s, layout and gradients alike, without the per-shard mode, the
-    in-place check and the result's inference. ``None`` (``map_local`` runs it) under
-    ``torch.compile`` or a ``torch.func`` transform, in check mode (which compares the
-    call across ranks), and where a result is not a plain tensor of its block's shape.
+    in-place check and the result's inference. The call is counted as ``map_local`` counts
+    it, raising or not. ``None`` (``map_local`` runs it) where the caller is compiled
+    (``map_local`` compiles ``fn`` there), under a ``torch.func`` transform, in check mode
+    (which compares the call across ranks), and where a result is not a plain tensor of its
+    block's shape.
     """
     blocks = a._data  # pyright: ignore[reportPrivateUsage]  # the slots: a hot path
     backend = a._backend  # pyright: ignore[reportPrivateUsage]
     if (
         not blocks
-        or torch.compiler.is_compiling()
+        or compiled_caller()
         or _transforms_active()
         or _config.current().check_collectives
         or holds_nothing_somewhere(backend, a.layout)
@@ -133,13 +135,17 @@ def _on_blocks(fn: Callable[[torch.Tensor], Any], a: ShardedArray) -> ShardedArr
         or not _varying.plain(blocks)
     ):
         return None
-    outs = [fn(t) for t in blocks]  # the same calls map_local would make, in its order
+    try:
+        outs = [fn(t) for t in blocks]  # the same calls map_local would make, in its order
+    except BaseException:
+        _varying.count_call()  # as map_local's context counts a call whose fn raised
+        raise
     dtype = outs[0].dtype
     if not all(
         type(o) is torch.Tensor and o.shape == t.shape and o.dtype == dtype and _is_plain(o)
         for o, t in zip(outs, blocks)
     ):
-        return None  # map_local's rules and errors: fn writes nothing, so running it again changes nothing
+        return None  # map_local's rules and errors (it counts the call); fn writes nothing: running it again is alike
     _varying.count_call()
     return ShardedArray._many([a.layout], [tuple(outs)], backend, dtype)[0]  # pyright: ignore[reportPrivateUsage]
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["body", "opaque", "with_body"]
+__all__ = ["body", "compiled_caller", "opaque", "with_body"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,6 +80,15 @@ def opaque(fn: F) -> F:
 
     run._torchdynamo_disable = True  # type: ignore[attr-defined]  # TorchDynamo: do not inline, call it
     return run  # type: ignore[return-value]
+
+
+def compiled_caller() -> bool:
+    """Whether the opaque call running on this thread has a compiled caller: a ``body`` it runs is compiled.
+
+    >>> compiled_caller()
+    False
+    """
+    return _caller.hook is not None
 
 
 def body(fn: F) -> F:
