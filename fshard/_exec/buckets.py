@@ -58,6 +58,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fshard._base.alloc import use_count
+from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError
@@ -139,6 +140,18 @@ class _Kept:
         return buffer.view(-1)
 
 
+# torch's C++ of torch._utils._unflatten_dense_tensors and of torch._foreach_copy_, without stubs or public forms.
+_nn: Any = getattr(torch._C, "_nn")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
+_unflatten: Callable[[torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]] = _nn.unflatten_dense_tensors
+_copy_all: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] = getattr(torch, "_foreach_copy_")  # noqa: B009
+
+
+@cached(256)
+def _templates(shapes: tuple[torch.Size, ...]) -> tuple[torch.Tensor, ...]:
+    """Tensors of ``shapes`` on the meta device (no memory): the shapes ``_unflatten`` views a range in."""
+    return tuple(torch.empty(shape, device="meta") for shape in shapes)
+
+
 # The kept buffers, by first block: weakly, so they go with the block, and not in the block's own
 # attributes, which ``torch.save`` and ``copy.deepcopy`` of the tensor would carry along.
 _KEPT_BY: Any = WeakIdKeyDictionary()  # torch types it loosely: _Kept by tensor
@@ -204,16 +217,18 @@ class _State:
     def _cut(self, b: int, ranges: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
         """Each box of bucket ``b`` in ``ranges`` (its ranges' tensors), as a view in its block's shape (-1: the flag).
 
-        One split per range: the views of every box of a step are made at once, not one per gradient.
+        One call per range makes the views of all its boxes (``unflatten_dense_tensors``, in C++),
+        not a Python call per box.
         """
         bucket = self.plan[b]
         out: dict[int, torch.Tensor] = {}
         for part, widths, total in zip(bucket.parts, self.widths[b], ranges):
-            for q, piece in zip(part, torch.split(total, list(widths))):
-                if q == bucket.flag:
-                    out[-1] = piece
-                else:
-                    out[bucket.positions[q]] = piece.view(self.shapes[bucket.positions[q]])
+            shapes = tuple(
+                torch.Size((width,)) if q == bucket.flag else self.shapes[bucket.positions[q]]
+                for q, width in zip(part, widths)
+            )
+            for q, piece in zip(part, _unflatten(total, _templates(shapes))):
+                out[-1 if q == bucket.flag else bucket.positions[q]] = piece
         return out
 
     def _new(self, b: int, j: int, n: int) -> torch.Tensor:
@@ -234,26 +249,45 @@ class _State:
 
         Returns whether it was taken.
         """
+        return self.take_all((position,), (grad,))[0] is None
+
+    def take_all(self, positions: Sequence[int], grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """``take`` of each gradient (``None``: none came); returns the gradients not taken (``None`` elsewhere).
+
+        The first gradients of boxes whose bucket has not left are copied into it in one call
+        (a tap's run of blocks: ``torch._foreach_copy_``), then the buckets now full are launched.
+        """
         if not self.sync:
-            return False
-        if position not in self.where:  # an empty box: no range holds it
-            return True
-        b = self.where[position][0]
-        if b < len(self.flights):
-            return False
-        slot = self._slot(position)  # the block's shape, as the gradient's
-        if position in self.given:
-            slot.add_(grad)
-        else:
-            slot.copy_(grad)
+            return list(grads)
+        left: list[torch.Tensor | None] = [None] * len(grads)
+        slots: list[torch.Tensor] = []
+        firsts: list[torch.Tensor] = []
+        for k, (position, grad) in enumerate(zip(positions, grads)):
+            where = self.where.get(position)
+            if grad is None or where is None:  # no gradient, or an empty box: no range holds it
+                continue
+            b = where[0]
+            if b < len(self.flights):
+                left[k] = grad
+                continue
+            slot = self._slot(position)  # the block's shape, as the gradient's
+            if position in self.given:
+                slot.add_(grad)
+                continue
             earlier = self._earlier(position)
-            if earlier is not None:
+            if earlier is None:
+                slots.append(slot)
+                firsts.append(grad)
+            else:
+                slot.copy_(grad)
                 slot.add_(earlier)
             self.given.add(position)
             self.missing[b] -= 1
+        if slots:
+            _copy_all(slots, firsts)
         while len(self.flights) < len(self.plan) - 1 and self.missing[len(self.flights)] == 0:
             self._launch(len(self.flights))
-        return True
+        return left
 
     def dense(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """``grads`` with zeros for the missing ones, in the dtype they are summed in."""
@@ -419,9 +453,8 @@ class _Tap(torch.autograd.Function):
         if torch.is_grad_enabled():  # gradients of gradients: summed by the last node
             return (None, None, *grads)
         state: _State = ctx.state
-        # A bucket gone (take() says no): the gradient goes on, to be summed by the last node.
-        passed = [g if g is not None and not state.take(p, g) else None for p, g in zip(ctx.positions, grads)]
-        return (None, None, *passed)
+        # A bucket gone (not taken): the gradient goes on, to be summed by the last node.
+        return (None, None, *state.take_all(ctx.positions, grads))
 
 
 class _SumBuckets(torch.autograd.Function):
