@@ -396,6 +396,19 @@ def test_global_norm_counts_replicas_once_and_reduces_pending_sums():
     assert torch.equal(fshard.gather(same["w"]), X)
 
 
+def test_global_norm_gives_every_copy_the_gradient():
+    """Each box is read once, from its first copy; the gradient of that use reaches every copy."""
+    x = torch.tensor([[3.0, 4.0]], dtype=torch.float64, requires_grad=True)
+    a = fshard.reshard(fshard.shard(x, Single(2)), Replicated(R))  # the reshard's backward reads one copy
+    fshard.global_norm(a).backward()
+    torch.testing.assert_close(x.grad, torch.tensor([[0.6, 0.8]], dtype=torch.float64), rtol=1e-15, atol=0)
+    w = fshard.shard(torch.tensor([3.0, 4.0], dtype=torch.float64), Replicated([0, 1]))
+    blocks = [t.requires_grad_() for t in w.addressable_data]
+    (0.5 * fshard.global_norm({"w": w, "b": fshard.shard(X, Chunk(0, R))}) ** 2).backward()
+    for t in blocks:  # d(|w|^2 / 2)/dw = w, on both copies
+        assert torch.equal(t.grad, torch.tensor([3.0, 4.0], dtype=torch.float64))
+
+
 def test_torch_optim_over_the_leaves_of_a_tree_of_arrays():
     """The shard tensors are the optimizer's parameters; replicas get equal gradients and stay equal."""
     params = {"w": fshard.shard(X.clone(), Replicated([0, 1])), "b": fshard.shard(Y.clone(), Chunk(0, R))}

@@ -356,6 +356,24 @@ def _tree_norm_counted():
     return norm, runs, clip_norm, clip_runs, fshard.global_norm(clipped)
 
 
+def _norm_gradients(backend=None):
+    """Per block of 4 arrays (chunks, replicas, a pair of ranks): its gradient of half the squared norm; its data."""
+    tree, _ = _norm_tree(backend)
+    arrays = tree["arrays"][:4]
+    blocks = [t.requires_grad_() for a in arrays for t in a.addressable_data]
+    (0.5 * fshard.global_norm(arrays) ** 2).backward()
+    return [(t.grad, t.detach()) for t in blocks]
+
+
+def test_global_norm_gives_every_copy_the_gradient(dist_pool):
+    """d(|w|^2 / 2)/dw = w on every copy of every box, on each process as on the local backend."""
+    for got in [_norm_gradients(LOCAL), *dist_pool.run(_norm_gradients, timeout=120)]:
+        assert got
+        for grad, data in got:
+            assert grad is not None
+            assert torch.equal(grad, data)
+
+
 def test_global_norm_of_a_tree_is_two_collectives_whatever_its_leaves(dist_pool):
     """One movement reduces the tree's pending sums, one sums every rank's squares (each box once)."""
     tree, values = _norm_tree(LOCAL)

@@ -16,6 +16,7 @@ from fshard._api.move import gather, reshard, split_replicas
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
 from fshard._errors import SpecError
+from fshard._exec import fused as _fused
 from fshard._exec.collective import collective
 from fshard._exec.replicas import check_leaves
 from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
@@ -90,7 +91,8 @@ def global_norm(tree: Any) -> torch.Tensor:
     wide = torch.float64 if any(x.dtype == torch.float64 for x in (*arrays, *tensors)) else torch.float32
     total = None
     for same in _by_backend(_reduced(arrays)):
-        square = _gather_squares(same, wide)
+        # Each box is read once, from its first copy: every copy gets the gradient of that one use.
+        square = _gather_squares(_fused.regroup_tree(same, "sum"), wide)
         total = square if total is None else total + square.to(total.device)
     for t in tensors:  # the same value on every rank: once
         square = _squares(t, wide)
@@ -198,8 +200,15 @@ def _gather_squares(arrays: list[ShardedArray], wide: torch.dtype) -> torch.Tens
                 totals[j] = square if j not in totals else totals[j] + square
     mine = backend.addressable(out)
     data = tuple(totals[j] if j in totals else torch.zeros((), dtype=wide, device=_device(out, j)) for j in mine)
-    link = arrays[0]._link_view().to(wide)  # pyright: ignore[reportPrivateUsage]  # package-internal: a rank holding no summand
-    return gather(ShardedArray(out, data, backend, wide, None if data else link))
+    # Every array's history joins this rank's result, whichever boxes it squared: a backward then runs, on every
+    # rank alike, the nodes of every array (a replicated one's sum of its copies' gradients is a collective).
+    link = arrays[0]._link_view().to(wide)  # pyright: ignore[reportPrivateUsage]  # package-internal
+    for a in arrays[1:]:
+        link = link + a._link_view().to(wide).sum().to(link.device)  # pyright: ignore[reportPrivateUsage]
+    if not data:
+        return gather(ShardedArray(out, (), backend, wide, link))
+    joined = data[0] + link.sum().to(data[0].device)
+    return gather(ShardedArray(out, (joined, *data[1:]), backend, wide))
 
 
 @cached(256)
