@@ -286,6 +286,7 @@ def named_shard_map(
             check=check_vma,
             grouped=True,
             reducing=reducing,
+            regathered=regather and any(t is not None and t != a.layout for (_, a), t in zip(arrays, targets)),
         )
 
     return call

@@ -70,6 +70,7 @@ def run_per_slot(
     check: bool = True,
     grouped: bool = False,
     reducing: Reducing | None = None,
+    regathered: bool = False,
 ) -> Any:
     names = list(names) or list(range(len(arrays)))  # positions, or the caller's labels
     check_aligned(arrays, names, one_block, what)
@@ -98,6 +99,8 @@ def run_per_slot(
                 results = _bodies(fn, calls, lambda: per_shard(backend, usage, first, own), reducing, first, backend)
         finally:  # a tap's bucket belongs to this call: a block that outlives it (returned as it is) keeps none
             _varying.forget_taps(own)
+        if len(series) > 1 or usage.closed or regathered:  # the backward runs other collectives between the taps
+            _buckets.launch_at_end(series)
         return _flatten_results(results, what)
 
     # Every process must learn the blocks' shapes (to infer a global shape) or dtypes (where

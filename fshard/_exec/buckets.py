@@ -19,7 +19,11 @@ each launched as soon as its gradients are in. Here:
   node for the run's blocks, not a Python call per parameter each way. Its backward runs
   once the gradients of all of them are in; it copies them into the bucket and passes
   nothing on. When a bucket is full, and the buckets before it have left, it is launched
-  (``launch``), and runs while the backward goes on;
+  (``launch``), and runs while the backward goes on. Where the call's backward runs other
+  collectives of the group (a closed-over tensor's sum, a second series of buckets, a
+  regathered movement), all of its buckets leave from the last node instead
+  (``launch_at_end``), so that ranks whose functions used different blocks still pair their
+  collectives alike;
 - the backward of the arguments' own node (``_SumBuckets``) runs last. It adds the
   gradients that reached the blocks some other way (code that runs outside the function's
   torch-function mode, such as an activation checkpoint's recomputation) to the buckets not
@@ -83,6 +87,7 @@ __all__ = [
     "agreed",
     "carrying",
     "compare_series",
+    "launch_at_end",
     "series_of",
     "sum_in_buckets",
 ]
@@ -174,6 +179,7 @@ class _State:
         self.series = series_name(plan)
         self.checked = False  # the ranks compared their series in the call's exchange: no round of headers
         self.agreed = False  # else the call's check of outcomes carried it: no round at the next first launch
+        self.early = True  # buckets leave as they fill (else all from the last node: ``launch_at_end``)
         self.source, self.device = like.dtype, like.device
         # Gradients are summed (and sent) in the reduce dtype; the blocks are the forward dtype's.
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
@@ -285,7 +291,7 @@ class _State:
             self.missing[b] -= 1
         if slots:
             _copy_all(slots, firsts)
-        while len(self.flights) < len(self.plan) - 1 and self.missing[len(self.flights)] == 0:
+        while self.early and len(self.flights) < len(self.plan) - 1 and self.missing[len(self.flights)] == 0:
             self._launch(len(self.flights))
         return left
 
@@ -536,6 +542,21 @@ def series_of(tensors: Sequence[torch.Tensor]) -> list[_State]:
             state = cast(_State, tap.args[0])
             found.setdefault(id(state), state)
     return list(found.values())
+
+
+def launch_at_end(states: Sequence[_State]) -> None:
+    """Makes ``states`` launch their buckets from their last node only, none while the backward runs.
+
+    A bucket leaves as it fills at a point of the backward that depends on which blocks this
+    rank's function used. Where the call's backward runs no other collective on the group, every
+    rank still launches its buckets in the same order; where it runs others (a closed-over
+    tensor's sum, another series of buckets, a regathered movement), a rank that used a block
+    the others did not would launch a bucket before such a collective where they launch it
+    after, and the ranks' collectives would pair wrongly (a hang, or sums of the wrong buffers).
+    From the last node, every rank launches them at the same point.
+    """
+    for state in states:
+        state.early = False
 
 
 def compare_series(states: Sequence[_State], seen: Sequence[tuple[str, ...]], ranks: Sequence[int], what: str) -> None:
