@@ -839,3 +839,95 @@ def test_a_second_backward_of_one_graph_leaves_the_gradients_held_from_the_first
             torch.testing.assert_close(a, want, rtol=0, atol=1e-12)
             torch.testing.assert_close(h, want, rtol=0, atol=1e-12)
             torch.testing.assert_close(b, 2 * want, rtol=0, atol=1e-12)
+
+
+class _Raised(Exception):
+    pass
+
+
+def _retried(backend: Any, x: fshard.ShardedArray) -> list[torch.Tensor]:
+    """Each weight's gradient from a backward retried on its graph after one that a hook made raise midway."""
+    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    armed = [True]
+
+    def raise_once(g: torch.Tensor) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise _Raised
+
+    def body(xb: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        for k, w in enumerate(ws):
+            xb = torch.tanh(xb @ w)
+            if k == 1:  # after the later weights' buckets have filled (and left)
+                xb.register_hook(raise_once)
+        return (xb**2).sum()[None]
+
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(body, in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+    loss = fshard.gather(step(x, *params))
+    with pytest.raises(_Raised):
+        loss.backward(retain_graph=True)
+    for t in leaves:
+        t.grad = None
+    loss.backward()
+    return [t.grad for t in leaves[:: len(leaves) // len(params)]]
+
+
+def _retried_on_rank() -> list[torch.Tensor]:
+    old = fshard.config(bucket_cap_mb=1e-4)  # one bucket per weight
+    try:
+        backend = TorchDistBackend()
+        return _retried(backend, fshard.from_local_tensor(_rows(backend.rank), dim=0))
+    finally:
+        fshard.config(bucket_cap_mb=old.bucket_cap_mb)
+
+
+def test_a_backward_retried_after_one_that_raised_midway_starts_afresh(dist_pool):
+    """The buckets the raised backward filled or launched are not added to the retry's gradients."""
+    expected = _local("plain")
+    for grads in dist_pool.run(_retried_on_rank, timeout=120):
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def _unused_and_empty(backend: Any, rows: torch.Tensor, create_graph: bool) -> list[torch.Tensor | None]:
+    """The gradients of a used weight, an unused one and a used zero-size one (``torch.autograd.grad``)."""
+    values = [torch.full((D, D), 0.5, dtype=torch.float64), torch.ones(D, dtype=torch.float64), torch.zeros(0)]
+    ws = [fshard.shard(v.to(torch.float64), fshard.Replicated(R), backend=backend) for v in values]
+    blocks = [[t.requires_grad_() for t in w.addressable_data] for w in ws]
+    first = [b[0] for b in blocks]  # one shard of each
+    x = (
+        fshard.from_local_tensor(rows, dim=0)
+        if backend.spans_processes
+        else fshard.shard(rows, fshard.Chunk(0, R), backend=backend)
+    )
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(
+        lambda xb, w, unused, e: ((xb @ w) ** 2 + e.sum()).sum()[None],
+        in_specs=(fshard.Chunk(0, R), rep, rep, rep),
+        out_specs=fshard.Partial(rep),
+    )
+    loss = fshard.gather(step(x, *ws))
+    grads = torch.autograd.grad(loss, first, create_graph=create_graph, allow_unused=True)
+    return [None if g is None else g.detach() for g in grads]
+
+
+def _unused_and_empty_on_rank(create_graph: bool) -> list[torch.Tensor | None]:
+    backend = TorchDistBackend()
+    return _unused_and_empty(backend, _rows(backend.rank), create_graph)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_an_unused_weight_gets_none_and_a_used_empty_one_zeros_as_on_the_local_backend(dist_pool, create_graph):
+    """As torch: ``None`` for a weight no rank used, an empty gradient for a zero-size one that was used."""
+    rows = torch.cat([_rows(r) for r in R])
+    expected = _unused_and_empty(LocalBackend(world_size=4), rows, create_graph)
+    assert expected[1] is None
+    assert expected[2] is not None
+    assert expected[2].shape == (0,)
+    for grads in dist_pool.run(_unused_and_empty_on_rank, create_graph, timeout=120):
+        torch.testing.assert_close(grads[0], expected[0], rtol=0, atol=1e-12)
+        assert grads[1] is None
+        assert grads[2] is not None
+        assert grads[2].shape == (0,)

@@ -146,6 +146,7 @@ class _Kept:
 
 
 # torch's C++ of torch._utils._unflatten_dense_tensors and of torch._foreach_copy_, without stubs or public forms.
+_graph_task: Callable[[], int] = torch._C._current_graph_task_id  # pyright: ignore[reportPrivateUsage]  # no public form
 _nn: Any = getattr(torch._C, "_nn")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
 _unflatten: Callable[[torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]] = _nn.unflatten_dense_tensors
 _copy_all: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] = getattr(torch, "_foreach_copy_")  # noqa: B009
@@ -191,11 +192,13 @@ class _State:
         self.reset()
 
     def reset(self) -> None:
+        self.task: int | None = None  # the backward pass (autograd's graph task) that takes gradients now
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
         self.views: dict[int, torch.Tensor] = {}  # each box's view of its bucket, in its block's shape; -1: the flag
         self.cuts: list[dict[int, torch.Tensor] | None] = [None] * len(self.plan)  # those views, bucket by bucket
         self.missing = [sum(p in self.where for p in bucket.positions) for bucket in self.plan]  # empty boxes: none
         self.given: set[int] = set()
+        self.empty: set[int] = set()  # the empty boxes that a gradient reached (no range holds them): used all the same
         self.flights: list[Callable[[], tuple[torch.Tensor, ...]]] = []
         self.earlier: list[torch.Tensor | None] | None = None  # what earlier micro-batches set aside
         self.fetched = False
@@ -265,12 +268,16 @@ class _State:
         """
         if not self.sync:
             return list(grads)
+        self._begin()
         left: list[torch.Tensor | None] = [None] * len(grads)
         slots: list[torch.Tensor] = []
         firsts: list[torch.Tensor] = []
         for k, (position, grad) in enumerate(zip(positions, grads)):
             where = self.where.get(position)
-            if grad is None or where is None:  # no gradient, or an empty box: no range holds it
+            if grad is None:
+                continue
+            if where is None:  # an empty box: no range holds it
+                self.empty.add(position)
                 continue
             b = where[0]
             if b < len(self.flights):
@@ -294,6 +301,18 @@ class _State:
         while self.early and len(self.flights) < len(self.plan) - 1 and self.missing[len(self.flights)] == 0:
             self._launch(len(self.flights))
         return left
+
+    def _begin(self) -> None:
+        """Starts afresh where another backward pass takes gradients than the last one, which did not finish.
+
+        A backward that raised midway (a hook, say) left its gradients, and buckets it launched;
+        a later backward of the same graph (``retain_graph=True``) must not add to them.
+        """
+        task = _graph_task()
+        if task != self.task:
+            if self.task is not None:
+                self.reset()
+            self.task = task
 
     def dense(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """``grads`` with zeros for the missing ones, in the dtype they are summed in."""
@@ -322,6 +341,7 @@ class _State:
 
     def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
+        self._begin()
         late = [None if g is None else g.to(self.dtype) for g in late]
         outside = [k for k, g in enumerate(late) if g is not None and not self.take(k, g)]
         for k, earlier in enumerate(self._all_earlier() or ()):  # used by earlier micro-batches only
@@ -338,7 +358,7 @@ class _State:
             flag[1:2].zero_()
         else:
             flag[1:2].copy_(carry.value.reshape(1))
-        used = self.given.union(outside)
+        used = self.given.union(outside, self.empty)
         uses = [0.0] * (self.flag - FLAG)
         for position in used:
             uses[self.leaves[position]] = 1.0
@@ -370,13 +390,23 @@ class _State:
         self.reset()
         return out
 
-    def sum_all(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``grads`` (one per position) summed over the ranks that hold copies, bucket by bucket, at once."""
-        out = list(grads)
+    def sum_all(self, grads: Sequence[torch.Tensor], used: Sequence[bool] | None = None) -> list[torch.Tensor | None]:
+        """``grads`` (one per position) summed over the ranks that hold copies, bucket by bucket, at once.
+
+        ``used``: per position, whether a gradient reached it here; a leaf that no rank's positions
+        were reached in then gets ``None`` (as ``finish`` gives it), its elements counted in the flag.
+        """
+        out: list[torch.Tensor | None] = list(grads)
+        flag = self._zeros(self.flag)
+        if used is not None:
+            for position, reached in enumerate(used):
+                if reached:
+                    flag[FLAG + self.leaves[position]] = 1.0
+        uses: torch.Tensor | None = None
         for b, bucket in enumerate(self.plan):
             at = bucket.positions
             packed = tuple(
-                torch.cat([self._zeros(self.flag) if q == bucket.flag else grads[at[q]].reshape(-1) for q in part])
+                torch.cat([flag if q == bucket.flag else grads[at[q]].reshape(-1) for q in part])
                 for part in bucket.parts
             )
             runs = bucket.runs
@@ -384,6 +414,11 @@ class _State:
             for position, view in self._cut(b, done).items():
                 if position >= 0:
                     out[position] = view
+                else:
+                    uses = view[FLAG:]
+        if used is not None and uses is not None:
+            gone = set(map(int, (uses == 0).nonzero().flatten()))
+            out = [None if self.leaves[k] in gone else g for k, g in enumerate(out)]
         return out
 
 
@@ -491,9 +526,11 @@ class _SumBuckets(torch.autograd.Function):
         if torch.is_grad_enabled():  # gradients of gradients: one differentiable movement of them all
             dense = state.dense(grads[:-1])
             earlier = take_back(state.key)
+            used = [g is not None for g in grads[:-1]]
             if earlier is not None:
                 dense = [g if e is None else g + e for g, e in zip(dense, earlier)]
-            back = state.sum_all(dense)
+                used = [u or e is not None for u, e in zip(used, earlier)]
+            back = state.sum_all(dense, used)
         else:
             back = state.finish(grads[:-1])
         if state.dtype != state.source:  # summed in the reduce dtype; the blocks get their own dtype
