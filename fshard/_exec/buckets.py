@@ -18,12 +18,13 @@ each launched as soon as its gradients are in. Here:
   ``tap_groups``) goes through that run's **tap** (``gathered.register_tap``): one autograd
   node for the run's blocks, not a Python call per parameter each way. Its backward runs
   once the gradients of all of them are in; it copies them into the bucket and passes
-  nothing on. When a bucket is full, and the buckets before it have left, it is launched
-  (``launch``), and runs while the backward goes on. Where the call's backward runs other
-  collectives of the group (a closed-over tensor's sum, a second series of buckets, a
-  regathered movement), all of its buckets leave from the last node instead
-  (``launch_at_end``), so that ranks whose functions used different blocks still pair their
-  collectives alike;
+  nothing on (a tap that runs again in one round of the buckets belongs to a backward retried
+  after one that raised midway: the buckets start afresh). When a bucket is full, and the
+  buckets before it have left, it is launched (``launch``), and runs while the backward
+  goes on. Where the call's backward runs other collectives of the group (a closed-over
+  tensor's sum, a second series of buckets, a regathered movement), all of its buckets
+  leave from the last node instead (``launch_at_end``), so that ranks whose functions used
+  different blocks still pair their collectives alike;
 - the backward of the arguments' own node (``_SumBuckets``) runs last. It adds the
   gradients that reached the blocks some other way (code that runs outside the function's
   torch-function mode, such as an activation checkpoint's recomputation) to the buckets not
@@ -146,7 +147,6 @@ class _Kept:
 
 
 # torch's C++ of torch._utils._unflatten_dense_tensors and of torch._foreach_copy_, without stubs or public forms.
-_graph_task: Callable[[], int] = torch._C._current_graph_task_id  # pyright: ignore[reportPrivateUsage]  # no public form
 _nn: Any = getattr(torch._C, "_nn")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
 _unflatten: Callable[[torch.Tensor, Sequence[torch.Tensor]], list[torch.Tensor]] = _nn.unflatten_dense_tensors
 _copy_all: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] = getattr(torch, "_foreach_copy_")  # noqa: B009
@@ -189,10 +189,11 @@ class _State:
         self.widths = slots.widths
         self.held = len(self.where) - (-1 in self.where)  # the boxes that have a slot (empty ones: none; -1: the flag)
         self.kept = _Kept.of(tensors, (self.series, self.dtype, self.device))
+        self.round = -1
         self.reset()
 
     def reset(self) -> None:
-        self.task: int | None = None  # the backward pass (autograd's graph task) that takes gradients now
+        self.round += 1  # backward passes finished (each of its taps runs once in each)
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
         self.views: dict[int, torch.Tensor] = {}  # each box's view of its bucket, in its block's shape; -1: the flag
         self.cuts: list[dict[int, torch.Tensor] | None] = [None] * len(self.plan)  # those views, bucket by bucket
@@ -268,7 +269,6 @@ class _State:
         """
         if not self.sync:
             return list(grads)
-        self._begin()
         left: list[torch.Tensor | None] = [None] * len(grads)
         slots: list[torch.Tensor] = []
         firsts: list[torch.Tensor] = []
@@ -302,18 +302,6 @@ class _State:
             self._launch(len(self.flights))
         return left
 
-    def _begin(self) -> None:
-        """Starts afresh where another backward pass takes gradients than the last one, which did not finish.
-
-        A backward that raised midway (a hook, say) left its gradients, and buckets it launched;
-        a later backward of the same graph (``retain_graph=True``) must not add to them.
-        """
-        task = _graph_task()
-        if task != self.task:
-            if self.task is not None:
-                self.reset()
-            self.task = task
-
     def dense(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """``grads`` with zeros for the missing ones, in the dtype they are summed in."""
         return [self._zeros(*shape) if g is None else g.to(self.dtype) for g, shape in zip(grads, self.shapes)]
@@ -341,7 +329,6 @@ class _State:
 
     def finish(self, late: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Every position's sum over the ranks, given the gradients that reached the last node (``late``)."""
-        self._begin()
         late = [None if g is None else g.to(self.dtype) for g in late]
         outside = [k for k, g in enumerate(late) if g is not None and not self.take(k, g)]
         for k, earlier in enumerate(self._all_earlier() or ()):  # used by earlier micro-batches only
@@ -484,7 +471,7 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, state: _State, positions: tuple[int, ...], *tensors: torch.Tensor) -> Any:
-        ctx.state, ctx.positions = state, positions
+        ctx.state, ctx.positions, ctx.round = state, positions, -1
         ctx.set_materialize_grads(False)  # a block not used: None, not a tensor of zeros
         return tuple(t.view_as(t) for t in tensors)
 
@@ -494,6 +481,9 @@ class _Tap(torch.autograd.Function):
         if torch.is_grad_enabled():  # gradients of gradients: summed by the last node
             return (None, None, *grads)
         state: _State = ctx.state
+        if ctx.round == state.round:  # this tap ran in a backward that did not finish (it raised): start afresh
+            state.reset()
+        ctx.round = state.round
         # A bucket gone (not taken): the gradient goes on, to be summed by the last node.
         return (None, None, *state.take_all(ctx.positions, grads))
 
