@@ -507,3 +507,54 @@ def test_per_block_functions_run_under_inference_mode_on_every_rank(dist_pool) -
     for values, refused in dist_pool.run(_under_inference_mode, timeout=60):
         assert values == _expected_under_inference_mode()
         assert refused == "map_local() fn called aten::add_.Tensor"
+
+
+AUTOGRAD_WRITES: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
+    "requires_grad_": (lambda t: t.requires_grad_(), "requires_grad_()"),
+    "requires_grad =": (lambda t: setattr(t, "requires_grad", True), "the setter of .requires_grad"),
+    "data =": (lambda t: setattr(t, "data", torch.zeros_like(t)), "the setter of .data"),
+}
+
+
+def _autograd_write(name: str, backend=None) -> tuple[str, bool, bool]:
+    """The error (its first clause), whether the blocks kept their values and whether none requires grad."""
+    write = AUTOGRAD_WRITES[name][0]
+    kw = {} if backend is None else {"backend": backend}
+    ranks = [0, 1] if backend is None else backend.ranks
+    full = torch.arange(8.0).reshape(4, 2)
+    a = fshard.shard(full, fshard.Chunk(0, ranks), **kw)
+    before = [t.clone() for t in a.addressable_data]
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        write(t)
+        return t * 2
+
+    try:
+        fshard.shard_map(fn, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))(a)
+        error = "no error"
+    except SpecError as exc:
+        error = str(exc).split(" on an input block", 1)[0]
+    kept = all(torch.equal(t, b) for t, b in zip(a.addressable_data, before, strict=True))
+    return error, kept, not any(t.requires_grad for t in a.addressable_data)
+
+
+@pytest.mark.parametrize("name", list(AUTOGRAD_WRITES))
+def test_a_change_of_an_input_blocks_autograd_facts_is_refused(name) -> None:
+    """requires_grad_() and the setters run no aten op, so the torch-function mode refuses them itself."""
+    assert _autograd_write(name) == (f"shard_map() fn called {AUTOGRAD_WRITES[name][1]}", True, True)
+    ones = fshard.shard(torch.ones(4), fshard.Chunk(0, [0, 1]))
+    out = fshard.map_local(lambda t: t.detach().requires_grad_() * 1, ones)
+    assert out.requires_grad  # a tensor fn made itself: fine
+
+
+def _autograd_write_on_rank(name: str) -> tuple[str, bool, bool]:
+    from fshard.backends.torch_dist import TorchDistBackend
+
+    return _autograd_write(name, TorchDistBackend())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(AUTOGRAD_WRITES))
+def test_a_change_of_an_input_blocks_autograd_facts_is_refused_on_every_rank(dist_pool, name) -> None:
+    for got in dist_pool.run(_autograd_write_on_rank, name, timeout=60):
+        assert got == (f"shard_map() fn called {AUTOGRAD_WRITES[name][1]}", True, True)

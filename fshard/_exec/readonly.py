@@ -83,10 +83,11 @@ class _ReadOnly(TorchDispatchMode):
 
     supports_higher_order_operators = True  # passed through: their inner ops run without this mode
 
-    def __init__(self, storages: frozenset[int], what: str) -> None:
+    def __init__(self, storages: frozenset[int], what: str, blocks: frozenset[int] = frozenset()) -> None:
         super().__init__()  # pyright: ignore[reportUnknownMemberType]  # torch leaves its argument untyped
         self.storages = storages
         self.what = what
+        self.blocks = blocks  # the input tensors themselves, by id (alive while the function runs)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -203,8 +204,38 @@ def call_if_pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> Any:
     One call for the two, made for every torch call of a per-shard function: not while TorchDynamo traces.
     """
     if not pure(func, kinds, args, kwargs):
+        if args and _changes_autograd(func):
+            _refuse_autograd(func, args[0])
         return IMPURE
     return _unchecked(func, args, kwargs)
+
+
+def _changes_autograd(func: Any) -> bool:
+    """Whether ``func`` sets a tensor's own autograd facts (no aten op, which the dispatch mode would see)."""
+    if func is torch.Tensor.requires_grad_:
+        return True
+    return (
+        isinstance(func, types.MethodWrapperType)
+        and func.__name__ == "__set__"
+        and getattr(func.__self__, "__name__", None) in ("requires_grad", "data", "grad")
+    )
+
+
+def _refuse_autograd(func: Any, target: Any) -> None:
+    """Raises ``SpecError`` where ``target`` is an input block of the per-block function running now."""
+    if not isinstance(target, torch.Tensor):
+        return
+    for i in range(_depth()):
+        mode = _mode_at(i)
+        if type(mode) is _ReadOnly and id(target) in mode.blocks:
+            setter = "" if func is torch.Tensor.requires_grad_ else func.__self__.__name__
+            name = f"the setter of .{setter}" if setter else "requires_grad_()"
+            msg = (
+                f"{mode.what} fn called {name} on an input block: ShardedArray values are immutable, and the block "
+                "is the array's own tensor, which would keep the change. Use a tensor fn makes itself instead "
+                "(t.detach().requires_grad_(), or pass arrays whose blocks require grad)."
+            )
+            raise SpecError(msg)
 
 
 @contextlib.contextmanager
@@ -300,4 +331,5 @@ def running() -> str | None:
 
 @opaque  # where TorchDynamo runs map_local's frame eagerly, it would still trace this call
 def _mode(tensors: Sequence[torch.Tensor], what: str) -> _ReadOnly:
-    return _ReadOnly(frozenset(s for s in map(_storage, tensors) if s is not None), what)
+    storages = frozenset(s for s in map(_storage, tensors) if s is not None)
+    return _ReadOnly(storages, what, frozenset(map(id, tensors)))
