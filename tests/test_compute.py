@@ -465,3 +465,9 @@ def test_shard_map_of_arrays_on_two_backends_names_the_two_backends():
     b = fshard.shard(torch.ones(4), Chunk(0, [3, 2]), backend=four)  # to move to ranks the first backend lacks
     with pytest.raises(SpecError, match="live on different backends"):
         f(a, b)
+
+
+def test_clip_grad_norm_refuses_a_pending_max_by_its_path():
+    x = fshard.reshard(fshard.shard(X, Replicated(R)), Partial(Replicated(R), op="max"))
+    with pytest.raises(SpecError, match=re.escape("clip_grad_norm() leaf ['g'][0] is a pending max")):
+        fshard.clip_grad_norm({"g": [x]}, max_norm=1.0)

@@ -112,7 +112,7 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
 
     Raises:
         TypeError: ``max_norm`` or ``eps`` is not a real number.
-        SpecError: ``max_norm`` or ``eps`` is negative, infinite or NaN.
+        SpecError: ``max_norm`` or ``eps`` is negative, infinite or NaN; a leaf is a pending max or min.
 
     >>> import torch, fshard
     >>> g = fshard.shard(torch.full((4,), 3.0), fshard.Chunk(0, [0, 1]))
@@ -122,6 +122,15 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
     """
     _check_bound("max_norm", max_norm)
     _check_bound("eps", eps)
+    leaves = optree.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, ShardedArray))
+    for path, leaf in zip(leaves[0], leaves[1]):
+        if isinstance(leaf, ShardedArray) and leaf.layout.partial not in (None, "sum"):
+            msg = (
+                f"clip_grad_norm() leaf {_path(path)} is a pending {leaf.layout.partial}: the tree's pending "
+                "reductions are scaled summand by summand, which pending sums alone allow. Reduce it first "
+                "(fshard.reshard(x, fshard.Replicated(ranks)), or its layout without the pending reduction)."
+            )
+            raise SpecError(msg)
     norm = global_norm(tree)
     scale = torch.clamp(max_norm / (norm + eps), max=1.0).detach()
 
@@ -132,7 +141,7 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
         if isinstance(leaf, ShardedArray):
             if leaf.layout.partial is None:
                 return map_local(scaled, leaf)
-            return map_local(scaled, split_replicas(leaf), linear=True)
+            return map_local(scaled, split_replicas(leaf), linear=True)  # a pending sum: each summand scaled
         if isinstance(leaf, torch.Tensor):
             return scaled(leaf)
         return leaf
