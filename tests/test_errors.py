@@ -444,7 +444,8 @@ CASES = [
     pytest.param(
         lambda: fshard.map_local(lambda t: t.sum(), ROWS),
         SpecError,
-        "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result.",
+        "map_local() fn returned a result of 0 dims (a block of shape []) from blocks of 2; pass out_spec= for that "
+        "result (a spec, or a Layout).",
         id="map-local-changed-ndim",
     ),
     pytest.param(

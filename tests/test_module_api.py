@@ -954,3 +954,15 @@ def test_apply_module_refuses_a_precision_that_is_not_one() -> None:
     x = fshard.shard(torch.randn(8, 4), fshard.Chunk(0, RANKS))
     with pytest.raises(TypeError, match=r"apply_module\(\) precision= takes an fshard\.Precision"):
         fshard.apply_module(model, params, buffers, x, precision=torch.bfloat16)
+
+
+def test_a_pending_sum_as_input_is_refused_with_or_without_out_specs():
+    """Without out_specs too, the error is the argument's (it names the reduction to make), not the result's layout."""
+    ranks = [0, 1]
+    model = torch.nn.Linear(2, 2)
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(ranks))
+    summed = fshard.Partial(fshard.Replicated(ranks))
+    x = fshard.reshard(fshard.shard(torch.ones(4, 2), fshard.Replicated(ranks)), summed)
+    for kw in ({}, {"out_specs": summed}):
+        with pytest.raises(fshard.SpecError, match=r"forward argument 0 is a pending sum \(Partial\)"):
+            fshard.apply_module(model, params, buffers, x, **kw)

@@ -125,8 +125,12 @@ def _infer_layout(layout: Layout, sizes: dict[int, tuple[int, ...]]) -> Layout:
     """The layout of ``map_local``'s result, from the shapes of the result shards known here."""
     if all(s == tuple(layout.columns.sz[i].tolist()) for i, s in sizes.items()):
         return layout
-    if any(len(s) != layout.ndim for s in sizes.values()):
-        msg = "map_local() fn changed the number of dims; pass out_spec=Layout(...) for the result."
+    other = next((s for s in sizes.values() if len(s) != layout.ndim), None)
+    if other is not None:
+        msg = (
+            f"map_local() fn returned a result of {len(other)} dims (a block of shape {list(other)}) from blocks of "
+            f"{layout.ndim}; pass out_spec= for that result (a spec, or a Layout)."
+        )
         raise SpecError(msg)
     shape = tuple(_new_extent(layout, sizes, d) for d in range(layout.ndim))
     return Layout(shape, tuple(_resize(s, layout.shape, shape) for s in layout.shards))

@@ -305,6 +305,8 @@ def _in_spec(value: Any, everywhere: Replicated) -> Any:
 
 
 def _default_out_specs(first: ShardedArray | None, placements: list[Placement], tp: TensorParallel | None) -> Any:
+    if first is not None and first.layout.partial is not None:  # refused with the arguments, whose error says why
+        return Replicated(placements)
     if tp is not None and first is not None and first.layout == tp.rows.layout(first.shape):
         return tp.rows
     if first is None or first.layout == Replicated(placements).layout(first.shape):
