@@ -73,7 +73,17 @@ def used_gathered(backend: Any, layout: Layout, seen: Sequence[tuple[frozenset[i
     """The gathered tensors (ages) that ``fn`` used on some rank, from every rank's usage.
 
     Raises:
-        SpecError: on every rank, for closed-over tensors where some rank holds no block (``refuse_closed``).
+        SpecError: on every rank, for closed-over tensors where some rank holds no block (``refuse_closed``), or
+            that ranks used in different numbers.
     """
     refuse_closed(backend, layout, max((n for _, n in seen), default=0), what)
+    counts = sorted({n for _, n in seen})
+    if len(counts) > 1:  # each is a sum over the ranks in the backward: a rank that used fewer would not join
+        msg = (
+            f"{what} fn used different numbers of tensors from outside its arguments that require grad (closed "
+            f"over) on different ranks ({counts}): the backward sums each one's gradient over the ranks, which every "
+            "rank must join. Pass such tensors as arguments (a replicated spec, e.g. fshard.Replicated(ranks)), or "
+            "use them on every rank."
+        )
+        raise SpecError(msg)
     return cast("set[int]", set().union(*(keys for keys, _ in seen)))

@@ -143,7 +143,7 @@ def run_per_slot(
         # Left for the backward's first collective, where every rank meets anyway (not a wait for the slowest
         # forward here); the buckets' series rides in it, so their first launch has no round of headers.
         if backend.spans_processes:
-            post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series))
+            post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series), usage.closed)
         return out
     return _results(out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what)
 

@@ -122,7 +122,9 @@ def _text_digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
 
 
-def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None, series: str = "") -> None:
+def post_outcome(
+    backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None, series: str = "", closed: int = 0
+) -> None:
     """Posts what this process's function returned (its tree and each leaf's dtype), or that it raised (``None``).
 
     Where ``shard_map`` knows its results' layouts from the specs, no process waits for the
@@ -132,6 +134,8 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
     every process raises there where they differ, the one that raised too. ``series`` names
     the buckets in which the backward will sum the arguments' gradients (``buckets.agreed``):
     its digest rides in the same check, so their first launch needs no round of its own.
+    ``closed`` counts the tensors from outside its arguments that the function used (each a
+    sum over the ranks in the backward, which every rank must join).
     """
 
     def verdict(pairs: Sequence[tuple[int, bool, Any]]) -> SpecError | CollectiveMismatchError | None:
@@ -157,10 +161,18 @@ def post_outcome(backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | 
                 "fshard.config(bucket_cap_mb=...) and the same arguments, and make the call inside "
                 "fshard.no_sync() on every rank or on none."
             )
+        odd, like = _apart([d[2] for _, _, d in pairs], [r for r, _, _ in pairs])
+        if odd:
+            return SpecError(
+                f"{what} fn used {closed} tensor(s) from outside its arguments that require grad (closed over) on "
+                f"this rank, and other numbers on ranks {odd} than on ranks {like}: the backward sums each one's "
+                "gradient over the ranks, which every rank must join. Pass such tensors as arguments (a replicated "
+                "spec, e.g. fshard.Replicated(ranks)), or use them on every rank."
+            )
         return None
 
     digest = 0 if outcome is None else _digest_of(*outcome)
-    backend.check_later(what, outcome is None, (digest, _text_digest(series)), verdict)
+    backend.check_later(what, outcome is None, (digest, _text_digest(series), closed), verdict)
 
 
 def _apart(digests: Sequence[int], ranks: Sequence[int]) -> tuple[list[int], list[int]]:
