@@ -138,7 +138,7 @@ def post_outcome(
     sum over the ranks in the backward, which every rank must join).
     """
 
-    def verdict(pairs: Sequence[tuple[int, bool, Any]]) -> SpecError | CollectiveMismatchError | None:
+    def verdict(pairs: Sequence[tuple[int, bool, Any]]) -> Exception | None:
         failed = [r for r, f, _ in pairs if f]
         if len(failed) == len(pairs):  # every process raised its own error at the call
             return None
@@ -147,32 +147,41 @@ def post_outcome(
                 f"{what} fn raised on rank(s) {failed}, whose error says why; the other ranks returned, and raise "
                 "this at their next collective."
             )
-        odd, like = _apart([d[0] for _, _, d in pairs], [r for r, _, _ in pairs])
-        if odd:
-            return SpecError(
-                f"{what} fn returned another structure or other dtypes on ranks {odd} than on ranks {like} (this "
-                f"rank's: {_shown(outcome)}); return one structure, with one dtype per result, on every placement."
-            )
-        odd, like = _apart([d[1] for _, _, d in pairs], [r for r, _, _ in pairs])
-        if odd:
-            return CollectiveMismatchError(
-                f"{what}: ranks {odd} and ranks {like} would sum the gradients of its arguments in different "
-                f"buckets (this rank's: {series or 'none'}): give every rank the same "
-                "fshard.config(bucket_cap_mb=...) and the same arguments, and make the call inside "
-                "fshard.no_sync() on every rank or on none."
-            )
-        odd, like = _apart([d[2] for _, _, d in pairs], [r for r, _, _ in pairs])
-        if odd:
-            return SpecError(
-                f"{what} fn used {closed} tensor(s) from outside its arguments that require grad (closed over) on "
-                f"this rank, and other numbers on ranks {odd} than on ranks {like}: the backward sums each one's "
-                "gradient over the ranks, which every rank must join. Pass such tensors as arguments (a replicated "
-                "spec, e.g. fshard.Replicated(ranks)), or use them on every rank."
-            )
+        ranks = [r for r, _, _ in pairs]
+        for field in range(3):  # the results' digest, the buckets' series, the count of closed-over tensors
+            odd, like = _apart([d[field] for _, _, d in pairs], ranks)
+            if odd:
+                return _apart_error(field, what, odd, like, (outcome, series, closed))
         return None
 
     digest = 0 if outcome is None else _digest_of(*outcome)
     backend.check_later(what, outcome is None, (digest, _text_digest(series), closed), verdict)
+
+
+def _apart_error(field: int, what: str, odd: list[int], like: list[int], mine: tuple[Any, str, int]) -> Exception:
+    """The error of ranks ``odd`` whose posted outcome differs from ranks ``like``'s in ``field``.
+
+    ``mine``: this rank's outcome, buckets' series and count of closed-over tensors.
+    """
+    outcome, series, closed = mine
+    if field == 0:
+        return SpecError(
+            f"{what} fn returned another structure or other dtypes on ranks {odd} than on ranks {like} (this "
+            f"rank's: {_shown(outcome)}); return one structure, with one dtype per result, on every placement."
+        )
+    if field == 1:
+        return CollectiveMismatchError(
+            f"{what}: ranks {odd} and ranks {like} would sum the gradients of its arguments in different "
+            f"buckets (this rank's: {series or 'none'}): give every rank the same "
+            "fshard.config(bucket_cap_mb=...) and the same arguments, and make the call inside "
+            "fshard.no_sync() on every rank or on none."
+        )
+    return SpecError(
+        f"{what} fn used {closed} tensor(s) from outside its arguments that require grad (closed over) on "
+        f"this rank, and other numbers on ranks {odd} than on ranks {like}: the backward sums each one's "
+        "gradient over the ranks, which every rank must join. Pass such tensors as arguments (a replicated "
+        "spec, e.g. fshard.Replicated(ranks)), or use them on every rank."
+    )
 
 
 def _apart(digests: Sequence[int], ranks: Sequence[int]) -> tuple[list[int], list[int]]:
