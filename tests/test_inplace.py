@@ -558,3 +558,34 @@ def _autograd_write_on_rank(name: str) -> tuple[str, bool, bool]:
 def test_a_change_of_an_input_blocks_autograd_facts_is_refused_on_every_rank(dist_pool, name) -> None:
     for got in dist_pool.run(_autograd_write_on_rank, name, timeout=60):
         assert got == (f"shard_map() fn called {AUTOGRAD_WRITES[name][1]}", True, True)
+
+
+def _autograd_write_to_a_tapped_block(name: str) -> str:
+    """The same change of a replicated weight's block that requires grad (its uses go through a tap's view)."""
+    from fshard.backends.torch_dist import TorchDistBackend
+
+    write = AUTOGRAD_WRITES[name][0]
+    ranks = TorchDistBackend().ranks
+    rep = fshard.Replicated(ranks)
+    w = fshard.shard(torch.ones(2, 2), rep)
+    for t in w.addressable_data:
+        t.requires_grad_()
+    x = fshard.from_local_tensor(torch.ones(1, 2), dim=0)
+
+    def body(xb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        write(wb)
+        return (xb @ wb).sum()[None]
+
+    try:
+        fshard.shard_map(body, in_specs=(fshard.Chunk(0, ranks), rep), out_specs=fshard.Partial(rep))(x, w)
+    except SpecError as exc:
+        return str(exc).split(" on an input block", 1)[0]
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(AUTOGRAD_WRITES))
+def test_a_change_of_a_tapped_blocks_autograd_facts_is_refused_on_every_rank(dist_pool, name) -> None:
+    """The per-shard mode puts a view in the block's place first: the change is refused by the block it stands for."""
+    want = f"shard_map() fn called {AUTOGRAD_WRITES[name][1]}"
+    assert dist_pool.run(_autograd_write_to_a_tapped_block, name, timeout=60) == [want] * 4

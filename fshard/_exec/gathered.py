@@ -261,13 +261,14 @@ class _PerShard(TorchFunctionMode):
             # TorchDynamo traces a direct call (a call of func through a helper here, after a graph break,
             # is traced wrongly by torch 2.13).
             return func(*args, **(kwargs or {}))
+        given = args
         if _grad_enabled() and not _gradient_free(func):
             args = self._swapped(args)
             if kwargs:
                 kwargs = {k: self._swap_any(v) for k, v in kwargs.items()}
         kwargs = kwargs or {}
         # The in-place check set aside where the call writes nothing.
-        out = _readonly.call_if_pure(func, types, args, kwargs)
+        out = _readonly.call_if_pure(func, types, args, kwargs, given)
         return func(*args, **kwargs) if out is _readonly.IMPURE else out
 
     def _swapped(self, args: tuple[Any, ...]) -> tuple[Any, ...]:

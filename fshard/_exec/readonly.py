@@ -198,14 +198,17 @@ IMPURE: Any = object()  # what call_if_pure returns for a call it did not make
 
 
 @opaque  # as unchecked
-def call_if_pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> Any:
+def call_if_pure(func: Any, kinds: Any, args: Any, kwargs: Any, given: Any = None) -> Any:
     """``unchecked(func, *args, **kwargs)`` where the call is ``pure``, else ``IMPURE``: not called.
 
     One call for the two, made for every torch call of a per-shard function: not while TorchDynamo traces.
+    ``given``: the arguments as the function passed them, where a mode put views in their place
+    (a change of an input block's autograd facts is refused by the block, not by its view).
     """
     if not pure(func, kinds, args, kwargs):
-        if args and _changes_autograd(func):
-            _refuse_autograd(func, args[0])
+        target = (args if given is None else given)[:1]
+        if target and _changes_autograd(func):
+            _refuse_autograd(func, target[0])
         return IMPURE
     return _unchecked(func, args, kwargs)
 
