@@ -209,15 +209,21 @@ def _gather_squares(arrays: list[ShardedArray], wide: torch.dtype) -> torch.Tens
                 totals[j] = square if j not in totals else totals[j] + square
     mine = backend.addressable(out)
     data = tuple(totals[j] if j in totals else torch.zeros((), dtype=wide, device=_device(out, j)) for j in mine)
-    # Every array's history joins this rank's result, whichever boxes it squared: a backward then runs, on every
-    # rank alike, the nodes of every array (a replicated one's sum of its copies' gradients is a collective).
-    link = arrays[0]._link_view().to(wide)  # pyright: ignore[reportPrivateUsage]  # package-internal
-    for a in arrays[1:]:
-        link = link + a._link_view().to(wide).sum().to(link.device)  # pyright: ignore[reportPrivateUsage]
+    # The history of every array that needs a gradient joins this rank's result, whichever boxes it squared: a
+    # backward then runs, on every rank alike, the nodes of each (a replicated one's sum of its copies' gradients
+    # is a collective). Arrays without one (gradients being clipped, say) add nothing to the call.
+    anchor: torch.Tensor | None = None
+    for a in arrays:
+        if a.requires_grad:
+            zero = a._link_view().to(wide).sum()  # pyright: ignore[reportPrivateUsage]  # package-internal
+            anchor = zero if anchor is None else anchor + zero.to(anchor.device)
     if not data:
+        link = arrays[0]._link_view().to(wide)  # pyright: ignore[reportPrivateUsage]  # a rank holding no summand
+        link = link if anchor is None else link + anchor.to(link.device)
         return gather(ShardedArray(out, (), backend, wide, link))
-    joined = data[0] + link.sum().to(data[0].device)
-    return gather(ShardedArray(out, (joined, *data[1:]), backend, wide))
+    if anchor is not None:
+        data = (data[0] + anchor.to(data[0].device), *data[1:])
+    return gather(ShardedArray(out, data, backend, wide))
 
 
 @cached(256)
