@@ -313,3 +313,73 @@ def test_a_closure_some_ranks_use_is_refused_on_every_rank(dist_pool, out_spec):
     got = dist_pool.run(_closure_on_some_ranks, out_spec, timeout=60)
     assert {kind for kind, _ in got} == {"SpecError"}
     assert all("tensor" in start and "shard_map() fn used" in start for _, start in got)
+    assert _local_closure_on_some_ranks(out_spec)[0] == "SpecError"  # and so does the local backend
+
+
+def _local_closure_on_some_ranks(out_spec: str) -> tuple[str, str]:
+    """``_closure_on_some_ranks`` on the local backend: the ranks' bodies branch on their blocks' data."""
+    rep = fshard.Replicated([0, 1, 2, 3])
+    rows = fshard.Chunk(0, [0, 1, 2, 3])
+    w = fshard.shard(torch.eye(3, dtype=torch.float64), rep)
+    for t in w.addressable_data:
+        t.requires_grad_()
+    c = torch.eye(3, dtype=torch.float64).requires_grad_()
+
+    def body(xb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        y = xb @ wb
+        if xb[0, 0] == 1:  # rank 1's rows alone
+            y = y @ c
+        return (y**2).sum()[None] if out_spec == "partial" else y[:, :1]
+
+    x = fshard.shard(torch.arange(4.0, dtype=torch.float64).repeat_interleave(6).reshape(8, 3), rows)
+    out = fshard.Partial(rep) if out_spec == "partial" else fshard.Chunk(0, [0, 1, 2, 3])
+    try:
+        fshard.gather(fshard.shard_map(body, in_specs=(rows, rep), out_specs=out)(x, w)).sum().backward()
+    except fshard.SpecError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("kind", ["shard_map", "map_local", "psum"])
+def test_a_closure_some_ranks_use_is_refused_on_the_local_backend(kind):
+    """One process runs every rank's body: it counts the closed-over tensors per rank and refuses as the ranks do."""
+    c = torch.tensor([2.0], requires_grad=True)
+    d = torch.tensor([3.0], requires_grad=True)
+    rows = fshard.Chunk(0, [0, 1, 2, 3])
+    x = fshard.shard(torch.arange(8.0), rows)
+
+    def body(t: torch.Tensor) -> torch.Tensor:
+        y = t * c  # every rank uses c
+        if t[0] >= 4:  # ranks 2 and 3 alone use d
+            y = y * d
+        if kind == "psum":  # the bodies of a call that reduces run in threads
+            y = y + fshard.psum(t.sum(), "i")
+        return y
+
+    if kind == "map_local":
+        call = lambda: fshard.map_local(body, x)  # noqa: E731
+    else:
+        mesh = fshard.Mesh((4,), axis_names=("i",))
+        spec = fshard.Named(mesh, ("i",))
+        call = lambda: fshard.shard_map(body, in_specs=(spec,), out_specs=spec)(x)  # noqa: E731
+    with pytest.raises(fshard.SpecError) as got:
+        call()
+    msg = str(got.value)
+    assert "fn used different numbers of tensors from outside its arguments" in msg
+    assert "1 on ranks [0, 1]; 2 on ranks [2, 3]" in msg
+    assert c.grad is None  # refused before any backward
+    assert d.grad is None
+
+
+def test_closures_counted_per_rank_not_per_block_on_the_local_backend():
+    """A rank whose two blocks use a closed-over tensor once between them used it, as a process holding both does."""
+    c = torch.tensor([2.0], requires_grad=True)
+    layout = fshard.Layout((4,), [((0,), (1,), "rank:0/cpu"), ((1,), (1,), "rank:0/cpu"),
+                                  ((2,), (1,), "rank:1/cpu"), ((3,), (1,), "rank:1/cpu")])  # fmt: skip
+    x = fshard.shard(torch.arange(4.0), layout)
+    out = fshard.map_local(lambda t: t * c if int(t) % 2 == 0 else t * 1.0, x)  # each rank's first block alone
+    fshard.gather(out).sum().backward()
+    assert c.grad.tolist() == [0.0 + 2.0]  # the blocks 0 and 2 used it
+    c.grad = None
+    with torch.no_grad():  # no gradient recorded: nothing to sum, nothing counted
+        fshard.map_local(lambda t: t * c if int(t) == 0 else t, x)
