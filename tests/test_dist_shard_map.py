@@ -276,13 +276,15 @@ def test_a_closure_used_without_gradient_is_not_refused_on_either_backend(dist_p
     assert dist_pool.run(_closure_without_gradient, use, timeout=60) == [local] * 4
 
 
-def _closure_on_some_ranks(out_spec: str, local: bool = False) -> tuple[str, str]:
+def _closure_on_some_ranks(out_spec: str) -> tuple[str, str]:
     """A closed-over tensor that rank 1's body alone uses: (the error's type, its start) on this rank.
 
     With a ``Partial`` result the ranks learn it at the backward's first collective (the call's posted
-    check); with a ``Chunk`` result whose shape is inferred, at the call's exchange of outcomes. ``local``:
-    on the local backend, which runs every rank's body and refuses at the call.
+    check); with a ``Chunk`` result whose shape is inferred, at the call's exchange of outcomes.
     """
+    from fshard.backends.torch_dist import TorchDistBackend
+
+    backend = TorchDistBackend()
     rep = fshard.Replicated([0, 1, 2, 3])
     rows = fshard.Chunk(0, [0, 1, 2, 3])
     w = fshard.shard(torch.eye(3, dtype=torch.float64), rep)
@@ -292,15 +294,11 @@ def _closure_on_some_ranks(out_spec: str, local: bool = False) -> tuple[str, str
 
     def body(xb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
         y = xb @ wb
-        if xb[0, 0] == 1:  # data-dependent: rank 1's rows alone, the other ranks never use c
+        if backend.rank == 1:  # data-dependent: the other ranks never use c
             y = y @ c
         return (y**2).sum()[None] if out_spec == "partial" else y[:, :1]
 
-    each = torch.arange(4.0, dtype=torch.float64).repeat_interleave(6).reshape(8, 3)  # rank r's rows hold r
-    if local:
-        x = fshard.shard(each, rows)
-    else:
-        x = fshard.from_local_tensor(each.chunk(4)[torch.distributed.get_rank()], dim=0)
+    x = fshard.from_local_tensor(torch.ones(2, 3, dtype=torch.float64), dim=0)
     out = fshard.Partial(rep) if out_spec == "partial" else fshard.Chunk(0, [0, 1, 2, 3])
     try:
         fshard.gather(fshard.shard_map(body, in_specs=(rows, rep), out_specs=out)(x, w)).sum().backward()
@@ -315,9 +313,31 @@ def test_a_closure_some_ranks_use_is_refused_on_every_rank(dist_pool, out_spec):
     got = dist_pool.run(_closure_on_some_ranks, out_spec, timeout=60)
     assert {kind for kind, _ in got} == {"SpecError"}
     assert all("tensor" in start and "shard_map() fn used" in start for _, start in got)
-    local = _closure_on_some_ranks(out_spec, local=True)  # and so does the local backend, at the call
-    assert local[0] == "SpecError"
-    assert "shard_map() fn used different numbers of tensors" in local[1]
+    assert _local_closure_on_some_ranks(out_spec)[0] == "SpecError"  # and so does the local backend
+
+
+def _local_closure_on_some_ranks(out_spec: str) -> tuple[str, str]:
+    """``_closure_on_some_ranks`` on the local backend: the ranks' bodies branch on their blocks' data."""
+    rep = fshard.Replicated([0, 1, 2, 3])
+    rows = fshard.Chunk(0, [0, 1, 2, 3])
+    w = fshard.shard(torch.eye(3, dtype=torch.float64), rep)
+    for t in w.addressable_data:
+        t.requires_grad_()
+    c = torch.eye(3, dtype=torch.float64).requires_grad_()
+
+    def body(xb: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        y = xb @ wb
+        if xb[0, 0] == 1:  # rank 1's rows alone
+            y = y @ c
+        return (y**2).sum()[None] if out_spec == "partial" else y[:, :1]
+
+    x = fshard.shard(torch.arange(4.0, dtype=torch.float64).repeat_interleave(6).reshape(8, 3), rows)
+    out = fshard.Partial(rep) if out_spec == "partial" else fshard.Chunk(0, [0, 1, 2, 3])
+    try:
+        fshard.gather(fshard.shard_map(body, in_specs=(rows, rep), out_specs=out)(x, w)).sum().backward()
+    except fshard.SpecError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
 
 
 @pytest.mark.parametrize("kind", ["shard_map", "map_local", "psum"])
