@@ -160,9 +160,8 @@ def test_the_check_runs_in_the_forward_call_only() -> None:
     _Probe.modes.clear()
     _Probe.forward_modes.clear()
     fshard.gather(fshard.map_local(body, a)).sum().backward()
-    # Under grad, the per-shard mode (which notes closed-over tensors) runs the calls that cannot write.
-    assert seen == [["_PerShard", "_ReadOnly"], ["_PerShard", "_ReadOnly"]]
-    assert _Probe.forward_modes == [["_PerShard", "_ReadOnly"], ["_PerShard", "_ReadOnly"]]
+    assert seen == [["_Front", "_ReadOnly"], ["_Front", "_ReadOnly"]]
+    assert _Probe.forward_modes == [["_Front", "_ReadOnly"], ["_Front", "_ReadOnly"]]
     assert _Probe.modes == [[], []]
     assert torch.equal(x.grad, torch.full_like(X, 2.0))
     assert _get_current_dispatch_mode_stack() == []

@@ -2,15 +2,11 @@
 
 A tensor the function uses from outside its arguments gets the sum of every rank's uses
 as its gradient, as an argument does. A rank that holds no block runs no function, so
-it cannot take part in that sum; nor can a rank whose function used fewer such tensors
-than the others' (a branch on the data): such calls are refused alike on every rank, and
-on the local backend as across processes.
+it cannot take part in that sum: such calls are refused alike on every rank.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -22,16 +18,7 @@ from fshard._exec import gathered as _varying
 from fshard._exec import regather as _regather
 from fshard._layout.layout import Layout
 
-__all__ = ["at_rank", "blockless", "per_shard", "refuse_apart", "refuse_closed", "used_gathered"]
-
-_RUNNING = threading.local()  # the rank whose body runs now on this thread (one process runs every rank's)
-
-
-def at_rank(rank: int | None) -> int | None:
-    """Marks the bodies that run next on this thread as ``rank``'s; returns the rank marked before."""
-    before: int | None = getattr(_RUNNING, "rank", None)
-    _RUNNING.rank = rank
-    return before
+__all__ = ["blockless", "per_shard", "refuse_closed", "used_gathered"]
 
 
 def per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence[torch.Tensor]) -> Any:
@@ -39,9 +26,8 @@ def per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence
 
     A tensor ``fn`` closes over gets the sum of every rank's uses as its gradient: across
     processes by a view whose backward sums over the ranks; in one process autograd sums
-    them, and each use is noted for the rank whose body runs (``at_rank``), so that both
-    backends refuse alike where some rank holds no block (``refuse_closed``) or ranks used
-    different numbers of them (``refuse_apart``).
+    them, and such tensors are only counted where some rank of a known world holds no
+    block (``refuse_closed``), so that both backends refuse alike.
     """
 
     def closed(t: torch.Tensor) -> torch.Tensor:
@@ -49,13 +35,11 @@ def per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence
 
     if backend.spans_processes:
         return _regather.saving(_varying.per_shard(backend, usage, closed, own))
-    return _regather.saving(_varying.per_shard(backend, usage, functools.partial(_noted, usage), own))
+    closed_here = _unchanged if blockless(backend, layout) else None
+    return _regather.saving(_varying.per_shard(backend, usage, closed_here, own))
 
 
-def _noted(usage: _varying.Usage, t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself (autograd sums its uses in one process), its use noted for the rank whose body runs."""
-    rank = getattr(_RUNNING, "rank", None)
-    usage.note_closed(-1 if rank is None else rank, t)
+def _unchanged(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -81,31 +65,6 @@ def refuse_closed(backend: Any, layout: Layout, closed: int, what: str) -> None:
             f"and ranks {empty} hold no block, so they run no fn and cannot take part in summing those gradients "
             "over the ranks. Pass such tensors as arguments (a replicated spec, e.g. fshard.Replicated(ranks)), "
             "or lay the arguments out over every rank."
-        )
-        raise SpecError(msg)
-
-
-def refuse_apart(layout: Layout, usage: _varying.Usage, what: str) -> None:
-    """Refuses a call whose bodies used different numbers of closed-over tensors on different ranks (one process).
-
-    Across processes each rank counts its own, and the ranks compare the counts (``used_gathered``,
-    ``agree.post_outcome``); in one process the counts per rank are all here.
-
-    Raises:
-        SpecError: where some rank's bodies used more such tensors than another's.
-    """
-    if not usage.closed_at:
-        return
-    counts: dict[int, list[int]] = {}
-    for rank in layout.ranks:  # every rank that holds a block runs a body
-        counts.setdefault(len(usage.closed_at.get(rank, ())), []).append(rank)
-    if len(counts) > 1:
-        found = "; ".join(f"{n} on ranks {ranks}" for n, ranks in sorted(counts.items()))
-        msg = (
-            f"{what} fn used different numbers of tensors from outside its arguments that require grad (closed "
-            f"over) on different ranks ({found}): the backward sums each one's gradient over the ranks, which every "
-            "rank must join. Pass such tensors as arguments (a replicated spec, e.g. fshard.Replicated(ranks)), or "
-            "use them on every rank."
         )
         raise SpecError(msg)
 

@@ -13,17 +13,16 @@ result's shape must be learned, the processes exchange their outcomes at the cal
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import types
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import optree
 import torch
 
 from fshard._api import psum as _psum
-from fshard._api.map_context import at_rank, per_shard, refuse_apart, refuse_closed, used_gathered
+from fshard._api.map_context import per_shard, refuse_closed, used_gathered
 from fshard._api.map_out import (
     Alike,
     alike_form,
@@ -134,7 +133,6 @@ def run_per_slot(
             leaves, spec_tree = compute()
             metas = (describe_results(spec_tree, leaves) or (None, []))[1]
             refuse_closed(backend, first, usage.closed, what)
-            refuse_apart(first, usage, what)
             out = _results(
                 out_specs, spec_tree, leaves, metas, set(), inputs, arrays, names, held, pending, check, what
             )
@@ -222,8 +220,8 @@ def _bodies(
 ) -> list[tuple[Slot, Any]]:
     """``fn`` on each slot's blocks: one after another, or concurrently where a body reduces in one process."""
     if reducing is None:
-        with context(), _ranked() as at:
-            return [(slot, at(slot, fn, blocks)) for slot, blocks in calls]
+        with context():
+            return [(slot, fn(*blocks)) for slot, blocks in calls]
     position = positions(layout)
     placements = tuple(position)
     mesh = _psum.body_mesh(reducing.specs, placements)
@@ -235,10 +233,10 @@ def _bodies(
     if backend.spans_processes or ahead or _body.in_transform():
         try:
             out: list[tuple[Slot, Any]] = []
-            with context(), _ranked() as at:
+            with context():
                 for slot, blocks in calls:
                     with _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
-                        out.append((slot, at(slot, fn, blocks)))
+                        out.append((slot, fn(*blocks)))
         except _body.NeedsThreads:
             reducing.reduced()
         else:
@@ -251,27 +249,11 @@ def _bodies(
     def run(slot: Slot, blocks: list[torch.Tensor]) -> Callable[[], tuple[Slot, Any]]:
         def body() -> tuple[Slot, Any]:
             with context(), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
-                at_rank(slot[0].rank)  # a thread of its own
                 return slot, fn(*blocks)
 
         return body
 
     return _body.run_threaded([run(slot, blocks) for slot, blocks in calls], meeting)
-
-
-@contextlib.contextmanager
-def _ranked() -> Generator[Callable[[Slot, Callable[..., Any], Sequence[torch.Tensor]], Any], None, None]:
-    """``fn`` on a slot's blocks, as a body of the slot's rank (``at_rank``); the rank marked before, after."""
-
-    def at(slot: Slot, fn: Callable[..., Any], blocks: Sequence[torch.Tensor]) -> Any:
-        at_rank(slot[0].rank)
-        return fn(*blocks)
-
-    outer = at_rank(None)
-    try:
-        yield at
-    finally:
-        at_rank(outer)
 
 
 def _flatten_results(results: list[tuple[Slot, Any]], what: str) -> tuple[list[dict[Slot, torch.Tensor]], Any]:

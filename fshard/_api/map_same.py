@@ -13,7 +13,7 @@ from typing import Any, cast
 import optree
 import torch
 
-from fshard._api.map_context import at_rank, per_shard, refuse_apart, refuse_closed, used_gathered
+from fshard._api.map_context import per_shard, refuse_closed, used_gathered
 from fshard._api.move import check_tensor, resolved
 from fshard._array.array import ShardedArray
 from fshard._base.compile import opaque
@@ -49,13 +49,8 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     own = [t for a in arrays for t in a.addressable_data]
 
     def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
-        ranks = first.layout.columns.rank[list(index)].tolist()  # each shard's rank: its body is that rank's
-        outer = at_rank(None)
-        try:
-            with untouched(own, "map_local()"), per_shard(backend, usage, first.layout, own):
-                outs = tuple(_at(r, fn, ts) for r, ts in zip(ranks, zip(*(a.addressable_data for a in arrays))))
-        finally:
-            at_rank(outer)
+        with untouched(own, "map_local()"), per_shard(backend, usage, first.layout, own):
+            outs = tuple(fn(*ts) for ts in zip(*(a.addressable_data for a in arrays)))
         return _result_leaves(outs)
 
     def results(tree: Any, leaves: list[tuple[torch.Tensor, ...]], metas: Sequence[Any], used: set[int]) -> Any:
@@ -85,13 +80,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     tree, leaves = compute()
     metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
     refuse_closed(backend, first.layout, usage.closed, "map_local()")
-    refuse_apart(first.layout, usage, "map_local()")
     return results(tree, leaves, metas, set())
-
-
-def _at(rank: int, fn: Callable[..., Any], blocks: Sequence[torch.Tensor]) -> Any:
-    at_rank(rank)
-    return fn(*blocks)
 
 
 def _pending(layout: Layout, pending: str | None, terms: Any) -> Layout:

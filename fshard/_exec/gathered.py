@@ -175,20 +175,13 @@ def forget_taps(tensors: Collection[torch.Tensor]) -> None:
 
 
 class Usage:
-    """The keys of the gathered tensors that per-shard functions used, and how many tensors they closed over."""
+    """The keys of the gathered tensors that per-shard functions used."""
 
-    __slots__ = ("closed", "closed_at", "keys")
+    __slots__ = ("closed", "keys")
 
     def __init__(self) -> None:
         self.keys: set[int] = set()
-        self.closed = 0  # closed-over tensors given a summed gradient (in one process: the most that one rank used)
-        self.closed_at: dict[int, set[int]] = {}  # one process: the closed-over tensors (ids) each rank's bodies used
-
-    def note_closed(self, rank: int, t: torch.Tensor) -> None:
-        """Notes that a body of ``rank`` used ``t``, a closed-over tensor that needs a gradient (one process)."""
-        used = self.closed_at.setdefault(rank, set())
-        used.add(id(t))
-        self.closed = max(self.closed, len(used))
+        self.closed = 0  # closed-over tensors given a summed gradient
 
     def ages(self) -> frozenset[int]:
         """The used tensors as ages: how many gathers were registered since each.
@@ -245,13 +238,11 @@ class _PerShard(TorchFunctionMode):
         closed: Callable[[torch.Tensor], torch.Tensor] | None,
         own: Collection[int],
         since: int,
-        traced: bool = True,
     ) -> None:
         super().__init__()
         self.views: dict[int, torch.Tensor] = {}
         self.usage = usage
         self.closed, self.own, self.since = closed, own, since
-        self.traced = traced  # whether TorchDynamo traces the swaps (else a compiled body's calls run as they are)
         # The torch.func level the function was called at: a tensor of a deeper level was made by a
         # transform inside it (the leaf that torch.func.grad differentiates), not closed over.
         level = _functorch.maybe_current_level()
@@ -261,7 +252,7 @@ class _PerShard(TorchFunctionMode):
         # No gradient recorded (no_grad, inference, a reentrant checkpoint's forward): nothing to tap or set
         # aside, and a view made here would serve later uses.
         if torch.compiler.is_compiling():
-            if self.traced and torch.is_grad_enabled():
+            if torch.is_grad_enabled():
                 # A tuple of a generator, not a list: with a list comprehension here, TorchDynamo (torch 2.13)
                 # traces the call below wrongly where it resumes after this mode's graph break.
                 args = tuple(self._swap_any(a) for a in args)
@@ -355,8 +346,6 @@ class _PerShard(TorchFunctionMode):
             and _functorch.maybe_get_level(x) <= self.level
         ):
             view = self.closed(x)
-            if view is x:  # noted by ``closed`` itself at each use, for the rank whose body runs (one process)
-                return x
             if self.usage is not None:
                 self.usage.closed += 1
         else:
@@ -426,8 +415,7 @@ def per_shard(
     On a multi-process backend, uses of gathered tensors become parts of their gradients
     (their keys are added to ``usage``); and, when gradients are recorded and ``closed`` is
     given, every tensor from outside the arguments that needs a gradient is passed through
-    ``closed`` (counted in ``usage``). A ``closed`` that returns the tensor itself (one
-    process, where autograd sums its uses) sees every use: it notes them per rank.
+    ``closed`` (counted in ``usage``).
     """
     _CALLS[0] += 1
     closed = closed if closed is not None and torch.is_grad_enabled() else None
@@ -436,7 +424,5 @@ def per_shard(
             yield
         return
     since = _readonly.unchecked(mark) if closed is not None else 0  # its probe writes into nothing
-    # In one process the swaps only note closed-over tensors (no view): a compiled body's calls are not traced
-    # through them, so its graphs hold no code of fshard's.
-    with _PerShard(usage, closed, {id(t) for t in own}, since, traced=backend.spans_processes):
+    with _PerShard(usage, closed, {id(t) for t in own}, since):
         yield
