@@ -16,6 +16,7 @@ from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
 from fshard._exec import gathered as _varying
 from fshard._exec import regather as _regather
+from fshard._exec.agree import closed_apart
 from fshard._layout.layout import Layout
 
 __all__ = ["blockless", "per_shard", "refuse_closed", "used_gathered"]
@@ -79,11 +80,5 @@ def used_gathered(backend: Any, layout: Layout, seen: Sequence[tuple[frozenset[i
     refuse_closed(backend, layout, max((n for _, n in seen), default=0), what)
     counts = sorted({n for _, n in seen})
     if len(counts) > 1:  # each is a sum over the ranks in the backward: a rank that used fewer would not join
-        msg = (
-            f"{what} fn used different numbers of tensors from outside its arguments that require grad (closed "
-            f"over) on different ranks ({counts}): the backward sums each one's gradient over the ranks, which every "
-            "rank must join. Pass such tensors as arguments (a replicated spec, e.g. fshard.Replicated(ranks)), or "
-            "use them on every rank."
-        )
-        raise SpecError(msg)
+        raise closed_apart(what, str(counts))
     return cast("set[int]", set().union(*(keys for keys, _ in seen)))
