@@ -47,11 +47,55 @@ def _gather_to_different_dst(x):
     return _message(lambda: fshard.gather(a, dst=dist.get_rank() % 2))
 
 
+def _gradient_on_some_ranks(x):
+    """Blocks that require grad on ranks 0, 1 and 3 only: the reshard's backward would wait for rank 2."""
+    a = fshard.shard(x, fshard.Chunk(0, RANKS))
+    if dist.get_rank() != 2:
+        for t in a.addressable_data:
+            t.requires_grad_()
+    return _message(lambda: fshard.reshard(a, fshard.Chunk(1, RANKS)))
+
+
+def _result_without_gradient_on_one_rank(x):
+    """A body that returns a constant on rank 2 only: the sum's backward, and the weight's, would wait for it."""
+    w = fshard.map_local(lambda t: t.detach().requires_grad_(), fshard.shard(torch.ones(()), fshard.Replicated(RANKS)))
+    rows = fshard.Chunk(0, RANKS)
+    loss_of = fshard.shard_map(
+        lambda xb, wb: (xb.sum() * wb)[None] if dist.get_rank() != 2 else torch.zeros(1),
+        in_specs=(rows, fshard.Replicated(RANKS)),
+        out_specs=fshard.Partial(fshard.Replicated(RANKS)),
+    )
+    return _message(lambda: fshard.gather(loss_of(fshard.shard(x, rows), w)).sum().backward())
+
+
+def _blocks_set_to_require_grad_where_two_ranks_hold_none(x):
+    """``requires_grad_()`` on the blocks of an array that ranks 2 and 3 hold none of: they cannot know."""
+    a = fshard.shard(x, fshard.Chunk(0, [0, 1]))
+    for t in a.addressable_data:
+        t.requires_grad_()
+    return _message(lambda: fshard.global_norm({"a": a}).backward())
+
+
 CASES = {
     # (function, the groups of ranks named, what the message says differs)
     "int32-beside-float32": (_int32_beside_float32, [[0, 1, 2], [3]], "they differ in dtype)"),
     "chunk-reversed-on-one-rank": (_reversed_chunk_on_one_rank, [[0, 1, 3], [2]], "they differ in destination layout)"),
     "gather-dst-0-against-dst-1": (_gather_to_different_dst, [[0, 2], [1, 3]], "operation, destination layout)"),
+    "gradient-on-some-ranks": (
+        _gradient_on_some_ranks,
+        [[0, 1, 3], [2]],
+        "they differ in whether it records a gradient)",
+    ),
+    "result-without-gradient-on-one-rank": (
+        _result_without_gradient_on_one_rank,
+        [[0, 1, 3], [2]],
+        "they differ in whether it records a gradient)",
+    ),
+    "blocks-set-to-require-grad": (
+        _blocks_set_to_require_grad_where_two_ranks_hold_none,
+        [[0, 1], [2, 3]],
+        "whether it records a gradient)",
+    ),
 }
 
 
@@ -68,6 +112,10 @@ def test_ranks_that_disagree_raise_on_every_rank_without_check_mode(dist_pool, c
         assert differ in m, m
     if case == "int32-beside-float32":
         assert re.search(r"ranks \[0, 1, 2\] sent float32, .*; ranks \[3\] sent int32, ", messages[0]), messages[0]
+    if "gradient" in differ:  # the fix named
+        assert all(
+            "sent float32 (recording a gradient), " in m and "not requires_grad_() on the blocks" in m for m in messages
+        )
     # The group is still usable: nothing was left in flight.
     assert dist_pool.run(_gather_back, timeout=60) == [X.sum().item()] * 4
 
