@@ -4,6 +4,7 @@ movement still gives the right values with the header in its messages."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -76,6 +77,13 @@ def _blocks_set_to_require_grad_where_two_ranks_hold_none(x):
     return _message(lambda: fshard.global_norm({"a": a}).backward())
 
 
+def _no_grad_on_one_rank(x):
+    """Rank 3 moves under torch.no_grad(): its blocks require grad, but it records no gradient through the move."""
+    a = fshard.map_local(lambda t: t.detach().requires_grad_(), fshard.shard(x, fshard.Chunk(0, RANKS)))
+    with torch.no_grad() if dist.get_rank() == 3 else contextlib.nullcontext():
+        return _message(lambda: fshard.reshard(a, fshard.Chunk(1, RANKS)))
+
+
 CASES = {
     # (function, the groups of ranks named, what the message says differs)
     "int32-beside-float32": (_int32_beside_float32, [[0, 1, 2], [3]], "they differ in dtype)"),
@@ -91,6 +99,7 @@ CASES = {
         [[0, 1, 3], [2]],
         "they differ in whether it records a gradient)",
     ),
+    "no-grad-on-one-rank": (_no_grad_on_one_rank, [[0, 1, 2], [3]], "they differ in whether it records a gradient)"),
     "blocks-set-to-require-grad": (
         _blocks_set_to_require_grad_where_two_ranks_hold_none,
         [[0, 1], [2, 3]],
