@@ -418,22 +418,13 @@ class TorchDistBackend:
         return next(iter(whole.values()), None)
 
     def check_later(
-        self,
-        what: str,
-        failed: bool,
-        digest: int | tuple[int, ...],
-        verdict: Verdict,
-        *,
-        defer: bool = False,
-        merge: bool = False,
+        self, what: str, failed: bool, digest: int | tuple[int, ...], verdict: Verdict, *, defer: bool = False
     ) -> None:
         """Posts this rank's ``(failed, digest)`` for the check ``what``, ended by the group's next collective.
 
         ``digest``: a number within ±2**63, or a tuple of them of one length on every rank.
         ``defer``: the check waits on this rank for the next check posted, or the next
         collective, and goes with it, in one gather (a rank where it failed posts it at once).
-        ``merge`` (with ``defer``, a number): a run of such checks of one call is one record,
-        its digests chained (``_later.post``).
 
         No rank waits for the others here. That collective hands every rank's pair, in group
         order, to ``verdict`` first, and raises the error it gives on every rank (``_later``).
@@ -452,15 +443,7 @@ class TorchDistBackend:
         on_cuda = facts(self.group).on_cuda
         with in_flight():
             gathers = post_check(
-                self.group,
-                self.ranks,
-                self._wire,
-                what,
-                failed,
-                digest,
-                verdict,
-                defer=defer and not on_cuda,
-                merge=merge,
+                self.group, self.ranks, self._wire, what, failed, digest, verdict, defer=defer and not on_cuda
             )
         self.counters.collectives += gathers
         if on_cuda:

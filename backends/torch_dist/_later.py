@@ -19,11 +19,7 @@ destroyed since are dropped; so are those left at exit.
 numbers): a count, then records ``(tag, failed, width, digest...)``, the tag naming the
 check's call. A check posted with ``defer=True`` (a batch's ``from_local_tensor``: a small
 collective costs a millisecond of CPU per rank on Gloo) waits on this rank for the next
-check posted or the next collective, and goes in that frame: one collective for both. One
-posted with ``merge=True`` too (``map_local``'s count of closed-over tensors, a number) merges
-with the check last waiting where that is one of the same call posted so: a run of such
-calls sends one record, its digest the chain of theirs, so ranks whose runs differ in any
-call differ there. The
+check posted or the next collective, and goes in that frame: one collective for both. The
 checks waiting fill at most ``_QUEUE`` numbers, so that the next check fits in their frame
 (a deferred one that would pass that sends those waiting first, alike on every rank). A rank
 whose own deferred check failed posts at once, with those waiting: its frame is the one
@@ -76,13 +72,6 @@ class _Record:
     digest: tuple[int, ...]
     width: int | None  # the numbers in a tuple digest; None: one number
     verdict: Verdict
-    merge: bool = False  # a deferred check that the next one of its call, posted deferred, merges into
-
-    def merged(self, later: _Record) -> _Record:
-        """This record and ``later``'s, of the same call, as one: failed if either did, digests chained in order."""
-        text = repr((self.digest, later.digest)).encode()
-        chained = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
-        return dataclasses.replace(later, failed=self.failed or later.failed, digest=(chained >> 2,))
 
     def numbers(self) -> list[int]:
         return [_tag(self.what), int(self.failed), len(self.digest), *self.digest]
@@ -144,30 +133,22 @@ def post(
     verdict: Verdict,
     *,
     defer: bool = False,
-    merge: bool = False,
 ) -> int:
     """Posts this rank's ``(failed, digest)`` for the check ``what`` of ``group``, left in flight.
 
     Every rank posts a digest of one form at one check: a number, or a tuple of one length
     (at most ``_DIGEST`` numbers). ``defer``: the check waits for the next one posted, or the
     group's next collective, and goes with it; where it failed, it goes at once (with those
-    waiting), in the frame that the others' holds it in. ``merge`` (with ``defer`` and a
-    number): where the check last waiting is one of the same call posted so, the two become
-    one, their digests chained (a run of calls sends one record, not one each). Returns the
-    number of gathers started (0, 1 or 2).
+    waiting), in the frame that the others' holds it in. Returns the number of gathers
+    started (0, 1 or 2).
     """
     numbers = digest if isinstance(digest, tuple) else (digest,)
     if len(numbers) > _DIGEST:
         raise ValueError(f"A check's digest holds at most {_DIGEST} numbers, got {len(numbers)}.")
-    width = len(numbers) if isinstance(digest, tuple) else None
-    record = _Record(what, failed, numbers, width, verdict, merge=merge and defer and width is None)
+    record = _Record(what, failed, numbers, len(numbers) if isinstance(digest, tuple) else None, verdict)
     with _LOCK:
         _forget_old_groups()
         state = _PENDING.setdefault((group, dist.group.WORLD), _Group(ranks, wire))
-        last = state.queued[-1] if state.queued else None
-        if record.merge and last is not None and last.merge and _tag(last.what) == _tag(what):
-            state.queued.pop()  # every rank merges alike: they make the same calls in the same order
-            record = last.merged(record)
         frames, state.queued = _cut(state.queued, record, defer)
         state.frames.extend(_launch(group, state, records) for records in frames)
     return len(frames)

@@ -6,7 +6,6 @@ function's new extent.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -18,7 +17,7 @@ from fshard._api.map_context import per_shard, refuse_closed, used_gathered
 from fshard._api.move import check_tensor, resolved
 from fshard._array.array import ShardedArray
 from fshard._base.compile import opaque
-from fshard._errors import CollectiveMismatchError, SpecError
+from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
     agree,
@@ -26,7 +25,6 @@ from fshard._exec.agree import (
     holds_nothing_somewhere,
     link_without_blocks,
     merge_results,
-    post_closed,
     untouched,
 )
 from fshard._layout.layout import Layout, ShardMeta, with_partial, with_terms
@@ -78,18 +76,8 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
         return results(tree, leaves, metas, used_gathered(backend, first.layout, [u for _, u in seen], "map_local()"))
     # Every process holds blocks: none waits for the others, and none learns what the others' fn returned.
     # A structure or dtype that differs per process is caught by the next movement's headers where the
-    # results' layouts or dtypes differ (design notes). While gradients are recorded, the count of tensors
-    # fn closed over (each a sum over the ranks in the backward) rides in the group's next check.
-    posting = backend.spans_processes and torch.is_grad_enabled()
-    try:
-        tree, leaves = compute()
-    except BaseException:
-        if posting:
-            with contextlib.suppress(SpecError, CollectiveMismatchError):  # this rank's own error goes first
-                post_closed(backend, "map_local()", None)
-        raise
-    if posting:
-        post_closed(backend, "map_local()", usage.closed)
+    # results' layouts or dtypes differ (design notes).
+    tree, leaves = compute()
     metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
     refuse_closed(backend, first.layout, usage.closed, "map_local()")
     return results(tree, leaves, metas, set())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 from typing import Any
@@ -147,10 +146,7 @@ def clip_grad_norm(tree: Any, max_norm: float, eps: float = 1e-6) -> tuple[Any, 
             return scaled(leaf)
         return leaf
 
-    # Gradients (that need none themselves) are scaled without recording one: nothing for the ranks to check.
-    recording = any(getattr(leaf, "requires_grad", False) for leaf in leaves[1])
-    with contextlib.nullcontext() if recording else torch.no_grad():
-        return optree.tree_map(clip, tree, is_leaf=lambda x: isinstance(x, ShardedArray)), norm
+    return optree.tree_map(clip, tree, is_leaf=lambda x: isinstance(x, ShardedArray)), norm
 
 
 def _stored(t: torch.Tensor) -> torch.Tensor:

@@ -140,8 +140,13 @@ def post_outcome(
 
     def verdict(pairs: Sequence[tuple[int, bool, Any]]) -> Exception | None:
         failed = [r for r, f, _ in pairs if f]
+        if len(failed) == len(pairs):  # every process raised its own error at the call
+            return None
         if failed:
-            return _raised_somewhere(what, failed, len(pairs))
+            return SpecError(
+                f"{what} fn raised on rank(s) {failed}, whose error says why; the other ranks returned, and raise "
+                "this at their next collective."
+            )
         ranks = [r for r, _, _ in pairs]
         for field in range(3):  # the results' digest, the buckets' series, the count of closed-over tensors
             odd, like = _apart([d[field] for _, _, d in pairs], ranks)
@@ -151,16 +156,6 @@ def post_outcome(
 
     digest = 0 if outcome is None else _digest_of(*outcome)
     backend.check_later(what, outcome is None, (digest, _text_digest(series), closed), verdict)
-
-
-def _raised_somewhere(what: str, failed: list[int], ranks: int) -> Exception | None:
-    """The error of the ranks whose function returned, where it raised on ranks ``failed`` (of ``ranks``)."""
-    if len(failed) == ranks:  # every process raised its own error at the call
-        return None
-    return SpecError(
-        f"{what} fn raised on rank(s) {failed}, whose error says why; the other ranks returned, and raise this at "
-        "their next collective."
-    )
 
 
 def _apart_error(field: int, what: str, odd: list[int], like: list[int], mine: tuple[Any, str, int]) -> Exception:
@@ -198,28 +193,6 @@ def _apart(digests: Sequence[int], ranks: Sequence[int]) -> tuple[list[int], lis
     """The ranks whose digest is not the most common one, and those whose digest is."""
     usual = Counter(digests).most_common(1)[0][0]
     return [r for r, d in zip(ranks, digests) if d != usual], [r for r, d in zip(ranks, digests) if d == usual]
-
-
-def post_closed(backend: Any, what: str, closed: int | None) -> None:
-    """Posts how many tensors this process's function closed over (``None``: it raised), where it posts no outcome.
-
-    Such a call (``map_local`` of arrays that every rank holds) learns nothing of the others'
-    results; but each tensor its function closed over is a sum over the ranks in the backward,
-    which every rank must join. The count rides in the group's next check or collective,
-    merged with those of the calls of ``what`` before it (one record for a run of them), and
-    every rank raises there where the ranks' counts differ, or some rank's function raised.
-    """
-
-    def verdict(pairs: Sequence[tuple[int, bool, Any]]) -> Exception | None:
-        failed = [r for r, f, _ in pairs if f]
-        if failed:
-            return _raised_somewhere(what, failed, len(pairs))
-        odd, like = _apart([d for _, _, d in pairs], [r for r, _, _ in pairs])
-        if not odd:
-            return None
-        return closed_apart(what, f"ranks {odd} against ranks {like}, in this call or another since the last check")
-
-    backend.check_later(what, closed is None, 0 if closed is None else closed, verdict, defer=True, merge=True)
 
 
 def post_failure(backend: Any, what: str, error: BaseException) -> None:
