@@ -55,16 +55,15 @@ HEADER = 16
 Round = tuple[np.ndarray | torch.Tensor, Any]
 _TAG = b"fS"  # the first two bytes of every header: a receive slot without it got no header
 # Header fields after the tag: (name, byte range); the dtype is a code into ``_DTYPES``, its top bit
-# (``_GRAD``) set where the movement records a gradient.
+# (``_GRAD``) set where the movement records a gradient and every rank holds blocks of its source.
 _FIELDS = (("dtype", slice(2, 4)), ("operation", slice(4, 8)), ("source layout", slice(8, 12)),
            ("destination layout", slice(12, 16)))  # fmt: skip
 _GRAD = 1 << 15
 # What to do where ranks would record a gradient through one movement and not all of them would.
 _RECORD_ALIKE = (
-    "its backward is a collective that every rank must join. Make the array require grad on every rank "
-    "(fshard.map_local(lambda t: t.detach().requires_grad_(), a), not requires_grad_() on the blocks one rank "
-    "holds), return results that depend on the arguments from fn on every rank, and use torch.no_grad() on every "
-    "rank or on none."
+    "its backward may be a collective that every rank must join (or the backward of the calls that made the "
+    "array). Set requires_grad_() on the blocks of every rank, or on none; return results computed from the "
+    "arguments on every rank (t.sum() * 0, not torch.zeros(1)); and use torch.no_grad() on every rank or on none."
 )
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _CPU = torch.device("cpu")
@@ -307,9 +306,13 @@ def guard(
 ) -> Guard:
     """The ``Guard`` of moving ``dtype`` data from ``src`` to ``dst`` by ``op`` on the group of ``ranks``.
 
-    ``grad``: the movement records a gradient (its backward is a collective that every rank joins).
+    ``grad``: the movement records a gradient on this rank. The header says so where every
+    rank of the group holds blocks of ``src``, whose own blocks say it; a rank that holds
+    none reads it from a link that need not follow what another rank's function returned
+    (a result that needs no gradient, under ``torch.func.vmap``), so there it says nothing.
     """
-    code = (_DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0) | (_GRAD if grad else 0)
+    marked = grad and set(ranks) <= set(src.ranks)
+    code = (_DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0) | (_GRAD if marked else 0)
     op_digest = hashlib.blake2b(op.encode(), digest_size=4).digest()
     header = np.frombuffer(
         _TAG + code.to_bytes(2, "little") + op_digest + layout_digest(src)[:4] + layout_digest(dst)[:4], np.uint8

@@ -46,8 +46,8 @@ def calling(what: str) -> Generator[None, None, None]:
 def records_gradient() -> bool:
     """Whether the movement of arrays running on this thread records a gradient (``set_records_gradient``).
 
-    Its backward is then a collective that every rank must join, so the ranks' movement
-    headers carry it: ranks that would not all join raise at the movement instead.
+    Ranks whose backwards differ there may wait for one another in a collective of it, so
+    the ranks' movement headers carry it, and ranks that differ raise at the movement.
     """
     return getattr(_LOCAL, "grad", False)
 

@@ -151,9 +151,9 @@ def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)``, or ``fn.forward(*args)`` where nothing can observe the difference.
 
     A movement of arrays that records a gradient says so while it runs (``records_gradient``):
-    its backward is a collective, and the ranks' movement headers carry the mark, so ranks
-    that would not all join it (an input that requires grad on some ranks only) raise at the
-    movement, every one, instead of waiting in the backward. A scatter is not marked: its
+    the ranks' movement headers carry the mark (``torch_dist``'s guard), so ranks whose
+    backwards would differ (an input that requires grad on some ranks only) raise at the
+    movement, every one, instead of waiting in a collective of the backward. A scatter is not marked: its
     source tensor is one rank's. Nor is a movement made while a backward runs (one that
     creates a graph, as ``torch.func.grad`` does): there a rank that holds no block moves
     a stand-in gradient that records none.
