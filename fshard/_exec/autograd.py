@@ -28,7 +28,7 @@ and batched collectives as the processes that hold shards.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,6 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
-from fshard._base.calls import set_records_gradient
 from fshard._base.compile import opaque
 from fshard._base.function import apply
 from fshard._errors import SpecError
@@ -148,34 +147,10 @@ def _observed(args: Sequence[Any]) -> bool:
 
 
 def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)``, or ``fn.forward(*args)`` where nothing can observe the difference.
-
-    A movement of arrays that records a gradient says so while it runs (``records_gradient``):
-    the ranks' movement headers carry the mark (``torch_dist``'s guard), so ranks whose
-    backwards would differ (an input that requires grad on some ranks only) raise at the
-    movement, every one, instead of waiting in a collective of the backward. A scatter is not marked: its
-    source tensor is one rank's. Nor is a movement made while a backward runs (one that
-    creates a graph, as ``torch.func.grad`` does): there a rank that holds no block moves
-    a stand-in gradient that records none.
-    """
-    if not _observed(args):
-        return fn.forward(*args)
-    if fn not in _MARKED or _in_backward() is not None or not _records(args):
+    """``fn.apply(*args)``, or ``fn.forward(*args)`` where nothing can observe the difference."""
+    if _observed(args):
         return apply(fn, *args)
-    prior = set_records_gradient(True)
-    try:
-        return apply(fn, *args)
-    finally:
-        set_records_gradient(prior)
-
-
-# The autograd node whose backward runs on this thread, or None (torch's stub says it is never None).
-_in_backward: Callable[[], Any] = torch._C._current_autograd_node  # pyright: ignore[reportPrivateUsage]
-
-
-def _records(args: Sequence[Any]) -> bool:
-    """Whether a gradient is recorded through a call with ``args``: grad mode on, and one requires grad."""
-    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    return fn.forward(*args)
 
 
 def _holds_result(backend: Any, dst: int | None) -> bool:
@@ -855,6 +830,4 @@ def _assemble_plan(layout: Layout, backend: Any, dst: int | None) -> Plan:
 
 # The movements' autograd functions, and how many view nodes may stand between one and a result.
 _MOVEMENTS = (_Move, _MoveSumming, _CastMove)
-# Movements of arrays whose backward is a collective of the ranks that moved them (``_run`` marks them).
-_MARKED = frozenset((*_MOVEMENTS, _Assemble, _Regroup))
 _VIEW_DEPTH = 4
