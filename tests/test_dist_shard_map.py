@@ -313,3 +313,29 @@ def test_a_closure_some_ranks_use_is_refused_on_every_rank(dist_pool, out_spec):
     got = dist_pool.run(_closure_on_some_ranks, out_spec, timeout=60)
     assert {kind for kind, _ in got} == {"SpecError"}
     assert all("tensor" in start and "shard_map() fn used" in start for _, start in got)
+
+
+def _stop_gradient_of_rows_two_ranks_hold() -> list:
+    """Results that need no gradient (a stop-gradient target, a metric) of rows that ranks 2 and 3 hold none of.
+
+    Those ranks' links follow what the other ranks' fn returned: the target, moved onto every rank and
+    used in the loss, and the metric, moved onto every rank, need no gradient on any rank.
+    """
+    x = torch.arange(8.0).reshape(4, 2).requires_grad_()
+    rows = fshard.Chunk(0, [0, 1])
+    pred = fshard.shard(x, rows)
+    target = fshard.map_local(lambda t: t.detach() * 0.5, pred)
+    hits = fshard.map_local(lambda t: (t > 3).float(), pred)
+    half = fshard.shard_map(lambda t: t.detach() * 0.5, in_specs=(rows,), out_specs=rows)(pred)
+    every = fshard.Chunk(0, [0, 1, 2, 3])
+    loss = (fshard.gather(pred) - fshard.gather(fshard.reshard(target, every))).pow(2).sum()
+    loss = loss + (fshard.gather(pred) - fshard.gather(fshard.reshard(half, every))).pow(2).sum()
+    loss.backward()
+    metric = fshard.gather(fshard.reshard(hits, every)).mean()
+    return [target.requires_grad, hits.requires_grad, half.requires_grad, loss.item(), x.grad.tolist(), metric.item()]
+
+
+def test_a_result_that_needs_no_gradient_needs_none_on_ranks_without_blocks(dist_pool):
+    local = _stop_gradient_of_rows_two_ranks_hold()
+    assert local[:4] == [False, False, False, 2 * 0.25 * sum(v * v for v in range(8))]
+    assert dist_pool.run(_stop_gradient_of_rows_two_ranks_hold, timeout=60) == [local] * 4

@@ -51,6 +51,7 @@ from fshard._exec.agree import (
     post_failure,
     post_outcome,
     untouched,
+    with_gradient,
 )
 from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout
@@ -112,20 +113,24 @@ def run_per_slot(
     if backend.spans_processes and (inferred or holds_nothing_somewhere(backend, first)):
 
         def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
-            return describe_results(r[1], r[0]), (usage.ages(), usage.closed), tuple(s.series for s in series)
+            grads = tuple(with_gradient(leaf.values()) for leaf in r[0])
+            return describe_results(r[1], r[0]), (usage.ages(), usage.closed), tuple(s.series for s in series), grads
 
         (leaves, spec_tree), seen, described = agree_alike(backend, compute, describe, alike_form)
         if seen is None:  # every rank's results alike, placement for placement: nothing exchanged
-            (_, found), (ages, closed), mine = described
+            (_, found), (ages, closed), mine, _ = described
+            grads: list[bool] | None = None  # every rank holds blocks: no link
             metas = cast("list[tuple[torch.dtype, Alike]]", alike_metas(found))
             refuse_closed(backend, first, closed, what)
             used = set(ages)
             _buckets.compare_series(series, [mine], backend.ranks, what)
         else:
-            merged, metas = merge_results([d for d, _, _ in seen], what)
+            merged, metas = merge_results([d for d, _, _, _ in seen], what)
             spec_tree = merged if merged is not None else spec_tree
-            used = used_gathered(backend, first, [u for _, u, _ in seen], what)
-            _buckets.compare_series(series, [b for _, _, b in seen], backend.ranks, what)
+            used = used_gathered(backend, first, [u for _, u, _, _ in seen], what)
+            _buckets.compare_series(series, [b for _, _, b, _ in seen], backend.ranks, what)
+            # A rank that holds no block: its links need a gradient where some rank's fn returned one with it.
+            grads = [any(g[n] for *_, g in seen if g) for n in range(len(metas))]
     else:
         # No process waits for the others here: each posts what fn returned (or that it raised), and the
         # group's next collective compares them, so a process whose fn returned otherwise raises with the others.
@@ -145,7 +150,7 @@ def run_per_slot(
         if backend.spans_processes:
             post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series), usage.closed)
         return out
-    return _results(out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what)
+    return _results(out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what, grads)
 
 
 def _results(
@@ -161,8 +166,13 @@ def _results(
     pending: str | None,
     check: bool,
     what: str,
+    grads: Sequence[bool] | None = None,
 ) -> Any:
-    """The result tree of ``run_per_slot``: each leaf's blocks in the layout its spec and their shapes give."""
+    """The result tree of ``run_per_slot``: each leaf's blocks in the layout its spec and their shapes give.
+
+    ``grads``: per result, whether some rank's fn returned it with a gradient (``None``: not known here); a
+    link of a result that none did needs none either.
+    """
     first = arrays[0].layout
     backend = arrays[0].backend
     specs = leaf_specs(out_specs, spec_tree, what)
@@ -176,6 +186,8 @@ def _results(
         if len(blocks) > 1 and len(kinds := {t.dtype for t in blocks.values()}) > 1:  # as merge_results says it
             raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks; return one.")
         link = None if held else link_without_blocks(inputs, dtype, used)
+        if link is not None and grads is not None and n < len(grads) and not grads[n]:
+            link = link.detach()  # no rank's fn returned it with a gradient (t.detach(), a comparison)
         layout = out_layout(spec, shapes, first, pending, what, n)
         if check:
             check_replicas(tuple(a.layout for a in arrays), names, layout, spec, what, n)

@@ -26,6 +26,7 @@ from fshard._exec.agree import (
     link_without_blocks,
     merge_results,
     untouched,
+    with_gradient,
 )
 from fshard._layout.layout import Layout, ShardMeta, with_partial, with_terms
 
@@ -53,7 +54,9 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
             outs = tuple(fn(*ts) for ts in zip(*(a.addressable_data for a in arrays)))
         return _result_leaves(outs)
 
-    def results(tree: Any, leaves: list[tuple[torch.Tensor, ...]], metas: Sequence[Any], used: set[int]) -> Any:
+    def results(
+        tree: Any, leaves: list[tuple[torch.Tensor, ...]], metas: Sequence[Any], used: set[int], grads: Sequence[bool]
+    ) -> Any:
         if tree is None:  # no shard anywhere: the result's link joins every argument's
             link = link_without_blocks(arrays, first.dtype, used)
             return ShardedArray(_pending(base, pending, terms), (), backend, first.dtype, link)
@@ -62,25 +65,33 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
             layout = _pending(_infer_layout(base, sizes), pending, terms)
             if leaves:
                 out.append(ShardedArray(layout, leaves[n], backend, dtype))
-            else:
-                out.append(ShardedArray(layout, (), backend, dtype, link_without_blocks(arrays, dtype, used)))
+                continue
+            link = link_without_blocks(arrays, dtype, used)
+            # No rank's fn returned this result with a gradient (t.detach(), a comparison): nor does the link.
+            out.append(ShardedArray(layout, (), backend, dtype, link if grads[n] else link.detach()))
         return optree.tree_unflatten(tree, out)
 
     if holds_nothing_somewhere(backend, first.layout):
 
         def describe(r: tuple[Any, list[tuple[torch.Tensor, ...]]]) -> Any:
-            return describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]), (usage.ages(), usage.closed)
+            grads = tuple(with_gradient(leaf) for leaf in r[1])
+            return (
+                describe_results(r[0], [dict(zip(index, leaf)) for leaf in r[1]]),
+                (usage.ages(), usage.closed),
+                grads,
+            )
 
         (tree, leaves), seen = agree(backend, compute, describe)
-        tree, metas = merge_results([d for d, _ in seen], "map_local()")
-        return results(tree, leaves, metas, used_gathered(backend, first.layout, [u for _, u in seen], "map_local()"))
+        tree, metas = merge_results([d for d, _, _ in seen], "map_local()")
+        used = used_gathered(backend, first.layout, [u for _, u, _ in seen], "map_local()")
+        return results(tree, leaves, metas, used, [any(g[n] for _, _, g in seen if g) for n in range(len(metas))])
     # Every process holds blocks: none waits for the others, and none learns what the others' fn returned.
     # A structure or dtype that differs per process is caught by the next movement's headers where the
     # results' layouts or dtypes differ (design notes).
     tree, leaves = compute()
     metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
     refuse_closed(backend, first.layout, usage.closed, "map_local()")
-    return results(tree, leaves, metas, set())
+    return results(tree, leaves, metas, set(), ())  # every rank holds blocks: no link
 
 
 def _pending(layout: Layout, pending: str | None, terms: Any) -> Layout:

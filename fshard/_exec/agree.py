@@ -14,11 +14,12 @@ import contextlib
 import functools
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, TypeVar
 
 import optree
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
 from fshard._errors import CollectiveMismatchError, SpecError, as_error
@@ -38,6 +39,7 @@ __all__ = [
     "merge_results",
     "on_every_rank",
     "untouched",
+    "with_gradient",
 ]
 
 Meta = tuple[torch.dtype, dict[Any, tuple[int, ...]]]
@@ -296,6 +298,18 @@ def merge_results(seen: Sequence[Any], what: str) -> tuple[Any, list[Meta]]:
             raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks; return one.")
         metas.append((kinds.pop(), {k: shape for d in held for k, shape in d[1][n][1].items()}))
     return tree, metas
+
+
+def with_gradient(blocks: Iterable[torch.Tensor]) -> bool:
+    """Whether fn returned a result's ``blocks`` here with a gradient (or may have: under a ``torch.func`` transform).
+
+    Where no rank did, the link of a rank that ran fn on no block needs none either
+    (``link_without_blocks``, detached). A transform's wrapped tensors (and forward-mode
+    tangents) do not say it by ``requires_grad``: there every link keeps its history.
+    """
+    if torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0:  # pyright: ignore[reportPrivateUsage]
+        return True
+    return any(t.requires_grad for t in blocks)
 
 
 def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int]) -> torch.Tensor:
