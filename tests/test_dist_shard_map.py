@@ -7,6 +7,7 @@ backend (in this process) and once on 4 Gloo processes, compared exactly (float6
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 
@@ -339,3 +340,24 @@ def test_a_result_that_needs_no_gradient_needs_none_on_ranks_without_blocks(dist
     local = _stop_gradient_of_rows_two_ranks_hold()
     assert local[:4] == [False, False, False, 2 * 0.25 * sum(v * v for v in range(8))]
     assert dist_pool.run(_stop_gradient_of_rows_two_ranks_hold, timeout=60) == [local] * 4
+
+
+def _stop_gradient_under_func_grad() -> list:
+    """``torch.func.grad`` of a loss with a stop-gradient target of rows that ranks 2 and 3 hold none of."""
+    a = fshard.shard(torch.arange(8.0).reshape(4, 2), fshard.Chunk(0, [0, 1]))
+
+    def loss(a: fshard.ShardedArray) -> torch.Tensor:
+        target = fshard.map_local(lambda t: t.detach(), a)
+        return (fshard.gather(a) - 0.5 * fshard.gather(target)).pow(2).sum()
+
+    return [t.tolist() for t in optree.tree_leaves(torch.func.grad(loss)(a))]
+
+
+def test_a_stop_gradient_under_func_grad_has_the_local_gradient(dist_pool):
+    a = torch.arange(8.0).reshape(4, 2)
+    local = _stop_gradient_under_func_grad()  # d/da sum((a - stop(a) / 2)^2) = 2 * (a / 2) = a
+    assert local == [a[:2].tolist(), a[2:].tolist()]
+    got = dist_pool.run(_stop_gradient_under_func_grad, timeout=60)
+    assert got[0] == local[:1]  # each holder's block
+    assert got[1] == local[1:]
+    assert got[2] == got[3] == [[]]  # the link of a rank that holds none: an empty gradient

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import optree
 import torch
+import torch._C._functorch as _functorch
 import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
@@ -301,14 +302,20 @@ def merge_results(seen: Sequence[Any], what: str) -> tuple[Any, list[Meta]]:
 
 
 def with_gradient(blocks: Iterable[torch.Tensor]) -> bool:
-    """Whether fn returned a result's ``blocks`` here with a gradient (or may have: under a ``torch.func`` transform).
+    """Whether fn returned a result's ``blocks`` here with a gradient (or may have: some ``torch.func`` transforms).
 
     Where no rank did, the link of a rank that ran fn on no block needs none either
-    (``link_without_blocks``, detached). A transform's wrapped tensors (and forward-mode
-    tangents) do not say it by ``requires_grad``: there every link keeps its history.
+    (``link_without_blocks``, detached). Under one ``torch.func.grad`` (or ``vjp``, ``jacrev``)
+    ``requires_grad`` says it for that transform's level; under ``vmap``, forward mode or
+    nested transforms a tensor does not say it (a batched ``p * x`` reads False where ``p``
+    requires grad): there every link keeps its history.
     """
-    if torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0:  # pyright: ignore[reportPrivateUsage]
+    if getattr(_forward_ad, "_current_level", 0) >= 0:  # a forward-mode level: tangents, not requires_grad
         return True
+    if torch._C._are_functorch_transforms_active():  # pyright: ignore[reportPrivateUsage]
+        stack = _functorch.get_interpreter_stack() or ()
+        if len(stack) > 1 or any(i.key() != _functorch.TransformType.Grad for i in stack):
+            return True
     return any(t.requires_grad for t in blocks)
 
 
