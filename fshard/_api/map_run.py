@@ -47,6 +47,7 @@ from fshard._exec.agree import (
     describe_results,
     holds_nothing_somewhere,
     link_without_blocks,
+    merge_gradients,
     merge_results,
     post_failure,
     post_outcome,
@@ -130,7 +131,7 @@ def run_per_slot(
             used = used_gathered(backend, first, [u for _, u, _, _ in seen], what)
             _buckets.compare_series(series, [b for _, _, b, _ in seen], backend.ranks, what)
             # A rank that holds no block: its links need a gradient where some rank's fn returned one with it.
-            grads = [any(g[n] for *_, g in seen if g) for n in range(len(metas))]
+            grads = merge_gradients([g for *_, g in seen], len(metas))
     else:
         # No process waits for the others here: each posts what fn returned (or that it raised), and the
         # group's next collective compares them, so a process whose fn returned otherwise raises with the others.
@@ -185,9 +186,8 @@ def _results(
         dtype, shapes = metas[n] if n < len(metas) else (arrays[0].dtype, {})
         if len(blocks) > 1 and len(kinds := {t.dtype for t in blocks.values()}) > 1:  # as merge_results says it
             raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks; return one.")
-        link = None if held else link_without_blocks(inputs, dtype, used)
-        if link is not None and grads is not None and n < len(grads) and not grads[n]:
-            link = link.detach()  # no rank's fn returned it with a gradient (t.detach(), a comparison)
+        grad = grads is None or n >= len(grads) or grads[n]
+        link = None if held else link_without_blocks(inputs, dtype, used, grad)
         layout = out_layout(spec, shapes, first, pending, what, n)
         if check:
             check_replicas(tuple(a.layout for a in arrays), names, layout, spec, what, n)

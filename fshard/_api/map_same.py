@@ -24,6 +24,7 @@ from fshard._exec.agree import (
     describe_results,
     holds_nothing_somewhere,
     link_without_blocks,
+    merge_gradients,
     merge_results,
     untouched,
     with_gradient,
@@ -66,9 +67,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
             if leaves:
                 out.append(ShardedArray(layout, leaves[n], backend, dtype))
                 continue
-            link = link_without_blocks(arrays, dtype, used)
-            # No rank's fn returned this result with a gradient (t.detach(), a comparison): nor does the link.
-            out.append(ShardedArray(layout, (), backend, dtype, link if grads[n] else link.detach()))
+            out.append(ShardedArray(layout, (), backend, dtype, link_without_blocks(arrays, dtype, used, grads[n])))
         return optree.tree_unflatten(tree, out)
 
     if holds_nothing_somewhere(backend, first.layout):
@@ -84,7 +83,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
         (tree, leaves), seen = agree(backend, compute, describe)
         tree, metas = merge_results([d for d, _, _ in seen], "map_local()")
         used = used_gathered(backend, first.layout, [u for _, u, _ in seen], "map_local()")
-        return results(tree, leaves, metas, used, [any(g[n] for _, _, g in seen if g) for n in range(len(metas))])
+        return results(tree, leaves, metas, used, merge_gradients([g for _, _, g in seen], len(metas)))
     # Every process holds blocks: none waits for the others, and none learns what the others' fn returned.
     # A structure or dtype that differs per process is caught by the next movement's headers where the
     # results' layouts or dtypes differ (design notes).

@@ -31,12 +31,14 @@ from fshard._layout.layout import Layout
 __all__ = [
     "agree",
     "agree_alike",
+    "closed_apart",
     "describe_results",
     "post_failure",
     "post_outcome",
     "tree_kinds",
     "holds_nothing_somewhere",
     "link_without_blocks",
+    "merge_gradients",
     "merge_results",
     "on_every_rank",
     "untouched",
@@ -319,10 +321,20 @@ def with_gradient(blocks: Iterable[torch.Tensor]) -> bool:
     return any(t.requires_grad for t in blocks)
 
 
-def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int]) -> torch.Tensor:
+def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int], grad: bool = True) -> torch.Tensor:
     """A result's 0-element link where fn ran on no block.
 
     It joins every argument's link and the gathered tensors fn used on other ranks, so that
-    backward reaches what it reaches there.
+    backward reaches what it reaches there; detached where no rank's fn returned the result
+    with a gradient (``grad`` False: ``t.detach()``, a comparison).
     """
-    return _varying.join(functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype), used)
+    link = _varying.join(functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype), used)
+    return link if grad else link.detach()
+
+
+def merge_gradients(flags: Sequence[tuple[bool, ...]], results: int) -> list[bool]:
+    """Per result, whether some rank's fn returned it with a gradient, from every rank's ``with_gradient`` flags.
+
+    A rank that ran fn on no block gives no flags.
+    """
+    return [any(f[n] for f in flags if f) for n in range(results)]
