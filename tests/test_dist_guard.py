@@ -4,6 +4,7 @@ movement still gives the right values with the header in its messages."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -47,11 +48,63 @@ def _gather_to_different_dst(x):
     return _message(lambda: fshard.gather(a, dst=dist.get_rank() % 2))
 
 
+def _gradient_on_some_ranks(x):
+    """Blocks that require grad on ranks 0, 1 and 3 only: the reshard's backward would wait for rank 2."""
+    a = fshard.shard(x, fshard.Chunk(0, RANKS))
+    if dist.get_rank() != 2:
+        for t in a.addressable_data:
+            t.requires_grad_()
+    return _message(lambda: fshard.reshard(a, fshard.Chunk(1, RANKS)))
+
+
+def _result_without_gradient_on_one_rank(x):
+    """A body that returns a constant on rank 2 only: the sum's backward, and the weight's, would wait for it."""
+    w = fshard.map_local(lambda t: t.detach().requires_grad_(), fshard.shard(torch.ones(()), fshard.Replicated(RANKS)))
+    rows = fshard.Chunk(0, RANKS)
+    loss_of = fshard.shard_map(
+        lambda xb, wb: (xb.sum() * wb)[None] if dist.get_rank() != 2 else torch.zeros(1),
+        in_specs=(rows, fshard.Replicated(RANKS)),
+        out_specs=fshard.Partial(fshard.Replicated(RANKS)),
+    )
+    return _message(lambda: fshard.gather(loss_of(fshard.shard(x, rows), w)).sum().backward())
+
+
+def _no_grad_on_one_rank(x):
+    """Rank 3 moves under torch.no_grad(): its blocks require grad, but it records no gradient through the move."""
+    a = fshard.map_local(lambda t: t.detach().requires_grad_(), fshard.shard(x, fshard.Chunk(0, RANKS)))
+    with torch.no_grad() if dist.get_rank() == 3 else contextlib.nullcontext():
+        return _message(lambda: fshard.reshard(a, fshard.Chunk(1, RANKS)))
+
+
+def _detached_on_one_holder(x):
+    """Rows that ranks 0 and 1 hold, whose body detaches its result on rank 1 only: moved onto every rank, the
+    gather's backward would run on ranks 0, 2 and 3 (their links follow rank 0's result) and not on rank 1."""
+    a = fshard.map_local(lambda t: t.detach().requires_grad_(), fshard.shard(x, fshard.Chunk(0, [0, 1])))
+    y = fshard.map_local(lambda t: t * 2 if dist.get_rank() != 1 else (t * 2).detach(), a)
+    return _message(lambda: fshard.gather(fshard.reshard(y, fshard.Chunk(0, RANKS))))
+
+
 CASES = {
     # (function, the groups of ranks named, what the message says differs)
     "int32-beside-float32": (_int32_beside_float32, [[0, 1, 2], [3]], "they differ in dtype)"),
     "chunk-reversed-on-one-rank": (_reversed_chunk_on_one_rank, [[0, 1, 3], [2]], "they differ in destination layout)"),
     "gather-dst-0-against-dst-1": (_gather_to_different_dst, [[0, 2], [1, 3]], "operation, destination layout)"),
+    "gradient-on-some-ranks": (
+        _gradient_on_some_ranks,
+        [[0, 1, 3], [2]],
+        "they differ in whether it records a gradient)",
+    ),
+    "result-without-gradient-on-one-rank": (
+        _result_without_gradient_on_one_rank,
+        [[0, 1, 3], [2]],
+        "they differ in whether it records a gradient)",
+    ),
+    "no-grad-on-one-rank": (_no_grad_on_one_rank, [[0, 1, 2], [3]], "they differ in whether it records a gradient)"),
+    "detached-on-one-holder": (
+        _detached_on_one_holder,
+        [[0, 2, 3], [1]],
+        "they differ in whether it records a gradient)",
+    ),
 }
 
 
@@ -68,6 +121,13 @@ def test_ranks_that_disagree_raise_on_every_rank_without_check_mode(dist_pool, c
         assert differ in m, m
     if case == "int32-beside-float32":
         assert re.search(r"ranks \[0, 1, 2\] sent float32, .*; ranks \[3\] sent int32, ", messages[0]), messages[0]
+    if "gradient" in differ:  # the fix named
+        assert all(
+            "sent float32 (recording a gradient), " in m
+            and "Set requires_grad_() on the blocks of every rank" in m
+            and "detached (t.detach()) on every rank or on none" in m
+            for m in messages
+        )
     # The group is still usable: nothing was left in flight.
     assert dist_pool.run(_gather_back, timeout=60) == [X.sum().item()] * 4
 
@@ -100,3 +160,24 @@ def test_every_movement_gives_the_right_values_with_headers(dist_pool, x):
     assert X.numel() * 4 <= inline_bytes(4) < BIG.numel() * 4
     got = dist_pool.run(_every_movement, x, timeout=60)
     assert all(all(r.values()) for r in got), got
+
+
+def _subset_programs():
+    """Programs on arrays that ranks 2 and 3 hold no block of, whose results need no gradient on ranks 0 and 1."""
+    x = X.clone().requires_grad_()
+    pred = fshard.shard(x, fshard.Chunk(0, [0, 1]))
+    target = fshard.map_local(lambda t: t.detach() * 0.5, pred)  # a stop-gradient target
+    (fshard.gather(pred) - fshard.gather(target)).pow(2).sum().backward()
+    hits = fshard.map_local(lambda t: (t > 3).float(), pred)  # a metric, under grad mode, never differentiated
+    p = X[:4, :5].clone().requires_grad_()
+
+    def move(v):
+        return fshard.gather(fshard.reshard(fshard.shard(p * v, fshard.Chunk(0, [0, 1])), fshard.Chunk(1, RANKS)))
+
+    batched = torch.func.vmap(lambda v: move(v).sum())(torch.arange(15.0).reshape(3, 5))
+    return x.grad.sum().item(), fshard.gather(hits).mean().item(), batched.tolist()
+
+
+def test_ranks_that_hold_no_block_say_nothing_of_gradients(dist_pool):
+    """Their link need not follow what the other ranks' function returned: the same values as the local backend."""
+    assert dist_pool.run(_subset_programs, timeout=60) == [_subset_programs()] * 4

@@ -13,6 +13,8 @@ import torch
 
 import fshard
 
+_ROWS01 = fshard.Chunk(0, [0, 1])  # rows that ranks 2 and 3 hold none of
+
 pytestmark = pytest.mark.multiprocess
 
 
@@ -361,3 +363,82 @@ def test_a_stop_gradient_under_func_grad_has_the_local_gradient(dist_pool):
     assert got[0] == local[:1]  # each holder's block
     assert got[1] == local[1:]
     assert got[2] == got[3] == [[]]  # the link of a rank that holds none: an empty gradient
+
+
+def _new_leaf_of_rows_two_ranks_hold() -> list:
+    """A fresh leaf made by ``map_local`` of rows that ranks 2 and 3 hold none of, differentiated on every rank."""
+    a = fshard.map_local(lambda t: t.detach().requires_grad_(), fshard.shard(torch.arange(8.0).reshape(4, 2), _ROWS01))
+    fshard.global_norm({"a": a}).backward()  # its backward sums over every rank: each must run it
+    return [a.requires_grad, [t.grad.tolist() for t in optree.tree_leaves(a)]]
+
+
+def test_a_new_leaf_made_by_fn_is_a_new_leaf_on_ranks_without_blocks(dist_pool):
+    x = torch.arange(8.0).reshape(4, 2)
+    local = _new_leaf_of_rows_two_ranks_hold()
+    assert local == [True, [(x[:2] / x.norm()).tolist(), (x[2:] / x.norm()).tolist()]]
+    got = dist_pool.run(_new_leaf_of_rows_two_ranks_hold, timeout=60)
+    assert got[:2] == [[True, local[1][:1]], [True, local[1][1:]]]
+    assert got[2] == got[3] == [True, [[]]]  # the link: a leaf that requires grad, with an empty gradient
+
+
+def _vmap_of_a_tree_some_ranks_hold_part_of() -> float:
+    """``vmap`` of a loss that moves, as one tree, rows ranks 2 and 3 hold none of and rows every rank holds."""
+    p = torch.arange(8.0, dtype=torch.float64).reshape(4, 2).requires_grad_()
+    xs = torch.arange(24.0, dtype=torch.float64).reshape(3, 4, 2) / 10
+    every = fshard.Replicated([0, 1, 2, 3])
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        a = fshard.shard(p * x, _ROWS01)
+        b = fshard.shard(x + 1, fshard.Chunk(0, [0, 1, 2, 3]))
+        a2, b2 = fshard.reshard([a, b], [every, every])
+        return (fshard.gather(a2) * fshard.gather(b2)).sum()
+
+    return torch.func.vmap(f)(xs).sum().item()
+
+
+def test_vmap_of_a_tree_some_ranks_hold_part_of_gives_the_local_value(dist_pool):
+    """Under vmap a movement's header says nothing of gradients: a batched ``p * x`` reads requires_grad False."""
+    local = _vmap_of_a_tree_some_ranks_hold_part_of()
+    assert dist_pool.run(_vmap_of_a_tree_some_ranks_hold_part_of, timeout=60) == [local] * 4
+
+
+def _map_local_closure(case: str) -> list:
+    """``map_local`` of rows every rank holds (that need no gradient), closing over ``c`` in the second of three calls.
+
+    ``some``: the bodies of ranks 2 and 3 alone use ``c`` (a branch on the data); ``every``: every body uses it.
+    Returns ``[the error's type and start, or None; c.grad]``.
+    """
+    c = torch.tensor([2.0], dtype=torch.float64, requires_grad=True)
+    rows = fshard.Chunk(0, [0, 1, 2, 3])
+    x = fshard.shard(torch.arange(4.0, dtype=torch.float64), rows)
+
+    def body(k: int):
+        def f(t: torch.Tensor) -> torch.Tensor:
+            if case == "some" and k == 1:
+                return t * c if t[0] >= 2 else t * 1.0
+            return t * c
+
+        return f
+
+    error = None
+    try:
+        outs = [fshard.map_local(body(k), x) for k in range(3)]
+        sum(fshard.gather(y).sum() for y in outs).backward()
+    except fshard.CollectiveMismatchError as e:
+        error = f"{type(e).__name__}: {str(e).split(':')[0]}"
+    fshard.gather(fshard.shard(torch.ones(4), rows))  # the group is usable after
+    return [error, None if c.grad is None else c.grad.tolist()]
+
+
+@pytest.mark.parametrize("case", ["some", "every"])
+def test_a_map_local_closure_that_some_ranks_use_is_refused_at_the_next_movement(dist_pool, case):
+    """Where ``c`` is a result's only source of gradient, ranks whose fn did not use it record none through the
+    result's gather: its header says so, and every rank raises there instead of waiting in the backward's sum."""
+    got = dist_pool.run(_map_local_closure, case, timeout=60)
+    if case == "every":
+        assert got == [[None, [3 * 6.0]]] * 4  # the sum over the 4 ranks' rows, in each of 3 calls
+        assert _map_local_closure(case) == [None, [3 * 6.0]]
+    else:
+        assert got == [["CollectiveMismatchError: gather(dst=None)", None]] * 4
+        # One process runs every rank's body: autograd sums c's uses (12 + 2 + 3) without a collective to join.
+        assert _map_local_closure(case) == [None, [6.0 + 5.0 + 6.0]]

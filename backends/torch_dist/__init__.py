@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from fshard._base.cache import cached, clear_caches
-from fshard._base.calls import call_name
+from fshard._base.calls import call_name, records_gradient
 from fshard._config import current
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout
@@ -700,7 +700,7 @@ class TorchDistBackend:
     def _guard(self, op: str, p: Plan, dtype: torch.dtype) -> Guard:
         """The movement's header and round (``_guard``): ranks that move differently raise, every one."""
         g = facts(self.group)
-        return guard(op, p.src, p.dst, dtype, g.ranks, g.rank, self._wire, g.alltoall)
+        return guard(op, p.src, p.dst, dtype, g.ranks, g.rank, self._wire, g.alltoall, records_gradient())
 
     def _count(self, sent: int, itemsize: int) -> None:
         """One collective that sent ``sent`` elements of ``itemsize`` bytes from this rank."""

@@ -54,9 +54,18 @@ HEADER = 16
 # A round of headers in flight: its receive buffer (numpy for a Gloo round) and its Work.
 Round = tuple[np.ndarray | torch.Tensor, Any]
 _TAG = b"fS"  # the first two bytes of every header: a receive slot without it got no header
-# Header fields after the tag: (name, byte range); the dtype is a code into ``_DTYPES``.
+# Header fields after the tag: (name, byte range); the dtype is a code into ``_DTYPES``, its top bit
+# (``_GRAD``) set where the movement records a gradient and every rank holds blocks of its source.
 _FIELDS = (("dtype", slice(2, 4)), ("operation", slice(4, 8)), ("source layout", slice(8, 12)),
            ("destination layout", slice(12, 16)))  # fmt: skip
+_GRAD = 1 << 15
+# What to do where ranks would record a gradient through one movement and not all of them would.
+_RECORD_ALIKE = (
+    "its backward may be a collective that every rank must join (or the backward of the calls that made the "
+    "array). Set requires_grad_() on the blocks of every rank, or on none; return results computed from the "
+    "arguments on every rank (t.sum() * 0, not torch.zeros(1)), detached (t.detach()) on every rank or on none; "
+    "and use torch.no_grad() on every rank or on none."
+)
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _CPU = torch.device("cpu")
 # A peer's segment carries up to this many bytes of data behind its header, and every rank's
@@ -237,7 +246,9 @@ class Guard:
         sent: dict[bytes, list[int]] = {}
         for r, row in zip(self.ranks, got):
             sent.setdefault(row.tobytes(), []).append(r)
-        differ = [name for name, at in _FIELDS if len({h[at] for h in sent}) > 1]
+        differ = [name for name, at in _FIELDS if len({_field(h, at) for h in sent}) > 1]
+        if len({_grad_of(h) for h in sent}) > 1:
+            differ.append("whether it records a gradient")
         lines = "; ".join(f"ranks {rs} sent {_describe(h)}" for h, rs in sent.items())
         msg = (
             f"{self.op}: ranks called it with different arguments on process group {list(self.ranks)}, "
@@ -246,6 +257,8 @@ class Guard:
             f"{describe_layout(self.dst)}. Every rank must call each fshard function with the same "
             "arguments, in the same order (SPMD); config(check_collectives=True) names the calls."
         )
+        if "whether it records a gradient" in differ:
+            msg += f" Some ranks record a gradient through it and others do not: {_RECORD_ALIKE}"
         return CollectiveMismatchError(msg)
 
 
@@ -290,9 +303,18 @@ def guard(
     rank: int,
     wire: torch.device,
     alltoall: bool,
+    grad: bool = False,
 ) -> Guard:
-    """The ``Guard`` of moving ``dtype`` data from ``src`` to ``dst`` by ``op`` on the group of ``ranks``."""
-    code = _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
+    """The ``Guard`` of moving ``dtype`` data from ``src`` to ``dst`` by ``op`` on the group of ``ranks``.
+
+    ``grad``: the movement records a gradient on this rank. The header says so where every
+    rank of the group holds blocks of ``src``, whose own blocks say it; a rank that holds
+    none reads it from a link that follows what another rank's function returned only as far
+    as that function's exchange tells it (not a ``requires_grad_()`` set by hand on the blocks,
+    not under ``torch.func`` transforms), so there it says nothing.
+    """
+    marked = grad and set(ranks) <= set(src.ranks)
+    code = (_DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0) | (_GRAD if marked else 0)
     op_digest = hashlib.blake2b(op.encode(), digest_size=4).digest()
     header = np.frombuffer(
         _TAG + code.to_bytes(2, "little") + op_digest + layout_digest(src)[:4] + layout_digest(dst)[:4], np.uint8
@@ -354,5 +376,19 @@ def _describe(h: bytes) -> str:
     if h[:2] != _TAG:
         return "no fshard movement header (another collective?)"
     code = int.from_bytes(h[2:4], "little")
+    grad, code = code & _GRAD, code & ~_GRAD
     dtype = _name(_DTYPES[code - 1]) if 0 < code <= len(_DTYPES) else f"dtype #{code}"
-    return f"{dtype}, operation #{h[4:8].hex()}, source #{h[8:12].hex()}, destination #{h[12:16].hex()}"
+    recorded = " (recording a gradient)" if grad else ""
+    return f"{dtype}{recorded}, operation #{h[4:8].hex()}, source #{h[8:12].hex()}, destination #{h[12:16].hex()}"
+
+
+def _field(h: bytes, at: slice) -> bytes:
+    """A header's field at ``at`` (the dtype without the gradient's bit)."""
+    if at.start == 2 and h[:2] == _TAG:
+        return (int.from_bytes(h[2:4], "little") & ~_GRAD).to_bytes(2, "little")
+    return h[at]
+
+
+def _grad_of(h: bytes) -> bool | None:
+    """Whether a header's movement records a gradient; ``None`` for no fshard header."""
+    return bool(int.from_bytes(h[2:4], "little") & _GRAD) if h[:2] == _TAG else None

@@ -1,9 +1,11 @@
-"""The public fshard call in progress on this thread, as check mode describes it.
+"""The fshard call in progress on this thread: its name (check mode), and whether it records a gradient.
 
 ``fshard._exec.collective`` pushes the description of the outermost public call
 (``reshard(a: ..., spec: Chunk(...))``) while it runs; a backend's checks read it to
 name the call they serve. One stack per thread: calls on two threads (on two process
-groups) never see each other's.
+groups) never see each other's. A movement of arrays whose inputs require grad (grad
+mode on) marks that it records a gradient while it runs; a backend's movement headers
+carry the mark.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import threading
 from collections.abc import Generator
 
-__all__ = ["call_name", "calling"]
+__all__ = ["call_name", "calling", "records_gradient", "set_records_gradient"]
 
 _LOCAL = threading.local()
 
@@ -39,3 +41,19 @@ def calling(what: str) -> Generator[None, None, None]:
         yield
     finally:
         stack.pop()
+
+
+def records_gradient() -> bool:
+    """Whether the movement of arrays running on this thread records a gradient (``set_records_gradient``).
+
+    Ranks whose backwards differ there may wait for one another in a collective of it, so
+    the ranks' movement headers carry it, and ranks that differ raise at the movement.
+    """
+    return getattr(_LOCAL, "grad", False)
+
+
+def set_records_gradient(on: bool) -> bool:
+    """Sets ``records_gradient()`` on this thread; returns what it was, to set back."""
+    prior = getattr(_LOCAL, "grad", False)
+    _LOCAL.grad = on
+    return prior

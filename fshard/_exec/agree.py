@@ -326,10 +326,21 @@ def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int
 
     It joins every argument's link and the gathered tensors fn used on other ranks, so that
     backward reaches what it reaches there; detached where no rank's fn returned the result
-    with a gradient (``grad`` False: ``t.detach()``, a comparison).
+    with a gradient (``grad`` False: ``t.detach()``, a comparison). Where some rank's fn returned
+    it with a gradient that the arguments do not carry (a new leaf, ``t.detach().requires_grad_()``),
+    the link is a new leaf too, so that ``requires_grad`` agrees on every rank.
     """
     link = _varying.join(functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype), used)
-    return link if grad else link.detach()
+    if not grad:
+        return link.detach()
+    if not link.requires_grad and _plain_autograd():
+        return link.detach().requires_grad_()
+    return link
+
+
+def _plain_autograd() -> bool:
+    """Whether ``requires_grad`` says all there is to say: no forward-mode level, no ``torch.func`` transform."""
+    return getattr(_forward_ad, "_current_level", 0) < 0 and not torch._C._are_functorch_transforms_active()  # pyright: ignore[reportPrivateUsage]
 
 
 def merge_gradients(flags: Sequence[tuple[bool, ...]], results: int) -> list[bool]:

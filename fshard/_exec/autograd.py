@@ -27,8 +27,10 @@ and batched collectives as the processes that hold shards.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
+from fshard._base.calls import set_records_gradient
 from fshard._base.compile import opaque
 from fshard._base.function import apply
 from fshard._errors import SpecError
@@ -147,10 +150,61 @@ def _observed(args: Sequence[Any]) -> bool:
 
 
 def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)``, or ``fn.forward(*args)`` where nothing can observe the difference."""
-    if _observed(args):
+    """``fn.apply(*args)``, or ``fn.forward(*args)`` where nothing can observe the difference.
+
+    A movement of arrays that records a gradient says so while it runs (``records_gradient``):
+    the ranks' movement headers carry the mark (``torch_dist``'s guard), so ranks whose
+    backwards would differ (an input that requires grad on some ranks only) raise at the
+    movement, every one, instead of waiting in a collective of the backward. A scatter is not marked: its
+    source tensor is one rank's. Nor is a movement made while a backward runs (one that
+    creates a graph, as ``torch.func.grad`` does): there a rank that holds no block moves
+    a stand-in gradient that records none.
+    """
+    if not _observed(args):
+        return fn.forward(*args)
+    if fn not in _MARKED or _in_backward() is not None or not _records(args):
         return apply(fn, *args)
-    return fn.forward(*args)
+    prior = set_records_gradient(True)
+    try:
+        return apply(fn, *args)
+    finally:
+        set_records_gradient(prior)
+
+
+# The autograd node whose backward runs on this thread, or None (torch's stub says it is never None).
+_in_backward: Callable[[], Any] = torch._C._current_autograd_node  # pyright: ignore[reportPrivateUsage]
+
+
+class _Batching(threading.local):
+    """Whether a batching rule (a movement's ``vmap``) runs on this thread: its movements say nothing of gradients."""
+
+    on = False
+
+
+_BATCHING = _Batching()
+
+
+@contextlib.contextmanager
+def _batching() -> Generator[None, None, None]:
+    """Runs a batching rule: its movement takes a stand-in for the link of a rank that holds no block, so
+    whether it records a gradient there need not follow the other ranks (``_records`` says nothing)."""
+    prior, _BATCHING.on = _BATCHING.on, True
+    try:
+        yield
+    finally:
+        _BATCHING.on = prior
+
+
+def _records(args: Sequence[Any]) -> bool:
+    """Whether a gradient is recorded through a call with ``args``: grad mode on, and one requires grad.
+
+    Not said under a ``torch.func`` transform or a forward-mode level, where ``requires_grad``
+    does not tell it alike on every rank (a batched ``p * x`` reads False where ``p`` requires
+    grad, and a rank that holds no block moves a stand-in).
+    """
+    if _BATCHING.on or torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0:  # pyright: ignore[reportPrivateUsage]
+        return False
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 def _holds_result(backend: Any, dst: int | None) -> bool:
@@ -310,15 +364,16 @@ class _CastMove(torch.autograd.Function):
         src, dst, backend, precision, summing, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[6:]))
-        out, link = move_cast(
-            with_batch(src, n),
-            with_batch(dst, n),
-            backend,
-            lead,
-            _stand_in(like.dtype, like.device),
-            precision,
-            summing,
-        )
+        with _batching():
+            out, link = move_cast(
+                with_batch(src, n),
+                with_batch(dst, n),
+                backend,
+                lead,
+                _stand_in(like.dtype, like.device),
+                precision,
+                summing,
+            )
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
@@ -336,7 +391,8 @@ def _move_batched(info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...], ho
     src, dst, backend, like, *tensors = args
     n = info.batch_size
     lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-    out, link = how(with_batch(src, n), with_batch(dst, n), backend, lead, _stand_in(like.dtype, like.device))
+    with _batching():
+        out, link = how(with_batch(src, n), with_batch(dst, n), backend, lead, _stand_in(like.dtype, like.device))
     return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
@@ -830,4 +886,6 @@ def _assemble_plan(layout: Layout, backend: Any, dst: int | None) -> Plan:
 
 # The movements' autograd functions, and how many view nodes may stand between one and a result.
 _MOVEMENTS = (_Move, _MoveSumming, _CastMove)
+# Movements of arrays whose backward is a collective of the ranks that moved them (``_run`` marks them).
+_MARKED = frozenset((*_MOVEMENTS, _Assemble, _Regroup))
 _VIEW_DEPTH = 4
