@@ -186,8 +186,11 @@ _BATCHING = _Batching()
 
 @contextlib.contextmanager
 def _batching() -> Generator[None, None, None]:
-    """Runs a batching rule: its movement takes a stand-in for the link of a rank that holds no block, so
-    whether it records a gradient there need not follow the other ranks (``_records`` says nothing)."""
+    """Runs a batching rule, whose movements say nothing of gradients (``_records``).
+
+    A batching rule moves a stand-in for the link of a rank that holds no block, so whether
+    its movement records a gradient there need not follow the other ranks.
+    """
     prior, _BATCHING.on = _BATCHING.on, True
     try:
         yield
