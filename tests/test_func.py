@@ -372,6 +372,9 @@ def _transforms_over_processes(a_spec, b_spec) -> bool:
     torch.testing.assert_close(vmap(lambda t: pull(t)[0])(ts), torch.cos(x) * ts)
     torch.testing.assert_close(jacrev(f)(x), torch.func.jacrev(torch.sin)(x))
     torch.testing.assert_close(jacfwd(f)(x), torch.func.jacrev(torch.sin)(x))
+    # Forward over reverse: a rank that holds no shard reaches the gradients of gradients through its link.
+    cubes = hessian(lambda t: torch.sin(t).pow(3).sum())(x)
+    torch.testing.assert_close(hessian(lambda t: f(t).pow(3).sum())(x), cubes)
     tree = {"w": fshard.shard(x, a), "s": torch.tensor(2.0, dtype=torch.float64)}
     g = grad(lambda p: (fshard.gather(fshard.map_local(torch.sin, fshard.reshard(p["w"], b))) * p["s"]).sum())(tree)
     assert g["w"].layout == a

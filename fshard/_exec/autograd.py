@@ -76,6 +76,15 @@ def _stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
 
+def _batched_like(like: torch.Tensor) -> torch.Tensor:
+    """What a batching rule passes on as ``like``: a 0-element link as it is, else an empty stand-in.
+
+    A rank that holds no block reaches the movement's backward only through its link, so the
+    link keeps its history there (the gradients of gradients of ``hessian``, ``jacrev(jacrev)``).
+    """
+    return like.reshape(0) if like.numel() == 0 else _stand_in(like.dtype, like.device)
+
+
 def _dense(layout: Layout, backend: Any, grads: Sequence[Any], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``grads`` with every missing (``None``) entry replaced by zeros of its shard's size."""
     idx = backend.addressable(layout)
@@ -373,7 +382,7 @@ class _CastMove(torch.autograd.Function):
                 with_batch(dst, n),
                 backend,
                 lead,
-                _stand_in(like.dtype, like.device),
+                _batched_like(like),
                 precision,
                 summing,
             )
@@ -395,7 +404,7 @@ def _move_batched(info: Any, in_dims: tuple[Any, ...], args: tuple[Any, ...], ho
     n = info.batch_size
     lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
     with _batching():
-        out, link = how(with_batch(src, n), with_batch(dst, n), backend, lead, _stand_in(like.dtype, like.device))
+        out, link = how(with_batch(src, n), with_batch(dst, n), backend, lead, _batched_like(like))
     return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
@@ -473,7 +482,7 @@ class _Assemble(torch.autograd.Function):
         layout, backend, dst, _parts, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[5:]))
-        out = apply(_Assemble, with_batch(layout, n), backend, dst, None, _stand_in(like.dtype, like.device), *lead)
+        out = apply(_Assemble, with_batch(layout, n), backend, dst, None, _batched_like(like), *lead)
         return (out, 0) if _holds_result(backend, dst) else (out.new_empty((n, 0)), 0)
 
 
@@ -641,7 +650,7 @@ class _Regroup(torch.autograd.Function):
         layout, backend, mode, like, *tensors = args
         n = info.batch_size
         lead = tuple(_lead(t, d, n) for t, d in zip(tensors, in_dims[4:]))
-        *out, link = apply(_Regroup, with_batch(layout, n), backend, mode, _stand_in(like.dtype, like.device), *lead)
+        *out, link = apply(_Regroup, with_batch(layout, n), backend, mode, _batched_like(like), *lead)
         return (*out, _lead(link, None, n)), (0,) * (len(out) + 1)
 
 
