@@ -197,8 +197,9 @@ _BATCHING = _Batching()
 def _batching() -> Generator[None, None, None]:
     """Runs a batching rule, whose movements say nothing of gradients (``_records``).
 
-    A batching rule moves a stand-in for the link of a rank that holds no block, so whether
-    its movement records a gradient there need not follow the other ranks.
+    The rule runs for a call under ``torch.func.vmap`` with the transform's level left (no
+    transform reads as active there), so it is marked as such a call: under a transform no
+    movement says whether it records a gradient.
     """
     prior, _BATCHING.on = _BATCHING.on, True
     try:
@@ -212,7 +213,7 @@ def _records(args: Sequence[Any]) -> bool:
 
     Not said under a ``torch.func`` transform or a forward-mode level, where ``requires_grad``
     does not tell it alike on every rank (a batched ``p * x`` reads False where ``p`` requires
-    grad, and a rank that holds no block moves a stand-in).
+    grad).
     """
     if _BATCHING.on or torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0:  # pyright: ignore[reportPrivateUsage]
         return False
