@@ -381,38 +381,6 @@ def test_a_new_leaf_made_by_fn_is_a_new_leaf_on_ranks_without_blocks(dist_pool):
     assert got[2] == got[3] == [True, [[]]]  # the link: a leaf that requires grad, with an empty gradient
 
 
-def _forward_mode_of_a_stop_gradient_mix() -> list:
-    """``jvp``, ``jacfwd`` and ``forward_ad`` of ``sin(a) * stop(2 a)`` over rows that ranks 2 and 3 hold none of.
-
-    The stop-gradient result has no tangent on the holders: the links of ranks 2 and 3 carry none either,
-    so every rank moves the tangents of the same arrays.
-    """
-    x = torch.arange(8.0, dtype=torch.float64).reshape(4, 2) / 4
-    every = fshard.Chunk(0, [0, 1, 2, 3])
-
-    def f(t: torch.Tensor) -> torch.Tensor:
-        a = fshard.shard(t, _ROWS01)
-        stop = fshard.map_local(lambda b: b.detach() * 2, a)
-        y = fshard.map_local(torch.sin, a)
-        return fshard.gather(fshard.reshard(y, every)) * fshard.gather(fshard.reshard(stop, every))
-
-    ones = torch.ones_like(x)
-    tangent = torch.func.jvp(f, (x,), (ones,))[1]
-    jacobian = torch.func.jacfwd(f)(x)
-    with torch.autograd.forward_ad.dual_level():
-        dual = torch.autograd.forward_ad.make_dual(x, ones)
-        forward = torch.autograd.forward_ad.unpack_dual(f(dual)).tangent
-    return [tangent.tolist(), jacobian.sum().item(), forward.tolist()]
-
-
-def test_forward_mode_of_a_stop_gradient_mix_gives_the_local_tangents(dist_pool):
-    local = _forward_mode_of_a_stop_gradient_mix()
-    x = torch.arange(8.0, dtype=torch.float64).reshape(4, 2) / 4
-    assert local[0] == (torch.cos(x) * 2 * x).tolist()  # d/dt sin(t) * stop(2 t) = cos(t) * 2 t
-    assert local[2] == local[0]
-    assert dist_pool.run(_forward_mode_of_a_stop_gradient_mix, timeout=60) == [local] * 4
-
-
 def _vmap_of_a_tree_some_ranks_hold_part_of() -> float:
     """``vmap`` of a loss that moves, as one tree, rows ranks 2 and 3 hold none of and rows every rank holds."""
     p = torch.arange(8.0, dtype=torch.float64).reshape(4, 2).requires_grad_()

@@ -43,8 +43,6 @@ from fshard._exec import buckets as _buckets
 from fshard._exec import fused as _fused
 from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
-    GRADIENT,
-    TANGENT,
     agree_alike,
     describe_results,
     holds_nothing_somewhere,
@@ -122,7 +120,7 @@ def run_per_slot(
         (leaves, spec_tree), seen, described = agree_alike(backend, compute, describe, alike_form)
         if seen is None:  # every rank's results alike, placement for placement: nothing exchanged
             (_, found), (ages, closed), mine, _ = described
-            grads: list[int] | None = None  # every rank holds blocks: no link
+            grads: list[bool] | None = None  # every rank holds blocks: no link
             metas = cast("list[tuple[torch.dtype, Alike]]", alike_metas(found))
             refuse_closed(backend, first, closed, what)
             used = set(ages)
@@ -169,7 +167,7 @@ def _results(
     pending: str | None,
     check: bool,
     what: str,
-    grads: Sequence[int] | None = None,
+    grads: Sequence[bool] | None = None,
 ) -> Any:
     """The result tree of ``run_per_slot``: each leaf's blocks in the layout its spec and their shapes give.
 
@@ -188,7 +186,7 @@ def _results(
         dtype, shapes = metas[n] if n < len(metas) else (arrays[0].dtype, {})
         if len(blocks) > 1 and len(kinds := {t.dtype for t in blocks.values()}) > 1:  # as merge_results says it
             raise SpecError(f"{what} result {n} has dtypes {sorted(map(str, kinds))} on different ranks; return one.")
-        grad = GRADIENT | TANGENT if grads is None or n >= len(grads) else grads[n]
+        grad = grads is None or n >= len(grads) or grads[n]
         link = None if held else link_without_blocks(inputs, dtype, used, grad)
         layout = out_layout(spec, shapes, first, pending, what, n)
         if check:

@@ -56,7 +56,7 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
         return _result_leaves(outs)
 
     def results(
-        tree: Any, leaves: list[tuple[torch.Tensor, ...]], metas: Sequence[Any], used: set[int], grads: Sequence[int]
+        tree: Any, leaves: list[tuple[torch.Tensor, ...]], metas: Sequence[Any], used: set[int], grads: Sequence[bool]
     ) -> Any:
         if tree is None:  # no shard anywhere: the result's link joins every argument's
             link = link_without_blocks(arrays, first.dtype, used)

@@ -37,8 +37,6 @@ __all__ = [
     "post_outcome",
     "tree_kinds",
     "holds_nothing_somewhere",
-    "GRADIENT",
-    "TANGENT",
     "link_without_blocks",
     "merge_gradients",
     "merge_results",
@@ -305,49 +303,36 @@ def merge_results(seen: Sequence[Any], what: str) -> tuple[Any, list[Meta]]:
     return tree, metas
 
 
-_unpack_dual: Callable[[torch.Tensor], Any] = getattr(_forward_ad, "unpack_dual")  # noqa: B009  # its stub is untyped
-GRADIENT = 1  # a ``with_gradient`` flag: fn returned the result with a gradient (or may have)
-TANGENT = 2  # a ``with_gradient`` flag: fn returned the result with a forward-mode tangent (or may have)
-
-
-def with_gradient(blocks: Iterable[torch.Tensor]) -> int:
-    """What fn returned a result's ``blocks`` here with: ``GRADIENT`` and ``TANGENT`` flags (where it may have, too).
+def with_gradient(blocks: Iterable[torch.Tensor]) -> bool:
+    """Whether fn returned a result's ``blocks`` here with a gradient (or may have: some ``torch.func`` transforms).
 
     Where no rank did, the link of a rank that ran fn on no block needs none either
-    (``link_without_blocks``: detached, or without its tangent). Under one ``torch.func.grad``
-    (or ``vjp``, ``jacrev``) ``requires_grad`` says it for that transform's level; under ``vmap``,
-    forward mode or nested transforms a tensor does not say it (a batched ``p * x`` reads
-    False where ``p`` requires grad): there every link keeps its history. Under forward mode
-    (``jvp``, ``jacfwd``, ``forward_ad``) a tangent is read at the innermost level.
+    (``link_without_blocks``, detached). Under one ``torch.func.grad`` (or ``vjp``, ``jacrev``)
+    ``requires_grad`` says it for that transform's level; under ``vmap``, forward mode or
+    nested transforms a tensor does not say it (a batched ``p * x`` reads False where ``p``
+    requires grad): there every link keeps its history.
     """
-    blocks = list(blocks)
     if getattr(_forward_ad, "_current_level", 0) >= 0:  # a forward-mode level: tangents, not requires_grad
-        tangent = any(_unpack_dual(t).tangent is not None for t in blocks)
-        return GRADIENT | (TANGENT if tangent else 0)
+        return True
     if torch._C._are_functorch_transforms_active():  # pyright: ignore[reportPrivateUsage]
         stack = _functorch.get_interpreter_stack() or ()
         if len(stack) > 1 or any(i.key() != _functorch.TransformType.Grad for i in stack):
-            return GRADIENT
-    return GRADIENT if any(t.requires_grad for t in blocks) else 0
+            return True
+    return any(t.requires_grad for t in blocks)
 
 
-def link_without_blocks(
-    arrays: Sequence[Any], dtype: torch.dtype, used: set[int], grad: int = GRADIENT | TANGENT
-) -> torch.Tensor:
+def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int], grad: bool = True) -> torch.Tensor:
     """A result's 0-element link where fn ran on no block.
 
     It joins every argument's link and the gathered tensors fn used on other ranks, so that
     backward reaches what it reaches there; detached where no rank's fn returned the result
-    with a gradient (``grad`` without ``GRADIENT``: ``t.detach()``, a comparison), and without
-    its tangent where none returned it with one (``TANGENT``). Where some rank's fn returned
+    with a gradient (``grad`` False: ``t.detach()``, a comparison). Where some rank's fn returned
     it with a gradient that the arguments do not carry (a new leaf, ``t.detach().requires_grad_()``),
     the link is a new leaf too, so that ``requires_grad`` agrees on every rank.
     """
     link = _varying.join(functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype), used)
-    if not grad & GRADIENT:
+    if not grad:
         return link.detach()
-    if not grad & TANGENT and getattr(_forward_ad, "_current_level", 0) >= 0:
-        return _unpack_dual(link).primal
     if not link.requires_grad and _plain_autograd():
         return link.detach().requires_grad_()
     return link
@@ -358,13 +343,9 @@ def _plain_autograd() -> bool:
     return getattr(_forward_ad, "_current_level", 0) < 0 and not torch._C._are_functorch_transforms_active()  # pyright: ignore[reportPrivateUsage]
 
 
-def merge_gradients(flags: Sequence[tuple[int, ...]], results: int) -> list[int]:
-    """Per result, what some rank's fn returned it with, from every rank's ``with_gradient`` flags.
+def merge_gradients(flags: Sequence[tuple[bool, ...]], results: int) -> list[bool]:
+    """Per result, whether some rank's fn returned it with a gradient, from every rank's ``with_gradient`` flags.
 
     A rank that ran fn on no block gives no flags.
     """
-    merged = [0] * results
-    for f in flags:
-        for n, flag in enumerate(f[:results]):
-            merged[n] |= flag
-    return merged
+    return [any(f[n] for f in flags if f) for n in range(results)]
