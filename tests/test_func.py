@@ -389,6 +389,37 @@ def test_torch_func_transforms_over_gloo(dist_pool, name: str) -> None:
     assert dist_pool.run(_transforms_over_processes, *POOL_PAIRS[name]) == [True] * 4
 
 
+def _linearize_across_processes(owners: list[int]) -> str:
+    """``torch.func.linearize`` of a movement across processes: the error it raised."""
+    x = double((4, 2), 40)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        a = fshard.map_local(torch.sin, fshard.shard(t, fshard.Chunk(0, owners)))
+        return fshard.gather(fshard.reshard(a, fshard.Chunk(0, [0, 1, 2, 3])))
+
+    try:
+        torch.func.linearize(f, x)
+    except fshard.SpecError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:Attempted to insert a get_attr Node:UserWarning")  # torch's own linearize
+@pytest.mark.parametrize("owners", [[0, 1], [0, 1, 2, 3]])
+def test_linearize_across_processes_is_refused_on_every_rank(dist_pool, owners: list[int]) -> None:
+    """Its trace would replay without the collectives (tangents of zeros); in one process it is exact."""
+    x, v = double((4, 2), 40), double((4, 2), 41)
+    layout = fshard.Chunk(0, owners)
+    _, tangent_of = torch.func.linearize(
+        lambda t: fshard.gather(fshard.map_local(torch.sin, fshard.shard(t, layout))), x
+    )
+    torch.testing.assert_close(tangent_of(v), torch.cos(x) * v)  # the local backend
+    got = dist_pool.run(_linearize_across_processes, owners, timeout=60)
+    assert len(set(got)) == 1
+    assert "fshard's movements across processes cannot be traced to be replayed" in got[0], got
+
+
 def _exchange_inside_transforms() -> bool:
     """Functions that exchange metadata between ranks work inside grad, vjp and jvp."""
     x, t = double((4, 3), 30), double((4, 3), 31)

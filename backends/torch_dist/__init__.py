@@ -106,6 +106,9 @@ all_gather = cast(
 ALL_GATHER_WIRES = frozenset({"cuda"})
 
 
+_PROXY = torch._C._TorchDispatchModeKey.PROXY  # pyright: ignore[reportPrivateUsage]  # make_fx's tracing mode
+
+
 @dataclasses.dataclass(frozen=True, eq=False, init=False)
 class TorchDistBackend:
     """Runs plans across the processes of a ``torch.distributed`` process group.
@@ -698,7 +701,19 @@ class TorchDistBackend:
         return kind == "all_reduce" and _on_wire(plan, wire) and _reduces(wire, dtype)
 
     def _guard(self, op: str, p: Plan, dtype: torch.dtype) -> Guard:
-        """The movement's header and round (``_guard``): ranks that move differently raise, every one."""
+        """The movement's header and round (``_guard``): ranks that move differently raise, every one.
+
+        Raises:
+            SpecError: under a trace that records the function to replay it (``torch.func.linearize``,
+                ``make_fx``): a collective is not recorded, so the replay would give the values of the trace.
+        """
+        if torch._C._get_dispatch_mode(_PROXY) is not None:  # pyright: ignore[reportPrivateUsage]
+            msg = (
+                f"{op}: fshard's movements across processes cannot be traced to be replayed (torch.func.linearize, "
+                "make_fx): the trace does not record the collective, so the replay would not move the data. Use "
+                "torch.func.jvp (or jacfwd) instead of linearize."
+            )
+            raise SpecError(msg)
         g = facts(self.group)
         return guard(op, p.src, p.dst, dtype, g.ranks, g.rank, self._wire, g.alltoall, records_gradient())
 
