@@ -80,7 +80,7 @@ def _batched_like(like: torch.Tensor) -> torch.Tensor:
     """What a batching rule passes on as ``like``: a 0-element link as it is, else an empty stand-in.
 
     A rank that holds no block reaches the movement's backward only through its link, so the
-    link keeps its history there (the gradients of gradients of ``hessian``, ``jacrev(jacrev)``).
+    link keeps its history there (the gradients of gradients of ``hessian``).
     """
     return like.reshape(0) if like.numel() == 0 else _stand_in(like.dtype, like.device)
 
