@@ -16,8 +16,9 @@ import inspect
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
-__all__ = ["apply"]
+__all__ = ["apply", "transformed"]
 
 try:  # what Function.apply does to its arguments before the C call, outside torch.func transforms
     from torch._functorch.utils import unwrap_dead_wrappers as _unwrap  # pyright: ignore[reportPrivateImportUsage]
@@ -58,6 +59,19 @@ def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     base: Any = getattr(super(torch.autograd.Function, fn), "apply")  # noqa: B009  # the C call Function.apply ends in
     out: Any = base(*_unwrap(args))
     return out
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform or a forward-mode level is active on this thread.
+
+    There ``requires_grad`` alone does not say what autograd records: a tangent, or a
+    transform's own level, may carry a derivative.
+
+    >>> import torch
+    >>> transformed(), torch.func.grad(lambda x: torch.tensor(float(transformed())) + x)(torch.ones(()))
+    (False, tensor(1.))
+    """
+    return _transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0
 
 
 def _binds_as_given(fn: type[torch.autograd.Function]) -> bool:

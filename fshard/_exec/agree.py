@@ -23,6 +23,7 @@ import torch._C._functorch as _functorch
 import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
+from fshard._base.function import transformed
 from fshard._errors import CollectiveMismatchError, SpecError, as_error
 from fshard._exec import gathered as _varying
 from fshard._exec.readonly import read_only, versions
@@ -333,14 +334,9 @@ def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int
     link = _varying.join(functools.reduce(torch.add, (a._first() for a in arrays)).to(dtype), used)
     if not grad:
         return link.detach()
-    if not link.requires_grad and _plain_autograd():
+    if not link.requires_grad and not transformed():  # requires_grad says all there is to say
         return link.detach().requires_grad_()
     return link
-
-
-def _plain_autograd() -> bool:
-    """Whether ``requires_grad`` says all there is to say: no forward-mode level, no ``torch.func`` transform."""
-    return getattr(_forward_ad, "_current_level", 0) < 0 and not torch._C._are_functorch_transforms_active()  # pyright: ignore[reportPrivateUsage]
 
 
 def merge_gradients(flags: Sequence[tuple[bool, ...]], results: int) -> list[bool]:

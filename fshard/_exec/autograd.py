@@ -35,12 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
 from fshard._base.calls import set_records_gradient
 from fshard._base.compile import opaque
-from fshard._base.function import apply
+from fshard._base.function import apply, transformed
 from fshard._errors import SpecError
 from fshard._exec import flight as _flight
 from fshard._exec import gathered as _varying
@@ -154,8 +153,7 @@ def _observed(args: Sequence[Any]) -> bool:
         for a in args:
             if isinstance(a, torch.Tensor) and a.requires_grad:
                 return True
-    # torch offers no public check for an active torch.func transform.
-    return torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0  # pyright: ignore[reportPrivateUsage]
+    return transformed()
 
 
 def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -215,7 +213,7 @@ def _records(args: Sequence[Any]) -> bool:
     does not tell it alike on every rank (a batched ``p * x`` reads False where ``p`` requires
     grad).
     """
-    if _BATCHING.on or torch._C._are_functorch_transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0:  # pyright: ignore[reportPrivateUsage]
+    if _BATCHING.on or transformed():
         return False
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
