@@ -223,8 +223,10 @@ def test_a_truncated_file_is_caught(saved):
     root, _ = saved
     path = _files(root)["rank-00001.safetensors"]
     os.truncate(path, path.stat().st_size - 7)
-    with pytest.raises(fshard.CheckpointError, match=r"rank-00001\.safetensors has \d+ bytes.*truncated.*\['x'\]@3:6"):
+    truncated = r"^Checkpoint file [^:]*rank-00001\.safetensors has \d+ bytes.*truncated.*\['x'\]@3:6"
+    with pytest.raises(fshard.CheckpointError, match=truncated) as e:
         fshard.load(root, verify=False)
+    assert str(e.value).count("Checkpoint file") == 1  # said once, not wrapped in a second message
 
 
 def test_a_missing_file_is_caught(saved):

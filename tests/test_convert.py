@@ -203,8 +203,7 @@ def test_cli_convert_and_info(dcp_folder: Path, tmp_path: Path, capsys: pytest.C
     assert cli.main(["info", str(dcp_folder)], prog="fshard") == 0
     text = capsys.readouterr().out.splitlines()
     assert (
-        text[0]
-        == f"torch DCP checkpoint {dcp_folder} (version 1.0.0): 6 tensors (452 B) and 1 other entries in 1 files"
+        text[0] == f"torch DCP checkpoint {dcp_folder} (version 1.0.0): 6 tensors (452 B) and 1 other entry in 1 file"
     )
     assert "model.proj: float32 (5, 8), 1 chunk in __0_0.distcp" in text
     assert "epoch: not a tensor (1261 bytes in __0_0.distcp; fshard.load returns them raw)" in text
@@ -216,10 +215,22 @@ def test_cli_info_of_a_hugging_face_folder(tmp_path: Path, capsys: pytest.Captur
     save_file({"b": torch.zeros(2, 3), "a": torch.ones(4, dtype=torch.int8)}, tmp_path / "model.safetensors")
     assert cli.main(["info", str(tmp_path)], prog="fshard") == 0
     assert capsys.readouterr().out.splitlines() == [
-        f"Hugging Face safetensors {tmp_path}: 2 tensors (28 B) in 1 files",
+        f"Hugging Face safetensors {tmp_path}: 2 tensors (28 B) in 1 file",
         "a: int8 (4,) in model.safetensors",
         "b: float32 (2, 3) in model.safetensors",
     ]
+
+
+def test_info_of_a_folder_without_tensors_names_its_file(tmp_path: Path) -> None:
+    fshard.save_safetensors(tmp_path, {})  # writes model.safetensors, holding no tensor
+    assert fshard.checkpoint_info(tmp_path) == f"Hugging Face safetensors {tmp_path}: 0 tensors (0 B) in 1 file"
+
+
+def test_info_of_a_dcp_entry_without_elements(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process"
+        dcp.save({"z": torch.zeros(0, 3), "w": torch.ones(2)}, checkpoint_id=tmp_path, no_dist=True)
+    assert "z: float32 (0, 3), 0 chunks (no elements to store)" in fshard.checkpoint_info(tmp_path).splitlines()
 
 
 @pytest.mark.parametrize(

@@ -115,7 +115,16 @@ class Locator:
     def _safetensors(self, path: Path, entry: TensorEntry, chunk: Chunk) -> Stored:
         key = (path, chunk.offset)  # where the rank's safetensors file starts, after its non-tensor entries
         if key not in self.headers:
-            self.headers[key] = safetensors_header(self.files, path, chunk.offset)
+            try:
+                self.headers[key] = safetensors_header(self.files, path, chunk.offset)
+            except CheckpointError as exc:  # no zip signature either: neither format's start
+                why = str(exc).rpartition(": ")[2].rstrip(".")  # the reader's reason, without the path again
+                msg = (
+                    f"DCP file {path}, chunk {chunk.offsets} of {entry.name!r} (bytes {chunk.offset}+{chunk.length}), "
+                    f"starts as neither a torch.save archive (a zip) nor a safetensors file ({why}): the file is "
+                    "damaged. Save the checkpoint again, or restore the file."
+                )
+                raise CheckpointError(msg) from None
         header = self.headers[key]
         stored = safetensors_tensor(self.files, path, entry.name, header)
         if stored.dtype != entry.dtype or stored.shape != chunk.sizes:

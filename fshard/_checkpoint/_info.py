@@ -11,7 +11,7 @@ from fshard._checkpoint._dcp_meta import BytesEntry, TensorEntry, read_metadata
 from fshard._checkpoint._detect import checkpoint_kind
 from fshard._checkpoint._format import Saved, checkpoint_path, human, read_index
 from fshard._checkpoint._schema import saved_leaves
-from fshard._checkpoint._sources import open_source
+from fshard._checkpoint._sources import hf_files, open_source
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 
@@ -51,12 +51,18 @@ def checkpoint_info(path: str | os.PathLike[str]) -> str:
     total = sum(f["bytes"] for f in index["files"].values())
     files = len(index["files"])
     lines = [
-        f"fshard checkpoint {root} (format {index['version']}): {len(saved)} leaves, {human(total)} in {files} files"
+        f"fshard checkpoint {root} (format {index['version']}): {_n(len(saved), 'leaf', 'leaves')}, {human(total)} "
+        f"in {_n(files, 'file')}"
     ]
     for s in saved:
         lines.extend(_describe_leaf(s))
     lines.append("files: " + ", ".join(f"{k} ({human(v['bytes'])})" for k, v in index["files"].items()))
     return "\n".join(lines)
+
+
+def _n(count: int, one: str, many: str = "") -> str:
+    """``count`` and the noun: ``one`` for one, else ``many`` (``one`` + "s" by default)."""
+    return f"{count} {one if count == 1 else many or one + 's'}"
 
 
 def _describe_leaf(s: Saved) -> list[str]:
@@ -86,8 +92,9 @@ def _dcp_info(root: Path) -> str:
     sizes = {f: (root / f).stat().st_size if (root / f).is_file() else 0 for f in files}
     others = len(md.entries) - len(md.tensors)
     lines = [
-        f"torch DCP checkpoint {root} (version {md.version}): {len(md.tensors)} tensors "
-        f"({human(sum(e.nbytes for e in md.tensors))}) and {others} other entries in {len(files)} files"
+        f"torch DCP checkpoint {root} (version {md.version}): {_n(len(md.tensors), 'tensor')} "
+        f"({human(sum(e.nbytes for e in md.tensors))}) and {_n(others, 'other entry', 'other entries')} in "
+        f"{_n(len(files), 'file')}"
     ]
     for e in md.entries:
         lines.extend(_dcp_entry(e))
@@ -101,7 +108,7 @@ def _dcp_entry(e: TensorEntry | BytesEntry) -> list[str]:
     kept = [c for c in e.chunks if c.numel]
     files = sorted({c.file for c in kept})
     head = f"{e.name}: {str(e.dtype).removeprefix('torch.')} {e.shape}, {len(kept)} chunk{'s' * (len(kept) != 1)}"
-    head += f" in {', '.join(files[:4])}{' ...' if len(files) > 4 else ''}"
+    head += f" in {', '.join(files[:4])}{' ...' if len(files) > 4 else ''}" if files else " (no elements to store)"
     if not kept or len(e.shape) == 0:
         return [head]
     layout = Layout(e.shape, [ShardMeta(c.offsets, c.sizes, Placement(_writer(c.file))) for c in kept])
@@ -112,9 +119,10 @@ def _hf_info(root: Path) -> str:
     with contextlib.ExitStack() as stack:
         source = open_source(root, stack)
         where = [source.file_of(k) for k in range(len(source.items))]
-    files = sorted(set(where))
+    files = sorted(p.name for p in hf_files(root))  # a file of no tensors too (save_safetensors of {})
     total = sum(i.nbytes for i in source.items)
-    lines = [f"Hugging Face safetensors {root}: {len(source.items)} tensors ({human(total)}) in {len(files)} files"]
+    tensors = _n(len(source.items), "tensor")
+    lines = [f"Hugging Face safetensors {root}: {tensors} ({human(total)}) in {_n(len(files), 'file')}"]
     for item, file in sorted(zip(source.items, where), key=lambda pair: pair[0].name):
         lines.append(f"{item.name}: {str(item.dtype).removeprefix('torch.')} {item.shape} in {file}")
     return "\n".join(lines)

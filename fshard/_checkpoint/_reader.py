@@ -37,19 +37,22 @@ class Reader:
 
     def _open(self, path: Path, tensor: str, saved: Saved) -> Any:
         """``safe_open(path)`` once its size matches the index; ``tensor`` and ``saved`` name what needs it."""
+        missing = f"Checkpoint file {path} is missing (it holds tensor {tensor!r} of leaf {saved.where})."
         try:
             size = path.stat().st_size
-            want = self.files[path.name]["bytes"]
-            if size != want:
-                msg = (
-                    f"Checkpoint file {path} has {size} bytes, index.json records {want}: it was truncated or "
-                    f"replaced (needed for tensor {tensor!r} of leaf {saved.where})."
-                )
-                raise CheckpointError(msg)
+        except FileNotFoundError:
+            raise CheckpointError(missing) from None
+        want = self.files[path.name]["bytes"]
+        if size != want:
+            msg = (
+                f"Checkpoint file {path} has {size} bytes, index.json records {want}: it was truncated or "
+                f"replaced (needed for tensor {tensor!r} of leaf {saved.where})."
+            )
+            raise CheckpointError(msg)
+        try:
             return safe_open(str(path), framework="pt")
         except FileNotFoundError:
-            msg = f"Checkpoint file {path} is missing (it holds tensor {tensor!r} of leaf {saved.where})."
-            raise CheckpointError(msg) from None
+            raise CheckpointError(missing) from None
         except RuntimeError as exc:  # torch maps the file by its name again, so it can vanish since the stat
             if path.exists():
                 raise CheckpointError(f"Checkpoint file {path} cannot be mapped: {exc}.") from None

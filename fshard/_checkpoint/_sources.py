@@ -27,7 +27,7 @@ from fshard._checkpoint._schema import saved_leaves
 from fshard._checkpoint._tree import unflatten
 from fshard._errors import CheckpointError
 
-__all__ = ["Item", "Source", "open_source"]
+__all__ = ["Item", "Source", "hf_files", "open_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +197,7 @@ class _Hf(Source):
     def __init__(self, root: Path, stack: contextlib.ExitStack) -> None:
         super().__init__(root, "hf", stack)
         self.stored: list[Stored] = []
-        for path in _hf_files(root):
+        for path in hf_files(root):
             header = safetensors_header(self.files, path)
             for name in header[1]:
                 if name != "__metadata__":
@@ -216,7 +216,8 @@ class _Hf(Source):
         return self.stored[k].path.name
 
 
-def _hf_files(root: Path) -> list[Path]:
+def hf_files(root: Path) -> list[Path]:
+    """The safetensors files of the Hugging Face checkpoint at ``root``: a file, or a folder (with an index or not)."""
     if root.is_file():
         return [root]
     index = root / HF_INDEX
