@@ -151,6 +151,31 @@ def test_a_rule_that_lays_out_a_tied_name_otherwise_is_refused_not_ignored() -> 
     assert params["wte.weight"].layout == fshard.Chunk(0, RANKS).layout(tuple(model.wte.weight.shape))
 
 
+class _ParamAlsoBuffer(torch.nn.Module):
+    def __init__(self, buffer_first: bool) -> None:
+        super().__init__()
+        w = torch.nn.Parameter(torch.randn(4, 4))
+        self.a = torch.nn.Module()
+        self.lin = torch.nn.Linear(4, 4, bias=False)
+        if buffer_first:  # named_modules() meets self.a first
+            self.a.register_buffer("w", w)
+            self.lin.weight = w
+        else:
+            self.lin.weight = w
+            self.a.register_buffer("w", w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + x @ self.a.w
+
+
+@pytest.mark.parametrize("buffer_first", [False, True], ids=["parameter-first", "buffer-first"])
+def test_a_tensor_that_is_a_parameter_and_a_buffer_is_refused_naming_both(buffer_first: bool) -> None:
+    model = _ParamAlsoBuffer(buffer_first)
+    both = r"one tensor as parameter 'lin\.weight' and as buffer 'a\.w'"
+    with pytest.raises(fshard.SpecError, match=both):  # not a trainable parameter kept as a buffer
+        fshard.shard_module(model, fshard.fully_sharded(RANKS))
+
+
 @pytest.mark.parametrize("rules", ["replicated", "fully_sharded"])
 def test_a_tied_gpt_trains_like_the_dense_model(rules: str) -> None:
     model, dense = gpt(), gpt()
@@ -170,6 +195,30 @@ def test_trained_tied_parameters_load_back_into_a_module() -> None:
     fshard.load_state_dict(fresh, {**params, **buffers})
     assert fresh.head.weight is fresh.wte.weight
     torch.testing.assert_close(fresh.wte.weight, dense.wte.weight, rtol=0, atol=ATOL)
+
+
+class _Rope(torch.nn.Module):
+    """A buffer outside the state dict (as Hugging Face Llama's rotary ``inv_freq``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.inv_freq
+
+
+def test_a_buffer_outside_the_state_dict_loads_back_as_shard_module_returns_it() -> None:
+    params, buffers = fshard.shard_module(_Rope(), fshard.fully_sharded(RANKS))
+    assert "inv_freq" in buffers
+    changed = {**params, "inv_freq": buffers["inv_freq"] * 2}
+    fresh = _Rope()
+    fshard.load_state_dict(fresh, changed)
+    assert fresh.inv_freq.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert torch.equal(fresh.lin.weight, fshard.gather(params["lin.weight"]))
+    with pytest.raises(fshard.CheckpointError, match=r"buffer 'inv_freq' \(persistent=False\) a shape \(3,\)"):
+        fshard.load_state_dict(_Rope(), {**params, "inv_freq": torch.zeros(3)})
 
 
 def test_the_module_is_not_changed() -> None:

@@ -94,7 +94,14 @@ def _fingerprint(module: torch.nn.Module) -> tuple[Any, ...]:
 
 
 def _read(module: torch.nn.Module) -> Structure:
+    """The module's ``Structure``.
+
+    Raises:
+        SpecError: one tensor is registered as a parameter under one name and as a buffer under
+            another (fshard trains and shards the one, keeps the other as state: it cannot be both).
+    """
     first: dict[int, str] = {}
+    kinds: dict[int, str] = {}  # the kind of a tensor's first registration
     ties: list[tuple[str, str]] = []
     slots: dict[int, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {}
     homes: dict[str, tuple[int, str]] = {}
@@ -110,6 +117,8 @@ def _read(module: torch.nn.Module) -> Structure:
                     continue
                 name = f"{path}.{local}" if path else local
                 key = first.setdefault(id(t), name)
+                if kinds.setdefault(id(t), kind) != kind:
+                    raise SpecError(_both_kinds_message(key, name, kind))
                 if key != name:
                     ties.append((name, key))
                 elif kind == "_buffers":
@@ -124,6 +133,16 @@ def _read(module: torch.nn.Module) -> Structure:
     changing = set(updated)
     read_only = tuple(n for n in buffers if n not in changing)
     return Structure(params_names, tuple(buffers), tuple(ties), tuple(updated), read_only, frozen, homes)
+
+
+def _both_kinds_message(first: str, second: str, kind: str) -> str:
+    """The error of one tensor registered as a parameter (``first`` or ``second``) and as a buffer (the other)."""
+    param, buffer = (second, first) if kind == "_parameters" else (first, second)
+    return (
+        f"The module registers one tensor as parameter {param!r} and as buffer {buffer!r}: fshard shards and "
+        "trains a parameter and keeps a buffer as state, so one tensor cannot be both. Register it once (read "
+        f"{param!r} where {buffer!r} is used), or register a copy as the buffer."
+    )
 
 
 def _updatable(t: torch.Tensor) -> bool:

@@ -123,7 +123,9 @@ def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict:
 
     Args:
         module: changed in place, as ``torch.nn.Module.load_state_dict`` does.
-        tree: names as in ``module.state_dict()``, plus its sharded attributes; a tied
+        tree: names as in ``module.state_dict()``, plus its sharded attributes and its
+            buffers outside the state dict (``persistent=False``: ``fshard.shard_module``
+            returns them with the others; each is copied into the module's own); a tied
             tensor may appear under its first name only (as ``fshard.shard_module`` gives it).
         strict: as in ``torch.nn.Module.load_state_dict``.
 
@@ -135,7 +137,7 @@ def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict:
             ``strict`` not a bool.
         CheckpointError: the tree does not fit the module: missing or unexpected keys
             (``strict``) or shape mismatches, with torch's message (a ``RuntimeError``, as
-            torch raises).
+            torch raises); a buffer outside the state dict given another shape.
 
     >>> import tempfile, torch, fshard
     >>> torch.manual_seed(0) and None
@@ -168,10 +170,24 @@ def load_state_dict(module: torch.nn.Module, tree: Mapping[str, Any], *, strict:
     for alias, name in structure(module).ties:  # shard_module keeps a tied tensor under its first name only
         if alias not in full and name in full:
             full[alias] = full[name]
+    # Buffers outside the state dict (persistent=False), which shard_module returns as it returns the others.
+    transient = {n: (t, full.pop(n)) for n, t in module.named_buffers() if n not in known and n in full}
+    for name, (target, value) in transient.items():
+        if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            msg = (
+                f"load_state_dict() tree gives buffer {name!r} (persistent=False) a {got}, where the "
+                f"{type(module).__name__}'s is of shape {tuple(target.shape)}."
+            )
+            raise CheckpointError(msg)
     try:
-        return module.load_state_dict(full, strict=strict)
+        result = module.load_state_dict(full, strict=strict)
     except RuntimeError as exc:
         raise CheckpointError(f"load_state_dict() tree does not fit the {type(module).__name__}: {exc}") from exc
+    with torch.no_grad():
+        for target, value in transient.values():
+            target.copy_(value)
+    return result
 
 
 def _set_sharded_attribute(module: torch.nn.Module, name: str, value: Any) -> bool:
