@@ -197,6 +197,17 @@ def test_trained_tied_parameters_load_back_into_a_module() -> None:
     torch.testing.assert_close(fresh.wte.weight, dense.wte.weight, rtol=0, atol=ATOL)
 
 
+def test_a_weight_tied_across_stages_sharded_apart_is_warned_of() -> None:
+    emb, head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight  # a head tied to the embedding, in two stages
+    fshard.shard_module(emb, fshard.fully_sharded(RANKS))
+    tied = r"parameter 'weight' of this Linear was made an array before as 'weight' of a Embedding .* tie is lost"
+    with pytest.warns(UserWarning, match=tied) as seen:
+        fshard.shard_module(head, fshard.fully_sharded(RANKS))
+    assert seen[0].filename == __file__  # at the caller's line
+    fshard.shard_module(head, fshard.fully_sharded(RANKS))  # the same module again: nothing to warn of
+
+
 class _Rope(torch.nn.Module):
     """A buffer outside the state dict (as Hugging Face Llama's rotary ``inv_freq``)."""
 
@@ -506,6 +517,31 @@ def apply_assigning(model: torch.nn.Module) -> dict[str, fshard.ShardedArray]:
     return fshard.apply_module(model, params, buffers, fshard.shard(torch.randn(8, 4), fshard.Chunk(0, RANKS)))[1]
 
 
+class Writing(Assigning):
+    """Writes into its buffer ``name`` in place in the forward."""
+
+    def forward(self, xb: torch.Tensor) -> torch.Tensor:
+        getattr(self, self.name).add_(1)
+        return self.lin(xb)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (Writing("ema", torch.zeros(4), persistent=False), "a non-persistent buffer: only the persistent"),
+        (Writing("ema", torch.zeros(4)).eval(), "a buffer of a submodule in eval mode (Writing)"),
+    ],
+    ids=["non-persistent", "eval-mode"],
+)
+def test_writing_into_a_read_only_buffer_in_place_is_refused_naming_it_and_its_fix(model, message: str) -> None:
+    before = model.ema.clone()
+    refused = r"^apply_module\(\): the forward wrote in place into buffer 'ema', "
+    with pytest.raises(fshard.SpecError, match=refused) as info:
+        apply_assigning(model)
+    assert message in str(info.value)
+    assert torch.equal(model.ema, before)  # the module's own buffer, and the array's, are as they were
+
+
 @pytest.mark.parametrize(
     ("model", "message"),
     [
@@ -594,6 +630,17 @@ def test_apply_module_refuses_parameters_of_another_module() -> None:
     tokens, _ = batch(0)
     with pytest.raises(fshard.SpecError, match=re.escape("unexpected ['head.weight']")):
         fshard.apply_module(gpt(), params, buffers, fshard.shard(tokens, fshard.Chunk(0, RANKS)))
+
+
+@pytest.mark.parametrize(("name", "shape"), [("bias", (1,)), ("weight", (3, 5))], ids=["broadcastable", "unfit"])
+def test_apply_module_refuses_an_array_of_another_shape_naming_it(name: str, shape: tuple[int, ...]) -> None:
+    model = torch.nn.Linear(4, 3)
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    params[name] = fshard.shard(torch.ones(shape), fshard.Replicated(RANKS))  # a (1,) bias would broadcast
+    want = tuple(getattr(model, name).shape)
+    refused = re.escape(f"params[{name!r}] has shape {shape}, where the Linear's parameter {name!r} has shape {want}")
+    with pytest.raises(fshard.SpecError, match=refused):
+        fshard.apply_module(model, params, buffers, fshard.shard(torch.randn(8, 4), fshard.Chunk(0, RANKS)))
 
 
 def test_the_default_out_spec_follows_the_rows() -> None:

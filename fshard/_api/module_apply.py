@@ -30,6 +30,7 @@ from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import body as _body
 from fshard._exec.collective import collective
+from fshard._exec.readonly import wrote_into
 from fshard._layout.layout import Layout
 from fshard._layout.placement import Placement
 from fshard._layout.precision import check_precision
@@ -133,8 +134,8 @@ def apply_module(
         )
         raise TypeError(msg)
     found = structure(module)
-    _check_names("params", params, found.params)
-    _check_names("buffers", buffers, found.buffers)
+    _check_names("params", params, found.params, found.shapes, module)
+    _check_names("buffers", buffers, found.buffers, found.shapes, module)
     pnames, bnames, keys = list(found.params), list(found.buffers), list(kwargs)
     inputs = [*args, *kwargs.values()]
     placements = _placements(inputs, params)
@@ -160,8 +161,14 @@ def apply_module(
         clone = clone_tree(module, found, ps, bs, memo, torch.is_grad_enabled(), rows)
         rest = blocks[len(pnames) + len(bnames) :]
         call_args, call_kwargs = rest[:n_args], dict(zip(keys, rest[n_args:]))
-        with _local_heads_hint(tp):
-            out = clone(*call_args, **call_kwargs) if method is None else method(clone, *call_args, **call_kwargs)
+        try:
+            with _local_heads_hint(tp):
+                out = clone(*call_args, **call_kwargs) if method is None else method(clone, *call_args, **call_kwargs)
+        except SpecError as error:  # a write into a read-only buffer: named, with its own fix
+            name = next((n for n in found.read_only if wrote_into(error, bs[n])), None)
+            if name is None:
+                raise
+            raise SpecError(_replaced_message(found, memo, name, bs[name].dtype, "wrote in place into")) from None
         if out_specs is not None and not torch.compiler.is_compiling():  # named as the caller wrote it
             check_out_specs(out_specs, out, "apply_module()", "the module")
         _keep(kept, found, memo, bs, olds)
@@ -242,7 +249,10 @@ def _local_heads_hint(tp: TensorParallel | None) -> Generator[None, None, None]:
         raise SpecError(msg) from exc
 
 
-def _check_names(what: str, given: Mapping[str, Any], names: Sequence[str]) -> None:
+def _check_names(
+    what: str, given: Mapping[str, Any], names: Sequence[str], shapes: Mapping[str, tuple[int, ...]], module: Any
+) -> None:
+    """Refuses ``given`` (``params`` or ``buffers``) unless it holds an array of the module's shape for each name."""
     if not isinstance(given, Mapping):
         raise TypeError(f"apply_module() {what} must be a mapping of names to arrays, got {type(given).__name__}.")
     missing = [n for n in names if n not in given]
@@ -258,6 +268,14 @@ def _check_names(what: str, given: Mapping[str, Any], names: Sequence[str]) -> N
     bad = next((n for n in names if not isinstance(given[n], ShardedArray)), None)
     if bad is not None:
         raise SpecError(f"apply_module() {what}[{bad!r}] is a {type(given[bad]).__name__}, not a ShardedArray.")
+    bad = next((n for n in names if tuple(given[n].shape) != shapes[n]), None)
+    if bad is not None:
+        msg = (
+            f"apply_module() {what}[{bad!r}] has shape {tuple(given[bad].shape)}, where the "
+            f"{type(module).__name__}'s {'parameter' if what == 'params' else 'buffer'} {bad!r} has shape "
+            f"{shapes[bad]}: pass the arrays that fshard.shard_module made of this module (or arrays of its shapes)."
+        )
+        raise SpecError(msg)
 
 
 def _placements(inputs: Sequence[Any], params: Mapping[str, ShardedArray]) -> list[Placement]:
@@ -347,8 +365,10 @@ def _keep(
     kept[here.placements[here.index]] = values
 
 
-def _replaced_message(found: Structure, memo: Mapping[int, torch.nn.Module], name: str, dtype: torch.dtype) -> str:
-    """Why buffer ``name`` is read-only, and how to make it come back."""
+def _replaced_message(
+    found: Structure, memo: Mapping[int, torch.nn.Module], name: str, dtype: torch.dtype, how: str = "replaced"
+) -> str:
+    """Why buffer ``name`` is read-only (the forward ``how`` it: replaced it, or wrote into it), and the fix."""
     owner, local = found.homes[name]
     module = memo[owner]
     if local in vars(module)["_non_persistent_buffers_set"]:
@@ -361,7 +381,7 @@ def _replaced_message(found: Structure, memo: Mapping[int, torch.nn.Module], nam
         why = f"a {dtype} buffer, which has no mean over the placements"
         fix = "keep it in a real or bool dtype (torch.view_as_real for a complex one)"
     return (
-        f"apply_module(): the forward replaced buffer {name!r}, {why}: only the persistent buffers of submodules "
+        f"apply_module(): the forward {how} buffer {name!r}, {why}: only the persistent buffers of submodules "
         f"in training mode come back in new_buffers, the others are read-only, so the new value would be lost. "
         f"For its update to come back, {fix}; or leave the buffer as it is."
     )

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fshard._api.module_tp import TensorParallel
 from fshard._api.shard import shard
@@ -51,6 +53,7 @@ class Structure:
     read_only: tuple[str, ...]  # the other buffers, which the forward may neither update nor replace
     slots: Mapping[int, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]]
     homes: Mapping[str, tuple[int, str]]
+    shapes: Mapping[str, tuple[int, ...]]  # each parameter's and buffer's shape, by its first name
 
 
 _CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], Structure]] = weakref.WeakKeyDictionary()
@@ -102,6 +105,7 @@ def _read(module: torch.nn.Module) -> Structure:
     """
     first: dict[int, str] = {}
     kinds: dict[int, str] = {}  # the kind of a tensor's first registration
+    shapes: dict[str, tuple[int, ...]] = {}
     ties: list[tuple[str, str]] = []
     slots: dict[int, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {}
     homes: dict[str, tuple[int, str]] = {}
@@ -117,6 +121,7 @@ def _read(module: torch.nn.Module) -> Structure:
                     continue
                 name = f"{path}.{local}" if path else local
                 key = first.setdefault(id(t), name)
+                shapes.setdefault(key, tuple(t.shape))
                 if kinds.setdefault(id(t), kind) != kind:
                     raise SpecError(_both_kinds_message(key, name, kind))
                 if key != name:
@@ -132,7 +137,7 @@ def _read(module: torch.nn.Module) -> Structure:
     frozen = {k: (tuple(p), tuple(b)) for k, (p, b) in slots.items()}
     changing = set(updated)
     read_only = tuple(n for n in buffers if n not in changing)
-    return Structure(params_names, tuple(buffers), tuple(ties), tuple(updated), read_only, frozen, homes)
+    return Structure(params_names, tuple(buffers), tuple(ties), tuple(updated), read_only, frozen, homes, shapes)
 
 
 def _both_kinds_message(first: str, second: str, kind: str) -> str:
@@ -201,8 +206,9 @@ def shard_module(
     rule). Every parameter needs a rule; a buffer that none names is ``Replicated`` over the
     parameters' placements. A parameter reached under several names (tied weights: a
     language model's embedding and head) is one array, under its first name: ``apply_module``
-    uses it in every place, so its gradient is the sum of its uses. Parameter arrays
-    require grad where the module's parameters do; buffers never do.
+    uses it in every place, so its gradient is the sum of its uses (a Parameter that two
+    modules sharded apart share, such as stages of one model, is two arrays: the second
+    call warns). Parameter arrays require grad where the module's parameters do; buffers never do.
 
     Pure: the module is not changed and the arrays share no memory with it. Every rank
     passes the full tensors and slices its own boxes: nothing is sent.
@@ -250,7 +256,37 @@ def shard_module(
     default = _default_buffer_spec(layouts, found)
     params = {name: _param(tensors[name], layouts[name], backend) for name in found.params}
     buffers = {n: _buffer(n, tensors[n], layouts, default, backend) for n in found.buffers}
+    _note_sharded(module, {name: tensors[name] for name in found.params})
     return params, buffers
+
+
+# Each parameter that shard_module has made an array of, by the parameter, weakly: the module it read it in
+# (weakly) and its name there.
+_SHARDED: Any = WeakIdKeyDictionary()
+
+
+def _note_sharded(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+    """Warns where a parameter was made an array of before, reading another module that is still alive.
+
+    A model split into stages (the embeddings, the blocks, the head), each sharded on its own,
+    makes two arrays of a Parameter that two stages share (a head tied to the embedding):
+    trained apart, the tie is lost. Sharding one module again, or a module after another one
+    has been let go, is not warned of.
+    """
+    for name, t in params.items():
+        before = _SHARDED.get(t)
+        if before is not None:
+            other = before[0]()
+            if other is not None and other is not module:
+                warnings.warn(
+                    f"shard_module(): parameter {name!r} of this {type(module).__name__} was made an array before "
+                    f"as {before[1]!r} of a {type(other).__name__} (a weight tied across stages?). The two arrays "
+                    "are trained apart, so the tie is lost: shard the shared Parameter once and pass that array "
+                    "to both stages' apply_module (params={..., name: array}).",
+                    UserWarning,
+                    stacklevel=5,
+                )
+        _SHARDED[t] = (weakref.ref(module), name)
 
 
 def _rule_function(rules: Any) -> Callable[[str, torch.Tensor], Any]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Callable, Generator, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "running", "unchecked", "versions"]
+__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "running", "unchecked", "versions", "wrote_into"]
 
 T = TypeVar("T")
 
@@ -112,7 +112,7 @@ class _ReadOnly(TorchDispatchMode):
         for position, name in written:  # most ops write nothing: no loop, no lookups
             value = args[position] if position < len(args) else kwargs.get(name) if kwargs else None
             if self._aliases_input(value):
-                self._refuse(func, name)
+                self._refuse(func, name, value)
         return func(*args, **kwargs) if kwargs else func(*args)
 
     def _aliases_input(self, value: Any) -> bool:
@@ -122,7 +122,7 @@ class _ReadOnly(TorchDispatchMode):
             return any(self._aliases_input(v) for v in value)  # pyright: ignore[reportUnknownVariableType]
         return False
 
-    def _refuse(self, func: Any, name: str) -> None:
+    def _refuse(self, func: Any, name: str, value: Any) -> None:
         schema = func._schema
         op = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
         msg = (
@@ -132,7 +132,17 @@ class _ReadOnly(TorchDispatchMode):
             "unchanged. Return a new tensor instead (t * 10, not t.mul_(10); no out= into an input), "
             "or write into a tensor fn makes itself (y = t.clone(); y.mul_(10))."
         )
-        raise SpecError(msg)
+        error = SpecError(msg)
+        error._fshard_written = value  # type: ignore[attr-defined]  # what a caller may name better (wrote_into)
+        raise error
+
+
+def wrote_into(error: BaseException, t: torch.Tensor) -> bool:
+    """Whether ``error`` is the in-place check's refusal of a write into the memory of ``t``."""
+    value: Any = getattr(error, "_fshard_written", None)
+    values = cast("Sequence[Any]", value if isinstance(value, (list, tuple)) else (value,))
+    target = _storage(t)
+    return any(isinstance(v, torch.Tensor) and _storage(v) == target for v in values)
 
 
 # Calls that write into none of their arguments: each of their aten ops has no argument that its
