@@ -257,8 +257,11 @@ def test_a_checkpointed_gpt_trains_like_the_dense_model_for_5_steps(rules: str) 
 def test_reentrant_checkpointing_is_refused() -> None:
     model = gpt(reentrant=True)
     params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
-    with pytest.raises(fshard.SpecError, match=re.escape("Pass use_reentrant=False to checkpoint()")):
+    with pytest.raises(fshard.SpecError, match=re.escape("Pass use_reentrant=False to checkpoint()")) as info:
         fshard_steps(model, params, buffers, 1, RANKS)
+    name = re.search(r"parameter '([\w.]+)' was read inside", str(info.value))
+    assert name is not None
+    assert name[1] in params  # its name in the module applied, not its submodule's
 
 
 # -- buffers --------------------------------------------------------------------------------

@@ -41,19 +41,21 @@ class _Parameters(dict[str, Any]):
     with grad enabled, so a read without grad is worth a look at the call stack.
     """
 
-    __slots__ = ("guard",)
+    __slots__ = ("guard", "names")
 
-    def __init__(self, items: Any, guard: bool) -> None:
+    def __init__(self, items: Any, guard: bool, names: Mapping[str, str]) -> None:
         super().__init__(items)
         self.guard = guard
+        self.names = names  # each local name's dotted name in the module applied
 
     def __getitem__(self, name: str) -> Any:
         value = super().__getitem__(name)
         if self.guard and not torch.is_grad_enabled() and value is not None and _in_reentrant_checkpoint():
             msg = (
-                f"apply_module(): parameter {name!r} was read inside torch.utils.checkpoint with use_reentrant=True "
-                "(torch's default), whose backward recomputes in a nested backward pass that the movements of "
-                "sharded parameters cannot take part in. Pass use_reentrant=False to checkpoint()."
+                f"apply_module(): parameter {self.names.get(name, name)!r} was read inside torch.utils.checkpoint "
+                "with use_reentrant=True (what torch uses where use_reentrant is not given), whose backward "
+                "recomputes in a nested backward pass that the movements of sharded parameters cannot take part "
+                "in. Pass use_reentrant=False to checkpoint()."
             )
             raise SpecError(msg)
         return value
@@ -105,7 +107,7 @@ def clone_tree(
     state = vars(out)
     names = dict(own_params)
     filled = {k: None if v is None else params[names[k]] for k, v in old["_parameters"].items()}
-    state["_parameters"] = _Parameters(filled, guard)
+    state["_parameters"] = _Parameters(filled, guard, names)
     names = dict(own_buffers)
     state["_buffers"] = {k: None if v is None else buffers[names[k]] for k, v in old["_buffers"].items()}
     children = cast("dict[str, torch.nn.Module | None]", old["_modules"])
