@@ -520,6 +520,41 @@ def apply_assigning(model: torch.nn.Module) -> dict[str, fshard.ShardedArray]:
     return fshard.apply_module(model, params, buffers, fshard.shard(torch.randn(8, 4), fshard.Chunk(0, RANKS)))[1]
 
 
+class _Counter(torch.nn.Module):
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            self.count.add_(1)
+        else:
+            self.count = self.count + 1
+        return x
+
+
+class _TiedCounters(torch.nn.Module):
+    """One buffer in two submodules; the forward updates it through the second one."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        count = torch.zeros(())
+        self.a, self.b = _Counter(in_place), _Counter(in_place)
+        self.a.register_buffer("count", count)
+        self.b.register_buffer("count", count)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.b(x))
+
+
+def test_a_tied_buffer_replaced_under_its_second_name_is_refused_and_updated_in_place_comes_back() -> None:
+    lost = r"replaced buffer 'b\.count', the same tensor as buffer 'a\.count': only 'a\.count' comes back"
+    with pytest.raises(fshard.SpecError, match=lost):
+        apply_assigning(_TiedCounters(in_place=False))
+    assert fshard.gather(apply_assigning(_TiedCounters(in_place=True))["a.count"]).item() == 1.0
+
+
 class Writing(Assigning):
     """Writes into its buffer ``name`` in place in the forward."""
 

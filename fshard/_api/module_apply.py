@@ -359,10 +359,33 @@ def _keep(
     for name in found.read_only:
         if _held(found, memo, name) is not given[name]:
             raise SpecError(_replaced_message(found, memo, name, given[name].dtype))
+    _check_aliases(found, memo)
     here = _body.current()
     assert here is not None, "apply_module's body runs inside its shard_map"
     values = {name: _checked_value(name, _held(found, memo, name), old) for name, old in olds.items()}
     kept[here.placements[here.index]] = values
+
+
+def _check_aliases(found: Structure, memo: Mapping[int, torch.nn.Module]) -> None:
+    """Refuses a buffer that the forward replaced under another name than its first (a tied buffer's alias).
+
+    Its first name's place is what comes back (``_held``): a new value in another place of the
+    same tensor would be lost.
+    """
+    for owner, (_, buffers) in found.slots.items():
+        clone = memo.get(owner)
+        if clone is None or not buffers:
+            continue
+        held = vars(clone)["_buffers"]
+        for local, name in buffers:
+            if found.homes.get(name) != (owner, local) and held.get(local) is not _held(found, memo, name):
+                alias = next((a for a, n in found.ties if n == name and a.rpartition(".")[2] == local), local)
+                msg = (
+                    f"apply_module(): the forward replaced buffer {alias!r}, the same tensor as buffer {name!r}: "
+                    f"only {name!r} comes back in new_buffers, so the new value would be lost. Assign it through "
+                    f"{name!r} (or update it in place), or register two buffers."
+                )
+                raise SpecError(msg)
 
 
 def _replaced_message(
