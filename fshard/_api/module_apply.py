@@ -268,7 +268,7 @@ def _check_names(
     bad = next((n for n in names if not isinstance(given[n], ShardedArray)), None)
     if bad is not None:
         raise SpecError(f"apply_module() {what}[{bad!r}] is a {type(given[bad]).__name__}, not a ShardedArray.")
-    bad = next((n for n in names if tuple(given[n].shape) != shapes[n]), None)
+    bad = next((n for n in names if given[n].shape != shapes[n]), None)  # a torch.Size equals its tuple
     if bad is not None:
         msg = (
             f"apply_module() {what}[{bad!r}] has shape {tuple(given[bad].shape)}, where the "
