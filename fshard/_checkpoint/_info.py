@@ -107,7 +107,7 @@ def _dcp_entry(e: TensorEntry | BytesEntry) -> list[str]:
         return [f"{e.name}: not a tensor ({e.length} bytes in {e.file}; fshard.load returns them raw)"]
     kept = [c for c in e.chunks if c.numel]
     files = sorted({c.file for c in kept})
-    head = f"{e.name}: {str(e.dtype).removeprefix('torch.')} {e.shape}, {len(kept)} chunk{'s' * (len(kept) != 1)}"
+    head = f"{e.name}: {str(e.dtype).removeprefix('torch.')} {e.shape}, {_n(len(kept), 'chunk')}"
     head += f" in {', '.join(files[:4])}{' ...' if len(files) > 4 else ''}" if files else " (no elements to store)"
     if not kept or len(e.shape) == 0:
         return [head]
