@@ -595,7 +595,8 @@ def test_a_tree_of_one_movement_has_no_node_in_front_and_of_several_has_one() ->
     unlike = [fshard.shard(torch.ones(4, 2), rows), fshard.shard(torch.ones(6), rows)]
     for tree in (alike, unlike):
         for a in tree:
-            a.addressable_data[0].requires_grad_()
+            for t in a.addressable_data:  # on every rank, as processes require
+                t.requires_grad_()
 
     def nodes(tree: list[fshard.ShardedArray]) -> set[str]:
         return {type(a.addressable_data[0].grad_fn).__name__ for a in fshard.reshard(tree, every)}

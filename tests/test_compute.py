@@ -404,7 +404,10 @@ def test_global_norm_gives_every_copy_the_gradient():
     torch.testing.assert_close(x.grad, torch.tensor([[0.6, 0.8]], dtype=torch.float64), rtol=1e-15, atol=0)
     w = fshard.shard(torch.tensor([3.0, 4.0], dtype=torch.float64), Replicated([0, 1]))
     blocks = [t.requires_grad_() for t in w.addressable_data]
-    (0.5 * fshard.global_norm({"w": w, "b": fshard.shard(X, Chunk(0, R))}) ** 2).backward()
+    b = fshard.shard(X, Chunk(0, R))
+    for t in b.addressable_data:  # each rank's share of the norm records a gradient, as processes require
+        t.requires_grad_()
+    (0.5 * fshard.global_norm({"w": w, "b": b}) ** 2).backward()
     for t in blocks:  # d(|w|^2 / 2)/dw = w, on both copies
         assert torch.equal(t.grad, torch.tensor([3.0, 4.0], dtype=torch.float64))
 

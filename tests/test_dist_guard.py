@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import fshard
+from fshard.backends.local import LocalBackend
 from fshard.backends.torch_dist._guard import inline_bytes
 
 pytestmark = pytest.mark.multiprocess
@@ -181,3 +182,58 @@ def _subset_programs():
 def test_ranks_that_hold_no_block_say_nothing_of_gradients(dist_pool):
     """Their link need not follow what the other ranks' function returned: the same values as the local backend."""
     assert dist_pool.run(_subset_programs, timeout=60) == [_subset_programs()] * 4
+
+
+def _mark(a, ranks):
+    """``requires_grad_()`` on the blocks of ``ranks`` that this process holds (every rank's on the local backend)."""
+    if a.backend.spans_processes:
+        blocks = a.addressable_data if a.backend.rank in ranks else ()
+    else:
+        blocks = [a.addressable_data[j] for r in ranks for j in a.layout.indices_on(r)]
+    for t in blocks:
+        t.requires_grad_()
+
+
+def _same_program(case):
+    """One program for either backend (no rank asked): the CollectiveMismatchError's message, or "no error"."""
+    rows = fshard.Chunk(0, RANKS)
+    a = fshard.shard(X, rows)
+    if case == "constant-on-one-shard":  # rank 2's block starts at X[4, 0] = 48: its body returns a constant
+        a = fshard.map_local(lambda t: t.detach().requires_grad_(), a)
+        loss_of = fshard.shard_map(
+            lambda t: t.sum()[None] if t[0, 0] != 48 else torch.zeros(1),
+            in_specs=rows,
+            out_specs=fshard.Partial(fshard.Replicated(RANKS)),
+        )
+        return _message(lambda: fshard.gather(loss_of(a)))
+    _mark(a, RANKS if case == "every-rank" else [0, 1, 3])
+    if case == "gather":
+        return _message(lambda: fshard.gather(a))
+    return _message(lambda: fshard.reshard(a, fshard.Chunk(1, RANKS)))
+
+
+@pytest.mark.parametrize("case", ["by-hand", "gather", "constant-on-one-shard", "every-rank"])
+def test_the_local_backend_refuses_what_processes_refuse(dist_pool, case):
+    """Ranks that disagree on recording a gradient through a movement: one program, the same ranks named."""
+    local, across = _same_program(case), dist_pool.run(_same_program, case, timeout=60)
+    if case == "every-rank":
+        assert local == "no error"
+        assert across == ["no error"] * 4
+        return
+    assert local.startswith("gather(dst=None) of " if case == "gather" else "reshard of "), local
+    assert "ranks [0, 1, 3] record a gradient through it and ranks [2] do not" in local, local
+    assert "Set requires_grad_() on the blocks of every rank, or on none" in local, local
+    for m in across:
+        assert "they differ in whether it records a gradient)" in m, m
+        assert "ranks [0, 1, 3] sent float32 (recording a gradient), " in m, m
+        assert "ranks [2] sent float32, " in m, m
+
+
+def test_the_local_backend_names_no_ranks_outside_its_group():
+    """As across processes: a group whose ranks do not all hold blocks of the source says nothing of gradients."""
+    four, eight = LocalBackend(world_size=4), LocalBackend(world_size=8)
+    for backend, refused in ((four, True), (eight, False)):
+        a = fshard.shard(X, fshard.Chunk(0, RANKS), backend=backend)
+        _mark(a, [0, 1, 3])
+        says = _message(lambda a=a: fshard.reshard(a, fshard.Chunk(1, RANKS)))
+        assert ("ranks [0, 1, 3] record a gradient through it and ranks [2] do not" in says) is refused, says

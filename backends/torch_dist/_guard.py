@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fshard._base.cache import cached
+from fshard._base.calls import RECORD_ALIKE
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError
 from fshard._layout.layout import Layout, layout_digest
@@ -60,12 +61,6 @@ _FIELDS = (("dtype", slice(2, 4)), ("operation", slice(4, 8)), ("source layout",
            ("destination layout", slice(12, 16)))  # fmt: skip
 _GRAD = 1 << 15
 # What to do where ranks would record a gradient through one movement and not all of them would.
-_RECORD_ALIKE = (
-    "its backward may be a collective that every rank must join (or the backward of the calls that made the "
-    "array). Set requires_grad_() on the blocks of every rank, or on none; return results computed from the "
-    "arguments on every rank (t.sum() * 0, not torch.zeros(1)), detached (t.detach()) on every rank or on none; "
-    "and use torch.no_grad() on every rank or on none."
-)
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _CPU = torch.device("cpu")
 # A peer's segment carries up to this many bytes of data behind its header, and every rank's
@@ -258,7 +253,7 @@ class Guard:
             "arguments, in the same order (SPMD); config(check_collectives=True) names the calls."
         )
         if "whether it records a gradient" in differ:
-            msg += f" Some ranks record a gradient through it and others do not: {_RECORD_ALIKE}"
+            msg += f" Some ranks record a gradient through it and others do not: {RECORD_ALIKE}"
         return CollectiveMismatchError(msg)
 
 

@@ -14,7 +14,15 @@ import contextlib
 import threading
 from collections.abc import Generator
 
-__all__ = ["call_name", "calling", "records_gradient", "set_records_gradient"]
+__all__ = ["RECORD_ALIKE", "call_name", "calling", "records_gradient", "set_records_gradient"]
+
+# What to do where ranks differ in recording a gradient through a movement (every backend says it alike).
+RECORD_ALIKE = (
+    "its backward may be a collective that every rank must join (or the backward of the calls that made the "
+    "array). Set requires_grad_() on the blocks of every rank, or on none; return results computed from the "
+    "arguments on every rank (t.sum() * 0, not torch.zeros(1)), detached (t.detach()) on every rank or on none; "
+    "and use torch.no_grad() on every rank or on none."
+)
 
 _LOCAL = threading.local()
 

@@ -37,16 +37,17 @@ import numpy as np
 import torch
 
 from fshard._base.cache import cached
-from fshard._base.calls import set_records_gradient
+from fshard._base.calls import RECORD_ALIKE, set_records_gradient
 from fshard._base.compile import opaque
 from fshard._base.function import apply, transformed
-from fshard._errors import SpecError
+from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._exec import flight as _flight
 from fshard._exec import gathered as _varying
 from fshard._exec.accumulate import key_of, set_aside, syncing, take_back
 from fshard._exec.replicas import check_global, checking
 from fshard._layout.batch import with_batch
 from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
+from fshard._layout.show import describe_layout
 from fshard._layout.specs import whole
 from fshard._plan import plan
 from fshard._plan.direct import Plan
@@ -171,11 +172,57 @@ def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
         return fn.forward(*args)
     if fn not in _MARKED or _in_backward() is not None or not _records(args):
         return apply(fn, *args)
+    _alike_in_one_process(fn, args)
     prior = set_records_gradient(True)
     try:
         return apply(fn, *args)
     finally:
         set_records_gradient(prior)
+
+
+def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]) -> None:
+    """Where one process runs every rank, raises where ranks disagree on recording a gradient (``_run``).
+
+    As the movement headers do across processes: a movement that sends data, where every
+    rank of the group holds blocks of the source and the blocks of some ranks require grad
+    while none of the others' do (set by hand, or a function that returned a constant on
+    some ranks). The group: ranks ``0 .. world_size - 1`` of a ``LocalBackend(world_size=n)``,
+    else the ranks the movement reaches. The cost: a look at each block where some do not
+    require grad, nothing where all do.
+
+    Raises:
+        CollectiveMismatchError: ranks of the group disagree, naming both sets of ranks.
+    """
+    if fn is _Regroup:  # no data moves in its forward: across processes it sends no header either
+        return
+    gathers = fn is _Assemble
+    backend = args[1] if gathers else args[2]
+    tensors = args[5:] if gathers else args[6:] if fn is _CastMove else args[4:]
+    if backend.spans_processes or all(t.requires_grad for t in tensors):
+        return
+    op, p = (
+        (f"gather(dst={args[2]})", _assemble_plan(args[0], backend, args[2]))
+        if gathers
+        else ("reshard", plan(args[0], args[1]))
+    )
+    if not p.min_elements_sent:
+        return
+    grad: dict[int, bool] = {}
+    for r, t in zip(p.src.columns.rank.tolist(), tensors):
+        grad[r] = grad.get(r, False) or t.requires_grad
+    world = getattr(backend, "world_size", 0)
+    group = range(world) if world else sorted({*grad, *p.dst.ranks})
+    if any(r not in grad for r in group):  # a rank without blocks: across processes it says nothing either
+        return
+    yes = [r for r in group if grad[r]]
+    no = [r for r in group if not grad[r]]
+    if yes and no:
+        msg = (
+            f"{op} of {describe_layout(p.src)}: ranks {yes} record a gradient through it and ranks {no} do not "
+            "(none of their blocks requires grad); across processes every rank raises at this movement, and so "
+            f"does this backend: {RECORD_ALIKE}"
+        )
+        raise CollectiveMismatchError(msg)
 
 
 # The autograd node whose backward runs on this thread, or None (torch's stub says it is never None).
