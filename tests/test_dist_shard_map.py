@@ -7,6 +7,8 @@ backend (in this process) and once on 4 Gloo processes, compared exactly (float6
 
 from __future__ import annotations
 
+import re
+
 import optree
 import pytest
 import torch
@@ -316,6 +318,39 @@ def test_a_closure_some_ranks_use_is_refused_on_every_rank(dist_pool, out_spec):
     got = dist_pool.run(_closure_on_some_ranks, out_spec, timeout=60)
     assert {kind for kind, _ in got} == {"SpecError"}
     assert all("tensor" in start and "shard_map() fn used" in start for _, start in got)
+
+
+def _closure_on_some_ranks_anywhere(out_spec: str) -> tuple[str, str]:
+    """A closed-over tensor that the body of rank 1's rows alone uses (a branch on the data): on either backend."""
+    rep, rows = fshard.Replicated([0, 1, 2, 3]), fshard.Chunk(0, [0, 1, 2, 3])
+    c = torch.eye(3, dtype=torch.float64).requires_grad_()
+
+    def body(xb: torch.Tensor) -> torch.Tensor:
+        y = xb * 2
+        if xb[0, 0] == 3:  # rank 1's block starts at x[1, 0] = 3
+            y = y @ c
+        return (y**2).sum()[None] if out_spec == "partial" else y[:, :1]
+
+    x = fshard.shard(torch.arange(12.0, dtype=torch.float64).reshape(4, 3), rows)
+    out = fshard.Partial(rep) if out_spec == "partial" else fshard.Chunk(0, [0, 1, 2, 3])
+    try:
+        fshard.gather(fshard.shard_map(body, in_specs=rows, out_specs=out)(x)).sum().backward()
+    except fshard.SpecError as e:
+        return type(e).__name__, str(e).split(" from outside", 1)[0]
+    return "no error", ""
+
+
+@pytest.mark.parametrize("out_spec", ["partial", "chunk"])
+def test_the_local_backend_refuses_a_closure_some_ranks_use(dist_pool, out_spec):
+    """One process runs every rank's body and could sum the uses itself, but refuses them as processes do."""
+    want = ("SpecError", "shard_map() fn used different numbers of tensors")
+    assert dist_pool.run(_closure_on_some_ranks_anywhere, out_spec, timeout=60) == [want] * 4
+    assert _closure_on_some_ranks_anywhere(out_spec) == want
+    rows, c = fshard.Chunk(0, [0, 1, 2, 3]), torch.ones(1, 1, requires_grad=True)
+    with pytest.raises(fshard.SpecError, match=re.escape("ranks (0 on ranks [0, 2, 3]; 1 on ranks [1]): ")):
+        fshard.shard_map(lambda t: t @ c if t[0, 0] == 1 else t, in_specs=rows, out_specs=rows)(
+            fshard.shard(torch.arange(4.0)[:, None], rows)
+        )
 
 
 def _stop_gradient_of_rows_two_ranks_hold() -> list:

@@ -7,6 +7,7 @@ it cannot take part in that sum: such calls are refused alike on every rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -19,16 +20,19 @@ from fshard._exec import regather as _regather
 from fshard._exec.agree import closed_apart
 from fshard._layout.layout import Layout
 
-__all__ = ["blockless", "per_shard", "refuse_closed", "used_gathered"]
+__all__ = ["blockless", "per_shard", "refuse_closed", "refuse_closed_apart", "used_gathered"]
 
 
-def per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence[torch.Tensor]) -> Any:
+def per_shard(
+    backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence[torch.Tensor], seen: set[int] | None = None
+) -> Any:
     """The context of ``fn``'s calls on the blocks ``own`` of arrays laid out like ``layout``.
 
     A tensor ``fn`` closes over gets the sum of every rank's uses as its gradient: across
     processes by a view whose backward sums over the ranks; in one process autograd sums
-    them, and such tensors are only counted where some rank of a known world holds no
-    block (``refuse_closed``), so that both backends refuse alike.
+    them, and such tensors are only counted, so that both backends refuse alike: into
+    ``seen`` (the ids of those one rank's calls used: ``refuse_closed_apart``), and where
+    some rank of a known world holds no block (``refuse_closed``).
     """
 
     def closed(t: torch.Tensor) -> torch.Tensor:
@@ -36,12 +40,37 @@ def per_shard(backend: Any, usage: _varying.Usage, layout: Layout, own: Sequence
 
     if backend.spans_processes:
         return _regather.saving(_varying.per_shard(backend, usage, closed, own))
+    if seen is not None and not torch.compiler.is_compiling():  # (a compiled call's graph holds no mode)
+        return _regather.saving(_varying.per_shard(backend, usage, functools.partial(_counted, seen), own))
     closed_here = _unchanged if blockless(backend, layout) else None
     return _regather.saving(_varying.per_shard(backend, usage, closed_here, own))
 
 
 def _unchanged(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _counted(seen: set[int], t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, its id noted in ``seen`` (the closed-over tensors of one rank's calls)."""
+    seen.add(id(t))
+    return t
+
+
+def refuse_closed_apart(backend: Any, layout: Layout, counts: dict[int, int], what: str) -> None:
+    """In one process: refuses closed-over tensors used where some rank holds no block, or in other numbers per rank.
+
+    ``counts``: per rank whose ``fn`` ran, how many tensors from outside its arguments that require
+    grad its calls used. Across processes the ranks compare the same numbers at the call's check.
+
+    Raises:
+        SpecError: as ``refuse_closed`` does, or naming the ranks of each number (``closed_apart``).
+    """
+    refuse_closed(backend, layout, max(counts.values(), default=0), what)
+    by_number: dict[int, list[int]] = {}
+    for r in sorted(counts):
+        by_number.setdefault(counts[r], []).append(r)
+    if len(by_number) > 1:
+        raise closed_apart(what, "; ".join(f"{n} on ranks {rs}" for n, rs in sorted(by_number.items())))
 
 
 def blockless(backend: Any, layout: Layout) -> list[int]:

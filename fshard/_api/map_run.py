@@ -13,6 +13,7 @@ result's shape must be learned, the processes exchange their outcomes at the cal
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ import optree
 import torch
 
 from fshard._api import psum as _psum
-from fshard._api.map_context import per_shard, refuse_closed, used_gathered
+from fshard._api.map_context import per_shard, refuse_closed, refuse_closed_apart, used_gathered
 from fshard._api.map_out import (
     Alike,
     alike_form,
@@ -86,6 +87,14 @@ def run_per_slot(
 
     usage = _varying.Usage()
     own = [t for a in inputs for t in a.addressable_data]
+    # In one process, the closed-over tensors each rank's bodies used, counted per rank (as each process counts).
+    closed_by_rank: dict[int, set[int]] | None = None if backend.spans_processes else {}
+    rank_of: dict[Slot, int] = {}
+
+    def context(slot: Slot | None) -> Any:
+        if slot is None or closed_by_rank is None:
+            return per_shard(backend, usage, first, own)
+        return per_shard(backend, usage, first, own, closed_by_rank.setdefault(rank_of[slot], set()))
 
     def compute() -> tuple[list[dict[Slot, torch.Tensor]], Any]:
         calls: list[tuple[Slot, list[torch.Tensor]]] = []
@@ -96,9 +105,11 @@ def run_per_slot(
             for i in held:
                 p, k = slot_of[i]
                 calls.append(((p, k), [data[slots_of(a.layout)[p][k]] for a, data in zip(inputs, by_index)]))
+        if closed_by_rank is not None:
+            rank_of.update(zip((slot_of[i] for i in held), first.columns.rank[list(held)].tolist()))
         try:
             with untouched(own, what):
-                results = _bodies(fn, calls, lambda: per_shard(backend, usage, first, own), reducing, first, backend)
+                results = _bodies(fn, calls, context, reducing, first, backend)
         finally:  # a tap's bucket belongs to this call: a block that outlives it (returned as it is) keeps none
             _varying.forget_taps(own)
         if len(series) > 1 or usage.closed or regathered:  # the backward runs other collectives between the taps
@@ -138,7 +149,10 @@ def run_per_slot(
         try:
             leaves, spec_tree = compute()
             metas = (describe_results(spec_tree, leaves) or (None, []))[1]
-            refuse_closed(backend, first, usage.closed, what)
+            if closed_by_rank is None:
+                refuse_closed(backend, first, usage.closed, what)
+            else:
+                refuse_closed_apart(backend, first, {r: len(ids) for r, ids in closed_by_rank.items()}, what)
             out = _results(
                 out_specs, spec_tree, leaves, metas, set(), inputs, arrays, names, held, pending, check, what
             )
@@ -225,14 +239,25 @@ _REDUCED: set[types.CodeType] = set()  # the code of bodies that reduced (one en
 def _bodies(
     fn: Callable[..., Any],
     calls: Sequence[tuple[Slot, list[torch.Tensor]]],
-    context: Callable[[], Any],
+    context: Callable[[Slot | None], Any],
     reducing: Reducing | None,
     layout: Layout,
     backend: Any,
 ) -> list[tuple[Slot, Any]]:
-    """``fn`` on each slot's blocks: one after another, or concurrently where a body reduces in one process."""
+    """``fn`` on each slot's blocks: one after another, or concurrently where a body reduces in one process.
+
+    Each call runs in ``context(slot)`` where one process runs every rank's (its rank's closed-over
+    tensors counted apart); across processes, this process's calls run in one ``context(None)``.
+    """
+    apart = not backend.spans_processes
     if reducing is None:
-        with context():
+        if apart:
+            out: list[tuple[Slot, Any]] = []
+            for slot, blocks in calls:
+                with context(slot):
+                    out.append((slot, fn(*blocks)))
+            return out
+        with context(None):
             return [(slot, fn(*blocks)) for slot, blocks in calls]
     position = positions(layout)
     placements = tuple(position)
@@ -244,10 +269,11 @@ def _bodies(
     ahead = not reducing.threaded and not _body.under_hooks()
     if backend.spans_processes or ahead or _body.in_transform():
         try:
-            out: list[tuple[Slot, Any]] = []
-            with context():
+            out = []
+            with context(None) if not apart else contextlib.nullcontext():
                 for slot, blocks in calls:
-                    with _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
+                    here = context(slot) if apart else contextlib.nullcontext()
+                    with here, _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
                         out.append((slot, fn(*blocks)))
         except _body.NeedsThreads:
             reducing.reduced()
@@ -260,7 +286,7 @@ def _bodies(
 
     def run(slot: Slot, blocks: list[torch.Tensor]) -> Callable[[], tuple[Slot, Any]]:
         def body() -> tuple[Slot, Any]:
-            with context(), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
+            with context(slot), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
                 return slot, fn(*blocks)
 
         return body

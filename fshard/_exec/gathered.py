@@ -238,8 +238,10 @@ class _PerShard(TorchFunctionMode):
         closed: Callable[[torch.Tensor], torch.Tensor] | None,
         own: Collection[int],
         since: int,
+        across: bool = True,
     ) -> None:
         super().__init__()
+        self.across = across  # a multi-process backend's calls: in one process only closed-over tensors are counted
         self.views: dict[int, torch.Tensor] = {}
         self.usage = usage
         self.closed, self.own, self.since = closed, own, since
@@ -252,7 +254,7 @@ class _PerShard(TorchFunctionMode):
         # No gradient recorded (no_grad, inference, a reentrant checkpoint's forward): nothing to tap or set
         # aside, and a view made here would serve later uses.
         if torch.compiler.is_compiling():
-            if torch.is_grad_enabled():
+            if self.across and torch.is_grad_enabled():  # (in one process a compiled body's uses are not counted)
                 # A tuple of a generator, not a list: with a list comprehension here, TorchDynamo (torch 2.13)
                 # traces the call below wrongly where it resumes after this mode's graph break.
                 args = tuple(self._swap_any(a) for a in args)
@@ -424,5 +426,5 @@ def per_shard(
             yield
         return
     since = _readonly.unchecked(mark) if closed is not None else 0  # its probe writes into nothing
-    with _PerShard(usage, closed, {id(t) for t in own}, since):
+    with _PerShard(usage, closed, {id(t) for t in own}, since, backend.spans_processes):
         yield
