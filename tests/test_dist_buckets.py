@@ -891,6 +891,66 @@ def test_a_backward_retried_after_one_that_raised_midway_starts_afresh(dist_pool
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def _retried_from_another_root(backend: Any, x: fshard.ShardedArray) -> list[torch.Tensor | None]:
+    """Each weight's gradient from a backward of a second result, after one of the first raised midway.
+
+    The first backward filled (and launched) the later weights' buckets before it raised; the second
+    reaches none of their taps, only the first two weights'.
+    """
+    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    armed = [True]
+
+    def raise_once(g: torch.Tensor) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise _Raised
+
+    def body(xb: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        middle = xb
+        for k, w in enumerate(ws):
+            xb = torch.tanh(xb @ w)
+            if k == 1:
+                middle = xb
+                xb = xb * 1.0  # the hook on a tensor of the first result's path alone
+                xb.register_hook(raise_once)
+        return (xb**2).sum()[None], middle.sum()[None]
+
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(
+        body, in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=(fshard.Partial(rep), fshard.Partial(rep))
+    )
+    total, middle = fshard.gather(step(x, *params))
+    with pytest.raises(_Raised):
+        total.backward(retain_graph=True)
+    for t in leaves:
+        t.grad = None
+    middle.backward()
+    return [t.grad for t in leaves[:: len(leaves) // len(params)]]
+
+
+def _retried_from_another_root_on_rank() -> list[torch.Tensor | None]:
+    old = fshard.config(bucket_cap_mb=1e-4)  # one bucket per weight
+    try:
+        backend = TorchDistBackend()
+        return _retried_from_another_root(backend, fshard.from_local_tensor(_rows(backend.rank), dim=0))
+    finally:
+        fshard.config(bucket_cap_mb=old.bucket_cap_mb)
+
+
+def test_a_backward_from_another_root_after_one_that_raised_midway_starts_afresh(dist_pool):
+    """The buckets the raised backward filled are not added: the weights the second result needs none of get none."""
+    backend = LocalBackend(world_size=4)
+    expected = _retried_from_another_root(
+        backend, fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=backend)
+    )
+    assert [g is None for g in expected] == [False, False, True, True, True]
+    for grads in dist_pool.run(_retried_from_another_root_on_rank, timeout=120):
+        assert [g is None for g in grads] == [False, False, True, True, True]
+        for got, want in zip(grads[:2], expected[:2], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def _unused_and_empty(backend: Any, rows: torch.Tensor, create_graph: bool) -> list[torch.Tensor | None]:
     """The gradients of a used weight, an unused one and a used zero-size one (``torch.autograd.grad``)."""
     values = [torch.full((D, D), 0.5, dtype=torch.float64), torch.ones(D, dtype=torch.float64), torch.zeros(0)]

@@ -18,8 +18,10 @@ each launched as soon as its gradients are in. Here:
   ``tap_groups``) goes through that run's **tap** (``gathered.register_tap``): one autograd
   node for the run's blocks, not a Python call per parameter each way. Its backward runs
   once the gradients of all of them are in; it copies them into the bucket and passes
-  nothing on (a tap that runs again in one round of the buckets belongs to a backward retried
-  after one that raised midway: the buckets start afresh). When a bucket is full, and the
+  nothing on. A backward that reaches the buckets after one that raised midway (retried from
+  that root or from another) starts them afresh: the first node of a round queues a callback
+  in its backward, which autograd holds until that backward ends (``_State.begin``), and a tap
+  that runs again in one round says so too. When a bucket is full, and the
   buckets before it have left, it is launched (``launch``), and runs while the backward
   goes on. Where the call's backward runs other collectives of the group (a closed-over
   tensor's sum, a second series of buckets, a regathered movement), all of its buckets
@@ -194,6 +196,7 @@ class _State:
 
     def reset(self) -> None:
         self.round += 1  # backward passes finished (each of its taps runs once in each)
+        self.running: weakref.ref[_Pass] | None = None  # the backward that fills the buckets (``begin``)
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
         self.views: dict[int, torch.Tensor] = {}  # each box's view of its bucket, in its block's shape; -1: the flag
         self.cuts: list[dict[int, torch.Tensor] | None] = [None] * len(self.plan)  # those views, bucket by bucket
@@ -203,6 +206,27 @@ class _State:
         self.flights: list[Callable[[], tuple[torch.Tensor, ...]]] = []
         self.earlier: list[torch.Tensor | None] | None = None  # what earlier micro-batches set aside
         self.fetched = False
+
+    def begin(self) -> None:
+        """Marks that a backward reaches the buckets; starts afresh where the one that filled them has ended.
+
+        The first node of a round queues a callback in the running backward: autograd holds it
+        until that backward ends. Where it is gone while the round is not finished, the backward
+        that filled the buckets raised midway, and the one now running (retried from that root
+        or from another) must not add what it left. A backward nested in it (a reentrant
+        checkpoint's) finds it still held.
+        """
+        running = self.running
+        if running is not None:
+            if running() is not None:
+                return
+            self.reset()
+        mark = _Pass()
+        try:
+            _ENGINE.queue_callback(mark.end)
+        except RuntimeError:  # no backward runs this node's thread (a transform's call): nothing to mark
+            return
+        self.running = weakref.ref(mark)
 
     def _earlier(self, position: int) -> torch.Tensor | None:
         earlier = self._all_earlier()
@@ -462,6 +486,18 @@ def _carry_for(state: _State) -> Carry | None:
     return None
 
 
+class _Pass:
+    """Held by a callback queued in a running backward (``_State.begin``): alive while that backward is."""
+
+    __slots__ = ("__weakref__",)
+
+    def end(self) -> None:
+        """The callback: the backward finished (its buckets were reset by their last node)."""
+
+
+_ENGINE: Any = torch.autograd.Variable._execution_engine  # pyright: ignore[reportPrivateUsage, reportAttributeAccessIssue]
+
+
 class _Tap(torch.autograd.Function):
     """Identity forward of a run of one bucket's blocks; backward hands their gradients to the bucket (``_State.take``).
 
@@ -483,6 +519,8 @@ class _Tap(torch.autograd.Function):
         state: _State = ctx.state
         if ctx.round == state.round:  # this tap ran in a backward that did not finish (it raised): start afresh
             state.reset()
+        if state.sync:
+            state.begin()
         ctx.round = state.round
         # A bucket gone (not taken): the gradient goes on, to be summed by the last node.
         return (None, None, *state.take_all(ctx.positions, grads))
@@ -522,6 +560,7 @@ class _SumBuckets(torch.autograd.Function):
                 used = [u or e is not None for u, e in zip(used, earlier)]
             back = state.sum_all(dense, used)
         else:
+            state.begin()  # a backward that reached no tap: what one that raised left goes too
             back = state.finish(grads[:-1])
         if state.dtype != state.source:  # summed in the reduce dtype; the blocks get their own dtype
             back = [None if g is None else g.to(state.source) for g in back]
