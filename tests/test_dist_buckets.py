@@ -951,6 +951,58 @@ def test_a_backward_from_another_root_after_one_that_raised_midway_starts_afresh
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def _micro_batch_then_retried(backend: Any, x: fshard.ShardedArray) -> list[torch.Tensor]:
+    """Each weight's gradient over a no_sync micro-batch and a syncing one whose backward raised midway, retried."""
+    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    armed = [False]
+
+    def raise_once(g: torch.Tensor) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise _Raised
+
+    def body(xb: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        for k, w in enumerate(ws):
+            xb = torch.tanh(xb @ w)
+            if k == 2:  # after the later weights' taps took back what the micro-batch set aside
+                xb = xb * 1.0
+                xb.register_hook(raise_once)
+        return (xb**2).sum()[None]
+
+    rep = fshard.Replicated(R)
+    step = fshard.shard_map(body, in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+    with fshard.no_sync():
+        fshard.gather(step(x, *params)).backward()
+    loss = fshard.gather(step(x, *params))
+    armed[0] = True
+    with pytest.raises(_Raised):
+        loss.backward(retain_graph=True)
+    loss.backward()
+    return [t.grad for t in leaves[:: len(leaves) // len(params)]]
+
+
+def _micro_batch_then_retried_on_rank() -> list[torch.Tensor]:
+    old = fshard.config(bucket_cap_mb=1e-4)  # one bucket per weight
+    try:
+        backend = TorchDistBackend()
+        return _micro_batch_then_retried(backend, fshard.from_local_tensor(_rows(backend.rank), dim=0))
+    finally:
+        fshard.config(bucket_cap_mb=old.bucket_cap_mb)
+
+
+def test_a_micro_batch_set_aside_survives_a_syncing_backward_that_raised_midway(dist_pool):
+    """The raised backward took back what no_sync set aside; the retry finds it again: both micro-batches count."""
+    backend = LocalBackend(world_size=4)
+    x = fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=backend)
+    expected = _micro_batch_then_retried(backend, x)
+    for got, want in zip(expected, _local("plain"), strict=True):  # two micro-batches of the same rows
+        torch.testing.assert_close(got, 2 * want, rtol=0, atol=1e-12)
+    for grads in dist_pool.run(_micro_batch_then_retried_on_rank, timeout=120):
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def _unused_and_empty(backend: Any, rows: torch.Tensor, create_graph: bool) -> list[torch.Tensor | None]:
     """The gradients of a used weight, an unused one and a used zero-size one (``torch.autograd.grad``)."""
     values = [torch.full((D, D), 0.5, dtype=torch.float64), torch.ones(D, dtype=torch.float64), torch.zeros(0)]

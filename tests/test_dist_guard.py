@@ -237,3 +237,28 @@ def test_the_local_backend_names_no_ranks_outside_its_group():
         _mark(a, [0, 1, 3])
         says = _message(lambda a=a: fshard.reshard(a, fshard.Chunk(1, RANKS)))
         assert ("ranks [0, 1, 3] record a gradient through it and ranks [2] do not" in says) is refused, says
+
+
+def _accepted_alike(case):
+    """Programs every rank records a gradient in, as processes see it: a float (the same on either backend)."""
+    every = fshard.Replicated(RANKS)
+    if case == "packed-leaf-some-ranks-hold":  # moved as one: ranks 2, 3 record through a's link
+        p = torch.arange(8.0, dtype=torch.float64).reshape(4, 2).requires_grad_()
+        x = torch.arange(8.0, dtype=torch.float64).reshape(4, 2) / 10
+        a = fshard.shard(p * x, fshard.Chunk(0, [0, 1]))
+        b = fshard.shard(x + 1, fshard.Chunk(0, RANKS))  # needs no gradient
+        f = fshard.shard_map(lambda u, v: (u * v).sum()[None], in_specs=(every, every), out_specs=fshard.Partial(every))
+        fshard.gather(f(a, b)).sum().backward()
+        return p.grad.sum().item()
+    # global_norm: a replicated weight's history joins every rank's summand of the squares
+    w = fshard.shard(torch.tensor([3.0, 4.0], dtype=torch.float64), every)
+    blocks = [t.requires_grad_() for t in w.addressable_data]
+    (0.5 * fshard.global_norm({"w": w, "b": fshard.shard(torch.arange(8.0), fshard.Chunk(0, RANKS))}) ** 2).backward()
+    return sum(t.grad.sum().item() for t in blocks) / len(blocks)
+
+
+@pytest.mark.parametrize("case", ["packed-leaf-some-ranks-hold", "global-norm"])
+def test_what_processes_accept_the_local_backend_accepts(dist_pool, case):
+    local = _accepted_alike(case)
+    assert local == pytest.approx(7.0 if case == "global-norm" else 16.8, rel=1e-12, abs=0)  # d(|w|^2/2)/dw = w
+    assert dist_pool.run(_accepted_alike, case, timeout=60) == [local] * 4

@@ -353,6 +353,43 @@ def test_the_local_backend_refuses_a_closure_some_ranks_use(dist_pool, out_spec)
         )
 
 
+def _closure_every_rank_uses(case: str) -> float:
+    """Closed-over tensors that every rank's body uses, on either backend: a loss and a gradient, summed.
+
+    ``cached``: a weight-normed Linear under ``parametrize.cached()``: in one process the first rank's
+    body computes its weight from two tensors, the others take it from the cache. ``psum``: a body that
+    reduces (its calls run in threads in one process), closing over a tensor made by an op.
+    """
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    rows, every = fshard.Chunk(0, [0, 1, 2, 3]), fshard.Replicated([0, 1, 2, 3])
+    x = fshard.shard(torch.arange(12.0, dtype=torch.float64).reshape(4, 3) / 7, rows)
+    if case == "cached":
+        torch.manual_seed(0)
+        lin = weight_norm(torch.nn.Linear(3, 2, bias=False).double())
+        f = fshard.shard_map(lambda b: torch.tanh(lin(b)).sum()[None], in_specs=rows, out_specs=fshard.Partial(every))
+        with parametrize.cached():
+            loss = fshard.gather(f(x)).sum()
+        loss.backward()
+        return loss.item() + lin.parametrizations.weight.original0.grad.sum().item()
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    c = w * 2.0
+    f = fshard.shard_map(
+        lambda b: (b * c * fshard.psum((b * c).sum(), "x")).sum()[None], in_specs=rows, out_specs=fshard.Partial(every)
+    )
+    loss = fshard.gather(f(x)).sum()
+    loss.backward()
+    return loss.item() + w.grad.sum().item()
+
+
+@pytest.mark.parametrize("case", ["cached", "psum"])
+def test_a_closure_every_rank_uses_is_accepted_on_both_backends(dist_pool, case):
+    local = _closure_every_rank_uses(case)
+    got = dist_pool.run(_closure_every_rank_uses, case, timeout=60)
+    assert got == [pytest.approx(local, rel=1e-12, abs=0)] * 4
+
+
 def _stop_gradient_of_rows_two_ranks_hold() -> list:
     """Results that need no gradient (a stop-gradient target, a metric) of rows that ranks 2 and 3 hold none of.
 

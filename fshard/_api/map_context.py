@@ -57,10 +57,13 @@ def _counted(seen: set[int], t: torch.Tensor) -> torch.Tensor:
 
 
 def refuse_closed_apart(backend: Any, layout: Layout, counts: dict[int, int], what: str) -> None:
-    """In one process: refuses closed-over tensors used where some rank holds no block, or in other numbers per rank.
+    """In one process: refuses closed-over tensors used where some rank holds no block, or by some ranks only.
 
     ``counts``: per rank whose ``fn`` ran, how many tensors from outside its arguments that require
-    grad its calls used. Across processes the ranks compare the same numbers at the call's check.
+    grad its calls used. Across processes the ranks compare these numbers at the call's check; in
+    one process a rank's calls may take a tensor that an earlier rank's made and kept (a cache),
+    counted once for the one and as its sources for the other, so only ranks that used none
+    against ranks that used some are told apart.
 
     Raises:
         SpecError: as ``refuse_closed`` does, or naming the ranks of each number (``closed_apart``).
@@ -69,7 +72,7 @@ def refuse_closed_apart(backend: Any, layout: Layout, counts: dict[int, int], wh
     by_number: dict[int, list[int]] = {}
     for r in sorted(counts):
         by_number.setdefault(counts[r], []).append(r)
-    if len(by_number) > 1:
+    if 0 in by_number and len(by_number) > 1:
         raise closed_apart(what, "; ".join(f"{n} on ranks {rs}" for n, rs in sorted(by_number.items())))
 
 

@@ -149,7 +149,7 @@ def run_per_slot(
         try:
             leaves, spec_tree = compute()
             metas = (describe_results(spec_tree, leaves) or (None, []))[1]
-            if closed_by_rank is None:
+            if closed_by_rank is None or (reducing is not None and reducing.threaded):  # not counted per rank
                 refuse_closed(backend, first, usage.closed, what)
             else:
                 refuse_closed_apart(backend, first, {r: len(ids) for r, ids in closed_by_rank.items()}, what)
@@ -246,8 +246,8 @@ def _bodies(
 ) -> list[tuple[Slot, Any]]:
     """``fn`` on each slot's blocks: one after another, or concurrently where a body reduces in one process.
 
-    Each call runs in ``context(slot)`` where one process runs every rank's (its rank's closed-over
-    tensors counted apart); across processes, this process's calls run in one ``context(None)``.
+    Each call runs in ``context(slot)`` where one process runs every rank's, one after another
+    (its rank's closed-over tensors counted apart); across processes, or in threads, in ``context(None)``.
     """
     apart = not backend.spans_processes
     if reducing is None:
@@ -286,7 +286,8 @@ def _bodies(
 
     def run(slot: Slot, blocks: list[torch.Tensor]) -> Callable[[], tuple[Slot, Any]]:
         def body() -> tuple[Slot, Any]:
-            with context(slot), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
+            # A thread of its own: autograd numbers its nodes apart, so which tensors are closed over is not told.
+            with context(None), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
                 return slot, fn(*blocks)
 
         return body

@@ -209,7 +209,7 @@ def _gather_squares(arrays: list[ShardedArray], wide: torch.dtype) -> torch.Tens
                 totals[j] = square if j not in totals else totals[j] + square
     mine = backend.addressable(out)
     data = tuple(totals[j] if j in totals else torch.zeros((), dtype=wide, device=_device(out, j)) for j in mine)
-    # The history of every array that needs a gradient joins this rank's result, whichever boxes it squared: a
+    # The history of every array that needs a gradient joins each rank's result, whichever boxes it squared: a
     # backward then runs, on every rank alike, the nodes of each (a replicated one's sum of its copies' gradients
     # is a collective). Arrays without one (gradients being clipped, say) add nothing to the call.
     anchor: torch.Tensor | None = None
@@ -221,8 +221,8 @@ def _gather_squares(arrays: list[ShardedArray], wide: torch.dtype) -> torch.Tens
         link = arrays[0]._link_view().to(wide)  # pyright: ignore[reportPrivateUsage]  # a rank holding no summand
         link = link if anchor is None else link + anchor.to(link.device)
         return gather(ShardedArray(out, (), backend, wide, link))
-    if anchor is not None:
-        data = (data[0] + anchor.to(data[0].device), *data[1:])
+    if anchor is not None:  # every summand: in one process, those of every rank
+        data = tuple(d + anchor.to(d.device) for d in data)
     return gather(ShardedArray(out, data, backend, wide))
 
 

@@ -210,6 +210,13 @@ def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]
     grad: dict[int, bool] = {}
     for r, t in zip(p.src.columns.rank.tolist(), tensors):
         grad[r] = grad.get(r, False) or t.requires_grad
+    leaves = getattr(_PACKED, "leaves", None)
+    if leaves is not None:  # a tree's leaves packed in one movement: as each rank sees them (``packed``)
+        for a in leaves:
+            held = set(a.layout.columns.rank.tolist())
+            if a.requires_grad:
+                for r in grad:
+                    grad[r] = grad[r] or r not in held
     world = getattr(backend, "world_size", 0)
     group = range(world) if world else sorted({*grad, *p.dst.ranks})
     if any(r not in grad for r in group):  # a rank without blocks: across processes it says nothing either
@@ -223,6 +230,25 @@ def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]
             f"does this backend: {RECORD_ALIKE}"
         )
         raise CollectiveMismatchError(msg)
+
+
+_PACKED = threading.local()  # the leaves of a tree that the movement running on this thread packs (``packed``)
+
+
+@contextlib.contextmanager
+def packed(leaves: Sequence[Any]) -> Generator[None, None, None]:
+    """The movement made in the block packs ``leaves`` (arrays) into one: whether each rank records a gradient.
+
+    Across processes a rank that holds no block of a leaf that requires grad records one
+    through the movement all the same (the leaf's link joins the movement's ``like``); in one
+    process, the same rank is said to record it (``_alike_in_one_process``).
+    """
+    prior = getattr(_PACKED, "leaves", None)
+    _PACKED.leaves = leaves
+    try:
+        yield
+    finally:
+        _PACKED.leaves = prior
 
 
 # The autograd node whose backward runs on this thread, or None (torch's stub says it is never None).

@@ -207,6 +207,15 @@ class _State:
         self.earlier: list[torch.Tensor | None] | None = None  # what earlier micro-batches set aside
         self.fetched = False
 
+    def restart(self) -> None:
+        """``reset`` after a backward that raised midway: what earlier micro-batches set aside is set aside again.
+
+        That backward took it back (``_all_earlier``) to add it in; the next one finds it again.
+        """
+        if self.fetched and self.earlier is not None:
+            set_aside(self.key, self.earlier)
+        self.reset()
+
     def begin(self) -> None:
         """Marks that a backward reaches the buckets; starts afresh where the one that filled them has ended.
 
@@ -220,7 +229,7 @@ class _State:
         if running is not None:
             if running() is not None:
                 return
-            self.reset()
+            self.restart()
         mark = _Pass()
         try:
             _ENGINE.queue_callback(mark.end)
@@ -518,7 +527,7 @@ class _Tap(torch.autograd.Function):
             return (None, None, *grads)
         state: _State = ctx.state
         if ctx.round == state.round:  # this tap ran in a backward that did not finish (it raised): start afresh
-            state.reset()
+            state.restart()
         if state.sync:
             state.begin()
         ctx.round = state.round

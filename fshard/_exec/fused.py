@@ -239,7 +239,7 @@ def _move_flat(
     if mixed:
         keyed = [a for a in members if a.requires_grad] or members
         keys = tuple(itertools.chain.from_iterable(a._data or (a._first(),) for a in keyed))  # pyright: ignore[reportPrivateUsage]
-    with _accumulate.sources(keys):
+    with _accumulate.sources(keys), _autograd.packed(members):
         moved, link = move(group.src, group.dst, backend, tuple(data), _like(members))
     at = 0
     for part in group.parts:
