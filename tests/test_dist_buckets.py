@@ -845,114 +845,14 @@ class _Raised(Exception):
     pass
 
 
-def _retried(backend: Any, x: fshard.ShardedArray) -> list[torch.Tensor]:
-    """Each weight's gradient from a backward retried on its graph after one that a hook made raise midway."""
-    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
-    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
-    armed = [True]
+def _raising_once(
+    backend: Any, hook_at: int, middle: bool = False
+) -> tuple[list[Any], list[torch.Tensor], list[bool], Any]:
+    """Replicated weights, their blocks, a switch, and a step whose backward a hook after weight ``hook_at``
+    makes raise once while the switch is on (after the later weights' buckets have filled, and left).
 
-    def raise_once(g: torch.Tensor) -> None:
-        if armed[0]:
-            armed[0] = False
-            raise _Raised
-
-    def body(xb: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-        for k, w in enumerate(ws):
-            xb = torch.tanh(xb @ w)
-            if k == 1:  # after the later weights' buckets have filled (and left)
-                xb.register_hook(raise_once)
-        return (xb**2).sum()[None]
-
-    rep = fshard.Replicated(R)
-    step = fshard.shard_map(body, in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
-    loss = fshard.gather(step(x, *params))
-    with pytest.raises(_Raised):
-        loss.backward(retain_graph=True)
-    for t in leaves:
-        t.grad = None
-    loss.backward()
-    return [t.grad for t in leaves[:: len(leaves) // len(params)]]
-
-
-def _retried_on_rank() -> list[torch.Tensor]:
-    old = fshard.config(bucket_cap_mb=1e-4)  # one bucket per weight
-    try:
-        backend = TorchDistBackend()
-        return _retried(backend, fshard.from_local_tensor(_rows(backend.rank), dim=0))
-    finally:
-        fshard.config(bucket_cap_mb=old.bucket_cap_mb)
-
-
-def test_a_backward_retried_after_one_that_raised_midway_starts_afresh(dist_pool):
-    """The buckets the raised backward filled or launched are not added to the retry's gradients."""
-    expected = _local("plain")
-    for grads in dist_pool.run(_retried_on_rank, timeout=120):
-        for got, want in zip(grads, expected, strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-
-
-def _retried_from_another_root(backend: Any, x: fshard.ShardedArray) -> list[torch.Tensor | None]:
-    """Each weight's gradient from a backward of a second result, after one of the first raised midway.
-
-    The first backward filled (and launched) the later weights' buckets before it raised; the second
-    reaches none of their taps, only the first two weights'.
+    ``middle``: the step returns a second result too, the sum of the activations the hook is on.
     """
-    params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
-    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
-    armed = [True]
-
-    def raise_once(g: torch.Tensor) -> None:
-        if armed[0]:
-            armed[0] = False
-            raise _Raised
-
-    def body(xb: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        middle = xb
-        for k, w in enumerate(ws):
-            xb = torch.tanh(xb @ w)
-            if k == 1:
-                middle = xb
-                xb = xb * 1.0  # the hook on a tensor of the first result's path alone
-                xb.register_hook(raise_once)
-        return (xb**2).sum()[None], middle.sum()[None]
-
-    rep = fshard.Replicated(R)
-    step = fshard.shard_map(
-        body, in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=(fshard.Partial(rep), fshard.Partial(rep))
-    )
-    total, middle = fshard.gather(step(x, *params))
-    with pytest.raises(_Raised):
-        total.backward(retain_graph=True)
-    for t in leaves:
-        t.grad = None
-    middle.backward()
-    return [t.grad for t in leaves[:: len(leaves) // len(params)]]
-
-
-def _retried_from_another_root_on_rank() -> list[torch.Tensor | None]:
-    old = fshard.config(bucket_cap_mb=1e-4)  # one bucket per weight
-    try:
-        backend = TorchDistBackend()
-        return _retried_from_another_root(backend, fshard.from_local_tensor(_rows(backend.rank), dim=0))
-    finally:
-        fshard.config(bucket_cap_mb=old.bucket_cap_mb)
-
-
-def test_a_backward_from_another_root_after_one_that_raised_midway_starts_afresh(dist_pool):
-    """The buckets the raised backward filled are not added: the weights the second result needs none of get none."""
-    backend = LocalBackend(world_size=4)
-    expected = _retried_from_another_root(
-        backend, fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=backend)
-    )
-    assert [g is None for g in expected] == [False, False, True, True, True]
-    for grads in dist_pool.run(_retried_from_another_root_on_rank, timeout=120):
-        assert [g is None for g in grads] == [False, False, True, True, True]
-        for got, want in zip(grads[:2], expected[:2], strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-
-
-def _micro_batch_then_retried(backend: Any, x: fshard.ShardedArray) -> list[torch.Tensor]:
-    """Each weight's gradient over a no_sync micro-batch and a syncing one whose backward raised midway, retried."""
     params = [fshard.shard(w, fshard.Replicated(R), backend=backend) for w in _weights()]
     leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
     armed = [False]
@@ -962,16 +862,78 @@ def _micro_batch_then_retried(backend: Any, x: fshard.ShardedArray) -> list[torc
             armed[0] = False
             raise _Raised
 
-    def body(xb: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+    def body(xb: torch.Tensor, *ws: torch.Tensor) -> Any:
+        mid = xb
         for k, w in enumerate(ws):
             xb = torch.tanh(xb @ w)
-            if k == 2:  # after the later weights' taps took back what the micro-batch set aside
-                xb = xb * 1.0
+            if k == hook_at:
+                mid = xb
+                xb = xb * 1.0  # the hook on a tensor of the first result's path alone
                 xb.register_hook(raise_once)
-        return (xb**2).sum()[None]
+        return ((xb**2).sum()[None], mid.sum()[None]) if middle else (xb**2).sum()[None]
 
     rep = fshard.Replicated(R)
-    step = fshard.shard_map(body, in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=fshard.Partial(rep))
+    out = (fshard.Partial(rep), fshard.Partial(rep)) if middle else fshard.Partial(rep)
+    step = fshard.shard_map(body, in_specs=(fshard.Chunk(0, R), *[rep] * 5), out_specs=out)
+    return params, leaves, armed, step
+
+
+def _retried(backend: Any, x: fshard.ShardedArray, another_root: bool = False) -> list[torch.Tensor | None]:
+    """Each weight's gradient from a backward retried on its graph after one that a hook made raise midway.
+
+    ``another_root``: the retry is a backward of the step's second result, which reaches none of the
+    taps that the raised one ran (the later weights' buckets, filled and launched), only the first two
+    weights'.
+    """
+    params, leaves, armed, step = _raising_once(backend, 1, middle=another_root)
+    out = fshard.gather(step(x, *params))
+    first, retry = out if another_root else (out, out)
+    armed[0] = True
+    with pytest.raises(_Raised):
+        first.backward(retain_graph=True)
+    for t in leaves:
+        t.grad = None
+    retry.backward()
+    return [t.grad for t in leaves[:: len(leaves) // len(params)]]
+
+
+def _one_bucket_per_weight(program: Any, *args: Any) -> Any:
+    """``program(backend, x, *args)`` on this process's rows, with one bucket per weight."""
+    old = fshard.config(bucket_cap_mb=1e-4)
+    try:
+        backend = TorchDistBackend()
+        return program(backend, fshard.from_local_tensor(_rows(backend.rank), dim=0), *args)
+    finally:
+        fshard.config(bucket_cap_mb=old.bucket_cap_mb)
+
+
+def test_a_backward_retried_after_one_that_raised_midway_starts_afresh(dist_pool):
+    """The buckets the raised backward filled or launched are not added to the retry's gradients."""
+    expected = _local("plain")
+    for grads in dist_pool.run(_one_bucket_per_weight, _retried, timeout=120):
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_backward_from_another_root_after_one_that_raised_midway_starts_afresh(dist_pool):
+    """The buckets the raised backward filled are not added: the weights the second result needs none of get none."""
+    backend = LocalBackend(world_size=4)
+    expected = _retried(
+        backend, fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=backend), True
+    )
+    assert [g is None for g in expected] == [False, False, True, True, True]
+    for grads in dist_pool.run(_one_bucket_per_weight, _retried, True, timeout=120):
+        assert [g is None for g in grads] == [False, False, True, True, True]
+        for got, want in zip(grads[:2], expected[:2], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def _micro_batch_then_retried(backend: Any, x: fshard.ShardedArray) -> list[torch.Tensor]:
+    """Each weight's gradient over a no_sync micro-batch and a syncing one whose backward raised midway, retried.
+
+    The raised backward's taps of the later weights took back what the micro-batch set aside.
+    """
+    params, leaves, armed, step = _raising_once(backend, 2)
     with fshard.no_sync():
         fshard.gather(step(x, *params)).backward()
     loss = fshard.gather(step(x, *params))
@@ -982,15 +944,6 @@ def _micro_batch_then_retried(backend: Any, x: fshard.ShardedArray) -> list[torc
     return [t.grad for t in leaves[:: len(leaves) // len(params)]]
 
 
-def _micro_batch_then_retried_on_rank() -> list[torch.Tensor]:
-    old = fshard.config(bucket_cap_mb=1e-4)  # one bucket per weight
-    try:
-        backend = TorchDistBackend()
-        return _micro_batch_then_retried(backend, fshard.from_local_tensor(_rows(backend.rank), dim=0))
-    finally:
-        fshard.config(bucket_cap_mb=old.bucket_cap_mb)
-
-
 def test_a_micro_batch_set_aside_survives_a_syncing_backward_that_raised_midway(dist_pool):
     """The raised backward took back what no_sync set aside; the retry finds it again: both micro-batches count."""
     backend = LocalBackend(world_size=4)
@@ -998,7 +951,7 @@ def test_a_micro_batch_set_aside_survives_a_syncing_backward_that_raised_midway(
     expected = _micro_batch_then_retried(backend, x)
     for got, want in zip(expected, _local("plain"), strict=True):  # two micro-batches of the same rows
         torch.testing.assert_close(got, 2 * want, rtol=0, atol=1e-12)
-    for grads in dist_pool.run(_micro_batch_then_retried_on_rank, timeout=120):
+    for grads in dist_pool.run(_one_bucket_per_weight, _micro_batch_then_retried, timeout=120):
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
