@@ -213,8 +213,8 @@ def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]
     leaves = getattr(_PACKED, "leaves", None)
     if leaves is not None:  # a tree's leaves packed in one movement: as each rank sees them (``packed``)
         for a in leaves:
-            held = set(a.layout.columns.rank.tolist())
             if a.requires_grad:
+                held = set(a.layout.columns.rank.tolist())
                 for r in grad:
                     grad[r] = grad[r] or r not in held
     world = getattr(backend, "world_size", 0)
