@@ -956,6 +956,113 @@ def test_a_micro_batch_set_aside_survives_a_syncing_backward_that_raised_midway(
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def _raised_after_the_sum(style: str, which: str, world: int | None = None) -> list[torch.Tensor]:
+    """Every block's gradient over two micro-batches of the same rows, one of which raised once and was retried.
+
+    A hook on the first parameter's block raises after that micro-batch's backward set its gradients
+    aside (``which="no_sync"``) or summed them with the earlier micro-batch's (``"syncing"``).
+    """
+    backend = TorchDistBackend() if world is None else LocalBackend(world_size=world)
+    spec = fshard.Chunk(0, R) if style == "fsdp" else fshard.Replicated(R)
+    params = [fshard.shard(w, spec, backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
+    step = fshard.shard_map(_body("plain"), in_specs=(rows, *[rep] * 5), out_specs=fshard.Partial(rep))
+    x = (
+        fshard.from_local_tensor(_rows(backend.rank), dim=0)
+        if world is None
+        else fshard.shard(torch.cat([_rows(r) for r in R]), rows, backend=backend)
+    )
+    armed = [False]
+
+    def raise_once(g: torch.Tensor | None) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise _Raised
+
+    leaves[0].register_hook(raise_once)
+    for k in range(2):
+        with fshard.no_sync() if k == 0 else contextlib.nullcontext():
+            loss = fshard.gather(step(x, *params))
+            armed[0] = which == ("no_sync" if k == 0 else "syncing")
+            if armed[0]:
+                with pytest.raises(_Raised):
+                    loss.backward(retain_graph=True)
+                for t in leaves:  # what the blocks' own accumulation took before the raise
+                    t.grad = None
+            loss.backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("style", ["dp", "fsdp"])
+@pytest.mark.parametrize("which", ["no_sync", "syncing"])
+def test_a_backward_that_raised_after_its_sum_and_was_retried_counts_its_micro_batch_once(dist_pool, style, which):
+    """A backward that raised puts back what it set aside or took back: each micro-batch counts once."""
+    got = _raised_after_the_sum(style, which, world=4)
+    one, _ = _accumulated(style, 1, world=4)
+    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
+        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+    for rank, grads in enumerate(dist_pool.run(_raised_after_the_sum, style, which, timeout=120)):
+        mine = got[rank::4] if style == "fsdp" else got[::4]
+        for g, want in zip(grads, mine, strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def _moved_on_after_a_raise(style: str, which: str, world: int | None = None) -> tuple[str, list[torch.Tensor]]:
+    """A micro-batch under no_sync, then one (``which``) whose backward raised after its sum; then a new forward.
+
+    Returns the new forward's error, and every block's gradient from one whole step run after it.
+    """
+    backend = TorchDistBackend() if world is None else LocalBackend(world_size=world)
+    spec = fshard.Chunk(0, R) if style == "fsdp" else fshard.Replicated(R)
+    params = [fshard.shard(w, spec, backend=backend) for w in _weights()]
+    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
+    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
+    step = fshard.shard_map(_body("plain"), in_specs=(rows, *[rep] * 5), out_specs=fshard.Partial(rep))
+    x = (
+        fshard.from_local_tensor(_rows(backend.rank), dim=0)
+        if world is None
+        else fshard.shard(torch.cat([_rows(r) for r in R]), rows, backend=backend)
+    )
+    armed = [False]
+
+    def raise_once(g: torch.Tensor | None) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise _Raised
+
+    leaves[0].register_hook(raise_once)
+    with fshard.no_sync():
+        fshard.gather(step(x, *params)).backward()
+    with fshard.no_sync() if which == "no_sync" else contextlib.nullcontext():
+        loss = fshard.gather(step(x, *params))
+        armed[0] = True
+        with pytest.raises(_Raised):
+            loss.backward()
+    for t in leaves:
+        t.grad = None
+    with pytest.raises(fshard.SpecError, match="backward that raised") as refused:
+        step(x, *params)
+    fshard.gather(step(x, *params)).backward()  # what was put back is gone: this step alone
+    return str(refused.value), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("style", ["dp", "fsdp"])
+@pytest.mark.parametrize("which", ["no_sync", "syncing"])
+def test_a_call_made_after_a_backward_that_raised_is_refused_on_every_rank(dist_pool, style, which):
+    """The gradients put back go silently into no step run since: the call raises, and the next step is its own."""
+    message, got = _moved_on_after_a_raise(style, which, world=4)
+    assert "retain_graph=True" in message and "first micro-batch" in message
+    one, _ = _accumulated(style, 1, world=4)
+    for g, want in zip(got, one, strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    for rank, (text, grads) in enumerate(dist_pool.run(_moved_on_after_a_raise, style, which, timeout=120)):
+        assert text == message
+        mine = got[rank::4] if style == "fsdp" else got[::4]
+        for g, want in zip(grads, mine, strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
 def _unused_and_empty(backend: Any, rows: torch.Tensor, create_graph: bool) -> list[torch.Tensor | None]:
     """The gradients of a used weight, an unused one and a used zero-size one (``torch.autograd.grad``)."""
     values = [torch.full((D, D), 0.5, dtype=torch.float64), torch.ones(D, dtype=torch.float64), torch.zeros(0)]

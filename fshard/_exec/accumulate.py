@@ -16,7 +16,8 @@ movement that the syncing micro-batch does not make again (a block it skips) sta
 and the optimizer's step refuses them. An optimizer's step over
 tensors whose gradients are still set aside (the last micro-batch run inside the context
 too) raises and drops them, since the step would leave them out and a later backward
-would add them to another step's.
+would add them to another step's. A backward that raised leaves what is set aside as it
+found it (``journaled``): retried, each micro-batch counts once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,17 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fshard._errors import SpecError
 
-__all__ = ["Key", "key_of", "no_sync", "set_aside", "sources", "step_unchecked", "syncing", "take_back"]
+__all__ = [
+    "Key",
+    "journaled",
+    "key_of",
+    "no_sync",
+    "set_aside",
+    "sources",
+    "step_unchecked",
+    "syncing",
+    "take_back",
+]
 
 
 class _Mode(threading.local):
@@ -89,6 +100,8 @@ class Key:
         bases = [t._base if t._base is not None else t for t in tensors]  # a flat view of a parameter: the parameter
         self.ids = tuple(id(t) for t in bases)
         self.refs = tuple(weakref.ref(t) for t in bases)
+        if _RAISED and (raised := _RAISED.get(self.ids)) is not None and raised.same(self) and _graph_task() < 0:
+            _refuse_after_raise()  # a forward made after that backward, not a recomputation inside its retry
 
     def alive(self) -> bool:
         """Whether every tensor is still there (an id of a dead one may name another)."""
@@ -126,14 +139,98 @@ def key_of(inputs: Sequence[torch.Tensor], like: torch.Tensor) -> Key:
     return Key(inputs if inputs else (like,))
 
 
-_ASIDE: dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]]] = {}
+_Aside = dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]]]
+_ASIDE: _Aside = {}
 # Keys of gradients kept aside for arrays that are gone, whose ids another array's key took: reported
 # as lost, as those still in ``_ASIDE`` are, whatever the allocator reused (which differs from rank to rank).
 _DISPLACED: list[Key] = []
 
 
+class _Journal:
+    """What was kept aside when a backward first changed it: put back if that backward raises.
+
+    Held by a callback queued in that backward, which autograd runs where the backward ends
+    and drops either way: a journal dropped before its callback ran belongs to a backward
+    that raised. What it took back (a syncing backward's, summed with its own gradients)
+    and what it set aside (a micro-batch's under ``no_sync``) are then undone, so a retried
+    backward counts each micro-batch once, whether the raise came before the sum or after
+    it (a hook on a parameter's block).
+    """
+
+    __slots__ = ("__weakref__", "before", "ended")
+
+    def __init__(self, before: _Aside) -> None:
+        self.before, self.ended = before, False
+
+    def end(self) -> None:
+        """The callback: the backward finished; what it changed stands."""
+        self.ended = True
+
+    def __del__(self) -> None:
+        if not self.ended:  # its backward raised
+            changed = {ids for ids in self.before.keys() | _ASIDE.keys() if self.before.get(ids) is not _ASIDE.get(ids)}
+            _ASIDE.clear()
+            # Not gradients of arrays that are gone: the backward that raised reported them lost.
+            _ASIDE.update({ids: held for ids, held in self.before.items() if held[0].alive()})
+            _RAISED.update({ids: _ASIDE[ids][0] for ids in changed if ids in _ASIDE})
+
+
+# What a backward that raised put back, by key: for that backward's retry alone (``_refuse_after_raise``).
+_RAISED: dict[tuple[int, ...], Key] = {}
+
+
+def _refuse_after_raise() -> None:
+    """Refuses a movement made after a backward that raised put back what it had taken or set aside.
+
+    Its retry (a backward of the same graph) finds what it had; a forward made since is either
+    that micro-batch run again, whose step wants the earlier micro-batches, or a step begun
+    afresh, which does not. Which one, only the program knows, so the gradients put back are
+    dropped and the call raises, alike on every rank that saw that backward raise.
+
+    Raises:
+        SpecError: always.
+    """
+    for ids in _RAISED:
+        _ASIDE.pop(ids, None)
+    _RAISED.clear()
+    msg = (
+        "fshard.no_sync(): a backward that raised had set aside or summed gradients of micro-batches under "
+        "no_sync(), and this call over the same arrays was made after it, so fshard cannot tell whether those "
+        "micro-batches belong to its step. They were dropped. To keep them, retry the backward that raised on "
+        "its own graph (the first `loss.backward(retain_graph=True)`, then `loss.backward()` again) before any "
+        "other call over these arrays; otherwise run the step again from its first micro-batch."
+    )
+    raise SpecError(msg)
+
+
+# -1 outside a backward
+_graph_task: Any = getattr(torch._C, "_current_graph_task_id")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
+_OPEN: list[weakref.ref[_Journal]] = []  # the journal of the backward running now, if one changed what is aside
+_ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine")  # noqa: B009  # untyped in torch's stubs
+
+
+def journaled() -> bool:
+    """Whether what is kept aside changes now within a backward that puts it back if it raises.
+
+    Opens that backward's journal on its first change. Outside a backward (a transform's call
+    of a node's backward) the change stands at once.
+    """
+    if _OPEN and _OPEN[0]() is not None:
+        return True
+    journal = _Journal(dict(_ASIDE))
+    try:
+        _ENGINE.queue_callback(journal.end)
+    except RuntimeError:  # no backward runs on this thread
+        journal.ended = True
+        return False
+    _OPEN[:] = [weakref.ref(journal)]
+    return True
+
+
 def set_aside(key: Key, grads: Sequence[torch.Tensor | None]) -> None:
     """Adds ``grads`` to what is set aside for the movement of ``key``'s tensors (``None``: no gradient yet)."""
+    journaled()
+    _RAISED.pop(key.ids, None)  # the retry of the backward that raised: what it had is its own
     held = _ASIDE.get(key.ids)
     if held is not None and held[0].same(key):
         grads = [a if g is None else g if a is None else a + g for a, g in zip(held[1], grads)]
@@ -176,6 +273,7 @@ def _refuse_held(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         return
     _ASIDE.clear()  # all of it: what a rank keeps for arrays it holds no shard of is in no optimizer of its own
     _DISPLACED.clear()
+    _RAISED.clear()
     msg = (
         f"{type(optimizer).__name__}.step() over parameters whose gradients fshard.no_sync() still keeps aside: "
         "no backward outside no_sync() has summed them across ranks, so the step would leave them out, and a "
@@ -200,9 +298,12 @@ def take_back(key: Key) -> list[torch.Tensor | None] | None:
     """
     if not (_ASIDE or _DISPLACED):  # the common case: no micro-batch kept aside
         return None
+    journaled()
+    _RAISED.pop(key.ids, None)  # the retry of the backward that raised: what it had is its own
     lost = [ids for ids, (k, _) in _ASIDE.items() if not k.alive()]
     for ids in lost:
         del _ASIDE[ids]
+        _RAISED.pop(ids, None)
     if lost or _DISPLACED:
         _DISPLACED.clear()
         msg = (

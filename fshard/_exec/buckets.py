@@ -71,7 +71,7 @@ from fshard._config import current
 from fshard._errors import CollectiveMismatchError
 from fshard._exec import autograd as _autograd
 from fshard._exec import gathered as _gathered
-from fshard._exec.accumulate import Key, set_aside, syncing, take_back
+from fshard._exec.accumulate import Key, journaled, set_aside, syncing, take_back
 from fshard._layout.layout import Layout, with_partial
 from fshard._plan import plan as _plan
 from fshard._plan.buckets import (
@@ -205,14 +205,16 @@ class _State:
         self.empty: set[int] = set()  # the empty boxes that a gradient reached (no range holds them): used all the same
         self.flights: list[Callable[[], tuple[torch.Tensor, ...]]] = []
         self.earlier: list[torch.Tensor | None] | None = None  # what earlier micro-batches set aside
-        self.fetched = False
+        self.fetched = self.journaled = False
 
     def restart(self) -> None:
         """``reset`` after a backward that raised midway: what earlier micro-batches set aside is set aside again.
 
         That backward took it back (``_all_earlier``) to add it in; the next one finds it again.
+        Its journal put it back when it raised (``accumulate.journaled``), unless no backward
+        ran the taking (a transform's call), which this puts back.
         """
-        if self.fetched and self.earlier is not None:
+        if self.fetched and self.earlier is not None and not self.journaled:
             set_aside(self.key, self.earlier)
         self.reset()
 
@@ -245,6 +247,7 @@ class _State:
         """What earlier micro-batches set aside, one per position (``None``: nothing), taken back once."""
         if not self.fetched:
             self.earlier, self.fetched = take_back(self.key), True
+            self.journaled = self.earlier is not None and journaled()  # undone by the backward's journal if it raises
         return self.earlier
 
     def _buffer(self, b: int) -> list[torch.Tensor]:
