@@ -206,15 +206,27 @@ def _same_program(case):
             out_specs=fshard.Partial(fshard.Replicated(RANKS)),
         )
         return _message(lambda: fshard.gather(loss_of(a)))
+    if case == "packed-leaf-on-some-ranks":  # u records on ranks 0, 1, 3, behind v, which records on every rank
+        a = fshard.map_local(lambda t: t.detach().requires_grad_(), a)
+        both = fshard.shard_map(
+            lambda t: (t * 2 if t[0, 0] != 48 else torch.zeros_like(t), t * 3), in_specs=rows, out_specs=(rows, rows)
+        )
+        u, v = both(a)
+        return _message(lambda: fshard.reshard({"u": u, "v": v}, fshard.Chunk(1, RANKS)))
     _mark(a, RANKS if case == "every-rank" else [0, 1, 3])
     if case == "gather":
         return _message(lambda: fshard.gather(a))
     return _message(lambda: fshard.reshard(a, fshard.Chunk(1, RANKS)))
 
 
-@pytest.mark.parametrize("case", ["by-hand", "gather", "constant-on-one-shard", "every-rank"])
+@pytest.mark.parametrize(
+    "case", ["by-hand", "gather", "constant-on-one-shard", "packed-leaf-on-some-ranks", "every-rank"]
+)
 def test_the_local_backend_refuses_what_processes_refuse(dist_pool, case):
-    """Ranks that disagree on recording a gradient through a movement: one program, the same ranks named."""
+    """Ranks that disagree on recording a gradient through a movement: one program, the same ranks named.
+
+    Also through one leaf of a tree moved as one, where another leaf records on every rank.
+    """
     local, across = _same_program(case), dist_pool.run(_same_program, case, timeout=60)
     if case == "every-rank":
         assert local == "no error"
@@ -223,10 +235,17 @@ def test_the_local_backend_refuses_what_processes_refuse(dist_pool, case):
     assert local.startswith("gather(dst=None) of " if case == "gather" else "reshard of "), local
     assert "ranks [0, 1, 3] record a gradient through it and ranks [2] do not" in local, local
     assert "Set requires_grad_() on the blocks of every rank, or on none" in local, local
+    packed = case == "packed-leaf-on-some-ranks"
+    assert ("one of a tree of 2 moved as one): ranks" in local) is packed, local
     for m in across:
-        assert "they differ in whether it records a gradient)" in m, m
+        assert "Set requires_grad_() on the blocks of every rank, or on none" in m, m
         assert "ranks [0, 1, 3] sent float32 (recording a gradient), " in m, m
-        assert "ranks [2] sent float32, " in m, m
+        if packed:  # the movement records on every rank: its leaves differ
+            assert "they differ in which leaves of the tree moved as one record a gradient)" in m, m
+            assert "ranks [2] sent float32 (recording a gradient), " in m, m
+        else:
+            assert "they differ in whether it records a gradient)" in m, m
+            assert "ranks [2] sent float32, " in m, m
 
 
 def test_the_local_backend_names_no_ranks_outside_its_group():

@@ -36,8 +36,9 @@ peers, split sizes, the slices of every box, which boxes need no packing, its sh
 and transport: ``_choice.step``) is computed once per (layouts, rank, group), so a
 repeated call does no index arithmetic.
 
-Every movement that crosses ranks opens with a 16-byte header from each rank to every
-rank (dtype, digests of the operation and both layouts: ``_guard``); ranks that disagree
+Every movement that crosses ranks opens with a 24-byte header from each rank to every
+rank (dtype, digests of the operation and both layouts, and of which leaves of a tree moved
+as one record a gradient: ``_guard``); ranks that disagree
 raise ``CollectiveMismatchError`` on every rank before reading data. Under Gloo a small
 movement's data travels behind the headers in the same round; ``config(timeout=...)``
 bounds every wait.
@@ -59,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from fshard._base.cache import cached, clear_caches
-from fshard._base.calls import call_name, records_gradient
+from fshard._base.calls import call_name, recording_leaves, records_gradient
 from fshard._config import current
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout
@@ -715,7 +716,9 @@ class TorchDistBackend:
             )
             raise SpecError(msg)
         g = facts(self.group)
-        return guard(op, p.src, p.dst, dtype, g.ranks, g.rank, self._wire, g.alltoall, records_gradient())
+        return guard(
+            op, p.src, p.dst, dtype, g.ranks, g.rank, self._wire, g.alltoall, records_gradient(), recording_leaves()
+        )
 
     def _count(self, sent: int, itemsize: int) -> None:
         """One collective that sent ``sent`` elements of ``itemsize`` bytes from this rank."""

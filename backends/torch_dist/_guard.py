@@ -4,11 +4,11 @@ Ranks that call one movement with different arguments (SPMD misuse: one rank's d
 spec or ``dst`` differs) would otherwise exchange bytes that each side reads by its own
 plan: wrong values on every rank, or Gloo aborting a process that receives a message
 longer than the receive it posted. So every movement that crosses ranks opens with a
-round in which each rank sends every rank of the group a 16-byte header: a tag, the
-dtype and digests of the operation and of both layouts (``Guard``, made once per cached
-movement). Every rank receives every header, so every rank reaches the same verdict
-before it reads any data: all equal, or ``CollectiveMismatchError`` naming which ranks
-sent what.
+round in which each rank sends every rank of the group a 24-byte header: a tag, the
+dtype, digests of the operation and of both layouts, and for a tree's leaves moved as one
+a digest of which of them record a gradient (``Guard``, made once per cached movement).
+Every rank receives every header, so every rank reaches the same verdict before it reads
+any data: all equal, or ``CollectiveMismatchError`` naming which ranks sent what.
 
 On Gloo that round is the data exchange itself for small movements: when the plan's
 closed-form bytes (``min_elements_sent``) fit ``inline_bytes(world)``, each segment of the
@@ -51,14 +51,16 @@ from ._watch import handed
 
 __all__ = ["HEADER", "Guard", "guard", "inline_bytes"]
 
-HEADER = 16
+HEADER = 24  # a multiple of 8: the data behind it stays aligned
 # A round of headers in flight: its receive buffer (numpy for a Gloo round) and its Work.
 Round = tuple[np.ndarray | torch.Tensor, Any]
 _TAG = b"fS"  # the first two bytes of every header: a receive slot without it got no header
 # Header fields after the tag: (name, byte range); the dtype is a code into ``_DTYPES``, its top bit
-# (``_GRAD``) set where the movement records a gradient and every rank holds blocks of its source.
+# (``_GRAD``) set where the movement records a gradient and every rank holds blocks of its source; the
+# last, where it does and moves a tree's leaves as one, ``recording_leaves``'s digest (else zeros).
+_LEAVES = "which leaves of the tree moved as one record a gradient"
 _FIELDS = (("dtype", slice(2, 4)), ("operation", slice(4, 8)), ("source layout", slice(8, 12)),
-           ("destination layout", slice(12, 16)))  # fmt: skip
+           ("destination layout", slice(12, 16)), (_LEAVES, slice(16, 24)))  # fmt: skip
 _GRAD = 1 << 15
 # What to do where ranks would record a gradient through one movement and not all of them would.
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
@@ -252,7 +254,7 @@ class Guard:
             f"{describe_layout(self.dst)}. Every rank must call each fshard function with the same "
             "arguments, in the same order (SPMD); config(check_collectives=True) names the calls."
         )
-        if "whether it records a gradient" in differ:
+        if "whether it records a gradient" in differ or _LEAVES in differ:
             msg += f" Some ranks record a gradient through it and others do not: {RECORD_ALIKE}"
         return CollectiveMismatchError(msg)
 
@@ -299,6 +301,7 @@ def guard(
     wire: torch.device,
     alltoall: bool,
     grad: bool = False,
+    leaves: int = 0,
 ) -> Guard:
     """The ``Guard`` of moving ``dtype`` data from ``src`` to ``dst`` by ``op`` on the group of ``ranks``.
 
@@ -306,13 +309,21 @@ def guard(
     rank of the group holds blocks of ``src``, whose own blocks say it; a rank that holds
     none reads it from a link that follows what another rank's function returned only as far
     as that function's exchange tells it (not a ``requires_grad_()`` set by hand on the blocks,
-    not under ``torch.func`` transforms), so there it says nothing.
+    not under ``torch.func`` transforms), so there it says nothing. ``leaves``: for a tree's
+    leaves moved as one, ``recording_leaves``'s digest of which record a gradient here, which
+    the header carries where it says the movement records one.
     """
     marked = grad and set(ranks) <= set(src.ranks)
     code = (_DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0) | (_GRAD if marked else 0)
     op_digest = hashlib.blake2b(op.encode(), digest_size=4).digest()
     header = np.frombuffer(
-        _TAG + code.to_bytes(2, "little") + op_digest + layout_digest(src)[:4] + layout_digest(dst)[:4], np.uint8
+        _TAG
+        + code.to_bytes(2, "little")
+        + op_digest
+        + layout_digest(src)[:4]
+        + layout_digest(dst)[:4]
+        + (leaves if marked else 0).to_bytes(8, "little"),
+        np.uint8,
     )
     sent = plan(src, dst).min_elements_sent * dtype.itemsize
     inline = wire.type == "cpu" and alltoall and 0 < sent <= inline_bytes(len(ranks))
@@ -374,7 +385,10 @@ def _describe(h: bytes) -> str:
     grad, code = code & _GRAD, code & ~_GRAD
     dtype = _name(_DTYPES[code - 1]) if 0 < code <= len(_DTYPES) else f"dtype #{code}"
     recorded = " (recording a gradient)" if grad else ""
-    return f"{dtype}{recorded}, operation #{h[4:8].hex()}, source #{h[8:12].hex()}, destination #{h[12:16].hex()}"
+    leaves = f", recording leaves #{h[16:24].hex()}" if any(h[16:24]) else ""
+    return (
+        f"{dtype}{recorded}, operation #{h[4:8].hex()}, source #{h[8:12].hex()}, destination #{h[12:16].hex()}{leaves}"
+    )
 
 
 def _field(h: bytes, at: slice) -> bytes:

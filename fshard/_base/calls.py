@@ -4,8 +4,8 @@
 (``reshard(a: ..., spec: Chunk(...))``) while it runs; a backend's checks read it to
 name the call they serve. One stack per thread: calls on two threads (on two process
 groups) never see each other's. A movement of arrays whose inputs require grad (grad
-mode on) marks that it records a gradient while it runs; a backend's movement headers
-carry the mark.
+mode on) marks that it records a gradient while it runs, and a tree's leaves moved as one
+which of them do (``recording_leaves``); a backend's movement headers carry both marks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import contextlib
 import threading
 from collections.abc import Generator
 
-__all__ = ["RECORD_ALIKE", "call_name", "calling", "records_gradient", "set_records_gradient"]
+__all__ = ["RECORD_ALIKE", "call_name", "calling", "recording_leaves", "records_gradient", "set_records_gradient"]
 
 # What to do where ranks differ in recording a gradient through a movement (every backend says it alike).
 RECORD_ALIKE = (
@@ -60,8 +60,17 @@ def records_gradient() -> bool:
     return getattr(_LOCAL, "grad", False)
 
 
-def set_records_gradient(on: bool) -> bool:
-    """Sets ``records_gradient()`` on this thread; returns what it was, to set back."""
-    prior = getattr(_LOCAL, "grad", False)
-    _LOCAL.grad = on
+def recording_leaves() -> int:
+    """Of a tree's leaves moved as one, a digest of which record a gradient on this rank; 0 for one array.
+
+    One leaf recording on some ranks only would otherwise hide behind another that records on
+    every rank: the movement records on every rank all the same.
+    """
+    return getattr(_LOCAL, "leaves", 0)
+
+
+def set_records_gradient(on: bool, leaves: int = 0) -> tuple[bool, int]:
+    """Sets ``records_gradient()`` and ``recording_leaves()`` on this thread; returns what they were, to set back."""
+    prior = getattr(_LOCAL, "grad", False), getattr(_LOCAL, "leaves", 0)
+    _LOCAL.grad, _LOCAL.leaves = on, leaves
     return prior

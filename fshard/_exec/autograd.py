@@ -28,7 +28,9 @@ and batched collectives as the processes that hold shards.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import operator
 import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -172,64 +174,105 @@ def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
         return fn.forward(*args)
     if fn not in _MARKED or _in_backward() is not None or not _records(args):
         return apply(fn, *args)
-    _alike_in_one_process(fn, args)
-    prior = set_records_gradient(True)
+    leaves = _alike_in_one_process(fn, args)
+    prior = set_records_gradient(True, leaves)
     try:
         return apply(fn, *args)
     finally:
-        set_records_gradient(prior)
+        set_records_gradient(*prior)
 
 
-def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]) -> None:
+def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]) -> int:
     """Where one process runs every rank, raises where ranks disagree on recording a gradient (``_run``).
 
     As the movement headers do across processes: a movement that sends data, where every
     rank of the group holds blocks of the source and the blocks of some ranks require grad
     while none of the others' do (set by hand, or a function that returned a constant on
-    some ranks). The group: ranks ``0 .. world_size - 1`` of a ``LocalBackend(world_size=n)``,
-    else the ranks the movement reaches. The cost: a look at each block where some do not
-    require grad, nothing where all do.
+    some ranks); for a tree's leaves moved as one, where they do so through one leaf. The
+    group: ranks ``0 .. world_size - 1`` of a ``LocalBackend(world_size=n)``, else the ranks
+    the movement reaches. The cost: a look at each block where some do not require grad,
+    nothing where all do.
+
+    Returns:
+        Across processes, for a tree moved as one, ``recording_leaves``'s digest of which leaves
+        record a gradient on this rank (its headers compare it); else 0.
 
     Raises:
         CollectiveMismatchError: ranks of the group disagree, naming both sets of ranks.
     """
     if fn is _Regroup:  # no data moves in its forward: across processes it sends no header either
-        return
+        return 0
     gathers = fn is _Assemble
     backend = args[1] if gathers else args[2]
     tensors = args[5:] if gathers else args[6:] if fn is _CastMove else args[4:]
-    if backend.spans_processes or all(t.requires_grad for t in tensors):
-        return
+    leaves: Sequence[Any] | None = getattr(_PACKED, "leaves", None)
+    if backend.spans_processes:
+        return 0 if leaves is None else _leaves_recording(leaves)
+    mixed: list[Any] = []
+    if leaves is not None:  # a tree's leaves packed in one movement: the leaves whose ranks may differ
+        mixed = [a for a in leaves if a.requires_grad and not all(map(_REQUIRES_GRAD, a.addressable_data))]
+        if not mixed:
+            return 0
+    elif all(t.requires_grad for t in tensors):
+        return 0
     op, p = (
         (f"gather(dst={args[2]})", _assemble_plan(args[0], backend, args[2]))
         if gathers
         else ("reshard", plan(args[0], args[1]))
     )
     if not p.min_elements_sent:
-        return
+        return 0
+    world = getattr(backend, "world_size", 0)
     grad: dict[int, bool] = {}
     for r, t in zip(p.src.columns.rank.tolist(), tensors):
         grad[r] = grad.get(r, False) or t.requires_grad
-    leaves = getattr(_PACKED, "leaves", None)
-    if leaves is not None:  # a tree's leaves packed in one movement: as each rank sees them (``packed``)
-        for a in leaves:
-            if a.requires_grad:
-                held = set(a.layout.columns.rank.tolist())
-                for r in grad:
-                    grad[r] = grad[r] or r not in held
-    world = getattr(backend, "world_size", 0)
     group = range(world) if world else sorted({*grad, *p.dst.ranks})
     if any(r not in grad for r in group):  # a rank without blocks: across processes it says nothing either
-        return
+        return 0
+    through = ""
+    if leaves is not None:  # each leaf as each rank sees it
+        for a in mixed:
+            grad = _ranks_recording(a, group)
+            if not all(grad.values()):
+                through = f" (its leaf of {describe_layout(a.layout)}, one of a tree of {len(leaves)} moved as one)"
+                break
+        else:
+            return 0
     yes = [r for r in group if grad[r]]
     no = [r for r in group if not grad[r]]
     if yes and no:
         msg = (
-            f"{op} of {describe_layout(p.src)}: ranks {yes} record a gradient through it and ranks {no} do not "
-            "(none of their blocks requires grad); across processes every rank raises at this movement, and so "
-            f"does this backend: {RECORD_ALIKE}"
+            f"{op} of {describe_layout(p.src)}{through}: ranks {yes} record a gradient through it and ranks {no} "
+            "do not (none of their blocks requires grad); across processes every rank raises at this movement, "
+            f"and so does this backend: {RECORD_ALIKE}"
         )
         raise CollectiveMismatchError(msg)
+    return 0
+
+
+def _ranks_recording(a: Any, group: Sequence[int]) -> dict[int, bool]:
+    """Whether each rank of ``group`` records a gradient through leaf ``a`` of a tree moved as one, in one process.
+
+    A rank that holds blocks of ``a``: whether one requires grad. One that holds none records
+    one through the leaf's link where the leaf requires grad (``packed``).
+    """
+    grad: dict[int, bool] = dict.fromkeys(group, bool(a.requires_grad))
+    held = dict.fromkeys(group, False)
+    for r, t in zip(a.layout.columns.rank.tolist(), a.addressable_data):
+        grad[r] = (held[r] and grad[r]) or t.requires_grad
+        held[r] = True
+    return grad
+
+
+def _leaves_recording(leaves: Sequence[Any]) -> int:
+    """``recording_leaves``'s digest on this process: which of ``leaves`` record a gradient (as ``packed``)."""
+    bits = bytes(
+        any(map(_REQUIRES_GRAD, a.addressable_data)) if a.addressable_data else a.requires_grad for a in leaves
+    )
+    return int.from_bytes(hashlib.blake2b(bits, digest_size=8).digest(), "little") or 1
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 _PACKED = threading.local()  # the leaves of a tree that the movement running on this thread packs (``packed``)
