@@ -1052,7 +1052,8 @@ def _moved_on_after_a_raise(style: str, which: str, world: int | None = None) ->
 def test_a_call_made_after_a_backward_that_raised_is_refused_on_every_rank(dist_pool, style, which):
     """The gradients put back go silently into no step run since: the call raises, and the next step is its own."""
     message, got = _moved_on_after_a_raise(style, which, world=4)
-    assert "retain_graph=True" in message and "first micro-batch" in message
+    assert "retain_graph=True" in message
+    assert "first micro-batch" in message
     one, _ = _accumulated(style, 1, world=4)
     for g, want in zip(got, one, strict=True):
         torch.testing.assert_close(g, want, rtol=0, atol=1e-12)

@@ -514,3 +514,42 @@ def test_a_map_local_closure_that_some_ranks_use_is_refused_at_the_next_movement
         assert got == [["CollectiveMismatchError: gather(dst=None)", None]] * 4
         # One process runs every rank's body, and refuses the same movement: ranks [2, 3] record a gradient there.
         assert _map_local_closure(case) == ["CollectiveMismatchError: gather(dst=None) of shape (4,)", None]
+
+
+def _compiled_body(fullgraph: bool, grad: bool) -> tuple[str, float]:
+    """A per-shard function compiled by TorchDynamo, on arrays that need a gradient (``grad``) or not.
+
+    Returns the error, and the sum of the array's gradient (or of the result, without one).
+    """
+    torch._dynamo.reset()
+    body = torch.compile(lambda t: torch.tanh(t) * 2, fullgraph=fullgraph, backend="eager")
+    a = fshard.shard(torch.arange(24.0, dtype=torch.float64).reshape(8, 3) / 10, fshard.Chunk(0, [0, 1, 2, 3]))
+    if grad:
+        a = fshard.map_local(lambda t: t.detach().requires_grad_(), a)
+    try:
+        out = fshard.gather(fshard.map_local(body, a)).sum()
+        if not grad:
+            return "no error", float(out)
+        out.backward()
+    except fshard.SpecError as exc:
+        return str(exc), 0.0
+    blocks = a.addressable_data
+    return "no error", float(sum(t.grad.sum() for t in blocks))
+
+
+def test_a_fullgraph_body_that_records_a_gradient_is_refused_across_processes_with_the_fix(dist_pool):
+    """TorchDynamo cannot trace the per-shard mode into one graph: a SpecError naming the fix, not its own error.
+
+    Without fullgraph (the fix) the gradient is the local backend's, and a fullgraph body with no gradient runs.
+    """
+    x = torch.arange(24.0, dtype=torch.float64).reshape(8, 3) / 10
+    want = float((2 * (1 - torch.tanh(x) ** 2)).sum())
+    for message, _ in dist_pool.run(_compiled_body, True, True, timeout=180):
+        assert message.startswith("torch.compile(fn, fullgraph=True) of a per-shard function"), message
+        assert "without fullgraph=True" in message, message
+    eager = dist_pool.run(_compiled_body, False, True, timeout=180)
+    assert [message for message, _ in eager] == ["no error"] * 4
+    assert sum(total for _, total in eager) == pytest.approx(want, rel=1e-12)  # each rank's rows, summed
+    for message, total in dist_pool.run(_compiled_body, True, False, timeout=180):
+        assert message == "no error"
+        assert total == pytest.approx(float((torch.tanh(x) * 2).sum()), rel=1e-12)

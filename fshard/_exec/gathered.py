@@ -37,6 +37,7 @@ gathers registered after it, which is the same on every rank that gathered alike
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 import weakref
 from collections.abc import Callable, Collection, Container, Generator, Mapping, Sequence
@@ -48,6 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from fshard._base.compile import opaque
 from fshard._base.function import apply
+from fshard._errors import SpecError
 from fshard._exec import readonly as _readonly
 
 __all__ = [
@@ -427,4 +429,27 @@ def per_shard(
         return
     since = _readonly.unchecked(mark) if closed is not None else 0  # its probe writes into nothing
     with _PerShard(usage, closed, {id(t) for t in own}, since, backend.spans_processes):
-        yield
+        try:
+            yield
+        except Exception as exc:
+            if backend.spans_processes and _traced_here(exc):
+                raise SpecError(_FULLGRAPH) from exc
+            raise
+
+
+_FULLGRAPH = (
+    "torch.compile(fn, fullgraph=True) of a per-shard function (shard_map's or map_local's fn) cannot run across "
+    "processes while a gradient is recorded: fshard's per-shard mode runs in each of the function's torch calls "
+    "(it makes the gradients of replicated arguments, gathered tensors and closed-over tensors sum over the "
+    "ranks), and TorchDynamo cannot trace it into one graph. Compile the function without fullgraph=True "
+    "(TorchDynamo runs the mode between graphs), compile the whole step instead, or call it under "
+    "torch.no_grad()."
+)
+
+
+def _traced_here(exc: Exception) -> bool:
+    """Whether ``exc`` is TorchDynamo refusing to trace this module's mode (a compiled function with fullgraph)."""
+    dynamo = sys.modules.get("torch._dynamo.exc")
+    if dynamo is None or not isinstance(exc, dynamo.Unsupported):
+        return False
+    return any(frame.filename == __file__ for frame in getattr(exc, "real_stack", None) or ())
