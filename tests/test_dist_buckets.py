@@ -317,17 +317,25 @@ def test_the_bucket_size_is_a_checked_setting():
         fshard.config(bucket_cap_mb="25")
 
 
-def _accumulated(style: str, micro: int, world: int | None = None) -> tuple[list[torch.Tensor], int]:
-    """Gradients of ``micro`` micro-batches (each rank's rows, split), all but the last under ``no_sync``.
-
-    Also the elements this rank sent in the backwards (on torch_dist; ``world``: a local backend of that size).
-    """
+def _weights_and_step(style: str, world: int | None) -> tuple[Any, list[Any], list[torch.Tensor], Any]:
+    """The backend (torch_dist, or ``world`` ranks in this process), the weights (``"dp"``: replicated, ``"fsdp"``:
+    by rows), their blocks, and the data-parallel step over them."""
     backend = TorchDistBackend() if world is None else LocalBackend(world_size=world)
     spec = fshard.Chunk(0, R) if style == "fsdp" else fshard.Replicated(R)
     params = [fshard.shard(w, spec, backend=backend) for w in _weights()]
     leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
     rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
     step = fshard.shard_map(_body("plain"), in_specs=(rows, *[rep] * 5), out_specs=fshard.Partial(rep))
+    return backend, params, leaves, step
+
+
+def _accumulated(style: str, micro: int, world: int | None = None) -> tuple[list[torch.Tensor], int]:
+    """Gradients of ``micro`` micro-batches (each rank's rows, split), all but the last under ``no_sync``.
+
+    Also the elements this rank sent in the backwards (on torch_dist; ``world``: a local backend of that size).
+    """
+    backend, params, leaves, step = _weights_and_step(style, world)
+    rows = fshard.Chunk(0, R)
     if world is None:
         batches = [fshard.from_local_tensor(_rows(backend.rank)[k::micro], dim=0) for k in range(micro)]
     else:
@@ -956,18 +964,12 @@ def test_a_micro_batch_set_aside_survives_a_syncing_backward_that_raised_midway(
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def _raised_after_the_sum(style: str, which: str, world: int | None = None) -> list[torch.Tensor]:
-    """Every block's gradient over two micro-batches of the same rows, one of which raised once and was retried.
-
-    A hook on the first parameter's block raises after that micro-batch's backward set its gradients
-    aside (``which="no_sync"``) or summed them with the earlier micro-batch's (``"syncing"``).
+def _hooked_step(style: str, world: int | None) -> tuple[list[Any], list[torch.Tensor], Any, Any, list[bool]]:
+    """Weights (``"dp"``: replicated, ``"fsdp"``: by rows), their blocks, this process's rows, the step, and a switch:
+    while it is on, a hook on the first weight's block raises once, after the block's backward summed or set aside.
     """
-    backend = TorchDistBackend() if world is None else LocalBackend(world_size=world)
-    spec = fshard.Chunk(0, R) if style == "fsdp" else fshard.Replicated(R)
-    params = [fshard.shard(w, spec, backend=backend) for w in _weights()]
-    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
-    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
-    step = fshard.shard_map(_body("plain"), in_specs=(rows, *[rep] * 5), out_specs=fshard.Partial(rep))
+    backend, params, leaves, step = _weights_and_step(style, world)
+    rows = fshard.Chunk(0, R)
     x = (
         fshard.from_local_tensor(_rows(backend.rank), dim=0)
         if world is None
@@ -981,6 +983,16 @@ def _raised_after_the_sum(style: str, which: str, world: int | None = None) -> l
             raise _Raised
 
     leaves[0].register_hook(raise_once)
+    return params, leaves, x, step, armed
+
+
+def _raised_after_the_sum(style: str, which: str, world: int | None = None) -> list[torch.Tensor]:
+    """Every block's gradient over two micro-batches of the same rows, one of which raised once and was retried.
+
+    A hook on the first parameter's block raises after that micro-batch's backward set its gradients
+    aside (``which="no_sync"``) or summed them with the earlier micro-batch's (``"syncing"``).
+    """
+    params, leaves, x, step, armed = _hooked_step(style, world)
     for k in range(2):
         with fshard.no_sync() if k == 0 else contextlib.nullcontext():
             loss = fshard.gather(step(x, *params))
@@ -1013,25 +1025,7 @@ def _moved_on_after_a_raise(style: str, which: str, world: int | None = None) ->
 
     Returns the new forward's error, and every block's gradient from one whole step run after it.
     """
-    backend = TorchDistBackend() if world is None else LocalBackend(world_size=world)
-    spec = fshard.Chunk(0, R) if style == "fsdp" else fshard.Replicated(R)
-    params = [fshard.shard(w, spec, backend=backend) for w in _weights()]
-    leaves = [t.requires_grad_() for p in params for t in p.addressable_data]
-    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
-    step = fshard.shard_map(_body("plain"), in_specs=(rows, *[rep] * 5), out_specs=fshard.Partial(rep))
-    x = (
-        fshard.from_local_tensor(_rows(backend.rank), dim=0)
-        if world is None
-        else fshard.shard(torch.cat([_rows(r) for r in R]), rows, backend=backend)
-    )
-    armed = [False]
-
-    def raise_once(g: torch.Tensor | None) -> None:
-        if armed[0]:
-            armed[0] = False
-            raise _Raised
-
-    leaves[0].register_hook(raise_once)
+    params, leaves, x, step, armed = _hooked_step(style, world)
     with fshard.no_sync():
         fshard.gather(step(x, *params)).backward()
     with fshard.no_sync() if which == "no_sync" else contextlib.nullcontext():
