@@ -13,6 +13,8 @@ closed-over tensor, or weights of two dtypes, whose collectives the buckets must
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 import types
 import warnings
 from typing import Any
@@ -1098,3 +1100,73 @@ def test_an_unused_weight_gets_none_and_a_used_empty_one_zeros_as_on_the_local_b
         assert grads[1] is None
         assert grads[2] is not None
         assert grads[2].shape == (0,)
+
+
+def test_a_backward_that_raised_on_one_thread_leaves_another_threads_micro_batches():
+    """Two models on two threads: one's backward raises (and is retried) while the other sets a micro-batch aside.
+
+    Each journal puts back only the keys its own backward changed: both models count both micro-batches.
+    """
+    one, _ = _accumulated("dp", 1, world=4)
+    opened, set_aside = threading.Event(), threading.Event()
+    got: dict[str, list[torch.Tensor]] = {}
+
+    def raising() -> None:
+        _, params, leaves, step = _weights_and_step("dp", 4)
+        x = fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=params[0].backend)
+        armed = [False]
+
+        def wait_then_raise(g: torch.Tensor | None) -> None:
+            if armed[0]:
+                armed[0] = False
+                opened.set()
+                set_aside.wait(30)
+                raise _Raised
+
+        leaves[0].register_hook(wait_then_raise)
+        with fshard.no_sync():
+            fshard.gather(step(x, *params)).backward()
+        loss = fshard.gather(step(x, *params))
+        armed[0] = True
+        with pytest.raises(_Raised):
+            loss.backward(retain_graph=True)  # its journal is open when the other thread sets aside
+        for t in leaves:
+            t.grad = None
+        loss.backward()
+        got["raised"] = [t.grad for t in leaves]
+
+    def other() -> None:
+        _, params, leaves, step = _weights_and_step("dp", 4)
+        x = fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=params[0].backend)
+        opened.wait(30)
+        with fshard.no_sync():
+            fshard.gather(step(x, *params)).backward()
+        set_aside.set()
+        time.sleep(0.5)  # the raised backward's journal is dropped meanwhile
+        fshard.gather(step(x, *params)).backward()
+        got["other"] = [t.grad for t in leaves]
+
+    threads = [threading.Thread(target=raising), threading.Thread(target=other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for name in ("raised", "other"):
+        for g, want in zip(got[name], one, strict=True):
+            torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+
+
+def test_a_step_given_up_after_a_raise_runs_again_on_new_arrays():
+    """Arrays made afresh (a reload) after a syncing backward raised: what was put back for the old ones is dropped."""
+    params, leaves, x, step, armed = _hooked_step("dp", 4)
+    with fshard.no_sync():
+        fshard.gather(step(x, *params)).backward()
+    loss = fshard.gather(step(x, *params))
+    armed[0] = True
+    with pytest.raises(_Raised):
+        loss.backward()
+    del params, leaves, loss
+    one, _ = _accumulated("dp", 1, world=4)  # new arrays: neither refused nor reported lost
+    again, _ = _accumulated("dp", 1, world=4)
+    for g, want in zip(again, one, strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)

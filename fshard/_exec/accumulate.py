@@ -147,32 +147,41 @@ _DISPLACED: list[Key] = []
 
 
 class _Journal:
-    """What was kept aside when a backward first changed it: put back if that backward raises.
+    """What was kept aside for each key a backward changed, as it was before: put back if that backward raises.
 
     Held by a callback queued in that backward, which autograd runs where the backward ends
     and drops either way: a journal dropped before its callback ran belongs to a backward
     that raised. What it took back (a syncing backward's, summed with its own gradients)
-    and what it set aside (a micro-batch's under ``no_sync``) are then undone, so a retried
-    backward counts each micro-batch once, whether the raise came before the sum or after
-    it (a hook on a parameter's block).
+    and what it set aside (a micro-batch's under ``no_sync``) are then undone, key by key
+    (another thread's backward keeps its own), so a retried backward counts each micro-batch
+    once, whether the raise came before the sum or after it (a hook on a parameter's block).
     """
 
     __slots__ = ("__weakref__", "before", "ended")
 
-    def __init__(self, before: _Aside) -> None:
-        self.before, self.ended = before, False
+    def __init__(self) -> None:
+        self.before: dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]] | None] = {}
+        self.ended = False
+
+    def note(self, ids: tuple[int, ...]) -> None:
+        """Keeps what is aside for ``ids`` (``None``: nothing) before this backward first changes it."""
+        if ids not in self.before:
+            self.before[ids] = _ASIDE.get(ids)
 
     def end(self) -> None:
         """The callback: the backward finished; what it changed stands."""
         self.ended = True
 
     def __del__(self) -> None:
-        if not self.ended:  # its backward raised
-            changed = {ids for ids in self.before.keys() | _ASIDE.keys() if self.before.get(ids) is not _ASIDE.get(ids)}
-            _ASIDE.clear()
+        if self.ended:
+            return
+        for ids, held in self.before.items():  # its backward raised
             # Not gradients of arrays that are gone: the backward that raised reported them lost.
-            _ASIDE.update({ids: held for ids, held in self.before.items() if held[0].alive()})
-            _RAISED.update({ids: _ASIDE[ids][0] for ids in changed if ids in _ASIDE})
+            if held is None or not held[0].alive():
+                _ASIDE.pop(ids, None)
+            else:
+                _ASIDE[ids] = held
+                _RAISED[ids] = held[0]
 
 
 # What a backward that raised put back, by key: for that backward's retry alone (``_refuse_after_raise``).
@@ -205,37 +214,41 @@ def _refuse_after_raise() -> None:
 
 # -1 outside a backward
 _graph_task: Any = getattr(torch._C, "_current_graph_task_id")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
-_OPEN: list[weakref.ref[_Journal]] = []  # the journal of the backward running now, if one changed what is aside
+_OPEN = threading.local()  # ``journal``: the journal of the backward running on this thread, if it changed any
 _ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine")  # noqa: B009  # untyped in torch's stubs
 
 
-def journaled() -> bool:
+def journaled(ids: tuple[int, ...] | None = None) -> bool:
     """Whether what is kept aside changes now within a backward that puts it back if it raises.
 
-    Opens that backward's journal on its first change. Outside a backward (a transform's call
-    of a node's backward) the change stands at once.
+    Opens that backward's journal on its first change, and notes ``ids``, the key about to
+    change. Outside a backward (a transform's call of a node's backward) the change stands
+    at once.
     """
-    if _OPEN and _OPEN[0]() is not None:
-        return True
-    journal = _Journal(dict(_ASIDE))
-    try:
-        _ENGINE.queue_callback(journal.end)
-    except RuntimeError:  # no backward runs on this thread
-        journal.ended = True
-        return False
-    _OPEN[:] = [weakref.ref(journal)]
+    ref: weakref.ref[_Journal] | None = getattr(_OPEN, "journal", None)
+    journal = None if ref is None else ref()
+    if journal is None:
+        journal = _Journal()
+        try:
+            _ENGINE.queue_callback(journal.end)
+        except RuntimeError:  # no backward runs on this thread
+            journal.ended = True
+            return False
+        _OPEN.journal = weakref.ref(journal)
+    if ids is not None:
+        journal.note(ids)
     return True
 
 
 def set_aside(key: Key, grads: Sequence[torch.Tensor | None]) -> None:
     """Adds ``grads`` to what is set aside for the movement of ``key``'s tensors (``None``: no gradient yet)."""
-    journaled()
-    _RAISED.pop(key.ids, None)  # the retry of the backward that raised: what it had is its own
+    journaled(key.ids)
+    raised = _RAISED.pop(key.ids, None)  # the retry of the backward that raised: what it had is its own
     held = _ASIDE.get(key.ids)
     if held is not None and held[0].same(key):
         grads = [a if g is None else g if a is None else a + g for a, g in zip(held[1], grads)]
-    elif held is not None:  # another array's, gone, whose ids these tensors took
-        _DISPLACED.append(held[0])
+    elif held is not None and held[0] is not raised:  # another array's, gone, whose ids these tensors took
+        _DISPLACED.append(held[0])  # (not that of a step given up after a raise: dropped)
     _ASIDE[key.ids] = (key, list(grads))
     if not _STEP_HOOK:  # from the first micro-batch kept aside on: optimizers' steps are checked
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_held))
@@ -298,12 +311,12 @@ def take_back(key: Key) -> list[torch.Tensor | None] | None:
     """
     if not (_ASIDE or _DISPLACED):  # the common case: no micro-batch kept aside
         return None
-    journaled()
+    journaled(key.ids)
     _RAISED.pop(key.ids, None)  # the retry of the backward that raised: what it had is its own
-    lost = [ids for ids, (k, _) in _ASIDE.items() if not k.alive()]
-    for ids in lost:
+    gone = [ids for ids, (k, _) in _ASIDE.items() if not k.alive()]
+    lost = [ids for ids in gone if _RAISED.pop(ids, None) is None]  # not a step given up after a raise
+    for ids in gone:
         del _ASIDE[ids]
-        _RAISED.pop(ids, None)
     if lost or _DISPLACED:
         _DISPLACED.clear()
         msg = (
