@@ -139,8 +139,7 @@ def key_of(inputs: Sequence[torch.Tensor], like: torch.Tensor) -> Key:
     return Key(inputs if inputs else (like,))
 
 
-_Aside = dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]]]
-_ASIDE: _Aside = {}
+_ASIDE: dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]]] = {}
 # Keys of gradients kept aside for arrays that are gone, whose ids another array's key took: reported
 # as lost, as those still in ``_ASIDE`` are, whatever the allocator reused (which differs from rank to rank).
 _DISPLACED: list[Key] = []

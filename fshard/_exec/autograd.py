@@ -174,15 +174,17 @@ def _run(fn: type[torch.autograd.Function], *args: Any) -> Any:
         return fn.forward(*args)
     if fn not in _MARKED or _in_backward() is not None or not _records(args):
         return apply(fn, *args)
-    leaves = _alike_in_one_process(fn, args)
-    prior = set_records_gradient(True, leaves)
+    _alike_in_one_process(fn, args)
+    packed = getattr(_PACKED, "leaves", None)  # across processes, the headers compare which leaves record
+    digest = _leaves_recording(packed) if packed is not None and packed[0].backend.spans_processes else 0
+    prior = set_records_gradient(True, digest)
     try:
         return apply(fn, *args)
     finally:
         set_records_gradient(*prior)
 
 
-def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]) -> int:
+def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]) -> None:
     """Where one process runs every rank, raises where ranks disagree on recording a gradient (``_run``).
 
     As the movement headers do across processes: a movement that sends data, where every
@@ -193,42 +195,38 @@ def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]
     the movement reaches. The cost: a look at each block where some do not require grad,
     nothing where all do.
 
-    Returns:
-        Across processes, for a tree moved as one, ``recording_leaves``'s digest of which leaves
-        record a gradient on this rank (its headers compare it); else 0.
-
     Raises:
         CollectiveMismatchError: ranks of the group disagree, naming both sets of ranks.
     """
     if fn is _Regroup:  # no data moves in its forward: across processes it sends no header either
-        return 0
+        return
     gathers = fn is _Assemble
     backend = args[1] if gathers else args[2]
     tensors = args[5:] if gathers else args[6:] if fn is _CastMove else args[4:]
-    leaves: Sequence[Any] | None = getattr(_PACKED, "leaves", None)
     if backend.spans_processes:
-        return 0 if leaves is None else _leaves_recording(leaves)
+        return
+    leaves: Sequence[Any] | None = getattr(_PACKED, "leaves", None)
     mixed: list[Any] = []
     if leaves is not None:  # a tree's leaves packed in one movement: the leaves whose ranks may differ
         mixed = [a for a in leaves if a.requires_grad and not all(map(_REQUIRES_GRAD, a.addressable_data))]
         if not mixed:
-            return 0
+            return
     elif all(t.requires_grad for t in tensors):
-        return 0
+        return
     op, p = (
         (f"gather(dst={args[2]})", _assemble_plan(args[0], backend, args[2]))
         if gathers
         else ("reshard", plan(args[0], args[1]))
     )
     if not p.min_elements_sent:
-        return 0
+        return
     world = getattr(backend, "world_size", 0)
     grad: dict[int, bool] = {}
     for r, t in zip(p.src.columns.rank.tolist(), tensors):
         grad[r] = grad.get(r, False) or t.requires_grad
     group = range(world) if world else sorted({*grad, *p.dst.ranks})
     if any(r not in grad for r in group):  # a rank without blocks: across processes it says nothing either
-        return 0
+        return
     through = ""
     if leaves is not None:  # each leaf as each rank sees it
         for a in mixed:
@@ -237,7 +235,7 @@ def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]
                 through = f" (its leaf of {describe_layout(a.layout)}, one of a tree of {len(leaves)} moved as one)"
                 break
         else:
-            return 0
+            return
     yes = [r for r in group if grad[r]]
     no = [r for r in group if not grad[r]]
     if yes and no:
@@ -247,7 +245,6 @@ def _alike_in_one_process(fn: type[torch.autograd.Function], args: Sequence[Any]
             f"and so does this backend: {RECORD_ALIKE}"
         )
         raise CollectiveMismatchError(msg)
-    return 0
 
 
 def _ranks_recording(a: Any, group: Sequence[int]) -> dict[int, bool]:
@@ -256,11 +253,11 @@ def _ranks_recording(a: Any, group: Sequence[int]) -> dict[int, bool]:
     A rank that holds blocks of ``a``: whether one requires grad. One that holds none records
     one through the leaf's link where the leaf requires grad (``packed``).
     """
+    ranks = a.layout.columns.rank.tolist()
     grad: dict[int, bool] = dict.fromkeys(group, bool(a.requires_grad))
-    held = dict.fromkeys(group, False)
-    for r, t in zip(a.layout.columns.rank.tolist(), a.addressable_data):
-        grad[r] = (held[r] and grad[r]) or t.requires_grad
-        held[r] = True
+    grad.update(dict.fromkeys(ranks, False))
+    for r, t in zip(ranks, a.addressable_data):
+        grad[r] = grad[r] or t.requires_grad
     return grad
 
 
