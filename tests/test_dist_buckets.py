@@ -966,9 +966,12 @@ def test_a_micro_batch_set_aside_survives_a_syncing_backward_that_raised_midway(
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def _hooked_step(style: str, world: int | None) -> tuple[list[Any], list[torch.Tensor], Any, Any, list[bool]]:
+def _hooked_step(
+    style: str, world: int | None, on: torch.Tensor | None = None
+) -> tuple[list[Any], list[torch.Tensor], Any, Any, list[bool]]:
     """Weights (``"dp"``: replicated, ``"fsdp"``: by rows), their blocks, this process's rows, the step, and a switch:
-    while it is on, a hook on the first weight's block raises once, after the block's backward summed or set aside.
+    while it is on, a hook on the first weight's block (or on ``on``) raises once, after the block's backward summed
+    or set aside.
     """
     backend, params, leaves, step = _weights_and_step(style, world)
     rows = fshard.Chunk(0, R)
@@ -984,7 +987,7 @@ def _hooked_step(style: str, world: int | None) -> tuple[list[Any], list[torch.T
             armed[0] = False
             raise _Raised
 
-    leaves[0].register_hook(raise_once)
+    (leaves[0] if on is None else on).register_hook(raise_once)
     return params, leaves, x, step, armed
 
 
@@ -1017,6 +1020,53 @@ def test_a_backward_that_raised_after_its_sum_and_was_retried_counts_its_micro_b
     for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
         torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
     for rank, grads in enumerate(dist_pool.run(_raised_after_the_sum, style, which, timeout=120)):
+        mine = got[rank::4] if style == "fsdp" else got[::4]
+        for g, want in zip(grads, mine, strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def _raised_after_a_reentrant_checkpoint(
+    style: str, which: str, depth: int, world: int | None = None
+) -> list[torch.Tensor]:
+    """As ``_raised_after_the_sum``, with each micro-batch's call inside ``depth`` nested reentrant checkpoints.
+
+    The innermost checkpoint's backward recomputes the call and runs its own backward, which sums
+    or sets aside, and ends; the step's backward raises after them (a hook on the outermost
+    checkpoint's input).
+    """
+    start = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    params, leaves, x, step, armed = _hooked_step(style, world, on=start)
+
+    def call(s: torch.Tensor, level: int = 1) -> torch.Tensor:
+        if level < depth:
+            return checkpoint(call, s, level + 1, use_reentrant=True)
+        return fshard.gather(step(x, *params)) + s
+
+    for k in range(2):
+        with fshard.no_sync() if k == 0 else contextlib.nullcontext():
+            loss = checkpoint(call, start, use_reentrant=True)
+            armed[0] = which == ("no_sync" if k == 0 else "syncing")
+            if armed[0]:
+                with pytest.raises(_Raised):
+                    loss.backward(retain_graph=True)
+                for t in leaves:  # what the checkpoint's backward gave the blocks before the raise
+                    t.grad = None
+            loss.backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("style", ["dp", "fsdp"])
+@pytest.mark.parametrize("which", ["no_sync", "syncing"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_backward_that_raised_after_a_reentrant_checkpoints_own_backward_counts_its_micro_batch_once(
+    dist_pool, style, which, depth
+):
+    """What a checkpoint's inner backward changed is put back with the backward whose node ran it."""
+    got = _raised_after_a_reentrant_checkpoint(style, which, depth, world=4)
+    one, _ = _accumulated(style, 1, world=4)
+    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
+        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+    for rank, grads in enumerate(dist_pool.run(_raised_after_a_reentrant_checkpoint, style, which, depth, timeout=120)):
         mine = got[rank::4] if style == "fsdp" else got[::4]
         for g, want in zip(grads, mine, strict=True):
             torch.testing.assert_close(g, want, rtol=0, atol=1e-12)

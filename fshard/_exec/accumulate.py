@@ -168,8 +168,24 @@ class _Journal:
             self.before[ids] = _ASIDE.get(ids)
 
     def end(self) -> None:
-        """The callback: the backward finished; what it changed stands."""
-        self.ended = True
+        """The callback: the backward finished; what it changed stands.
+
+        A backward run inside a node of another (a reentrant checkpoint's recomputation)
+        belongs to that outer backward: its journal passes to the outer one by a hook run
+        after the node (then in the outer backward, whose end it waits for), and is put back
+        if the outer backward raises before or after that.
+        """
+        node = _current_node()
+        if node is None:
+            self.ended = True
+            return
+        handle: list[Any] = []
+
+        def adopt(*_: Any) -> None:
+            handle.pop().remove()
+            _ENGINE.queue_callback(self.end)
+
+        handle.append(node.register_hook(adopt))
 
     def __del__(self) -> None:
         if self.ended:
@@ -215,6 +231,8 @@ def _refuse_after_raise() -> None:
 _graph_task: Any = getattr(torch._C, "_current_graph_task_id")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
 _OPEN = threading.local()  # ``journal``: the journal of the backward running on this thread, if it changed any
 _ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine")  # noqa: B009  # untyped in torch's stubs
+# The node whose backward runs on this thread (``None`` between nodes: where a backward that no node runs ends)
+_current_node: Any = getattr(torch._C, "_current_autograd_node")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
 
 
 def journaled(ids: tuple[int, ...] | None = None) -> bool:
