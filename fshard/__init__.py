@@ -2,6 +2,7 @@
 
 from fshard import backends as backends
 from fshard._api import operators as _operators
+from fshard._api.accumulate import discard_kept_aside as discard_kept_aside
 from fshard._api.backward import backward as backward
 from fshard._api.creation import empty as empty
 from fshard._api.creation import empty_like as empty_like
@@ -138,6 +139,7 @@ __all__ = [
     "load_state_dict",
     "map_local",
     "no_sync",
+    "discard_kept_aside",
     "ones",
     "ones_like",
     "optimizer_state",

@@ -1110,6 +1110,73 @@ def test_a_call_made_after_a_backward_that_raised_is_refused_on_every_rank(dist_
             torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
 
 
+def _given_up(style: str, after: str, world: int | None = None) -> tuple[str, list[torch.Tensor]]:
+    """A step given up after a micro-batch kept aside (``after="no_sync"``) or after its last micro-batch's backward
+    raised (``"raise"``), dropped with ``discard_kept_aside``; then one whole step, and an optimizer's step.
+
+    Returns what the optimizer's step raised (``""``: nothing) and every block's gradient from that whole step.
+    """
+    params, leaves, x, step, armed = _hooked_step(style, world)
+    with fshard.no_sync():
+        fshard.gather(step(x, *params)).backward()
+    if after == "raise":
+        loss = fshard.gather(step(x, *params))
+        armed[0] = True
+        with pytest.raises(_Raised):
+            loss.backward()
+    fshard.discard_kept_aside(params)
+    opt = torch.optim.SGD(leaves, lr=0.0)
+    opt.zero_grad()
+    fshard.gather(step(x, *params)).backward()  # neither refused nor adding the step given up
+    try:
+        opt.step()
+    except fshard.SpecError as exc:
+        return str(exc), [t.grad for t in leaves]
+    return "", [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("style", ["dp", "fsdp"])
+@pytest.mark.parametrize("after", ["no_sync", "raise"])
+def test_a_step_given_up_and_discarded_leaves_the_next_step_its_own_gradients(dist_pool, style, after):
+    """``discard_kept_aside`` drops a given-up step's micro-batches (and what a raise put back) on every rank."""
+    refused, got = _given_up(style, after, world=4)
+    assert refused == ""
+    one, _ = _accumulated(style, 1, world=4)
+    for g, want in zip(got, one, strict=True):  # that step's one micro-batch alone
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    for rank, (text, grads) in enumerate(dist_pool.run(_given_up, style, after, timeout=120)):
+        assert text == ""
+        mine = got[rank::4] if style == "fsdp" else got[::4]
+        for g, want in zip(grads, mine, strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def _discarded_apart() -> str:
+    """Rank 0 drops the gradients of one array, the others of all five: every rank raises."""
+    backend, params, _, _ = _weights_and_step("dp", None)
+    try:
+        fshard.discard_kept_aside(params[:1] if backend.rank == 0 else params)
+    except fshard.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_discard_different_arrays_raise_on_every_rank(dist_pool):
+    for message in dist_pool.run(_discarded_apart, timeout=120):
+        assert "the ranks passed arrays of different layouts" in message
+        assert "the same tree" in message
+
+
+def test_discard_kept_aside_refuses_what_is_not_an_array_and_a_call_from_a_backward():
+    _, params, leaves, step = _weights_and_step("dp", 4)
+    with pytest.raises(TypeError, match="got a leaf of type Tensor"):
+        fshard.discard_kept_aside([params[0], leaves[0]])
+    x = fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=params[0].backend)
+    leaves[0].register_hook(lambda g: fshard.discard_kept_aside(params))
+    with pytest.raises(fshard.SpecError, match="ran inside a backward"):
+        fshard.gather(step(x, *params)).backward()
+
+
 def _unused_and_empty(backend: Any, rows: torch.Tensor, create_graph: bool) -> list[torch.Tensor | None]:
     """The gradients of a used weight, an unused one and a used zero-size one (``torch.autograd.grad``)."""
     values = [torch.full((D, D), 0.5, dtype=torch.float64), torch.ones(D, dtype=torch.float64), torch.zeros(0)]

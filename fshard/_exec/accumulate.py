@@ -35,6 +35,7 @@ from fshard._errors import SpecError
 
 __all__ = [
     "Key",
+    "discard",
     "journaled",
     "key_of",
     "no_sync",
@@ -62,8 +63,9 @@ def no_sync() -> Generator[None, None, None]:
     The backward of the last micro-batch, run outside, sums every micro-batch's gradients
     across ranks in one reduction (the collectives of one step). Each rank must run the
     same micro-batches inside as the others (the context changes no collective's order).
-    ``zero_grad()`` does not clear the gradients kept aside, and an optimizer's step over
-    parameters that have some raises ``SpecError`` (the last micro-batch belongs outside).
+    ``zero_grad()`` does not clear the gradients kept aside (``fshard.discard_kept_aside`` drops
+    them, for a step given up), and an optimizer's step over parameters that have some raises
+    ``SpecError`` (the last micro-batch belongs outside).
 
     >>> import torch, fshard
     >>> from fshard.backends.local import LocalBackend
@@ -222,7 +224,8 @@ def _refuse_after_raise() -> None:
         "no_sync(), and this call over the same arrays was made after it, so fshard cannot tell whether those "
         "micro-batches belong to its step. They were dropped. To keep them, retry the backward that raised on "
         "its own graph (the first `loss.backward(retain_graph=True)`, then `loss.backward()` again) before any "
-        "other call over these arrays; otherwise run the step again from its first micro-batch."
+        "other call over these arrays; otherwise run the step again from its first micro-batch (to give a step "
+        "up without this error, call fshard.discard_kept_aside(params) on every rank first)."
     )
     raise SpecError(msg)
 
@@ -272,6 +275,31 @@ def set_aside(key: Key, grads: Sequence[torch.Tensor | None]) -> None:
 
 
 _STEP_HOOK: list[Any] = []  # the handle of the hook on every optimizer's step, once made
+
+
+def discard(tensors: Sequence[torch.Tensor]) -> int:
+    """Drops what is kept aside for movements of ``tensors`` (an array's shard tensors and link): a step given up.
+
+    Also what a backward that raised put back for them, so the next call over them is not
+    refused. Returns the number of movements whose gradients were dropped.
+
+    Raises:
+        SpecError: called while a backward runs (a hook), which may be summing them.
+    """
+    if _graph_task() >= 0:
+        msg = (
+            "fshard.discard_kept_aside() ran inside a backward (a hook), which may be summing or setting aside "
+            "the very gradients it drops: call it between steps, after the backward has returned or raised."
+        )
+        raise SpecError(msg)
+    mine = {id(t if t._base is None else t._base) for t in tensors}
+    found = [ids for ids, (key, _) in _ASIDE.items() if any((t := r()) is not None and id(t) in mine for r in key.refs)]
+    for ids in found:
+        del _ASIDE[ids]
+        _RAISED.pop(ids, None)
+    for ids in [ids for ids, key in _RAISED.items() if any((t := r()) is not None and id(t) in mine for r in key.refs)]:
+        del _RAISED[ids]
+    return len(found)
 
 
 @contextlib.contextmanager
