@@ -516,6 +516,22 @@ def test_a_map_local_closure_that_some_ranks_use_is_refused_at_the_next_movement
         assert _map_local_closure(case) == ["CollectiveMismatchError: gather(dst=None) of shape (4,)", None]
 
 
+def test_the_local_backend_refuses_a_map_local_closure_some_ranks_use_while_the_arguments_record():
+    """Across processes nothing tells the ranks apart before the backward, where the ranks that used ``c`` wait in its
+    sum for the others, which raise at a later movement. One process counts each rank's uses and refuses at the call.
+    """
+    c = torch.tensor([2.0], dtype=torch.float64, requires_grad=True)
+    x = fshard.shard(torch.arange(4.0, dtype=torch.float64), fshard.Chunk(0, [0, 1, 2, 3]))
+    x = fshard.map_local(lambda t: t.detach().requires_grad_(), x)
+    with pytest.raises(fshard.SpecError, match=re.escape("different ranks (0 on ranks [0, 1]; 1 on ranks [2, 3])")):
+        fshard.map_local(lambda t: t * c if t[0] >= 2 else t * 1.0, x)
+    with torch.no_grad():  # no gradient, no sum
+        fshard.map_local(lambda t: t * c if t[0] >= 2 else t * 1.0, x)
+    fshard.gather(fshard.map_local(lambda t: t * c, x)).sum().backward()  # every rank's use: summed
+    assert c.grad.tolist() == [6.0]
+    assert fshard.gather(fshard.map_local(torch.mul, x, x)).tolist() == [0.0, 1.0, 4.0, 9.0]  # closes over nothing
+
+
 def _compiled_body(fullgraph: bool, grad: bool) -> tuple[str, float]:
     """A per-shard function compiled by TorchDynamo, on arrays that need a gradient (``grad``) or not.
 

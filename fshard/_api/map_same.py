@@ -7,16 +7,17 @@ function's new extent.
 from __future__ import annotations
 
 import itertools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import optree
 import torch
 
-from fshard._api.map_context import per_shard, refuse_closed, used_gathered
+from fshard._api.map_context import per_shard, refuse_closed, refuse_closed_apart, used_gathered
 from fshard._api.move import check_tensor, resolved
 from fshard._array.array import ShardedArray
-from fshard._base.compile import opaque
+from fshard._base.compile import opaque, unwrapped
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
@@ -49,11 +50,28 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
 
     usage = _varying.Usage()
     own = [t for a in arrays for t in a.addressable_data]
+    # In one process, the closed-over tensors each rank's calls used, counted per rank, where a rank that used
+    # none would not join their sums in the backward across processes. (Where no argument records a gradient,
+    # the result's link tells ranks apart at its next movement, in one process too.)
+    # A C function (an operator's: ``operator.add``, ``torch.eq``) closes over nothing but the object it is bound to.
+    counted = not (backend.spans_processes or torch.compiler.is_compiling() or _closes_over_nothing(fn))
+    counted = counted and torch.is_grad_enabled() and any(a.requires_grad for a in arrays)
+    closed_by_rank: dict[int, set[int]] | None = {} if counted else None
 
     def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
-        with untouched(own, "map_local()"), per_shard(backend, usage, first.layout, own):
-            outs = tuple(fn(*ts) for ts in zip(*(a.addressable_data for a in arrays)))
+        blocks = zip(*(a.addressable_data for a in arrays))
+        with untouched(own, "map_local()"):
+            if closed_by_rank is None:
+                with per_shard(backend, usage, first.layout, own):
+                    outs = tuple(fn(*ts) for ts in blocks)
+            else:  # each rank's calls in a context of their own, which notes the closed-over tensors they use
+                ranks = first.layout.columns.rank[list(index)].tolist()
+                outs = tuple(called(fn, ts, closed_by_rank.setdefault(r, set())) for r, ts in zip(ranks, blocks))
         return _result_leaves(outs)
+
+    def called(fn: Callable[..., Any], blocks: Sequence[torch.Tensor], seen: set[int]) -> Any:
+        with per_shard(backend, usage, first.layout, own, seen):
+            return fn(*blocks)
 
     def results(
         tree: Any, leaves: list[tuple[torch.Tensor, ...]], metas: Sequence[Any], used: set[int], grads: Sequence[bool]
@@ -89,8 +107,17 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     # results' layouts or dtypes differ (design notes).
     tree, leaves = compute()
     metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
-    refuse_closed(backend, first.layout, usage.closed, "map_local()")
+    if closed_by_rank is None:
+        refuse_closed(backend, first.layout, usage.closed, "map_local()")
+    else:  # what processes learn in the backward (a closed-over tensor's sum that some ranks do not join)
+        refuse_closed_apart(backend, first.layout, {r: len(ids) for r, ids in closed_by_rank.items()}, "map_local()")
     return results(tree, leaves, metas, set(), ())  # every rank holds blocks: no link
+
+
+def _closes_over_nothing(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a function of C (``operator.add``, ``torch.eq``) not bound to a tensor (``w.mul``)."""
+    fn = unwrapped(fn)  # map_local's fn as the caller passed it
+    return isinstance(fn, types.BuiltinFunctionType) and not isinstance(getattr(fn, "__self__", None), torch.Tensor)
 
 
 def _pending(layout: Layout, pending: str | None, terms: Any) -> Layout:

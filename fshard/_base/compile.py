@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["body", "compiled_caller", "opaque", "with_body"]
+__all__ = ["body", "compiled_caller", "opaque", "unwrapped", "with_body"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -120,6 +120,14 @@ def body(fn: F) -> F:
             _frames.set_eval_frame(None)
 
     return enter  # type: ignore[return-value]
+
+
+_ENTER = body(len).__code__  # pyright: ignore[reportFunctionMemberAccess]  # the code of every function body() makes
+
+
+def unwrapped(fn: Any) -> Any:
+    """The function that ``body`` wrapped into ``fn``; ``fn`` itself where ``body`` did not make it."""
+    return fn.__wrapped__ if getattr(fn, "__code__", None) is _ENTER else fn
 
 
 def with_body(fn: F) -> F:
