@@ -832,6 +832,7 @@ def entries(base: Path) -> dict[str, Entry]:
             (Arg("x", one(BLOCK), junk=tensor_junk), Arg("axis", one("x", ("x",), ["x"]))),
         ),
         "no_sync": Entry(_under_no_sync, ()),
+        "discard_kept_aside": Entry(fshard.discard_kept_aside, (Arg("params", one({"w": ROWS}, [ARRAYS[2]], ROWS)),)),
         "backward": Entry(fshard.backward, (Arg("loss", _loss_array),)),
         "prefetch": Entry(
             _prefetch,

@@ -160,8 +160,9 @@ def test_the_check_runs_in_the_forward_call_only() -> None:
     _Probe.modes.clear()
     _Probe.forward_modes.clear()
     fshard.gather(fshard.map_local(body, a)).sum().backward()
-    assert seen == [["_Front", "_ReadOnly"], ["_Front", "_ReadOnly"]]
-    assert _Probe.forward_modes == [["_Front", "_ReadOnly"], ["_Front", "_ReadOnly"]]
+    # The per-shard mode (each rank's closed-over tensors counted, the arguments recording a gradient) in front.
+    assert seen == [["_PerShard", "_ReadOnly"], ["_PerShard", "_ReadOnly"]]
+    assert _Probe.forward_modes == [["_PerShard", "_ReadOnly"], ["_PerShard", "_ReadOnly"]]
     assert _Probe.modes == [[], []]
     assert torch.equal(x.grad, torch.full_like(X, 2.0))
     assert _get_current_dispatch_mode_stack() == []
