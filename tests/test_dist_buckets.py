@@ -1072,6 +1072,29 @@ def test_a_backward_that_raised_after_a_reentrant_checkpoints_own_backward_count
             torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
 
 
+def test_a_backward_run_from_a_nodes_hook_keeps_what_it_set_aside_once_the_step_succeeded():
+    """A micro-batch's backward run from a module's backward hook (a hook of a node of another backward), under
+    ``no_sync``: that outer backward succeeds, so what it set aside stands, also once the outer graph is freed."""
+    _, params, leaves, step = _weights_and_step("dp", 4)
+    x = fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=params[0].backend)
+
+    def micro_batch(*_: Any) -> None:
+        with torch.enable_grad():
+            loss = fshard.gather(step(x, *params))
+        loss.backward()
+
+    module = torch.nn.Linear(1, 1)
+    module.register_full_backward_hook(micro_batch)
+    with fshard.no_sync():
+        outer = module(torch.zeros(1, requires_grad=True)).sum()
+        outer.backward()
+    del outer  # the outer graph, and the node whose hook ran the micro-batch
+    micro_batch()  # the syncing micro-batch
+    one, _ = _accumulated("dp", 1, world=4)
+    for g, want in zip([t.grad for t in leaves], one, strict=True):  # two micro-batches of the same rows
+        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+
+
 def _moved_on_after_a_raise(style: str, which: str, world: int | None = None) -> tuple[str, list[torch.Tensor]]:
     """A micro-batch under no_sync, then one (``which``) whose backward raised after its sum; then a new forward.
 
@@ -1151,20 +1174,79 @@ def test_a_step_given_up_and_discarded_leaves_the_next_step_its_own_gradients(di
             torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
 
 
-def _discarded_apart() -> str:
-    """Rank 0 drops the gradients of one array, the others of all five: every rank raises."""
-    backend, params, _, _ = _weights_and_step("dp", None)
+def _discarded_apart(how: str) -> tuple[str, list[torch.Tensor]]:
+    """A micro-batch kept aside; then rank 0 passes ``discard_kept_aside`` another tree than the other ranks:
+    ``"more"`` (one array twice: other layouts), ``"part"`` (one array of the five the call moved as one).
+
+    Returns the error and every block's gradient from a syncing micro-batch after it: nothing was dropped.
+    """
+    params, leaves, x, step, _ = _hooked_step("dp", None)
+    with fshard.no_sync():
+        fshard.gather(step(x, *params)).backward()
+    mine = params if x.backend.rank else [*params, params[0]] if how == "more" else params[:1]
     try:
-        fshard.discard_kept_aside(params[:1] if backend.rank == 0 else params)
-    except fshard.CollectiveMismatchError as exc:
-        return str(exc)
-    return "no error"
+        fshard.discard_kept_aside(mine)
+    except (fshard.CollectiveMismatchError, fshard.SpecError) as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    else:
+        message = "no error"
+    fshard.gather(step(x, *params)).backward()
+    return message, [t.grad for t in leaves]
 
 
-def test_ranks_that_discard_different_arrays_raise_on_every_rank(dist_pool):
-    for message in dist_pool.run(_discarded_apart, timeout=120):
-        assert "the ranks passed arrays of different layouts" in message
-        assert "the same tree" in message
+@pytest.mark.parametrize("how", ["more", "part"])
+def test_ranks_that_discard_different_arrays_raise_on_every_rank_and_drop_nothing(dist_pool, how):
+    one, _ = _accumulated("dp", 1, world=4)
+    for rank, (message, grads) in enumerate(dist_pool.run(_discarded_apart, how, timeout=120)):
+        if how == "part" and rank == 0:
+            assert message.startswith("SpecError: fshard.discard_kept_aside(): gradients kept aside for some")
+            assert "moved in one call with 4 shard tensor(s) of other arrays" in message
+        else:
+            assert message.startswith("CollectiveMismatchError: fshard.discard_kept_aside(): the ranks passed")
+        assert "pass the same tree" in message or "pass every array that call moved" in message
+        for g, want in zip(grads, one[::4], strict=True):  # the micro-batch kept aside, and the syncing one
+            torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+
+
+def _discarded_on_a_subgroup() -> list[float] | None:
+    """Arrays of a group of ranks [1, 2, 3]: rank 0, not in it, passes the same tree and compares nothing."""
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2, 3])  # every rank creates the group
+    backend = TorchDistBackend(group)
+    rep, rows = fshard.Replicated([1, 2, 3]), fshard.Chunk(0, [1, 2, 3])
+    w = fshard.shard(torch.ones(3), rep, backend=backend)
+    if not backend.member:
+        fshard.discard_kept_aside(w)
+        return None
+    leaf = w.addressable_data[0].requires_grad_()
+    x = fshard.shard(torch.arange(6.0), rows, backend=backend)
+    step = fshard.shard_map(
+        lambda xb, wb: (xb.sum() * wb).sum()[None], in_specs=(rows, rep), out_specs=fshard.Partial(rep)
+    )
+    with fshard.no_sync():
+        fshard.gather(step(x, w)).sum().backward()
+    fshard.discard_kept_aside(w)
+    fshard.gather(step(x, w)).sum().backward()
+    return leaf.grad.tolist()
+
+
+def test_discard_kept_aside_of_a_groups_arrays_on_a_rank_outside_it(dist_pool):
+    assert dist_pool.run(_discarded_on_a_subgroup, timeout=120) == [None] + [[15.0] * 3] * 3  # one micro-batch
+
+
+def test_discard_kept_aside_refuses_part_of_a_call_and_drops_nothing():
+    """Arrays moved in one call share what is kept aside: dropping part of them would drop the others'."""
+    _, params, leaves, step = _weights_and_step("dp", 4)
+    x = fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=params[0].backend)
+    with fshard.no_sync():
+        fshard.gather(step(x, *params)).backward()
+    with pytest.raises(fshard.SpecError, match="moved in one call with 16 shard tensor"):
+        fshard.discard_kept_aside(params[:1])
+    fshard.gather(step(x, *params)).backward()
+    one, _ = _accumulated("dp", 1, world=4)
+    for g, want in zip([t.grad for t in leaves], one, strict=True):  # both micro-batches
+        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
 
 
 def test_discard_kept_aside_refuses_what_is_not_an_array_and_a_call_from_a_backward():

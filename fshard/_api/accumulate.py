@@ -9,7 +9,7 @@ import optree
 import torch
 
 from fshard._array.array import ShardedArray
-from fshard._errors import CollectiveMismatchError
+from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._exec import accumulate
 from fshard._exec.collective import collective
 from fshard._layout.layout import layout_digest
@@ -27,9 +27,11 @@ def discard_kept_aside(params: Any) -> None:
     rank, with the tree of arrays the optimizer holds. It also drops what a backward that raised
     put back, so the next call over those arrays runs rather than refusing it.
 
-    Across processes, every rank compares the arrays' layouts (one ``all_reduce`` of three
-    numbers): ranks that drop different arrays, or that drop where others do not, would add
-    different micro-batches to one sum.
+    Across processes, the ranks compare the arrays' layouts first (one ``all_reduce`` of three
+    numbers per process group of the arrays that this rank belongs to), and drop nothing unless
+    every rank passed the same: ranks that dropped different arrays would add different
+    micro-batches to one sum. Arrays moved in one call with others (a tree moved as one) share
+    what is kept aside: they are dropped together, so the tree must hold all of them.
 
     >>> import torch, fshard
     >>> params = {"w": fshard.shard(torch.ones(4), fshard.Chunk(0, [0, 1]))}
@@ -39,8 +41,10 @@ def discard_kept_aside(params: Any) -> None:
 
     Raises:
         TypeError: a leaf of ``params`` is not a ``ShardedArray``.
-        SpecError: called while a backward runs (from a hook).
-        CollectiveMismatchError: across processes, the ranks passed arrays of different layouts.
+        SpecError: called while a backward runs (from a hook), or gradients kept aside for some of the
+            arrays were moved in one call with arrays that ``params`` lacks; nothing is dropped.
+        CollectiveMismatchError: across processes, the ranks passed arrays of different layouts, or
+            another rank raised ``SpecError``; nothing is dropped.
     """
     arrays = optree.tree_leaves(params, is_leaf=lambda a: isinstance(a, ShardedArray), none_is_leaf=True)
     for a in arrays:
@@ -51,18 +55,24 @@ def discard_kept_aside(params: Any) -> None:
             )
             raise TypeError(msg)
     tensors: list[torch.Tensor] = [t for a in arrays for t in optree.tree_leaves(a)]  # the blocks and the link
-    accumulate.discard(tensors)
-    backends = {id(a.backend): a.backend for a in arrays if a.backend.spans_processes}
-    if not backends:
-        return
+    refused: SpecError | None = None
+    try:
+        found = accumulate.kept_for(tensors)
+    except SpecError as exc:  # raised after the comparison, which tells the other ranks
+        refused, found = exc, []
     h = hashlib.blake2b(b"discard_kept_aside", digest_size=8)
     for a in arrays:
         h.update(layout_digest(a.layout))
-    digest = int.from_bytes(h.digest(), "big") >> 2
-    for backend in backends.values():
-        if not backend.alike(digest):
-            msg = (
-                "fshard.discard_kept_aside(): the ranks passed arrays of different layouts, so they would drop "
-                "the gradients of different arrays: pass the same tree (the optimizer's parameters) on every rank."
-            )
-            raise CollectiveMismatchError(msg)
+    digest = None if refused is not None else int.from_bytes(h.digest(), "big") >> 2
+    groups = {id(a.backend): a.backend for a in arrays if a.backend.spans_processes and a.backend.member}
+    alike = all([backend.alike(digest) for backend in groups.values()])  # each group's comparison, on its ranks
+    if refused is not None:
+        raise refused
+    if not alike:
+        msg = (
+            "fshard.discard_kept_aside(): the ranks passed arrays of different layouts, or some rank refused its "
+            "arrays (SpecError there), so nothing was dropped: pass the same tree (the optimizer's parameters) on "
+            "every rank."
+        )
+        raise CollectiveMismatchError(msg)
+    accumulate.discard(found)

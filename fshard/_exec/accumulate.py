@@ -23,6 +23,7 @@ found it (``journaled``): retried, each micro-batch counts once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Generator, Sequence
@@ -37,6 +38,7 @@ __all__ = [
     "Key",
     "discard",
     "journaled",
+    "kept_for",
     "key_of",
     "no_sync",
     "set_aside",
@@ -96,12 +98,15 @@ def syncing() -> bool:
 class Key:
     """The tensors a movement moved, as ids and weak references: what its set-aside gradients belong to."""
 
-    __slots__ = ("ids", "refs")
+    __slots__ = ("ids", "refs", "whole")
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         bases = [t._base if t._base is not None else t for t in tensors]  # a flat view of a parameter: the parameter
         self.ids = tuple(id(t) for t in bases)
         self.refs = tuple(weakref.ref(t) for t in bases)
+        # The key of every tensor summed by the node that made this one (one node for a tree, in one process,
+        # with a key per array, as one bucket key across processes): what ``kept_for`` asks for whole.
+        self.whole: Key | None = None
         if _RAISED and (raised := _RAISED.get(self.ids)) is not None and raised.same(self) and _graph_task() < 0:
             _refuse_after_raise()  # a forward made after that backward, not a recomputation inside its retry
 
@@ -172,22 +177,18 @@ class _Journal:
     def end(self) -> None:
         """The callback: the backward finished; what it changed stands.
 
-        A backward run inside a node of another (a reentrant checkpoint's recomputation)
-        belongs to that outer backward: its journal passes to the outer one by a hook run
-        after the node (then in the outer backward, whose end it waits for), and is put back
-        if the outer backward raises before or after that.
+        A backward run inside a node of another (a reentrant checkpoint's recomputation) may
+        yet fall with that outer backward: where the node returns, a hook on it reopens this
+        journal in the outer backward, whose end it then waits for (``_adopt``). Until then it
+        stands, as it does where that hook never runs (the node raised after this backward,
+        or this backward ran from the node's own hooks) or anything else changes the table first.
         """
+        self.ended = True
         node = _current_node()
-        if node is None:
-            self.ended = True
+        if node is None:  # between nodes: a backward that no node runs
             return
-        handle: list[Any] = []
-
-        def adopt(*_: Any) -> None:
-            handle.pop().remove()
-            _ENGINE.queue_callback(self.end)
-
-        handle.append(node.register_hook(adopt))
+        _drop_pending()
+        _OPEN.pending = (self, node.register_hook(functools.partial(_adopt, weakref.ref(self))))
 
     def __del__(self) -> None:
         if self.ended:
@@ -199,6 +200,36 @@ class _Journal:
             else:
                 _ASIDE[ids] = held
                 _RAISED[ids] = held[0]
+
+
+def _adopt(ref: weakref.ref[_Journal], *_: Any) -> None:
+    """The hook on a node that ran a backward of its own: reopens that backward's journal in the outer backward.
+
+    Only where nothing changed the table since that inner backward ended (``_OPEN.pending``).
+    Where the outer backward has a journal open already, the inner one's entries pass into it
+    (as they were before the inner backward changed them).
+    """
+    pending = getattr(_OPEN, "pending", None)
+    journal = ref()
+    if pending is None or journal is None or pending[0] is not journal:
+        return
+    _drop_pending()
+    ref_open: weakref.ref[_Journal] | None = getattr(_OPEN, "journal", None)
+    current = None if ref_open is None else ref_open()
+    if current is not None and not current.ended:
+        current.before.update(journal.before)  # the older state of each key the inner backward changed
+        return
+    journal.ended = False
+    _ENGINE.queue_callback(journal.end)
+    _OPEN.journal = weakref.ref(journal)
+
+
+def _drop_pending() -> None:
+    """Lets a journal awaiting its node's hook stand (``_Journal.end``): the hook does nothing any more."""
+    pending = getattr(_OPEN, "pending", None)
+    if pending is not None:
+        _OPEN.pending = None
+        pending[1].remove()
 
 
 # What a backward that raised put back, by key: for that backward's retry alone (``_refuse_after_raise``).
@@ -232,7 +263,9 @@ def _refuse_after_raise() -> None:
 
 # -1 outside a backward
 _graph_task: Any = getattr(torch._C, "_current_graph_task_id")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
-_OPEN = threading.local()  # ``journal``: the journal of the backward running on this thread, if it changed any
+# ``journal``: the journal of the backward running on this thread, if it changed any; ``pending``: a journal
+# that a backward run inside a node ended, and the handle of the hook on that node that may reopen it (``_adopt``)
+_OPEN = threading.local()
 _ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine")  # noqa: B009  # untyped in torch's stubs
 # The node whose backward runs on this thread (``None`` between nodes: where a backward that no node runs ends)
 _current_node: Any = getattr(torch._C, "_current_autograd_node")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
@@ -245,9 +278,10 @@ def journaled(ids: tuple[int, ...] | None = None) -> bool:
     change. Outside a backward (a transform's call of a node's backward) the change stands
     at once.
     """
+    _drop_pending()
     ref: weakref.ref[_Journal] | None = getattr(_OPEN, "journal", None)
     journal = None if ref is None else ref()
-    if journal is None:
+    if journal is None or journal.ended:
         journal = _Journal()
         try:
             _ENGINE.queue_callback(journal.end)
@@ -277,14 +311,12 @@ def set_aside(key: Key, grads: Sequence[torch.Tensor | None]) -> None:
 _STEP_HOOK: list[Any] = []  # the handle of the hook on every optimizer's step, once made
 
 
-def discard(tensors: Sequence[torch.Tensor]) -> int:
-    """Drops what is kept aside for movements of ``tensors`` (an array's shard tensors and link): a step given up.
-
-    Also what a backward that raised put back for them, so the next call over them is not
-    refused. Returns the number of movements whose gradients were dropped.
+def kept_for(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+    """The keys of what is kept aside for movements of ``tensors`` (arrays' shard tensors and links), for ``discard``.
 
     Raises:
-        SpecError: called while a backward runs (a hook), which may be summing them.
+        SpecError: called while a backward runs (a hook), which may be summing them; or a movement
+            whose entry is among them moved other tensors too (part of a tree moved as one).
     """
     if _graph_task() >= 0:
         msg = (
@@ -293,13 +325,28 @@ def discard(tensors: Sequence[torch.Tensor]) -> int:
         )
         raise SpecError(msg)
     mine = {id(t if t._base is None else t._base) for t in tensors}
-    found = [ids for ids, (key, _) in _ASIDE.items() if any((t := r()) is not None and id(t) in mine for r in key.refs)]
+    found: list[tuple[int, ...]] = []
+    for ids, (key, _) in [*_ASIDE.items(), *((ids, (key, None)) for ids, key in _RAISED.items())]:
+        if mine.isdisjoint(id(t) for r in key.refs if (t := r()) is not None):
+            continue
+        alive = [id(t) for r in (key.whole or key).refs if (t := r()) is not None]
+        if not mine.issuperset(alive):
+            msg = (
+                "fshard.discard_kept_aside(): gradients kept aside for some of these arrays were moved in one "
+                f"call with {len([i for i in alive if i not in mine])} shard tensor(s) of other arrays (a tree "
+                "moved as one), and would be dropped with them: pass every array that call moved (the whole tree "
+                "the optimizer holds). Nothing was dropped."
+            )
+            raise SpecError(msg)
+        found.append(ids)
+    return found
+
+
+def discard(found: Sequence[tuple[int, ...]]) -> None:
+    """Drops what is kept aside, and what a backward that raised put back, under the keys ``found`` (``kept_for``)."""
     for ids in found:
-        del _ASIDE[ids]
+        _ASIDE.pop(ids, None)
         _RAISED.pop(ids, None)
-    for ids in [ids for ids, key in _RAISED.items() if any((t := r()) is not None and id(t) in mine for r in key.refs)]:
-        del _RAISED[ids]
-    return len(found)
 
 
 @contextlib.contextmanager

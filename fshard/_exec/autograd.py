@@ -45,7 +45,7 @@ from fshard._base.function import apply, transformed
 from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._exec import flight as _flight
 from fshard._exec import gathered as _varying
-from fshard._exec.accumulate import key_of, set_aside, syncing, take_back
+from fshard._exec.accumulate import Key, key_of, set_aside, syncing, take_back
 from fshard._exec.replicas import check_global, checking
 from fshard._layout.batch import with_batch
 from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
@@ -801,6 +801,9 @@ class _SumTree(torch.autograd.Function):
         starts = itertools.accumulate(counts, initial=0)
         ctx.sync = syncing()
         ctx.keys = [key_of(tensors[at : at + n], like) for at, n in zip(starts, counts)]
+        whole = Key(tensors) if len(ctx.keys) > 1 else None  # what they share: one node (a bucket's, across processes)
+        for key in ctx.keys:
+            key.whole = whole
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
