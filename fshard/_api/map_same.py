@@ -66,10 +66,10 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
                     outs = tuple(fn(*ts) for ts in blocks)
             else:  # each rank's calls in a context of their own, which notes the closed-over tensors they use
                 ranks = first.layout.columns.rank[list(index)].tolist()
-                outs = tuple(called(fn, ts, closed_by_rank.setdefault(r, set())) for r, ts in zip(ranks, blocks))
+                outs = tuple(called(ts, closed_by_rank.setdefault(r, set())) for r, ts in zip(ranks, blocks))
         return _result_leaves(outs)
 
-    def called(fn: Callable[..., Any], blocks: Sequence[torch.Tensor], seen: set[int]) -> Any:
+    def called(blocks: Sequence[torch.Tensor], seen: set[int]) -> Any:
         with per_shard(backend, usage, first.layout, own, seen):
             return fn(*blocks)
 

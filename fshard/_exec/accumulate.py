@@ -205,20 +205,14 @@ class _Journal:
 def _adopt(ref: weakref.ref[_Journal], *_: Any) -> None:
     """The hook on a node that ran a backward of its own: reopens that backward's journal in the outer backward.
 
-    Only where nothing changed the table since that inner backward ended (``_OPEN.pending``).
-    Where the outer backward has a journal open already, the inner one's entries pass into it
-    (as they were before the inner backward changed them).
+    Only where nothing changed the table since that inner backward ended (``_OPEN.pending``):
+    a change would have opened a journal of its own and dropped this one (``journaled``).
     """
     pending = getattr(_OPEN, "pending", None)
     journal = ref()
     if pending is None or journal is None or pending[0] is not journal:
         return
     _drop_pending()
-    ref_open: weakref.ref[_Journal] | None = getattr(_OPEN, "journal", None)
-    current = None if ref_open is None else ref_open()
-    if current is not None and not current.ended:
-        current.before.update(journal.before)  # the older state of each key the inner backward changed
-        return
     journal.ended = False
     _ENGINE.queue_callback(journal.end)
     _OPEN.journal = weakref.ref(journal)
@@ -326,7 +320,7 @@ def kept_for(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
         raise SpecError(msg)
     mine = {id(t if t._base is None else t._base) for t in tensors}
     found: list[tuple[int, ...]] = []
-    for ids, (key, _) in [*_ASIDE.items(), *((ids, (key, None)) for ids, key in _RAISED.items())]:
+    for ids, (key, _) in _ASIDE.items():  # (what a raise put back is aside too, its key in ``_RAISED``)
         if mine.isdisjoint(id(t) for r in key.refs if (t := r()) is not None):
             continue
         alive = [id(t) for r in (key.whole or key).refs if (t := r()) is not None]
