@@ -13,6 +13,7 @@ closed-over tensor, or weights of two dtypes, whose collectives the buckets must
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 import types
@@ -25,6 +26,7 @@ from _counting import calls
 from torch.utils.checkpoint import checkpoint
 
 import fshard
+from fshard._exec import accumulate as _accumulate
 from fshard._exec import buckets as _buckets
 from fshard._exec import gathered as _gathered
 from fshard._plan import buckets as _bucket_plan
@@ -1095,6 +1097,96 @@ def test_a_backward_run_from_a_nodes_hook_keeps_what_it_set_aside_once_the_step_
         torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
 
 
+def _raised_after_a_node_that_ran_two_backwards(style: str, world: int | None = None) -> list[torch.Tensor]:
+    """As ``_raised_after_a_reentrant_checkpoint``, with one node (a custom function's, as a reversible block's)
+    running two micro-batches' backwards of its own: one under ``no_sync``, then the syncing one, which sums both.
+    """
+    start = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    params, leaves, x, step, armed = _hooked_step(style, world, on=start)
+
+    class TwoMicroBatches(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, s: torch.Tensor) -> torch.Tensor:
+            return s.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            for k in range(2):
+                with fshard.no_sync() if k == 0 else contextlib.nullcontext(), torch.enable_grad():
+                    loss = fshard.gather(step(x, *params))
+                loss.backward()
+            return g
+
+    loss = TwoMicroBatches.apply(start)
+    armed[0] = True
+    with pytest.raises(_Raised):
+        loss.backward(retain_graph=True)
+    for t in leaves:  # what the node's second backward gave the blocks before the raise
+        t.grad = None
+    loss.backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("style", ["dp", "fsdp"])
+def test_a_backward_that_raised_after_a_node_that_ran_two_backwards_counts_each_micro_batch_once(dist_pool, style):
+    """Both backwards that the node ran are put back with the backward that ran the node."""
+    got = _raised_after_a_node_that_ran_two_backwards(style, world=4)
+    one, _ = _accumulated(style, 1, world=4)
+    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
+        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+    for rank, grads in enumerate(dist_pool.run(_raised_after_a_node_that_ran_two_backwards, style, timeout=120)):
+        mine = got[rank::4] if style == "fsdp" else got[::4]
+        for g, want in zip(grads, mine, strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def _hooks_node_run_again(world: int | None = None) -> tuple[list[torch.Tensor], int]:
+    """A micro-batch's backward run under ``no_sync`` from a module's backward hook; the outer graph, kept, runs its
+    backward again, which raises after the module; then the syncing micro-batch.
+
+    Returns every block's gradient, and how many journals of backwards are still alive.
+    """
+    z = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    params, leaves, x, step, armed = _hooked_step("dp", world, on=z)
+    ran = [False]
+
+    def micro_batch(*_: Any) -> None:
+        if ran[0]:
+            return
+        ran[0] = True
+        with torch.enable_grad():
+            loss = fshard.gather(step(x, *params))
+        loss.backward()
+
+    module = torch.nn.Linear(1, 1, dtype=torch.float64)
+    module.register_full_backward_hook(micro_batch)
+    with fshard.no_sync():
+        outer = module(z).sum()
+        outer.backward(retain_graph=True)  # the module's node ran the micro-batch from its hooks: it succeeded
+        armed[0] = True
+        with pytest.raises(_Raised):
+            outer.backward()  # the same node again, then a raise: not that micro-batch's backward
+    del outer
+    ran[0] = False
+    micro_batch()  # the syncing micro-batch
+    gc.collect()
+    return [t.grad for t in leaves], sum(type(o) is _accumulate._Journal for o in gc.get_objects())
+
+
+def test_a_backward_run_from_a_nodes_hooks_stands_when_that_node_runs_again_in_a_backward_that_raises(dist_pool):
+    """The hooks left on the node for that backward's journal are dropped where the node runs again, and hold the
+    journal alone: it goes with the graph."""
+    got, journals = _hooks_node_run_again(world=4)
+    assert journals == 0
+    one, _ = _accumulated("dp", 1, world=4)
+    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
+        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+    for grads, alive in dist_pool.run(_hooks_node_run_again, timeout=120):
+        assert alive == 0
+        for g, want in zip(grads, got[::4], strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
 def _moved_on_after_a_raise(style: str, which: str, world: int | None = None) -> tuple[str, list[torch.Tensor]]:
     """A micro-batch under no_sync, then one (``which``) whose backward raised after its sum; then a new forward.
 
@@ -1241,12 +1333,90 @@ def test_discard_kept_aside_refuses_part_of_a_call_and_drops_nothing():
     x = fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=params[0].backend)
     with fshard.no_sync():
         fshard.gather(step(x, *params)).backward()
-    with pytest.raises(fshard.SpecError, match="moved in one call with 16 shard tensor"):
+    with pytest.raises(fshard.SpecError, match="moved in one call with 4 shard tensor"):
         fshard.discard_kept_aside(params[:1])
     fshard.gather(step(x, *params)).backward()
     one, _ = _accumulated("dp", 1, world=4)
     for g, want in zip([t.grad for t in leaves], one, strict=True):  # both micro-batches
         torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+
+
+def _backend_and_rows(world: int | None) -> tuple[Any, fshard.ShardedArray]:
+    """The backend (torch_dist, or ``world`` ranks in this process) and every rank's rows on it."""
+    if world is None:
+        backend = TorchDistBackend()
+        return backend, fshard.from_local_tensor(_rows(backend.rank), dim=0)
+    backend = LocalBackend(world_size=world)
+    return backend, fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=backend)
+
+
+def _kept_by_two_calls(world: int | None = None, attempt: bool = True) -> tuple[str, list[torch.Tensor]]:
+    """Weights ``w0``, ``w1``, ``w2``; each micro-batch moves ``(w0, w1)`` in one call and ``(w0, w2)`` in another.
+
+    After a micro-batch kept aside, ``discard_kept_aside((w0, w1))`` (where ``attempt``): ``w0``'s gradients
+    were moved with ``w2``'s too. Returns its error and every block's gradient after a syncing micro-batch.
+    """
+    backend, x = _backend_and_rows(world)
+    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
+    ws = [fshard.shard(w, rep, backend=backend) for w in _weights()[:3]]
+    leaves = [t.requires_grad_() for w in ws for t in w.addressable_data]
+    two = fshard.shard_map(
+        lambda xb, a, b: (torch.tanh(xb @ a) @ b).square().sum()[None],
+        in_specs=(rows, rep, rep),
+        out_specs=fshard.Partial(rep),
+    )
+    with fshard.no_sync():
+        (fshard.gather(two(x, ws[0], ws[1])) + fshard.gather(two(x, ws[0], ws[2]))).backward()
+    message = ""
+    if attempt:
+        try:
+            fshard.discard_kept_aside(ws[:2])
+        except fshard.SpecError as exc:
+            message = str(exc)
+    (fshard.gather(two(x, ws[0], ws[1])) + fshard.gather(two(x, ws[0], ws[2]))).backward()
+    return message, [t.grad for t in leaves]
+
+
+def test_discard_kept_aside_refuses_an_array_that_another_call_moved_with_arrays_not_passed(dist_pool):
+    """What is kept aside for ``w0`` came from both calls, on one backend as across processes: refused alike."""
+    message, got = _kept_by_two_calls(world=4)
+    assert message.startswith("fshard.discard_kept_aside(): gradients kept aside for some")
+    assert "moved in one call with 1 shard tensor(s) of other arrays" in message
+    _, whole = _kept_by_two_calls(world=4, attempt=False)
+    for g, want in zip(got, whole, strict=True):  # nothing was dropped
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+    for text, grads in dist_pool.run(_kept_by_two_calls, timeout=120):
+        assert text == message
+        for g, want in zip(grads, got[::4], strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def _kept_on_apart_ranks(world: int | None = None, drop: bool = True) -> list[torch.Tensor]:
+    """``a`` replicated on ranks [0, 1] and ``b`` on [2, 3], moved in one call (``global_norm``); after a micro-batch
+    kept aside, ``discard_kept_aside(a)`` (where ``drop``), then a syncing micro-batch. Every block's gradient."""
+    backend, _ = _backend_and_rows(world)
+    a, b = (
+        fshard.map_local(lambda t: t.detach().requires_grad_(), fshard.shard(w, spec, backend=backend))
+        for w, spec in zip(_weights(), [fshard.Replicated([0, 1]), fshard.Replicated([2, 3])])
+    )
+    leaves = [t for w in (a, b) for t in w.addressable_data]
+    with fshard.no_sync():
+        fshard.global_norm([a, b]).backward()
+    if drop:
+        fshard.discard_kept_aside(a)
+    fshard.global_norm([a, b]).backward()
+    return [t.grad for t in leaves]
+
+
+def test_discard_kept_aside_of_arrays_moved_with_others_on_other_ranks(dist_pool):
+    """A rank drops what it keeps for the call's arrays it holds: the others are on other ranks, as across processes."""
+    got, kept = _kept_on_apart_ranks(world=4), _kept_on_apart_ranks(world=4, drop=False)
+    for g, both in zip(got[:2], kept[:2], strict=True):  # a: the syncing micro-batch alone
+        torch.testing.assert_close(g, both / 2, rtol=0, atol=1e-12)
+    for g, both in zip(got[2:], kept[2:], strict=True):  # b: both micro-batches
+        torch.testing.assert_close(g, both, rtol=0, atol=0)
+    for rank, grads in enumerate(dist_pool.run(_kept_on_apart_ranks, timeout=120)):
+        torch.testing.assert_close(grads, [got[rank]], rtol=0, atol=1e-12)
 
 
 def test_discard_kept_aside_refuses_what_is_not_an_array_and_a_call_from_a_backward():

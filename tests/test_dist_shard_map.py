@@ -532,6 +532,29 @@ def test_the_local_backend_refuses_a_map_local_closure_some_ranks_use_while_the_
     assert fshard.gather(fshard.map_local(torch.mul, x, x)).tolist() == [0.0, 1.0, 4.0, 9.0]  # closes over nothing
 
 
+def test_a_cache_that_one_ranks_call_fills_from_a_closed_over_tensor_is_refused_in_one_process_naming_the_fix():
+    """One process runs every rank's call: the rank that fills the cache uses ``c``, the others only the number kept.
+    Across processes each process fills its own cache, and every rank uses ``c``; here the message says how to
+    write it."""
+    c = torch.tensor([2.0], dtype=torch.float64, requires_grad=True)
+    x = fshard.shard(torch.arange(4.0, dtype=torch.float64), fshard.Chunk(0, [0, 1, 2, 3]))
+    x = fshard.map_local(lambda t: t.detach().requires_grad_(), x)
+    cache: dict[str, float] = {}
+
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        if "scale" not in cache:
+            cache["scale"] = int(torch.count_nonzero(c)) + 2  # computed from c, kept as a number
+        return t * cache["scale"]
+
+    with pytest.raises(fshard.SpecError, match=re.escape("(0 on ranks [1, 2, 3]; 1 on ranks [0])")) as info:
+        fshard.map_local(scaled, x)
+    assert "a cache" in str(info.value)
+    assert "make it before the call and close over it" in str(info.value)
+    scale = int(torch.count_nonzero(c)) + 2  # as the message says
+    fshard.gather(fshard.map_local(lambda t: t * scale, x)).sum().backward()
+    assert [t.grad.tolist() for t in x.addressable_data] == [[3.0]] * 4
+
+
 def _compiled_body(fullgraph: bool, grad: bool) -> tuple[str, float]:
     """A per-shard function compiled by TorchDynamo, on arrays that need a gradient (``grad``) or not.
 

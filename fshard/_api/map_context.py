@@ -73,7 +73,12 @@ def refuse_closed_apart(backend: Any, layout: Layout, counts: dict[int, int], wh
     for r in sorted(counts):
         by_number.setdefault(counts[r], []).append(r)
     if 0 in by_number and len(by_number) > 1:
-        raise closed_apart(what, "; ".join(f"{n} on ranks {rs}" for n, rs in sorted(by_number.items())))
+        error = closed_apart(what, "; ".join(f"{n} on ranks {rs}" for n, rs in sorted(by_number.items())))
+        msg = (
+            f"{error} In one process, a tensor that one rank's call made from such tensors and kept for the other "
+            "ranks' calls (a cache) counts on that rank alone: make it before the call and close over it instead."
+        )
+        raise SpecError(msg)
 
 
 def blockless(backend: Any, layout: Layout) -> list[int]:

@@ -23,7 +23,6 @@ found it (``journaled``): retried, each micro-batch counts once.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import weakref
 from collections.abc import Generator, Sequence
@@ -104,9 +103,10 @@ class Key:
         bases = [t._base if t._base is not None else t for t in tensors]  # a flat view of a parameter: the parameter
         self.ids = tuple(id(t) for t in bases)
         self.refs = tuple(weakref.ref(t) for t in bases)
-        # The key of every tensor summed by the node that made this one (one node for a tree, in one process,
-        # with a key per array, as one bucket key across processes): what ``kept_for`` asks for whole.
-        self.whole: Key | None = None
+        # Where one node in one process summed a tree with a key per array: a key of each rank's tensors of that
+        # node, as each rank's bucket key across processes; and of every call whose gradients were added to
+        # these (``set_aside``). What ``kept_for`` asks for whole (``()``: this key alone).
+        self.whole: tuple[Key, ...] = ()
         if _RAISED and (raised := _RAISED.get(self.ids)) is not None and raised.same(self) and _graph_task() < 0:
             _refuse_after_raise()  # a forward made after that backward, not a recomputation inside its retry
 
@@ -178,17 +178,15 @@ class _Journal:
         """The callback: the backward finished; what it changed stands.
 
         A backward run inside a node of another (a reentrant checkpoint's recomputation) may
-        yet fall with that outer backward: where the node returns, a hook on it reopens this
-        journal in the outer backward, whose end it then waits for (``_adopt``). Until then it
-        stands, as it does where that hook never runs (the node raised after this backward,
-        or this backward ran from the node's own hooks) or anything else changes the table first.
+        yet fall with that outer backward: where the node returns, hooks on it reopen this
+        journal in the outer backward (``_await_return``). Until then it stands, as it does
+        where the node raised after this backward, or this backward ran from the node's own
+        hooks (which autograd listed before this one) and the node never returns again.
         """
         self.ended = True
         node = _current_node()
-        if node is None:  # between nodes: a backward that no node runs
-            return
-        _drop_pending()
-        _OPEN.pending = (self, node.register_hook(functools.partial(_adopt, weakref.ref(self))))
+        if node is not None:  # not between nodes: a backward that a node runs
+            _await_return(self, node)
 
     def __del__(self) -> None:
         if self.ended:
@@ -202,28 +200,44 @@ class _Journal:
                 _RAISED[ids] = held[0]
 
 
-def _adopt(ref: weakref.ref[_Journal], *_: Any) -> None:
-    """The hook on a node that ran a backward of its own: reopens that backward's journal in the outer backward.
+def _await_return(journal: _Journal, node: Any) -> None:
+    """Hooks on the node that ran ``journal``'s backward: where the node returns, the outer backward adopts it.
 
-    Only where nothing changed the table since that inner backward ended (``_OPEN.pending``):
-    a change would have opened a journal of its own and dropped this one (``journaled``).
+    Where the node runs again first (a later backward of a graph kept with ``retain_graph``),
+    its pre-hook drops them: this backward ran from the node's hooks, which autograd had
+    listed already, so it belongs to the run that has ended. The hooks hold the journal;
+    nothing else does, so it goes with the graph.
     """
-    pending = getattr(_OPEN, "pending", None)
-    journal = ref()
-    if pending is None or journal is None or pending[0] is not journal:
+    handles: list[Any] = []
+
+    def returned(*_: Any) -> None:
+        for h in handles:
+            h.remove()
+        _adopt(journal)
+
+    def runs_again(*_: Any) -> None:
+        for h in handles:
+            h.remove()
+
+    handles += (node.register_hook(returned), node.register_prehook(runs_again))
+
+
+def _adopt(journal: _Journal) -> None:
+    """Makes ``journal``'s changes part of the backward running on this thread: put back if it raises.
+
+    Into that backward's own journal where it has one (opened before, older: its notes win);
+    otherwise ``journal`` is reopened as that backward's. A node that ran two backwards of its
+    own adopts both: the second joins the first.
+    """
+    ref: weakref.ref[_Journal] | None = getattr(_OPEN, "journal", None)
+    open_ = None if ref is None else ref()
+    if open_ is not None and not open_.ended:
+        for ids, held in journal.before.items():
+            open_.before.setdefault(ids, held)
         return
-    _drop_pending()
     journal.ended = False
     _ENGINE.queue_callback(journal.end)
     _OPEN.journal = weakref.ref(journal)
-
-
-def _drop_pending() -> None:
-    """Lets a journal awaiting its node's hook stand (``_Journal.end``): the hook does nothing any more."""
-    pending = getattr(_OPEN, "pending", None)
-    if pending is not None:
-        _OPEN.pending = None
-        pending[1].remove()
 
 
 # What a backward that raised put back, by key: for that backward's retry alone (``_refuse_after_raise``).
@@ -257,8 +271,7 @@ def _refuse_after_raise() -> None:
 
 # -1 outside a backward
 _graph_task: Any = getattr(torch._C, "_current_graph_task_id")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
-# ``journal``: the journal of the backward running on this thread, if it changed any; ``pending``: a journal
-# that a backward run inside a node ended, and the handle of the hook on that node that may reopen it (``_adopt``)
+# ``journal``: the journal of the backward running on this thread, if it changed any (or adopted one)
 _OPEN = threading.local()
 _ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine")  # noqa: B009  # untyped in torch's stubs
 # The node whose backward runs on this thread (``None`` between nodes: where a backward that no node runs ends)
@@ -272,7 +285,6 @@ def journaled(ids: tuple[int, ...] | None = None) -> bool:
     change. Outside a backward (a transform's call of a node's backward) the change stands
     at once.
     """
-    _drop_pending()
     ref: weakref.ref[_Journal] | None = getattr(_OPEN, "journal", None)
     journal = None if ref is None else ref()
     if journal is None or journal.ended:
@@ -295,6 +307,8 @@ def set_aside(key: Key, grads: Sequence[torch.Tensor | None]) -> None:
     held = _ASIDE.get(key.ids)
     if held is not None and held[0].same(key):
         grads = [a if g is None else g if a is None else a + g for a, g in zip(held[1], grads)]
+        if held[0].whole or key.whole:  # kept for the tensors of both calls
+            key.whole = tuple({w.ids: w for w in (*(held[0].whole or held[:1]), *(key.whole or (key,)))}.values())
     elif held is not None and held[0] is not raised:  # another array's, gone, whose ids these tensors took
         _DISPLACED.append(held[0])  # (not that of a step given up after a raise: dropped)
     _ASIDE[key.ids] = (key, list(grads))
@@ -323,8 +337,10 @@ def kept_for(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     for ids, (key, _) in _ASIDE.items():  # (what a raise put back is aside too, its key in ``_RAISED``)
         if mine.isdisjoint(id(t) for r in key.refs if (t := r()) is not None):
             continue
-        alive = [id(t) for r in (key.whole or key).refs if (t := r()) is not None]
-        if not mine.issuperset(alive):
+        for whole in key.whole or (key,):  # each rank's: where it holds any of these arrays, all of the call's
+            alive = [id(t) for r in whole.refs if (t := r()) is not None]
+            if mine.isdisjoint(alive) or mine.issuperset(alive):
+                continue
             msg = (
                 "fshard.discard_kept_aside(): gradients kept aside for some of these arrays were moved in one "
                 f"call with {len([i for i in alive if i not in mine])} shard tensor(s) of other arrays (a tree "

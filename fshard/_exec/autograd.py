@@ -801,9 +801,10 @@ class _SumTree(torch.autograd.Function):
         starts = itertools.accumulate(counts, initial=0)
         ctx.sync = syncing()
         ctx.keys = [key_of(tensors[at : at + n], like) for at, n in zip(starts, counts)]
-        whole = Key(tensors) if len(ctx.keys) > 1 else None  # what they share: one node (a bucket's, across processes)
-        for key in ctx.keys:
-            key.whole = whole
+        if not ctx.sync and len(ctx.keys) > 1:  # kept aside: what they share, one node (across processes, a bucket)
+            wholes = _by_rank(layouts, backend, tensors)
+            for key in ctx.keys:
+                key.whole = wholes
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
@@ -843,6 +844,20 @@ class _SumTree(torch.autograd.Function):
             out += [t.to(ctx.to) if t.dtype != ctx.to else t.view_as(t) for t in dense]  # a view, as the forward's
             at += n
         return (*out, like.new_empty((0,)))
+
+
+def _by_rank(layouts: tuple[Layout, ...], backend: Any, tensors: Sequence[torch.Tensor]) -> tuple[Key, ...]:
+    """A key of each rank's ``tensors`` (the shards of ``layouts`` this process holds, in order).
+
+    What that rank's process would key its bucket by, across processes.
+    """
+    held: dict[int, list[torch.Tensor]] = {}
+    it = iter(tensors)
+    for layout in layouts:
+        ranks = layout.columns.rank
+        for i in backend.addressable(layout):
+            held.setdefault(int(ranks[i]), []).append(next(it))
+    return tuple(Key(ts) for ts in held.values())
 
 
 def sum_tree(
