@@ -104,8 +104,8 @@ class Key:
         self.ids = tuple(id(t) for t in bases)
         self.refs = tuple(weakref.ref(t) for t in bases)
         # Where one node in one process summed a tree with a key per array: a key of each rank's tensors of that
-        # node, as each rank's bucket key across processes; and of every call whose gradients were added to
-        # these (``set_aside``). What ``kept_for`` asks for whole (``()``: this key alone).
+        # node, as each rank's bucket key across processes; and those of every call whose gradients were added
+        # to these (``set_aside``). What ``kept_for`` asks for whole, besides this key.
         self.whole: tuple[Key, ...] = ()
         if _RAISED and (raised := _RAISED.get(self.ids)) is not None and raised.same(self) and _graph_task() < 0:
             _refuse_after_raise()  # a forward made after that backward, not a recomputation inside its retry
@@ -179,9 +179,9 @@ class _Journal:
 
         A backward run inside a node of another (a reentrant checkpoint's recomputation) may
         yet fall with that outer backward: where the node returns, hooks on it reopen this
-        journal in the outer backward (``_await_return``). Until then it stands, as it does
-        where the node raised after this backward, or this backward ran from the node's own
-        hooks (which autograd listed before this one) and the node never returns again.
+        journal in the outer backward (``_await_return``). Until then it stands, and for good
+        where the node raised after this backward, or where this backward ran from the node's
+        own hooks (autograd listed them before these, which then never run for this call).
         """
         self.ended = True
         node = _current_node()
@@ -307,8 +307,8 @@ def set_aside(key: Key, grads: Sequence[torch.Tensor | None]) -> None:
     held = _ASIDE.get(key.ids)
     if held is not None and held[0].same(key):
         grads = [a if g is None else g if a is None else a + g for a, g in zip(held[1], grads)]
-        if held[0].whole or key.whole:  # kept for the tensors of both calls
-            key.whole = tuple({w.ids: w for w in (*(held[0].whole or held[:1]), *(key.whole or (key,)))}.values())
+        if held[0].whole:  # kept for the tensors of both calls
+            key.whole = tuple({w.ids: w for w in (*held[0].whole, *key.whole)}.values())
     elif held is not None and held[0] is not raised:  # another array's, gone, whose ids these tensors took
         _DISPLACED.append(held[0])  # (not that of a step given up after a raise: dropped)
     _ASIDE[key.ids] = (key, list(grads))
@@ -337,7 +337,7 @@ def kept_for(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     for ids, (key, _) in _ASIDE.items():  # (what a raise put back is aside too, its key in ``_RAISED``)
         if mine.isdisjoint(id(t) for r in key.refs if (t := r()) is not None):
             continue
-        for whole in key.whole or (key,):  # each rank's: where it holds any of these arrays, all of the call's
+        for whole in (key, *key.whole):  # each rank's too: where it holds any of these arrays, all of the call's
             alive = [id(t) for r in whole.refs if (t := r()) is not None]
             if mine.isdisjoint(alive) or mine.issuperset(alive):
                 continue
