@@ -1097,12 +1097,15 @@ def test_a_backward_run_from_a_nodes_hook_keeps_what_it_set_aside_once_the_step_
         torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
 
 
-def _raised_after_a_node_that_ran_two_backwards(style: str, world: int | None = None) -> list[torch.Tensor]:
+def _raised_after_a_node_that_ran_two_backwards(style: str, where: str, world: int | None = None) -> list[torch.Tensor]:
     """As ``_raised_after_a_reentrant_checkpoint``, with one node (a custom function's, as a reversible block's)
     running two micro-batches' backwards of its own: one under ``no_sync``, then the syncing one, which sums both.
+    The step's backward raises once after the node (``where="after"``: a hook on its input) or in it (``"inside"``:
+    a hook on the first block, in the syncing backward, after its sum), and is retried.
     """
     start = torch.zeros((), dtype=torch.float64, requires_grad=True)
-    params, leaves, x, step, armed = _hooked_step(style, world, on=start)
+    params, leaves, x, step, armed = _hooked_step(style, world, on=start if where == "after" else None)
+    tries = [0]
 
     class TwoMicroBatches(torch.autograd.Function):
         @staticmethod
@@ -1111,14 +1114,16 @@ def _raised_after_a_node_that_ran_two_backwards(style: str, world: int | None = 
 
         @staticmethod
         def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            tries[0] += 1
             for k in range(2):
                 with fshard.no_sync() if k == 0 else contextlib.nullcontext(), torch.enable_grad():
                     loss = fshard.gather(step(x, *params))
+                armed[0] = armed[0] or (where == "inside" and k == 1 and tries[0] == 1)
                 loss.backward()
             return g
 
     loss = TwoMicroBatches.apply(start)
-    armed[0] = True
+    armed[0] = where == "after"
     with pytest.raises(_Raised):
         loss.backward(retain_graph=True)
     for t in leaves:  # what the node's second backward gave the blocks before the raise
@@ -1128,15 +1133,78 @@ def _raised_after_a_node_that_ran_two_backwards(style: str, world: int | None = 
 
 
 @pytest.mark.parametrize("style", ["dp", "fsdp"])
-def test_a_backward_that_raised_after_a_node_that_ran_two_backwards_counts_each_micro_batch_once(dist_pool, style):
-    """Both backwards that the node ran are put back with the backward that ran the node."""
-    got = _raised_after_a_node_that_ran_two_backwards(style, world=4)
+@pytest.mark.parametrize("where", ["after", "inside"])
+def test_a_backward_that_raised_after_a_node_that_ran_two_backwards_counts_each_micro_batch_once(
+    dist_pool, style, where
+):
+    """Both backwards that the node ran are put back with the backward that ran the node, also where the node
+    raises after the first (its second backward raised)."""
+    got = _raised_after_a_node_that_ran_two_backwards(style, where, world=4)
     one, _ = _accumulated(style, 1, world=4)
     for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
         torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
-    for rank, grads in enumerate(dist_pool.run(_raised_after_a_node_that_ran_two_backwards, style, timeout=120)):
+    for rank, grads in enumerate(dist_pool.run(_raised_after_a_node_that_ran_two_backwards, style, where, timeout=120)):
         mine = got[rank::4] if style == "fsdp" else got[::4]
         for g, want in zip(grads, mine, strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def _inner_raise_caught(which: str, outer: bool, world: int | None = None) -> tuple[int, list[torch.Tensor]]:
+    """A node runs a micro-batch's backward (``which``: under ``no_sync`` or syncing) that raises once, catches it
+    and retries it on its own graph. Where ``outer``, the step's backward set a micro-batch aside before the node.
+    Then the syncing micro-batch, where the node's was under ``no_sync``.
+
+    Returns how many raises the node caught, and every block's gradient.
+    """
+    z = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    params, leaves, x, step, armed = _hooked_step("dp", world, on=z)
+    start = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    caught = [0]
+
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, s: torch.Tensor) -> torch.Tensor:
+            return s.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad(), fshard.no_sync() if which == "no_sync" else contextlib.nullcontext():
+                before = z * 1.0  # made before the step: z's hook runs after the step's nodes
+                loss = fshard.gather(step(x, *params)) + before
+            armed[0] = True
+            try:
+                loss.backward(retain_graph=True)
+            except _Raised:
+                caught[0] += 1
+                for t in leaves:  # what the blocks' own accumulation took before the raise
+                    t.grad = None
+                loss.backward()
+            return g
+
+    with fshard.no_sync():
+        total = Node.apply(start)
+        if outer:
+            total = total + fshard.gather(step(x, *params))  # made after the node: its backward runs first
+    total.backward()
+    if which == "no_sync":
+        fshard.gather(step(x, *params)).backward()
+    return caught[0], [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("which", ["no_sync", "syncing"])
+@pytest.mark.parametrize("outer", [False, True])
+def test_a_backward_that_a_node_ran_and_retried_after_a_raise_counts_its_micro_batch_once(dist_pool, which, outer):
+    """The node's own backward has a journal of its own, also where the step's backward has one open: its raise
+    puts back what it changed, and what the step's backward changed before stands."""
+    caught, got = _inner_raise_caught(which, outer, world=4)
+    assert caught == 1
+    one, _ = _accumulated("dp", 1, world=4)
+    micro_batches = 1 + outer + (which == "no_sync")
+    for g, want in zip(got, one, strict=True):  # micro-batches of the same rows
+        torch.testing.assert_close(g, micro_batches * want, rtol=0, atol=1e-12)
+    for n, grads in dist_pool.run(_inner_raise_caught, which, outer, timeout=120):
+        assert n == 1
+        for g, want in zip(grads, got[::4], strict=True):
             torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
 
 
@@ -1174,8 +1242,8 @@ def _hooks_node_run_again(world: int | None = None) -> tuple[list[torch.Tensor],
 
 
 def test_a_backward_run_from_a_nodes_hooks_stands_when_that_node_runs_again_in_a_backward_that_raises(dist_pool):
-    """The hooks left on the node for that backward's journal are dropped where the node runs again, and hold the
-    journal alone: it goes with the graph."""
+    """That backward belongs to the outer one that succeeded: a later backward of the graph that raises leaves it,
+    and no journal is left alive."""
     got, journals = _hooks_node_run_again(world=4)
     assert journals == 0
     one, _ = _accumulated("dp", 1, world=4)
@@ -1183,6 +1251,54 @@ def test_a_backward_run_from_a_nodes_hooks_stands_when_that_node_runs_again_in_a
         torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
     for grads, alive in dist_pool.run(_hooks_node_run_again, timeout=120):
         assert alive == 0
+        for g, want in zip(grads, got[::4], strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def _hooks_backward_in_one_that_raised(kind: str, world: int | None = None) -> tuple[int, list[torch.Tensor]]:
+    """Under ``no_sync``, a hook of the outer graph (``kind``) runs a micro-batch's backward; the outer backward
+    raises after it, and is retried on its graph, which runs the hook again; then the syncing micro-batch.
+
+    Returns how many times the hook ran, and every block's gradient.
+    """
+    z = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    params, leaves, x, step, armed = _hooked_step("dp", world, on=z)
+    ran = [0]
+
+    def micro_batch(*_: Any) -> None:
+        ran[0] += 1
+        with torch.enable_grad():
+            loss = fshard.gather(step(x, *params))
+        loss.backward()
+
+    module = torch.nn.Linear(1, 1, dtype=torch.float64)
+    if kind == "module":
+        module.register_full_backward_hook(micro_batch)
+    elif kind == "accumulated":
+        module.weight.register_post_accumulate_grad_hook(micro_batch)
+    with fshard.no_sync():
+        h = module(z) * 2.0
+        if kind == "tensor":
+            h.register_hook(micro_batch)
+        outer = h.sum()
+        armed[0] = True
+        with pytest.raises(_Raised):
+            outer.backward(retain_graph=True)  # raises at z's hook, after the hook's micro-batch
+        outer.backward()  # the retry: the hook's micro-batch again
+    fshard.gather(step(x, *params)).backward()  # the syncing micro-batch
+    return ran[0], [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("kind", ["module", "tensor", "accumulated"])
+def test_a_backward_a_hook_ran_falls_with_the_backward_that_raised(dist_pool, kind):
+    """A backward run inside another (from any of its hooks) stands or falls with it: retried, it counts once."""
+    ran, got = _hooks_backward_in_one_that_raised(kind, world=4)
+    assert ran == 2
+    one, _ = _accumulated("dp", 1, world=4)
+    for g, want in zip(got, one, strict=True):  # the hook's micro-batch once, and the syncing one
+        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+    for n, grads in dist_pool.run(_hooks_backward_in_one_that_raised, kind, timeout=120):
+        assert n == 2
         for g, want in zip(grads, got[::4], strict=True):
             torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
 

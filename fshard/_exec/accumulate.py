@@ -158,16 +158,25 @@ class _Journal:
     Held by a callback queued in that backward, which autograd runs where the backward ends
     and drops either way: a journal dropped before its callback ran belongs to a backward
     that raised. What it took back (a syncing backward's, summed with its own gradients)
-    and what it set aside (a micro-batch's under ``no_sync``) are then undone, key by key
-    (another thread's backward keeps its own), so a retried backward counts each micro-batch
-    once, whether the raise came before the sum or after it (a hook on a parameter's block).
+    and what it set aside (a micro-batch's under ``no_sync``) are then undone, key by key,
+    so a retried backward counts each micro-batch once, whether the raise came before the
+    sum or after it (a hook on a parameter's block).
+
+    A backward run inside a node of another (a reentrant checkpoint's recomputation, a custom
+    function's or a hook's ``torch.autograd.backward``) has a journal of its own, so that a
+    raise inside it, caught there, puts back what it changed alone. Where it ended, its
+    changes become the outer backward's: autograd drops the callback as the inner backward
+    returns, in the outer backward's context, and the journal joins that one's (``_adopt``).
+    They then stand or fall with it, whether the node raises afterwards or not.
     """
 
-    __slots__ = ("__weakref__", "before", "ended")
+    __slots__ = ("__weakref__", "before", "ended", "nested", "task")
 
-    def __init__(self) -> None:
-        self.before: dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]] | None] = {}
+    def __init__(self, task: int, before: dict[tuple[int, ...], Any] | None = None) -> None:
+        self.before: dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]] | None] = before or {}
         self.ended = False
+        self.nested = False  # whether its backward ran inside a node of another (known where it ends)
+        self.task = task  # the backward's graph task
 
     def note(self, ids: tuple[int, ...]) -> None:
         """Keeps what is aside for ``ids`` (``None``: nothing) before this backward first changes it."""
@@ -175,21 +184,22 @@ class _Journal:
             self.before[ids] = _ASIDE.get(ids)
 
     def end(self) -> None:
-        """The callback: the backward finished; what it changed stands.
-
-        A backward run inside a node of another (a reentrant checkpoint's recomputation) may
-        yet fall with that outer backward: where the node returns, hooks on it reopen this
-        journal in the outer backward (``_await_return``). Until then it stands, and for good
-        where the node raised after this backward, or where this backward ran from the node's
-        own hooks (autograd listed them before these, which then never run for this call).
-        """
+        """The callback: the backward finished; what it changed stands, or joins the backward it ran inside."""
         self.ended = True
-        node = _current_node()
-        if node is not None:  # not between nodes: a backward that a node runs
-            _await_return(self, node)
+        self.nested = _current_node() is not None  # between nodes: a backward that no node runs
+        self._close()
+
+    def _close(self) -> None:
+        """Takes it out of the table of open journals."""
+        ref = _JOURNALS.get(self.task)
+        if ref is not None and ref() in (self, None):
+            del _JOURNALS[self.task]
 
     def __del__(self) -> None:
+        self._close()
         if self.ended:
+            if self.nested and (task := _graph_task()) >= 0:  # dropped as the inner backward returns
+                _adopt(self.before, task)
             return
         for ids, held in self.before.items():  # its backward raised
             # Not gradients of arrays that are gone: the backward that raised reported them lost.
@@ -200,44 +210,31 @@ class _Journal:
                 _RAISED[ids] = held[0]
 
 
-def _await_return(journal: _Journal, node: Any) -> None:
-    """Hooks on the node that ran ``journal``'s backward: where the node returns, the outer backward adopts it.
+# The journal of each backward running now that changed what is kept aside (by graph task, whatever the thread),
+# held by a callback of that backward: here weakly, until it ends.
+_JOURNALS: dict[int, weakref.ref[_Journal]] = {}
 
-    Where the node runs again first (a later backward of a graph kept with ``retain_graph``),
-    its pre-hook drops them: this backward ran from the node's hooks, which autograd had
-    listed already, so it belongs to the run that has ended. The hooks hold the journal;
-    nothing else does, so it goes with the graph.
+
+def _open(task: int) -> _Journal | None:
+    """The journal of the backward ``task``, where it has one open."""
+    ref = _JOURNALS.get(task)
+    return None if ref is None else ref()
+
+
+def _adopt(before: dict[tuple[int, ...], Any], task: int) -> None:
+    """Makes a finished inner backward's changes (``before``) part of the backward ``task``: put back if it raises.
+
+    Into that backward's journal where it has one (opened before, so older: its notes win);
+    otherwise into a journal opened for them. A node that ran two backwards of its own adopts both.
     """
-    handles: list[Any] = []
-
-    def returned(*_: Any) -> None:
-        for h in handles:
-            h.remove()
-        _adopt(journal)
-
-    def runs_again(*_: Any) -> None:
-        for h in handles:
-            h.remove()
-
-    handles += (node.register_hook(returned), node.register_prehook(runs_again))
-
-
-def _adopt(journal: _Journal) -> None:
-    """Makes ``journal``'s changes part of the backward running on this thread: put back if it raises.
-
-    Into that backward's own journal where it has one (opened before, older: its notes win);
-    otherwise ``journal`` is reopened as that backward's. A node that ran two backwards of its
-    own adopts both: the second joins the first.
-    """
-    ref: weakref.ref[_Journal] | None = getattr(_OPEN, "journal", None)
-    open_ = None if ref is None else ref()
-    if open_ is not None and not open_.ended:
-        for ids, held in journal.before.items():
-            open_.before.setdefault(ids, held)
+    journal = _open(task)
+    if journal is not None:
+        for ids, held in before.items():
+            journal.before.setdefault(ids, held)
         return
-    journal.ended = False
+    journal = _Journal(task, before)
     _ENGINE.queue_callback(journal.end)
-    _OPEN.journal = weakref.ref(journal)
+    _JOURNALS[task] = weakref.ref(journal)
 
 
 # What a backward that raised put back, by key: for that backward's retry alone (``_refuse_after_raise``).
@@ -271,8 +268,6 @@ def _refuse_after_raise() -> None:
 
 # -1 outside a backward
 _graph_task: Any = getattr(torch._C, "_current_graph_task_id")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
-# ``journal``: the journal of the backward running on this thread, if it changed any (or adopted one)
-_OPEN = threading.local()
 _ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine")  # noqa: B009  # untyped in torch's stubs
 # The node whose backward runs on this thread (``None`` between nodes: where a backward that no node runs ends)
 _current_node: Any = getattr(torch._C, "_current_autograd_node")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
@@ -285,16 +280,14 @@ def journaled(ids: tuple[int, ...] | None = None) -> bool:
     change. Outside a backward (a transform's call of a node's backward) the change stands
     at once.
     """
-    ref: weakref.ref[_Journal] | None = getattr(_OPEN, "journal", None)
-    journal = None if ref is None else ref()
-    if journal is None or journal.ended:
-        journal = _Journal()
-        try:
-            _ENGINE.queue_callback(journal.end)
-        except RuntimeError:  # no backward runs on this thread
-            journal.ended = True
-            return False
-        _OPEN.journal = weakref.ref(journal)
+    task = _graph_task()
+    if task < 0:  # no backward runs on this thread
+        return False
+    journal = _open(task)
+    if journal is None:
+        journal = _Journal(task)
+        _ENGINE.queue_callback(journal.end)
+        _JOURNALS[task] = weakref.ref(journal)
     if ids is not None:
         journal.note(ids)
     return True
