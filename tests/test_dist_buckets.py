@@ -1408,7 +1408,7 @@ def test_ranks_that_discard_different_arrays_raise_on_every_rank_and_drop_nothin
     for rank, (message, grads) in enumerate(dist_pool.run(_discarded_apart, how, timeout=120)):
         if how == "part" and rank == 0:
             assert message.startswith("SpecError: fshard.discard_kept_aside(): gradients kept aside for some")
-            assert "moved in one call with 4 shard tensor(s) of other arrays" in message
+            assert "moved in one call with shard tensors of other arrays" in message
         else:
             assert message.startswith("CollectiveMismatchError: fshard.discard_kept_aside(): the ranks passed")
         assert "pass the same tree" in message or "pass every array that call moved" in message
@@ -1443,16 +1443,17 @@ def test_discard_kept_aside_of_a_groups_arrays_on_a_rank_outside_it(dist_pool):
     assert dist_pool.run(_discarded_on_a_subgroup, timeout=120) == [None] + [[15.0] * 3] * 3  # one micro-batch
 
 
-def test_discard_kept_aside_refuses_part_of_a_call_and_drops_nothing():
+@pytest.mark.parametrize("style", ["dp", "fsdp"])
+def test_discard_kept_aside_refuses_part_of_a_call_and_drops_nothing(style):
     """Arrays moved in one call share what is kept aside: dropping part of them would drop the others'."""
-    _, params, leaves, step = _weights_and_step("dp", 4)
+    _, params, leaves, step = _weights_and_step(style, 4)
     x = fshard.shard(torch.cat([_rows(r) for r in R]), fshard.Chunk(0, R), backend=params[0].backend)
     with fshard.no_sync():
         fshard.gather(step(x, *params)).backward()
-    with pytest.raises(fshard.SpecError, match="moved in one call with 4 shard tensor"):
+    with pytest.raises(fshard.SpecError, match="moved in one call with shard tensors of other arrays"):
         fshard.discard_kept_aside(params[:1])
     fshard.gather(step(x, *params)).backward()
-    one, _ = _accumulated("dp", 1, world=4)
+    one, _ = _accumulated(style, 1, world=4)
     for g, want in zip([t.grad for t in leaves], one, strict=True):  # both micro-batches
         torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
 
@@ -1497,11 +1498,47 @@ def test_discard_kept_aside_refuses_an_array_that_another_call_moved_with_arrays
     """What is kept aside for ``w0`` came from both calls, on one backend as across processes: refused alike."""
     message, got = _kept_by_two_calls(world=4)
     assert message.startswith("fshard.discard_kept_aside(): gradients kept aside for some")
-    assert "moved in one call with 1 shard tensor(s) of other arrays" in message
+    assert "moved in one call with shard tensors of other arrays" in message
     _, whole = _kept_by_two_calls(world=4, attempt=False)
     for g, want in zip(got, whole, strict=True):  # nothing was dropped
         torch.testing.assert_close(g, want, rtol=0, atol=0)
     for text, grads in dist_pool.run(_kept_by_two_calls, timeout=120):
+        assert text == message
+        for g, want in zip(grads, got[::4], strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def _moved_in_a_tree_then_alone(world: int | None = None) -> tuple[str, list[torch.Tensor]]:
+    """Under ``no_sync``, ``(w0, w1)`` moved in one call, then ``w0`` alone; the syncing micro-batch moves ``(w0, w1)``
+    only, and an optimizer steps. Returns what the step raised, and every block's gradient."""
+    backend, x = _backend_and_rows(world)
+    rep, rows = fshard.Replicated(R), fshard.Chunk(0, R)
+    ws = [fshard.shard(w, rep, backend=backend) for w in _weights()[:2]]
+    leaves = [t.requires_grad_() for w in ws for t in w.addressable_data]
+    two = fshard.shard_map(
+        lambda xb, a, b: (torch.tanh(xb @ a) @ b).square().sum()[None], in_specs=(rows, rep, rep),
+        out_specs=fshard.Partial(rep),
+    )  # fmt: skip
+    alone = fshard.shard_map(
+        lambda xb, a: torch.tanh(xb @ a).square().sum()[None], in_specs=(rows, rep), out_specs=fshard.Partial(rep)
+    )
+    with fshard.no_sync():
+        fshard.gather(two(x, *ws)).backward()
+        fshard.gather(alone(x, ws[0])).backward()
+    fshard.gather(two(x, *ws)).backward()
+    try:
+        torch.optim.SGD(leaves, lr=0.0).step()
+    except fshard.SpecError as exc:
+        return str(exc), [t.grad for t in leaves]
+    return "no error", [t.grad for t in leaves]
+
+
+def test_what_a_call_kept_aside_is_its_own_on_one_backend_as_across_processes(dist_pool):
+    """The tree's call takes back its own micro-batch; ``w0``'s call alone kept its own, which no syncing backward
+    summed: the step refuses it, on the local backend as across processes (each rank's entries are keyed alike)."""
+    message, got = _moved_in_a_tree_then_alone(world=4)
+    assert message.startswith("SGD.step() over parameters whose gradients fshard.no_sync() still keeps aside")
+    for text, grads in dist_pool.run(_moved_in_a_tree_then_alone, timeout=120):
         assert text == message
         for g, want in zip(grads, got[::4], strict=True):
             torch.testing.assert_close(g, want, rtol=0, atol=1e-12)

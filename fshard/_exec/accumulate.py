@@ -97,16 +97,12 @@ def syncing() -> bool:
 class Key:
     """The tensors a movement moved, as ids and weak references: what its set-aside gradients belong to."""
 
-    __slots__ = ("ids", "refs", "whole")
+    __slots__ = ("ids", "refs")
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         bases = [t._base if t._base is not None else t for t in tensors]  # a flat view of a parameter: the parameter
         self.ids = tuple(id(t) for t in bases)
         self.refs = tuple(weakref.ref(t) for t in bases)
-        # Where one node in one process summed a tree with a key per array: a key of each rank's tensors of that
-        # node, as each rank's bucket key across processes; and those of every call whose gradients were added
-        # to these (``set_aside``). What ``kept_for`` asks for whole, besides this key.
-        self.whole: tuple[Key, ...] = ()
         if _RAISED and (raised := _RAISED.get(self.ids)) is not None and raised.same(self) and _graph_task() < 0:
             _refuse_after_raise()  # a forward made after that backward, not a recomputation inside its retry
 
@@ -300,8 +296,6 @@ def set_aside(key: Key, grads: Sequence[torch.Tensor | None]) -> None:
     held = _ASIDE.get(key.ids)
     if held is not None and held[0].same(key):
         grads = [a if g is None else g if a is None else a + g for a, g in zip(held[1], grads)]
-        if held[0].whole:  # kept for the tensors of both calls
-            key.whole = tuple({w.ids: w for w in (*held[0].whole, *key.whole)}.values())
     elif held is not None and held[0] is not raised:  # another array's, gone, whose ids these tensors took
         _DISPLACED.append(held[0])  # (not that of a step given up after a raise: dropped)
     _ASIDE[key.ids] = (key, list(grads))
@@ -330,15 +324,11 @@ def kept_for(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     for ids, (key, _) in _ASIDE.items():  # (what a raise put back is aside too, its key in ``_RAISED``)
         if mine.isdisjoint(id(t) for r in key.refs if (t := r()) is not None):
             continue
-        for whole in (key, *key.whole):  # each rank's too: where it holds any of these arrays, all of the call's
-            alive = [id(t) for r in whole.refs if (t := r()) is not None]
-            if mine.isdisjoint(alive) or mine.issuperset(alive):
-                continue
+        if not mine.issuperset(id(t) for r in key.refs if (t := r()) is not None):
             msg = (
                 "fshard.discard_kept_aside(): gradients kept aside for some of these arrays were moved in one "
-                f"call with {len([i for i in alive if i not in mine])} shard tensor(s) of other arrays (a tree "
-                "moved as one), and would be dropped with them: pass every array that call moved (the whole tree "
-                "the optimizer holds). Nothing was dropped."
+                "call with shard tensors of other arrays (a tree moved as one), and would be dropped with them: "
+                "pass every array that call moved (the whole tree the optimizer holds). Nothing was dropped."
             )
             raise SpecError(msg)
         found.append(ids)

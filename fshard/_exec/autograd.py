@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import operator
 import threading
 from collections.abc import Callable, Generator, Sequence
@@ -773,8 +772,10 @@ class _SumTree(torch.autograd.Function):
     reaches any of the arrays adds, for every one of them, what earlier micro-batches kept
     aside (``no_sync``), also where this backward does not reach it; and an array that no
     copy had a gradient for, here or in a micro-batch kept aside, gets none (``None``), as
-    torch leaves an unused tensor. With a ``precision``, as ``_CastMove``: the blocks in its
-    forward dtype, their gradients summed in its reduce dtype and returned in their own.
+    torch leaves an unused tensor. What is kept aside is keyed by each rank's blocks of the
+    tree, as each process keys its buckets. With a ``precision``, as ``_CastMove``: the
+    blocks in its forward dtype, their gradients summed in its reduce dtype and returned in
+    their own.
     """
 
     @staticmethod
@@ -798,37 +799,43 @@ class _SumTree(torch.autograd.Function):
         ctx.to = like.dtype if precision is None else precision.forward_dtype(like.dtype)
         ctx.like_shape = like.shape
         ctx.set_materialize_grads(False)  # an array not used: None, not zeros
-        starts = itertools.accumulate(counts, initial=0)
         ctx.sync = syncing()
-        ctx.keys = [key_of(tensors[at : at + n], like) for at, n in zip(starts, counts)]
-        if not ctx.sync and len(ctx.keys) > 1:  # kept aside: what they share, one node (across processes, a bucket)
-            wholes = _by_rank(layouts, backend, tensors)
-            for key in ctx.keys:
-                key.whole = wholes
+        ctx.keys = _by_rank(layouts, backend, tensors)
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
         layouts, backend, counts, dtype, wide, device = ctx.args
+        keys: list[tuple[Key, tuple[int, ...]]] = ctx.keys
         like = carrier(grads, wide, device).to(wide)
-        out: list[torch.Tensor | None] = []
+        # Every block's gradient, zeros for the blocks of an array that has a gradient elsewhere.
+        full: list[torch.Tensor | None] = []
         at = 0
-        for layout, n, key in zip(layouts, counts, ctx.keys):
+        for layout, n in zip(layouts, counts):
             mine = [None if g is None else g.to(wide) for g in grads[at : at + n]]
             at += n
-            if not ctx.sync:  # kept aside where this micro-batch gave it a gradient
-                if any(g is not None for g in mine):
-                    set_aside(key, _dense(layout, backend, mine, like))
-                out += [None] * n
+            full += _dense(layout, backend, mine, like) if any(g is not None for g in mine) else [None] * n
+        if not ctx.sync:  # kept aside, each rank's where this micro-batch gave it a gradient
+            for key, positions in keys:
+                part = [full[p] for p in positions]
+                if any(g is not None for g in part):
+                    set_aside(key, part)
+            return (None, None, None, None, link_grad(ctx, 4, like), *[None] * len(full))
+        for key, positions in keys:
+            earlier: list[torch.Tensor | None] = take_back(key) or []
+            for p, e in zip(positions, earlier):
+                if e is not None:
+                    mine_p = full[p]
+                    full[p] = e if mine_p is None else mine_p + e
+        out: list[torch.Tensor | None] = []
+        at = 0
+        for layout, n in zip(layouts, counts):
+            part = full[at : at + n]
+            at += n
+            if all(g is None for g in part):  # no gradient here or in a micro-batch kept aside
+                out += part
                 continue
-            earlier = take_back(key)
-            if earlier is None and all(g is None for g in mine):
-                out += [None] * n
-                continue
-            dense = _dense(layout, backend, mine, like)
-            if earlier is not None:
-                dense = tuple(g if e is None else g + e for g, e in zip(dense, earlier))
-            back, _ = move(with_partial(layout, "sum"), layout, backend, dense, like)
+            back, _ = move(with_partial(layout, "sum"), layout, backend, _dense(layout, backend, part, like), like)
             out += [b.to(dtype) for b in back]
         return (None, None, None, None, link_grad(ctx, 4, like), *out)
 
@@ -846,18 +853,21 @@ class _SumTree(torch.autograd.Function):
         return (*out, like.new_empty((0,)))
 
 
-def _by_rank(layouts: tuple[Layout, ...], backend: Any, tensors: Sequence[torch.Tensor]) -> tuple[Key, ...]:
-    """A key of each rank's ``tensors`` (the shards of ``layouts`` this process holds, in order).
+def _by_rank(
+    layouts: tuple[Layout, ...], backend: Any, tensors: Sequence[torch.Tensor]
+) -> list[tuple[Key, tuple[int, ...]]]:
+    """Per rank, the key of its ``tensors`` (the shards of ``layouts`` held here, in order), and where they are.
 
-    What that rank's process would key its bucket by, across processes.
+    What that rank's process keys its buckets by, across processes.
     """
-    held: dict[int, list[torch.Tensor]] = {}
-    it = iter(tensors)
+    held: dict[int, list[int]] = {}
+    at = 0
     for layout in layouts:
-        ranks = layout.columns.rank
+        ranks = layout.columns.rank.tolist()
         for i in backend.addressable(layout):
-            held.setdefault(int(ranks[i]), []).append(next(it))
-    return tuple(Key(ts) for ts in held.values())
+            held.setdefault(ranks[i], []).append(at)
+            at += 1
+    return [(Key([tensors[p] for p in positions]), tuple(positions)) for positions in held.values()]
 
 
 def sum_tree(
