@@ -1303,6 +1303,64 @@ def test_a_backward_a_hook_ran_falls_with_the_backward_that_raised(dist_pool, ki
             torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
 
 
+def _raised_in_a_later_callback(nested: bool, world: int | None = None) -> list[torch.Tensor]:
+    """A micro-batch under ``no_sync`` whose backward raises in a callback queued after fshard's (by a hook on the
+    first block), and is retried on its graph: at the top (``nested=False``), or inside a node that catches and
+    retries it. Then the syncing micro-batch. Every block's gradient."""
+    params, leaves, x, step, _ = _hooked_step("dp", world)
+    fired = [False]
+
+    def raise_later() -> None:
+        raise _Raised
+
+    def queue(g: torch.Tensor) -> None:
+        if not fired[0]:
+            fired[0] = True
+            torch.autograd.Variable._execution_engine.queue_callback(raise_later)  # pyright: ignore[reportAttributeAccessIssue]
+
+    leaves[0].register_hook(queue)
+
+    def micro_batch() -> None:
+        with torch.enable_grad(), fshard.no_sync():
+            loss = fshard.gather(step(x, *params))
+        with pytest.raises(_Raised):
+            loss.backward(retain_graph=True)
+        for t in leaves:
+            t.grad = None
+        loss.backward()
+
+    if nested:
+        start = torch.zeros((), dtype=torch.float64, requires_grad=True)
+
+        class Node(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, s: torch.Tensor) -> torch.Tensor:
+                return s.clone()
+
+            @staticmethod
+            def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+                micro_batch()
+                return g
+
+        Node.apply(start).backward()
+    else:
+        micro_batch()
+    fshard.gather(step(x, *params)).backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_backward_that_raised_in_a_later_callback_counts_its_micro_batch_once(dist_pool, nested):
+    """A raise in a callback queued after fshard's is a raise of the backward: what it set aside is put back."""
+    got = _raised_in_a_later_callback(nested, world=4)
+    one, _ = _accumulated("dp", 1, world=4)
+    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
+        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+    for grads in dist_pool.run(_raised_in_a_later_callback, nested, timeout=120):
+        for g, want in zip(grads, got[::4], strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
 def _moved_on_after_a_raise(style: str, which: str, world: int | None = None) -> tuple[str, list[torch.Tensor]]:
     """A micro-batch under no_sync, then one (``which``) whose backward raised after its sum; then a new forward.
 

@@ -166,11 +166,12 @@ class _Journal:
     They then stand or fall with it, whether the node raises afterwards or not.
     """
 
-    __slots__ = ("__weakref__", "before", "ended", "nested", "task")
+    __slots__ = ("__weakref__", "before", "ended", "last", "nested", "task")
 
     def __init__(self, task: int, before: dict[tuple[int, ...], Any] | None = None) -> None:
         self.before: dict[tuple[int, ...], tuple[Key, list[torch.Tensor | None]] | None] = before or {}
         self.ended = False
+        self.last = False  # whether its callback was queued again, behind the callbacks queued since (``end``)
         self.nested = False  # whether its backward ran inside a node of another (known where it ends)
         self.task = task  # the backward's graph task
 
@@ -180,7 +181,15 @@ class _Journal:
             self.before[ids] = _ASIDE.get(ids)
 
     def end(self) -> None:
-        """The callback: the backward finished; what it changed stands, or joins the backward it ran inside."""
+        """The callback: the backward finished; what it changed stands, or joins the backward it ran inside.
+
+        It runs twice: a callback queued after it (a hook's, or regathering's check) may yet make
+        the backward raise, so the first run queues it again, behind them.
+        """
+        if not self.last:
+            self.last = True
+            _ENGINE.queue_callback(self.end)
+            return
         self.ended = True
         self.nested = _current_node() is not None  # between nodes: a backward that no node runs
         self._close()
