@@ -1566,6 +1566,31 @@ def test_discard_kept_aside_refuses_an_array_that_another_call_moved_with_arrays
             torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
 
 
+def _kept_where_some_ranks_hold_none(world: int | None = None) -> list[torch.Tensor]:
+    """Two arrays on ranks [0, 1] of four moved in one call (``global_norm``), a micro-batch under ``no_sync``, then the
+    syncing one. Ranks 2 and 3 hold no block: what they keep aside is keyed by the arrays' links, not by the tensor
+    made afresh at each call that stands for the group there. Every block's gradient."""
+    backend, _ = _backend_and_rows(world)
+    a, b = (
+        fshard.map_local(
+            lambda t: t.detach().requires_grad_(), fshard.shard(w, fshard.Replicated([0, 1]), backend=backend)
+        )
+        for w in _weights()[:2]
+    )
+    with fshard.no_sync():
+        fshard.global_norm([a, b]).backward()
+    fshard.global_norm([a, b]).backward()
+    return [t.grad for w in (a, b) for t in w.addressable_data]
+
+
+def test_micro_batches_kept_aside_on_ranks_that_hold_no_block_of_the_call(dist_pool):
+    got = _kept_where_some_ranks_hold_none(world=4)
+    for rank, grads in enumerate(dist_pool.run(_kept_where_some_ranks_hold_none, timeout=120)):
+        mine = got[rank::2] if rank < 2 else []  # local: a's blocks, then b's
+        for g, want in zip(grads, mine, strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
 def _moved_in_a_tree_then_alone(world: int | None = None) -> tuple[str, list[torch.Tensor]]:
     """Under ``no_sync``, ``(w0, w1)`` moved in one call, then ``w0`` alone; the syncing micro-batch moves ``(w0, w1)``
     only, and an optimizer steps. Returns what the step raised, and every block's gradient."""

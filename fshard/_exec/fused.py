@@ -301,14 +301,17 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
         if whole is not None:  # the blocks as they come (across processes, the function's uses are tapped)
             flat, link = whole
         else:
-            flat, link = _regroup(
-                _bucket_plan.box_layout(layouts),
-                backend,
-                mode,
-                tuple(t.reshape(-1) for t in data),
-                _like(leaves),
-                precision,
-            )
+            # What no_sync keys on: the blocks held here; where there are none, the first array's link (the same
+            # at every micro-batch, where the tensor that stands for the group may be made afresh: ``_like``).
+            with _accumulate.sources(data or (leaves[0]._first(),)):  # pyright: ignore[reportPrivateUsage]
+                flat, link = _regroup(
+                    _bucket_plan.box_layout(layouts),
+                    backend,
+                    mode,
+                    tuple(t.reshape(-1) for t in data),
+                    _like(leaves),
+                    precision,
+                )
         at = 0
         for k, a in zip(group, leaves):
             n = len(a.addressable_data)
