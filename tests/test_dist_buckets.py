@@ -1013,18 +1013,23 @@ def _raised_after_the_sum(style: str, which: str, world: int | None = None) -> l
     return [t.grad for t in leaves]
 
 
+def _two_micro_batches_on_both(dist_pool: Any, style: str, fn: Any, *args: Any) -> None:
+    """``fn(*args, world=4)`` gave every block two micro-batches' gradient, and each Gloo rank its blocks the same."""
+    got = fn(*args, world=4)
+    one, _ = _accumulated(style, 1, world=4)
+    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
+        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
+    for rank, grads in enumerate(dist_pool.run(fn, *args, timeout=120)):
+        mine = got[rank::4] if style == "fsdp" else got[::4]
+        for g, want in zip(grads, mine, strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("style", ["dp", "fsdp"])
 @pytest.mark.parametrize("which", ["no_sync", "syncing"])
 def test_a_backward_that_raised_after_its_sum_and_was_retried_counts_its_micro_batch_once(dist_pool, style, which):
     """A backward that raised puts back what it set aside or took back: each micro-batch counts once."""
-    got = _raised_after_the_sum(style, which, world=4)
-    one, _ = _accumulated(style, 1, world=4)
-    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
-        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
-    for rank, grads in enumerate(dist_pool.run(_raised_after_the_sum, style, which, timeout=120)):
-        mine = got[rank::4] if style == "fsdp" else got[::4]
-        for g, want in zip(grads, mine, strict=True):
-            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    _two_micro_batches_on_both(dist_pool, style, _raised_after_the_sum, style, which)
 
 
 def _raised_after_a_reentrant_checkpoint(
@@ -1064,14 +1069,7 @@ def test_a_backward_that_raised_after_a_reentrant_checkpoints_own_backward_count
     dist_pool, style, which, depth
 ):
     """What a checkpoint's inner backward changed is put back with the backward whose node ran it."""
-    got = _raised_after_a_reentrant_checkpoint(style, which, depth, world=4)
-    one, _ = _accumulated(style, 1, world=4)
-    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
-        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
-    for rank, grads in enumerate(dist_pool.run(_raised_after_a_reentrant_checkpoint, style, which, depth, timeout=120)):
-        mine = got[rank::4] if style == "fsdp" else got[::4]
-        for g, want in zip(grads, mine, strict=True):
-            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    _two_micro_batches_on_both(dist_pool, style, _raised_after_a_reentrant_checkpoint, style, which, depth)
 
 
 def test_a_backward_run_from_a_nodes_hook_keeps_what_it_set_aside_once_the_step_succeeded():
@@ -1097,6 +1095,22 @@ def test_a_backward_run_from_a_nodes_hook_keeps_what_it_set_aside_once_the_step_
         torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
 
 
+def _through_a_node(start: torch.Tensor, backward: Any) -> torch.Tensor:
+    """``start`` through a custom function whose backward first runs ``backward()``: backwards of its own."""
+
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, s: torch.Tensor) -> torch.Tensor:
+            return s.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            backward()
+            return g
+
+    return Node.apply(start)
+
+
 def _raised_after_a_node_that_ran_two_backwards(style: str, where: str, world: int | None = None) -> list[torch.Tensor]:
     """As ``_raised_after_a_reentrant_checkpoint``, with one node (a custom function's, as a reversible block's)
     running two micro-batches' backwards of its own: one under ``no_sync``, then the syncing one, which sums both.
@@ -1107,22 +1121,15 @@ def _raised_after_a_node_that_ran_two_backwards(style: str, where: str, world: i
     params, leaves, x, step, armed = _hooked_step(style, world, on=start if where == "after" else None)
     tries = [0]
 
-    class TwoMicroBatches(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, s: torch.Tensor) -> torch.Tensor:
-            return s.clone()
+    def two_micro_batches() -> None:
+        tries[0] += 1
+        for k in range(2):
+            with fshard.no_sync() if k == 0 else contextlib.nullcontext(), torch.enable_grad():
+                loss = fshard.gather(step(x, *params))
+            armed[0] = armed[0] or (where == "inside" and k == 1 and tries[0] == 1)
+            loss.backward()
 
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            tries[0] += 1
-            for k in range(2):
-                with fshard.no_sync() if k == 0 else contextlib.nullcontext(), torch.enable_grad():
-                    loss = fshard.gather(step(x, *params))
-                armed[0] = armed[0] or (where == "inside" and k == 1 and tries[0] == 1)
-                loss.backward()
-            return g
-
-    loss = TwoMicroBatches.apply(start)
+    loss = _through_a_node(start, two_micro_batches)
     armed[0] = where == "after"
     with pytest.raises(_Raised):
         loss.backward(retain_graph=True)
@@ -1139,14 +1146,7 @@ def test_a_backward_that_raised_after_a_node_that_ran_two_backwards_counts_each_
 ):
     """Both backwards that the node ran are put back with the backward that ran the node, also where the node
     raises after the first (its second backward raised)."""
-    got = _raised_after_a_node_that_ran_two_backwards(style, where, world=4)
-    one, _ = _accumulated(style, 1, world=4)
-    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
-        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
-    for rank, grads in enumerate(dist_pool.run(_raised_after_a_node_that_ran_two_backwards, style, where, timeout=120)):
-        mine = got[rank::4] if style == "fsdp" else got[::4]
-        for g, want in zip(grads, mine, strict=True):
-            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    _two_micro_batches_on_both(dist_pool, style, _raised_after_a_node_that_ran_two_backwards, style, where)
 
 
 def _inner_raise_caught(which: str, outer: bool, world: int | None = None) -> tuple[int, list[torch.Tensor]]:
@@ -1161,28 +1161,21 @@ def _inner_raise_caught(which: str, outer: bool, world: int | None = None) -> tu
     start = torch.zeros((), dtype=torch.float64, requires_grad=True)
     caught = [0]
 
-    class Node(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, s: torch.Tensor) -> torch.Tensor:
-            return s.clone()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            with torch.enable_grad(), fshard.no_sync() if which == "no_sync" else contextlib.nullcontext():
-                before = z * 1.0  # made before the step: z's hook runs after the step's nodes
-                loss = fshard.gather(step(x, *params)) + before
-            armed[0] = True
-            try:
-                loss.backward(retain_graph=True)
-            except _Raised:
-                caught[0] += 1
-                for t in leaves:  # what the blocks' own accumulation took before the raise
-                    t.grad = None
-                loss.backward()
-            return g
+    def micro_batch() -> None:
+        with torch.enable_grad(), fshard.no_sync() if which == "no_sync" else contextlib.nullcontext():
+            before = z * 1.0  # made before the step: z's hook runs after the step's nodes
+            loss = fshard.gather(step(x, *params)) + before
+        armed[0] = True
+        try:
+            loss.backward(retain_graph=True)
+        except _Raised:
+            caught[0] += 1
+            for t in leaves:  # what the blocks' own accumulation took before the raise
+                t.grad = None
+            loss.backward()
 
     with fshard.no_sync():
-        total = Node.apply(start)
+        total = _through_a_node(start, micro_batch)
         if outer:
             total = total + fshard.gather(step(x, *params))  # made after the node: its backward runs first
     total.backward()
@@ -1330,19 +1323,7 @@ def _raised_in_a_later_callback(nested: bool, world: int | None = None) -> list[
         loss.backward()
 
     if nested:
-        start = torch.zeros((), dtype=torch.float64, requires_grad=True)
-
-        class Node(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx: Any, s: torch.Tensor) -> torch.Tensor:
-                return s.clone()
-
-            @staticmethod
-            def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-                micro_batch()
-                return g
-
-        Node.apply(start).backward()
+        _through_a_node(torch.zeros((), dtype=torch.float64, requires_grad=True), micro_batch).backward()
     else:
         micro_batch()
     fshard.gather(step(x, *params)).backward()
@@ -1352,13 +1333,7 @@ def _raised_in_a_later_callback(nested: bool, world: int | None = None) -> list[
 @pytest.mark.parametrize("nested", [False, True])
 def test_a_backward_that_raised_in_a_later_callback_counts_its_micro_batch_once(dist_pool, nested):
     """A raise in a callback queued after fshard's is a raise of the backward: what it set aside is put back."""
-    got = _raised_in_a_later_callback(nested, world=4)
-    one, _ = _accumulated("dp", 1, world=4)
-    for g, want in zip(got, one, strict=True):  # two micro-batches of the same rows
-        torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12)
-    for grads in dist_pool.run(_raised_in_a_later_callback, nested, timeout=120):
-        for g, want in zip(grads, got[::4], strict=True):
-            torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    _two_micro_batches_on_both(dist_pool, "dp", _raised_in_a_later_callback, nested)
 
 
 def _moved_on_after_a_raise(style: str, which: str, world: int | None = None) -> tuple[str, list[torch.Tensor]]:
