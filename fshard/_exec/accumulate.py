@@ -330,7 +330,7 @@ def kept_for(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
         raise SpecError(msg)
     mine = {id(t if t._base is None else t._base) for t in tensors}
     found: list[tuple[int, ...]] = []
-    for ids, (key, _) in _ASIDE.items():  # (what a raise put back is aside too, its key in ``_RAISED``)
+    for ids, (key, _) in tuple(_ASIDE.items()):  # (what a raise put back is aside too, its key in ``_RAISED``)
         if mine.isdisjoint(id(t) for r in key.refs if (t := r()) is not None):
             continue
         if not mine.issuperset(id(t) for r in key.refs if (t := r()) is not None):
@@ -376,7 +376,7 @@ def _refuse_held(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     if not _ASIDE or _MODE.unchecked_steps:
         return
     mine = {id(p if p._base is None else p._base) for group in optimizer.param_groups for p in group["params"]}
-    if all(mine.isdisjoint(ids) for ids, (key, _) in _ASIDE.items() if key.alive()):
+    if all(mine.isdisjoint(ids) for ids, (key, _) in tuple(_ASIDE.items()) if key.alive()):
         return
     _ASIDE.clear()  # all of it: what a rank keeps for arrays it holds no shard of is in no optimizer of its own
     _DISPLACED.clear()
@@ -407,10 +407,11 @@ def take_back(key: Key) -> list[torch.Tensor | None] | None:
         return None
     journaled(key.ids)
     _RAISED.pop(key.ids, None)  # the retry of the backward that raised: what it had is its own
-    gone = [ids for ids, (k, _) in _ASIDE.items() if not k.alive()]
+    # A copy of the table, taken at once: a backward on another thread may put entries back meanwhile.
+    gone = [ids for ids, (k, _) in tuple(_ASIDE.items()) if not k.alive()]
     lost = [ids for ids in gone if _RAISED.pop(ids, None) is None]  # not a step given up after a raise
     for ids in gone:
-        del _ASIDE[ids]
+        _ASIDE.pop(ids, None)
     if lost or _DISPLACED:
         _DISPLACED.clear()
         msg = (
@@ -421,5 +422,5 @@ def take_back(key: Key) -> list[torch.Tensor | None] | None:
     held = _ASIDE.get(key.ids)
     if held is None or not held[0].same(key):
         return None
-    del _ASIDE[key.ids]
+    _ASIDE.pop(key.ids, None)
     return held[1]
