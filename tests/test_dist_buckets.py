@@ -1560,6 +1560,10 @@ def _kept_where_some_ranks_hold_none(world: int | None = None) -> list[torch.Ten
 
 def test_micro_batches_kept_aside_on_ranks_that_hold_no_block_of_the_call(dist_pool):
     got = _kept_where_some_ranks_hold_none(world=4)
+    w = _weights()[:2]
+    norm = torch.cat([v.reshape(-1) for v in w]).norm()
+    for g, v in zip(got, [w[0], w[0], w[1], w[1]], strict=True):  # two micro-batches of the norm's gradient
+        torch.testing.assert_close(g, 2 * v / norm, rtol=1e-12, atol=1e-12)
     for rank, grads in enumerate(dist_pool.run(_kept_where_some_ranks_hold_none, timeout=120)):
         mine = got[rank::2] if rank < 2 else []  # local: a's blocks, then b's
         for g, want in zip(grads, mine, strict=True):

@@ -233,13 +233,19 @@ def _adopt(before: dict[tuple[int, ...], Any], task: int) -> None:
     otherwise into a journal opened for them. A node that ran two backwards of its own adopts both.
     """
     journal = _open(task)
-    if journal is not None:
-        for ids, held in before.items():
-            journal.before.setdefault(ids, held)
+    if journal is None:
+        _opened(task, before)
         return
+    for ids, held in before.items():
+        journal.before.setdefault(ids, held)
+
+
+def _opened(task: int, before: dict[tuple[int, ...], Any] | None = None) -> _Journal:
+    """A journal for the backward ``task``, which holds it by a callback, and open in the table."""
     journal = _Journal(task, before)
     _ENGINE.queue_callback(journal.end)
     _JOURNALS[task] = weakref.ref(journal)
+    return journal
 
 
 # What a backward that raised put back, by key: for that backward's retry alone (``_refuse_after_raise``).
@@ -288,11 +294,7 @@ def journaled(ids: tuple[int, ...] | None = None) -> bool:
     task = _graph_task()
     if task < 0:  # no backward runs on this thread
         return False
-    journal = _open(task)
-    if journal is None:
-        journal = _Journal(task)
-        _ENGINE.queue_callback(journal.end)
-        _JOURNALS[task] = weakref.ref(journal)
+    journal = _open(task) or _opened(task)
     if ids is not None:
         journal.note(ids)
     return True
@@ -331,9 +333,10 @@ def kept_for(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     mine = {id(t if t._base is None else t._base) for t in tensors}
     found: list[tuple[int, ...]] = []
     for ids, (key, _) in tuple(_ASIDE.items()):  # (what a raise put back is aside too, its key in ``_RAISED``)
-        if mine.isdisjoint(id(t) for r in key.refs if (t := r()) is not None):
+        alive = {id(t) for r in key.refs if (t := r()) is not None}
+        if mine.isdisjoint(alive):
             continue
-        if not mine.issuperset(id(t) for r in key.refs if (t := r()) is not None):
+        if not mine.issuperset(alive):
             msg = (
                 "fshard.discard_kept_aside(): gradients kept aside for some of these arrays were moved in one "
                 "call with shard tensors of other arrays (a tree moved as one), and would be dropped with them: "
