@@ -264,6 +264,11 @@ GATED_WRITES: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
         lambda x: torch.nn.functional.embedding(_FIRST_ROW, x, max_norm=0.0),
         "aten::embedding_renorm_",
     ),
+    "relu inplace by position": (lambda x: torch.nn.functional.relu(x, True), "aten::relu_"),
+    "embedding max_norm by position": (
+        lambda x: torch.nn.functional.embedding(_FIRST_ROW, x, None, 0.1),
+        "aten::embedding_renorm_",
+    ),
 }
 
 
@@ -470,6 +475,27 @@ def test_a_subclass_whose_type_cannot_be_hashed_runs_behind_the_check() -> None:
     assert torch.equal(block, torch.ones(2))
     assert not readonly.pure(torch.Tensor.add, (_NoHash,), (x, 1), {})
     assert readonly.pure(torch.Tensor.add, (torch.nn.Parameter,), (x, 1), {})
+
+
+def test_a_functional_that_writes_only_when_asked_is_pure_where_asked_not_to_by_position_or_name() -> None:
+    """``nn.Embedding`` passes ``max_norm=None`` by position: such a call is let through, one asked to write is not."""
+    from fshard._exec import readonly
+
+    idx, w = torch.tensor([0]), torch.ones(2, 3)
+    kinds = (torch.Tensor,)
+    embedding, relu = torch.nn.functional.embedding, torch.nn.functional.relu
+    assert readonly.pure(embedding, kinds, (idx, w, None, None, 2.0, False, False), {})
+    assert readonly.pure(embedding, kinds, (idx, w), {"max_norm": None})
+    assert not readonly.pure(embedding, kinds, (idx, w, None, 1.0, 2.0, False, False), {})
+    assert not readonly.pure(embedding, kinds, (idx, w, None, 0.0), {})  # zero renormalizes too
+    assert not readonly.pure(embedding, kinds, (idx, w), {"max_norm": 1.0})
+    assert readonly.pure(relu, kinds, (w, False), {})
+    assert not readonly.pure(relu, kinds, (w, True), {})
+    assert not readonly.pure(relu, kinds, (w,), {"inplace": True})
+    assert not readonly.pure_alone(embedding)  # their arguments decide
+    assert not readonly.pure_alone(relu)
+    assert readonly.pure_alone(torch.nn.functional.linear)
+    assert not readonly.pure_alone(torch.Tensor.add_)
 
 
 def _under_inference_mode() -> tuple[list[list[float]], str]:

@@ -188,7 +188,7 @@ class _State:
         self.dtype = like.dtype if precision is None else precision.reduce_dtype(like.dtype)
         self.forward = like.dtype if precision is None else precision.forward_dtype(like.dtype)
         self.where, self.leaves, self.flag = slots.where, slots.leaves, slots.flag
-        self.widths = slots.widths
+        self.widths, self.boxes = slots.widths, slots.boxes
         self.held = len(self.where) - (-1 in self.where)  # the boxes that have a slot (empty ones: none; -1: the flag)
         self.kept = _Kept.of(tensors, (self.series, self.dtype, self.device))
         self.round = -1
@@ -200,7 +200,7 @@ class _State:
         self.buffers: list[list[torch.Tensor] | None] = [None] * len(self.plan)
         self.views: dict[int, torch.Tensor] = {}  # each box's view of its bucket, in its block's shape; -1: the flag
         self.cuts: list[dict[int, torch.Tensor] | None] = [None] * len(self.plan)  # those views, bucket by bucket
-        self.missing = [sum(p in self.where for p in bucket.positions) for bucket in self.plan]  # empty boxes: none
+        self.missing = list(self.boxes)  # per bucket, the boxes no gradient reached yet
         self.given: set[int] = set()
         self.empty: set[int] = set()  # the empty boxes that a gradient reached (no range holds them): used all the same
         self.flights: list[Callable[[], tuple[torch.Tensor, ...]]] = []

@@ -300,6 +300,14 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
             continue
         if whole is not None:  # the blocks as they come (across processes, the function's uses are tapped)
             flat, link = whole
+            counts = [len(a.addressable_data) for a in leaves]
+            if flat and all(counts):  # every array holds shards here: made in one loop
+                ends = list(itertools.accumulate(counts, initial=0))
+                parts = (tuple(flat[i:j]) for i, j in itertools.pairwise(ends))
+                made = ShardedArray._many((a.layout for a in leaves), parts, backend, flat[0].dtype)  # pyright: ignore[reportPrivateUsage]
+                for k, a in zip(group, made):
+                    out[k] = a
+                continue
         else:
             # What no_sync keys on: the blocks held here; where there are none, the first array's link (the same
             # at every micro-batch, where the tensor that stands for the group may be made afresh: ``_like``).

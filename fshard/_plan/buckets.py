@@ -202,13 +202,15 @@ class Slots:
 
     ``where[-1]`` is the slot of the flag (``flag`` elements: the count, the carried value, the leaves'
     uses); ``leaves[position]`` a shard's leaf; ``widths[bucket][range]`` the elements of each of
-    the range's entries, in order (a split of the range's tensor cuts it into them).
+    the range's entries, in order (a split of the range's tensor cuts it into them); ``boxes[bucket]``
+    the shards that have a slot in it (an empty shard has none).
     """
 
     where: dict[int, tuple[int, int, int]]
     leaves: tuple[int, ...]
     flag: int
     widths: tuple[tuple[tuple[int, ...], ...], ...]
+    boxes: tuple[int, ...]
 
 
 @cached(256)
@@ -232,7 +234,8 @@ def bucket_slots(layouts: tuple[Layout, ...], itemsize: int, cap: int, rank: int
                 at += sizes[-1]
             ranges.append(tuple(sizes))
         widths.append(tuple(ranges))
-    return Slots(where, leaves, width, tuple(widths))
+    boxes = tuple(sum(p in where for p in bucket.positions) for bucket in plan)
+    return Slots(where, leaves, width, tuple(widths), boxes)
 
 
 @cached(256)
