@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["body", "compiled_caller", "hooked", "opaque", "unwrapped", "with_body"]
+__all__ = ["body", "compiled_caller", "opaque", "unwrapped", "with_body"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,15 +80,6 @@ def opaque(fn: F) -> F:
 
     run._torchdynamo_disable = True  # type: ignore[attr-defined]  # TorchDynamo: do not inline, call it
     return run  # type: ignore[return-value]
-
-
-def hooked() -> bool:
-    """Whether TorchDynamo's frame hook is on: a Python call made now may be traced (``opaque`` runs it eagerly).
-
-    >>> hooked()
-    False
-    """
-    return "torch._dynamo" in sys.modules and _frames is not None and _hook() is not None
 
 
 def compiled_caller() -> bool:

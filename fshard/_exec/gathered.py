@@ -47,7 +47,6 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fshard._base.compile import hooked as _hooked
 from fshard._base.compile import opaque
 from fshard._base.function import apply
 from fshard._errors import SpecError
@@ -266,15 +265,6 @@ class _PerShard(TorchFunctionMode):
             # TorchDynamo traces a direct call (a call of func through a helper here, after a graph break,
             # is traced wrongly by torch 2.13).
             return func(*args, **(kwargs or {}))
-        if not kwargs and not _hooked():  # most calls: pure ones, run with one lookup of what they are
-            try:
-                kind = _KINDS[func]
-            except (KeyError, TypeError):  # not seen yet (or a callable that cannot be hashed)
-                kind = _kind(func)
-            if kind and _readonly.plain_types(types):
-                if kind is _SWAP and _grad_enabled():
-                    args = self._swapped(args)
-                return _readonly.call_unchecked(func, args)
         given = args
         if _grad_enabled() and not _gradient_free(func):
             args = self._swapped(args)
@@ -395,20 +385,6 @@ def _gradient_free(func: Any) -> bool:
         and func.__name__ == "__get__"
         and getattr(func.__self__, "__name__", None) in _GRADIENT_FREE_ATTRIBUTES
     )
-
-
-# What a call with no keyword arguments is, per function: not pure (None: the general path), pure with
-# tensors to swap, or pure and free of gradients (attribute reads, sizes: nothing to swap).
-_SWAP, _FREE = 1, 2
-_KINDS: dict[Any, int | None] = {}
-
-
-def _kind(func: Any) -> int | None:
-    """``func``'s entry in ``_KINDS``, kept there."""
-    kind = None if not _readonly.pure_alone(func) else _FREE if _gradient_free(func) else _SWAP
-    with contextlib.suppress(TypeError):  # a callable that cannot be hashed: asked again at each call
-        _KINDS[func] = kind
-    return kind
 
 
 _functorch: Any = getattr(torch._C, "_functorch")  # pyright: ignore[reportPrivateUsage]  # noqa: B009  # torch's functorch bindings, untyped

@@ -13,8 +13,7 @@ gradients are recorded), else ``front``'s. That mode runs the calls that cannot 
 any argument (``pure``) with the dispatch mode set aside (``unchecked``): a fixed list of
 torch's functions and tensor methods whose aten ops write into no argument (``_PURE``), a
 few functionals that write only when asked to, by name or by position (``F.relu(t, inplace=True)``,
-``F.embedding(..., max_norm=1)``: ``_PURE_UNLESS``), and attribute reads. For a call without
-keyword arguments, what its function is comes from one lookup (``pure_alone``, kept per function). Every other call
+``F.embedding(..., max_norm=1)``: ``_PURE_UNLESS``), and attribute reads. Every other call
 (one given ``out=``, an in-place method, a tensor subclass's), and all code the
 torch-function mode does not see (a storage's methods, ``Tensor.set_``, TorchScript, a
 custom autograd Function's own ``apply``), runs under the dispatch mode, so a write into an
@@ -43,24 +42,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fshard._base.compile import hooked, opaque
+from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = [
-    "IMPURE",
-    "call_if_pure",
-    "call_unchecked",
-    "front",
-    "plain_types",
-    "pure",
-    "pure_alone",
-    "pure_alone_kept",
-    "read_only",
-    "running",
-    "unchecked",
-    "versions",
-    "wrote_into",
-]
+__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "running", "unchecked", "versions", "wrote_into"]
 
 T = TypeVar("T")
 
@@ -191,7 +176,11 @@ _PLAIN = frozenset(_PLAIN_TYPES)
 
 def pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> bool:
     """Whether the call ``func(*args, **kwargs)`` (its arguments of types ``kinds``) writes into no argument."""
-    if not plain_types(kinds) or "out" in kwargs:  # a subclass's own handler: not ours to judge
+    try:
+        plain = _PLAIN.issuperset(kinds)
+    except TypeError:  # a type that cannot be hashed (its metaclass's doing): compared one by one
+        plain = all(k in _PLAIN_TYPES for k in kinds)
+    if not plain or "out" in kwargs:  # a subclass's own handler: not ours to judge
         return False
     if func in _PURE:
         return True
@@ -201,39 +190,6 @@ def pure(func: Any, kinds: Any, args: Any, kwargs: Any) -> bool:
         asked = args[position] if len(args) > position else kwargs.get(name)
         return asked is None or asked is False  # max_norm=0.0 renormalizes too
     return isinstance(func, types.MethodWrapperType) and func.__name__ == "__get__"  # an attribute read
-
-
-def pure_alone(func: Any) -> bool:
-    """Whether every call of ``func`` with plain tensors and no keyword arguments writes into no argument (``pure``).
-
-    A fact of ``func`` alone, which a caller may keep per function: ``_PURE_UNLESS``'s are not
-    such (their arguments decide).
-    """
-    return func not in _PURE_UNLESS and pure(func, (), (), {})
-
-
-def plain_types(kinds: Any) -> bool:
-    """Whether the types of a call's arguments (a torch-function mode's ``types``) are plain tensors only."""
-    try:
-        return _PLAIN.issuperset(kinds)
-    except TypeError:  # a type that cannot be hashed (its metaclass's doing): compared one by one
-        return all(k in _PLAIN_TYPES for k in kinds)
-
-
-def call_unchecked(func: Callable[..., T], args: Any) -> T:
-    """``func(*args)`` with the in-place check set aside where it is the innermost mode (``unchecked``, eagerly).
-
-    For a torch-function mode's calls that are ``pure``, made where TorchDynamo neither traces nor
-    has its frame hook on (``compile.hooked``).
-    """
-    depth = _depth()
-    if not depth or type(_mode_at(depth - 1)) is not _ReadOnly:
-        return func(*args)
-    mode = _pop(None)
-    try:
-        return func(*args)
-    finally:
-        _push(mode)
 
 
 @opaque  # TorchDynamo traces a call made through here wrongly after a graph break (torch 2.13): run it eagerly
@@ -318,26 +274,8 @@ class _Front(TorchFunctionMode):
         # TorchDynamo traces a direct call (through a helper, after a graph break, torch 2.13 traces it wrongly).
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        if not kwargs and not hooked():  # most calls: one lookup says the function is pure
-            try:
-                known = _ALONE[func]
-            except (KeyError, TypeError):  # not seen yet (or a callable that cannot be hashed)
-                known = pure_alone_kept(func)
-            if known and plain_types(types):
-                return call_unchecked(func, args)
         out = call_if_pure(func, types, args, kwargs)
         return func(*args, **kwargs) if out is IMPURE else out
-
-
-_ALONE: dict[Any, bool] = {}  # pure_alone per function called (a few hundred at most)
-
-
-def pure_alone_kept(func: Any) -> bool:
-    """``pure_alone(func)``, kept for the next call's lookup in ``_ALONE``."""
-    alone = pure_alone(func)
-    with contextlib.suppress(TypeError):  # a callable that cannot be hashed: asked again at each call
-        _ALONE[func] = alone
-    return alone
 
 
 def _unchecked(fn: Callable[..., T], args: Any, kwargs: Any) -> T:
