@@ -244,8 +244,48 @@ def _array_made_inside_a_body(kind: str) -> str:
 def test_an_array_made_of_a_block_inside_fn_is_refused_on_both_backends(dist_pool, kind):
     local = _array_made_inside_a_body(kind)
     what = "map_local()" if kind == "map_local" else "shard_map()"
-    assert local.startswith(f"shard() was called inside {what}'s fn, which runs once per placement")
+    called = "shard_map" if kind == "shard_map of the block" else "shard"
+    assert local.startswith(f"{called}() was called inside {what}'s fn, which runs once per placement")
     assert dist_pool.run(_array_made_inside_a_body, kind, timeout=60) == [local] * 4
+
+
+def _array_function_of_a_closed_over_array_inside_fn(kind: str) -> tuple[str, list[list[float]]]:
+    """A body that moves a closed-over array that records a gradient: refused; moved before the call, it sums.
+
+    Returns the refusal's first words, and each shard's gradient (this process's) when the
+    array is gathered before the call and the tensor closed over.
+    """
+    ranks = [0, 1, 2, 3]
+    rows = fshard.Chunk(0, ranks)
+    x = torch.arange(16.0, dtype=torch.float64).reshape(4, 4)
+    w = fshard.map_local(
+        lambda t: t.detach().requires_grad_(), fshard.shard(torch.arange(4.0, dtype=torch.float64), rows)
+    )
+    fns = {
+        "gather": lambda a: a * fshard.gather(w),
+        "reshard": lambda a: a * fshard.reshard(w, fshard.Replicated(ranks)).addressable_data[0],
+        "map_local": lambda a: a * fshard.gather(fshard.map_local(torch.neg, w)),
+        "an operator": lambda a: a * fshard.gather(w * 2),
+        "global_norm": lambda a: a * fshard.global_norm(w),
+    }
+    try:
+        fshard.shard_map(fns[kind], in_specs=rows, out_specs=rows)(x)
+        refused = "no error"
+    except fshard.SpecError as e:
+        refused = str(e).split(",")[0]
+    whole = fshard.gather(w)
+    fshard.gather(fshard.shard_map(lambda a: a * whole, in_specs=rows, out_specs=rows)(x)).sum().backward()
+    return refused, [t.grad.tolist() for t in w.addressable_data]
+
+
+@pytest.mark.parametrize("kind", ["gather", "reshard", "map_local", "an operator", "global_norm"])
+def test_a_function_of_a_closed_over_array_inside_fn_is_refused_on_both_backends(dist_pool, kind):
+    """Across processes it ran once per rank, in one process once per placement: the gradients differed."""
+    doing = "* of an array was applied" if kind == "an operator" else f"{kind}() was called"
+    local = _array_function_of_a_closed_over_array_inside_fn(kind)
+    assert local == (f"{doing} inside shard_map()'s fn", [[24.0], [28.0], [32.0], [36.0]])
+    got = dist_pool.run(_array_function_of_a_closed_over_array_inside_fn, kind, timeout=60)
+    assert got == [(local[0], [g]) for g in local[1]]
 
 
 def _closure_without_gradient(use: str, backend=None) -> list:
@@ -592,3 +632,38 @@ def test_a_fullgraph_body_that_records_a_gradient_is_refused_across_processes_wi
     for message, total in dist_pool.run(_compiled_body, True, False, timeout=180):
         assert message == "no error"
         assert total == pytest.approx(float((torch.tanh(x) * 2).sum()), rel=1e-12)
+
+
+def _random_draws_in_bodies() -> tuple[list[list[float]], list[list[float]], list[list[float]], list[float]]:
+    """Dropout in a shard_map body, in map_local's (two blocks on rank 0), and in apply_module; then a draw after.
+
+    Across processes each rank draws from its own generator, where the call found it; in one
+    process each rank's bodies do too, so the masks are alike on both backends.
+    """
+    ranks = [0, 1, 2, 3]
+    x = torch.arange(1.0, 41.0).reshape(8, 5)
+    torch.manual_seed(5)
+    rows = fshard.Chunk(0, ranks)
+    dropped = fshard.shard_map(lambda b: torch.nn.functional.dropout(b, 0.5), in_specs=rows, out_specs=rows)(x)
+    blocks = fshard.shard(x, fshard.Chunk(0, [0, 0, 1, 2]))  # rank 0 holds two blocks: drawn one after the other
+    mapped = fshard.map_local(lambda b: torch.nn.functional.dropout(b, 0.5), blocks)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Dropout(0.5))
+    params, buffers = fshard.shard_module(model, fshard.replicated(ranks))
+    torch.manual_seed(7)
+    out, _ = fshard.apply_module(model, params, buffers, fshard.shard(x, rows))
+    return (
+        fshard.gather(dropped).tolist(),
+        fshard.gather(mapped).tolist(),
+        fshard.gather(out).detach().tolist(),
+        torch.rand(3).tolist(),
+    )
+
+
+def test_random_draws_in_bodies_are_alike_in_one_process_and_across_processes(dist_pool):
+    local = _random_draws_in_bodies()
+    assert dist_pool.run(_random_draws_in_bodies, timeout=60) == [local] * 4
+    dropped = torch.tensor(local[0])
+    kept = dropped != 0
+    assert torch.equal(kept[0:2], kept[2:4])  # every rank's mask the same: drawn from where the call found it
+    assert 0 < int(kept.sum()) < kept.numel()

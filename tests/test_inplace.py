@@ -397,8 +397,8 @@ def test_writes_the_per_shard_mode_does_not_see_are_refused_before_they_run(dist
     assert dist_pool.run(_unseen, name, True, timeout=60) == [(True, True)] * 4
 
 
-def test_a_body_in_threads_inside_a_per_shard_body_keeps_the_outer_check() -> None:
-    """An inner ``shard_map`` that reduces runs its bodies in threads; the outer call's blocks stay read-only there."""
+def test_a_shard_map_inside_a_per_shard_body_is_refused_before_its_bodies_run() -> None:
+    """An inner ``shard_map`` is refused; the outer call's blocks keep their values."""
     from fshard.backends.local import LocalBackend
 
     R = [0, 1, 2, 3]
@@ -416,7 +416,9 @@ def test_a_body_in_threads_inside_a_per_shard_body_keeps_the_outer_check() -> No
         fshard.shard_map(inner, in_specs=fshard.Chunk(0, R), out_specs=fshard.Chunk(0, R))(ones)
         return ob * 1
 
-    with pytest.raises(SpecError, match="the write was refused before it ran"):
+    with pytest.raises(
+        SpecError, match=r"shard_map\(\) was called inside map_local\(\)'s fn, which runs once per placement"
+    ):
         fshard.map_local(outer, o)
     assert torch.equal(torch.cat([t.detach() for t in o.addressable_data]), torch.arange(8.0).reshape(4, 2))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import optree
@@ -55,6 +55,7 @@ from fshard._exec.agree import (
     untouched,
     with_gradient,
 )
+from fshard._exec.draws import RankDraws
 from fshard._exec.replicas import check_leaves, checking
 from fshard._layout.layout import Layout
 
@@ -109,7 +110,7 @@ def run_per_slot(
             rank_of.update(zip((slot_of[i] for i in held), first.columns.rank[list(held)].tolist()))
         try:
             with untouched(own, what):
-                results = _bodies(fn, calls, context, reducing, first, backend)
+                results = _bodies(fn, calls, context, reducing, first, backend, rank_of)
         finally:  # a tap's bucket belongs to this call: a block that outlives it (returned as it is) keeps none
             _varying.forget_taps(own)
         if len(series) > 1 or usage.closed or regathered:  # the backward runs other collectives between the taps
@@ -243,19 +244,26 @@ def _bodies(
     reducing: Reducing | None,
     layout: Layout,
     backend: Any,
+    rank_of: Mapping[Slot, int],
 ) -> list[tuple[Slot, Any]]:
     """``fn`` on each slot's blocks: one after another, or concurrently where a body reduces in one process.
 
     Each call runs in ``context(slot)`` where one process runs every rank's, one after another
-    (its rank's closed-over tensors counted apart); across processes, or in threads, in ``context(None)``.
+    (its rank's closed-over tensors counted apart, and its random draws its own: ``RankDraws``, by
+    ``rank_of``); across processes, or in threads, in ``context(None)``.
     """
     apart = not backend.spans_processes
     if reducing is None:
         if apart:
             out: list[tuple[Slot, Any]] = []
-            for slot, blocks in calls:
-                with context(slot):
-                    out.append((slot, fn(*blocks)))
+            draws = RankDraws()
+            try:
+                for slot, blocks in calls:
+                    draws.before(rank_of[slot])
+                    with context(slot):
+                        out.append((slot, fn(*blocks)))
+            finally:
+                draws.end()
             return out
         with context(None):
             return [(slot, fn(*blocks)) for slot, blocks in calls]
@@ -268,17 +276,23 @@ def _bodies(
     # make, so the bodies take turns in threads from the start, in the order one after another would run them.
     ahead = not reducing.threaded and not _body.under_hooks()
     if backend.spans_processes or ahead or _body.in_transform():
+        draws = RankDraws() if apart else None
         try:
             out = []
             with context(None) if not apart else contextlib.nullcontext():
                 for slot, blocks in calls:
                     here = context(slot) if apart else contextlib.nullcontext()
+                    if draws is not None:
+                        draws.before(rank_of[slot])
                     with here, _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
                         out.append((slot, fn(*blocks)))
         except _body.NeedsThreads:
             reducing.reduced()
         else:
             return out
+        finally:
+            if draws is not None:
+                draws.end()
     if _body.in_transform():
         msg = "psum() cannot run under a torch.func transform (grad, vmap, jvp); use loss.backward() instead."
         raise SpecError(msg)

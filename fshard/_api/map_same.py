@@ -30,6 +30,7 @@ from fshard._exec.agree import (
     untouched,
     with_gradient,
 )
+from fshard._exec.draws import RankDraws
 from fshard._layout.layout import Layout, ShardMeta, with_partial, with_terms
 
 __all__ = ["is_plain", "map_same"]
@@ -60,13 +61,22 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
 
     def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
         blocks = zip(*(a.addressable_data for a in arrays))
-        with untouched(own, "map_local()"):
-            if closed_by_rank is None:
-                with per_shard(backend, usage, first.layout, own):
-                    outs = tuple(fn(*ts) for ts in blocks)
-            else:  # each rank's calls in a context of their own, which notes the closed-over tensors they use
-                ranks = first.layout.columns.rank[list(index)].tolist()
-                outs = tuple(called(ts, closed_by_rank.setdefault(r, set())) for r, ts in zip(ranks, blocks))
+        # In one process each rank's calls draw random numbers from a stream of their own, as each process does.
+        draws = None if backend.spans_processes else RankDraws()
+        ranks: list[int] = first.layout.columns.rank[list(index)].tolist() if draws is not None else []
+        try:
+            with untouched(own, "map_local()"):
+                if closed_by_rank is None:
+                    with per_shard(backend, usage, first.layout, own):
+                        outs = tuple(_drawn(draws, ranks, k, fn, *ts) for k, ts in enumerate(blocks))
+                else:  # each rank's calls in a context of their own, which notes the closed-over tensors they use
+                    outs = tuple(
+                        _drawn(draws, ranks, k, called, ts, closed_by_rank.setdefault(r, set()))
+                        for k, (r, ts) in enumerate(zip(ranks, blocks))
+                    )
+        finally:
+            if draws is not None:
+                draws.end()
         return _result_leaves(outs)
 
     def called(blocks: Sequence[torch.Tensor], seen: set[int]) -> Any:
@@ -112,6 +122,13 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     else:  # what processes learn in the backward (a closed-over tensor's sum that some ranks do not join)
         refuse_closed_apart(backend, first.layout, {r: len(ids) for r, ids in closed_by_rank.items()}, "map_local()")
     return results(tree, leaves, metas, set(), ())  # every rank holds blocks: no link
+
+
+def _drawn(draws: RankDraws | None, ranks: Sequence[int], k: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, the ``k``-th call, after ``draws`` has put back its rank's random state (where it counts)."""
+    if draws is not None:
+        draws.before(ranks[k])
+    return fn(*args)
 
 
 def _closes_over_nothing(fn: Callable[..., Any]) -> bool:

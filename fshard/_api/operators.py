@@ -25,6 +25,7 @@ from fshard._api.map_same import is_plain as _is_plain
 from fshard._api.move import split_replicas
 from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
+from fshard._base.calls import refuse_in_block_function
 from fshard._base.compile import compiled_caller, opaque
 from fshard._errors import SpecError
 from fshard._exec import gathered as _varying
@@ -81,6 +82,7 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
     fn, symbol, rule = _BINARY[name]
 
     def method(self: ShardedArray, other: Any) -> Any:
+        refuse_in_block_function(f"{symbol} of an array was applied")
         left, right = (other, self) if reflected else (self, other)
         if isinstance(other, ShardedArray):
             if with_partial(self.layout, None) != with_partial(other.layout, None):
@@ -156,6 +158,7 @@ _BLOCK_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 def _neg(self: ShardedArray) -> ShardedArray:
     """Unary minus, shard by shard (linear, so a pending sum stays one)."""
+    refuse_in_block_function("unary - of an array was applied")
     if self.layout.partial not in (None, "sum"):
         raise _refuse("unary -", self)
     operand = self if self.layout.partial is None else split_replicas(self)
@@ -209,6 +212,7 @@ def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keep
     (torch.int64, 2)
     """
     layout = self.layout
+    refuse_in_block_function("sum() of an array was called")
     if layout.partial not in (None, "sum"):
         raise _refuse("sum()", self)
     dims = _dims(dim, layout.ndim)

@@ -16,7 +16,6 @@ from fshard._base.cache import cached
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 from fshard._exec import autograd as _autograd
-from fshard._exec import readonly as _readonly
 from fshard._exec.collective import collective
 from fshard._exec.fused import move_tree
 from fshard._exec.replicas import check_global, checking
@@ -199,7 +198,6 @@ def shard(tensor: Any, spec: Any, *, src: int | None = None, backend: Backend | 
     >>> [s.data.shape for s in tree["w"].addressable_shards], tree["scale"]
     ([torch.Size([2, 2]), torch.Size([2, 2])], None)
     """
-    _refuse_in_block_function()
     if is_sharded_tensor(tensor) and src is None:  # already sharded: converted, then resharded
         return shard_sharded_tensor(tensor, spec, src=src, backend=backend)
     backend = resolve_backend(backend)
@@ -440,21 +438,3 @@ def _send_tree(tree: _Tree, spec: Any, src: int, backend: Backend) -> Any:
             copies = tuple(torch.clone(t, memory_format=torch.contiguous_format) for t in a.addressable_data)
             moved[k] = ShardedArray(a.layout, copies, backend)
     return optree.tree_unflatten(tree.treedef, moved)
-
-
-def _refuse_in_block_function() -> None:
-    """Refuses a call from inside a per-block function: its tensors are one placement's, not global values.
-
-    In one process each placement's call would shard its own block as a whole array; across
-    processes each rank would take its own different block for the same array. Neither is
-    the other, so both backends refuse alike.
-    """
-    what = _readonly.running()
-    if what is not None:
-        msg = (
-            f"shard() was called inside {what}'s fn, which runs once per placement on that placement's blocks: "
-            "a tensor there is not one global value that every rank holds (each rank would shard its own block "
-            "as the same array). Make the array outside fn and pass it in (shard_map takes arrays as they are), "
-            "or reduce across placements inside fn with fshard.psum."
-        )
-        raise SpecError(msg)

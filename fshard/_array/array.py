@@ -11,6 +11,7 @@ import optree.registry
 import torch
 import torch.utils._pytree as torch_pytree
 
+from fshard._base.calls import refuse_in_block_function
 from fshard._base.compile import opaque
 from fshard._errors import LayoutError
 from fshard._layout.batch import batched_layout
@@ -258,6 +259,7 @@ class ShardedArray:
     @opaque  # builds ShardMetas from the layout's columns
     def addressable_shards(self) -> tuple[Shard, ...]:
         """The shards held by this process: all of them (local) or this rank's (torch_dist)."""
+        refuse_in_block_function("the addressable_shards of an array were read")
         idx = self._backend.addressable(self._layout)
         # Layout._shard is fshard-internal: it makes one ShardMeta without making the others.
         return tuple(Shard(self._layout._shard(i), t) for i, t in zip(idx, self._data))  # pyright: ignore[reportPrivateUsage]
@@ -265,6 +267,7 @@ class ShardedArray:
     @property
     def addressable_data(self) -> tuple[torch.Tensor, ...]:
         """The tensors of ``addressable_shards``."""
+        refuse_in_block_function("the addressable_data of an array were read")
         return self._data
 
     @opaque
@@ -290,6 +293,7 @@ class ShardedArray:
         Raises:
             NotImplementedError: "Only single local shard is supported." otherwise.
         """
+        refuse_in_block_function("local_tensor() of an array was called")
         if len(self._data) != 1:
             msg = f"Only single local shard is supported. This process holds {len(self._data)}; use addressable_shards."
             raise NotImplementedError(msg)

@@ -12,9 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from typing import Any
 
-__all__ = ["RECORD_ALIKE", "call_name", "calling", "recording_leaves", "records_gradient", "set_records_gradient"]
+import torch
+
+from fshard._errors import SpecError
+
+__all__ = [
+    "RECORD_ALIKE",
+    "block_function",
+    "refuse_in_block_function",
+    "call_name",
+    "calling",
+    "recording_leaves",
+    "records_gradient",
+    "set_records_gradient",
+]
 
 # What to do where ranks differ in recording a gradient through a movement (every backend says it alike).
 RECORD_ALIKE = (
@@ -32,6 +46,51 @@ def _stack() -> list[str]:
     if stack is None:
         stack = _LOCAL.stack = []
     return stack
+
+
+# torch's stack of dispatch modes (the C functions behind torch.utils._python_dispatch's helpers).
+_depth: Callable[[], int] = torch._C._len_torch_dispatch_stack  # pyright: ignore[reportPrivateUsage]
+_mode_at: Callable[[int], Any] = torch._C._get_dispatch_stack_at  # pyright: ignore[reportPrivateUsage]
+
+
+def block_function() -> str | None:
+    """The name of the per-block function (``map_local()``, ``shard_map()``) whose ``fn`` runs on this thread, if any.
+
+    While ``fn`` runs, its in-place check is on torch's dispatch stack and carries that name in
+    ``block_function`` (``fshard._exec.readonly``). The stack's depth is read first: most calls
+    run with no mode on it.
+    """
+    for i in range(_depth()):
+        what: str | None = getattr(_mode_at(i), "block_function", None)
+        if what is not None:
+            return what
+    return None
+
+
+def refuse_in_block_function(doing: str) -> None:
+    """Raises ``SpecError`` where a per-block function's ``fn`` runs on this thread: ``doing`` is of arrays.
+
+    ``fn`` runs once per placement, on tensors that are that placement's: in one process once
+    for each placement, across processes once on each rank. A function of arrays called there
+    (a movement, a computation, a read of an array's blocks) would run a different number of
+    times on each backend, or read every rank's blocks in one process and this rank's across
+    processes, and the gradients of what it returns would be counted differently on each.
+    ``doing``: what was done, as ``"gather() was called"``.
+    """
+    if torch.compiler.is_compiling() or not _depth():  # (TorchDynamo enters no check while it traces)
+        return
+    what = block_function()
+    if what is not None:
+        msg = (
+            f"{doing} inside {what}'s fn, which runs once per placement on that placement's blocks: in one process "
+            "once for each placement, across processes once on each rank. A function of arrays there would run a "
+            "different number of times on each backend, on tensors that are one placement's, not global values "
+            "(each rank would take its own block for the same array), and the gradient of what it returns would "
+            f"be counted differently on each. Call it before {what} and pass its arrays in with their specs (fn "
+            "gets each placement's blocks), or close over what it returns (a gathered tensor used inside fn gets "
+            "the sum of every placement's gradient); reduce across placements inside fn with fshard.psum."
+        )
+        raise SpecError(msg)
 
 
 def call_name() -> str | None:

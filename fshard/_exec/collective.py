@@ -30,7 +30,7 @@ import torch
 
 from fshard import _config
 from fshard._array.array import ShardedArray
-from fshard._base.calls import call_name, calling
+from fshard._base.calls import call_name, calling, refuse_in_block_function
 from fshard._base.compile import opaque
 from fshard._layout.layout import Layout
 from fshard._layout.show import describe_layout
@@ -53,8 +53,11 @@ def collective(name: str, local: tuple[str, ...] = ()) -> Callable[[F], F]:
         # collective function at every call of it, and apply_module calls shard_map each time).
         signature = functools.cache(functools.partial(inspect.signature, fn))
 
+        public = name.partition("[")[0]  # shard_map[fn]: shard_map
+
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
+            refuse_in_block_function(f"{public}() was called")
             if not _config._current.check_collectives or call_name() is not None:  # pyright: ignore[reportPrivateUsage]  # one attribute read, not a call
                 return fn(*args, **kwargs)
             backend = _backend_of(args, kwargs)

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fshard._base.compile import opaque
 from fshard._errors import SpecError
 
-__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "running", "unchecked", "versions", "wrote_into"]
+__all__ = ["IMPURE", "call_if_pure", "front", "pure", "read_only", "unchecked", "versions", "wrote_into"]
 
 T = TypeVar("T")
 
@@ -87,6 +87,7 @@ class _ReadOnly(TorchDispatchMode):
         super().__init__()  # pyright: ignore[reportUnknownMemberType]  # torch leaves its argument untyped
         self.storages = storages
         self.what = what
+        self.block_function = what  # what fshard._base.calls.block_function reads: fn of this call runs
         self.blocks = blocks  # the input tensors themselves, by id (alive while the function runs)
 
     @classmethod
@@ -331,15 +332,6 @@ def versions(tensors: Iterable[torch.Tensor]) -> list[int]:
         return [t._version for t in tensors]
     except RuntimeError:  # "Inference tensors do not track version counter"
         return [-1 if t.is_inference() else t._version for t in tensors]
-
-
-def running() -> str | None:
-    """The ``what`` of the per-block function running on this thread (its check on the stack), else ``None``."""
-    for i in range(_depth()):
-        mode = _mode_at(i)
-        if type(mode) is _ReadOnly:
-            return mode.what
-    return None
 
 
 @opaque  # where TorchDynamo runs map_local's frame eagerly, it would still trace this call
