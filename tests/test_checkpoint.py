@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import collections
+import enum
 import json
 import os
 import re
 import threading
 import time
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -384,6 +387,51 @@ def test_unsavable_trees_are_refused_before_writing(tmp_path, tree, error, messa
     with pytest.raises(error, match=message):
         fshard.save(tmp_path / "ck", tree)
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_nested_tensor_is_refused_before_writing(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"Tensor at \['n'\] is a nested tensor; checkpoints take dense tensors"):
+        fshard.save(tmp_path / "ck", {"n": nested})
+    with pytest.raises(TypeError, match=r"tensor at 'n' that is a nested tensor; checkpoints take dense tensors"):
+        fshard.save_safetensors(tmp_path / "hf", {"n": nested})
+    assert list(tmp_path.iterdir()) == []
+
+
+class _Mode(enum.IntEnum):
+    A = 3
+
+
+class _Name(str, enum.Enum):
+    X = "x"
+
+
+class _Loud(str):
+    def __str__(self) -> str:
+        return "LOUD"
+
+
+def test_a_subclass_of_a_scalar_type_is_saved_as_its_plain_value(tmp_path):
+    """numpy.float64 (a float), an IntEnum member, a str enum: saved and loaded as float, int, str, exactly."""
+    root = tmp_path / "ck"
+    fshard.save(root, {"lr": 0.1})
+    tree = {"lr": np.float64(0.05), "mode": _Mode.A, "name": _Name.X, "loud": _Loud("quiet"), "big": np.float64(1e300)}
+    fshard.save(root, tree)  # over a good checkpoint: the new one loads
+    out = fshard.load(root)
+    assert out == {"lr": 0.05, "mode": 3, "name": "x", "loud": "quiet", "big": 1e300}
+    assert [type(v) for v in out.values()] == [float, int, str, str, float]
+    assert fshard.checkpoint_info(root)  # the index reads as any other
+    with pytest.raises(TypeError, match=r"int64 at \['step'\] cannot be saved"):
+        fshard.save(root, {"step": np.int64(7)})  # not an int: refused before writing
+    assert fshard.load(root) == out
+
+
+def test_the_index_file_itself_is_refused_naming_its_folder(saved):
+    root, _ = saved
+    with pytest.raises(fshard.CheckpointError, match=r"is the index of the checkpoint in .*: pass that folder"):
+        fshard.load(root / "index.json")
 
 
 def test_load_takes_like_or_specs_not_both(saved):

@@ -179,6 +179,9 @@ def test_nothing_is_allocated_from_an_unchecked_header_length(tmp_path: Path) ->
 # -- folders: the index is untrusted input too ------------------------------------------------------
 
 
+SHARD = "model-00001-of-00001.safetensors"  # a sharded save's file: model.safetensors would be read alone
+
+
 def _index(folder: Path, weight_map: Any, **extra: Any) -> None:
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map, **extra})
@@ -188,16 +191,16 @@ def _index(folder: Path, weight_map: Any, **extra: Any) -> None:
 INDEX_CASES: list[tuple[str, Any, str]] = [
     (
         "parent-path",
-        {"w": "../model.safetensors", "b": "model.safetensors"},
-        "puts tensor 'w' in '../model.safetensors', which is not the plain name",
+        {"w": f"../{SHARD}", "b": SHARD},
+        f"puts tensor 'w' in '../{SHARD}', which is not the plain name",
     ),
     (
         "absolute-path",
-        {"w": "/etc/model.safetensors", "b": "model.safetensors"},
-        "puts tensor 'w' in '/etc/model.safetensors'",
+        {"w": f"/etc/{SHARD}", "b": SHARD},
+        f"puts tensor 'w' in '/etc/{SHARD}'",
     ),
-    ("not-safetensors", {"w": "model.bin", "b": "model.safetensors"}, "puts tensor 'w' in 'model.bin'"),
-    ("tensor-not-in-file", {"w": "model.safetensors", "x": "model.safetensors"}, "puts tensor 'x' in "),
+    ("not-safetensors", {"w": "model.bin", "b": SHARD}, "puts tensor 'w' in 'model.bin'"),
+    ("tensor-not-in-file", {"w": SHARD, "x": SHARD}, "puts tensor 'x' in "),
     ("missing-file", {"w": "model-2.safetensors"}, "model-2.safetensors: does not exist"),
     ("map-not-object", ["w"], "has no 'weight_map' object"),
     ("map-values-not-str", {"w": 3}, "has no 'weight_map' object"),
@@ -206,14 +209,14 @@ INDEX_CASES: list[tuple[str, Any, str]] = [
 
 @pytest.mark.parametrize(("weight_map", "phrase"), [c[1:] for c in INDEX_CASES], ids=[c[0] for c in INDEX_CASES])
 def test_a_lying_index_raises(tmp_path: Path, weight_map: Any, phrase: str) -> None:
-    _write(tmp_path / "model.safetensors")
+    _write(tmp_path / SHARD)
     _index(tmp_path, weight_map)
     with pytest.raises(fshard.CheckpointError, match=re.escape(phrase)):
         fshard.load(tmp_path, specs=SPEC)
 
 
 def test_an_index_that_is_not_json_raises(tmp_path: Path) -> None:
-    _write(tmp_path / "model.safetensors")
+    _write(tmp_path / SHARD)
     (tmp_path / "model.safetensors.index.json").write_text("{weight_map")
     with pytest.raises(
         fshard.CheckpointError, match=re.escape(f"{tmp_path / 'model.safetensors.index.json'} is not valid JSON")
@@ -225,8 +228,8 @@ def test_an_oversized_index_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     from fshard._checkpoint import _hf_files
 
     monkeypatch.setattr(_hf_files, "MAX_HEADER", 16)
-    _write(tmp_path / "model.safetensors")
-    _index(tmp_path, {"w": "model.safetensors", "b": "model.safetensors"})
+    _write(tmp_path / SHARD)
+    _index(tmp_path, {"w": SHARD, "b": SHARD})
     with pytest.raises(fshard.CheckpointError, match="is over 16 bytes: it is no index that fshard reads"):
         fshard.load(tmp_path, specs=SPEC)
 

@@ -73,6 +73,42 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     return model, folder
 
 
+def _state(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("how", ["save_pretrained", "save_file"])
+def test_a_folder_with_model_safetensors_beside_an_index_reads_as_transformers_does(
+    llama: tuple[Any, Path], tmp_path: Path, how: str
+) -> None:
+    """A sharded save, then a newer one as one file: transformers reads model.safetensors first, and so does fshard.
+
+    ``save_pretrained`` in one file leaves the older save's index behind (its shard files removed);
+    ``save_file`` leaves the older shards too.
+    """
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    _, sharded = llama
+    folder = tmp_path / "hf"
+    shutil.copytree(sharded, folder)
+    torch.manual_seed(1)
+    newer = LlamaForCausalLM(_config()).eval()
+    if how == "save_pretrained":
+        newer.save_pretrained(folder)
+    else:
+        save_file({k: v.contiguous() for k, v in newer.state_dict().items()}, folder / "model.safetensors")
+    assert (folder / "model.safetensors").is_file()
+    assert (folder / "model.safetensors.index.json").is_file()
+    theirs = _state(LlamaForCausalLM.from_pretrained(folder))
+    ours = fshard.load(folder)
+    assert set(ours) <= set(theirs)
+    assert all(torch.equal(t, theirs[name]) for name, t in ours.items())
+    assert torch.equal(ours["model.embed_tokens.weight"], newer.state_dict()["model.embed_tokens.weight"])
+
+
 IDS = torch.tensor([[1, 5, 9, 33, 2, 127, 64], [0, 3, 3, 8, 100, 12, 7]])
 
 

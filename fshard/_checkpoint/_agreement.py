@@ -23,7 +23,7 @@ import torch
 
 from fshard._array.array import ShardedArray
 from fshard._base.records import record
-from fshard._checkpoint._format import CODES, DTYPES, SCALARS, hashing, sha256
+from fshard._checkpoint._format import CODES, DTYPES, NESTED, SCALARS, hashing, sha256
 from fshard._errors import CheckpointError, SpecError
 from fshard.backends import Backend
 
@@ -59,6 +59,8 @@ def _check_leaf(path: str, leaf: Any) -> None:
         dtype = leaf.dtype
         if leaf.layout != torch.strided:
             raise TypeError(f"Tensor at {where} has layout {leaf.layout}; checkpoints take strided tensors.")
+        if leaf.is_nested:
+            raise TypeError(f"Tensor at {where} is a nested tensor; {NESTED}")
     elif isinstance(leaf, torch.Tensor):
         msg = (
             f"{type(leaf).__name__} at {where} is a tensor subclass; convert it to a ShardedArray first "

@@ -8,9 +8,10 @@ from fshard._checkpoint._dcp_meta import METADATA
 from fshard._checkpoint._format import INDEX
 from fshard._errors import CheckpointError
 
-__all__ = ["HF_INDEX", "checkpoint_kind"]
+__all__ = ["HF_INDEX", "HF_SINGLE", "checkpoint_kind"]
 
 HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"  # a folder's one file, read before an index (as transformers does)
 
 
 def checkpoint_kind(root: Path) -> str:
@@ -29,6 +30,12 @@ def checkpoint_kind(root: Path) -> str:
     """
     try:
         if root.is_file():
+            if root.name in (INDEX, HF_INDEX, METADATA):
+                msg = (
+                    f"Checkpoint path {root} is the index of the checkpoint in {root.parent}, not a checkpoint: "
+                    f"pass that folder, fshard.load({str(root.parent)!r})."
+                )
+                raise CheckpointError(msg)
             return "hf-file"
         if not root.is_dir() or (root / INDEX).exists():
             return "fshard"

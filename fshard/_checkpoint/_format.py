@@ -68,6 +68,24 @@ DTYPES = {str(d).removeprefix("torch."): d for d in CODES}
 
 
 SCALARS = (bool, int, float, str, type(None))
+# What a nested tensor (ragged rows) is told: checkpoints hold dense boxes.
+NESTED = "checkpoints take dense tensors: pad it first (x.to_padded_tensor(0)) or save its components (x.unbind())."
+
+
+def plain_scalar(leaf: bool | int | float | str | None) -> tuple[type, bool | int | float | str | None]:
+    """The plain type of a scalar leaf (``SCALARS``) and its value as that type.
+
+    A subclass (``numpy.float64``, an ``IntEnum`` member, a ``str`` enum) is saved as the value
+    of its plain type, which is what ``load`` gives back: its own methods are not asked
+    (``int.__int__``, not the subclass's ``__int__``), so the value is exactly the one it holds.
+    """
+    if leaf is None or type(leaf) in SCALARS:
+        return type(leaf), leaf
+    if isinstance(leaf, int):  # bool has no subclasses: an int subclass
+        return int, int.__int__(leaf)
+    if isinstance(leaf, float):
+        return float, float.__float__(leaf)
+    return str, str.__add__("", leaf)
 
 
 def file_name(rank: int) -> str:

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from fshard._checkpoint._detect import HF_INDEX
+from fshard._checkpoint._detect import HF_INDEX, HF_SINGLE
 from fshard._checkpoint._safetensors import MAX_HEADER, Entry, Header, read_header
 from fshard._errors import CheckpointError
 
@@ -46,6 +46,9 @@ def catalog(root: Path, kind: str) -> dict[str, Source]:
     """
     if kind == "hf-file":
         return _from_headers([read_header(root)])
+    single = root / HF_SINGLE
+    if single.is_file():  # first, as transformers' from_pretrained reads a folder (an index beside it: an older save's)
+        return _from_headers([read_header(single)])
     index = root / HF_INDEX
     if index.exists():
         return _from_index(root, index)

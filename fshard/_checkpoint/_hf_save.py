@@ -15,7 +15,7 @@ import torch
 from fshard._array.array import ShardedArray
 from fshard._checkpoint._agreement import check_same, prepare
 from fshard._checkpoint._collective import agree, agree_on
-from fshard._checkpoint._format import checkpoint_path
+from fshard._checkpoint._format import NESTED, checkpoint_path
 from fshard._checkpoint._hf_commit import check_target, commit, discard, stage_for, writing
 from fshard._checkpoint._hf_direct import create_files, write_boxes
 from fshard._checkpoint._hf_write import METADATA_KEY, file_names, parse_size, shard_files, write_order
@@ -101,6 +101,8 @@ def _flatten(tree: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
         name = f"{prefix}.{key}" if prefix else key
         if isinstance(value, Mapping):
             _flatten(value, name, out)
+        elif isinstance(value, torch.Tensor) and value.is_nested:
+            raise TypeError(f"save_safetensors() tree holds a tensor at {name!r} that is a nested tensor; {NESTED}")
         elif isinstance(value, (ShardedArray, torch.Tensor)):
             out.append((name, value))
         else:

@@ -14,7 +14,7 @@ import torch
 from fshard._array.array import ShardedArray
 from fshard._checkpoint._agreement import check_same, prepare
 from fshard._checkpoint._collective import agree, agree_on
-from fshard._checkpoint._format import FORMAT, INDEX, VERSION, check_flag, checkpoint_path, index_digest
+from fshard._checkpoint._format import FORMAT, INDEX, VERSION, check_flag, checkpoint_path, index_digest, plain_scalar
 from fshard._checkpoint._lock import save_lock
 from fshard._checkpoint._tree import flatten
 from fshard._checkpoint._write import Box, assign, check_root, commit, committed, write_files
@@ -158,8 +158,8 @@ def index_record(
 
 def _leaf_record(path: str, leaf: Any, boxes: Sequence[Box], hashes: dict[str, str]) -> dict[str, Any]:
     if not isinstance(leaf, (ShardedArray, torch.Tensor)):
-        value = repr(leaf) if isinstance(leaf, float) else leaf
-        return {"path": path, "kind": "scalar", "type": type(leaf).__name__, "value": value}
+        kind, value = plain_scalar(leaf)
+        return {"path": path, "kind": "scalar", "type": kind.__name__, "value": repr(value) if kind is float else value}
     record: dict[str, Any] = {
         "path": path,
         "kind": "array" if isinstance(leaf, ShardedArray) else "tensor",
