@@ -823,6 +823,19 @@ def test_the_structure_sees_a_tensor_replaced_under_the_same_name_and_a_new_buff
     assert "0.scale" in structure(model).buffers
 
 
+def test_a_parameter_whose_data_takes_another_shape_is_seen_by_the_next_apply() -> None:
+    """Pruning a layer in place (``.data`` of another shape, the same Parameter): its new arrays are applied."""
+    ranks = [0, 1]
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    lin = torch.nn.Linear(4, 4)
+    fshard.shard_module(lin, fshard.replicated(ranks))  # reads the structure: weight (4, 4)
+    lin.weight.data, lin.bias.data = lin.weight.data[:3].clone(), lin.bias.data[:3].clone()
+    params, buffers = fshard.shard_module(lin, fshard.replicated(ranks))
+    out, _ = fshard.apply_module(lin, params, buffers, fshard.shard(x, fshard.Chunk(0, ranks)))
+    torch.testing.assert_close(fshard.gather(out), lin(x))
+    assert tuple(out.shape) == (6, 3)
+
+
 def test_the_clone_copies_each_submodule_as_copy_copy_does() -> None:
     """Each submodule of the clone holds what ``copy.copy`` would give it, less what the clone replaces."""
     from fshard._api.module_clone import functional_clone

@@ -71,7 +71,10 @@ def structure(module: torch.nn.Module) -> Structure:
 
 
 def _fingerprint(module: torch.nn.Module) -> tuple[Any, ...]:
-    """Every submodule's mode, and the names and identities of what it holds: all that ``_read`` reads.
+    """Every submodule's mode, and the names, identities and shapes of what it holds: all that ``_read`` reads.
+
+    A shape, since a tensor's ``.data`` may be replaced by one of another shape (a layer pruned
+    in place) while the tensor stays the same object.
 
     Made at every ``apply_module`` call, so in one loop over the submodules (as ``modules()``
     yields them, without its generator and names), each dict read in C.
@@ -88,12 +91,16 @@ def _fingerprint(module: torch.nn.Module) -> tuple[Any, ...]:
         params, buffers, children = state["_parameters"], state["_buffers"], state["_modules"]
         out += (
             id(sub), sub.training, tuple(state["_non_persistent_buffers_set"]),
-            tuple(params), tuple(map(id, params.values())),
-            tuple(buffers), tuple(map(id, buffers.values())),
+            tuple(params), tuple(map(id, params.values())), tuple(map(_shape, params.values())),
+            tuple(buffers), tuple(map(id, buffers.values())), tuple(map(_shape, buffers.values())),
             tuple(children), tuple(map(id, children.values())),
         )  # fmt: skip
         todo += [m for m in reversed(children.values()) if m is not None]
     return tuple(out)
+
+
+def _shape(t: torch.Tensor | None) -> torch.Size | None:
+    return None if t is None else t.shape
 
 
 def _read(module: torch.nn.Module) -> Structure:
