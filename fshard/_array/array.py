@@ -267,7 +267,7 @@ class ShardedArray:
     @property
     def addressable_data(self) -> tuple[torch.Tensor, ...]:
         """The tensors of ``addressable_shards``."""
-        refuse_in_block_function("the addressable_data of an array were read")
+        refuse_in_block_function("the addressable_data of an array was read")
         return self._data
 
     @opaque

@@ -22,11 +22,11 @@ from fshard._errors import SpecError
 __all__ = [
     "RECORD_ALIKE",
     "block_function",
-    "refuse_in_block_function",
     "call_name",
     "calling",
     "recording_leaves",
     "records_gradient",
+    "refuse_in_block_function",
     "set_records_gradient",
 ]
 
