@@ -267,6 +267,7 @@ def _array_function_of_a_closed_over_array_inside_fn(kind: str) -> tuple[str, li
         "map_local": lambda a: a * fshard.gather(fshard.map_local(torch.neg, w)),
         "an operator": lambda a: a * fshard.gather(w * 2),
         "global_norm": lambda a: a * fshard.global_norm(w),
+        "addressable_data": lambda a: a * w.addressable_data[0],  # every rank's in one process, its own across
     }
     try:
         fshard.shard_map(fns[kind], in_specs=rows, out_specs=rows)(x)
@@ -278,10 +279,11 @@ def _array_function_of_a_closed_over_array_inside_fn(kind: str) -> tuple[str, li
     return refused, [t.grad.tolist() for t in w.addressable_data]
 
 
-@pytest.mark.parametrize("kind", ["gather", "reshard", "map_local", "an operator", "global_norm"])
+@pytest.mark.parametrize("kind", ["gather", "reshard", "map_local", "an operator", "global_norm", "addressable_data"])
 def test_a_function_of_a_closed_over_array_inside_fn_is_refused_on_both_backends(dist_pool, kind):
     """Across processes it ran once per rank, in one process once per placement: the gradients differed."""
-    doing = "* of an array was applied" if kind == "an operator" else f"{kind}() was called"
+    said = {"an operator": "* of an array was applied", "addressable_data": "the addressable_data of an array was read"}
+    doing = said.get(kind, f"{kind}() was called")
     local = _array_function_of_a_closed_over_array_inside_fn(kind)
     assert local == (f"{doing} inside shard_map()'s fn", [[24.0], [28.0], [32.0], [36.0]])
     got = dist_pool.run(_array_function_of_a_closed_over_array_inside_fn, kind, timeout=60)
