@@ -349,3 +349,52 @@ def test_inputs_off_the_mesh_are_refused():
         fshard.SpecError, match=re.escape("shard the inputs over the mesh, e.g. fshard.shard(x, rules.rows)")
     ):
         fshard.apply_module(model, params, buffers, tokens, rules=rules)
+
+
+class _ColumnHead(torch.nn.Module):
+    """A hidden layer and an output Linear: planned "colwise", the head's output is each placement's columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 6)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.body(h)))
+
+
+def _column_head_outputs() -> list[str]:
+    """A plan whose colwise output no rowwise Linear sums, per way of reading it: what each first call raised.
+
+    And a right plan: its first call (compared too) and a second one run.
+    """
+    torch.manual_seed(0)
+    model = _ColumnHead()
+    h = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    out: list[str] = []
+    for plan, method in (
+        ({"out": "colwise"}, None),
+        ({"out": "colwise"}, lambda m, hb: m(hb).sum(-1)),
+        ({"body": "colwise", "out": "rowwise"}, None),
+    ):
+        rules = fshard.tensor_parallel(_mesh(), plan)
+        params, buffers = fshard.shard_module(model, rules)
+        try:
+            for _ in range(2):
+                got, _ = fshard.apply_module(
+                    model, params, buffers, fshard.shard(h, rules.rows), rules=rules, method=method
+                )
+            want = model(h) if method is None else model(h).sum(-1)
+            out.append(f"ok {torch.allclose(fshard.gather(got), want, atol=1e-6)}")
+        except fshard.ReplicaMismatchError as e:
+            out.append(str(e).split(". ")[0])  # its first sentence: the digests may differ per backend
+    return out
+
+
+def test_a_colwise_output_no_rowwise_linear_sums_is_refused_at_the_first_call_on_both_backends(dist_pool):
+    local = _column_head_outputs()
+    refused = (
+        "apply_module() under tensor parallelism: its result differs between the tp placements, where the rules make "
+        "it whole along tp"
+    )
+    assert local == [refused, refused, "ok True"]
+    assert dist_pool.run(_column_head_outputs, timeout=120) == [local] * 4

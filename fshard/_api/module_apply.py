@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, cast
 
+import optree
 import torch
 
 from fshard._api.map import named_shard_map
@@ -27,10 +28,11 @@ from fshard._array.array import ShardedArray
 from fshard._base.cache import cached
 from fshard._base.compile import body as compiled_where_called
 from fshard._base.compile import opaque
-from fshard._errors import SpecError
+from fshard._errors import ReplicaMismatchError, SpecError
 from fshard._exec import body as _body
 from fshard._exec.collective import collective
 from fshard._exec.readonly import wrote_into
+from fshard._exec.replicas import check_leaves
 from fshard._layout.layout import Layout
 from fshard._layout.placement import Placement
 from fshard._layout.precision import check_precision
@@ -188,7 +190,61 @@ def apply_module(
         labels=_labels(found.params, found.buffers, n_args, tuple(keys)),
     )
     out = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
+    if tp is not None and _first_under(module, found, tp, method):
+        _check_tp_results(out)
     return out, _updated_buffers(buffers, updated, kept, placements)
+
+
+# Per module: the structure, rules and method whose results were compared once across their tp copies.
+_TP_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Structure, TensorParallel, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _first_under(module: torch.nn.Module, found: Structure, tp: TensorParallel, method: Any) -> bool:
+    """Whether this is the first call of ``module`` with these rules and method (its code: a lambda made anew).
+
+    Every rank makes the same calls, so every rank answers alike. Not while TorchDynamo traces.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    code = getattr(method, "__code__", method)
+    seen = _TP_CHECKED.get(module)
+    if seen is not None and seen[0] is found and seen[1] == tp and seen[2] is code:
+        return False
+    _TP_CHECKED[module] = (found, tp, code)
+    return True
+
+
+@opaque  # a comparison of the copies' digests: eagerly
+def _check_tp_results(out: Any) -> None:
+    """Compares the tp copies of each result once, as check mode does at every call.
+
+    A result is whole along tp where the row-parallel Linears summed it, which the layouts cannot
+    show: a plan that reads a column-parallel output any other way (a head planned ``"colwise"``,
+    ``q(h).sum(-1)``, ``F.linear(x, self.down.weight)`` called directly) leaves each placement its
+    own share. The first call of each module, rules and method compares the copies; a plan that
+    is wrong there raises on every rank rather than train on one placement's share.
+    """
+    leaves = [x for x in optree.tree_leaves(out, is_leaf=_is_array) if isinstance(x, ShardedArray)]
+    try:
+        check_leaves([(f"result {n} of apply_module()", a) for n, a in enumerate(leaves)], "apply_module()")
+    except ReplicaMismatchError as error:
+        msg = (
+            "apply_module() under tensor parallelism: its result differs between the tp placements, where the "
+            "rules make it whole along tp. A column-parallel output (a \"colwise\" Linear's) is a placement's share "
+            'of the features, and becomes whole only as the input of a "rowwise" Linear\'s own forward, which sums '
+            "it over tp. Plan the layers whose output is read otherwise (a head, a sum over features, a weight "
+            "passed to F.linear directly) as neither (whole on every placement), or follow them with a rowwise "
+            "Linear. Random draws differ too where the tp placements' bodies run in threads of one process "
+            "(dropout): give such a module its random numbers as an argument (fshard.rand). The copies compared: "
+            f"{error}"
+        )
+        raise ReplicaMismatchError(msg) from None
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, ShardedArray)
 
 
 @cached(64)
