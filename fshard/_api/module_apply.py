@@ -192,6 +192,7 @@ def apply_module(
     out = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
     if tp is not None and _first_under(module, found, tp, method):
         _check_tp_results(out)
+        _TP_CHECKED[module] = (found, tp, getattr(method, "__code__", method))  # passed: not compared again
     return out, _updated_buffers(buffers, updated, kept, placements)
 
 
@@ -202,18 +203,16 @@ _TP_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Structure, TensorP
 
 
 def _first_under(module: torch.nn.Module, found: Structure, tp: TensorParallel, method: Any) -> bool:
-    """Whether this is the first call of ``module`` with these rules and method (its code: a lambda made anew).
+    """Whether no call of ``module`` with these rules and method (its code: a lambda made anew) has passed the check.
 
     Every rank makes the same calls, so every rank answers alike. Not while TorchDynamo traces.
     """
     if torch.compiler.is_compiling():
         return False
-    code = getattr(method, "__code__", method)
     seen = _TP_CHECKED.get(module)
-    if seen is not None and seen[0] is found and seen[1] == tp and seen[2] is code:
-        return False
-    _TP_CHECKED[module] = (found, tp, code)
-    return True
+    return not (
+        seen is not None and seen[0] is found and seen[1] == tp and seen[2] is getattr(method, "__code__", method)
+    )
 
 
 @opaque  # a comparison of the copies' digests: eagerly
