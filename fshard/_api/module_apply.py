@@ -190,9 +190,11 @@ def apply_module(
         labels=_labels(found.params, found.buffers, n_args, tuple(keys)),
     )
     out = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
-    if tp is not None and _first_under(module, found, tp, method):
-        _check_tp_results(out)
-        _TP_CHECKED[module] = (found, tp, getattr(method, "__code__", method))  # passed: not compared again
+    if tp is not None and not torch.compiler.is_compiling():
+        key = (found, tp, getattr(method, "__code__", method))  # a method's code: a lambda made anew counts once
+        if not _passed(module, key):
+            _check_tp_results(out)
+            _TP_CHECKED[module] = key  # passed: not compared again
     return out, _updated_buffers(buffers, updated, kept, placements)
 
 
@@ -202,17 +204,13 @@ _TP_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Structure, TensorP
 )
 
 
-def _first_under(module: torch.nn.Module, found: Structure, tp: TensorParallel, method: Any) -> bool:
-    """Whether no call of ``module`` with these rules and method (its code: a lambda made anew) has passed the check.
+def _passed(module: torch.nn.Module, key: tuple[Structure, TensorParallel, Any]) -> bool:
+    """Whether a call of ``module`` with this structure, these rules and this method passed the check.
 
-    Every rank makes the same calls, so every rank answers alike. Not while TorchDynamo traces.
+    Every rank makes the same calls, so every rank answers alike.
     """
-    if torch.compiler.is_compiling():
-        return False
     seen = _TP_CHECKED.get(module)
-    return not (
-        seen is not None and seen[0] is found and seen[1] == tp and seen[2] is getattr(method, "__code__", method)
-    )
+    return seen is not None and seen[0] is key[0] and seen[1] == key[1] and seen[2] is key[2]
 
 
 @opaque  # a comparison of the copies' digests: eagerly

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fshard._checkpoint._detect import HF_SINGLE
 from fshard._checkpoint._format import CODES
 from fshard._errors import SpecError
 
@@ -77,7 +78,7 @@ def shard_files(sizes: Sequence[int], limit: int) -> list[list[int]]:
 
 def file_names(n: int) -> list[str]:
     """``model.safetensors`` for one file, else ``model-00001-of-0000n.safetensors``."""
-    return ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    return [HF_SINGLE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
 
 def write_order(names: Sequence[str], dtypes: Sequence[torch.dtype]) -> list[int]:

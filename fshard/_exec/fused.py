@@ -300,7 +300,7 @@ def regroup_tree(arrays: Sequence[ShardedArray], mode: str, precision: Any = Non
             continue
         if whole is not None:  # the blocks as they come (across processes, the function's uses are tapped)
             flat, link = whole
-            counts = [len(a.addressable_data) for a in leaves]
+            counts = [len(a._data) for a in leaves]  # pyright: ignore[reportPrivateUsage]  # the slots: a hot path
             if flat and all(counts):  # every array holds shards here: made in one loop
                 ends = list(itertools.accumulate(counts, initial=0))
                 parts = (tuple(flat[i:j]) for i, j in itertools.pairwise(ends))

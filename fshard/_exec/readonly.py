@@ -87,8 +87,12 @@ class _ReadOnly(TorchDispatchMode):
         super().__init__()  # pyright: ignore[reportUnknownMemberType]  # torch leaves its argument untyped
         self.storages = storages
         self.what = what
-        self.block_function = what  # what fshard._base.calls.block_function reads: fn of this call runs
         self.blocks = blocks  # the input tensors themselves, by id (alive while the function runs)
+
+    @property
+    def block_function(self) -> str:
+        """The per-block function whose ``fn`` runs under this check (``fshard._base.calls.block_function``)."""
+        return self.what
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
