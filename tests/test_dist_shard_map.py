@@ -636,11 +636,13 @@ def test_a_fullgraph_body_that_records_a_gradient_is_refused_across_processes_wi
         assert total == pytest.approx(float((torch.tanh(x) * 2).sum()), rel=1e-12)
 
 
-def _random_draws_in_bodies() -> tuple[list[list[float]], list[list[float]], list[list[float]], list[float]]:
-    """Dropout in a shard_map body, in map_local's (two blocks on rank 0), and in apply_module; then a draw after.
+def _random_draws_in_bodies() -> tuple[list[list[float]], ...]:
+    """Dropout in a shard_map body, in map_local's (two blocks on rank 0), in apply_module, in a body that
+    draws on both sides of a psum and in apply_module under tensor parallelism; then a draw after.
 
     Across processes each rank draws from its own generator, where the call found it; in one
-    process each rank's bodies do too, so the masks are alike on both backends.
+    process each rank's bodies do too (in turn, or in threads that take turns where they reduce),
+    so the masks are alike on both backends.
     """
     ranks = [0, 1, 2, 3]
     x = torch.arange(1.0, 41.0).reshape(8, 5)
@@ -654,10 +656,26 @@ def _random_draws_in_bodies() -> tuple[list[list[float]], list[list[float]], lis
     params, buffers = fshard.shard_module(model, fshard.replicated(ranks))
     torch.manual_seed(7)
     out, _ = fshard.apply_module(model, params, buffers, fshard.shard(x, rows))
+
+    def reducing(b: torch.Tensor) -> torch.Tensor:
+        total = fshard.psum(torch.nn.functional.dropout(b, 0.5).sum(0), "x")
+        return torch.nn.functional.dropout(b, 0.5) * total
+
+    named = fshard.Named(fshard.Mesh((4,), axis_names=("x",)), ("x", None))
+    torch.manual_seed(9)
+    summed = fshard.shard_map(reducing, in_specs=named, out_specs=named)(x)
+    torch.manual_seed(1)
+    wide = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 5))
+    rules = fshard.tensor_parallel(fshard.Mesh((2, 2), axis_names=("dp", "tp")), {"0": "colwise", "2": "rowwise"})
+    tp_params, tp_buffers = fshard.shard_module(wide, rules)
+    torch.manual_seed(3)
+    tp_out, _ = fshard.apply_module(wide, tp_params, tp_buffers, fshard.shard(x, rules.rows), rules=rules)
     return (
         fshard.gather(dropped).tolist(),
         fshard.gather(mapped).tolist(),
         fshard.gather(out).detach().tolist(),
+        fshard.gather(summed).tolist(),
+        fshard.gather(tp_out).detach().tolist(),
         torch.rand(3).tolist(),
     )
 
@@ -669,3 +687,13 @@ def test_random_draws_in_bodies_are_alike_in_one_process_and_across_processes(di
     kept = dropped != 0
     assert torch.equal(kept[0:2], kept[2:4])  # every rank's mask the same: drawn from where the call found it
     assert 0 < int(kept.sum()) < kept.numel()
+    summed = torch.tensor(local[3])
+    assert torch.equal(summed[0:2] != 0, summed[2:4] != 0)  # after the psum too, from where each rank left off
+    assert 0 < int((summed != 0).sum()) < summed.numel()
+
+
+def test_random_draws_in_reducing_bodies_do_not_depend_on_what_ran_before_in_the_process():
+    """A body that reduces runs in threads in one process; its draws are each rank's own, whatever ran before."""
+    first = _random_draws_in_bodies()
+    again = _random_draws_in_bodies()  # now every function above is known to reduce or not: threads from the start
+    assert again == first

@@ -9,7 +9,7 @@ the layouts that ``map_out`` gives them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast
 
 import torch
@@ -120,7 +120,7 @@ def shard_map(
     ``Layout`` or a pytree of them; ``Partial`` for results that are partial sums,
     such as a row-parallel matmul's). Differentiable, also under ``torch.func``.
     ``fn`` may reduce over mesh axes inside with ``fshard.psum``/``fshard.pmean``; on
-    the local backend the bodies of a call that does run concurrently, a thread each.
+    the local backend the bodies of a call that does run in threads, a thread each, taking turns.
 
     A result is known to be equal on two placements only where every argument gives them
     the same block (copies of one box): an ``out_specs`` that makes such a result's
@@ -182,11 +182,13 @@ def named_shard_map(
     regather: bool = False,
     what: str = "shard_map()",
     labels: Sequence[str] | None = None,
+    reducing_key: Hashable = None,
 ) -> Callable[..., Any]:
     """``shard_map``, whose errors name it ``what`` and its arguments by ``labels`` (one per in_spec).
 
     For a caller that builds the ``shard_map`` from arguments of its own (``apply_module``): its
-    errors then name what that caller's user passed.
+    errors then name what that caller's user passed. ``reducing_key``: what tells its function
+    apart from others of the same code, as to whether its bodies reduce (``Reducing``).
     """
     if not callable(fn):
         raise TypeError(f"{what} fn must be callable, got {type(fn).__name__}.")
@@ -196,7 +198,7 @@ def named_shard_map(
         raise TypeError(f"{what} regather must be a bool, got {regather!r} ({type(regather).__name__}).")
 
     specs = tuple(cast("Sequence[Any]", in_specs)) if isinstance(in_specs, (tuple, list)) else (in_specs,)
-    reducing = Reducing(specs, fn)
+    reducing = Reducing(specs, fn, reducing_key)
     precisions = per_argument(precision, len(specs), what)
 
     # The targets of a call whose arguments with a spec are all arrays are cached on those specs.
@@ -215,7 +217,7 @@ def named_shard_map(
                 by_structure.clear()
             inner = by_structure[key] = named_shard_map(
                 how.function(fn), how.specs, out_specs, check_vma=check_vma, precision=how.precisions,
-                regather=regather, what=what, labels=how.labels,
+                regather=regather, what=what, labels=how.labels, reducing_key=reducing.key,
             )  # fmt: skip
         return inner(*flat)
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, cast
 
 import optree
@@ -216,25 +215,28 @@ class Reducing:
     """What the bodies of one ``shard_map`` need to reduce inside (``psum``): its in_specs.
 
     ``threaded`` is set once a body of it has reduced on the local backend, where its bodies
-    then run concurrently from the start; so is it for a new ``shard_map`` of a function whose
-    code has reduced before (a body that a caller wraps anew at every step).
+    then run in threads from the start; so is it for a new ``shard_map`` whose ``key`` has
+    reduced before: by default its function's code (a body that a caller wraps anew at every
+    step), or what a caller that builds the function gives (``apply_module``: its body's code,
+    rules and method, so that its data-parallel calls do not run in threads for its
+    tensor-parallel ones).
     """
 
-    __slots__ = ("code", "specs", "threaded")
+    __slots__ = ("key", "specs", "threaded")
 
-    def __init__(self, specs: Sequence[Any], fn: Callable[..., Any]) -> None:
+    def __init__(self, specs: Sequence[Any], fn: Callable[..., Any], key: Hashable = None) -> None:
         self.specs = tuple(specs)
-        self.code = getattr(inspect.unwrap(fn), "__code__", None)
-        self.threaded = self.code is not None and self.code in _REDUCED
+        self.key = key if key is not None else getattr(inspect.unwrap(fn), "__code__", None)
+        self.threaded = self.key is not None and self.key in _REDUCED
 
     def reduced(self) -> None:
-        """Its bodies reduce: from now on they start concurrently, and so do those of its code."""
+        """Its bodies reduce: from now on they start in threads, and so do those of its key."""
         self.threaded = True
-        if self.code is not None:
-            _REDUCED.add(self.code)
+        if self.key is not None:
+            _REDUCED.add(self.key)
 
 
-_REDUCED: set[types.CodeType] = set()  # the code of bodies that reduced (one entry per function written)
+_REDUCED: set[Hashable] = set()  # the keys of bodies that reduced (one entry per function written)
 
 
 def _bodies(
@@ -246,11 +248,12 @@ def _bodies(
     backend: Any,
     rank_of: Mapping[Slot, int],
 ) -> list[tuple[Slot, Any]]:
-    """``fn`` on each slot's blocks: one after another, or concurrently where a body reduces in one process.
+    """``fn`` on each slot's blocks: one after another, or in threads where a body reduces in one process.
 
     Each call runs in ``context(slot)`` where one process runs every rank's, one after another
-    (its rank's closed-over tensors counted apart, and its random draws its own: ``RankDraws``, by
-    ``rank_of``); across processes, or in threads, in ``context(None)``.
+    (its rank's closed-over tensors counted apart); across processes, or in threads, in
+    ``context(None)``. In one process each rank's bodies draw random numbers from a state of
+    their own (``RankDraws``, by ``rank_of``, or by placement where they take turns in threads).
     """
     apart = not backend.spans_processes
     if reducing is None:
@@ -275,38 +278,46 @@ def _bodies(
     # (a checkpoint) no body runs ahead to find out: the hooks would see tensors that its recomputation does not
     # make, so the bodies take turns in threads from the start, in the order one after another would run them.
     ahead = not reducing.threaded and not _body.under_hooks()
-    if backend.spans_processes or ahead or _body.in_transform():
-        draws = RankDraws() if apart else None
-        try:
-            out = []
-            with context(None) if not apart else contextlib.nullcontext():
-                for slot, blocks in calls:
-                    here = context(slot) if apart else contextlib.nullcontext()
-                    if draws is not None:
-                        draws.before(rank_of[slot])
-                    with here, _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
-                        out.append((slot, fn(*blocks)))
-        except _body.NeedsThreads:
-            reducing.reduced()
-        else:
-            return out
-        finally:
+    draws = RankDraws() if apart else None
+    try:
+        if backend.spans_processes or ahead or _body.in_transform():
+            try:
+                out = []
+                with context(None) if not apart else contextlib.nullcontext():
+                    for slot, blocks in calls:
+                        here = context(slot) if apart else contextlib.nullcontext()
+                        if draws is not None:
+                            draws.before(rank_of[slot])
+                        with here, _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
+                            out.append((slot, fn(*blocks)))
+            except _body.NeedsThreads:
+                reducing.reduced()
+                if draws is not None:  # the threads draw from where the call found the generators
+                    draws.restart()
+            else:
+                return out
+        if _body.in_transform():
+            msg = "psum() cannot run under a torch.func transform (grad, vmap, jvp); use loss.backward() instead."
+            raise SpecError(msg)
+        meeting = _body.Rendezvous(placements)
+
+        def run(slot: Slot, blocks: list[torch.Tensor]) -> Callable[[], tuple[Slot, Any]]:
+            def body() -> tuple[Slot, Any]:
+                # A thread of its own: autograd numbers its nodes apart, so which tensors are closed over is not told.
+                with context(None), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
+                    return slot, fn(*blocks)
+
+            return body
+
+        # One body runs at a time (turns), each from its rank's own random state, as across processes.
+        def on_turn(index: int) -> None:
             if draws is not None:
-                draws.end()
-    if _body.in_transform():
-        msg = "psum() cannot run under a torch.func transform (grad, vmap, jvp); use loss.backward() instead."
-        raise SpecError(msg)
-    meeting = _body.Rendezvous(placements)
+                draws.before(placements[index].rank)
 
-    def run(slot: Slot, blocks: list[torch.Tensor]) -> Callable[[], tuple[Slot, Any]]:
-        def body() -> tuple[Slot, Any]:
-            # A thread of its own: autograd numbers its nodes apart, so which tensors are closed over is not told.
-            with context(None), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
-                return slot, fn(*blocks)
-
-        return body
-
-    return _body.run_threaded([run(slot, blocks) for slot, blocks in calls], meeting)
+        return _body.run_threaded([run(slot, blocks) for slot, blocks in calls], meeting, on_turn)
+    finally:
+        if draws is not None:
+            draws.end()
 
 
 def _flatten_results(results: list[tuple[Slot, Any]], what: str) -> tuple[list[dict[Slot, torch.Tensor]], Any]:

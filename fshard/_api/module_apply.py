@@ -188,6 +188,7 @@ def apply_module(
         precision=precisions,
         what="apply_module()",
         labels=_labels(found.params, found.buffers, n_args, tuple(keys)),
+        reducing_key=(body.__code__, tp, getattr(method, "__code__", None)),  # not threaded for another plan's psum
     )
     out = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
     if tp is not None and not torch.compiler.is_compiling():
@@ -233,8 +234,9 @@ def _check_tp_results(out: Any) -> None:
             'of the features, and becomes whole only as the input of a "rowwise" Linear\'s own forward, which sums '
             "it over tp. Plan the layers whose output is read otherwise (a head, a sum over features, a weight "
             "passed to F.linear directly) as neither (whole on every placement), or follow them with a rowwise "
-            "Linear. Random draws differ too where the tp placements' bodies run in threads of one process "
-            "(dropout): give such a module its random numbers as an argument (fshard.rand). The copies compared: "
+            "Linear. Random draws differ too where the ranks' generators stand apart (seeded per rank): seed "
+            "them alike, or give such a module its random numbers as an argument (fshard.rand). The copies "
+            "compared: "
             f"{error}"
         )
         raise ReplicaMismatchError(msg) from None

@@ -36,8 +36,8 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     that shares its coordinates on the mesh's other axes, so the result is the same
     along ``axis``. Differentiable: the gradient of each placement's ``x`` is the sum of
     the result's gradients over ``axis``. On ``torch_dist`` it is one all-reduce on the
-    processes of ``axis``; on the local backend the bodies of a call that reduces run
-    concurrently, one thread each, and sum in placement order (the same bits each run).
+    processes of ``axis``; on the local backend the bodies of a call that reduces run in
+    threads, one each, taking turns, and sum in placement order (the same bits each run).
 
     Args:
         x: a tensor of the body, of the same shape and dtype on every placement.

@@ -5,24 +5,25 @@ every placement's value before any placement goes on:
 
 - across processes each process runs its own placement's body, and the reduction is one
   all-reduce on the process group of the placements it sums over;
-- in one process the bodies of a call that reduces run concurrently, a thread per
-  placement; each reduction is a rendezvous at which the last thread to arrive sums
-  every group in placement order (so values are the same run to run) as one autograd
-  node over all placements' tensors, and the others wait for it.
+- in one process the bodies of a call that reduces run in threads, a thread per placement,
+  taking turns: one runs at a time, in placement order, up to its next reduction or its
+  end. Each reduction is a rendezvous at which the last thread to arrive sums every group
+  in placement order (so values are the same run to run) as one autograd node over all
+  placements' tensors, and the others wait for it. Turns keep the order of every call a
+  body makes (saved-tensor hooks see the tensors in one order, the same at a checkpoint's
+  recomputation), and let each body draw random numbers from its rank's own state, as
+  each rank's process would (``on_turn``).
 
 A body that raises, or returns while the others wait at a reduction, aborts the
 rendezvous: no thread waits for ever, and the call raises the first placement's error.
 The thread running a body gets the torch state the caller's thread keeps for itself:
 its grad, inference and forward-grad modes, its torch-function and torch-dispatch modes
 (the read-only check of input blocks among them), autocast, and the innermost
-saved-tensor hooks (torch 2.8 on, where they can be read). Where there are such hooks,
-the bodies take turns, one running at a time in placement order up to its next
-reduction, so the hooks see the tensors in one order, the same at a recomputation (a
-checkpoint's). Under such hooks no body runs ahead on the calling thread to find out
-whether the call reduces (``under_hooks``; the hooks would see tensors that are thrown
-away): the bodies start in threads at once. Where hooks were set inside a body that ran
-ahead, the threads run without them. ``torch.func`` transforms (also per thread) are not carried over: ``psum`` refuses
-to run under them.
+saved-tensor hooks (torch 2.8 on, where they can be read). Under such hooks no body runs
+ahead on the calling thread to find out whether the call reduces (``under_hooks``; the
+hooks would see tensors that are thrown away): the bodies start in threads at once. Where
+hooks were set inside a body that ran ahead, the threads run without them. ``torch.func``
+transforms (also per thread) are not carried over: ``psum`` refuses to run under them.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def in_transform() -> bool:
 
 
 class NeedsThreads(BaseException):  # a signal, not an error: no user handler may swallow it
-    """A body reduced where the bodies of one process run one after another: run them concurrently."""
+    """A body reduced where the bodies of one process run one after another: run them in threads."""
 
 
 class _Aborted(BaseException):
@@ -113,10 +114,15 @@ class Rendezvous:
         self._last: Sequence[torch.Tensor] = ()
         self._failed = False
         self._turn: int | None = None  # the body that runs now, where they take turns
+        self._on_turn: Callable[[int], None] | None = None
 
-    def take_turns(self) -> None:
-        """From now on one body runs at a time, in placement order, each up to its next reduction or its end."""
+    def take_turns(self, on_turn: Callable[[int], None] | None = None) -> None:
+        """From now on one body runs at a time, in placement order, each up to its next reduction or its end.
+
+        ``on_turn(index)`` runs on body ``index``'s thread each time its turn comes.
+        """
         self._turn = 0
+        self._on_turn = on_turn
 
     def begin(self, index: int) -> None:
         """Body ``index`` starts: where the bodies take turns, once its turn comes."""
@@ -164,6 +170,8 @@ class Rendezvous:
             self._cond.wait()
         if self._failed:
             raise _Aborted
+        if self._on_turn is not None:
+            self._on_turn(index)
 
     def _pass_turn(self, index: int) -> None:
         if self._turn is not None:
@@ -236,8 +244,12 @@ class Rendezvous:
         )
 
 
-def run_threaded(calls: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Any]:
-    """Runs ``calls`` concurrently, each in its own thread under this thread's torch state; their results in order.
+def run_threaded(
+    calls: Sequence[Callable[[], Any]], rendezvous: Rendezvous, on_turn: Callable[[int], None] | None = None
+) -> list[Any]:
+    """Runs ``calls``, each in its own thread under this thread's torch state, taking turns; their results in order.
+
+    ``on_turn(i)`` runs each time call ``i`` gets its turn, before it goes on.
 
     Raises:
         BaseException: the first call's error, in call order (the others are aborted).
@@ -245,8 +257,7 @@ def run_threaded(calls: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> 
     # This call's first body ran ahead on this thread (the placements tuple is the one the call gives both).
     probed, _STATE.probed = getattr(_STATE, "probed", None) is rendezvous.placements, None
     state = _ThreadState.read(hooks=not probed)
-    if state.hooks is not None:  # their calls in one order, the same at a recomputation (a checkpoint's)
-        rendezvous.take_turns()
+    rendezvous.take_turns(on_turn)
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException | None] = [None] * len(calls)
 

@@ -63,6 +63,12 @@ class RankDraws:
             _restore(self.by_rank.get(rank, self.start))
         self.current = rank  # the first body starts where the call found the generator
 
+    def restart(self) -> None:
+        """Every rank's bodies start again (they ran in part): the generator back where the call found it."""
+        _restore(self.start)
+        self.by_rank.clear()
+        self.current = None
+
     def end(self) -> None:
         """After the call (it returned or raised): the generator goes on from the lowest rank's state."""
         if self.current is None:
