@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fshard._base.alloc import POOL_MIN_BYTES
+from fshard._base.alloc import POOL_MIN_BYTES, no_summand
 from fshard._base.alloc import new as new_tensor
 from fshard._base.cache import cached
 from fshard._errors import SpecError
@@ -101,7 +101,7 @@ class Fill:
     ``views`` (positions in a list of views) go to ``writes``; when they tile the result
     along dim ``dim``, in order, one ``torch.cat`` (or, for one view, one ``clone``) builds it.
     ``covered``: the writes reach every element. A summand of a pending sum may hold a box that
-    no piece reaches (its value is in another summand there): those elements are zeros.
+    no piece reaches (its value is in another summand there): those elements add nothing (-0.0, ``no_summand``).
     """
 
     sizes: tuple[int, ...]
@@ -121,8 +121,8 @@ class Fill:
             out = mine[0].clone(memory_format=torch.contiguous_format) if len(mine) == 1 else torch.cat(mine, self.dim)
             return out if out.is_contiguous() else out.contiguous()
         out = new_tensor(self.sizes, dtype, self.device)
-        if not self.covered:  # new_tensor's memory may be recycled: what no write reaches is zero
-            out.zero_()
+        if not self.covered:  # new_tensor's memory may be recycled: what no write reaches adds nothing
+            no_summand(out)
         for v, w in zip(mine, self.writes):
             out[w].copy_(v)
         return out
@@ -293,10 +293,16 @@ def span_slice(start: int, size: int) -> slice:
     return slice(start, start + size)
 
 
-def identity(op: str, dtype: torch.dtype) -> float | int | bool:
-    """The value that ``op`` leaves unchanged: what a destination region no contribution reaches holds."""
+def identity(op: str, dtype: torch.dtype) -> complex | float | int | bool:
+    """The value that ``op`` leaves unchanged: what a destination region no contribution reaches holds.
+
+    Of a sum of floating or complex values, -0.0 (``no_summand``): ``x + -0.0`` is ``x`` for every
+    ``x``, where ``-0.0 + 0.0`` would lose the sign of a -0.0 summed into it.
+    """
     if op == "sum":
-        return False if dtype == torch.bool else 0
+        if dtype.is_complex:
+            return complex(-0.0, -0.0)
+        return -0.0 if dtype.is_floating_point else False if dtype == torch.bool else 0
     if dtype == torch.bool:
         return op == "min"
     if dtype.is_floating_point:

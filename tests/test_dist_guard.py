@@ -85,11 +85,25 @@ def _detached_on_one_holder(x):
     return _message(lambda: fshard.gather(fshard.reshard(y, fshard.Chunk(0, RANKS))))
 
 
+def _one_more_leaf_on_one_rank(x):
+    """Rank 0 moves a tree with an int64 leaf more (a second movement): its float32 movement carries the tree's
+    digest, so every rank raises there, before rank 0's int64 movement would pair with the next call's."""
+    a = fshard.shard(x, fshard.Chunk(0, RANKS))
+    b = fshard.shard(x.long(), fshard.Chunk(0, RANKS))
+    tree = {"a": a, "b": b} if dist.get_rank() == 0 else {"a": a}
+    first = _message(lambda: fshard.reshard(tree, fshard.Replicated(RANKS)))
+    return first if first != "no error" else _message(lambda: fshard.reshard(b, fshard.Replicated(RANKS)))
+
+
 CASES = {
     # (function, the groups of ranks named, what the message says differs)
     "int32-beside-float32": (_int32_beside_float32, [[0, 1, 2], [3]], "they differ in dtype)"),
     "chunk-reversed-on-one-rank": (_reversed_chunk_on_one_rank, [[0, 1, 3], [2]], "they differ in destination layout)"),
-    "gather-dst-0-against-dst-1": (_gather_to_different_dst, [[0, 2], [1, 3]], "operation, destination layout)"),
+    "gather-dst-0-against-dst-1": (
+        _gather_to_different_dst,
+        [[0, 2], [1, 3]],
+        "operation (or the tree of arrays it moves a part of), destination layout)",
+    ),
     "gradient-on-some-ranks": (
         _gradient_on_some_ranks,
         [[0, 1, 3], [2]],
@@ -99,6 +113,11 @@ CASES = {
         _result_without_gradient_on_one_rank,
         [[0, 1, 3], [2]],
         "they differ in whether it records a gradient)",
+    ),
+    "one-more-leaf-on-one-rank": (
+        _one_more_leaf_on_one_rank,
+        [[0], [1, 2, 3]],
+        "they differ in operation (or the tree of arrays it moves a part of))",
     ),
     "no-grad-on-one-rank": (_no_grad_on_one_rank, [[0, 1, 2], [3]], "they differ in whether it records a gradient)"),
     "detached-on-one-holder": (

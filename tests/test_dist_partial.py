@@ -144,6 +144,29 @@ def test_shard_into_partial_keeps_one_summand(dist_pool):
         assert sorted(total > 0 for _, total in results) == [False, False, False, True]
 
 
+def _negative_zeros_through_pending_sums() -> list[bool]:
+    """-0.0 elements moved into pending sums (and made by ``full``) and back: their sign bits survive.
+
+    The summands that do not hold an element hold -0.0, which adds nothing to every value,
+    where 0.0 would turn a -0.0 into 0.0.
+    """
+    x = torch.tensor([-0.0, 1.0, -0.0, -0.0, 2.0, -0.0, 0.0, -0.0])
+    a = fshard.shard(x, fshard.Chunk(0, R))
+    same = []
+    for target in (fshard.Partial(fshard.Replicated(R)), fshard.Partial(fshard.Chunk(0, R + R))):
+        p = fshard.reshard(a, target)
+        for back in (fshard.Chunk(0, R), fshard.Replicated(R), fshard.Chunk(0, [3, 2, 1, 0])):
+            same.append(torch.equal(torch.signbit(fshard.gather(fshard.reshard(p, back))), torch.signbit(x)))
+    made = fshard.full(fshard.Partial(fshard.Replicated(R)), (3,), fill_value=-0.0)
+    same.append(bool(torch.signbit(fshard.gather(made)).all()))
+    return same
+
+
+def test_negative_zeros_keep_their_sign_through_pending_sums(dist_pool):
+    assert _negative_zeros_through_pending_sums() == [True] * 7  # the local backend
+    assert dist_pool.run(_negative_zeros_through_pending_sums, timeout=60) == [[True] * 7] * 4
+
+
 def _backward_of_reduction():
     mine = _summand(dist.get_rank()).requires_grad_(True)
     layout = fshard.Partial(fshard.Replicated(R)).layout(SHAPE)

@@ -174,6 +174,17 @@ def test_rename_as_a_mapping_or_a_function(one_file: Path) -> None:
         fshard.load(one_file, specs=fshard.Single(0), rename=lambda n: 3)
 
 
+def test_rename_refuses_a_mapping_of_a_name_the_checkpoint_lacks(one_file: Path) -> None:
+    """A misspelt name would leave the tensor it meant under its old name: refused, naming the close ones."""
+    with pytest.raises(fshard.CheckpointError, match=re.escape("maps ['embed.weights'], which the checkpoint lacks")):
+        fshard.load(one_file, specs={"w": fshard.Single(0)}, rename={"embed.weights": "w"})
+    with pytest.raises(fshard.CheckpointError, match=re.escape("(close: ['embed.weight'")):
+        fshard.load(one_file, specs={"w": fshard.Single(0)}, rename={"embed.weights": "w"})
+    out = fshard.load(one_file, specs=fshard.Single(0), rename=lambda n: {"embed.weights": "w"}.get(n, n))
+    assert "w" not in out  # a function: names it gives back stay, as documented
+    assert "embed.weight" in out
+
+
 QKV = TENSORS["layer.qkv.weight"]
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import fshard
+from fshard.backends.local import LocalBackend
 
 ALL = [0, 1, 2, 3]
 X = torch.randn(10, 12, generator=torch.Generator().manual_seed(1))
@@ -133,6 +134,45 @@ def _from_torch_dtensor() -> list[bool]:
 @pytest.mark.multiprocess
 def test_from_a_dtensor_built_by_torch(dist_pool):
     assert all(all(r) for r in dist_pool.run(_from_torch_dtensor))
+
+
+def _dtensors_where_tensors_go() -> list[object]:
+    """A DTensor given to shard(), to shard_params() and elsewhere: converted where it is the whole argument,
+    refused with the fix inside a tree and from src, on every rank alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dt = distribute_tensor(ODD, init_device_mesh("cpu", (4,)), [Shard(0)])
+    spec = fshard.Chunk(1, [3, 2, 1, 0])
+    moved = fshard.shard(dt, spec)
+    params = fshard.shard_params({"w": dt, "b": torch.ones(2)}, lambda name, v: spec if name == "w" else None)
+    out: list[object] = [
+        moved.layout == spec.layout(ODD.shape) and torch.equal(fshard.gather(moved), ODD),
+        isinstance(params["w"], fshard.ShardedArray) and torch.equal(fshard.gather(params["w"]), ODD),
+        params["w"].layout == spec.layout(ODD.shape),
+    ]
+    for call in (
+        lambda: fshard.shard({"w": dt}, spec),
+        lambda: fshard.shard(dt, spec, src=0),
+        lambda: fshard.shard(dt, spec, backend=LocalBackend(world_size=4)),
+    ):
+        try:
+            call()
+            out.append("no error")
+        except fshard.SpecError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_dtensor_is_converted_where_a_whole_tensor_goes_and_refused_inside_trees(dist_pool):
+    for result in dist_pool.run(_dtensors_where_tensors_go, timeout=60):
+        assert result[:3] == [True, True, True]
+        in_tree, from_src, with_backend = result[3:]
+        assert "is a torch DTensor, whose data lives on its mesh's ranks: convert it on every rank" in in_tree
+        assert "fshard.from_dtensor(dt)" in in_tree
+        assert "shard(..., src=0) got a torch DTensor on rank 0" in from_src
+        assert "shard() got a torch DTensor together with backend=" in with_backend
 
 
 def _dtensor_errors() -> list[str]:

@@ -330,6 +330,15 @@ def _bad_rules() -> list[Any]:
             "makes submodule 'blocks.0.ln1' colwise, but it is a LayerNorm: only torch.nn.Linear modules",
             id="not-a-linear",
         ),
+        pytest.param(
+            lambda: fshard.shard_module(
+                torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2)),
+                fshard.tensor_parallel(mesh, {"0.out_proj": "rowwise"}),
+            ),
+            "makes submodule '0.out_proj' rowwise, but it is a MultiheadAttention's out_proj, whose weight the "
+            "attention reads itself",
+            id="attention-out-proj",
+        ),
     ]
 
 

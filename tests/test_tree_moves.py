@@ -78,6 +78,19 @@ def test_a_tree_of_specs_matches_the_tree_of_arrays():
     assert torch.equal(fshard.gather(moved["h"]), fshard.gather(tree["h"]))
 
 
+def test_a_spec_that_does_not_fit_its_array_names_the_array_in_the_tree():
+    tree = _tree()
+    with pytest.raises(fshard.SpecError, match="Invalid sharding dim: 2 for a 2-D array") as info:
+        fshard.reshard(tree, {name: fshard.Replicated(R) for name in tree} | {"w": fshard.Chunk(2, R)})
+    assert info.value.__notes__ == ["(the array at ('w',) of reshard()'s tree, shape (6, 5))"]
+    with pytest.raises(fshard.SpecError, match="Invalid sharding dim: 1 for a 1-D array") as info:
+        fshard.reshard(tree, fshard.Chunk(1, R))  # one spec for all: the first array it does not fit, in key order
+    assert info.value.__notes__ == ["(the array at ('b',) of reshard()'s tree, shape (5,))"]
+    with pytest.raises(fshard.SpecError, match="got None") as info:
+        fshard.reshard(tree, {name: fshard.Replicated(R) for name in tree} | {"h": None})
+    assert info.value.__notes__ == ["(the array at ('h',) of reshard()'s tree, shape (3, 4))"]
+
+
 def test_pending_sums_in_a_tree_are_reduced_as_one():
     parts = [fshard.shard(torch.ones(4, 2) * k, fshard.Chunk(1, [0, 1])).sum(1) for k in range(3)]
     assert all(p.layout.partial == "sum" for p in parts)

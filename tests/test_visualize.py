@@ -306,7 +306,7 @@ def test_array_repr_rebuilds_the_array():
 
 def test_partial_array_repr_shows_each_summand():
     x = fshard.shard(torch.tensor([1.5, 2.0]), Partial(Replicated([0, 1])))
-    assert repr(x).endswith("partial='sum'), shard_values=[[1.5, 2.0], [0.0, 0.0]])")
+    assert repr(x).endswith("partial='sum'), shard_values=[[1.5, 2.0], [-0.0, -0.0]])")
 
 
 def test_large_values_and_layouts_are_summarised():

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from fshard._base.cache import cached, clear_caches
-from fshard._base.calls import call_name, recording_leaves, records_gradient
+from fshard._base.calls import call_name, moving_tree, recording_leaves, records_gradient
 from fshard._config import current
 from fshard._errors import SpecError
 from fshard._layout.layout import Layout
@@ -717,7 +717,17 @@ class TorchDistBackend:
             raise SpecError(msg)
         g = facts(self.group)
         return guard(
-            op, p.src, p.dst, dtype, g.ranks, g.rank, self._wire, g.alltoall, records_gradient(), recording_leaves()
+            op,
+            p.src,
+            p.dst,
+            dtype,
+            g.ranks,
+            g.rank,
+            self._wire,
+            g.alltoall,
+            records_gradient(),
+            recording_leaves(),
+            moving_tree(),
         )
 
     def _count(self, sent: int, itemsize: int) -> None:

@@ -5,8 +5,9 @@ spec or ``dst`` differs) would otherwise exchange bytes that each side reads by 
 plan: wrong values on every rank, or Gloo aborting a process that receives a message
 longer than the receive it posted. So every movement that crosses ranks opens with a
 round in which each rank sends every rank of the group a 24-byte header: a tag, the
-dtype, digests of the operation and of both layouts, and for a tree's leaves moved as one
-a digest of which of them record a gradient (``Guard``, made once per cached movement).
+dtype, digests of the operation (with the tree's, for one of a tree's several movements)
+and of both layouts, and for a tree's leaves moved as one a digest of which of them record
+a gradient (``Guard``, made once per cached movement).
 Every rank receives every header, so every rank reaches the same verdict before it reads
 any data: all equal, or ``CollectiveMismatchError`` naming which ranks sent what.
 
@@ -59,7 +60,8 @@ _TAG = b"fS"  # the first two bytes of every header: a receive slot without it g
 # (``_GRAD``) set where the movement records a gradient and every rank holds blocks of its source; the
 # last, where it does and moves a tree's leaves as one, ``recording_leaves``'s digest (else zeros).
 _LEAVES = "which leaves of the tree moved as one record a gradient"
-_FIELDS = (("dtype", slice(2, 4)), ("operation", slice(4, 8)), ("source layout", slice(8, 12)),
+_OPERATION = "operation (or the tree of arrays it moves a part of)"
+_FIELDS = (("dtype", slice(2, 4)), (_OPERATION, slice(4, 8)), ("source layout", slice(8, 12)),
            ("destination layout", slice(12, 16)), (_LEAVES, slice(16, 24)))  # fmt: skip
 _GRAD = 1 << 15
 # What to do where ranks would record a gradient through one movement and not all of them would.
@@ -302,6 +304,7 @@ def guard(
     alltoall: bool,
     grad: bool = False,
     leaves: int = 0,
+    tree: int = 0,
 ) -> Guard:
     """The ``Guard`` of moving ``dtype`` data from ``src`` to ``dst`` by ``op`` on the group of ``ranks``.
 
@@ -311,11 +314,12 @@ def guard(
     as that function's exchange tells it (not a ``requires_grad_()`` set by hand on the blocks,
     not under ``torch.func`` transforms), so there it says nothing. ``leaves``: for a tree's
     leaves moved as one, ``recording_leaves``'s digest of which record a gradient here, which
-    the header carries where it says the movement records one.
+    the header carries where it says the movement records one. ``tree``: for one of several
+    movements of a tree, the tree's digest (``moving_tree``), in the operation's.
     """
     marked = grad and set(ranks) <= set(src.ranks)
     code = (_DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0) | (_GRAD if marked else 0)
-    op_digest = hashlib.blake2b(op.encode(), digest_size=4).digest()
+    op_digest = hashlib.blake2b(f"{op} {tree}".encode() if tree else op.encode(), digest_size=4).digest()
     header = np.frombuffer(
         _TAG
         + code.to_bytes(2, "little")

@@ -14,6 +14,7 @@ from fshard._api import random as _random
 from fshard._api.move import resolve_backend
 from fshard._array.array import ShardedArray
 from fshard._base import boxes as _boxes
+from fshard._base.alloc import no_summand
 from fshard._base.cache import cached
 from fshard._errors import LayoutError, SpecError
 from fshard._exec.autograd import check_orderable
@@ -72,7 +73,7 @@ def _filled(layout: Layout) -> np.ndarray | None:
     """Per shard, whether it takes the requested values (``None``: every shard does).
 
     Of a pending sum, each box's first summand (its first copy in layout order and that
-    copy's replicas, ``Layout.terms``) takes them and the other summands hold zeros, so the
+    copy's replicas, ``Layout.terms``) takes them and the other summands add nothing (-0.0), so the
     sum is the requested value; every copy of a pending max or min takes them.
 
     >>> import fshard
@@ -141,7 +142,10 @@ def _create(
     for i in backend.addressable(layout):
         meta = layout._shard(i)  # pyright: ignore[reportPrivateUsage]  # builds one ShardMeta only
         dev = torch.device(meta.placement.device)
-        t = fill(meta, dtype, dev) if filled is None or filled[i] else torch.zeros(meta.sizes, dtype=dtype, device=dev)
+        if filled is None or filled[i]:
+            t = fill(meta, dtype, dev)
+        else:
+            t = no_summand(torch.empty(meta.sizes, dtype=dtype, device=dev))
         data.append(t.requires_grad_(requires_grad) if requires_grad else t)
     return ShardedArray(layout, data, backend, dtype, requires_grad=requires_grad)
 

@@ -19,6 +19,7 @@ from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from fshard._api.psum import psum
 from fshard._errors import SpecError
@@ -144,6 +145,14 @@ def _check_linear(name: str, sub: torch.nn.Module, style: str) -> None:
         msg = (
             f"tensor_parallel() makes submodule {name!r} {style}, but it is a {type(sub).__name__}: only "
             "torch.nn.Linear modules (with Linear's forward) can be split; narrow the pattern."
+        )
+        raise SpecError(msg)
+    if isinstance(sub, NonDynamicallyQuantizableLinear):  # MultiheadAttention's out_proj
+        msg = (
+            f"tensor_parallel() makes submodule {name!r} {style}, but it is a MultiheadAttention's out_proj, "
+            "whose weight the attention reads itself (F.multi_head_attention_forward), never through the "
+            "Linear's forward, where the split is undone: leave it out of the plan (narrow the pattern), or "
+            "write the attention with Linear modules of its own."
         )
         raise SpecError(msg)
 

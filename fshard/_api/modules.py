@@ -16,8 +16,8 @@ from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._errors import CheckpointError
 from fshard._exec.collective import collective
-from fshard._interop.torch_objects import from_sharded_tensor, to_sharded_tensor
-from fshard._layout.torch_meta import is_sharded_tensor
+from fshard._interop.torch_objects import from_dtensor, from_sharded_tensor, to_sharded_tensor
+from fshard._layout.torch_meta import is_dtensor, is_sharded_tensor
 from fshard.backends import Backend
 
 __all__ = ["load_state_dict", "shard_params", "sharded_attributes"]
@@ -38,8 +38,10 @@ def shard_params(
 
     Sharded entries are read too: a module's ``ShardedArray`` and torch
     ``ShardedTensor`` attributes (which ``state_dict()`` leaves out) join the
-    dict under their dotted names, and every ``ShardedTensor`` (attribute or
-    state-dict entry) becomes a ``ShardedArray`` (``fshard.from_sharded_tensor``).
+    dict under their dotted names, every ``ShardedTensor`` (attribute or
+    state-dict entry) becomes a ``ShardedArray`` (``fshard.from_sharded_tensor``),
+    and so does every ``DTensor`` (``fshard.from_dtensor``: the state dict of a
+    module under FSDP2's ``fully_shard`` or DTensor's ``parallelize_module``).
     ``spec_fn`` sees that array; a spec reshards it, ``None`` keeps its layout. So
     ``shard_params(torch_state_dict)`` converts a torch state dict in one call.
     Entries that are neither tensors nor arrays are kept as they are.
@@ -84,6 +86,8 @@ def _state(module_or_state_dict: Any) -> Mapping[str, Any]:
 def _entry(name: str, value: Any, spec_fn: Callable[[str, Any], Any], backend: Backend | None) -> Any:
     if is_sharded_tensor(value):
         value = from_sharded_tensor(value)
+    elif is_dtensor(value):
+        value = from_dtensor(value)
     if isinstance(value, ShardedArray):
         spec = spec_fn(name, value)
         return value if spec is None else reshard(value, spec)

@@ -30,7 +30,7 @@ from fshard._layout.layout import Layout, ShardMeta, with_partial, with_terms
 from fshard._layout.placement import Placement
 from fshard._layout.precision import Precision, check_floating, check_precision
 from fshard._layout.specs import Replicated, as_layout
-from fshard._layout.torch_meta import is_torch_spec
+from fshard._layout.torch_meta import is_dtensor, is_torch_spec
 from fshard._plan import fuse as _fuse
 from fshard.backends import Backend, default_backend
 
@@ -69,7 +69,13 @@ def check_tensor(tensor: Any, what: str) -> torch.Tensor:
 
 
 def check_plain(tensor: torch.Tensor, what: str) -> None:
-    """Raises ``SpecError`` for a tensor whose elements are not plain values in strided memory."""
+    """Raises ``SpecError`` for a tensor whose elements are not plain values in strided memory, or a DTensor."""
+    if is_dtensor(tensor):
+        msg = (
+            f"{what} is a torch DTensor, whose data lives on its mesh's ranks: convert it on every rank with "
+            "fshard.from_dtensor(dt) (then fshard.reshard for another layout), or pass dt.full_tensor()."
+        )
+        raise SpecError(msg)
     if tensor.layout != torch.strided:
         raise SpecError(f"{what} has layout {tensor.layout}; only torch.strided tensors can be sharded.")
     if tensor.is_nested:
@@ -223,7 +229,7 @@ def split_replicas(array: ShardedArray) -> ShardedArray:
     ...                    fshard.Partial(fshard.Named(mesh, (None,)), over="tp"))
     >>> q = split_replicas(p)
     >>> q.layout.terms is None, [s.data.tolist() for s in q.addressable_shards], fshard.gather(q).tolist()
-    (True, [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]], [1.0, 1.0])
+    (True, [[1.0, 1.0], [-0.0, -0.0], [-0.0, -0.0], [-0.0, -0.0]], [1.0, 1.0])
     """
     layout = array.layout
     if layout.terms is None:
@@ -453,15 +459,24 @@ def _reshard_tree(tree: Any, specs: Any, precision: Precision | None) -> Any:
             check_floating(precision, leaf.dtype, f"reshard()'s leaf at {path}")
     src = tuple(map(_LAYOUT, leaves))
     backend = leaves[0].backend
-    if is_spec(specs):
-        layouts = _tree_targets(src, specs, None, backend)
-    else:
+    flat_specs: tuple[Any, ...] | None = None
+    if not is_spec(specs):
         try:
-            flat_specs = treedef.flatten_up_to(specs)
+            flat_specs = tuple(treedef.flatten_up_to(specs))
         except (ValueError, TypeError) as exc:
             msg = f"reshard() takes one spec or a pytree of specs matching the arrays ({treedef}): {exc}"
             raise SpecError(msg) from None
-        layouts = _tree_targets(src, None, tuple(flat_specs), backend)
+    try:
+        layouts = _tree_targets(src, None if flat_specs is not None else specs, flat_specs, backend)
+    except (TypeError, ValueError) as error:  # named by the leaf whose spec does not fit (SpecError, LayoutError)
+        each = flat_specs if flat_specs is not None else (specs,) * len(src)
+        for path, x, s in zip(optree.tree_paths(tree, is_leaf=_is_array, none_is_leaf=False), src, each):
+            try:
+                _targets((x,), s, None, backend)
+            except (TypeError, ValueError):
+                error.add_note(f"(the array at {path} of reshard()'s tree, shape {x.shape})")
+                break
+        raise
     moved: list[Any] = _fused.move_tree(leaves, layouts, precision=precision)
     return optree.tree_unflatten(treedef, moved)
 

@@ -19,10 +19,10 @@ from fshard._exec import autograd as _autograd
 from fshard._exec.collective import collective
 from fshard._exec.fused import move_tree
 from fshard._exec.replicas import check_global, checking
-from fshard._interop.torch_objects import shard_sharded_tensor
+from fshard._interop.torch_objects import shard_dtensor, shard_sharded_tensor
 from fshard._layout.layout import Layout, layout_digest, with_partial
 from fshard._layout.specs import as_layout
-from fshard._layout.torch_meta import is_sharded_tensor
+from fshard._layout.torch_meta import is_dtensor, is_sharded_tensor
 from fshard.backends import Backend
 
 __all__ = ["shard"]
@@ -130,6 +130,12 @@ def _source_problem(tensor: Any, src: int, spec: Any) -> tuple[str, str] | None:
             "fshard.reshard(fshard.from_sharded_tensor(st), spec)."
         )
         return "SpecError", msg
+    if is_dtensor(tensor):
+        msg = (
+            f"shard(..., src={src}) got a torch DTensor on rank {src}: its data already lives on its mesh's "
+            "ranks. Convert it instead, on every rank: fshard.reshard(fshard.from_dtensor(dt), spec)."
+        )
+        return "SpecError", msg
     try:
         check_tensor(tensor, f"shard() input on rank {src}")
     except (TypeError, ValueError) as exc:
@@ -170,7 +176,10 @@ def shard(tensor: Any, spec: Any, *, src: int | None = None, backend: Backend | 
         read correctly, and the result never shares memory with the input.
 
     With a ``Partial`` spec the array's value is still ``tensor``: one copy of each
-    element holds it and the others hold the identity (0 for a sum).
+    element holds it and the others hold the identity (zero for a sum: -0.0 of a
+    floating dtype). A torch ``ShardedTensor`` or ``DTensor`` (with ``src=None``) is
+    already sharded: it is converted (``from_sharded_tensor``, ``from_dtensor``), then
+    resharded to ``spec``.
 
     A tree from rank ``src`` takes one exchange (its structure, shapes and dtypes) and then
     moves as one (``reshard`` of a tree): the leaves of one dtype whose boxes are ranges
@@ -200,6 +209,8 @@ def shard(tensor: Any, spec: Any, *, src: int | None = None, backend: Backend | 
     """
     if is_sharded_tensor(tensor) and src is None:  # already sharded: converted, then resharded
         return shard_sharded_tensor(tensor, spec, src=src, backend=backend)
+    if is_dtensor(tensor) and src is None:
+        return shard_dtensor(tensor, spec, backend=backend)
     backend = resolve_backend(backend)
     if src is not None:
         src = backend.check_rank(src, "src")
@@ -302,7 +313,13 @@ def _flatten(tree: Any, where: str) -> tuple[_Tree | None, tuple[str, str] | Non
     leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_value)
     out: list[_Leaf] = []
     for k, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided or leaf.is_nested or leaf.is_quantized:
+        if (
+            not isinstance(leaf, torch.Tensor)
+            or leaf.layout != torch.strided
+            or leaf.is_nested
+            or leaf.is_quantized
+            or (type(leaf) is not torch.Tensor and is_dtensor(leaf))
+        ):
             return None, _leaf_problem(leaf, treedef.paths()[k], where)  # its path, only where it is needed
         t = resolved(leaf)
         out.append(_Leaf(tuple(t.shape), t.dtype, t.requires_grad, t.device.type, t))

@@ -11,7 +11,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["POOL_LIMIT_BYTES", "POOL_MIN_BYTES", "contiguous_strides", "empty_cache", "new", "use_count"]
+__all__ = [
+    "POOL_LIMIT_BYTES",
+    "POOL_MIN_BYTES",
+    "contiguous_strides",
+    "empty_cache",
+    "new",
+    "no_summand",
+    "use_count",
+]
 
 # Memory of dead CPU output shards kept for reuse, at most this many bytes (see ``_Pool``).
 POOL_LIMIT_BYTES = 1 << 30
@@ -180,3 +188,14 @@ def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
         out.append(step)
         step *= max(n, 1)
     return tuple(reversed(out))
+
+
+def no_summand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` filled with what a summand that adds nothing holds: -0.0 for floating and complex dtypes, else 0.
+
+    -0.0, not 0.0: ``x + -0.0`` is ``x`` for every ``x``, where ``-0.0 + 0.0`` is ``0.0``, so a
+    pending sum of one -0.0 keeps its sign (the bits a round trip through ``Partial`` gives back).
+    """
+    if t.dtype.is_complex:
+        return t.fill_(complex(-0.0, -0.0))
+    return t.fill_(-0.0) if t.dtype.is_floating_point else t.zero_()

@@ -128,6 +128,24 @@ def recording_leaves() -> int:
     return getattr(_LOCAL, "leaves", 0)
 
 
+def moving_tree() -> int:
+    """A digest of the tree whose several movements run on this thread (``set_moving_tree``); 0 elsewhere.
+
+    A tree moved in several movements (one per dtype, or leaves that move alone) carries it in
+    every movement's header, so a rank that moves another tree (another leaf, or one more)
+    raises at the first of them, not later, where a movement of its own would pair with
+    another rank's next call.
+    """
+    return getattr(_LOCAL, "tree", 0)
+
+
+def set_moving_tree(tree: int) -> int:
+    """Sets ``moving_tree()`` on this thread; returns what it was, to set back."""
+    prior = getattr(_LOCAL, "tree", 0)
+    _LOCAL.tree = tree
+    return prior
+
+
 def set_records_gradient(on: bool, leaves: int = 0) -> tuple[bool, int]:
     """Sets ``records_gradient()`` and ``recording_leaves()`` on this thread; returns what they were, to set back."""
     prior = getattr(_LOCAL, "grad", False), getattr(_LOCAL, "leaves", 0)

@@ -9,6 +9,7 @@ reads, from each piece it meets, only the part it needs.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -142,11 +143,25 @@ def _cut(p: Piece, dim: int, lo: int, size: int) -> Piece:
 
 
 def rename_all(views: dict[str, View], rename: Any) -> dict[str, View]:
-    """``views`` under new names: ``rename`` is a mapping (names it lacks stay) or a function of the name."""
+    """``views`` under new names: ``rename`` is a mapping (names it lacks stay) or a function of the name.
+
+    Raises:
+        CheckpointError: a mapping names a tensor the checkpoint lacks (a misspelt name would
+            otherwise leave the tensor it meant under its old name), or two names become one.
+    """
     if rename is None:
         return views
     if isinstance(rename, Mapping):
         table: Mapping[Any, Any] = rename  # pyright: ignore[reportUnknownVariableType]
+        absent = [k for k in table if k not in views]
+        if absent:
+            near = difflib.get_close_matches(str(absent[0]), list(views), n=3)
+            hint = f" (close: {near})" if near else ""
+            msg = (
+                f"load() rename= maps {absent[:5]!r}, which the checkpoint lacks{hint}: fix the names, or pass a "
+                "function of the name to rename names that may be absent."
+            )
+            raise CheckpointError(msg)
         fn: Callable[[str], Any] = lambda name: table.get(name, name)  # noqa: E731
     elif callable(rename):
         fn = rename

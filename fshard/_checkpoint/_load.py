@@ -244,7 +244,8 @@ def load(
         dtype: Hugging Face only: cast every array to this dtype after reading (default:
             the dtype of ``like``'s entry, else the file's).
         rename: Hugging Face only: a mapping of checkpoint names to new names (names it
-            lacks keep theirs) or a function of the name, applied before ``fuse``.
+            lacks keep theirs; a name the checkpoint lacks is refused) or a function of the
+            name, applied before ``fuse``.
         fuse: Hugging Face only: a list of ``fshard.Split`` and ``fshard.Concat``, applied
             in order after ``rename``: one tensor read as several arrays, or several as one.
         verify: check per-box sha256 hashes.

@@ -36,6 +36,7 @@ from typing import Any, cast
 import torch
 
 from fshard._array.array import ShardedArray
+from fshard._base.calls import set_moving_tree
 from fshard._exec import accumulate as _accumulate
 from fshard._exec import autograd as _autograd
 from fshard._exec import buckets as _buckets
@@ -131,12 +132,17 @@ def move_tree(
     # how one process packs; across processes every tree packs flat anyway, and nothing is asked per leaf.
     sums = summing and not backend.spans_processes and any(a.requires_grad for a in arrays)
     recipe = recipe_of(tuple(map(_LAYOUT, arrays)), tuple(layouts), tuple(map(_DTYPE, arrays)), backend, sums)
-    for k in recipe.alone:
-        a = arrays[k]
-        data, link = move(a.layout, layouts[k], backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
-        out[k] = ShardedArray._of(layouts[k], data, backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
-    for group in recipe.fused:
-        _move_flat(group, arrays, layouts, move, out, precision)
+    prior = set_moving_tree(recipe.tree) if recipe.tree else 0  # in each movement's header: ranks that differ raise
+    try:
+        for k in recipe.alone:
+            a = arrays[k]
+            data, link = move(a.layout, layouts[k], backend, a.addressable_data, a._first())  # pyright: ignore[reportPrivateUsage]
+            out[k] = ShardedArray._of(layouts[k], data, backend, _dtype(a, precision), link)  # pyright: ignore[reportPrivateUsage]
+        for group in recipe.fused:
+            _move_flat(group, arrays, layouts, move, out, precision)
+    finally:
+        if recipe.tree:
+            set_moving_tree(prior)
     movements = len(recipe.alone) + len(recipe.fused)
     if precision is not None:  # the arrays in place still change dtype: a cast each, nothing sent
         for k, a in enumerate(arrays):

@@ -31,6 +31,7 @@ __all__ = [
     "from_dtensor",
     "from_sharded_tensor",
     "from_torch_value",
+    "shard_dtensor",
     "shard_sharded_tensor",
     "to_dtensor",
     "to_sharded_tensor",
@@ -179,6 +180,22 @@ def shard_sharded_tensor(st: Any, spec: Any, *, src: int | None = None, backend:
         )
         raise SpecError(msg)
     return reshard(from_sharded_tensor(st), spec)
+
+
+def shard_dtensor(dt: Any, spec: Any, *, backend: Any = None) -> ShardedArray:
+    """``fshard.shard`` of a ``DTensor``: it is already sharded, so it is converted, then resharded.
+
+    Raises:
+        SpecError: ``backend`` is given: a DTensor's data already lives on its mesh's
+            ranks; the message gives the conversion to use.
+    """
+    if backend is not None:
+        msg = (
+            "shard() got a torch DTensor together with backend=: its data already lives on its mesh's ranks. "
+            "Convert it instead: fshard.reshard(fshard.from_dtensor(dt), spec)."
+        )
+        raise SpecError(msg)
+    return reshard(from_dtensor(dt), spec)
 
 
 def from_torch_value(value: Any) -> Any:

@@ -398,7 +398,6 @@ def _same_terms(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return a.tobytes() == b.tobytes()
 
 
-@cached(256)
 @cached(1024)
 def layout_digest(layout: Layout) -> bytes:
     """16 bytes that name ``layout``'s shape, pending op (with its terms) and boxes with their ranks.

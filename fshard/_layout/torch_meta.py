@@ -22,6 +22,7 @@ from fshard._layout.validate import ShardLike
 __all__ = [
     "Box",
     "box_from_torch",
+    "is_dtensor",
     "is_shard_metadata",
     "is_sharded_tensor",
     "is_torch_spec",
@@ -46,6 +47,12 @@ def is_shard_metadata(value: Any) -> bool:
 def is_sharded_tensor(value: Any) -> bool:
     """True for torch's ``ShardedTensor`` (without importing torch.distributed)."""
     cls = _torch_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
+    return cls is not None and isinstance(value, cls)
+
+
+def is_dtensor(value: Any) -> bool:
+    """True for torch's ``DTensor`` (without importing torch.distributed)."""
+    cls = _torch_class("torch.distributed.tensor._api", "DTensor")
     return cls is not None and isinstance(value, cls)
 
 

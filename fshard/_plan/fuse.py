@@ -11,6 +11,7 @@ their layouts and dtypes alone (and, for the shards a rank holds, on the backend
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from fshard._base.cache import cached
-from fshard._layout.layout import Layout, replica_ids
+from fshard._layout.layout import Layout, layout_digest, replica_ids
 from fshard._layout.validate import Columns
 
 __all__ = [
@@ -141,11 +142,14 @@ class Recipe:
     """How ``move_tree`` moves a tree of arrays, from their layouts alone (cached).
 
     ``alone``: the leaves that move one by one; ``fused``: the movements of several leaves.
-    The other leaves are already in their layouts.
+    The other leaves are already in their layouts. ``tree``: where that is more than one
+    movement, a digest of the tree (every leaf's layouts and dtype) that each of them
+    carries in its header (``fshard._base.calls.moving_tree``); else 0.
     """
 
     alone: tuple[int, ...]
     fused: tuple[Fused, ...]
+    tree: int = 0
 
 
 # A leaf of at most this many bytes is stacked with the leaves of its layouts: a movement's
@@ -215,7 +219,13 @@ def recipe_of(
             fused.append(_fuse(src, dst, ranges, itemsize, backend))
         else:
             alone += ranges
-    return Recipe(tuple(sorted(alone)), tuple(fused))
+    tree = 0
+    if len(alone) + len(fused) > 1:
+        h = hashlib.blake2b(repr(dtypes).encode(), digest_size=8)
+        for a, b in zip(src, dst):
+            h.update(layout_digest(a) + layout_digest(b))
+        tree = int.from_bytes(h.digest(), "little") or 1
+    return Recipe(tuple(sorted(alone)), tuple(fused), tree)
 
 
 def _classes(src: tuple[Layout, ...], dst: tuple[Layout, ...], found: list[int], itemsize: int) -> list[list[int]]:
