@@ -22,7 +22,7 @@ from fshard._base.alloc import use_count
 from fshard._exec import flight as _flight
 from fshard._exec import regather as _regather
 from fshard.backends.local import LocalBackend
-from fshard.backends.torch_dist import TorchDistBackend, _choice, _transport, _watch
+from fshard.backends.torch_dist import TorchDistBackend, _choice, _guard, _transport, _watch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -295,6 +295,54 @@ def test_ranks_whose_prefetches_differ_raise_on_every_rank(dist_pool, size):
         assert "ranks [0, 1, 2] sent " in m, m
         assert "ranks [3] sent " in m, m
         assert "they differ in destination layout)" in m, m
+
+
+def _prefetch_of_other_arrays_on_rank_0(skip: bool, d: int) -> str:
+    """Rank 0 alone prefetches (``skip``: every rank but rank 0 does), the arrays the step moves or others.
+
+    A launched movement's header names it apart from a movement made at once: without that,
+    the others' step met rank 0's prefetched round of other arrays of the same layouts and
+    took their data (silently wrong), and rank 0 went on to a movement no rank joined.
+    """
+    (w, b), (w2, b2) = _weights(d)[:2]
+    params = (fshard.shard(w, ROWS), fshard.shard(b, ROWS))
+    later = (fshard.shard(w2, ROWS), fshard.shard(b2, ROWS))
+    x = fshard.from_local_tensor(_rows(dist.get_rank(), d), dim=0)
+    step = fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS)
+    try:
+        if (dist.get_rank() == 0) != skip:
+            fshard.prefetch(params if skip else later, EVERYWHERE)
+        if skip or dist.get_rank() != 0:
+            step(x, *params)
+        else:  # the rank that erred: its next movement checks its launched round once the others met it
+            deadline = time.monotonic() + 30
+            while not all(r.work.is_completed() for r in _guard._LAUNCHED) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            fshard.gather(x)
+    except fshard.CollectiveMismatchError as exc:
+        return str(exc)
+    finally:
+        for p in _flight.pending():
+            _flight.drop(p)
+    return "no error"
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["prefetch-on-one-rank", "prefetch-skipped-on-one-rank"])
+def test_a_prefetch_that_other_ranks_do_not_make_raises_a_mismatch_on_every_rank(dist_pool, skip):
+    messages = dist_pool.run(_prefetch_of_other_arrays_on_rank_0, skip, SIZES["small"], timeout=90)
+    for m in messages:
+        assert "called it with different arguments on process group [0, 1, 2, 3], so no data was read" in m, m
+        assert "ranks [0] sent " in m, m
+        assert "ranks [1, 2, 3] sent " in m, m
+        assert "they differ in operation" in m, m
+    assert dist_pool.run(_gather_back, timeout=60) == [X_SUM] * 4  # the group still works
+
+
+X_SUM = float(sum(range(4)))
+
+
+def _gather_back() -> float:
+    return float(fshard.gather(fshard.from_local_tensor(torch.tensor([float(dist.get_rank())]), dim=0)).sum())
 
 
 def _rank_1_skips_its_prefetches() -> str:

@@ -354,7 +354,11 @@ class TorchDistBackend:
             size = like.element_size()
             in_place = all_contiguous(p.src, p.dst) and by_messages(p, size, len(self.ranks))
             direct_ = in_place or direct(p.src, p.dst, size)
-            out, finish = self._start_move("reshard", p, tensors, None, like.dtype, direct=direct_, own=True)
+            # Named apart from a movement made at once: a rank that launches one (a prefetch) where the others
+            # move other arrays of the same layouts at once raises with them, not receiving those arrays' data.
+            out, finish = self._start_move(
+                "reshard launched ahead", p, tensors, None, like.dtype, direct=direct_, own=True
+            )
 
             def moved() -> tuple[torch.Tensor, ...]:
                 finish()

@@ -127,8 +127,13 @@ class Guard:
         sends = [n * item for n in send_split]
         if max(sends, default=0) > max(self.slots) - HEADER or sends[self.ranks.index(self.rank)]:
             raise RuntimeError(f"fshard internal error: {self.op} sends {sends} bytes inline, past the bound.")
+        check_launched()
         box, work, env = self._round(_bytes(sendbuf), sends, group, own=own)
-        return _Inline(self, work, box, [n * item for n in recv_split], recvbuf, env)
+        started = _Inline(self, work, box, [n * item for n in recv_split], recvbuf, env)
+        if own:  # launched: left in flight while other movements run
+            with _LAUNCHED_LOCK:
+                _LAUNCHED.append(started)
+        return started
 
     def open(self, group: Any) -> Round | None:
         """Starts the round of headers alone, so that it is in flight while the caller packs.
@@ -139,6 +144,7 @@ class Guard:
 
     def _alone(self, group: Any) -> Round:
         """Starts a round of headers alone (also for an inline movement that ends in another collective)."""
+        check_launched()
         if self.wire.type == "cpu" and self.alltoall:
             box, work, _ = self._round(None, (), group)
             return box, work
@@ -226,6 +232,10 @@ class Guard:
         return None if timeout is None else time.monotonic() + timeout
 
     def _late(self, timeout: float, box: np.ndarray | None) -> CollectiveMismatchError:
+        try:  # a launched round that the others met with another movement: that, not their absence, is the error
+            check_launched()
+        except CollectiveMismatchError as mismatch:
+            return mismatch
         who = f"some ranks of process group {list(self.ranks)}"
         if box is not None:
             tags = box[self.at[:, :2]]
@@ -272,7 +282,7 @@ class _Bounded:
         self.guard.wait(self.work)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Inline:
     """A started inline round: ``wait()`` checks every header, then copies the data into ``into``."""
 
@@ -284,12 +294,40 @@ class _Inline:
     sent: torch.Tensor  # the round's send buffer, alive until the wait
 
     def wait(self) -> None:
+        with _LAUNCHED_LOCK:
+            if self in _LAUNCHED:
+                _LAUNCHED.remove(self)
         g, box = self.guard, self.box
         g.wait(self.work, box)
         g.verify(box[g.at])
         parts = [box[a : a + n] for a, n in zip(g.data_at, self.sizes) if n]
         if parts:
             np.concatenate(parts, out=_bytes(self.into))
+
+
+# The launched inline rounds in flight (``start(own=True)``), whose headers are checked at their wait.
+_LAUNCHED: list[_Inline] = []
+_LAUNCHED_LOCK = threading.Lock()
+
+
+def check_launched() -> None:
+    """Checks the headers of the launched rounds in flight that have completed, before another round starts.
+
+    A rank that launched a movement the others did not make (a prefetch on one rank) has its
+    round met by the others' next movement: they raise at once, and without this check it
+    would go on to its own next movement, which no other rank joins, and wait there until
+    ``config(timeout=...)`` ran out, naming the others as late.
+
+    Raises:
+        CollectiveMismatchError: a completed round's headers differ (``Guard.verify``).
+    """
+    if not _LAUNCHED:
+        return
+    with _LAUNCHED_LOCK:
+        done = [r for r in _LAUNCHED if r.work.is_completed()]
+        _LAUNCHED[:] = [r for r in _LAUNCHED if r not in done]  # checked once here (and again at its wait)
+    for r in done:
+        r.guard.verify(r.box[r.guard.at])
 
 
 @cached(512)
