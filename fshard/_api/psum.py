@@ -35,7 +35,8 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     (JAX's ``jax.lax.psum``). Each placement gets the sum of the ``x`` of every placement
     that shares its coordinates on the mesh's other axes, so the result is the same
     along ``axis``. Differentiable: the gradient of each placement's ``x`` is the sum of
-    the result's gradients over ``axis``. On ``torch_dist`` it is one all-reduce on the
+    the result's gradients over ``axis``, and in forward mode (``torch.autograd.forward_ad``)
+    the result's tangent is the sum of the tangents. On ``torch_dist`` it is one all-reduce on the
     processes of ``axis``; on the local backend the bodies of a call that reduces run in
     threads, one each, taking turns, and sum in placement order (the same bits each run).
 

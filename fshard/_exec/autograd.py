@@ -45,6 +45,7 @@ from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._exec import flight as _flight
 from fshard._exec import gathered as _varying
 from fshard._exec.accumulate import Key, key_of, set_aside, syncing, take_back
+from fshard._exec.body import under_hooks
 from fshard._exec.replicas import check_global, checking
 from fshard._layout.batch import with_batch
 from fshard._layout.layout import Layout, ShardMeta, replica_ids, with_partial
@@ -335,6 +336,30 @@ def _holds_result(backend: Any, dst: int | None) -> bool:
     return dst is None or backend.holds(dst)
 
 
+def anchor(ctx: Any, saved: torch.Tensor, backend: Any) -> None:
+    """Under saved-tensor hooks across processes, saves ``saved`` for a movement's backward to read first.
+
+    A non-reentrant ``torch.utils.checkpoint`` recomputes its region in the backward when
+    the first tensor it saved there is read. A rank that holds no block of the region's
+    arrays saves nothing of its own, so it would not recompute the region's movements that
+    the others recompute (their collectives), and every rank would wait. Each movement's
+    node saves this one tensor, read at the start of its backward, so every rank recomputes
+    the region at the backward of its last movement at the latest, before that backward's
+    own collective, where the ranks that hold blocks did too (``reach_anchor``). ``saved``:
+    the node's 0-element link output where it has one (nothing for a hook to copy), else an
+    input. In one process a recomputation runs every rank's part at once: nothing is saved.
+    """
+    if backend.spans_processes and under_hooks():
+        ctx.save_for_backward(saved)
+        ctx.anchored = True
+
+
+def reach_anchor(ctx: Any) -> None:
+    """Reads what ``anchor`` saved, if it did: a checkpointed region is recomputed now, on every rank."""
+    if getattr(ctx, "anchored", False):
+        ctx.saved_tensors  # noqa: B018  # the read is the point: it makes the checkpoint recompute
+
+
 class _Move(torch.autograd.Function):
     @staticmethod
     def forward(src: Layout, dst: Layout, backend: Any, like: torch.Tensor, *tensors: torch.Tensor) -> Any:
@@ -345,6 +370,7 @@ class _Move(torch.autograd.Function):
         src, dst, backend, like = inputs[:4]
         ctx.args = (src, dst, backend, like.dtype, like.device)
         ctx.like_shape = like.shape
+        anchor(ctx, output[-1], backend)
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
@@ -389,6 +415,7 @@ class _MoveSumming(_Move):
 
 def _move_back(ctx: Any, grads: Sequence[Any], summing: bool) -> Any:
     """The backward of a move: the opposite move of the gradients, copies read as replicas (or summed)."""
+    reach_anchor(ctx)
     src, dst, backend, dtype, device = ctx.args
     back, like = _gradients_back(ctx, grads, src, dst, backend, summing, dtype, device)
     if back is None:
@@ -461,10 +488,12 @@ class _CastMove(torch.autograd.Function):
         ctx.args = (src, dst, backend, precision, summing, like.dtype, like.device)
         ctx.like_shape = like.shape
         ctx.sync, ctx.key = (syncing(), key_of(inputs[6:], like)) if summing else (True, None)
+        anchor(ctx, output[-1], backend)
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
+        reach_anchor(ctx)
         src, dst, backend, precision, summing, dtype, device = ctx.args
         wide = precision.reduce_dtype(dtype)
         back, like = _gradients_back(ctx, grads, src, dst, backend, summing, wide, device)
@@ -528,10 +557,12 @@ class _Scatter(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         layout, backend, src, full = inputs
         ctx.args = (layout, backend, src, full.dtype, full.device)
+        anchor(ctx, output[-1], backend)
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
+        reach_anchor(ctx)
         layout, backend, src, dtype, device = ctx.args
         like = carrier(grads, dtype, device)
         return None, None, None, assemble(layout, backend, _dense(layout, backend, grads[:-1], like), like, src)
@@ -566,10 +597,12 @@ class _Assemble(torch.autograd.Function):
         ctx.args = (layout, backend, dst, like.dtype, like.device)
         ctx.parts = parts
         ctx.like_shape = like.shape
+        anchor(ctx, like, backend)
 
     @staticmethod
     @opaque  # autograd calls it back, TorchDynamo's hook still on
     def backward(ctx: Any, *grads: Any) -> Any:
+        reach_anchor(ctx)
         layout, backend, dst = ctx.args[:3]
         grad = grads[0]
         if dst is None and checking():  # every rank holds the result whole: its gradient must agree

@@ -404,6 +404,11 @@ class GroupSum(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         return (None, *GroupSum.apply(ctx.groups, *grads))  # pyright: ignore[reportUnknownMemberType]
 
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        """Linear: the tangents' sums (forward-mode AD, ``torch.autograd.forward_ad``); the groups' is ``None``."""
+        return group_sums(ctx.groups, tangents[1:])
+
 
 def group_sums(groups: tuple[tuple[int, ...], ...], tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Per tensor, the sum over its group (``groups``: the members of each group, in order), on its device."""
@@ -437,3 +442,8 @@ class AllReduce(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         summed = cast("torch.Tensor", AllReduce.apply(ctx.backend, ctx.partition, ctx.ranks, grads[0]))  # pyright: ignore[reportUnknownMemberType]
         return None, None, None, summed
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        """Linear: the tangent's sum over the same processes (forward-mode AD), one more all-reduce."""
+        return ctx.backend.all_reduce_among(tangents[3], ctx.ranks, ctx.partition)
