@@ -264,6 +264,30 @@ def test_reentrant_checkpointing_is_refused() -> None:
     assert name[1] in params  # its name in the module applied, not its submodule's
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpoint_around_the_whole_call_works_either_way(reentrant: bool) -> None:
+    """Only a reentrant checkpoint inside the forward is refused: around apply_module both give the dense gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(RANKS))
+    blocks = [t.requires_grad_() for a in params.values() for t in a.addressable_data]
+    x = torch.linspace(-1, 1, 24, dtype=torch.float64).reshape(4, 6).requires_grad_()
+
+    def region(t: torch.Tensor) -> torch.Tensor:
+        out, _ = fshard.apply_module(model, params, buffers, fshard.shard(t, fshard.Chunk(0, RANKS)))
+        return fshard.gather(out)
+
+    torch.utils.checkpoint.checkpoint(region, x, use_reentrant=reentrant).square().sum().backward()
+    xd = x.detach().clone().requires_grad_()
+    model(xd).square().sum().backward()
+    torch.testing.assert_close(x.grad, xd.grad, rtol=0, atol=ATOL)
+    assert all(t.grad is not None for t in blocks)
+    for name, p in model.named_parameters():
+        for s in params[name].addressable_shards:
+            box = tuple(slice(o, o + n) for o, n in zip(s.meta.offsets, s.meta.sizes))
+            torch.testing.assert_close(s.data.grad, p.grad[box], rtol=0, atol=ATOL)
+
+
 # -- buffers --------------------------------------------------------------------------------
 
 

@@ -63,8 +63,9 @@ def apply_module(
     (a fully-sharded program gathers them here, and its backward reduce-scatters their
     gradients; a replicated one moves nothing and all-reduces them). The module runs as a
     functional clone holding the placement's blocks, so ``torch.utils.checkpoint`` with
-    ``use_reentrant=False`` recomputes with the same tensors (``use_reentrant=True`` is
-    refused); tied parameters are one array used in every place.
+    ``use_reentrant=False`` inside the forward recomputes with the same tensors
+    (``use_reentrant=True`` there is refused; around the whole call either works); tied
+    parameters are one array used in every place.
 
     Buffers that the forward updates, in place or by assigning a new tensor (BatchNorm's
     running statistics, a flag set at the first batch), come back in ``new_buffers``: each
