@@ -276,9 +276,13 @@ def _prefetch_elsewhere_on_rank_3(d: int) -> str:
     x = fshard.from_local_tensor(_rows(dist.get_rank(), d), dim=0)
     spec = fshard.Replicated(R[::-1]) if dist.get_rank() == 3 else EVERYWHERE
     step = fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS)
+    return _mismatch(lambda: (fshard.prefetch(params, spec), step(x, *params)))
+
+
+def _mismatch(fn) -> str:
+    """``fn()``'s CollectiveMismatchError message, or "no error"; the prefetches it left in flight dropped."""
     try:
-        fshard.prefetch(params, spec)
-        step(x, *params)
+        fn()
     except fshard.CollectiveMismatchError as exc:
         return str(exc)
     finally:
@@ -309,7 +313,8 @@ def _prefetch_of_other_arrays_on_rank_0(skip: bool, d: int) -> str:
     later = (fshard.shard(w2, ROWS), fshard.shard(b2, ROWS))
     x = fshard.from_local_tensor(_rows(dist.get_rank(), d), dim=0)
     step = fshard.shard_map(_block, in_specs=(ROWS, EVERYWHERE, EVERYWHERE), out_specs=ROWS)
-    try:
+
+    def program() -> None:
         if (dist.get_rank() == 0) != skip:
             fshard.prefetch(params if skip else later, EVERYWHERE)
         if skip or dist.get_rank() != 0:
@@ -319,12 +324,8 @@ def _prefetch_of_other_arrays_on_rank_0(skip: bool, d: int) -> str:
             while not all(r.work.is_completed() for r in _guard._LAUNCHED) and time.monotonic() < deadline:
                 time.sleep(0.01)
             fshard.gather(x)
-    except fshard.CollectiveMismatchError as exc:
-        return str(exc)
-    finally:
-        for p in _flight.pending():
-            _flight.drop(p)
-    return "no error"
+
+    return _mismatch(program)
 
 
 @pytest.mark.parametrize("skip", [False, True], ids=["prefetch-on-one-rank", "prefetch-skipped-on-one-rank"])

@@ -151,17 +151,23 @@ def _dtensors_where_tensors_go() -> list[object]:
         isinstance(params["w"], fshard.ShardedArray) and torch.equal(fshard.gather(params["w"]), ODD),
         params["w"].layout == spec.layout(ODD.shape),
     ]
-    for call in (
+    return out + _spec_errors(
         lambda: fshard.shard({"w": dt}, spec),
         lambda: fshard.shard(dt, spec, src=0),
         lambda: fshard.shard(dt, spec, backend=LocalBackend(world_size=4)),
-    ):
+    )
+
+
+def _spec_errors(*calls) -> list[str]:
+    """Each call's SpecError message, or "no error"."""
+    messages = []
+    for call in calls:
         try:
             call()
-            out.append("no error")
-        except fshard.SpecError as e:
-            out.append(str(e))
-    return out
+            messages.append("no error")
+        except fshard.SpecError as exc:
+            messages.append(str(exc))
+    return messages
 
 
 @pytest.mark.multiprocess
@@ -180,24 +186,17 @@ def _dtensor_errors() -> list[str]:
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     mesh = init_device_mesh("cpu", (2, 2))
-    messages = []
     partial = DTensor.from_local(torch.ones(2, 3), mesh, [Partial("avg"), Shard(0)], run_check=False)
     boxes = fshard.shard(
         X, fshard.Explicit([((0, 0), (7, 5), 3), ((0, 5), (7, 7), 1), ((7, 0), (3, 12), 0), ((7, 0), (3, 12), 2)])
     )
     two_per_rank = fshard.shard(X, fshard.Chunk(0, [0, 1, 2, 3, 0, 1, 2, 3]))
-    for attempt in (
+    return _spec_errors(
         lambda: fshard.from_dtensor(partial),
         lambda: fshard.to_dtensor(boxes, MESH),
         lambda: fshard.to_dtensor(two_per_rank, MESH),
         lambda: fshard.to_dtensor(fshard.shard(X, fshard.Chunk(0, ALL)), "mesh"),
-    ):
-        try:
-            attempt()
-            messages.append("no error")
-        except fshard.SpecError as exc:
-            messages.append(str(exc))
-    return messages
+    )
 
 
 @pytest.mark.multiprocess
