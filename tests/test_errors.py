@@ -577,6 +577,17 @@ CASES = [
         "vmapped function instead of the array.",
         id="array-unflatten-wrong-shape",
     ),
+    pytest.param(
+        lambda: torch.func.vmap(fshard.gather)(fshard.shard(torch.zeros(2, 4, 6), Chunk(1, [0, 1]))),
+        LayoutError,
+        "Shard 0 tensor has shape (2, 6) but the layout gives it sizes (2, 2, 6): a pytree transform must keep "
+        "every shard's shape, or (torch.func.vmap) add one leading batch dim to all of them. With vmap's out_dims "
+        "other than 0, return the shard tensors (optree.tree_leaves(result)) or fshard.gather(result) from the "
+        "vmapped function instead of the array. A dim fewer than the layout's: torch.func.vmap maps an array "
+        "passed with in_dims=0 over its shards' first dim. Give arrays in_dims None (vmap(f, in_dims=(0, None))): "
+        "an array's layout describes one sample; batch plain tensors and shard them inside the function.",
+        id="array-vmapped-over-its-shards",
+    ),
     # -- the local backend
     pytest.param(
         lambda: fshard.zeros(Chunk(0, ["rank:0/cuda:99"]), 3),

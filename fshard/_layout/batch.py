@@ -56,6 +56,12 @@ def batched_layout(layout: Layout, children: Sequence[torch.Tensor], index: Sequ
         "With vmap's out_dims other than 0, return the shard tensors (optree.tree_leaves(result)) or "
         "fshard.gather(result) from the vmapped function instead of the array."
     )
+    if len(shapes[k]) == layout.ndim - 1:  # a dim fewer: vmap mapped over the shards of an array given to it
+        msg += (
+            " A dim fewer than the layout's: torch.func.vmap maps an array passed with in_dims=0 over its shards' "
+            "first dim. Give arrays in_dims None (vmap(f, in_dims=(0, None))): an array's layout describes one "
+            "sample; batch plain tensors and shard them inside the function."
+        )
     raise LayoutError(msg)
 
 
