@@ -4,8 +4,10 @@ aligned layouts, operators, sum, gradients of replicas, and the replica-aware tr
 from __future__ import annotations
 
 import collections
+import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -351,6 +353,32 @@ def test_operators_refuse_what_is_not_linear_in_a_pending_sum():
         _ = fshard.shard(X, Chunk(0, R)) + fshard.shard(X, Chunk(1, R))
     with pytest.raises(TypeError, match="truth value of a ShardedArray is ambiguous"):
         bool(fshard.shard(X, Chunk(0, R)))
+
+
+def test_a_pending_sum_is_not_scaled_by_inf_nor_divided_by_zero():
+    """Summands of both signs scaled by inf sum to inf - inf (NaN) where the value times inf is inf: refused."""
+    p = fshard.shard(torch.tensor([[3.0], [-2.0]]), Chunk(0, [0, 1])).sum(0)  # the value [1.0]
+    for bad in (lambda: p * math.inf, lambda: -math.inf * p, lambda: p / 0.0, lambda: p * complex(1, math.inf)):
+        with pytest.raises(SpecError, match="whose results can sum to NaN where the reduced value's is not"):
+            bad()
+    assert torch.equal(fshard.gather(p * np.float32(2.0)), torch.tensor([2.0]))  # a numpy scalar is a number
+    assert fshard.gather(p * math.nan).isnan().all()  # NaN either way
+
+
+def test_an_array_and_a_tensor_do_not_combine_and_say_how():
+    """Before, == and != fell back to Python's identity comparison (a bool), the others to a bare TypeError."""
+    a = fshard.shard(X, Chunk(0, R))
+    for bad in (
+        lambda: a == torch.tensor(2.0),
+        lambda: a != torch.tensor(2.0),
+        lambda: a + torch.ones(X.shape),
+        lambda: torch.ones(X.shape) * a,
+        lambda: a < np.zeros(X.shape),
+    ):
+        with pytest.raises(TypeError, match=r"of a ShardedArray and a (torch.Tensor|numpy array): .*fshard.shard"):
+            bad()
+    assert (a == None) is False  # noqa: E711  # other values still compare by identity
+    assert torch.equal(fshard.gather(a * np.int64(3)), X * 3)
 
 
 @pytest.mark.parametrize("spec", [Chunk(0, R), Chunk(1, R), Replicated(R), GRID, ROWS_PAIRS, Chunk(0, [0, 0, 1, 1])])

@@ -12,10 +12,12 @@ pending reduction raises ``SpecError`` with the fix.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 
 from fshard import _config
@@ -78,6 +80,25 @@ def _linear(rule: str | None, symbol: str, left: Any, right: Any) -> bool:
     return True
 
 
+def _check_factor(symbol: str, number: Any, rule: str | None) -> None:
+    """Refuses a number that a pending sum's summands cannot each be scaled by.
+
+    Scaling each summand gives the scaled sum only while every product is finite: by inf, or
+    divided by 0, summands of both signs give inf - inf (NaN) where the reduced value times
+    the number is inf. (A finite factor that makes a summand overflow does too; that
+    depends on the values, and is documented.)
+    """
+    value = complex(number)
+    bad = math.isinf(value.real) or math.isinf(value.imag) or (rule == "divide" and value == 0)
+    if bad:
+        msg = (
+            f"{symbol} {number!r} of a pending sum (Partial) would act on each summand, whose results can sum to NaN "
+            "where the reduced value's is not (inf - inf). Reshard it to a non-partial spec first "
+            "(fshard.reshard(x, spec) reduces it)."
+        )
+        raise SpecError(msg)
+
+
 def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any], Any]:
     fn, symbol, rule = _BINARY[name]
 
@@ -95,8 +116,12 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
             if linear:  # copy by copy: each summand counted once
                 left, right = split_replicas(left), split_replicas(right)
             return map_local(fn, left, right, linear=linear)
+        if isinstance(other, np.generic) and other.ndim == 0:  # a numpy scalar: its Python number
+            other = cast("complex", other.item())
         if isinstance(other, _NUMBERS):
             linear = _linear(rule, symbol, left, right)
+            if linear:
+                _check_factor(symbol, other, rule)
 
             def with_number(t: torch.Tensor) -> Any:
                 return fn(other, t) if reflected else fn(t, other)
@@ -104,6 +129,15 @@ def _binary(name: str, reflected: bool = False) -> Callable[[ShardedArray, Any],
             operand = split_replicas(self) if linear else self
             done = _on_blocks(with_number, operand)
             return done if done is not None else map_local(with_number, operand, linear=linear)
+        if isinstance(other, (torch.Tensor, np.ndarray)):
+            # Not NotImplemented: Python would then compare == and != by identity, a bool and no error.
+            kind = "torch.Tensor" if isinstance(other, torch.Tensor) else "numpy array"
+            msg = (
+                f"{symbol} of a ShardedArray and a {kind}: an array combines with another array of "
+                "its layout or a Python number. Shard the tensor first (fshard.shard(t, a.layout)), apply it to the "
+                "blocks (fshard.map_local(lambda b: b + t, a)), or gather() the array."
+            )
+            raise TypeError(msg)
         return NotImplemented
 
     method.__name__ = f"__{'r' if reflected else ''}{name}__"
