@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fshard._base.alloc import POOL_MIN_BYTES, no_summand
+from fshard._base.alloc import POOL_MIN_BYTES, no_summand, sum_zero
 from fshard._base.alloc import new as new_tensor
 from fshard._base.cache import cached
 from fshard._errors import SpecError
@@ -296,13 +296,11 @@ def span_slice(start: int, size: int) -> slice:
 def identity(op: str, dtype: torch.dtype) -> complex | float | int | bool:
     """The value that ``op`` leaves unchanged: what a destination region no contribution reaches holds.
 
-    Of a sum of floating or complex values, -0.0 (``no_summand``): ``x + -0.0`` is ``x`` for every
-    ``x``, where ``-0.0 + 0.0`` would lose the sign of a -0.0 summed into it.
+    Of a sum, ``sum_zero``: -0.0 of floating and complex values, which keeps a -0.0 summed
+    into it.
     """
     if op == "sum":
-        if dtype.is_complex:
-            return complex(-0.0, -0.0)
-        return -0.0 if dtype.is_floating_point else False if dtype == torch.bool else 0
+        return sum_zero(dtype)
     if dtype == torch.bool:
         return op == "min"
     if dtype.is_floating_point:

@@ -223,12 +223,12 @@ def _sharded_tensors_convert() -> dict[str, bool]:
     # *_like of a ShardedTensor: its layout.
     out["zeros-like"] = fshard.zeros_like(st).layout == want
     # shard() of a ShardedTensor is reshard(from_sharded_tensor(st), spec), through fshard._interop.torch_objects.
-    from fshard._interop.torch_objects import shard_sharded_tensor
+    from fshard._interop.torch_objects import shard_already_sharded
 
-    x = shard_sharded_tensor(st, fshard.Replicated(RANKS))
+    x = shard_already_sharded(st, fshard.Replicated(RANKS))
     out["shard-of-sharded-tensor"] = torch.equal(x.local_tensor(), X)
     try:
-        shard_sharded_tensor(st, Chunk(0, RANKS), src=0)
+        shard_already_sharded(st, Chunk(0, RANKS), src=0)
         out["src-refused"] = False
     except fshard.SpecError as exc:
         out["src-refused"] = "fshard.reshard(fshard.from_sharded_tensor(st), spec)" in str(exc)

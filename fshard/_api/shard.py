@@ -19,7 +19,7 @@ from fshard._exec import autograd as _autograd
 from fshard._exec.collective import collective
 from fshard._exec.fused import move_tree
 from fshard._exec.replicas import check_global, checking
-from fshard._interop.torch_objects import shard_dtensor, shard_sharded_tensor
+from fshard._interop.torch_objects import already_sharded, shard_already_sharded
 from fshard._layout.layout import Layout, layout_digest, with_partial
 from fshard._layout.specs import as_layout
 from fshard._layout.torch_meta import is_dtensor, is_sharded_tensor
@@ -123,17 +123,12 @@ def _source_problem(tensor: Any, src: int, spec: Any) -> tuple[str, str] | None:
     """What is wrong with rank ``src``'s source tensor, as (exception type, message), or ``None``."""
     if tensor is None:
         return "SpecError", f"shard(..., src={src}) needs a tensor on rank {src}, got None."
-    if is_sharded_tensor(tensor):
+    found = already_sharded(tensor)
+    if found is not None:
+        kind, where, convert = found
         msg = (
-            f"shard(..., src={src}) got a torch ShardedTensor on rank {src}: its data already lives on its "
-            "process group's ranks. Convert it instead, on every rank: "
-            "fshard.reshard(fshard.from_sharded_tensor(st), spec)."
-        )
-        return "SpecError", msg
-    if is_dtensor(tensor):
-        msg = (
-            f"shard(..., src={src}) got a torch DTensor on rank {src}: its data already lives on its mesh's "
-            "ranks. Convert it instead, on every rank: fshard.reshard(fshard.from_dtensor(dt), spec)."
+            f"shard(..., src={src}) got a torch {kind} on rank {src}: its data already lives on {where}. Convert it "
+            f"instead, on every rank: fshard.reshard({convert}, spec)."
         )
         return "SpecError", msg
     try:
@@ -207,10 +202,8 @@ def shard(tensor: Any, spec: Any, *, src: int | None = None, backend: Backend | 
     >>> [s.data.shape for s in tree["w"].addressable_shards], tree["scale"]
     ([torch.Size([2, 2]), torch.Size([2, 2])], None)
     """
-    if is_sharded_tensor(tensor) and src is None:  # already sharded: converted, then resharded
-        return shard_sharded_tensor(tensor, spec, src=src, backend=backend)
-    if is_dtensor(tensor) and src is None:
-        return shard_dtensor(tensor, spec, backend=backend)
+    if src is None and already_sharded(tensor) is not None:  # converted, then resharded
+        return shard_already_sharded(tensor, spec, backend=backend)
     backend = resolve_backend(backend)
     if src is not None:
         src = backend.check_rank(src, "src")

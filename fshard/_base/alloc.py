@@ -18,6 +18,7 @@ __all__ = [
     "empty_cache",
     "new",
     "no_summand",
+    "sum_zero",
     "use_count",
 ]
 
@@ -190,12 +191,20 @@ def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def no_summand(t: torch.Tensor) -> torch.Tensor:
-    """``t`` filled with what a summand that adds nothing holds: -0.0 for floating and complex dtypes, else 0.
+def sum_zero(dtype: torch.dtype) -> complex | float | int | bool:
+    """What a summand that adds nothing holds: -0.0 for floating and complex dtypes, else 0.
 
     -0.0, not 0.0: ``x + -0.0`` is ``x`` for every ``x``, where ``-0.0 + 0.0`` is ``0.0``, so a
     pending sum of one -0.0 keeps its sign (the bits a round trip through ``Partial`` gives back).
+
+    >>> sum_zero(torch.float32), sum_zero(torch.int64), sum_zero(torch.bool)
+    (-0.0, 0, False)
     """
-    if t.dtype.is_complex:
-        return t.fill_(complex(-0.0, -0.0))
-    return t.fill_(-0.0) if t.dtype.is_floating_point else t.zero_()
+    if dtype.is_complex:
+        return complex(-0.0, -0.0)
+    return -0.0 if dtype.is_floating_point else False if dtype == torch.bool else 0
+
+
+def no_summand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` filled with ``sum_zero`` of its dtype: a summand of a pending sum that adds nothing."""
+    return t.fill_(sum_zero(t.dtype))

@@ -24,15 +24,15 @@ from fshard._interop.strided import strided_layout
 from fshard._layout.layout import Layout, ShardMeta
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Mesh, Named
-from fshard._layout.torch_meta import is_sharded_tensor
+from fshard._layout.torch_meta import is_dtensor, is_sharded_tensor
 from fshard.backends import Backend, for_group
 
 __all__ = [
     "from_dtensor",
     "from_sharded_tensor",
     "from_torch_value",
-    "shard_dtensor",
-    "shard_sharded_tensor",
+    "already_sharded",
+    "shard_already_sharded",
     "to_dtensor",
     "to_sharded_tensor",
 ]
@@ -166,36 +166,39 @@ def from_sharded_tensor(st: Any) -> ShardedArray:
     return from_local_shards_and_layout(shards, layout, backend=_torch_dist_backend(st._process_group))
 
 
-def shard_sharded_tensor(st: Any, spec: Any, *, src: int | None = None, backend: Any = None) -> ShardedArray:
-    """``fshard.shard`` of a ``ShardedTensor``: it is already sharded, so it is converted, then resharded.
+def already_sharded(value: Any) -> tuple[str, str, str] | None:
+    """A torch value whose data already lives on its ranks: its kind, where, and its conversion; else ``None``.
 
-    Raises:
-        SpecError: ``src`` or ``backend`` is given: a ShardedTensor's data already lives
-            on its process group's ranks; the message gives the conversion to use.
+    >>> import torch
+    >>> already_sharded(torch.ones(2)) is None
+    True
     """
-    if src is not None or backend is not None:
-        msg = (
-            "shard() got a torch ShardedTensor together with src= or backend=: its data already lives on its "
-            "process group's ranks. Convert it instead: fshard.reshard(fshard.from_sharded_tensor(st), spec)."
-        )
-        raise SpecError(msg)
-    return reshard(from_sharded_tensor(st), spec)
+    if is_sharded_tensor(value):
+        return "ShardedTensor", "its process group's ranks", "fshard.from_sharded_tensor(st)"
+    if is_dtensor(value):
+        return "DTensor", "its mesh's ranks", "fshard.from_dtensor(dt)"
+    return None
 
 
-def shard_dtensor(dt: Any, spec: Any, *, backend: Any = None) -> ShardedArray:
-    """``fshard.shard`` of a ``DTensor``: it is already sharded, so it is converted, then resharded.
+def shard_already_sharded(value: Any, spec: Any, *, src: int | None = None, backend: Any = None) -> ShardedArray:
+    """``fshard.shard`` of a ``ShardedTensor`` or ``DTensor``: it is already sharded, so converted, then resharded.
 
     Raises:
-        SpecError: ``backend`` is given: a DTensor's data already lives on its mesh's
+        SpecError: ``src`` or ``backend`` is given: the value's data already lives on its
             ranks; the message gives the conversion to use.
     """
-    if backend is not None:
+    found = already_sharded(value)
+    if found is None:
+        raise TypeError(f"shard_already_sharded() takes a ShardedTensor or a DTensor, got {type(value).__name__}.")
+    kind, where, convert = found
+    if src is not None or backend is not None:
+        given = "src=" if src is not None else "backend="
         msg = (
-            "shard() got a torch DTensor together with backend=: its data already lives on its mesh's ranks. "
-            "Convert it instead: fshard.reshard(fshard.from_dtensor(dt), spec)."
+            f"shard() got a torch {kind} together with {given}: its data already lives on {where}. Convert it "
+            f"instead: fshard.reshard({convert}, spec)."
         )
         raise SpecError(msg)
-    return reshard(from_dtensor(dt), spec)
+    return reshard(from_sharded_tensor(value) if kind == "ShardedTensor" else from_dtensor(value), spec)
 
 
 def from_torch_value(value: Any) -> Any:
@@ -375,7 +378,7 @@ def from_dtensor(dt: Any) -> ShardedArray:
     (True, [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]])
     >>> dist.destroy_process_group()
     """
-    if not _is_dtensor(dt):
+    if not is_dtensor(dt):
         raise TypeError(f"from_dtensor() takes a torch DTensor, got {type(dt).__name__}.")
     _check_placements(dt)
     device_mesh = dt.device_mesh
@@ -421,12 +424,6 @@ def _split_of(p: Any) -> tuple[str, int, int]:
 
 def _view(offsets: Any, sizes: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(int(o), int(o) + n) for o, n in zip(offsets, sizes))
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
 
 
 def _mesh_group(device_mesh: Any) -> Any:
