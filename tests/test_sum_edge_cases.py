@@ -7,9 +7,11 @@ on every rank, whether the rank holds a summand, only an empty shard, or nothing
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,6 +140,24 @@ def test_sum_still_refuses_a_dim_named_twice() -> None:
     x = fshard.shard(X.double(), Chunk(0, R))
     with pytest.raises(fshard.SpecError, match="names a dim twice"):
         x.sum((0, -3))
+
+
+@pytest.mark.parametrize(
+    ("dim", "named"), [(1.0, "dim=1.0;"), ("x", "dim='x';"), (True, "dim=True;"), ((0, 1.0), "whose 1.0 is not an int")]
+)
+def test_sum_refuses_a_dim_that_is_not_an_int_naming_it(dim: Any, named: str) -> None:
+    x = fshard.shard(X.double(), Chunk(0, R))
+    with pytest.raises(TypeError, match=re.escape(named)):
+        x.sum(dim)
+    with pytest.raises(TypeError):  # torch refuses each too
+        X.double().sum(dim)
+
+
+def test_sum_takes_numpy_ints_and_lists_of_dims_as_torch() -> None:
+    x = fshard.shard(X.double(), Chunk(0, R))
+    dims: tuple[Any, ...] = (np.int64(2), [2], (np.int64(-1),))
+    for dim in dims:
+        assert torch.equal(fshard.gather(x.sum(dim)), X.double().sum(2))
 
 
 @pytest.mark.parametrize("dim", [0, -1, (0,), (-1,)])

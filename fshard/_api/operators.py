@@ -260,15 +260,25 @@ def array_sum(self: ShardedArray, dim: int | tuple[int, ...] | None = None, keep
     return map_local(block_sum, self, out_spec=out)
 
 
-def _dims(dim: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
+def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
     """``dim`` as sorted dims in ``range(ndim)``: ``None`` and ``()`` name every dim, as in ``torch.sum``."""
-    dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+    if dim is None:
+        dims: tuple[Any, ...] = ()
+    elif isinstance(dim, (tuple, list)):
+        dims = tuple(cast("tuple[Any, ...] | list[Any]", dim))
+    else:
+        dims = (dim,)
     if not dims:
         return tuple(range(ndim))
     out: list[int] = []
     n = max(ndim, 1)  # torch wraps a 0-d tensor's dims as one dim's: 0 and -1 name it
     for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or not -n <= d < n:  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's dims
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            why = f", whose {d!r} is not an int" if d is not dim else ""
+            msg = f"sum() got dim={dim!r}{why}; give an int, a tuple of ints, or None (every dim), as torch.sum takes."
+            raise TypeError(msg)
+        d = int(cast("int", d))
+        if not -n <= d < n:
             msg = f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {d})"
             raise IndexError(msg)
         out.append(d % n)
