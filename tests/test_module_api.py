@@ -1137,3 +1137,21 @@ def test_a_pending_sum_as_input_is_refused_with_or_without_out_specs():
     for kw in ({}, {"out_specs": summed}):
         with pytest.raises(fshard.SpecError, match=r"forward argument 0 is a pending sum \(Partial\)"):
             fshard.apply_module(model, params, buffers, x, **kw)
+
+
+def test_a_lazy_module_is_refused_naming_its_parameter_until_its_first_forward() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LazyLinear(4))
+    lazy = "is an uninitialized parameter or buffer of a lazy module"
+    for make, named in (
+        (lambda: fshard.shard_module(model, fshard.replicated(RANKS)), "'1.weight' "),
+        (lambda: fshard.shard_params(model, lambda name, t: fshard.Replicated(RANKS)), "'1.weight' "),
+        (lambda: fshard.shard(model[1].weight, fshard.Replicated(RANKS)), "shard() input "),
+        (lambda: fshard.shard({"w": model[1].weight}, fshard.Replicated(RANKS)), "shard() input at ('w',) "),
+    ):
+        with pytest.raises(fshard.SpecError, match=re.escape(named + lazy) + ".*run the module once"):
+            make()
+    x = torch.randn(2, 3)
+    want = model(x)  # the first forward gives the lazy layer its shapes
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    out, _ = fshard.apply_module(model, params, buffers, fshard.shard(x, fshard.Chunk(0, RANKS)))
+    torch.testing.assert_close(fshard.gather(out), want)

@@ -408,3 +408,44 @@ def test_a_colwise_output_no_rowwise_linear_sums_is_refused_at_the_first_call_on
     )
     assert local == [refused, refused, refused, refused, "ok True", "ok True"]
     assert dist_pool.run(_column_head_outputs, timeout=120) == [local] * 4
+
+
+class _SharedBlock(torch.nn.Module):
+    """One block reused at every depth (ALBERT's pattern): its submodules have two names each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = torch.nn.ModuleDict({"up": torch.nn.Linear(8, 16), "down": torch.nn.Linear(16, 8)})
+        self.layers = torch.nn.ModuleList([block, block])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for b in self.layers:
+            h = h + b["down"](torch.relu(b["up"](h)))
+        return h
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"layers.*.up": "colwise", "layers.*.down": "rowwise"},
+        {"layers.0.up": "colwise", "layers.0.down": "rowwise", "layers.1.up": "colwise", "layers.1.down": "rowwise"},
+    ],
+)
+def test_a_block_reused_under_several_names_is_planned_by_any_of_them(plan: dict[str, str]):
+    torch.manual_seed(0)
+    model = _SharedBlock().double()
+    rules = fshard.tensor_parallel(_mesh(), plan)
+    params, buffers = fshard.shard_module(model, rules)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    out, _ = fshard.apply_module(model, params, buffers, fshard.shard(x, rules.rows), rules=rules)
+    fshard.gather(out).square().sum().backward()
+    model(x).square().sum().backward()
+    torch.testing.assert_close(fshard.gather(out), model(x))
+    assert sorted(params) == ["layers.0.down.bias", "layers.0.down.weight", "layers.0.up.bias", "layers.0.up.weight"]
+    for name, array in params.items():
+        for s in array.addressable_shards:
+            box = tuple(slice(o, o + n) for o, n in zip(s.meta.offsets, s.meta.sizes, strict=True))
+            torch.testing.assert_close(s.data.grad, model.get_parameter(name).grad[box])
+    only_first = {"layers.0.up": "colwise", "layers.0.down": "rowwise"}  # its other name is left whole
+    with pytest.raises(fshard.SpecError, match=r"'layers\.1\.up\.weight' .* tied to 'layers\.0\.up\.weight'"):
+        fshard.shard_module(model, fshard.tensor_parallel(_mesh(), only_first))

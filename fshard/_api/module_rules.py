@@ -21,6 +21,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fshard._api.module_tp import TensorParallel
+from fshard._api.move import refuse_lazy
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
@@ -61,7 +62,11 @@ _CACHE: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], Struct
 
 def structure(module: torch.nn.Module) -> Structure:
     """The module's ``Structure``, cached on the module object while what it holds stays the same."""
-    key = _fingerprint(module)
+    try:
+        key = _fingerprint(module)
+    except RuntimeError:  # a lazy module's parameter has no shape: _read names it
+        _read(module)
+        raise
     hit = _CACHE.get(module)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -127,6 +132,7 @@ def _read(module: torch.nn.Module) -> Structure:
                 if t is None:
                     continue
                 name = f"{path}.{local}" if path else local
+                refuse_lazy(t, f"{name!r}")
                 key = first.setdefault(id(t), name)
                 shapes.setdefault(key, tuple(t.shape))
                 if kinds.setdefault(id(t), kind) != kind:

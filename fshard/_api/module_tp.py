@@ -112,7 +112,8 @@ class TensorParallel:
         Raises:
             SpecError: a pattern that names no submodule, or names one that is not a ``torch.nn.Linear``.
         """
-        names = dict(module.named_modules())  # pyright: ignore[reportUnknownArgumentType]
+        # Every name of a submodule used under several (one block reused at each depth): a plan may name any.
+        names = dict(module.named_modules(remove_duplicate=False))  # pyright: ignore[reportUnknownArgumentType]
         rows: dict[int, str] = {}
         for pattern, style in self.plan:
             hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]

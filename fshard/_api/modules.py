@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 
 from fshard._api.module_rules import structure
-from fshard._api.move import gather, reshard
+from fshard._api.move import gather, refuse_lazy, reshard
 from fshard._api.shard import shard
 from fshard._array.array import ShardedArray
 from fshard._errors import CheckpointError
@@ -93,6 +93,7 @@ def _entry(name: str, value: Any, spec_fn: Callable[[str, Any], Any], backend: B
         return value if spec is None else reshard(value, spec)
     if not isinstance(value, torch.Tensor):
         return value
+    refuse_lazy(value, f"{name!r}")
     tensor = value.detach()
     spec = spec_fn(name, tensor)
     return tensor.clone() if spec is None else shard(tensor, spec, backend=backend)

@@ -70,6 +70,7 @@ def check_tensor(tensor: Any, what: str) -> torch.Tensor:
 
 def check_plain(tensor: torch.Tensor, what: str) -> None:
     """Raises ``SpecError`` for a tensor whose elements are not plain values in strided memory, or a DTensor."""
+    refuse_lazy(tensor, what)
     if is_dtensor(tensor):
         msg = (
             f"{what} is a torch DTensor, whose data lives on its mesh's ranks: convert it on every rank with "
@@ -83,6 +84,16 @@ def check_plain(tensor: torch.Tensor, what: str) -> None:
         raise SpecError(msg)
     if tensor.is_quantized:
         msg = f"{what} has quantized dtype {tensor.dtype}, which fshard cannot shard: dequantize it (x.dequantize())."
+        raise SpecError(msg)
+
+
+def refuse_lazy(tensor: torch.Tensor, what: str) -> None:
+    """Raises ``SpecError`` for a lazy module's parameter or buffer, which has no shape until its first forward."""
+    if type(tensor) is not torch.Tensor and torch.nn.parameter.is_lazy(tensor):
+        msg = (
+            f"{what} is an uninitialized parameter or buffer of a lazy module (torch.nn.LazyLinear and kin), "
+            "which has no shape yet: run the module once on an example batch first, so that its shapes are known."
+        )
         raise SpecError(msg)
 
 

@@ -311,7 +311,7 @@ def _flatten(tree: Any, where: str) -> tuple[_Tree | None, tuple[str, str] | Non
             or leaf.layout != torch.strided
             or leaf.is_nested
             or leaf.is_quantized
-            or (type(leaf) is not torch.Tensor and is_dtensor(leaf))
+            or (type(leaf) is not torch.Tensor and (is_dtensor(leaf) or torch.nn.parameter.is_lazy(leaf)))
         ):
             return None, _leaf_problem(leaf, treedef.paths()[k], where)  # its path, only where it is needed
         t = resolved(leaf)
