@@ -10,11 +10,13 @@ import json
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import fshard
@@ -303,6 +305,12 @@ LOAD_ERRORS = [
         "Tensor 'step' of the checkpoint has shape (), like= has (2,)",
     ),
     ({"like": {"step": 3}}, TypeError, "like= gives a int for 'step'"),
+    (
+        {"like": {"embed.weight": torch.zeros(10, 8, dtype=torch.int8)}},
+        fshard.CheckpointError,
+        "Tensor 'embed.weight' of the checkpoint is torch.float32, like= has torch.int8: like= casts to its dtype "
+        "only where torch.can_cast allows it",
+    ),
     ({"like": [1]}, TypeError, "like= of a Hugging Face checkpoint takes a mapping of names, got list"),
     (
         {"specs": {"step": fshard.Partial(fshard.Replicated(R))}},
@@ -409,6 +417,27 @@ def test_sharded_files_and_index_as_huggingface_hub_cuts_them(tmp_path: Path) ->
         assert json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"] == {"format": "pt"}
 
 
+def test_a_tensor_that_a_listed_file_holds_and_the_index_leaves_out_is_read_as_transformers_reads_it(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "ck"
+    fshard.save_safetensors(folder, {"a": torch.ones(100), "b": torch.full((100,), 2.0), "c": torch.zeros(1000)},
+                            max_shard_size="1KB")  # fmt: skip
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    assert index["weight_map"]["a"] == index["weight_map"]["b"]  # a and b share a file
+    del index["weight_map"]["b"]
+    path.write_text(json.dumps(index))
+    got = fshard.load(folder)
+    assert sorted(got) == ["a", "b", "c"]
+    assert torch.equal(got["b"], torch.full((100,), 2.0))
+    index["weight_map"]["d"] = "model-extra.safetensors"  # now two listed files hold b, and the index names neither
+    save_file({"b": torch.full((100,), 3.0), "d": torch.ones(1)}, folder / "model-extra.safetensors")
+    path.write_text(json.dumps(index))
+    with pytest.raises(fshard.CheckpointError, match=r"Tensor 'b' is in both .* names neither"):
+        fshard.load(folder)
+
+
 def test_shard_files_matches_huggingface_hub_on_many_sizes() -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -471,7 +500,33 @@ def test_a_file_or_an_fshard_checkpoint_is_not_overwritten(tmp_path: Path) -> No
     fshard.save(tmp_path / "ck", {"w": torch.ones(1)})
     with pytest.raises(fshard.CheckpointError, match="is an fshard checkpoint"):
         fshard.save_safetensors(tmp_path / "ck", {"w": torch.ones(1)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "file"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process: no group, as meant
+        dcp.save({"old": torch.zeros(4)}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    with pytest.raises(fshard.CheckpointError, match=r"is a torch DCP checkpoint \(it holds \.metadata\)"):
+        fshard.save_safetensors(tmp_path / "dcp", {"new": torch.ones(4)})  # load() would read the old one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "dcp", "file"]
+    assert list(fshard.load(tmp_path / "dcp")) == ["old"]
+
+
+def test_a_save_into_a_new_folder_that_another_save_made_meanwhile_raises_and_mixes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second save to finish finds the folder made by the first: it commits nothing, rather than its files."""
+    folder = tmp_path / "ck"
+    write = _hf_direct.write_runs
+
+    def meanwhile(*args: Any) -> None:  # another save begins and commits while this one writes
+        monkeypatch.setattr(_hf_direct, "write_runs", write)
+        fshard.save_safetensors(folder, {"w": torch.full((40,), 2.0), "b": torch.full((3,), 2.0)}, max_shard_size=100)
+        write(*args)
+
+    monkeypatch.setattr(_hf_direct, "write_runs", meanwhile)
+    with pytest.raises(fshard.CheckpointError, match=r"was made by another save while this one wrote"):
+        fshard.save_safetensors(folder, {"w": torch.full((40,), 1.0), "b": torch.full((3,), 1.0)}, max_shard_size=100)
+    got = fshard.load(folder)
+    assert {n: t.unique().tolist() for n, t in got.items()} == {"b": [2.0], "w": [2.0]}
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no staging folder left
 
 
 def test_a_failed_write_leaves_no_folder_and_no_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

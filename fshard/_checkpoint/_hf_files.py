@@ -4,7 +4,8 @@ Every header is read and checked (``_safetensors.read_header``) before any data.
 indexed folder (``model.safetensors.index.json``), the ``weight_map`` names the file of
 each tensor; it is untrusted input like the headers, so its file names must be plain
 names of ``.safetensors`` files in the folder (no separators, no ``..``), and each
-tensor must be in the file it names.
+tensor must be in the file it names. A tensor of a listed file that the index leaves out
+is read from that file (as ``transformers`` reads it), and refused if two files hold it.
 """
 
 from __future__ import annotations
@@ -105,4 +106,17 @@ def _from_index(root: Path, index: Path) -> dict[str, Source]:
         if entry is None:
             raise CheckpointError(f"{index} puts tensor {name!r} in {root / file}, which does not hold it.")
         out[name] = Source(headers[file], entry)
+    # A tensor that a listed file holds but the index leaves out is read too, as transformers'
+    # from_pretrained reads every tensor of the files an index lists.
+    for file, header in headers.items():
+        for e in header.entries:
+            if e.name in weights:
+                continue
+            if e.name in out:
+                msg = (
+                    f"Tensor {e.name!r} is in both {out[e.name].header.path} and {root / file}, and {index} names "
+                    "neither: add it to the index's weight_map, or remove it from one file."
+                )
+                raise CheckpointError(msg)
+            out[e.name] = Source(header, e)
     return out

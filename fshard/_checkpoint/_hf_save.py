@@ -159,11 +159,14 @@ def _write_all(
     writers = _writers([sum(nbytes[i] for i in f) for f in files], ranks)
     stage, leader = stage_for(root, token), backend.holds(ranks[0])
     with contextlib.ExitStack() as lock:
+        fresh = [False]  # the folder did not exist when the save began: its commit is one rename
 
         def begin() -> None:
             if leader:
                 if check_target(root):
                     lock.enter_context(save_lock(root))  # one save at a time into an existing folder
+                else:
+                    fresh[0] = True
                 with writing(stage):
                     stage.mkdir()
 
@@ -176,7 +179,7 @@ def _write_all(
         def finish() -> None:
             if leader:
                 index = _index(leaves, files, names, nbytes) if len(files) > 1 else None
-                commit(root, stage, names, index)
+                commit(root, stage, names, index, fresh=fresh[0])
 
         try:
             agree(backend, "fshard.save_safetensors", begin)

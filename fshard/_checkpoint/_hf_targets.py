@@ -95,6 +95,12 @@ def wants_like(views: dict[str, View], like: Any, dtype: torch.dtype | None, coo
             raise CheckpointError(
                 f"Tensor {name!r} of the checkpoint has shape {view.shape}, like= has {tuple(x.shape)}."
             )
+        if dtype is None and not torch.can_cast(view.dtype, x.dtype):
+            raise CheckpointError(
+                f"Tensor {name!r} of the checkpoint is {view.dtype}, like= has {x.dtype}: like= casts to its dtype "
+                "only where torch.can_cast allows it (not a float to an int, nor a complex to a real). Give like= "
+                f"the saved dtype and convert after loading, or ask for the cast with dtype={x.dtype}."
+            )
         if isinstance(x, ShardedArray):
             if x.backend != coord:
                 raise SpecError(f"load() like= holds {name!r} on backend {x.backend!r}, others on {coord!r}: use one.")
