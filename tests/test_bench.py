@@ -484,10 +484,12 @@ def test_the_tp_training_case_times_both_programs_and_counts_fshards_movements()
     # half of each, twice), the gradients of the 9,120 replicated parameters summed over their two
     # copies (their last bucket carrying more elements: the count of late gradients, a value that
     # fshard.backward would carry, and each of the 29 replicated tensors' uses), and the loss's element.
+    # Each forward psum also sums 4 counts (of the ranks whose summand records a gradient, or has a tangent).
     activations = 4 * training.BLOCKS * training.BATCH * training.SEQ * 16
     replicated = 4096 + 512 + training.BLOCKS * (4 * 16 + 2 * 16) + 2 * 16 + 4096
     tensors = 2 + training.BLOCKS * 6 + 3  # wte, wpe; per block two norms' weights and biases, two biases; ln, head
-    assert rows[0].sent_bytes == 4 * (activations + replicated + 2 + tensors + 1)
+    counts = 4 * 2 * training.BLOCKS
+    assert rows[0].sent_bytes == 4 * (activations + replicated + 2 + tensors + 1 + counts)
     assert rows[0].min_bytes == 4 * activations
     assert "19 collectives per step" in rows[0].note  # 16 psums, the loss, its exchange of outcomes, one bucket
 

@@ -210,6 +210,8 @@ def test_shard_map_errors_name_the_argument():
         fshard.shard_map(torch.add, (Chunk(0, R), Chunk(0, [0, 0, 1, 2])), Chunk(0, R))(X, X)
     with pytest.raises(SpecError, match=re.escape("shard_map() got 1 arguments but in_specs has 2 entries")):
         fshard.shard_map(torch.neg, (Chunk(0, R), Chunk(0, R)), Chunk(0, R))(X)
+    with pytest.raises(TypeError, match=re.escape("takes its arguments by position, one per in_spec; got keyword")):
+        fshard.shard_map(lambda a, k=1: a * k, Chunk(0, R), Chunk(0, R))(X, k=torch.tensor(2.0))
     with pytest.raises(SpecError, match="no block on"):
         fshard.shard_map(torch.neg, Chunk(0, R), Chunk(0, [0, 1]))(X)
 

@@ -66,9 +66,10 @@ def _flat_psum_counts() -> tuple[list[float], int, int]:
 def test_one_all_reduce_per_psum(dist_pool):
     for got, collectives, sent in dist_pool.run(_flat_psum_counts, timeout=60):
         assert got == [12.0, 16.0] * 4
-        # One all-reduce of 2 elements (2 * 3 * 2 // 4 sent per rank), and the posted check of what fn returned
-        # (its two elements are no movement's).
-        assert (collectives, sent) == (2, 3)
+        # One all-reduce of 2 elements and 4 counts (of the placements whose summand records a gradient, or not,
+        # and has a tangent, or not): 2 * 3 * 6 // 4 sent per rank; and the posted check of what fn returned (its
+        # two elements are no movement's).
+        assert (collectives, sent) == (2, 9)
 
 
 def _in_check_mode(fn):
@@ -227,3 +228,50 @@ def _forward_mode_through_psum() -> list[list[bool]]:
 def test_forward_mode_ad_through_psum_sums_the_tangents(dist_pool):
     assert _forward_mode_through_psum() == [[True, True]] * 2  # the local backend: bodies in threads
     assert dist_pool.run(_forward_mode_through_psum, timeout=90) == [[[True, True]] * 2] * 4
+
+
+def _psum_unlike_in_autograd(kind: str) -> str:
+    """A psum whose summand records a gradient (or has a tangent) on some placements only, or a body that
+    differentiates through its own psum: the local backend summed what one process cannot, and processes hung
+    (a backward sum that rank 0 never joined), failed with Gloo's own error, or gave n times the gradient."""
+    import torch.autograd.forward_ad as fw
+
+    ranks = [0, 1, 2, 3]
+    x = torch.arange(1.0, 5.0, dtype=torch.float64, requires_grad=kind == "grad inside")
+    w = torch.tensor([2.0], dtype=torch.float64, requires_grad=True)
+
+    def body(b: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+        if kind == "records":
+            return fshard.psum(b * wb if b.sum() > 1.5 else b, "x") * wb  # placement 0's summand leaves w out
+        if kind == "tangent":
+            return fshard.psum(b * b if b.sum() > 1.5 else b.detach(), "x")
+        y = fshard.psum(b**3, "x")
+        return torch.autograd.grad(y.sum(), b)[0]
+
+    f = fshard.shard_map(
+        body, in_specs=(fshard.Chunk(0, ranks), fshard.Replicated(ranks)), out_specs=fshard.Chunk(0, ranks)
+    )
+    try:
+        if kind == "tangent":
+            with fw.dual_level():
+                fshard.gather(f(fw.make_dual(x, torch.ones(4, dtype=torch.float64)), w))
+        else:
+            fshard.gather(f(x, w)).sum().backward()
+    except (fshard.CollectiveMismatchError, fshard.SpecError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [
+        ("records", "CollectiveMismatchError: psum() of a tensor that records a gradient on 3 of the 4 placements"),
+        ("tangent", "CollectiveMismatchError: psum() of a tensor that has a forward-mode tangent on 3 of the 4"),
+        ("grad inside", "SpecError: The backward of a psum() ran inside a shard_map body"),
+    ],
+)
+def test_a_psum_that_placements_differentiate_unlike_raises_alike_on_both_backends(dist_pool, kind, error):
+    assert _psum_unlike_in_autograd(kind).startswith(error)
+    got = dist_pool.run(_psum_unlike_in_autograd, kind, timeout=90)
+    assert all(m.startswith(error) for m in got), got
+    assert dist_pool.run(_flat_psum_counts, timeout=60)[0][0] == [12.0, 16.0] * 4  # the group still works

@@ -555,21 +555,27 @@ class TorchDistBackend:
         return shard_device(layout, mine[0]) if mine else (like.device if like.device == self._wire else self._wire)
 
     def all_reduce_among(
-        self, t: torch.Tensor, ranks: tuple[int, ...], partition: tuple[tuple[int, ...], ...] = ()
+        self,
+        t: torch.Tensor,
+        ranks: tuple[int, ...],
+        partition: tuple[tuple[int, ...], ...] = (),
+        extra: tuple[float, ...] = (),
     ) -> torch.Tensor:
         """The sum of ``t`` over the processes of global ``ranks`` (``psum`` in a ``shard_map`` body).
 
         Every rank of the group calls it alike, each with the ranks it sums with (this rank
         among them), one group of ``partition`` (every group of the sum); one ``all_reduce``
-        on the process group of those ranks.
+        on the process group of those ranks. With ``extra`` numbers (of ``t``'s dtype), they
+        are summed in the same all-reduce, after ``t``'s elements: the result is then flat.
         """
         self._require_member("psum")
         # In check mode every rank compares the partition too (the axes it sums over): the same on every rank.
         self._check("psum", (), t.dtype, f" within {sorted(map(sorted, partition))}" if partition else "")
         with in_flight():
-            out = all_reduce_among(t, ranks, self._wire, partition or (ranks,))
+            out = all_reduce_among(t, ranks, self._wire, partition or (ranks,), extra)
         n = len(ranks)
-        self._count(2 * (n - 1) * t.numel() // n, t.element_size())  # a ring all-reduce's elements from each rank
+        size = t.numel() + len(extra)
+        self._count(2 * (n - 1) * size // n, t.element_size())  # a ring all-reduce's elements from each rank
         return out
 
     def check_rank(self, rank: Any, what: str) -> int:

@@ -85,14 +85,26 @@ def _agree_on(groups: tuple[tuple[int, ...], ...], world: int, wire: torch.devic
 
 
 def all_reduce_among(
-    t: torch.Tensor, ranks: tuple[int, ...], wire: torch.device, partition: tuple[tuple[int, ...], ...]
+    t: torch.Tensor,
+    ranks: tuple[int, ...],
+    wire: torch.device,
+    partition: tuple[tuple[int, ...], ...],
+    extra: tuple[float, ...] = (),
 ) -> torch.Tensor:
     """The sum of ``t`` over the processes of ``ranks`` (this one among them): a new tensor on ``t``'s device.
 
-    The wait is bounded by ``config(timeout=...)`` where it is set: a body that calls ``psum`` fewer
-    times on some placements leaves the others waiting, and they raise ``CollectiveMismatchError``.
+    ``extra`` numbers are summed after ``t``'s elements, in the same all-reduce, and the result is
+    then flat. The wait is bounded by ``config(timeout=...)`` where it is set: a body that calls
+    ``psum`` fewer times on some placements leaves the others waiting, and they raise
+    ``CollectiveMismatchError``.
     """
-    buf = t.detach().to(wire, copy=True).contiguous()
+    if extra:
+        n = t.numel()
+        buf = torch.empty(n + len(extra), dtype=t.dtype, device=wire)
+        buf[:n].copy_(t.detach().reshape(-1))
+        buf[n:].copy_(torch.tensor(extra, dtype=t.dtype))
+    else:
+        buf = t.detach().to(wire, copy=True).contiguous()
     members = tuple(sorted(ranks))
     group = subgroup(members, partition, wire)
     if group is None:

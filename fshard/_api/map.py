@@ -222,7 +222,14 @@ def named_shard_map(
         return inner(*flat)
 
     @collective(f"shard_map[{getattr(fn, '__qualname__', type(fn).__name__)}]")
-    def call(*args: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            msg = (
+                f"{what} function takes its arguments by position, one per in_spec; got keyword arguments "
+                f"{sorted(kwargs)}. Pass each by position with an in_spec of its own, or bind it before "
+                "shard_map (functools.partial(fn, name=value))."
+            )
+            raise TypeError(msg)
         if len(specs) != len(args):
             msg = f"shard_map() got {len(args)} arguments but in_specs has {len(specs)} entries: give one per argument."
             raise SpecError(msg)

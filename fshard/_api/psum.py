@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from fshard._base.cache import cached
 from fshard._base.compile import opaque
@@ -51,9 +52,12 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
 
     Raises:
         SpecError: outside a ``shard_map`` body, for an axis the body's mesh does not
-            have, or under a ``torch.func`` transform.
+            have, under a ``torch.func`` transform, or (from its backward) where the body
+            itself differentiates through it (``torch.autograd.grad`` inside fn).
         TypeError: ``x`` is not a strided tensor (sparse, quantized or nested ones are refused).
-        CollectiveMismatchError: the placements' bodies reduce differently (local backend).
+        CollectiveMismatchError: the placements' bodies reduce differently (local backend), or
+            ``x`` records a gradient (or has a forward-mode tangent) on only some of the
+            placements summed together.
 
     >>> import torch, fshard
     >>> mesh = fshard.Mesh((2, 2), axis_names=("dp", "tp"))
@@ -70,16 +74,25 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     groups, of = _groups(body.mesh, body.placements, axes)
     if all(len(g) == 1 for g in groups):
         return x
+    # The placements summed together must agree on these: the backward (and tangent) is a sum they all join.
+    flags = (torch.is_grad_enabled() and x.requires_grad, fwAD.unpack_dual(x).tangent is not None)  # pyright: ignore[reportUnknownMemberType]
     if body.backend.spans_processes:
         if _shared_rank(body.placements):
             msg = "psum() on torch_dist needs one placement per process; the body's placements share a rank."
             raise SpecError(msg)
         partition = tuple(tuple(body.placements[j].rank for j in g) for g in groups)
         ranks = partition[of[body.index]]
-        return cast(torch.Tensor, apply(_body.AllReduce, body.backend, partition, ranks, x))
+        return cast(torch.Tensor, apply(_body.AllReduce, body.backend, partition, ranks, flags, x))
     if body.rendezvous is None:
         raise _body.NeedsThreads
-    return body.rendezvous.reduce(body.index, axes, x, groups, lambda ts: apply(_body.GroupSum, groups, *ts))  # pyright: ignore[reportUnknownLambdaType, reportUnknownArgumentType]
+    return body.rendezvous.reduce(
+        body.index,
+        axes,
+        x,
+        groups,
+        lambda ts: apply(_body.GroupSum, groups, *ts),  # pyright: ignore[reportUnknownLambdaType, reportUnknownArgumentType]
+        flags,
+    )
 
 
 @opaque  # as psum

@@ -42,11 +42,22 @@ from torch.utils._python_dispatch import (  # pyright: ignore[reportPrivateUsage
     _push_mode,  # pyright: ignore[reportPrivateUsage]
 )
 
-from fshard._errors import CollectiveMismatchError
+from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._exec import gathered as _gathered
 from fshard._layout.placement import Placement
 
-__all__ = ["Body", "NeedsThreads", "Rendezvous", "current", "entered", "in_transform", "run_threaded", "under_hooks"]
+__all__ = [
+    "Body",
+    "NeedsThreads",
+    "Rendezvous",
+    "apart_message",
+    "current",
+    "entered",
+    "in_transform",
+    "refuse_backward_in_body",
+    "run_threaded",
+    "under_hooks",
+]
 
 _functorch: Any = getattr(torch._C, "_functorch")  # pyright: ignore[reportPrivateUsage]  # noqa: B009
 
@@ -68,6 +79,7 @@ class Body:
 
 
 _STATE = threading.local()
+_RUNNING: set[int] = set()  # the ids of the bodies whose function runs now, on any thread
 
 
 def current() -> Body | None:
@@ -75,17 +87,59 @@ def current() -> Body | None:
     return getattr(_STATE, "body", None)
 
 
+def refuse_backward_in_body(made_in: Body | None) -> None:
+    """Raises ``SpecError`` where a reduction's backward runs inside a body: ``torch.autograd.grad`` called in fn.
+
+    The reduction's transpose sums the gradients of every placement's result, seeded by one
+    backward of the whole program; a backward inside fn seeds its own placement's alone,
+    which no backend can sum as that backward means (one process would give each placement
+    its own gradient, processes the sum of every placement's), so both refuse it.
+    ``made_in``: the body the reduction ran in (the backward may run on a device's thread).
+    """
+    if current() is None and (made_in is None or id(made_in) not in _RUNNING):
+        return
+    msg = (
+        "The backward of a psum() ran inside a shard_map body (torch.autograd.grad or .backward() called in fn): "
+        "psum's transpose sums the gradients of every placement's result, which one backward of the whole "
+        "program seeds, not one placement's. Take the gradient outside the shard_map call (loss.backward(), or "
+        "torch.autograd.grad of a value it returned), or inside fn differentiate before the psum()."
+    )
+    raise SpecError(msg)
+
+
+def apart_message(records: tuple[float, float], tangents: tuple[float, float], n: int) -> str | None:
+    """The error of a ``psum`` whose summands record a gradient, or carry a tangent, on some placements only.
+
+    ``records``: over the placements summed together, how many record a gradient and how many
+    do not; ``tangents`` the same for forward-mode tangents. ``None`` where each is all or none.
+    """
+    for (yes, no), what, backward in (
+        (records, "records a gradient", "backward"),
+        (tangents, "has a forward-mode tangent", "tangent"),
+    ):
+        if yes and no:
+            return (
+                f"psum() of a tensor that {what} on {round(yes)} of the {n} placements summed together and not on "
+                f"the others: its {backward} is a sum that every one of them must join. Compute it from tensors "
+                "that do so on every placement (where a branch leaves a parameter w out, add w.sum() * 0), or "
+                "detach it on every placement."
+            )
+    return None
+
+
 @contextlib.contextmanager
 def entered(body: Body) -> Generator[None, None, None]:
     """The context of ``body``'s function on this thread."""
     outer = current()
     _STATE.body = body
+    _RUNNING.add(id(body))
     try:
         yield
     except NeedsThreads:
         _STATE.probed = body.placements  # this call's bodies start again in threads
         raise
     finally:
+        _RUNNING.discard(id(body))
         _STATE.body = outer
 
 
@@ -108,7 +162,7 @@ class Rendezvous:
     def __init__(self, placements: Sequence[Placement]) -> None:
         self.placements = tuple(placements)
         self._cond = threading.Condition()
-        self._pending: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._pending: dict[int, tuple[Any, torch.Tensor, tuple[bool, bool]]] = {}
         self._done: set[int] = set()
         self._round = 0
         self._last: Sequence[torch.Tensor] = ()
@@ -137,10 +191,13 @@ class Rendezvous:
         t: torch.Tensor,
         groups: tuple[tuple[int, ...], ...],
         combine: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
+        flags: tuple[bool, bool] = (False, False),
     ) -> torch.Tensor:
         """Body ``index``'s share of the reduction over ``axes`` that every body calls now.
 
         The last body to arrive runs ``combine`` on every body's tensor, in placement order.
+        ``flags``: whether ``t`` records a gradient, and whether it has a forward-mode tangent
+        (the members of a group must agree on each, as processes check: ``apart_message``).
 
         Raises:
             CollectiveMismatchError: the bodies reduce over different axes, the members of a
@@ -151,7 +208,7 @@ class Rendezvous:
                 raise _Aborted
             if self._done:
                 self._mismatch(self._unfinished_message(min(self._done), index))
-            self._pending[index] = (axes, t)
+            self._pending[index] = (axes, t, flags)
             mine = self._round
             if len(self._pending) == len(self.placements):
                 self._complete(groups, combine)
@@ -182,7 +239,7 @@ class Rendezvous:
         self, groups: tuple[tuple[int, ...], ...], combine: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]
     ) -> None:
         got = [self._pending[i] for i in range(len(self.placements))]
-        odd = next((i for i, (axes, _) in enumerate(got) if axes != got[0][0]), None)
+        odd = next((i for i, (axes, _, _) in enumerate(got) if axes != got[0][0]), None)
         if odd is not None:
             self._mismatch(self._differ(0, odd, f"over axes {got[0][0]}", f"over axes {got[odd][0]}"))
         for members in groups:
@@ -193,8 +250,14 @@ class Rendezvous:
                 self._mismatch(
                     self._differ(members[0], odd, f"{tuple(lead.shape)} {lead.dtype}", f"{tuple(t.shape)} {t.dtype}")
                 )
+            counts = [sum(got[j][2][k] for j in members) for k in (0, 1)]
+            apart = apart_message(
+                (counts[0], len(members) - counts[0]), (counts[1], len(members) - counts[1]), len(members)
+            )
+            if apart is not None:
+                self._mismatch(apart)
         try:
-            self._last = combine([t for _, t in got])
+            self._last = combine([t for _, t, _ in got])
         except BaseException:
             self._failed = True
             self._cond.notify_all()
@@ -398,10 +461,11 @@ class GroupSum(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.groups = inputs[0]
+        ctx.groups, ctx.body = inputs[0], current()
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        refuse_backward_in_body(ctx.body)
         return (None, *GroupSum.apply(ctx.groups, *grads))  # pyright: ignore[reportUnknownMemberType]
 
     @staticmethod
@@ -425,25 +489,40 @@ def group_sums(groups: tuple[tuple[int, ...], ...], tensors: Sequence[torch.Tens
 class AllReduce(torch.autograd.Function):
     """The sum over the processes of ``ranks``, one group of ``partition`` (``backend.all_reduce_among``).
 
-    Its own transpose.
+    Its own transpose. ``flags`` (``psum``'s forward; ``None`` in its backward): whether this
+    process's summand records a gradient and has a forward-mode tangent. Where the dtype can
+    carry either, their counts ride in the sum, and every process raises where they differ.
     """
 
     @staticmethod
     def forward(
-        backend: Any, partition: tuple[tuple[int, ...], ...], ranks: tuple[int, ...], t: torch.Tensor
+        backend: Any,
+        partition: tuple[tuple[int, ...], ...],
+        ranks: tuple[int, ...],
+        flags: tuple[bool, bool] | None,
+        t: torch.Tensor,
     ) -> torch.Tensor:
-        return backend.all_reduce_among(t, ranks, partition)
+        if flags is None or not (t.is_floating_point() or t.is_complex()):
+            return backend.all_reduce_among(t, ranks, partition)
+        records, tangent = (float(f) for f in flags)
+        flat = backend.all_reduce_among(t, ranks, partition, (records, 1 - records, tangent, 1 - tangent))
+        counts = flat[-4:].real.tolist()
+        apart = apart_message((counts[0], counts[1]), (counts[2], counts[3]), len(ranks))
+        if apart is not None:
+            raise CollectiveMismatchError(apart)
+        return flat[:-4].view(t.shape).detach()  # its own tensor to autograd (not a view of the flat sum)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.backend, ctx.partition, ctx.ranks = inputs[0], inputs[1], inputs[2]
+        ctx.backend, ctx.partition, ctx.ranks, ctx.body = inputs[0], inputs[1], inputs[2], current()
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        summed = cast("torch.Tensor", AllReduce.apply(ctx.backend, ctx.partition, ctx.ranks, grads[0]))  # pyright: ignore[reportUnknownMemberType]
-        return None, None, None, summed
+        refuse_backward_in_body(ctx.body)
+        summed = cast("torch.Tensor", AllReduce.apply(ctx.backend, ctx.partition, ctx.ranks, None, grads[0]))  # pyright: ignore[reportUnknownMemberType]
+        return None, None, None, None, summed
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         """Linear: the tangent's sum over the same processes (forward-mode AD), one more all-reduce."""
-        return ctx.backend.all_reduce_among(tangents[3], ctx.ranks, ctx.partition)
+        return ctx.backend.all_reduce_among(tangents[4], ctx.ranks, ctx.partition)
