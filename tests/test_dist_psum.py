@@ -275,3 +275,42 @@ def test_a_psum_that_placements_differentiate_unlike_raises_alike_on_both_backen
     got = dist_pool.run(_psum_unlike_in_autograd, kind, timeout=90)
     assert all(m.startswith(error) for m in got), got
     assert dist_pool.run(_flat_psum_counts, timeout=60)[0][0] == [12.0, 16.0] * 4  # the group still works
+
+
+def _psum_by_messages_left_waiting() -> tuple[str, str]:
+    """A psum over 3 of 4 ranks (by messages, not a group's all-reduce) whose rank 2 never sums."""
+    import time
+
+    import torch.distributed as dist
+
+    fshard.config(timeout=2.0)
+    mesh = fshard.Mesh((3,), ranks=[0, 1, 2])
+    rank = dist.get_rank()
+
+    def body(t: torch.Tensor) -> torch.Tensor:
+        if rank == 2:
+            time.sleep(6)
+            return t
+        return fshard.psum(t, "x")
+
+    f = fshard.shard_map(body, fshard.Named(mesh, ("x",)), fshard.Named(mesh, ("x",)), check_vma=False)
+    start = time.monotonic()
+    try:
+        f(torch.arange(6.0))
+        got = "no error", ""
+    except Exception as exc:
+        got = type(exc).__name__, str(exc)
+    # No rank leaves before every other has raised: a process that exits closes its connections, and a rank
+    # still waiting then gets Gloo's "Connection closed by peer" rather than its own timeout.
+    time.sleep(max(0.0, start + 12 - time.monotonic()))
+    return got
+
+
+def test_a_psum_by_messages_left_waiting_raises_a_typed_error_in_time():
+    """Gloo ends a point-to-point wait past its timeout with "Application timeout caused pair closure", which
+    the waits let through untyped as no timeout; new processes, as the sum is left in flight."""
+    got = launch(_psum_by_messages_left_waiting, 4, timeout=120)
+    for rank in (0, 1, 3):
+        kind, message = got[rank]
+        assert kind == "CollectiveMismatchError", got
+        assert "within 2 s" in message, got

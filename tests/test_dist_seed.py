@@ -78,7 +78,10 @@ def _new_group():
     assert [str(m.placement) for m in st.layout.shards] == ["rank:2/cpu", "rank:3/cpu"]
     if rank == 0:
         assert not backend.member
-        with pytest.raises(fshard.SpecError, match="not in this array's process group"):
+        with pytest.raises(
+            fshard.SpecError,
+            match=re.escape("rank 0 is not in the process group (the group of the call's arrays"),
+        ):
             fshard.gather(st)
         # Per-shard functions too: this rank could not learn what fn returned on the group's ranks.
         for call in (

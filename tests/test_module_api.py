@@ -1155,3 +1155,33 @@ def test_a_lazy_module_is_refused_naming_its_parameter_until_its_first_forward()
     params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
     out, _ = fshard.apply_module(model, params, buffers, fshard.shard(x, fshard.Chunk(0, RANKS)))
     torch.testing.assert_close(fshard.gather(out), want)
+
+
+def _one_rank_in_eval_mode(rank_in_eval: int | None) -> str:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    params, buffers = fshard.shard_module(model, fshard.replicated(RANKS))
+    if dist.get_rank() == rank_in_eval:
+        model.eval()
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    try:
+        out, _ = fshard.apply_module(model, params, buffers, fshard.shard(x, fshard.Chunk(0, RANKS)))
+        return str(fshard.gather(out).sum().item())
+    except fshard.CollectiveMismatchError as exc:
+        return str(exc)
+
+
+@pytest.mark.multiprocess
+def test_ranks_whose_modules_differ_in_train_or_eval_mode_raise_naming_it(dist_pool) -> None:
+    """The buffers a forward updates depend on each submodule's mode; ranks that differ moved different buffers
+    after the call, and raised a mismatch of movements that named neither the mode nor the buffers."""
+    got = dist_pool.run(_one_rank_in_eval_mode, 1, timeout=120)
+    updates = "differ in the buffers the module's forward updates, which each submodule's train() or eval() mode"
+    assert all(updates in m and "call model.train() or model.eval() alike on every rank" in m for m in got), got
+    assert "this rank's: ['1.running_mean', '1.running_var', '1.num_batches_tracked']" in got[0]
+    assert "this rank's: []" in got[1]
+    fine = dist_pool.run(_one_rank_in_eval_mode, None, timeout=120)  # the group still works
+    assert len(set(fine)) == 1, fine
+    assert "differ" not in fine[0], fine

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,6 +109,15 @@ def test_chunk_equals_torch_chunk_sharding_spec(k):
 def test_chunk_accepts_one_placement_without_a_list():
     assert Chunk(0, "rank:1/cuda:1").placements == (Placement(1, "cuda:1"),)
     assert Chunk(0, 3).placements == (Placement(3),)
+
+
+def test_numpy_ints_are_ranks_as_ints_are():
+    """As Mesh(ranks=np.arange(4)) and gather(dst=np.int64(1)) take them; Chunk(0, np.arange(4)) raised."""
+    assert Chunk(0, np.arange(4)) == Chunk(0, [0, 1, 2, 3])
+    assert Replicated([np.int32(0), np.int32(1)]) == Replicated([0, 1])
+    assert Single(np.int64(1)) == Single(1)
+    with pytest.raises(SpecError, match=re.escape("Cannot read 1.0 (float) as a placement")):
+        Chunk(0, [0, 1.0])
 
 
 def test_chunk_repeated_placements_give_several_shards_per_rank():

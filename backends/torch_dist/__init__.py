@@ -466,7 +466,7 @@ class TorchDistBackend:
 
     def exchange(self, obj: Any) -> list[Any]:
         """Every group rank's ``obj``, in group-rank order (``ranks[i]`` sent entry ``i``)."""
-        self._require_member("exchange")
+        self._require_member("an exchange of metadata (from_local_tensor, from_local_shards, equal, ...)")
         with outside_transforms():
             self._check("exchange", ())
             out = gather_objects(obj, self.group, self.world_size, self._wire, self.ranks)
@@ -480,7 +480,7 @@ class TorchDistBackend:
         ranks need not ``exchange`` what the digests stand for. ``digest`` must lie within
         ±2**62; every rank learns the same answer.
         """
-        self._require_member("exchange")
+        self._require_member("an exchange of metadata (from_local_tensor, from_local_shards, equal, ...)")
         mine = 0 if digest is None else digest
         if not -(1 << 62) < mine < 1 << 62:
             raise ValueError(f"fshard internal error: digest {mine} is not within ±2**62.")
@@ -591,8 +591,8 @@ class TorchDistBackend:
     def _require_member(self, op: str) -> None:
         if not self.member:
             msg = (
-                f"{op}: rank {self.rank} is not in this array's process group; call collective fshard "
-                "functions on it only from ranks of its group."
+                f"{op}: rank {self.rank} is not in the process group (the group of the call's arrays, or its "
+                "group= argument); call collective fshard functions on a group only from its ranks."
             )
             raise SpecError(msg)
 

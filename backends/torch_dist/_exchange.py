@@ -16,7 +16,7 @@ from fshard._errors import CollectiveMismatchError, SpecError
 
 from ._check import in_flight
 from ._choice import has_alltoall
-from ._watch import handed
+from ._watch import handed, timed_out
 from ._wire import MAX_BYTES, Unsendable, decode, encode, refuse
 
 # ``exchange`` sends encodings up to this many bytes in one round (larger: a second round).
@@ -114,7 +114,7 @@ def bounded_wait(work: Any, what: str, group: Any, late: Callable[[float], str] 
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
-        if "timed out" not in str(exc).lower():
+        if not timed_out(exc):
             raise
         raise CollectiveMismatchError((late or functools.partial(_late, what, group))(timeout)) from exc
 

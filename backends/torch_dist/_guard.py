@@ -48,7 +48,7 @@ from fshard._layout.show import describe_layout
 from fshard._plan import plan
 
 from ._reduce_phase import all_to_all
-from ._watch import handed
+from ._watch import handed, timed_out
 
 __all__ = ["HEADER", "Guard", "guard", "inline_bytes"]
 
@@ -214,7 +214,7 @@ class Guard:
         try:
             work.wait(timeout=datetime.timedelta(seconds=left))
         except RuntimeError as exc:
-            if "timed out" not in str(exc).lower():
+            if not timed_out(exc):
                 raise
             if box is not None:  # still in flight: the next round must not receive into it
                 _BOXES.by_size.pop(box.size, None)

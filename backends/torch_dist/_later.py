@@ -51,7 +51,7 @@ import torch.distributed as dist
 from fshard._config import current
 from fshard._errors import CollectiveMismatchError
 
-from ._watch import handed
+from ._watch import handed, timed_out
 
 __all__ = ["Verdict", "drop", "pending", "post", "settle"]
 
@@ -289,7 +289,7 @@ def _wait(check: _Check, timeout: float | None = None) -> None:
     try:
         check.work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
-        if "timed out" not in str(exc).lower():
+        if not timed_out(exc):
             raise
         msg = (
             f"{check.what}: some ranks of process group {list(check.ranks)} did not post their part of its "

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["handed", "held"]
+__all__ = ["handed", "held", "timed_out"]
 
 _WATCHED: dict[int, weakref.ref[torch.Tensor]] = {}  # by id (tensors compare by value, not identity)
 _EXIT_WAIT_S = 5.0
@@ -65,3 +65,13 @@ def _let_go_at_exit() -> None:
     deadline = time.monotonic() + _EXIT_WAIT_S
     while held() and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+def timed_out(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is a wait's timeout: a collective's ("timed out"), or Gloo's point-to-point one.
+
+    Gloo ends a ``send``/``recv`` pair whose wait times out with "Application timeout caused
+    pair closure", which names no timeout as a collective's does.
+    """
+    text = str(exc).lower()
+    return "timed out" in text or "timeout caused pair closure" in text

@@ -183,12 +183,14 @@ def named_shard_map(
     what: str = "shard_map()",
     labels: Sequence[str] | None = None,
     reducing_key: Hashable = None,
+    form: tuple[str, str] = ("", ""),
 ) -> Callable[..., Any]:
     """``shard_map``, whose errors name it ``what`` and its arguments by ``labels`` (one per in_spec).
 
     For a caller that builds the ``shard_map`` from arguments of its own (``apply_module``): its
     errors then name what that caller's user passed. ``reducing_key``: what tells its function
     apart from others of the same code, as to whether its bodies reduce (``Reducing``).
+    ``form``: what the ranks must agree on besides the results (``run_per_slot``).
     """
     if not callable(fn):
         raise TypeError(f"{what} fn must be callable, got {type(fn).__name__}.")
@@ -217,7 +219,7 @@ def named_shard_map(
                 by_structure.clear()
             inner = by_structure[key] = named_shard_map(
                 how.function(fn), how.specs, out_specs, check_vma=check_vma, precision=how.precisions,
-                regather=regather, what=what, labels=how.labels, reducing_key=reducing.key,
+                regather=regather, what=what, labels=how.labels, reducing_key=reducing.key, form=form,
             )  # fmt: skip
         return inner(*flat)
 
@@ -296,6 +298,7 @@ def named_shard_map(
             grouped=True,
             reducing=reducing,
             regathered=regather and any(t is not None and t != a.layout for (_, a), t in zip(arrays, targets)),
+            form=form,
         )
 
     return call

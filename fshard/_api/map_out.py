@@ -197,7 +197,7 @@ def alike_form(description: Any) -> Any:
     at each position of their one placement, and used the same gathered and closed-over
     tensors and buckets: each can then rebuild the others' descriptions from its own.
     """
-    results, (ages, closed), series, _ = description  # the gradient flags serve ranks without blocks: no form
+    results, (ages, closed), series, _, form = description  # the gradient flags serve ranks without blocks
     if results is None:
         return None
     tree, found = results
@@ -205,7 +205,7 @@ def alike_form(description: Any) -> Any:
     if metas is None:
         return None
     leaves = [(str(dtype), alike.shapes) for dtype, alike in metas]
-    return repr(tree), tree_kinds(tree), leaves, sorted(ages), closed, series
+    return repr(tree), tree_kinds(tree), leaves, sorted(ages), closed, series, form
 
 
 def out_layout(

@@ -45,6 +45,7 @@ from fshard._exec import gathered as _varying
 from fshard._exec.agree import (
     agree_alike,
     describe_results,
+    form_apart,
     holds_nothing_somewhere,
     link_without_blocks,
     merge_gradients,
@@ -74,7 +75,13 @@ def run_per_slot(
     grouped: bool = False,
     reducing: Reducing | None = None,
     regathered: bool = False,
+    form: tuple[str, str] = ("", ""),
 ) -> Any:
+    """``fn`` on each placement's blocks of ``arrays``, and its results as arrays of ``out_specs``.
+
+    ``form``: what the ranks must agree on besides the results (``agree.post_outcome``), as
+    (what it is, this rank's text of it); every rank raises where the texts differ.
+    """
     names = list(names) or list(range(len(arrays)))  # positions, or the caller's labels
     check_aligned(arrays, names, one_block, what)
     backend = arrays[0].backend
@@ -126,23 +133,28 @@ def run_per_slot(
 
         def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
             grads = tuple(with_gradient(leaf.values()) for leaf in r[0])
-            return describe_results(r[1], r[0]), (usage.ages(), usage.closed), tuple(s.series for s in series), grads
+            series_of = tuple(s.series for s in series)
+            return describe_results(r[1], r[0]), (usage.ages(), usage.closed), series_of, grads, form[1]
 
         (leaves, spec_tree), seen, described = agree_alike(backend, compute, describe, alike_form)
         if seen is None:  # every rank's results alike, placement for placement: nothing exchanged
-            (_, found), (ages, closed), mine, _ = described
+            (_, found), (ages, closed), mine, _, _ = described
             grads: list[bool] | None = None  # every rank holds blocks: no link
             metas = cast("list[tuple[torch.dtype, Alike]]", alike_metas(found))
             refuse_closed(backend, first, closed, what)
             used = set(ages)
             _buckets.compare_series(series, [mine], backend.ranks, what)
         else:
-            merged, metas = merge_results([d for d, _, _, _ in seen], what)
+            texts = [d[4] for d in seen]
+            if any(t != form[1] for t in texts):
+                apart = [r for r, t in zip(backend.ranks, texts) if t != texts[0]]
+                raise form_apart(what, form, f"ranks {apart} and rank {backend.ranks[0]}")
+            merged, metas = merge_results([d for d, *_ in seen], what)
             spec_tree = merged if merged is not None else spec_tree
-            used = used_gathered(backend, first, [u for _, u, _, _ in seen], what)
-            _buckets.compare_series(series, [b for _, _, b, _ in seen], backend.ranks, what)
+            used = used_gathered(backend, first, [d[1] for d in seen], what)
+            _buckets.compare_series(series, [d[2] for d in seen], backend.ranks, what)
             # A rank that holds no block: its links need a gradient where some rank's fn returned one with it.
-            grads = merge_gradients([g for *_, g in seen], len(metas))
+            grads = merge_gradients([d[3] for d in seen], len(metas))
     else:
         # No process waits for the others here: each posts what fn returned (or that it raised), and the
         # group's next collective compares them, so a process whose fn returned otherwise raises with the others.
@@ -163,7 +175,7 @@ def run_per_slot(
         # Left for the backward's first collective, where every rank meets anyway (not a wait for the slowest
         # forward here); the buckets' series rides in it, so their first launch has no round of headers.
         if backend.spans_processes:
-            post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series), usage.closed)
+            post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series), usage.closed, form)
         return out
     return _results(out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what, grads)
 

@@ -190,6 +190,7 @@ def apply_module(
         what="apply_module()",
         labels=_labels(found.params, found.buffers, n_args, tuple(keys)),
         reducing_key=(body.__code__, tp, getattr(method, "__code__", None)),  # not threaded for another plan's psum
+        form=(_UPDATES, repr(list(updated))),  # every rank then moves the same buffers after the call
     )
     out = run(*(params[n] for n in pnames), *(buffers[n] for n in bnames), *inputs)
     if tp is not None and not torch.compiler.is_compiling():
@@ -198,6 +199,14 @@ def apply_module(
             _check_tp_results(out)
             _TP_CHECKED[module] = key  # passed: not compared again
     return out, _updated_buffers(buffers, updated, kept, placements)
+
+
+# What the ranks of an apply_module call must agree on: which buffers its forward updates.
+_UPDATES = (
+    "the buffers the module's forward updates, which each submodule's train() or eval() mode decides (a "
+    "BatchNorm in train() mode updates its running statistics): call model.train() or model.eval() alike on "
+    "every rank"
+)
 
 
 # Per module: the structure, rules and method whose results were compared once across their tp copies.

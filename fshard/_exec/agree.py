@@ -129,7 +129,12 @@ def _text_digest(text: str) -> int:
 
 
 def post_outcome(
-    backend: Any, what: str, outcome: tuple[Any, Sequence[Meta]] | None, series: str = "", closed: int = 0
+    backend: Any,
+    what: str,
+    outcome: tuple[Any, Sequence[Meta]] | None,
+    series: str = "",
+    closed: int = 0,
+    form: tuple[str, str] = ("", ""),
 ) -> None:
     """Posts what this process's function returned (its tree and each leaf's dtype), or that it raised (``None``).
 
@@ -141,7 +146,8 @@ def post_outcome(
     the buckets in which the backward will sum the arguments' gradients (``buckets.agreed``):
     its digest rides in the same check, so their first launch needs no round of its own.
     ``closed`` counts the tensors from outside its arguments that the function used (each a
-    sum over the ranks in the backward, which every rank must join).
+    sum over the ranks in the backward, which every rank must join). ``form``: what the
+    caller's ranks must agree on, and this rank's text of it (``form_apart``).
     """
 
     def verdict(pairs: Sequence[tuple[int, bool, Any]]) -> Exception | None:
@@ -154,14 +160,22 @@ def post_outcome(
                 "this at their next collective."
             )
         ranks = [r for r, _, _ in pairs]
-        for field in range(3):  # the results' digest, the buckets' series, the count of closed-over tensors
+        # The caller's form, then the results' digest, the buckets' series, the count of closed-over tensors.
+        for field in (3, 0, 1, 2):
             odd, like = _apart([d[field] for _, _, d in pairs], ranks)
             if odd:
+                if field == 3:
+                    return form_apart(what, form, f"ranks {odd} and ranks {like}")
                 return _apart_error(field, what, odd, like, (outcome, series, closed))
         return None
 
     digest = 0 if outcome is None else _digest_of(*outcome)
-    backend.check_later(what, outcome is None, (digest, _text_digest(series), closed), verdict)
+    backend.check_later(what, outcome is None, (digest, _text_digest(series), closed, _text_digest(form[1])), verdict)
+
+
+def form_apart(what: str, form: tuple[str, str], who: str) -> CollectiveMismatchError:
+    """The error of ranks ``who`` whose callers' forms differ: ``form`` is (what they must agree on, this rank's)."""
+    return CollectiveMismatchError(f"{what}: {who} differ in {form[0]} (this rank's: {form[1]}).")
 
 
 def _apart_error(field: int, what: str, odd: list[int], like: list[int], mine: tuple[Any, str, int]) -> Exception:

@@ -7,6 +7,7 @@ import re
 import sys
 from typing import Any, Union
 
+import numpy as np
 import torch
 
 from fshard._errors import SpecError
@@ -82,7 +83,7 @@ PlacementLike = Union[Placement, str, int]
 def as_placement(value: PlacementLike) -> Placement:
     """Converts a ``Placement``, a seed string, a plain int or torch's ``_remote_device`` to a ``Placement``.
 
-    A plain int is a rank on cpu; a ``_remote_device`` is what ``ChunkShardingSpec`` turns its
+    A plain int (or a numpy one) is a rank on cpu; a ``_remote_device`` is what ``ChunkShardingSpec`` turns its
     strings into.
 
     >>> from torch.distributed.remote_device import _remote_device
@@ -95,6 +96,8 @@ def as_placement(value: PlacementLike) -> Placement:
         return Placement.parse(value)
     if isinstance(value, int) and not isinstance(value, bool):
         return Placement(value)
+    if isinstance(value, np.integer):  # np.arange(4) as a list of ranks
+        return Placement(int(value))
     if _is_remote_device(value):
         return _from_remote_device(value)
     raise SpecError(
