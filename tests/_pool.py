@@ -18,7 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from fshard.testing.launch import free_port, serve, stop
+from fshard.testing.launch import free_port, receive, serve, stop
 
 __all__ = ["Pool", "RankFailure"]
 
@@ -115,7 +115,7 @@ class Pool:
             for k in [k for k, c in enumerate(self._conns) if c in ready]:
                 got.add(k)
                 try:
-                    replies[k] = self._conns[k].recv()
+                    replies[k] = receive(self._conns[k])
                 except EOFError:
                     replies[k] = (False, f"worker {k} died while running {what}")
                 if replies[k][0] is False:

@@ -284,16 +284,25 @@ def _edit_index(root: Path, redigest: bool = True, **changes) -> None:
         ({"x": torch.zeros(SHAPE), "step": 3, "lr": 0.1}, r"extra \['lr'\]"),
         ({"x": torch.zeros(10, 11), "step": 3}, r"Leaf \['x'\].*shape \(10, 12\).*`like` has shape \(10, 11\)"),
         ({"x": torch.zeros(SHAPE, dtype=torch.float64), "step": 3}, r"dtype torch.float32.*dtype torch.float64"),
-        ({"x": torch.zeros(SHAPE), "step": 3.0}, r"Leaf \['step'\].*is the int 3, `like` has a float"),
+        ({"x": torch.zeros(SHAPE), "step": "3"}, r"Leaf \['step'\].*is the int 3, `like` has a str"),
+        ({"x": torch.zeros(SHAPE), "step": True}, r"Leaf \['step'\].*is the int 3, `like` has a bool"),
         ({"x": 1, "step": 3}, r"Leaf \['x'\].*is a tensor.*`like` has a int"),
         ({"x": [torch.zeros(SHAPE)], "step": 3}, r"Leaf \[.x.\] of the checkpoint is a tensor.*`like` has a list"),
     ],
-    ids=["missing-key", "container", "extra-key", "shape", "dtype", "scalar-type", "leaf-kind", "deeper"],
+    ids=["missing-key", "container", "extra-key", "shape", "dtype", "scalar-type", "bool", "leaf-kind", "deeper"],
 )
 def test_a_tree_that_does_not_match_is_caught(saved, like, message):
     root, _ = saved
     with pytest.raises(fshard.CheckpointError, match=message):
         fshard.load(root, like=like)
+
+
+def test_an_int_and_a_float_stand_for_each_other_in_like(saved):
+    """As torch's Optimizer.load_state_dict takes weight_decay=0 into an optimizer made with 1e-5."""
+    root, _ = saved
+    got = fshard.load(root, like={"x": torch.zeros(SHAPE), "step": 0.5})
+    assert got["step"] == 3
+    assert type(got["step"]) is int  # the saved value, as saved
 
 
 # -- crashes and replacing checkpoints -----------------------------------------------------

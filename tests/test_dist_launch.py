@@ -44,6 +44,22 @@ def test_launch_returns_results_in_rank_order():
     assert launch(_reshard_job, 3, 5) == [(0, True), (1, True), (2, True)]
 
 
+def _many_tensors():
+    return {i: torch.full((100,), float(dist.get_rank() * 1000 + i)) for i in range(200)}
+
+
+def _unpicklable():
+    return lambda: None
+
+
+def test_launch_returns_tensors_and_names_an_unpicklable_result():
+    """Tensors went through shared memory, whose descriptors a rank that had exited could no longer hand over."""
+    got = launch(_many_tensors, 4)
+    assert [[float(t[0]) for t in r.values()] for r in got] == [[r * 1000.0 + i for i in range(200)] for r in range(4)]
+    with pytest.raises(RuntimeError, match=r"failed on rank \d:(.|\n)*(PicklingError|AttributeError): Can.t pickle"):
+        launch(_unpicklable, 2)
+
+
 def test_launch_reports_the_failing_rank_traceback():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"failed on rank 1:(.|\n)*KeyError: 'rank one is unhappy'"):

@@ -290,3 +290,20 @@ def test_summands_not_along_mesh_axes_raise_naming_the_fix(dist_pool):
     assert "DTensor cannot express" in message
     assert "summands of a pending reduction along whole mesh axes (Partial)" in message
     assert "Reshard first: fshard.reshard(x, fshard.Named(mesh, partition))" in message
+
+
+def _chunk_with_an_empty_last_box_to_dtensor() -> list[object]:
+    """Chunk puts the empty last box of 5 columns over 4 ranks at column 6, DTensor's Shard(1) at column 5."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,))
+    full = torch.arange(50.0).reshape(10, 5)
+    dt = fshard.to_dtensor(fshard.shard(full, fshard.Chunk(1, ALL)), mesh)
+    return [str(dt.placements), tuple(dt.to_local().shape), torch.equal(dt.full_tensor(), full)]
+
+
+@pytest.mark.multiprocess
+def test_a_chunk_whose_last_box_is_empty_is_dtensors_shard(dist_pool):
+    got = dist_pool.run(_chunk_with_an_empty_last_box_to_dtensor)
+    assert [r[1] for r in got] == [(10, 2), (10, 2), (10, 1), (10, 0)]
+    assert all(r[0] == "(Shard(dim=1),)" and r[2] for r in got), got

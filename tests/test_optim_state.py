@@ -347,3 +347,56 @@ def test_a_whole_parameters_state_gives_each_replica_held_here_a_tensor_of_its_o
     assert first.data_ptr() != second.data_ptr()
     assert _train_mixed(params, opt2, 2) == pytest.approx(losses[2:], abs=1e-12, rel=0)
     assert torch.equal(*params["0.weight"].addressable_data)  # the replicas stepped alike
+
+
+def test_a_load_that_is_refused_changes_nothing() -> None:
+    """The layouts were checked array by array while the state went in: a refusal left earlier arrays half loaded."""
+    params = _params([0, 1, 2, 3])
+    opt = _adamw(params)
+    _train(params, opt, 3)
+    state = fshard.optimizer_state(opt, params)
+    params2 = dict(_params([0, 1, 2, 3]))
+    params2["2.bias"] = fshard.reshard(params2["2.bias"], fshard.Chunk(0, [0, 1]))  # the last array does not fit
+    opt2 = _adamw(params2)
+    _train(params2, opt2, 1)
+    before = {id(t): {k: v.clone() for k, v in s.items()} for t, s in opt2.state.items()}
+    with pytest.raises(fshard.SpecError, match=re.escape("state 'exp_avg' of params['2.bias'] has layout")):
+        fshard.load_optimizer_state(opt2, params2, state)
+    after = {id(t): s for t, s in opt2.state.items()}
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[i][k], after[i][k]) for i in before for k in before[i])
+    wrong = {"state": {**state["state"], "exp_avg": {**state["state"]["exp_avg"], "0.bias": torch.zeros(3, 3)}},
+             "param_groups": state["param_groups"]}  # fmt: skip
+    with pytest.raises(
+        fshard.SpecError, match=re.escape("state 'exp_avg' of params['0.bias'] is a tensor of shape (3, 3)")
+    ):
+        fshard.load_optimizer_state(opt, params, wrong)
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "LBFGS"])
+def test_an_optimizer_whose_state_is_not_per_element_is_refused_naming_it(name: str) -> None:
+    params = _params([0, 1])
+    opt = getattr(torch.optim, name)(_leaves(params))
+    with pytest.raises(fshard.SpecError, match=f"{name}.*no layout can"):
+        fshard.optimizer_state(opt, params)
+
+
+def test_an_array_at_two_paths_is_named() -> None:
+    params = _params([0, 1])
+    tied = {"stage0": params, "stage1": {"head": params["0.weight"]}}
+    opt = _adamw(params)
+    msg = "params['stage0']['0.weight'] and params['stage1']['head'] are one array (a weight tied across stages)"
+    with pytest.raises(fshard.SpecError, match=re.escape(msg)):
+        fshard.optimizer_state(opt, tied)
+
+
+def test_hyperparameters_of_another_number_type_load_as_torch_loads_them(tmp_path) -> None:
+    params = _params([0, 1])
+    opt = torch.optim.Adam(_leaves(params), lr=1e-2)  # weight_decay=0, an int
+    _train(params, opt, 1)
+    fshard.save(tmp_path / "ck", fshard.optimizer_state(opt, params))
+    params2 = _params([0, 1, 2])
+    opt2 = torch.optim.Adam(_leaves(params2), lr=1, weight_decay=1e-5)
+    like = fshard.optimizer_state(opt2, params2)
+    fshard.load_optimizer_state(opt2, params2, fshard.load(tmp_path / "ck", like=like))
+    assert (opt2.param_groups[0]["lr"], opt2.param_groups[0]["weight_decay"]) == (1e-2, 0)

@@ -139,6 +139,7 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
     arrays, treespec, paths = _flatten(params)
     groups = _groups(opt, arrays, paths)
     saved = _check_groups(state, len(opt.param_groups), groups, paths)
+    puts: list[tuple[Leaf, Any, str, str]] = []  # every value checked before any is put: a refusal changes nothing
     for key, tree in cast("dict[str, Any]", state["state"]).items():
         values: list[Any] = []
         try:  # one value per parameter (None: it had none), and None where params has None
@@ -153,7 +154,10 @@ def load_optimizer_state(opt: torch.optim.Optimizer, params: Any, state: Any) ->
             )
             raise SpecError(msg)
         for a, v, path in zip(arrays, values, paths):
-            _put(opt, a, v, key, path)
+            _check_fits(a, v, key, path)
+            puts.append((a, v, key, path))
+    for a, v, key, path in puts:
+        _put(opt, a, v, key, path)
     for group, hyper in zip(opt.param_groups, saved):
         group.update({k: v for k, v in hyper.items() if k != "arrays"})
 
@@ -208,6 +212,16 @@ def _groups(opt: torch.optim.Optimizer, arrays: Sequence[Leaf], paths: Sequence[
             leaf, or an array whose shards sit in different groups.
     """
     group_of = {id(p): n for n, g in enumerate(opt.param_groups) for p in g["params"]}
+    first: dict[int, str] = {}
+    for a, path in zip(arrays, paths):
+        for t in _own(a):
+            other = first.setdefault(id(t), path)
+            if other != path:
+                msg = (
+                    f"params{other} and params{path} are one array (a weight tied across stages): its state is "
+                    f"one. Give a tree that holds each array once (leave out params{path})."
+                )
+                raise SpecError(msg)
     out: list[int] = []
     for a, path in zip(arrays, paths):
         found = {group_of.get(id(t)) for t in _own(a)}
@@ -247,7 +261,15 @@ def _init_state(opt: torch.optim.Optimizer) -> None:
             g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
     try:
         with step_unchecked():  # changes nothing: gradients kept aside by no_sync stay for the syncing backward
-            opt.step()
+            try:
+                opt.step()
+            except TypeError as exc:  # a step that needs a closure (LBFGS): its state is its group's, not per element
+                msg = (
+                    f"optimizer_state() cannot make the state of a {type(opt).__name__} that has not stepped "
+                    f"({exc}): its step needs a closure, and it keeps the state of a whole group on one tensor, "
+                    "which no layout can split. Use an optimizer whose state is per element (AdamW, SGD, ...)."
+                )
+                raise SpecError(msg) from exc
     finally:
         for g, lr in zip(opt.param_groups, lrs):
             if lr is not None:
@@ -267,9 +289,14 @@ def _value(opt: torch.optim.Optimizer, a: Leaf, key: str, path: str) -> Any:
     if any(v is None for v in values):
         msg = (
             f"params{path} has {key!r} state on some of its shards and none on others: its shards were "
-            "stepped apart (give the optimizer every shard, and step them together)."
+            "stepped apart (give the optimizer every shard, and step them together), or the optimizer keeps the "
+            "state of a whole group on one of its tensors (torch.optim.LBFGS), which no layout can split."
         )
         raise SpecError(msg)
+    odd = next(((v, t) for v, t in zip(values, own) if isinstance(v, torch.Tensor) and v.ndim), None)
+    if odd is not None and (key == _STEP or any(v.shape != t.shape for v, t in zip(values, own))):
+        raise _unsplittable(opt, key, path, f"{key!r} state of shape {tuple(odd[0].shape)} on a shard of shape "
+                            f"{tuple(odd[1].shape)}")  # fmt: skip
     if key != _STEP and all(isinstance(v, torch.Tensor) and v.shape == t.shape for v, t in zip(values, own)):
         tensors = [cast(torch.Tensor, v).detach() for v in values]
         if isinstance(a, torch.Tensor):
@@ -281,6 +308,15 @@ def _value(opt: torch.optim.Optimizer, a: Leaf, key: str, path: str) -> Any:
         msg = f"params{path} has different {key!r} state on its shards ({values}): its shards were stepped apart."
         raise SpecError(msg)
     return first.detach() if isinstance(first, torch.Tensor) else first
+
+
+def _unsplittable(opt: torch.optim.Optimizer, key: str, path: str, what: str) -> SpecError:
+    return SpecError(
+        f"params{path} has {what}: {type(opt).__name__} keeps state that is neither per element of its "
+        "parameter nor one scalar (a factored second moment, as torch.optim.Adafactor keeps), which no layout can "
+        "split. Use an optimizer whose state is per element (AdamW, SGD, ...), or save opt.state_dict() on each "
+        "rank with torch and load it into the same layout."
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -337,8 +373,27 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _check_fits(a: Leaf, value: Any, key: str, path: str) -> None:
+    """Raises ``SpecError`` where ``value`` cannot be the ``key`` state of parameter ``a`` (``_put``'s cases)."""
+    if isinstance(value, ShardedArray):
+        if not isinstance(a, ShardedArray) or value.layout != a.layout:
+            layout = a.layout if isinstance(a, ShardedArray) else "a plain tensor"
+            msg = (
+                f"load_optimizer_state() state {key!r} of params{path} has layout {value.layout}, the parameter "
+                f"{layout}: load the state with like=fshard.optimizer_state(opt, params)."
+            )
+            raise SpecError(msg)
+    elif isinstance(value, torch.Tensor) and value.ndim and (key == _STEP or value.shape != a.shape):
+        msg = (
+            f"load_optimizer_state() state {key!r} of params{path} is a tensor of shape {tuple(value.shape)}, "
+            f"the parameter's shape is {tuple(a.shape)}: a state value is per element (of the parameter's shape) "
+            "or one scalar. Load the state with like=fshard.optimizer_state(opt, params)."
+        )
+        raise SpecError(msg)
+
+
 def _put(opt: torch.optim.Optimizer, a: Leaf, value: Any, key: str, path: str) -> None:
-    """Gives each shard tensor of ``a`` its ``key`` state from ``value`` (``None``: it had none)."""
+    """Gives each shard tensor of ``a`` its ``key`` state from ``value`` (``None``: it had none); checked first."""
     own = _own(a)
     if value is None:  # as Optimizer.load_state_dict leaves a parameter the saved state does not name
         for t in own:
@@ -349,13 +404,6 @@ def _put(opt: torch.optim.Optimizer, a: Leaf, value: Any, key: str, path: str) -
                     del opt.state[t]
         return
     if isinstance(value, ShardedArray):
-        if not isinstance(a, ShardedArray) or value.layout != a.layout:
-            layout = a.layout if isinstance(a, ShardedArray) else "a plain tensor"
-            msg = (
-                f"load_optimizer_state() state {key!r} of params{path} has layout {value.layout}, the parameter "
-                f"{layout}: load the state with like=fshard.optimizer_state(opt, params)."
-            )
-            raise SpecError(msg)
         parts = _own(value)
     elif isinstance(a, torch.Tensor) and isinstance(value, torch.Tensor) and value.shape == a.shape and key != _STEP:
         parts = [value]

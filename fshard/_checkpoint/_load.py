@@ -56,7 +56,8 @@ def _target_like(saved: Saved, like: Any) -> _Target:
     if saved.kind == "scalar" and saved.value is None:  # saved with no value there (an optimizer state a
         return _Target("value")  # parameter did not have): loaded as None, whatever like holds there
     if saved.kind == "scalar":
-        if type(like) is not type(saved.value):
+        numbers = {int, float}  # stand for each other, as in torch's hyperparameters (weight_decay=0 or 1e-5)
+        if type(like) is not type(saved.value) and not {type(like), type(saved.value)} <= numbers:
             what = f"is the {type(saved.value).__name__} {saved.value!r}, `like` has a {type(like).__name__}"
             raise _mismatch(saved, what, "give a value of the saved type there")
         return _Target("value")

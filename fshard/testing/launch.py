@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -17,7 +18,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ["check_main", "free_port", "init_group", "launch", "serve"]
+__all__ = ["check_main", "free_port", "init_group", "launch", "receive", "reply", "serve"]
 
 
 def free_port() -> int:
@@ -54,13 +55,31 @@ def _run(rank: int, world: int, port: int, conn: Connection, job: tuple[Any, ...
     fn, args, timeout, backend = job
     try:
         init_group(rank, world, port, timeout, backend)
-        conn.send((True, fn(*args)))
+        reply(conn, (True, fn(*args)))
     except BaseException:  # report every failure to the parent, which re-raises it
-        conn.send((False, traceback.format_exc()))
+        reply(conn, (False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         conn.close()
+
+
+def reply(conn: Connection, message: tuple[Any, ...]) -> None:
+    """Sends ``message`` to the parent as plain pickled bytes; an unpicklable one as the traceback of why.
+
+    Not through ``Connection.send``: its pickler hands tensors over in shared memory, whose file
+    descriptors the parent fetches from this process, which may have exited by then.
+    """
+    try:
+        data = pickle.dumps(message)
+    except Exception:  # an unpicklable result
+        data = pickle.dumps((False, traceback.format_exc()))
+    conn.send_bytes(data)
+
+
+def receive(conn: Connection) -> Any:
+    """What a worker sent with ``reply``."""
+    return pickle.loads(conn.recv_bytes())
 
 
 def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, backend: str = "gloo") -> list[Any]:
@@ -120,7 +139,7 @@ def _collect(conns: list[Connection], fn: Callable[..., Any], timeout: float) ->
             raise TimeoutError(f"launch({_name(fn)}) timed out after {timeout} s; ranks {missing} did not finish.")
         for rank in [r for r, c in enumerate(conns) if c in ready]:
             try:
-                results[rank] = conns[rank].recv()
+                results[rank] = receive(conns[rank])
             except EOFError:
                 results[rank] = (False, f"rank {rank} exited without a result (killed or crashed).")
             if not results[rank][0]:
@@ -153,16 +172,13 @@ def serve(rank: int, world: int, port: int, conn: Connection) -> None:
     ``(False, traceback)`` per job; ``None`` stops it.
     """
     init_group(rank, world, port)
-    conn.send(("ready", rank))
+    reply(conn, ("ready", rank))
     while (job := conn.recv()) is not None:
         try:
-            reply: tuple[bool, Any] = (True, _resolve(*job[:3])(*job[3], **job[4]))
+            done: tuple[bool, Any] = (True, _resolve(*job[:3])(*job[3], **job[4]))
         except BaseException:  # reported to the parent, which re-raises it in the test
-            reply = (False, traceback.format_exc())
-        try:
-            conn.send(reply)
-        except Exception:  # an unpicklable result
-            conn.send((False, traceback.format_exc()))
+            done = (False, traceback.format_exc())
+        reply(conn, done)
 
 
 def _resolve(module: str, qualname: str, path: str | None) -> Callable[..., Any]:
