@@ -480,3 +480,31 @@ def test_partial_of_an_unhashable_spec_is_unhashable_and_still_resolves():
     with pytest.raises(TypeError, match="unhashable"):
         hash(spec)
     assert as_layout(spec, (3, 1)).partial == "sum"
+
+
+def test_torch_metadata_edges() -> None:
+    """The shape of a list of ShardMetadata ignores an empty box past the end (torch's own chunks put one there);
+    a pending reduction has no torch metadata (its summands read back as replicas of one value)."""
+    chunks = Chunk(0, [0, 1, 2, 3]).layout((5,))
+    listed = chunks.to_torch_metadata().shards_metadata
+    assert [s.shard_offsets for s in listed] == [[0], [2], [4], [6]]
+    assert Layout.from_torch_metadata(listed) == chunks
+    with pytest.raises(LayoutError, match=re.escape("cannot hold a pending reduction ('sum')")):
+        Partial(Replicated([0, 1])).layout((3,)).to_torch_metadata()
+
+
+def test_plan_queries_refuse_what_they_cannot_answer() -> None:
+    from fshard import plan
+
+    far = plan(Single(0).layout((3,)), Single(100_000).layout((3,)))
+    with pytest.raises(SpecError, match=re.escape("ranks go up to 100000: 100001**2 numbers")):
+        far.traffic()
+    assert far.elements_sent == 3
+    for bad in ("4", -4, 2.5, True):
+        with pytest.raises(SpecError, match="a positive int"):
+            far.bytes_sent(bad)
+    assert far.bytes_sent(np.int64(4)) == 12
+    with pytest.raises(SpecError, match=re.escape("must be below 2**63 - 1")):
+        Placement(2**63 - 1)
+    edge = Single(2**63 - 2).layout((3,))
+    assert len(edge.shards_on(2**63 - 2)) == 1

@@ -303,7 +303,22 @@ class Layout:
             raise LayoutError(msg) from exc
 
     def to_torch_metadata(self, dtype: Any = None, requires_grad: bool = False) -> Any:
-        """This layout as torch's ``ShardedTensorMetadata`` (``dtype`` defaults to float32)."""
+        """This layout as torch's ``ShardedTensorMetadata`` (``dtype`` defaults to float32).
+
+        A box held on several ranks (replicas) is listed once per rank: ``from_torch_metadata``
+        reads it back, where torch's own checks refuse overlapping shards
+        (``to_sharded_tensor`` refuses replicas).
+
+        Raises:
+            LayoutError: a pending reduction (``partial``), which torch's metadata cannot hold: its
+                summands would read back as replicas of one value.
+        """
+        if self.partial is not None:
+            msg = (
+                f"to_torch_metadata(): ShardedTensorMetadata cannot hold a pending reduction ({self.partial!r}), "
+                "whose summands it would read as one value: reduce first (fshard.reshard to a spec without Partial)."
+            )
+            raise LayoutError(msg)
         return to_torch_metadata(self.shape, self.shards, dtype, requires_grad)
 
     @classmethod

@@ -43,8 +43,8 @@ class Placement:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise SpecError(f"Placement rank must be a non-negative int, got {self.rank!r}.")
-        if self.rank >= 2**63:
-            raise SpecError(f"Placement rank must be below 2**63 (layouts hold ranks as int64), got {self.rank!r}.")
+        if self.rank >= 2**63 - 1:  # a rank's end (rank + 1) must fit too
+            raise SpecError(f"Placement rank must be below 2**63 - 1 (layouts hold ranks as int64), got {self.rank!r}.")
         if not isinstance(self.device, str):
             raise SpecError(f"Placement device must be a str such as 'cpu', got {self.device!r}.")
         try:

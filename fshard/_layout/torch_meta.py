@@ -81,14 +81,17 @@ def read_torch_metadata(metadata: Any) -> tuple[tuple[int, ...], tuple[Box, ...]
     """The shape and boxes that torch's ``ShardedTensorMetadata`` describes.
 
     A list of ``ShardMetadata`` is read as an ``EnumerableShardingSpec``'s shards:
-    the shape is the extent of their boxes (the end of the farthest box in each dim).
+    the shape is the extent of their boxes (the end of the farthest box in each dim),
+    empty boxes aside.
     """
     listed = cast("Sequence[Any]", metadata)  # used only once it is known to be a sequence
     if isinstance(metadata, Sequence) and not isinstance(metadata, str) and all(map(is_shard_metadata, listed)):
         boxes = tuple(map(box_from_torch, listed))
         if not boxes:
             raise LayoutError("Layout.from_torch_metadata() got an empty list of ShardMetadata: give at least one.")
-        ends = [[o + n for o, n in zip(offsets, sizes)] for offsets, sizes, _ in boxes]
+        # An empty box may lie past the end (ChunkShardingSpec puts 5 rows over 4 ranks' last at row 6).
+        full = [b for b in boxes if 0 not in b[1]] or boxes
+        ends = [[o + n for o, n in zip(offsets, sizes)] for offsets, sizes, _ in full]
         return tuple(map(max, zip(*ends))), boxes
     value = cast(Any, metadata)  # anything that is not a list of ShardMetadata
     try:

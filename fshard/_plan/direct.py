@@ -11,6 +11,7 @@ import numpy as np
 
 from fshard._base import boxes as _boxes
 from fshard._base.cache import cached
+from fshard._errors import SpecError
 from fshard._layout import index as _index
 from fshard._layout.layout import Layout
 from fshard._plan import routing as _routing
@@ -18,6 +19,8 @@ from fshard._plan import schedule as _schedule
 from fshard._plan.schedule import Moves, RankSchedule, moves
 
 __all__ = ["Box", "Plan", "Transfer", "min_elements", "numels"]
+
+TRAFFIC_RANKS = 8192  # traffic()'s matrix at most: 8192**2 int64, 512 MiB
 
 _groups = _index.groups  # distinct boxes of a layout, in the numbering plans use
 
@@ -196,12 +199,26 @@ class Plan:
         return int(numels(self.size[self._crossing]).sum())
 
     def bytes_sent(self, itemsize: int) -> int:
-        """Bytes that cross between ranks for elements of ``itemsize`` bytes."""
+        """Bytes that cross between ranks for elements of ``itemsize`` bytes (a positive int)."""
+        if isinstance(itemsize, bool) or not isinstance(itemsize, (int, np.integer)) or itemsize < 1:  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
+            msg = f"bytes_sent() takes an element's size in bytes, a positive int (dtype.itemsize), got {itemsize!r}."
+            raise SpecError(msg)
         return self.elements_sent * int(itemsize)
 
     def traffic(self) -> np.ndarray:
-        """A world x world matrix: elements sent from rank i (row) to rank j (column), every phase."""
+        """A world x world matrix: elements sent from rank i (row) to rank j (column), every phase.
+
+        Raises:
+            SpecError: the highest rank is ``TRAFFIC_RANKS`` or more: the matrix would take
+                world**2 numbers (``for_rank`` gives one rank's part, ``elements_sent`` the total).
+        """
         world = int(max(self.src.columns.rank.max(initial=-1), self.dst.columns.rank.max(initial=-1))) + 1
+        if world > TRAFFIC_RANKS:
+            msg = (
+                f"traffic() is a world x world matrix, and this plan's ranks go up to {world - 1}: {world}**2 numbers. "
+                "Read one rank's part with plan.for_rank(rank), or the total with plan.elements_sent."
+            )
+            raise SpecError(msg)
         moved = [(p.src_rank[c], p.dst_rank[c], numels(p.size[c])) for p in self.phases for c in (p._crossing,)]
         exact = any(n.dtype == object for _, _, n in moved)  # Python ints where int64 could wrap
         out = np.zeros((world, world), object if exact else np.int64)
