@@ -116,6 +116,7 @@ def test_numpy_ints_are_ranks_as_ints_are():
     assert Chunk(0, np.arange(4)) == Chunk(0, [0, 1, 2, 3])
     assert Replicated([np.int32(0), np.int32(1)]) == Replicated([0, 1])
     assert Single(np.int64(1)) == Single(1)
+    assert Chunk(np.int64(-1), [0, 1]) == Chunk(-1, [0, 1])  # a dim too
     with pytest.raises(SpecError, match=re.escape("Cannot read 1.0 (float) as a placement")):
         Chunk(0, [0, 1.0])
 

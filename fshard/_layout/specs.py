@@ -138,9 +138,9 @@ class Chunk:
         if isinstance(dim, str):
             msg = f"ChunkShardingSpec does not support named dimension {dim!r}: give an int dim."
             raise NotImplementedError(msg)
-        if isinstance(dim, bool) or not isinstance(dim, int):
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
             raise SpecError(f"Chunk dim must be an int, got {dim!r}.")
-        _set(self, dim=dim, placements=_placements(placements, "Chunk"))
+        _set(self, dim=int(dim), placements=_placements(placements, "Chunk"))
 
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec."""
