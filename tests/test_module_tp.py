@@ -449,3 +449,9 @@ def test_a_block_reused_under_several_names_is_planned_by_any_of_them(plan: dict
     only_first = {"layers.0.up": "colwise", "layers.0.down": "rowwise"}  # its other name is left whole
     with pytest.raises(fshard.SpecError, match=r"'layers\.1\.up\.weight' .* tied to 'layers\.0\.up\.weight'"):
         fshard.shard_module(model, fshard.tensor_parallel(_mesh(), only_first))
+    # Planned by its later name only, the parameters (laid out by the first) would stay whole where the psum
+    # of a row-parallel Linear sums them over tp: refused, also where the parameters were sharded otherwise.
+    only_second = fshard.tensor_parallel(_mesh(), {"layers.1.up": "colwise", "layers.1.down": "rowwise"})
+    whole, _ = fshard.shard_module(model, fshard.fully_sharded(R4))
+    with pytest.raises(fshard.SpecError, match=re.escape("makes 'layers.1.up' colwise, but it is the submodule")):
+        fshard.apply_module(model, whole, buffers, fshard.shard(x, only_second.rows), rules=only_second)

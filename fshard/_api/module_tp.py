@@ -112,8 +112,12 @@ class TensorParallel:
         Raises:
             SpecError: a pattern that names no submodule, or names one that is not a ``torch.nn.Linear``.
         """
-        # Every name of a submodule used under several (one block reused at each depth): a plan may name any.
+        # Every name of a submodule used under several (one block reused at each depth): a plan may name any,
+        # where it gives the first name, by which its parameters are laid out, the same style.
         names = dict(module.named_modules(remove_duplicate=False))  # pyright: ignore[reportUnknownArgumentType]
+        first: dict[int, str] = {}
+        for n, sub in names.items():
+            first.setdefault(id(sub), n)
         rows: dict[int, str] = {}
         for pattern, style in self.plan:
             hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
@@ -126,6 +130,15 @@ class TensorParallel:
             for n in hits:
                 sub = names[n]
                 _check_linear(n, sub, style)
+                name = first[id(sub)]
+                if self.style(name) != self.style(n):
+                    msg = (
+                        f"tensor_parallel() makes {n!r} {self.style(n) or 'whole'}, but it is the submodule "
+                        f"{name!r} (one submodule under several names), which the plan makes "
+                        f"{self.style(name) or 'whole'}: give every name of it one style ({name!r} too, or a "
+                        "pattern for all of them, as 'layers.*.up')."
+                    )
+                    raise SpecError(msg)
                 if self.style(n) == "rowwise":
                     rows[id(sub)] = self.tp
         return rows

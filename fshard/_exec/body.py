@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, cast
 
@@ -51,9 +52,11 @@ __all__ = [
     "NeedsThreads",
     "Rendezvous",
     "apart_message",
+    "check_counts",
     "current",
     "entered",
     "in_transform",
+    "made_in",
     "refuse_backward_in_body",
     "run_threaded",
     "under_hooks",
@@ -76,6 +79,9 @@ class Body:
     mesh: Any
     backend: Any
     rendezvous: Rendezvous | None = None
+    # The counts of psums whose sums are on a device (NCCL): read when the body returns, not at each psum,
+    # where reading them would make the CPU wait for the device (``AllReduce``).
+    counts: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=lambda: [], compare=False, hash=False)
 
 
 _STATE = threading.local()
@@ -87,7 +93,13 @@ def current() -> Body | None:
     return getattr(_STATE, "body", None)
 
 
-def refuse_backward_in_body(made_in: Body | None) -> None:
+def made_in() -> weakref.ref[Body] | None:
+    """The running body, held weakly: a reduction's node keeps it so (its rendezvous holds the node's outputs)."""
+    body = current()
+    return None if body is None else weakref.ref(body)
+
+
+def refuse_backward_in_body(made_in: weakref.ref[Body] | None) -> None:
     """Raises ``SpecError`` where a reduction's backward runs inside a body: ``torch.autograd.grad`` called in fn.
 
     The reduction's transpose sums the gradients of every placement's result, seeded by one
@@ -96,7 +108,8 @@ def refuse_backward_in_body(made_in: Body | None) -> None:
     its own gradient, processes the sum of every placement's), so both refuse it.
     ``made_in``: the body the reduction ran in (the backward may run on a device's thread).
     """
-    if current() is None and (made_in is None or id(made_in) not in _RUNNING):
+    body = None if made_in is None else made_in()
+    if current() is None and (body is None or id(body) not in _RUNNING):
         return
     msg = (
         "The backward of a psum() ran inside a shard_map body (torch.autograd.grad or .backward() called in fn): "
@@ -105,6 +118,14 @@ def refuse_backward_in_body(made_in: Body | None) -> None:
         "torch.autograd.grad of a value it returned), or inside fn differentiate before the psum()."
     )
     raise SpecError(msg)
+
+
+def check_counts(counts: torch.Tensor, n: int) -> None:
+    """Raises ``CollectiveMismatchError`` where a psum's 4 summed counts (``AllReduce``) say its summands differ."""
+    got = cast("list[float]", counts.real.tolist())  # pyright: ignore[reportUnknownMemberType]
+    apart = apart_message((got[0], got[1]), (got[2], got[3]), n)
+    if apart is not None:
+        raise CollectiveMismatchError(apart)
 
 
 def apart_message(records: tuple[float, float], tangents: tuple[float, float], n: int) -> str | None:
@@ -135,6 +156,8 @@ def entered(body: Body) -> Generator[None, None, None]:
     _RUNNING.add(id(body))
     try:
         yield
+        for counts, n in body.counts:  # the psums' on a device: every member of each group reads the same
+            check_counts(counts, n)
     except NeedsThreads:
         _STATE.probed = body.placements  # this call's bodies start again in threads
         raise
@@ -461,7 +484,7 @@ class GroupSum(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.groups, ctx.body = inputs[0], current()
+        ctx.groups, ctx.body = inputs[0], made_in()
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -506,15 +529,16 @@ class AllReduce(torch.autograd.Function):
             return backend.all_reduce_among(t, ranks, partition)
         records, tangent = (float(f) for f in flags)
         flat = backend.all_reduce_among(t, ranks, partition, (records, 1 - records, tangent, 1 - tangent))
-        counts = flat[-4:].real.tolist()
-        apart = apart_message((counts[0], counts[1]), (counts[2], counts[3]), len(ranks))
-        if apart is not None:
-            raise CollectiveMismatchError(apart)
+        body = current()
+        if flat.device.type == "cpu" or body is None:
+            check_counts(flat[-4:], len(ranks))
+        else:  # read when the body returns: at once, the CPU would wait for the device here
+            body.counts.append((flat[-4:], len(ranks)))
         return flat[:-4].view(t.shape).detach()  # its own tensor to autograd (not a view of the flat sum)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.backend, ctx.partition, ctx.ranks, ctx.body = inputs[0], inputs[1], inputs[2], current()
+        ctx.backend, ctx.partition, ctx.ranks, ctx.body = inputs[0], inputs[1], inputs[2], made_in()
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
