@@ -99,16 +99,16 @@ def made_in() -> weakref.ref[Body] | None:
     return None if body is None else weakref.ref(body)
 
 
-def refuse_backward_in_body(made_in: weakref.ref[Body] | None) -> None:
+def refuse_backward_in_body(maker: weakref.ref[Body] | None) -> None:
     """Raises ``SpecError`` where a reduction's backward runs inside a body: ``torch.autograd.grad`` called in fn.
 
     The reduction's transpose sums the gradients of every placement's result, seeded by one
     backward of the whole program; a backward inside fn seeds its own placement's alone,
     which no backend can sum as that backward means (one process would give each placement
     its own gradient, processes the sum of every placement's), so both refuse it.
-    ``made_in``: the body the reduction ran in (the backward may run on a device's thread).
+    ``maker``: the body the reduction ran in, from ``made_in`` (the backward may run on a device's thread).
     """
-    body = None if made_in is None else made_in()
+    body = None if maker is None else maker()
     if current() is None and (body is None or id(body) not in _RUNNING):
         return
     msg = (

@@ -199,7 +199,12 @@ class Plan:
         return int(numels(self.size[self._crossing]).sum())
 
     def bytes_sent(self, itemsize: int) -> int:
-        """Bytes that cross between ranks for elements of ``itemsize`` bytes (a positive int)."""
+        """Bytes that cross between ranks for elements of ``itemsize`` bytes (a positive int).
+
+        >>> import fshard
+        >>> fshard.plan(fshard.Chunk(0, [0, 1]).layout((4,)), fshard.Chunk(0, [1, 0]).layout((4,))).bytes_sent(4)
+        16
+        """
         if isinstance(itemsize, bool) or not isinstance(itemsize, (int, np.integer)) or itemsize < 1:  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
             msg = f"bytes_sent() takes an element's size in bytes, a positive int (dtype.itemsize), got {itemsize!r}."
             raise SpecError(msg)
@@ -211,6 +216,10 @@ class Plan:
         Raises:
             SpecError: the highest rank is ``TRAFFIC_RANKS`` or more: the matrix would take
                 world**2 numbers (``for_rank`` gives one rank's part, ``elements_sent`` the total).
+
+        >>> import fshard
+        >>> fshard.plan(fshard.Chunk(0, [0, 1]).layout((4,)), fshard.Chunk(0, [1, 0]).layout((4,))).traffic().tolist()
+        [[0, 2], [2, 0]]
         """
         world = int(max(self.src.columns.rank.max(initial=-1), self.dst.columns.rank.max(initial=-1))) + 1
         if world > TRAFFIC_RANKS:
