@@ -262,5 +262,75 @@ def test_a_training_step_compiles_on_four_gloo_processes(dist_pool) -> None:
     assert all(got["eager"] == results[0]["eager"] for got in results)  # the ranks agree
 
 
+def _steps_across_processes(compiler: Any, steps: int = 5) -> dict[str, Any]:
+    """``steps`` compiled (or eager) SGD steps whose ``shard_map`` body gets new tensors at each step.
+
+    The parameters are replicated (their blocks tapped), the batch is new at each step, the body
+    closes over a tensor that needs a gradient and over a tensor gathered at each step. Returns the
+    losses, the closed-over tensor's gradient at each step, and TorchDynamo's count of frames
+    compiled after each step.
+    """
+    ranks = [0, 1, 2, 3]
+    model = _model().double()
+    params = fshard.shard_params(model, lambda name, t: fshard.Replicated(ranks))
+    leaves = [t.requires_grad_() for t in optree.tree_leaves(params)]
+    scale = torch.tensor([1.5], dtype=torch.float64, requires_grad=True)
+    bias = fshard.shard(torch.zeros(4, dtype=torch.float64), fshard.Chunk(0, ranks))
+    leaves += [t.requires_grad_() for t in bias.addressable_data]
+    opt = torch.optim.SGD([*leaves, scale], lr=0.1)
+    rows, summed = fshard.Chunk(0, ranks), fshard.Partial(fshard.Replicated(ranks))
+    gathered: dict[str, torch.Tensor] = {}
+
+    def block_loss(xb: torch.Tensor, yb: torch.Tensor, ws: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = torch.func.functional_call(model, ws, (xb,)) * scale + gathered["bias"]
+        return torch.nn.functional.mse_loss(out, yb, reduction="sum")[None]
+
+    loss_of = fshard.shard_map(block_loss, in_specs=(rows, rows, fshard.Replicated(ranks)), out_specs=summed)
+
+    def step(x: fshard.ShardedArray, y: fshard.ShardedArray) -> torch.Tensor:
+        opt.zero_grad()
+        gathered["bias"] = fshard.gather(bias)
+        loss = fshard.gather(loss_of(x, y, params))[0] / 32
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    if compiler is not None:
+        step = torch.compile(step, backend=compiler)
+    losses, grads, frames = [], [], []
+    for k in range(steps):
+        g = torch.Generator().manual_seed(k)
+        x = fshard.shard(torch.randn(32, 8, dtype=torch.float64, generator=g), rows)
+        y = fshard.shard(torch.randn(32, 4, dtype=torch.float64, generator=g), rows)
+        losses.append(step(x, y).item())
+        grads.append(float(scale.grad))  # pyright: ignore[reportArgumentType]
+        frames.append(torch._dynamo.utils.counters["frames"]["ok"])
+    return {"losses": losses, "grads": grads, "frames": frames}
+
+
+def _new_tensors_each_step_on_the_pool() -> dict[str, Any]:
+    fshard.clear_caches()
+    torch._dynamo.reset()
+    compiled = _steps_across_processes("aot_eager")
+    torch._dynamo.reset()
+    fshard.clear_caches()
+    return {"compiled": compiled, "eager": _steps_across_processes(None)}
+
+
+@pytest.mark.multiprocess
+def test_a_compiled_step_across_processes_is_not_traced_again_for_each_steps_new_tensors(dist_pool) -> None:
+    """The per-shard mode's lookups of a body's tensors run eagerly: no guard on a tensor's identity.
+
+    Traced, each step's new batch, gathered tensor and taps failed the guards of the last step's, and
+    TorchDynamo traced the body's frames again at every step, up to its recompile limit.
+    """
+    for got in dist_pool.run(_new_tensors_each_step_on_the_pool, timeout=300):
+        compiled, eager = got["compiled"], got["eager"]
+        assert compiled["frames"][1:] == [compiled["frames"][1]] * 4  # nothing compiled after the second step
+        assert _max_diff(compiled["losses"], eager["losses"]) <= 1e-12
+        assert _max_diff(compiled["grads"], eager["grads"]) <= 1e-12  # the closed-over tensor's summed gradient
+        assert eager["grads"][0] != 0.0
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["body", "compiled_caller", "opaque", "unwrapped", "with_body"]
+__all__ = ["body", "compiled_caller", "never_compiled", "opaque", "unwrapped", "with_body"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,14 +144,24 @@ def with_body(fn: F) -> F:
     return opaque(call)  # type: ignore[return-value]
 
 
-def _skip_own_frames() -> None:
-    """TorchDynamo never compiles the frames of the wrappers above (they switch it off and on themselves)."""
+def never_compiled(fn: F) -> F:
+    """``fn`` itself, whose own frame TorchDynamo never compiles where it runs as a frame (the calls it makes may be).
+
+    Where a traced frame calls ``fn``, TorchDynamo still traces it inline. A frame of it runs
+    only after a graph break in it, and compiling that frame again would yield no graph: only
+    guards on its arguments (a tensor's identity, say), which fail at the next step's tensors
+    and trace it once more, up to TorchDynamo's recompile limit. On a torch without per-code
+    strategies TorchDynamo compiles it as before.
+
+    >>> never_compiled(len) is len
+    True
+    """
     strategy = getattr(_frames, "_FrameExecStrategy", None)
-    if strategy is None:  # an older torch: TorchDynamo compiles these small frames, to a graph break
-        return
-    skip = strategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT)
-    for code in (opaque(len).__code__, body(len).__code__):
-        _frames.set_code_exec_strategy(code, skip)
+    code = getattr(fn, "__code__", None)
+    if strategy is not None and code is not None:
+        _frames.set_code_exec_strategy(code, strategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT))
+    return fn
 
 
-_skip_own_frames()
+for _wrapper in (opaque(len), body(len)):  # they switch TorchDynamo off and on themselves
+    never_compiled(_wrapper)

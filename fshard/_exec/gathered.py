@@ -47,7 +47,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fshard._base.compile import opaque
+from fshard._base.compile import never_compiled, opaque
 from fshard._base.function import apply
 from fshard._errors import SpecError
 from fshard._exec import readonly as _readonly
@@ -252,16 +252,17 @@ class _PerShard(TorchFunctionMode):
         level = _functorch.maybe_current_level()
         self.level: int = -1 if level is None else int(level)
 
+    @never_compiled
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # No gradient recorded (no_grad, inference, a reentrant checkpoint's forward): nothing to tap or set
         # aside, and a view made here would serve later uses.
         if torch.compiler.is_compiling():
-            if self.across and torch.is_grad_enabled():  # (in one process a compiled body's uses are not counted)
-                # A tuple of a generator, not a list: with a list comprehension here, TorchDynamo (torch 2.13)
-                # traces the call below wrongly where it resumes after this mode's graph break.
-                args = tuple(self._swap_any(a) for a in args)
-                if kwargs:
-                    kwargs = {k: self._swap_any(v) for k, v in kwargs.items()}
+            # (In one process a compiled body's uses are not counted.) Only a tensor that needs a gradient is
+            # swapped: the call is traced where none does.
+            if self.across and torch.is_grad_enabled() and (_needs_grad(args) or _needs_grad(kwargs)):
+                # Swapped eagerly, a graph break: traced, the tables' lookups by id() would guard on each
+                # tensor's identity, and the next step's tensors would trace the body again.
+                args, kwargs = _swapped_eagerly(self, args, kwargs)
             # TorchDynamo traces a direct call (a call of func through a helper here, after a graph break,
             # is traced wrongly by torch 2.13).
             return func(*args, **(kwargs or {}))
@@ -275,6 +276,7 @@ class _PerShard(TorchFunctionMode):
         out = _readonly.call_if_pure(func, types, args, kwargs, given)
         return func(*args, **kwargs) if out is _readonly.IMPURE else out
 
+    @never_compiled
     def _swapped(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``args`` with their tensors swapped (``_swap_any``), the tuple itself where none is.
 
@@ -310,6 +312,7 @@ class _PerShard(TorchFunctionMode):
                 new[i] = view
         return args if new is None else tuple(new)
 
+    @never_compiled
     def _swap_any(self, x: Any) -> Any:
         """``x`` with its tensors swapped: directly for a tensor (most arguments), through its pytree else."""
         if isinstance(x, torch.Tensor):
@@ -319,6 +322,7 @@ class _PerShard(TorchFunctionMode):
             return optree.tree_map(self._swap_leaf, cast(Any, x), none_is_leaf=True)
         return x
 
+    @never_compiled
     def _swap_leaf(self, x: Any) -> Any:
         """A pytree leaf swapped where it is a tensor (a leaf may be a tuple subclass, as ``torch.Size``)."""
         if isinstance(x, torch.Tensor):
@@ -326,6 +330,7 @@ class _PerShard(TorchFunctionMode):
             return seen if seen is not None else self._swap(x)
         return x
 
+    @never_compiled
     def _swap(self, x: torch.Tensor) -> torch.Tensor:
         """``x``'s view where it is tapped, gathered or closed over (made at its first use), else ``x``."""
         key = id(x)
@@ -356,6 +361,27 @@ class _PerShard(TorchFunctionMode):
             return x
         self.views[key] = view
         return view
+
+
+def _needs_grad(x: Any) -> bool:
+    """Whether a tensor in ``x`` (a tensor, or a list, tuple or dict of them, nested) requires a gradient."""
+    if isinstance(x, torch.Tensor):
+        return x.requires_grad
+    if isinstance(x, dict):
+        x = list(cast("dict[Any, Any]", x).values())
+    if isinstance(x, (list, tuple)):
+        for v in cast("Sequence[Any]", x):
+            if _needs_grad(v):
+                return True
+    return False
+
+
+@opaque
+def _swapped_eagerly(
+    mode: _PerShard, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+    """A compiled function's torch call's ``args`` and ``kwargs`` swapped by ``mode``, run eagerly."""
+    return mode._swapped(args), None if not kwargs else {k: mode._swap_any(v) for k, v in kwargs.items()}  # pyright: ignore[reportPrivateUsage]
 
 
 _grad_enabled = torch.is_grad_enabled
