@@ -19,6 +19,8 @@ import torch
 
 import fshard
 from fshard import Chunk, Mesh, Named, Partial, Replicated, Single
+from fshard._checkpoint._format import Saved
+from fshard._checkpoint._load import _sources
 from fshard._layout.layout import replica_ids
 from fshard._plan import direct as _plan
 from fshard._plan import pending as _reduce
@@ -167,6 +169,21 @@ def test_a_pending_sum_on_4096_ranks_to_chunks() -> None:
     assert _rows(s.local) == [(7, 7, (14, 0), 7)]
     assert s.elements_sent == s.elements_received == (n - 1) * 6
     assert len(s.peers) == n - 1
+
+
+def test_a_load_on_4096_ranks_finds_one_ranks_reads_without_the_global_plan() -> None:
+    """A checkpoint saved in rows on 4096 ranks, loaded in columns: rank 7 reads its column from every
+    saved box, found in the saved boxes' index for its own shard alone (the global plan has 4096^2 rows)."""
+    n = 4096
+    shape = (2 * n, n)
+    saved = Saved(path="w", kind="array", shape=shape, source=Chunk(0, range(n)).layout(shape))
+    target = Chunk(1, range(n)).layout(shape)
+    fshard.clear_caches()
+    with global_rows_forbidden():
+        pieces = _sources(saved, target, [7])
+    assert sorted(pieces) == list(range(n))
+    assert all(pieces[k] == [((2 * k, 7), (2, 1), 7)] for k in range(n))
+    assert _sources(saved, target, []) == {}
 
 
 # -- on 4 processes ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from fshard._array.array import ShardedArray
@@ -25,10 +26,10 @@ from fshard._checkpoint._schema import saved_leaves
 from fshard._checkpoint._tree import match, unflatten
 from fshard._errors import CheckpointError, SpecError
 from fshard._exec.collective import collective
+from fshard._layout.index import index
 from fshard._layout.layout import Layout, ShardMeta, layout_digest
 from fshard._layout.placement import Placement
 from fshard._layout.specs import as_layout
-from fshard._plan import plan
 from fshard.backends import Backend, default_backend
 
 __all__ = ["load"]
@@ -106,37 +107,44 @@ def _target_saved(saved: Saved, backend: Backend | None) -> _Target:
     return _Target("array", saved.layout, b)
 
 
-def _sources(saved: Saved, layout: Layout, shards: Any) -> tuple[Any, dict[int, list[int]]]:
-    """The plan from the saved boxes to ``layout``, and per saved box the rows that feed ``shards``."""
-    if not shards or layout.numel == 0:
-        return None, {}
+# Per saved box, the pieces it feeds: (offsets, sizes, index of the shard of ``layout`` they fill).
+_Pieces = dict[int, list[tuple[tuple[int, ...], tuple[int, ...], int]]]
+
+
+def _sources(saved: Saved, layout: Layout, shards: Iterable[int]) -> _Pieces:
+    """Per saved box, the pieces of it that fill ``shards`` (indices into ``layout``).
+
+    Found in the saved boxes' index for these shards alone, so a rank's cost grows with the
+    pieces it reads, not with the world's.
+    """
+    targets = np.array(sorted(j for j in shards if layout.shards[j].numel), np.int64)
+    if not len(targets):
+        return {}
     assert saved.source is not None
-    p = plan(saved.source, layout)
-    rows: dict[int, list[int]] = {}
-    for k, j in enumerate(p.dst_shard.tolist()):
-        if j in shards:
-            rows.setdefault(int(p.src_shard[k]), []).append(k)
-    return p, rows
+    src = index(saved.source)
+    lo = layout.columns.lo[targets]
+    hi = lo + layout.columns.sz[targets]
+    q, box = src.query(lo, hi)
+    start = np.maximum(lo[q], src.lo[box])
+    size = np.minimum(hi[q], src.hi[box]) - start
+    lowest = np.minimum.reduceat(src.copies, src.copy_start)  # a box saved twice is read from its first copy
+    pieces: _Pieces = {}
+    for b, j, a, n in zip(lowest[box].tolist(), targets[q].tolist(), start.tolist(), size.tolist()):
+        pieces.setdefault(b, []).append((tuple(a), tuple(n), j))
+    return pieces
 
 
 def _fill(
-    saved: Saved,
-    layout: Layout,
-    out: dict[int, torch.Tensor],
-    reader: Reader,
-    bar: Any,
-    sources: tuple[Any, dict[int, list[int]]],
+    saved: Saved, layout: Layout, out: dict[int, torch.Tensor], reader: Reader, bar: Any, pieces: _Pieces
 ) -> None:
     """Writes the saved values into the shards ``out`` (indices into ``layout``), reading only overlaps.
 
-    ``sources``: ``_sources(saved, layout, out)``.
+    ``pieces``: ``_sources(saved, layout, out)``.
     """
-    p, rows = sources
-    for src, ks in rows.items():
+    for src, wanted in pieces.items():
         box = saved.boxes[src]
         whole = reader.whole(box, saved) if reader.verify else None
-        for k in ks:
-            lo, size, j = p.lo[k].tolist(), p.size[k].tolist(), int(p.dst_shard[k])
+        for lo, size, j in wanted:
             read = slices(lo, size, box["offsets"])
             piece = whole[read] if whole is not None else reader.part(box, saved, read)
             out[j][slices(lo, size, layout.shards[j].offsets)].copy_(piece)
@@ -159,8 +167,8 @@ def _read_leaf(saved: Saved, target: _Target, reader: Reader, bar: Any) -> Any:
     first: dict[tuple[Any, ...], int] = {}
     for i in index:
         first.setdefault(boxes[i], i)
-    sources = _sources(saved, layout, set(first.values()))
-    for src in sources[1]:  # every file's size checked against the index before anything is allocated from it
+    sources = _sources(saved, layout, first.values())
+    for src in sources:  # every file's size checked against the index before anything is allocated from it
         reader.open_box(saved.boxes[src], saved)
     out = {i: _new(layout, i, saved.dtype, target) for i in first.values()}
     _fill(saved, layout, out, reader, bar, sources)
