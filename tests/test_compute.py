@@ -469,6 +469,19 @@ def test_sum_with_an_empty_shard_is_a_pending_sum_not_a_replica_of_zeros():
     assert float(fshard.gather(total)) == 10.0
 
 
+def test_a_sum_of_a_pending_sum_whose_result_is_empty_stays_on_its_placements():
+    """Before, the sum of an empty pending sum over a dim that leaves no element had no shard at all:
+    its gather raised about an internal spec (``Replicated`` of no placement)."""
+    layout = Partial(Replicated([0, 1])).layout((0, 3))
+    p = fshard.from_local_shards_and_layout([fshard.Shard(m, torch.zeros(m.sizes)) for m in layout.shards], layout)
+    for got in (p.sum(1), p.sum(1, keepdim=True), p.sum(1) * 2):
+        assert got.layout.partial == "sum"
+        assert got.layout.ranks == (0, 1)
+        assert fshard.gather(got).shape == torch.zeros(0, 3).sum(1, keepdim=got.ndim == 2).shape
+    assert fshard.reshard(p.sum(1), Replicated([0, 1])).shape == (0,)
+    assert fshard.gather(p.sum(0)).shape == (3,)  # a result with elements: the summands' zeros
+
+
 def test_shard_map_resolves_its_arguments_targets_once_per_tuple_of_layouts():
     from fshard._api import map as _map
 

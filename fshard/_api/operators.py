@@ -321,23 +321,26 @@ def _summands(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> tuple[Lay
 
     One summand per (placement, box), each element once: of a box's replicas only the first
     contributes, and an empty shard none, unless the array is empty: then every shard whose
-    sum has elements contributes its zeros, so that the summands cover the result.
+    sum has elements contributes its zeros, so that the summands cover the result; and where
+    the result is empty too, every shard contributes its empty sum (the result stays on the
+    array's placements).
     """
-    empty = 0 in layout.shape
+    shape = _project(layout.shape, dims, keepdim, True)
+    empty, nothing = 0 in layout.shape, 0 in shape
     keys: dict[tuple[Any, ...], ShardMeta] = {}
     contributors: list[tuple[int, tuple[Any, ...]]] = []
     seen: set[tuple[Any, ...]] = set()
     for i, s in enumerate(layout.shards):
         box = (s.offsets, s.sizes)
         meta = _project_meta(s, dims, keepdim)
-        if 0 in (meta.sizes if empty else s.sizes) or (layout.partial is None and box in seen):
+        if (not nothing and 0 in (meta.sizes if empty else s.sizes)) or (layout.partial is None and box in seen):
             continue
         seen.add(box)
         key = (meta.offsets, meta.sizes, s.placement)
         keys.setdefault(key, meta)
         contributors.append((i, key))
     try:
-        out = Layout(_project(layout.shape, dims, keepdim, True), tuple(keys.values()), "sum")
+        out = Layout(shape, tuple(keys.values()), "sum")
     except ValueError as exc:  # a LayoutError: the projected boxes overlap without being equal
         msg = (
             f"sum(dim={dims}) of {layout!r}: its shards split the other dims differently along the summed dims, "
