@@ -703,7 +703,8 @@ CASES = [
     pytest.param(
         lambda: fshard.from_dtensor(None),
         TypeError,
-        "from_dtensor() takes a torch DTensor, got NoneType.",
+        "from_dtensor() takes a torch DTensor, got NoneType: shard a tensor with fshard.shard(t, spec), or make a "
+        "DTensor first (DTensor.from_local).",
         id="from-dtensor-none",
     ),
     pytest.param(

@@ -307,3 +307,37 @@ def test_a_chunk_whose_last_box_is_empty_is_dtensors_shard(dist_pool):
     got = dist_pool.run(_chunk_with_an_empty_last_box_to_dtensor)
     assert [r[1] for r in got] == [(10, 2), (10, 2), (10, 1), (10, 0)]
     assert all(r[0] == "(Shard(dim=1),)" and r[2] for r in got), got
+
+
+def _from_a_dtensor_on_a_sub_mesh() -> list[str]:
+    """Every rank calls from_dtensor on a DTensor of the 1-D mesh over ranks 0 and 1, and from_sharded_tensor on it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dt = distribute_tensor(torch.arange(10.0), DeviceMesh("cpu", torch.tensor([0, 1])), [Shard(0)])
+    out = []
+    try:
+        x = fshard.from_dtensor(dt)
+        out.append(str([t.tolist() for t in x.addressable_data]))
+    except fshard.SpecError as exc:
+        out.append(str(exc))
+    try:
+        fshard.from_sharded_tensor(dt)
+    except TypeError as exc:
+        out.append(str(exc))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_from_dtensor_off_its_sub_mesh_names_the_fix(dist_pool):
+    """Before, the ranks outside the mesh raised torch's IndexError from inside ``get_group``."""
+    got = dist_pool.run(_from_a_dtensor_on_a_sub_mesh)
+    assert [r[0] for r in got[:2]] == ["[[0.0, 1.0, 2.0, 3.0, 4.0]]", "[[5.0, 6.0, 7.0, 8.0, 9.0]]"]
+    for rank in (2, 3):
+        assert got[rank][0] == (
+            f"from_dtensor() on rank {rank}, which is not in the DTensor's mesh (ranks [0, 1]): call it on the mesh's "
+            "ranks only (where dt.device_mesh.get_coordinate() is not None)."
+        )
+    assert {r[1] for r in got} == {
+        "from_sharded_tensor() takes a torch ShardedTensor, got a DTensor: use fshard.from_dtensor(dt)."
+    }

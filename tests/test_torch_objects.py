@@ -156,6 +156,13 @@ ERRORS = [
         id="layout-from-empty-list",
     ),
     pytest.param(
+        lambda: Layout.from_torch_metadata([ShardMetadata([3], [0], "rank:0/cpu")]),
+        fshard.LayoutError,
+        "Layout.from_torch_metadata() got a list of ShardMetadata whose boxes are all empty, which does not tell "
+        "the shape: give a ShardedTensorMetadata (its size is the shape).",
+        id="layout-from-a-list-of-empty-boxes",
+    ),
+    pytest.param(
         lambda: fshard.shard(X, EnumerableShardingSpec([ShardMetadata([0, 0], [5, 6], "rank:0/cpu")])),
         fshard.LayoutError,
         "Shards do not cover element (5, 0) of shape (10, 6)",

@@ -161,6 +161,9 @@ def from_sharded_tensor(st: Any) -> ShardedArray:
     (True, 8.0)
     >>> dist.destroy_process_group()
     """
+    if is_dtensor(st):
+        msg = "from_sharded_tensor() takes a torch ShardedTensor, got a DTensor: use fshard.from_dtensor(dt)."
+        raise TypeError(msg)
     if not is_sharded_tensor(st):
         msg = (
             f"from_sharded_tensor() takes a torch ShardedTensor, got {type(st).__name__}. For a state dict that "
@@ -373,7 +376,8 @@ def from_dtensor(dt: Any) -> ShardedArray:
     Raises:
         TypeError: ``dt`` is not a ``DTensor``.
         SpecError: a ``Partial`` of another op (the message gives the ``redistribute``
-            call that fixes it) or another placement than ``Shard``/``Replicate``/``Partial``.
+            call that fixes it) or another placement than ``Shard``/``Replicate``/``Partial``;
+            or this rank is not in the DTensor's mesh (call it on the mesh's ranks only).
 
     >>> import torch, torch.distributed as dist, fshard
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -386,7 +390,11 @@ def from_dtensor(dt: Any) -> ShardedArray:
     >>> dist.destroy_process_group()
     """
     if not is_dtensor(dt):
-        raise TypeError(f"from_dtensor() takes a torch DTensor, got {type(dt).__name__}.")
+        msg = (
+            f"from_dtensor() takes a torch DTensor, got {type(dt).__name__}: shard a tensor with "
+            "fshard.shard(t, spec), or make a DTensor first (DTensor.from_local)."
+        )
+        raise TypeError(msg)
     _check_placements(dt)
     device_mesh = dt.device_mesh
     backend = _torch_dist_backend(_mesh_group(device_mesh))
@@ -440,6 +448,12 @@ def _mesh_group(device_mesh: Any) -> Any:
     ranks = sorted(device_mesh.mesh.flatten().tolist())
     if ranks == list(range(dist.get_world_size())):
         return None
+    if dist.get_rank() not in ranks:
+        msg = (
+            f"from_dtensor() on rank {dist.get_rank()}, which is not in the DTensor's mesh (ranks {ranks}): "
+            "call it on the mesh's ranks only (where dt.device_mesh.get_coordinate() is not None)."
+        )
+        raise SpecError(msg)
     if device_mesh.ndim == 1:
         return device_mesh.get_group()
     msg = (

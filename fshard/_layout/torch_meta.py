@@ -90,7 +90,13 @@ def read_torch_metadata(metadata: Any) -> tuple[tuple[int, ...], tuple[Box, ...]
         if not boxes:
             raise LayoutError("Layout.from_torch_metadata() got an empty list of ShardMetadata: give at least one.")
         # An empty box may lie past the end (ChunkShardingSpec puts 5 rows over 4 ranks' last at row 6).
-        full = [b for b in boxes if 0 not in b[1]] or boxes
+        full = [b for b in boxes if 0 not in b[1]]
+        if not full:
+            msg = (
+                "Layout.from_torch_metadata() got a list of ShardMetadata whose boxes are all empty, which does not "
+                "tell the shape: give a ShardedTensorMetadata (its size is the shape)."
+            )
+            raise LayoutError(msg)
         ends = [[o + n for o, n in zip(offsets, sizes)] for offsets, sizes, _ in full]
         return tuple(map(max, zip(*ends))), boxes
     value = cast(Any, metadata)  # anything that is not a list of ShardMetadata
