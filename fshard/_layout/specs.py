@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union, cast
@@ -116,12 +115,6 @@ def _normalize_dim(dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
-    """ChunkShardingSpec's split of ``n`` into ``k``: offsets ``i * ceil(n/k)``, trailing shards short or empty."""
-    step = -(-n // k) if k else 0
-    return [(i * step, max(0, min(n, (i + 1) * step) - i * step)) for i in range(k)]
-
-
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Chunk:
     """Split ``dim`` into ``len(placements)`` chunks, exactly like torch's ``ChunkShardingSpec``.
@@ -146,12 +139,12 @@ class Chunk:
         """The layout of an array of ``shape`` under this spec."""
         shape = check_shape(shape)
         dim = _normalize_dim(self.dim, len(shape))
-        shards: list[ShardMeta] = []
-        for p, (off, size) in zip(self.placements, chunk_bounds(shape[dim], len(self.placements))):
-            offsets = tuple(off if k == dim else 0 for k in range(len(shape)))
-            sizes = tuple(size if k == dim else s for k, s in enumerate(shape))
-            shards.append(ShardMeta(offsets, sizes, p))
-        return Layout(shape, tuple(shards))
+        n, k = shape[dim], len(self.placements)
+        lo, sz = _whole(shape, k)
+        step = -(-n // k) if k else 0
+        lo[:, dim] = np.arange(k, dtype=np.int64) * step
+        sz[:, dim] = np.maximum(0, np.minimum(n, lo[:, dim] + step) - lo[:, dim])
+        return _columns(shape, lo, sz, self.placements)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -171,7 +164,7 @@ class Replicated:
     def layout(self, shape: Sequence[int]) -> Layout:
         """The layout of an array of ``shape`` under this spec."""
         shape = check_shape(shape)
-        return Layout(shape, tuple(ShardMeta((0,) * len(shape), shape, p) for p in self.placements))
+        return _columns(shape, *_whole(shape, len(self.placements)), self.placements)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -339,13 +332,13 @@ class Named:
         parts = self.partition + (None,) * (len(shape) - len(self.partition))
         axes = [() if p is None else ((p,) if isinstance(p, str) else p) for p in parts]
         mesh = self.mesh
-        shards: list[ShardMeta] = []
-        for coord, place in zip(itertools.product(*map(range, mesh.shape)), mesh.ranks):
-            bounds = [
-                _split(n, [(mesh.shape[mesh.axis(a)], coord[mesh.axis(a)]) for a in ax]) for n, ax in zip(shape, axes)
-            ]
-            shards.append(ShardMeta(tuple(b[0] for b in bounds), tuple(b[1] for b in bounds), place))
-        return Layout(shape, tuple(shards))
+        coords = np.unravel_index(np.arange(len(mesh.ranks), dtype=np.int64), mesh.shape)
+        lo, sz = _whole(shape, len(mesh.ranks))
+        for d, ax in enumerate(axes):
+            if ax:  # else whole
+                splits = [(mesh.shape[mesh.axis(a)], coords[mesh.axis(a)]) for a in ax]
+                lo[:, d], sz[:, d] = _split_all(shape[d], splits)
+        return _columns(shape, lo, sz, mesh.ranks)
 
 
 def _entry(p: Any) -> PartitionEntry:
@@ -358,19 +351,33 @@ def _entry(p: Any) -> PartitionEntry:
     raise SpecError(f"Partition entry {p!r} must be a mesh axis name, a tuple of axis names, or None.")
 
 
-def _split(n: int, splits: list[tuple[int, int]]) -> tuple[int, int]:
-    """Offset and size after splitting ``[0, n)`` by each (parts, index) in turn (DTensor's rule).
+def _whole(shape: tuple[int, ...], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The columns of ``k`` boxes that each span ``shape`` whole: offsets 0, sizes ``shape`` (to narrow in place)."""
+    return np.zeros((k, len(shape)), np.int64), np.tile(np.array(shape, np.int64), (k, 1))
 
-    An empty part sits at offset ``n``, the end of the dim, where DTensor puts it.
+
+def _columns(shape: tuple[int, ...], lo: np.ndarray, sz: np.ndarray, placements: Sequence[Placement]) -> Layout:
+    """The layout of a box per placement (``lo``, ``sz``: one row each), its ``ShardMeta`` made on first read."""
+    ranks = np.fromiter((p.rank for p in placements), np.int64, len(placements))
+    devices = [p.device for p in placements]
+    return Layout.from_arrays(shape, lo, sz, ranks, devices[0] if len(set(devices)) == 1 else devices)
+
+
+def _split_all(n: int, splits: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Each placement's offset and size after splitting ``[0, n)`` by each (parts, index) in turn (DTensor's rule).
+
+    ``splits`` (not empty) gives each axis's parts and every placement's index along it. An
+    empty part sits at offset ``n``, the end of the dim, where DTensor puts it.
     """
-    offset, size = 0, n
+    count = len(splits[0][1])
+    offset, size = np.zeros(count, np.int64), np.full(count, n, np.int64)
+    gone = np.zeros(count, bool)
     for parts, index in splits:
         step = -(-size // parts)
         start = step * index
-        if start >= size:
-            return n, 0
-        offset, size = offset + start, min(size, start + step) - start
-    return offset, size
+        gone |= start >= size
+        offset, size = offset + start, np.minimum(size, start + step) - start
+    return np.where(gone, n, offset), np.where(gone, 0, size)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)

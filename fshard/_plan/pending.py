@@ -200,7 +200,7 @@ def _owners(src: Layout, dst: Layout) -> Layout:
 
     Each region's candidates are the destination ranks that hold a summand (else all
     destination ranks); the region (the k-th, in ``_regions`` order) is split along its
-    longest dim into as many parts as candidates, as ``chunk_bounds`` splits, part t
+    longest dim into as many parts as candidates, as ``Chunk`` splits, part t
     going to candidate (t + k) mod (candidates), so the reduction work spreads as in a
     reduce-scatter. Each part sits on its owner's lowest-index destination copy's device.
     """
@@ -217,7 +217,7 @@ def _owners(src: Layout, dst: Layout) -> Layout:
     cand_rank = cand_rank[order]
     count = np.bincount(cand_pair, minlength=n)
     cand_start = np.cumsum(count) - count
-    # Parts: chunk_bounds(extent, count) along the longest dim (one part for a 0-d array).
+    # Parts: Chunk's split of extent into count along the longest dim (one part for a 0-d array).
     axis = np.argmax(size, axis=1) if d else np.zeros(n, np.int64)
     extent = size[np.arange(n), axis] if d else np.ones(n, np.int64)
     step = -(-extent // np.maximum(count, 1))
