@@ -184,6 +184,7 @@ def test_a_load_on_4096_ranks_finds_one_ranks_reads_without_the_global_plan() ->
     assert sorted(pieces) == list(range(n))
     assert all(pieces[k] == [((2 * k, 7), (2, 1), 7)] for k in range(n))
     assert _sources(saved, target, []) == {}
+    assert target._metas is None  # nor one ShardMeta per shard
 
 
 # -- on 4 processes ---------------------------------------------------------------------------

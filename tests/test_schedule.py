@@ -224,6 +224,21 @@ def test_from_arrays_is_lazy_and_fast_to_compare() -> None:
     assert lay.shards_on(3) == (ShardMeta((12,), (4,), 3),)
 
 
+def test_a_specs_layout_makes_no_object_per_shard_until_its_shards_are_read() -> None:
+    """Chunk, Replicated and Named lay out 65536 placements as columns; to_dtensor's search reads them so."""
+    from fshard._interop.torch_objects import _placements_for
+
+    n = 1 << 16
+    mesh = Mesh((256, 256), range(n), ("x", "y"))
+    for spec in (Chunk(1, range(n)), Replicated(range(n)), Named(mesh, ("y", "x")), Partial(Named(mesh, ("x",)))):
+        lay = spec.layout((4 * n, 8))
+        assert lay._metas is None
+    lay = Named(mesh, ("y", "x")).layout((512, 512))
+    assert [repr(p) for p in _placements_for(lay, mesh)] == ["Shard(dim=1)", "Shard(dim=0)"]
+    assert lay._metas is None
+    assert lay.shards[-1] == ShardMeta((510, 510), (2, 2), n - 1)  # made on first read, as the constructor's
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -117,7 +117,7 @@ def _sources(saved: Saved, layout: Layout, shards: Iterable[int]) -> _Pieces:
     Found in the saved boxes' index for these shards alone, so a rank's cost grows with the
     pieces it reads, not with the world's.
     """
-    targets = np.array(sorted(j for j in shards if layout.shards[j].numel), np.int64)
+    targets = np.array(sorted(j for j in shards if layout.columns.sz[j].all()), np.int64)
     if not len(targets):
         return {}
     assert saved.source is not None
@@ -147,7 +147,7 @@ def _fill(
         for lo, size, j in wanted:
             read = slices(lo, size, box["offsets"])
             piece = whole[read] if whole is not None else reader.part(box, saved, read)
-            out[j][slices(lo, size, layout.shards[j].offsets)].copy_(piece)
+            out[j][slices(lo, size, layout.columns.lo[j].tolist())].copy_(piece)
             bar.update(piece.nbytes)
 
 

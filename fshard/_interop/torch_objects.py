@@ -12,11 +12,13 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fshard._api.move import from_local_shards_and_layout, reshard
 from fshard._array.array import Shard, ShardedArray
 from fshard._base.alloc import contiguous_strides
+from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
 from fshard._interop.pending import PARTIAL, dtensor_placement, pending_of, summand_key, with_pending
@@ -58,16 +60,16 @@ def _torch_dist_backend(group: Any) -> Backend:
     return for_group(group)
 
 
-def _boxes(layout: Layout) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """The layout as sorted (rank, offsets, sizes): what DTensor can tell apart.
+def _boxes(layout: Layout) -> np.ndarray:
+    """The layout as sorted rows (rank, offsets, sizes): what DTensor can tell apart.
 
     An empty box's offsets hold no element, and where they lie differs by convention (``Chunk``
     puts 5 columns over 4 ranks' last, empty box at column 6, DTensor's ``Shard`` at 5): they
     count as zeros.
     """
-    return sorted(
-        (s.placement.rank, tuple(0 for _ in s.offsets) if 0 in s.sizes else s.offsets, s.sizes) for s in layout.shards
-    )
+    lo, sz, rank = layout.columns.lo, layout.columns.sz, layout.columns.rank
+    rows = np.c_[rank, np.where((sz == 0).any(axis=1, keepdims=True), 0, lo), sz]
+    return rows[np.lexsort(rows.T[::-1])]
 
 
 # -- ShardedTensor --------------------------------------------------------------------------
@@ -272,6 +274,7 @@ def _partition(mesh: Mesh, choice: Sequence[int | str | None], ndim: int) -> tup
     return tuple(out)
 
 
+@cached(256)
 def _placements_for(layout: Layout, mesh: Mesh) -> tuple[Any, ...]:
     """The Shard/Replicate/Partial placements whose layout on ``mesh`` is ``layout``; raises if none is.
 
@@ -288,13 +291,14 @@ def _placements_for(layout: Layout, mesh: Mesh) -> tuple[Any, ...]:
         pending = (str(layout.partial), over) if over else None
         spec = with_pending(Named(mesh, _partition(mesh, choice, layout.ndim)), pending)
         candidate = spec.layout(layout.shape)
-        if _boxes(candidate) == want and summand_key(candidate) == key:
+        if np.array_equal(_boxes(candidate), want) and summand_key(candidate) == key:
             return tuple(
                 Replicate() if c is None else dtensor_placement(str(layout.partial)) if c == PARTIAL else DShard(c)
                 for c in choice
             )
     msg = (
-        f"DTensor cannot express {layout!r} on a mesh of shape {mesh.shape} over ranks "
+        f"DTensor cannot express {layout!r} with Shard, Replicate and Partial placements (to_dtensor makes no "
+        f"_StridedShard ones) on a mesh of shape {mesh.shape} over ranks "
         f"{[p.rank for p in mesh.ranks or ()]}: a DTensor holds one box per mesh position, splitting each dim by "
         "torch.chunk over whole mesh axes (Shard) or not at all (Replicate), with the summands of a pending "
         "reduction along whole mesh axes (Partial), and these boxes are not of that form. "
