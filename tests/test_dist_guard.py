@@ -109,11 +109,6 @@ CASES = {
         [[0, 1, 3], [2]],
         "they differ in whether it records a gradient)",
     ),
-    "result-without-gradient-on-one-rank": (
-        _result_without_gradient_on_one_rank,
-        [[0, 1, 3], [2]],
-        "they differ in whether it records a gradient)",
-    ),
     "one-more-leaf-on-one-rank": (
         _one_more_leaf_on_one_rank,
         [[0], [1, 2, 3]],
@@ -149,6 +144,23 @@ def test_ranks_that_disagree_raise_on_every_rank_without_check_mode(dist_pool, c
             for m in messages
         )
     # The group is still usable: nothing was left in flight.
+    assert dist_pool.run(_gather_back, timeout=60) == [X.sum().item()] * 4
+
+
+SHARD_MAP_RECORDING_APART = (
+    "shard_map(): ranks [0, 1, 3] return result 0 recording a gradient and ranks [2] return it without one, so their "
+    "backwards would differ: its backward may be a collective that every rank must join"
+)
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_a_body_whose_result_records_no_gradient_on_one_rank_raises_at_its_call(dist_pool, size):
+    """The check of outcomes that the call posts says which results record a gradient, ended at the next
+    collective, before any data of its results moves: every rank raises the same error, naming the ranks."""
+    messages = dist_pool.run(_result_without_gradient_on_one_rank, X if size == "small" else BIG, timeout=60)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith(SHARD_MAP_RECORDING_APART), messages[0]
+    assert "Set requires_grad_() on the blocks of every rank" in messages[0]
     assert dist_pool.run(_gather_back, timeout=60) == [X.sum().item()] * 4
 
 
@@ -226,11 +238,9 @@ def _same_program(case):
         )
         return _message(lambda: fshard.gather(loss_of(a)))
     if case == "packed-leaf-on-some-ranks":  # u records on ranks 0, 1, 3, behind v, which records on every rank
-        a = fshard.map_local(lambda t: t.detach().requires_grad_(), a)
-        both = fshard.shard_map(
-            lambda t: (t * 2 if t[0, 0] != 48 else torch.zeros_like(t), t * 3), in_specs=rows, out_specs=(rows, rows)
-        )
-        u, v = both(a)
+        v = fshard.map_local(lambda t: t.detach().requires_grad_(), a)
+        u = fshard.map_local(lambda t: t * 2, a)  # (a function's results that differ so are refused at its call)
+        _mark(u, [0, 1, 3])
         return _message(lambda: fshard.reshard({"u": u, "v": v}, fshard.Chunk(1, RANKS)))
     _mark(a, RANKS if case == "every-rank" else [0, 1, 3])
     if case == "gather":
@@ -250,6 +260,10 @@ def test_the_local_backend_refuses_what_processes_refuse(dist_pool, case):
     if case == "every-rank":
         assert local == "no error"
         assert across == ["no error"] * 4
+        return
+    if case == "constant-on-one-shard":  # refused at the call, before its result moves: one message on both
+        assert local.startswith(SHARD_MAP_RECORDING_APART), local
+        assert across == [local] * 4
         return
     assert local.startswith("gather(dst=None) of " if case == "gather" else "reshard of "), local
     assert "ranks [0, 1, 3] record a gradient through it and ranks [2] do not" in local, local

@@ -697,3 +697,39 @@ def test_random_draws_in_reducing_bodies_do_not_depend_on_what_ran_before_in_the
     first = _random_draws_in_bodies()
     again = _random_draws_in_bodies()  # now every function above is known to reduce or not: threads from the start
     assert again == first
+
+
+def _recording_on_some_ranks(case: str) -> tuple[str, str]:
+    """A body that keeps its block's history on rank 0's rows only (a branch on the data), on either backend.
+
+    ``grad``: under ``torch.func.grad``, then gathered; ``backward``: a pending sum's ``fshard.backward``.
+    Returns the error's type and its first words.
+    """
+    rows = fshard.Chunk(0, [0, 1, 2, 3])
+    x = torch.arange(24.0, dtype=torch.float64).reshape(4, 6) / 10
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if t.sum() > 3 else t * 1  # rank 0's block sums to 1.5
+
+    try:
+        if case == "grad":
+            torch.func.grad(lambda v: fshard.gather(fshard.shard_map(keep, rows, rows)(v)).pow(2).sum())(x)
+        else:
+            total = fshard.shard_map(
+                lambda t: keep(t).sum()[None], rows, fshard.Partial(fshard.Replicated([0, 1, 2, 3]))
+            )
+            fshard.backward(total(x.requires_grad_()))
+    except fshard.CollectiveMismatchError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("case", ["grad", "backward"])
+def test_results_that_record_a_gradient_on_some_ranks_only_raise_on_every_rank(dist_pool, case):
+    """Before, under torch.func.grad the other ranks returned a zero gradient while rank 0 waited in its
+    backward; and ranks whose pending loss recorded no gradient raised at backward() alone while rank 0 waited."""
+    local = _recording_on_some_ranks(case)
+    assert local[1].startswith(
+        "shard_map(): ranks [0] return result 0 recording a gradient and ranks [1, 2, 3] return it without one"
+    ), local
+    assert dist_pool.run(_recording_on_some_ranks, case, timeout=60) == [local] * 4

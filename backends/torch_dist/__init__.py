@@ -457,6 +457,14 @@ class TorchDistBackend:
         if on_cuda:
             self._settle_checks()
 
+    def end_checks(self) -> None:
+        """Ends the checks posted here and still in flight, raising the error they give (as the next collective would).
+
+        For a call that refuses its input here, where the input may come from a call whose
+        check says why (another rank's results differ): that check's error goes first, on every rank.
+        """
+        self._settle_checks()
+
     def _settle_checks(self) -> None:
         """The checks posted here end (``_later.settle``); those that waited to go with the next go now."""
         settle_checks(self.group, self._count_checks)

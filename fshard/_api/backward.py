@@ -64,6 +64,10 @@ def backward(loss: ShardedArray) -> torch.Tensor:
         )
         raise SpecError(msg)
     if not loss.requires_grad:
+        # A call's check in flight may say why (another rank's loss records a gradient): it raises first, alike.
+        end_checks = getattr(loss.backend, "end_checks", None)
+        if end_checks is not None:
+            end_checks()
         msg = (
             "backward() takes a loss that requires grad; this one was computed from no tensor that does: "
             "call requires_grad_() on the parameters' shard tensors first."

@@ -195,9 +195,10 @@ def alike_form(description: Any) -> Any:
 
     Ranks whose forms are equal returned one structure and dtypes, blocks of the same shapes
     at each position of their one placement, and used the same gathered and closed-over
-    tensors and buckets: each can then rebuild the others' descriptions from its own.
+    tensors and buckets, and their results record a gradient alike: each can then rebuild the
+    others' descriptions from its own.
     """
-    results, (ages, closed), series, _, form = description  # the gradient flags serve ranks without blocks
+    results, (ages, closed), series, grads, form = description
     if results is None:
         return None
     tree, found = results
@@ -205,7 +206,7 @@ def alike_form(description: Any) -> Any:
     if metas is None:
         return None
     leaves = [(str(dtype), alike.shapes) for dtype, alike in metas]
-    return repr(tree), tree_kinds(tree), leaves, sorted(ages), closed, series, form
+    return repr(tree), tree_kinds(tree), leaves, sorted(ages), closed, series, form, grads
 
 
 def out_layout(

@@ -52,6 +52,8 @@ from fshard._exec.agree import (
     merge_results,
     post_failure,
     post_outcome,
+    refuse_recording,
+    refuse_recording_apart,
     untouched,
     with_gradient,
 )
@@ -153,6 +155,8 @@ def run_per_slot(
             spec_tree = merged if merged is not None else spec_tree
             used = used_gathered(backend, first, [d[1] for d in seen], what)
             _buckets.compare_series(series, [d[2] for d in seen], backend.ranks, what)
+            if not holds_nothing_somewhere(backend, first):  # as the check that processes post (below)
+                refuse_recording(what, {r: list(d[3]) for r, d in zip(backend.ranks, seen)})
             # A rank that holds no block: its links need a gradient where some rank's fn returned one with it.
             grads = merge_gradients([d[3] for d in seen], len(metas))
     else:
@@ -165,6 +169,8 @@ def run_per_slot(
                 refuse_closed(backend, first, usage.closed, what)
             else:
                 refuse_closed_apart(backend, first, {r: len(ids) for r, ids in closed_by_rank.items()}, what)
+            if not backend.spans_processes:  # as processes find it in the outcomes they post (below)
+                refuse_recording_apart(backend, first, leaves, what)
             out = _results(
                 out_specs, spec_tree, leaves, metas, set(), inputs, arrays, names, held, pending, check, what
             )
@@ -174,8 +180,11 @@ def run_per_slot(
             raise
         # Left for the backward's first collective, where every rank meets anyway (not a wait for the slowest
         # forward here); the buckets' series rides in it, so their first launch has no round of headers.
+        # Whether each result records a gradient goes in too: a rank whose results record none would raise at
+        # its backward alone while the others wait in theirs.
         if backend.spans_processes:
-            post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series), usage.closed, form)
+            recording = tuple(with_gradient(leaf.values()) for leaf in leaves)
+            post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series), usage.closed, form, recording)
         return out
     return _results(out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what, grads)
 

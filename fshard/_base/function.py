@@ -16,9 +16,10 @@ import inspect
 from typing import Any
 
 import torch
+import torch._C._functorch as _functorch
 import torch.autograd.forward_ad as _forward_ad
 
-__all__ = ["apply", "transformed"]
+__all__ = ["apply", "requires_grad_tells", "transformed"]
 
 try:  # what Function.apply does to its arguments before the C call, outside torch.func transforms
     from torch._functorch.utils import unwrap_dead_wrappers as _unwrap  # pyright: ignore[reportPrivateImportUsage]
@@ -72,6 +73,27 @@ def transformed() -> bool:
     (False, tensor(1.))
     """
     return _transforms_active() or getattr(_forward_ad, "_current_level", 0) >= 0
+
+
+def requires_grad_tells() -> bool:
+    """Whether ``requires_grad`` says what autograd records: no transform nor forward-mode level, or one ``grad``.
+
+    Under one ``torch.func.grad`` (or ``vjp``, ``jacrev``) level, ``requires_grad`` says it for
+    that level; under ``vmap``, forward mode or nested transforms a tensor does not say it (a
+    batched ``p * x`` reads False where ``p`` requires grad).
+
+    >>> import torch
+    >>> requires_grad_tells(), torch.func.grad(lambda x: torch.tensor(float(requires_grad_tells())) * x)(torch.ones(()))
+    (True, tensor(1.))
+    >>> torch.func.vmap(lambda x: torch.tensor(float(requires_grad_tells())) + x)(torch.zeros(2))
+    tensor([0., 0.])
+    """
+    if getattr(_forward_ad, "_current_level", 0) >= 0:  # a forward-mode level: tangents, not requires_grad
+        return False
+    if not _transforms_active():
+        return True
+    stack = _functorch.get_interpreter_stack() or ()
+    return len(stack) == 1 and stack[0].key() == _functorch.TransformType.Grad
 
 
 def _binds_as_given(fn: type[torch.autograd.Function]) -> bool:

@@ -19,11 +19,10 @@ from typing import Any, TypeVar
 
 import optree
 import torch
-import torch._C._functorch as _functorch
-import torch.autograd.forward_ad as _forward_ad
 
 from fshard._base.cache import cached
-from fshard._base.function import transformed
+from fshard._base.calls import RECORD_ALIKE
+from fshard._base.function import requires_grad_tells, transformed
 from fshard._errors import CollectiveMismatchError, SpecError, as_error
 from fshard._exec import gathered as _varying
 from fshard._exec.readonly import read_only, versions
@@ -135,6 +134,7 @@ def post_outcome(
     series: str = "",
     closed: int = 0,
     form: tuple[str, str] = ("", ""),
+    recording: tuple[bool, ...] = (),
 ) -> None:
     """Posts what this process's function returned (its tree and each leaf's dtype), or that it raised (``None``).
 
@@ -147,7 +147,9 @@ def post_outcome(
     its digest rides in the same check, so their first launch needs no round of its own.
     ``closed`` counts the tensors from outside its arguments that the function used (each a
     sum over the ranks in the backward, which every rank must join). ``form``: what the
-    caller's ranks must agree on, and this rank's text of it (``form_apart``).
+    caller's ranks must agree on, and this rank's text of it (``form_apart``). ``recording``:
+    whether each result records a gradient here (``with_gradient``), which goes in the
+    outcome's digest where some result does not.
     """
 
     def verdict(pairs: Sequence[tuple[int, bool, Any]]) -> Exception | None:
@@ -160,17 +162,83 @@ def post_outcome(
                 "this at their next collective."
             )
         ranks = [r for r, _, _ in pairs]
+        masks: list[int] | None = None  # last: a closure used on some ranks only makes them differ too
         # The caller's form, then the results' digest, the buckets' series, the count of closed-over tensors.
         for field in (3, 0, 1, 2):
             odd, like = _apart([d[field] for _, _, d in pairs], ranks)
             if odd:
                 if field == 3:
                     return form_apart(what, form, f"ranks {odd} and ranks {like}")
+                if field == 0 and all(d[0] ^ base < _RECORDING for _, _, d in pairs):  # alike but for recording
+                    masks = [d[0] ^ base for _, _, d in pairs]  # each rank's mask of results recording none
+                    continue
                 return _apart_error(field, what, odd, like, (outcome, series, closed))
-        return None
+        if masks is None:
+            return None
+        flags = {r: [not (m >> (k % 20)) & 1 for k in range(len(recording))] for r, m in zip(ranks, masks)}
+        return recording_apart(what, flags)
 
-    digest = 0 if outcome is None else _digest_of(*outcome)
+    base = 0 if outcome is None else _digest_of(*outcome)
+    digest = base ^ _not_recording(recording)
     backend.check_later(what, outcome is None, (digest, _text_digest(series), closed, _text_digest(form[1])), verdict)
+
+
+_RECORDING = 1 << 20  # the masks of results that record no gradient stay below it
+
+
+def _not_recording(recording: tuple[bool, ...]) -> int:
+    """A mask of the results that record no gradient (result ``k`` at bit ``k % 20``), below ``_RECORDING``.
+
+    Posted in the outcome's digest (XOR): ranks whose outcomes differ by less than ``_RECORDING``
+    differ in this alone; every result recording (the usual step) leaves the digest as it is.
+    """
+    mask = 0
+    for k, r in enumerate(recording):
+        if not r:
+            mask |= 1 << (k % 20)
+    return mask
+
+
+def recording_apart(what: str, recording: dict[int, list[bool]]) -> CollectiveMismatchError | None:
+    """The error of ranks whose results differ in which record a gradient (``recording``: per rank, per result).
+
+    ``None`` where they do not. The same text on every backend: ranks named, not this rank.
+    """
+    for k in range(min(map(len, recording.values()), default=0)):
+        yes = [r for r, flags in sorted(recording.items()) if flags[k]]
+        no = [r for r, flags in sorted(recording.items()) if not flags[k]]
+        if yes and no:
+            return CollectiveMismatchError(
+                f"{what}: ranks {yes} return result {k} recording a gradient and ranks {no} return it without "
+                f"one, so their backwards would differ: {RECORD_ALIKE}"
+            )
+    return None
+
+
+def refuse_recording_apart(backend: Any, first: Layout, leaves: Sequence[dict[Any, torch.Tensor]], what: str) -> None:
+    """In one process: ``recording_apart``'s error where ranks' results differ in which record a gradient.
+
+    As processes find it in the check of outcomes they post (``post_outcome``), where every rank
+    of the group holds blocks of the call's first argument (``first``): the group is ranks
+    ``0 .. n-1`` of a ``LocalBackend(world_size=n)``, else ``first``'s ranks. ``leaves``: per
+    result, its blocks by slot (placement, index).
+    """
+    world = getattr(backend, "world_size", 0)
+    if not leaves or not requires_grad_tells() or (world and len(first.ranks) < world):
+        return
+    recording: dict[int, list[bool]] = {}
+    for k, leaf in enumerate(leaves):
+        for (placement, _), t in leaf.items():
+            flags = recording.setdefault(placement.rank, [False] * len(leaves))
+            flags[k] = flags[k] or t.requires_grad
+    refuse_recording(what, recording)
+
+
+def refuse_recording(what: str, recording: dict[int, list[bool]]) -> None:
+    """Raises ``recording_apart``'s error where the ranks of ``recording`` differ (every rank holds blocks)."""
+    error = recording_apart(what, recording)
+    if error is not None:
+        raise error
 
 
 def form_apart(what: str, form: tuple[str, str], who: str) -> CollectiveMismatchError:
@@ -327,13 +395,7 @@ def with_gradient(blocks: Iterable[torch.Tensor]) -> bool:
     nested transforms a tensor does not say it (a batched ``p * x`` reads False where ``p``
     requires grad): there every link keeps its history.
     """
-    if getattr(_forward_ad, "_current_level", 0) >= 0:  # a forward-mode level: tangents, not requires_grad
-        return True
-    if torch._C._are_functorch_transforms_active():  # pyright: ignore[reportPrivateUsage]
-        stack = _functorch.get_interpreter_stack() or ()
-        if len(stack) > 1 or any(i.key() != _functorch.TransformType.Grad for i in stack):
-            return True
-    return any(t.requires_grad for t in blocks)
+    return not requires_grad_tells() or any(t.requires_grad for t in blocks)
 
 
 def link_without_blocks(arrays: Sequence[Any], dtype: torch.dtype, used: set[int], grad: bool = True) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 from fshard._base.cache import cached
 from fshard._base.calls import RECORD_ALIKE, set_records_gradient
 from fshard._base.compile import opaque
-from fshard._base.function import apply, transformed
+from fshard._base.function import apply, requires_grad_tells, transformed
 from fshard._errors import CollectiveMismatchError, SpecError
 from fshard._exec import flight as _flight
 from fshard._exec import gathered as _varying
@@ -322,11 +322,11 @@ def _batching() -> Generator[None, None, None]:
 def _records(args: Sequence[Any]) -> bool:
     """Whether a gradient is recorded through a call with ``args``: grad mode on, and one requires grad.
 
-    Not said under a ``torch.func`` transform or a forward-mode level, where ``requires_grad``
-    does not tell it alike on every rank (a batched ``p * x`` reads False where ``p`` requires
-    grad).
+    Said under one ``torch.func.grad`` level, for that level; not under ``vmap``, nested
+    transforms or a forward-mode level, where ``requires_grad`` does not tell it alike on
+    every rank (a batched ``p * x`` reads False where ``p`` requires grad).
     """
-    if _BATCHING.on or transformed():
+    if _BATCHING.on or not requires_grad_tells():
         return False
     return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
