@@ -67,6 +67,8 @@ def parse(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Names
         parser.error(f"--world must be at least 2, got {args.world}")
     if args.sizes is not None and min(args.sizes) <= 0:
         parser.error(f"--sizes must be positive MiB, got {args.sizes}")
+    if args.out.exists() and not args.out.is_dir():  # known before the run, not after it
+        parser.error(f"--out is a folder for the results, and {args.out} is a file: give a folder's path")
     return args
 
 

@@ -212,6 +212,12 @@ def _to_hf(
 ) -> None:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CheckpointError(f"{words.call} writes a new Hugging Face folder: {target} exists and is not empty.")
+    if target.suffix == ".safetensors":
+        msg = (
+            f"{words.call} writes a Hugging Face folder, and {target} names a file: give the folder's path "
+            "(its weights go in model.safetensors, or in numbered files and an index)."
+        )
+        raise CheckpointError(msg)
     seen: set[str] = set()
     for name in (i.name for i in source.items):
         if name == METADATA_KEY:
@@ -242,7 +248,10 @@ def _to_hf(
         else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
     )
     stage = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-    stage.mkdir(parents=True)
+    try:
+        stage.mkdir(parents=True)
+    except OSError as exc:
+        raise CheckpointError(f"{words.call} cannot create the folder {target}: {exc.strerror or exc}.") from exc
     try:
         total = sum(i.nbytes for i in source.items)
         with progress_bar("fshard convert", total, progress, LOCAL) as bar:
@@ -299,7 +308,7 @@ def main_convert(argv: Sequence[str], prog: str) -> int:
             args.progress,
             _COMMAND,
         )
-    except (CheckpointError, SpecError) as exc:
+    except (CheckpointError, SpecError, OSError) as exc:  # OSError: a destination that cannot be made or written
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     print(f"converted {line}")

@@ -536,3 +536,12 @@ def test_the_import_case_gives_what_fshard_adds_to_torch_against_its_target() ->
     assert added.target == "<= +0.2 s and +10 MiB"
     assert added.ok is (added.seconds <= 0.2 and added.peak_mib <= 10.0)
     assert alone.seconds > added.seconds > 0  # torch itself costs more than what fshard adds
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_run(tmp_path, capsys) -> None:
+    """Before, the run went on to its end and lost its results to a FileExistsError."""
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit) as exit_:
+        run.parse(["--out", str(tmp_path / "f")])
+    assert exit_.value.code == 2
+    assert f"--out is a folder for the results, and {tmp_path / 'f'} is a file" in capsys.readouterr().err

@@ -395,3 +395,44 @@ def test_info_into_a_closed_pipe_ends_quietly(dcp_folder: Path) -> None:
         os.close(write)
     assert done.returncode == 0
     assert b"Traceback" not in done.stderr
+
+
+def test_a_destination_that_cannot_be_made_is_one_line(dcp_folder: Path, tmp_path: Path, capsys) -> None:
+    """Before, a destination under a file printed Python's NotADirectoryError traceback."""
+    (tmp_path / "file").write_text("x")
+    for to in ("hf", "fshard"):
+        assert cli.main(["convert", str(dcp_folder), str(tmp_path / "file" / "sub"), "--to", to], prog="fshard") == 1
+        err = capsys.readouterr().err
+        assert err.startswith("fshard convert: ")
+        assert str(tmp_path / "file" / "sub") in err
+        assert "Traceback" not in err
+
+
+def test_a_hugging_face_destination_named_like_a_file_is_refused(dcp_folder: Path, tmp_path: Path) -> None:
+    with pytest.raises(
+        fshard.CheckpointError, match=r"writes a Hugging Face folder, and .*m\.safetensors names a file"
+    ):
+        convert(dcp_folder, tmp_path / "m.safetensors", to="hf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_conversion_to_fshard_leaves_no_new_folder(dcp_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    def broken(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_stream, "_write_data", broken)
+    with pytest.raises(OSError, match="No space left on device"):
+        convert(dcp_folder, tmp_path / "new", to="fshard")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_info_names_a_missing_dcp_file(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process"
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path, no_dist=True)
+    (tmp_path / "__0_0.distcp").unlink()
+    lines = fshard.checkpoint_info(tmp_path).splitlines()
+    assert lines[-2:] == [
+        "files: __0_0.distcp (missing)",
+        "missing: __0_0.distcp (the metadata names them; fshard.load of their tensors fails)",
+    ]

@@ -89,7 +89,7 @@ def _dcp_info(root: Path) -> str:
     files = sorted(
         {c.file for e in md.tensors for c in e.chunks} | {e.file for e in md.entries if isinstance(e, BytesEntry)}
     )
-    sizes = {f: (root / f).stat().st_size if (root / f).is_file() else 0 for f in files}
+    sizes = {f: (root / f).stat().st_size if (root / f).is_file() else None for f in files}
     others = len(md.entries) - len(md.tensors)
     lines = [
         f"torch DCP checkpoint {root} (version {md.version}): {_n(len(md.tensors), 'tensor')} "
@@ -98,7 +98,11 @@ def _dcp_info(root: Path) -> str:
     ]
     for e in md.entries:
         lines.extend(_dcp_entry(e))
-    lines.append("files: " + ", ".join(f"{f} ({human(sizes[f])})" for f in files))
+    shown = {f: "missing" if n is None else human(n) for f, n in sizes.items()}
+    lines.append("files: " + ", ".join(f"{f} ({shown[f]})" for f in files))
+    missing = [f for f in files if sizes[f] is None]
+    if missing:
+        lines.append(f"missing: {', '.join(missing)} (the metadata names them; fshard.load of their tensors fails)")
     return "\n".join(lines)
 
 

@@ -124,13 +124,20 @@ def save_streamed(
     token = uuid.uuid4().hex
     data = root / f"data.{token}"
     check_root(root, data.name)
-    with save_lock(root):
-        try:
-            files = _write_data(data, leaves, boxes, read, budget, progress)
-            commit(root, index_record(structure, leaves, boxes, files, data.name), token)
-        except BaseException:
-            shutil.rmtree(data, ignore_errors=True)
-            raise
+    made = not root.exists()
+    try:
+        with save_lock(root):
+            try:
+                files = _write_data(data, leaves, boxes, read, budget, progress)
+                commit(root, index_record(structure, leaves, boxes, files, data.name), token)
+            except BaseException:
+                shutil.rmtree(data, ignore_errors=True)
+                raise
+    except BaseException:
+        if made:  # the folder this save made, left empty: a failed save leaves nothing behind
+            with contextlib.suppress(OSError):
+                root.rmdir()
+        raise
 
 
 def _write_data(
