@@ -510,7 +510,9 @@ CASES = [
             [PARTS[0], Shard(HALVES.shards[1], torch.zeros(2, dtype=torch.int64))], HALVES
         ),
         LayoutError,
-        "Local shards differ in dtype or requires_grad; make them agree.",
+        "Local shards differ: the shard at offsets (0,) on rank 0 is torch.float32 with requires_grad=False, the one "
+        "at offsets (2,) on rank 1 torch.int64 with requires_grad=False; give every shard one dtype, and "
+        "requires_grad on every shard or on none.",
         id="from-local-shards-dtypes-differ",
     ),
     pytest.param(

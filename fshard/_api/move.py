@@ -385,7 +385,15 @@ def _own_shards(shards: Any, layout: Layout, backend: Backend) -> list[torch.Ten
             )
             raise LayoutError(msg)
     if len({(t.dtype, t.requires_grad) for t in data}) > 1:
-        raise LayoutError("Local shards differ in dtype or requires_grad; make them agree.")
+        first = (data[0].dtype, data[0].requires_grad)
+        m, t = next((m, t) for m, t in zip(want, data) if (t.dtype, t.requires_grad) != first)
+        msg = (
+            f"Local shards differ: the shard at offsets {want[0].offsets} on rank {want[0].placement.rank} is "
+            f"{first[0]} with requires_grad={first[1]}, the one at offsets {m.offsets} on rank {m.placement.rank} "
+            f"{t.dtype} with requires_grad={t.requires_grad}; give every shard one dtype, and requires_grad on every "
+            "shard or on none."
+        )
+        raise LayoutError(msg)
     return data
 
 
