@@ -16,8 +16,16 @@ __all__ = ["BENCH_NEEDS", "load_bench", "main"]
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    """Dispatches to the subcommand named by the first argument; returns its exit status."""
+    """Dispatches to the subcommand named by the first argument; returns its exit status (130 on Ctrl-C)."""
     prog = prog or program()
+    try:
+        return _run(argv, prog)
+    except KeyboardInterrupt:  # what a command had written is left as its own docs say (no half-written result)
+        _say(f"{prog}: interrupted")
+        return 130
+
+
+def _run(argv: Sequence[str] | None, prog: str) -> int:
     args, rest = parser(prog).parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.command == "demo":
         from fshard._demo import main as demo  # deferred: the demo imports the whole package

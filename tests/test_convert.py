@@ -436,3 +436,12 @@ def test_info_names_a_missing_dcp_file(tmp_path: Path) -> None:
         "files: __0_0.distcp (missing)",
         "missing: __0_0.distcp (the metadata names them; fshard.load of their tensors fails)",
     ]
+
+
+def test_an_interrupted_command_says_so_in_one_line(monkeypatch, capsys) -> None:
+    def interrupted(*args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "main_convert", interrupted)
+    assert cli.main(["convert", "a", "b"], prog="fshard") == 130
+    assert capsys.readouterr().err == "fshard: interrupted\n"
