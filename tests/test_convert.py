@@ -423,7 +423,12 @@ def test_a_failed_conversion_to_fshard_leaves_no_new_folder(dcp_folder: Path, tm
     monkeypatch.setattr(_stream, "_write_data", broken)
     with pytest.raises(OSError, match="No space left on device"):
         convert(dcp_folder, tmp_path / "new", to="fshard")
-    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(OSError, match="No space left on device"):
+        convert(dcp_folder, tmp_path / "a" / "b" / "new", to="fshard")  # the folders above it too
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(OSError, match="No space left on device"):
+        convert(dcp_folder, tmp_path / "kept", to="fshard")  # an empty folder that was there stays
+    assert list(tmp_path.iterdir()) == [tmp_path / "kept"]
 
 
 def test_info_names_a_missing_dcp_file(tmp_path: Path) -> None:

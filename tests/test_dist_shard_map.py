@@ -733,3 +733,20 @@ def test_results_that_record_a_gradient_on_some_ranks_only_raise_on_every_rank(d
         "shard_map(): ranks [0] return result 0 recording a gradient and ranks [1, 2, 3] return it without one"
     ), local
     assert dist_pool.run(_recording_on_some_ranks, case, timeout=60) == [local] * 4
+
+
+def _a_view_on_one_rank_under_no_grad() -> list[bool]:
+    """Under no_grad, rank 3's empty block's contiguous() is the block itself (it requires grad), the others' copies."""
+    x = fshard.shard(torch.arange(24.0).reshape(4, 6).requires_grad_(), fshard.Chunk(1, [0, 1, 2, 3]))
+    with torch.no_grad():
+        y = fshard.shard_map(
+            lambda b: b.T.contiguous().T, fshard.Chunk(1, [0, 1, 2, 3]), fshard.Chunk(1, [0, 1, 2, 3])
+        )(x)
+        assert torch.equal(fshard.gather(y), torch.arange(24.0).reshape(4, 6))
+    return [b.requires_grad for b in y.addressable_data]
+
+
+def test_results_are_not_compared_for_gradients_under_no_grad(dist_pool):
+    """As the movements' headers: under no_grad no rank records a gradient through the call, whatever its blocks say."""
+    assert _a_view_on_one_rank_under_no_grad() == [False, False, False, True]
+    assert dist_pool.run(_a_view_on_one_rank_under_no_grad, timeout=60) == [[False], [False], [False], [True]]

@@ -52,6 +52,7 @@ from fshard._exec.agree import (
     merge_results,
     post_failure,
     post_outcome,
+    recording_compared,
     refuse_recording,
     refuse_recording_apart,
     untouched,
@@ -155,7 +156,7 @@ def run_per_slot(
             spec_tree = merged if merged is not None else spec_tree
             used = used_gathered(backend, first, [d[1] for d in seen], what)
             _buckets.compare_series(series, [d[2] for d in seen], backend.ranks, what)
-            if not holds_nothing_somewhere(backend, first):  # as the check that processes post (below)
+            if recording_compared() and not holds_nothing_somewhere(backend, first):  # as the check posted below
                 refuse_recording(what, {r: list(d[3]) for r, d in zip(backend.ranks, seen)})
             # A rank that holds no block: its links need a gradient where some rank's fn returned one with it.
             grads = merge_gradients([d[3] for d in seen], len(metas))
@@ -183,7 +184,7 @@ def run_per_slot(
         # Whether each result records a gradient goes in too: a rank whose results record none would raise at
         # its backward alone while the others wait in theirs.
         if backend.spans_processes:
-            recording = tuple(with_gradient(leaf.values()) for leaf in leaves)
+            recording = tuple(with_gradient(leaf.values()) for leaf in leaves) if recording_compared() else ()
             post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series), usage.closed, form, recording)
         return out
     return _results(out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what, grads)

@@ -124,7 +124,8 @@ def save_streamed(
     token = uuid.uuid4().hex
     data = root / f"data.{token}"
     check_root(root, data.name)
-    made = not root.exists()
+    made = [root, *(p for p in root.parents)]  # the folders this save makes: those missing now, root first
+    made = made[: next((k for k, p in enumerate(made) if p.exists()), len(made))]
     try:
         with save_lock(root):
             try:
@@ -134,9 +135,9 @@ def save_streamed(
                 shutil.rmtree(data, ignore_errors=True)
                 raise
     except BaseException:
-        if made:  # the folder this save made, left empty: a failed save leaves nothing behind
+        for folder in made:  # those this save made, left empty: a failed save leaves nothing behind
             with contextlib.suppress(OSError):
-                root.rmdir()
+                folder.rmdir()
         raise
 
 

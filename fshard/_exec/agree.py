@@ -175,7 +175,7 @@ def post_outcome(
                 return _apart_error(field, what, odd, like, (outcome, series, closed))
         if masks is None:
             return None
-        flags = {r: [not (m >> (k % 20)) & 1 for k in range(len(recording))] for r, m in zip(ranks, masks)}
+        flags = {r: [not (m >> k) & 1 for k in range(min(len(recording), _MASKED))] for r, m in zip(ranks, masks)}
         return recording_apart(what, flags)
 
     base = 0 if outcome is None else _digest_of(*outcome)
@@ -183,19 +183,21 @@ def post_outcome(
     backend.check_later(what, outcome is None, (digest, _text_digest(series), closed, _text_digest(form[1])), verdict)
 
 
-_RECORDING = 1 << 20  # the masks of results that record no gradient stay below it
+_MASKED = 20  # the results whose recording the check of outcomes compares: the first 20
+_RECORDING = 1 << _MASKED  # their masks stay below it
 
 
 def _not_recording(recording: tuple[bool, ...]) -> int:
-    """A mask of the results that record no gradient (result ``k`` at bit ``k % 20``), below ``_RECORDING``.
+    """A mask of the first ``_MASKED`` results that record no gradient (result ``k`` at bit ``k``).
 
     Posted in the outcome's digest (XOR): ranks whose outcomes differ by less than ``_RECORDING``
     differ in this alone; every result recording (the usual step) leaves the digest as it is.
+    Later results are compared where they move (the movements' headers).
     """
     mask = 0
-    for k, r in enumerate(recording):
+    for k, r in enumerate(recording[:_MASKED]):
         if not r:
-            mask |= 1 << (k % 20)
+            mask |= 1 << k
     return mask
 
 
@@ -204,7 +206,7 @@ def recording_apart(what: str, recording: dict[int, list[bool]]) -> CollectiveMi
 
     ``None`` where they do not. The same text on every backend: ranks named, not this rank.
     """
-    for k in range(min(map(len, recording.values()), default=0)):
+    for k in range(min(min(map(len, recording.values()), default=0), _MASKED)):
         yes = [r for r, flags in sorted(recording.items()) if flags[k]]
         no = [r for r, flags in sorted(recording.items()) if not flags[k]]
         if yes and no:
@@ -224,7 +226,7 @@ def refuse_recording_apart(backend: Any, first: Layout, leaves: Sequence[dict[An
     result, its blocks by slot (placement, index).
     """
     world = getattr(backend, "world_size", 0)
-    if not leaves or not requires_grad_tells() or (world and len(first.ranks) < world):
+    if not leaves or not recording_compared() or (world and len(first.ranks) < world):
         return
     recording: dict[int, list[bool]] = {}
     for k, leaf in enumerate(leaves):
@@ -232,6 +234,16 @@ def refuse_recording_apart(backend: Any, first: Layout, leaves: Sequence[dict[An
             flags = recording.setdefault(placement.rank, [False] * len(leaves))
             flags[k] = flags[k] or t.requires_grad
     refuse_recording(what, recording)
+
+
+def recording_compared() -> bool:
+    """Whether ranks compare which results of a call record a gradient: grad mode on, ``requires_grad`` telling it.
+
+    Under ``no_grad`` a view of an argument that requires grad still does on some ranks (an
+    empty block's ``contiguous()`` is itself) where others' copies do not (``requires_grad_tells``
+    for the transforms).
+    """
+    return torch.is_grad_enabled() and requires_grad_tells()
 
 
 def refuse_recording(what: str, recording: dict[int, list[bool]]) -> None:
