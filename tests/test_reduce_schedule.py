@@ -187,6 +187,21 @@ def test_a_load_on_4096_ranks_finds_one_ranks_reads_without_the_global_plan() ->
     assert target._metas is None  # nor one ShardMeta per shard
 
 
+def test_a_large_plans_repr_builds_no_transfers() -> None:
+    """A gather to 4096 ranks has 4096^2 transfers: its repr says what is cheap (its printing took 10-30 s)."""
+    n = 4096
+    gather = fshard.plan(Chunk(0, range(n)).layout((n, 2)), Replicated(range(n)).layout((n, 2)))
+    summed = fshard.plan(Partial(Replicated(range(n))).layout((n, 2)), Replicated(range(n)).layout((n, 2)))
+    with global_rows_forbidden():
+        assert repr(gather) == (
+            f"Plan(4096 -> 4096 shards, minimum {2 * n * (n - 1)} elements sent, shape (4096, 2); len(plan) and "
+            "plan.elements_sent build its transfers, plan.for_rank(rank) one rank's)"
+        )
+        assert repr(summed).startswith("Plan(2 phases, 4096 -> 4096 shards, minimum ")
+    small = fshard.plan(Chunk(0, [0, 1]).layout((4,)), Chunk(0, [1, 0]).layout((4,)))
+    assert repr(small) == "Plan(2 transfers, 4 elements sent (minimum 4), shape (4,))"
+
+
 # -- on 4 processes ---------------------------------------------------------------------------
 
 

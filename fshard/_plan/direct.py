@@ -260,10 +260,21 @@ class Plan:
 
     def __repr__(self) -> str:
         kind = f"{len(self.steps)} phases, " if self.steps else (f"reduce {self.op}, " if self.op else "")
+        shards = len(self.src.columns.rank) * len(self.dst.columns.rank)
+        if shards > _REPR_PAIRS and not all("_rows" in vars(p) for p in self.phases):
+            # Counting the transfers builds them all (a gather to n ranks has n**2): a large plan says what is cheap.
+            return (
+                f"Plan({kind}{len(self.src.columns.rank)} -> {len(self.dst.columns.rank)} shards, minimum "
+                f"{self.min_elements_sent} elements sent, shape {self.src.shape}; len(plan) and plan.elements_sent "
+                "build its transfers, plan.for_rank(rank) one rank's)"
+            )
         return (
             f"Plan({kind}{len(self)} transfers, {self.elements_sent} elements sent "
             f"(minimum {self.min_elements_sent}), shape {self.src.shape})"
         )
+
+
+_REPR_PAIRS = 1 << 16  # source shards times destination shards past which a plan's repr builds no transfers
 
 
 def _build(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
