@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     prog = prog or program()
     try:
         return _run(argv, prog)
-    except KeyboardInterrupt:  # what a command had written is left as its own docs say (no half-written result)
+    except KeyboardInterrupt:  # each command commits its output whole or not at all: the traceback says no more
         _say(f"{prog}: interrupted")
         return 130
 

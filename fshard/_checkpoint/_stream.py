@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -124,8 +125,7 @@ def save_streamed(
     token = uuid.uuid4().hex
     data = root / f"data.{token}"
     check_root(root, data.name)
-    made = [root, *(p for p in root.parents)]  # the folders this save makes: those missing now, root first
-    made = made[: next((k for k, p in enumerate(made) if p.exists()), len(made))]
+    made = list(itertools.takewhile(lambda p: not p.exists(), (root, *root.parents)))  # this save makes these
     try:
         with save_lock(root):
             try:
