@@ -67,6 +67,25 @@ def test_launch_reports_the_failing_rank_traceback():
     assert time.monotonic() - start < 30
 
 
+def _exit_on_rank_one(code):
+    if dist.get_rank() == 1:
+        os._exit(code)  # no result, no traceback: only the process's end tells what happened
+    return dist.get_rank()
+
+
+def _killed_on_rank_one():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return dist.get_rank()
+
+
+def test_launch_names_how_a_rank_that_sent_no_result_ended():
+    with pytest.raises(RuntimeError, match=r"rank 1 exited without a result \(exit code 3\)"):
+        launch(_exit_on_rank_one, 2, 3, timeout=60)
+    with pytest.raises(RuntimeError, match=r"rank 1 exited without a result \(killed by SIGKILL\)"):
+        launch(_killed_on_rank_one, 2, timeout=60)
+
+
 def test_launch_times_out_and_stops_the_processes():
     with pytest.raises(TimeoutError, match=r"timed out after 2 s; ranks \[0, 1\] did not finish"):
         launch(_sleep, 2, timeout=2)

@@ -381,6 +381,14 @@ def test_an_optimizer_whose_state_is_not_per_element_is_refused_naming_it(name: 
         fshard.optimizer_state(opt, params)
 
 
+def test_an_optimizer_that_cannot_step_an_empty_shard_is_refused_naming_it() -> None:
+    a = fshard.shard(torch.randn(3, 4), fshard.Chunk(0, [0, 1, 2, 3]))  # rank 3's shard is empty
+    opt = torch.optim.Adafactor([t.requires_grad_() for t in a.addressable_data])
+    with pytest.raises(fshard.SpecError, match=re.escape("shards of shapes [(0, 4)] are empty")):
+        fshard.optimizer_state(opt, {"w": a})
+    assert not opt.state  # left as it was
+
+
 def test_an_array_at_two_paths_is_named() -> None:
     params = _params([0, 1])
     tied = {"stage0": params, "stage1": {"head": params["0.weight"]}}

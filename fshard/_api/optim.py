@@ -270,6 +270,17 @@ def _init_state(opt: torch.optim.Optimizer) -> None:
                     "which no layout can split. Use an optimizer whose state is per element (AdamW, SGD, ...)."
                 )
                 raise SpecError(msg) from exc
+            except ZeroDivisionError as exc:  # a step that divides by a parameter's size (Adafactor), on an empty shard
+                for p in params:  # the state the failed step made for some parameters goes: none had any
+                    opt.state.pop(p, None)
+                empty = [tuple(p.shape) for p in params if p.numel() == 0]
+                msg = (
+                    f"optimizer_state() cannot make the state of a {type(opt).__name__} that has not stepped: its "
+                    f"step divides by a parameter's size ({exc}), and shards of shapes {empty} are empty. Give the "
+                    "arrays a layout with no empty shard (fewer ranks than rows), or use an optimizer whose state "
+                    "is per element (AdamW, SGD, ...)."
+                )
+                raise SpecError(msg) from exc
     finally:
         for g, lr in zip(opt.param_groups, lrs):
             if lr is not None:

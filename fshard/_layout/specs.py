@@ -285,6 +285,12 @@ class Mesh:
 
 def _flat_ranks(ranks: Any) -> list[Any]:
     """Mesh ``ranks``, flat or nested like the grid (lists, arrays, tensors), as one flat list."""
+    if isinstance(ranks, (str, bytes)):  # one placement's string, or a string read as many letters
+        msg = (
+            f"Mesh ranks= takes a list of placements (ints, Placements or strings like 'rank:0/cpu'), "
+            f"got the string {ranks!r}: give a list, e.g. ranks=[{ranks!r}] for one placement."
+        )
+        raise SpecError(msg)
     try:
         return np.asarray(ranks, dtype=object).ravel().tolist()
     except (TypeError, ValueError, RuntimeError) as exc:

@@ -10,6 +10,7 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import time
 import traceback
@@ -120,7 +121,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120,
         procs.append(p)
         conns.append(parent)
     try:
-        results = _collect(conns, fn, timeout)
+        results = _collect(conns, procs, fn, timeout)
     except BaseException:
         stop(procs, grace=0.0)  # ranks still running may be stuck in a collective
         raise
@@ -128,7 +129,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120,
     return results
 
 
-def _collect(conns: list[Connection], fn: Callable[..., Any], timeout: float) -> list[Any]:
+def _collect(conns: list[Connection], procs: list[BaseProcess], fn: Callable[..., Any], timeout: float) -> list[Any]:
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
     while len(results) < len(conns):
@@ -141,7 +142,7 @@ def _collect(conns: list[Connection], fn: Callable[..., Any], timeout: float) ->
             try:
                 results[rank] = receive(conns[rank])
             except EOFError:
-                results[rank] = (False, f"rank {rank} exited without a result (killed or crashed).")
+                results[rank] = (False, f"rank {rank} exited without a result ({_exit(procs[rank])}).")
             if not results[rank][0]:
                 raise RuntimeError(f"launch({_name(fn)}) failed on rank {rank}:\n{results[rank][1]}")
     return [results[r][1] for r in range(len(conns))]
@@ -159,6 +160,21 @@ def stop(procs: list[Any], grace: float = 5.0) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def _exit(proc: BaseProcess) -> str:
+    """How ``proc``, whose end of the pipe closed without a result, ended: its exit code or signal."""
+    proc.join(5.0)  # the pipe closes as the process exits: its code follows at once
+    code = proc.exitcode
+    if code is None:
+        return "its pipe closed; still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exit code {code}"
 
 
 def _name(fn: Callable[..., Any]) -> str:
