@@ -314,3 +314,18 @@ def test_a_psum_by_messages_left_waiting_raises_a_typed_error_in_time():
         kind, message = got[rank]
         assert kind == "CollectiveMismatchError", got
         assert "within 2 s" in message, got
+
+
+def _summed_with_unlike_neighbours() -> str:
+    from test_psum import _summed_with_unlike_neighbours as program  # the local test's program
+
+    try:
+        program()(torch.zeros(1), torch.arange(18.0).reshape(6, 3))
+    except fshard.SpecError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_claim_of_replicas_whose_psum_groups_hold_unlike_blocks_is_refused_on_every_rank(dist_pool):
+    for rank, msg in enumerate(dist_pool.run(_summed_with_unlike_neighbours, timeout=60)):
+        assert "gives the placements that fn's psum over ('a',) sums with them different blocks" in msg, (rank, msg)

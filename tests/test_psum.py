@@ -271,3 +271,37 @@ def test_a_psums_results_are_freed_once_the_call_and_its_backward_are_done():
     del out
     gc.collect()
     assert [r() for r in refs] == [None] * 4
+
+
+def _summed_with_unlike_neighbours(check_vma=True):
+    """Ranks 0 and 1 get one box of ``x`` (replicas), ranks 2 and 3 two others; the body sums over "a", which
+    adds rank 2's block to rank 0's and rank 3's to rank 1's: the result's copies on ranks 0 and 1 differ."""
+    mesh = fshard.Mesh((2, 2), axis_names=("a", "b"))
+    boxes = fshard.Layout((6, 3), [((0, 0), (2, 3), 0), ((0, 0), (2, 3), 1), ((2, 0), (2, 3), 2), ((4, 0), (2, 3), 3)])
+    return fshard.shard_map(
+        lambda m, b: fshard.psum(b, "a") + 0 * m.sum(),
+        in_specs=(fshard.Named(mesh, (None,)), boxes),
+        out_specs=boxes,
+        check_vma=check_vma,
+    )
+
+
+def test_a_claim_of_replicas_whose_psum_groups_hold_unlike_blocks_is_refused():
+    """The copies' own blocks are alike, but psum adds blocks of other placements to them: those count too."""
+    x = torch.arange(18.0).reshape(6, 3)
+    msg = "argument 1 gives the placements that fn's psum over ('a',) sums with them different blocks"
+    with pytest.raises(fshard.SpecError, match=re.escape(msg)):
+        _summed_with_unlike_neighbours()(torch.zeros(1), x)
+    y = _summed_with_unlike_neighbours(check_vma=False)(torch.zeros(1), x)  # trusted: the copies do disagree
+    assert [s.data[0, 0].item() for s in y.addressable_shards[:2]] == [6.0, 12.0]
+
+
+def test_copies_along_an_axis_that_psum_does_not_sum_over_are_accepted():
+    """Split along "dp", replicated along "tp"; a sum over "dp" keeps the copies along "tp" alike, group by group."""
+    f = fshard.shard_map(
+        lambda b: fshard.psum(b, "dp") * b,
+        in_specs=fshard.Named(MESH, ("dp", None)),
+        out_specs=fshard.Named(MESH, ("dp", None)),
+    )
+    x = torch.arange(8.0).reshape(2, 4)
+    assert torch.equal(fshard.gather(f(x)), x.sum(0) * x)

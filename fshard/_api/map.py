@@ -123,9 +123,11 @@ def shard_map(
     the local backend the bodies of a call that does run in threads, a thread each, taking turns.
 
     A result is known to be equal on two placements only where every argument gives them
-    the same block (copies of one box): an ``out_specs`` that makes such a result's
-    copies replicas where an argument differs between them is refused, since the array
-    would hold replicas that disagree (JAX's replication check).
+    the same block (copies of one box), and, where ``fn`` sums with ``psum``, gives the
+    placements summed with each of them the same blocks too, in the same order: an
+    ``out_specs`` that makes such a result's copies replicas where an argument differs
+    between them is refused, since the array would hold replicas that disagree (JAX's
+    replication check).
 
     Args:
         fn: a function of one block per argument, returning a tensor or a pytree of them.

@@ -20,12 +20,13 @@ import torch
 
 from fshard._api import map_trees as _trees
 from fshard._api.map_slots import Slot, arg_name, slot_index, slots_of
+from fshard._api.psum import groups_of as _psum_groups
 from fshard._base.cache import cached
 from fshard._errors import SpecError
 from fshard._exec.agree import tree_kinds
 from fshard._layout.layout import Layout, replica_ids
 from fshard._layout.placement import Placement
-from fshard._layout.specs import Explicit, Partial, Replicated, as_layout
+from fshard._layout.specs import Explicit, Mesh, Partial, Replicated, as_layout
 
 __all__ = [
     "Alike",
@@ -198,7 +199,7 @@ def alike_form(description: Any) -> Any:
     tensors and buckets, and their results record a gradient alike: each can then rebuild the
     others' descriptions from its own.
     """
-    results, (ages, closed), series, grads, form = description
+    results, (ages, closed), series, grads, form, summed = description
     if results is None:
         return None
     tree, found = results
@@ -206,7 +207,7 @@ def alike_form(description: Any) -> Any:
     if metas is None:
         return None
     leaves = [(str(dtype), alike.shapes) for dtype, alike in metas]
-    return repr(tree), tree_kinds(tree), leaves, sorted(ages), closed, series, form, grads
+    return repr(tree), tree_kinds(tree), leaves, sorted(ages), closed, series, form, grads, summed
 
 
 def out_layout(
@@ -269,19 +270,32 @@ def _lay_out(
 laid_out = cached(256)(_lay_out)
 
 
+# Where a call's bodies summed (``psum``): their mesh, their placements in body order, and the axes summed over.
+Summed = tuple[Mesh, tuple[Placement, ...], tuple[str, ...]]
+
+
 def check_replicas(
-    layouts: tuple[Layout, ...], names: Sequence[int | str], out: Layout, spec: Any, what: str, n: int
+    layouts: tuple[Layout, ...],
+    names: Sequence[int | str],
+    out: Layout,
+    spec: Any,
+    what: str,
+    n: int,
+    summed: Summed | None = None,
 ) -> None:
     """Refuses ``out`` where it makes copies of results whose arguments differ.
+
+    ``summed``: where the bodies reduced with ``psum``, a result may also depend on the
+    blocks of every placement summed with its own, so those are compared too.
 
     Raises:
         SpecError: naming the argument, the placements (and the mesh axes of a ``Named``
             out spec) along which the claimed copies get different blocks, and the fixes.
     """
-    found = _replica_conflict(layouts, out)
+    found = _replica_conflict(layouts, out, summed)
     if found is None:
         return
-    k, p, q = found
+    k, p, q, grouped = found
     axes = _mesh_axes(spec, p, q)
     along = f" along mesh axis {axes[0]!r}" if len(axes) == 1 else f" along mesh axes {axes}" if axes else ""
     partial = f"fshard.Partial(spec, over={tuple(axes)!r})" if axes else "fshard.Partial(spec)"
@@ -292,9 +306,14 @@ def check_replicas(
         if what.startswith("apply_module")
         else "use fshard.shard_map(..., check_vma=False) if fn returns equal results there"
     )
+    gives = (
+        f"gives the placements that fn's psum over {summed[2]!r} sums with them different blocks"
+        if grouped and summed is not None
+        else "gives those placements different blocks"
+    )
     msg = (
         f"{what} out_spec {spec!r} makes the copies of result {n} on placements {p} and {q} replicas{along}, "
-        f"but {arg_name(names[k])} gives those placements different blocks, so the results there may differ "
+        f"but {arg_name(names[k])} {gives}, so the results there may differ "
         "and the array would hold replicas that disagree. Give an out_spec that splits the result"
         f"{along} (or {partial} if its copies are partial sums), reshard the result afterwards, "
         f"or {opt_out}."
@@ -303,23 +322,27 @@ def check_replicas(
 
 
 @cached(256)
-def _replica_conflict(layouts: tuple[Layout, ...], out: Layout) -> tuple[int, Placement, Placement] | None:
+def _replica_conflict(
+    layouts: tuple[Layout, ...], out: Layout, summed: Summed | None = None
+) -> tuple[int, Placement, Placement, bool] | None:
     """Two placements ``p``, ``q`` that ``out`` gives copies of one value but ``argument`` does not.
 
-    ``(argument, p, q)``, or ``None`` if there are none. Placement by placement, the
+    ``(argument, p, q, grouped)``, or ``None`` if there are none; ``grouped`` where the argument's
+    own blocks there are equal and those of their groups (below) are not. Placement by placement, the
     arguments' blocks (their replica ids) say what a result may depend on: slots with
-    equal blocks of every argument give equal results.
+    equal blocks of every argument give equal results. Where the bodies summed over mesh
+    axes (``summed``), a result depends on the blocks of every placement of its group too,
+    in the group's order: slots whose groups hold equal blocks, position by position, and
+    whose own blocks are equal give equal results.
     """
     ids = replica_ids(out)
     keep = np.flatnonzero(np.all(out.columns.sz > 0, axis=1))  # an empty block holds nothing to disagree
     if len(np.unique(ids[keep])) == len(keep):
         return None  # no two non-empty blocks are copies: nothing is claimed
     out_slots = slot_index(out)
-    # Per kept output shard, the replica id of each argument's block at its slot.
-    blocks = np.array(
-        [[replica_ids(lay)[slots_of(lay)[out_slots[i][0]][out_slots[i][1]]] for lay in layouts] for i in keep.tolist()],
-        dtype=np.int64,
-    ).reshape(len(keep), len(layouts))
+    kept = [out_slots[i] for i in keep.tolist()]
+    # Per kept output shard, an id of what each argument gives its slot (its block, and its group's).
+    blocks = np.stack([_ids_of(lay, kept, summed) for lay in layouts], axis=1).reshape(len(keep), len(layouts))
     _, first, group = np.unique(ids[keep], return_index=True, return_inverse=True)
     lead = first[group.reshape(-1)]
     bad = np.flatnonzero(np.any(blocks != blocks[lead], axis=1))
@@ -327,7 +350,40 @@ def _replica_conflict(layouts: tuple[Layout, ...], out: Layout) -> tuple[int, Pl
         return None
     row = int(bad[0])
     k = int(np.flatnonzero(blocks[row] != blocks[lead[row]])[0])
-    return k, out_slots[int(keep[lead[row]])][0], out_slots[int(keep[row])][0]
+    a, b = kept[int(lead[row])], kept[row]
+    grouped = _block_ids(layouts[k], a, None) == _block_ids(layouts[k], b, None)
+    return k, a[0], b[0], grouped
+
+
+def _ids_of(lay: Layout, slots: Sequence[Slot], summed: Summed | None) -> np.ndarray:
+    """Per slot, an id that two slots share exactly when argument ``lay`` gives them the same blocks.
+
+    Its own block's replica id; where the bodies summed (``summed``), with those of the blocks
+    of its placement's group, in order.
+    """
+    rows = np.array([_block_ids(lay, slot, summed) for slot in slots], dtype=np.int64)
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(rows.reshape(len(slots), -1), axis=0, return_inverse=True)[1].reshape(-1)
+
+
+def _block_ids(lay: Layout, slot: Slot, summed: Summed | None) -> tuple[int, ...]:
+    """The replica id of ``lay``'s block at ``slot``, then, where ``summed``, those of each placement of its group.
+
+    In the group's order, each at the same block number (-1 where a placement has none).
+    """
+    p, k = slot
+    rid, where = replica_ids(lay), slots_of(lay)
+
+    def one(placement: Placement) -> int:
+        blocks = where.get(placement, ())
+        return int(rid[blocks[k]]) if k < len(blocks) else -1
+
+    if summed is None:
+        return (one(p),)
+    mesh, placements, axes = summed
+    groups, of = _psum_groups(mesh, placements, axes)
+    return (one(p), *(one(placements[m]) for m in groups[of[placements.index(p)]]))
 
 
 def _mesh_axes(spec: Any, p: Placement, q: Placement) -> list[str]:

@@ -25,6 +25,7 @@ from fshard._api import psum as _psum
 from fshard._api.map_context import per_shard, refuse_closed, refuse_closed_apart, used_gathered
 from fshard._api.map_out import (
     Alike,
+    Summed,
     alike_form,
     alike_metas,
     check_replicas,
@@ -100,6 +101,7 @@ def run_per_slot(
     # In one process, the closed-over tensors each rank's bodies used, counted per rank (as each process counts).
     closed_by_rank: dict[int, set[int]] | None = None if backend.spans_processes else {}
     rank_of: dict[Slot, int] = {}
+    summed: set[str] = set()  # the mesh axes the bodies' psums summed over
 
     def context(slot: Slot | None) -> Any:
         if slot is None or closed_by_rank is None:
@@ -119,7 +121,7 @@ def run_per_slot(
             rank_of.update(zip((slot_of[i] for i in held), first.columns.rank[list(held)].tolist()))
         try:
             with untouched(own, what):
-                results = _bodies(fn, calls, context, reducing, first, backend, rank_of)
+                results = _bodies(fn, calls, context, reducing, first, backend, rank_of, summed)
         finally:  # a tap's bucket belongs to this call: a block that outlives it (returned as it is) keeps none
             _varying.forget_taps(own)
         if len(series) > 1 or usage.closed or regathered:  # the backward runs other collectives between the taps
@@ -137,11 +139,12 @@ def run_per_slot(
         def describe(r: tuple[list[dict[Slot, torch.Tensor]], Any]) -> Any:
             grads = tuple(with_gradient(leaf.values()) for leaf in r[0])
             series_of = tuple(s.series for s in series)
-            return describe_results(r[1], r[0]), (usage.ages(), usage.closed), series_of, grads, form[1]
+            described = describe_results(r[1], r[0]), (usage.ages(), usage.closed), series_of, grads, form[1]
+            return (*described, tuple(sorted(summed)))
 
         (leaves, spec_tree), seen, described = agree_alike(backend, compute, describe, alike_form)
         if seen is None:  # every rank's results alike, placement for placement: nothing exchanged
-            (_, found), (ages, closed), mine, _, _ = described
+            (_, found), (ages, closed), mine, _, _, _ = described
             grads: list[bool] | None = None  # every rank holds blocks: no link
             metas = cast("list[tuple[torch.dtype, Alike]]", alike_metas(found))
             refuse_closed(backend, first, closed, what)
@@ -160,6 +163,7 @@ def run_per_slot(
                 refuse_recording(what, {r: list(d[3]) for r, d in zip(backend.ranks, seen)})
             # A rank that holds no block: its links need a gradient where some rank's fn returned one with it.
             grads = merge_gradients([d[3] for d in seen], len(metas))
+            summed.update(a for d in seen for a in d[5])  # every rank checks the copies alike
     else:
         # No process waits for the others here: each posts what fn returned (or that it raised), and the
         # group's next collective compares them, so a process whose fn returned otherwise raises with the others.
@@ -172,9 +176,9 @@ def run_per_slot(
                 refuse_closed_apart(backend, first, {r: len(ids) for r, ids in closed_by_rank.items()}, what)
             if not backend.spans_processes:  # as processes find it in the outcomes they post (below)
                 refuse_recording_apart(backend, first, leaves, what)
-            out = _results(
-                out_specs, spec_tree, leaves, metas, set(), inputs, arrays, names, held, pending, check, what
-            )
+            over = _summed_over(summed, reducing, first)
+            out = _results(out_specs, spec_tree, leaves, metas, set(), inputs, arrays, names, held, pending, check,
+                           what, None, over)  # fmt: skip
         except BaseException as exc:  # an interrupt too: the others' next collective learns of it
             if backend.spans_processes:
                 post_failure(backend, what, exc)
@@ -187,7 +191,18 @@ def run_per_slot(
             recording = tuple(with_gradient(leaf.values()) for leaf in leaves) if recording_compared() else ()
             post_outcome(backend, what, (spec_tree, metas), _buckets.agreed(series), usage.closed, form, recording)
         return out
-    return _results(out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what, grads)
+    over = _summed_over(summed, reducing, first)
+    return _results(
+        out_specs, spec_tree, leaves, metas, used, inputs, arrays, names, held, pending, check, what, grads, over
+    )
+
+
+def _summed_over(summed: set[str], reducing: Reducing | None, first: Layout) -> Summed | None:
+    """The body's mesh, placements and the axes its reductions summed over (``None`` where none did)."""
+    if not summed or reducing is None:
+        return None
+    placements = tuple(positions(first))
+    return _psum.body_mesh(reducing.specs, placements), placements, tuple(sorted(summed))
 
 
 def _results(
@@ -204,11 +219,13 @@ def _results(
     check: bool,
     what: str,
     grads: Sequence[bool] | None = None,
+    summed: Summed | None = None,
 ) -> Any:
     """The result tree of ``run_per_slot``: each leaf's blocks in the layout its spec and their shapes give.
 
     ``grads``: per result, whether some rank's fn returned it with a gradient (``None``: not known here); a
-    link of a result that none did needs none either.
+    link of a result that none did needs none either. ``summed``: where the bodies' reductions summed
+    (``_summed_over``), whose placements' blocks a result's copies are then compared over too.
     """
     first = arrays[0].layout
     backend = arrays[0].backend
@@ -226,7 +243,7 @@ def _results(
         link = None if held else link_without_blocks(inputs, dtype, used, grad)
         layout = out_layout(spec, shapes, first, pending, what, n)
         if check:
-            check_replicas(tuple(a.layout for a in arrays), names, layout, spec, what, n)
+            check_replicas(tuple(a.layout for a in arrays), names, layout, spec, what, n, summed)
         outs.append(_wrap(layout, backend, blocks, link, dtype))
     if not check and checking():  # replicas that fn was trusted to make equal: compare their contents
         check_leaves([(f"result {n} of {what}", a) for n, a in enumerate(outs)], what)
@@ -269,6 +286,7 @@ def _bodies(
     layout: Layout,
     backend: Any,
     rank_of: Mapping[Slot, int],
+    summed: set[str],
 ) -> list[tuple[Slot, Any]]:
     """``fn`` on each slot's blocks: one after another, or in threads where a body reduces in one process.
 
@@ -276,6 +294,7 @@ def _bodies(
     (its rank's closed-over tensors counted apart); across processes, or in threads, in
     ``context(None)``. In one process each rank's bodies draw random numbers from a state of
     their own (``RankDraws``, by ``rank_of``, or by placement where they take turns in threads).
+    ``summed`` gets the mesh axes the bodies' reductions sum over.
     """
     apart = not backend.spans_processes
     if reducing is None:
@@ -310,7 +329,10 @@ def _bodies(
                         here = context(slot) if apart else contextlib.nullcontext()
                         if draws is not None:
                             draws.before(rank_of[slot])
-                        with here, _body.entered(_body.Body(placements, position[slot[0]], mesh, backend)):
+                        with (
+                            here,
+                            _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, summed=summed)),
+                        ):
                             out.append((slot, fn(*blocks)))
             except _body.NeedsThreads:
                 reducing.reduced()
@@ -326,7 +348,10 @@ def _bodies(
         def run(slot: Slot, blocks: list[torch.Tensor]) -> Callable[[], tuple[Slot, Any]]:
             def body() -> tuple[Slot, Any]:
                 # A thread of its own: autograd numbers its nodes apart, so which tensors are closed over is not told.
-                with context(None), _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting)):
+                with (
+                    context(None),
+                    _body.entered(_body.Body(placements, position[slot[0]], mesh, backend, meeting, summed=summed)),
+                ):
                     return slot, fn(*blocks)
 
             return body

@@ -23,7 +23,7 @@ from fshard._exec import body as _body
 from fshard._layout.placement import Placement
 from fshard._layout.specs import Mesh
 
-__all__ = ["body_mesh", "pmean", "psum"]
+__all__ = ["body_mesh", "groups_of", "pmean", "psum"]
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -71,9 +71,10 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     [[2.0, 4.0], [10.0, 12.0]]
     """
     body, axes = _enter("psum", x, axis)
-    groups, of = _groups(body.mesh, body.placements, axes)
+    groups, of = groups_of(body.mesh, body.placements, axes)
     if all(len(g) == 1 for g in groups):
         return x
+    body.summed.update(axes)
     # The placements summed together must agree on these: the backward (and tangent) is a sum they all join.
     flags = (torch.is_grad_enabled() and x.requires_grad, fwAD.unpack_dual(x).tangent is not None)  # pyright: ignore[reportUnknownMemberType]
     if body.backend.spans_processes:
@@ -115,7 +116,7 @@ def pmean(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     [2.0, 2.0]
     """
     body, axes = _enter("pmean", x, axis)
-    groups, of = _groups(body.mesh, body.placements, axes)
+    groups, of = groups_of(body.mesh, body.placements, axes)
     return psum(x, axes) / len(groups[of[body.index]])
 
 
@@ -192,7 +193,7 @@ def _enter(what: str, x: Any, axis: Any) -> tuple[_body.Body, tuple[str, ...]]:
 
 
 @cached(256)
-def _groups(mesh: Mesh, placements: tuple[Placement, ...], axes: tuple[str, ...]) -> tuple[Groups, tuple[int, ...]]:
+def groups_of(mesh: Mesh, placements: tuple[Placement, ...], axes: tuple[str, ...]) -> tuple[Groups, tuple[int, ...]]:
     """The groups of body indices that differ only along ``axes`` (each in placement order), and each index's group.
 
     Raises:
