@@ -233,6 +233,27 @@ def test_a_rank_failing_mid_save_fails_every_rank_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+def _save_with_own_limit(path: str) -> str:
+    """Rank 0 would split the files at 100 bytes, the others at 40: each plans other files of the same names."""
+    try:
+        _save(path, 100 if dist.get_rank() == 0 else 40)
+    except fshard.CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_ranks_given_different_max_shard_sizes_all_raise_and_keep_the_folder(dist_pool: Any, tmp_path: Path) -> None:
+    """Each rank wrote its boxes at its own plan's offsets into files another rank's plan made: a folder that no
+    reader could load replaced the good one, and every rank returned."""
+    path = tmp_path / "hf"
+    fshard.save_safetensors(path, TENSORS)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    errors = dist_pool.run(_save_with_own_limit, str(path), timeout=TIMEOUT)
+    msg = "fshard.save_safetensors was given max_shard_size=40 bytes on rank 1 but max_shard_size=100 bytes on rank 0"
+    assert all(e.startswith(msg) and e.endswith("Nothing was written.") for e in errors), errors
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
 def _load_plain(path: str) -> dict[str, Any]:
     _safetensors.counters.reset()
     out = fshard.load(path)

@@ -253,3 +253,14 @@ def test_a_file_truncated_after_its_header_was_read_raises(tmp_path: Path) -> No
         fshard.CheckpointError, match=re.escape(f"Safetensors file {path} changed since its header was read")
     ):
         fshard.load(path, specs=spec_and_truncate)
+
+
+@pytest.mark.parametrize("reader", [fshard.load, fshard.checkpoint_info], ids=["load", "checkpoint_info"])
+def test_a_dtype_fshard_does_not_read_is_named_not_called_malformed(tmp_path: Path, reader: Any) -> None:
+    """safetensors writes float8_e8m0fnu validly: both readers name its dtype (checkpoint_info said "malformed")."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "e8m0.safetensors"
+    save_file({"x": torch.zeros(4, dtype=torch.uint8).view(torch.float8_e8m0fnu)}, path)
+    with pytest.raises(fshard.CheckpointError, match=re.escape("has dtype 'F8_E8M0', which fshard does not read")):
+        reader(path)

@@ -38,6 +38,7 @@ class _Facts:
     path: str
     tree: str
     leaves: str
+    options: str = ""  # the call's other arguments that shape what is written (save_safetensors' max_shard_size)
 
 
 def _sha(text: str) -> str:
@@ -92,8 +93,12 @@ def prepare(
     leaves: Sequence[tuple[str, Any]],
     backend: Backend,
     failure: Exception | None,
+    options: str = "",
 ) -> tuple[_Facts, list[str], dict[int, str]]:
-    """Checks the leaves and summarises them: (facts, one summary per leaf, SHA-256 of each plain tensor by leaf)."""
+    """Checks the leaves and summarises them: (facts, one summary per leaf, SHA-256 of each plain tensor by leaf).
+
+    ``options``: the call's other arguments that shape the files, as text (``check_same`` compares it).
+    """
     if failure is not None:
         raise failure
     for p, leaf in leaves:
@@ -101,7 +106,7 @@ def prepare(
     known = _plain_hashes(leaves)
     summaries = [_summary(leaf, known.get(i)) for i, (_, leaf) in enumerate(leaves)]
     tree = _sha(json.dumps(structure, ensure_ascii=False))
-    facts = _Facts(backend.rank, os.urandom(16).hex(), os.path.abspath(root), tree, _sha("\n".join(summaries)))
+    facts = _Facts(backend.rank, os.urandom(16).hex(), os.path.abspath(root), tree, _sha("\n".join(summaries)), options)
     return facts, summaries, known
 
 
@@ -146,6 +151,13 @@ def check_same(
             f"{what} was given different paths on different ranks ({by}): every rank must pass the same "
             "directory. Compute a timestamp or step in the path once and share it (for example with "
             "torch.distributed.broadcast_object_list from rank 0). Nothing was written."
+        )
+        raise CheckpointError(msg)
+    if any(f.options != first.options for f in seen):
+        odd = next(f for f in seen if f.options != first.options)
+        msg = (
+            f"{what} was given {odd.options} on rank {odd.rank} but {first.options} on rank {first.rank}: every "
+            "rank must pass the same, since the ranks write the same files. Nothing was written."
         )
         raise CheckpointError(msg)
     if all(f.tree == first.tree and f.leaves == first.leaves for f in seen):

@@ -82,7 +82,8 @@ def save_safetensors(path: str | os.PathLike[str], tree: Any, *, max_shard_size:
     except (TypeError, SpecError, CheckpointError) as exc:  # reported through the first exchange, so no rank waits
         backend, failure = default_backend(), exc
     structure = {"dict": [[name, {"leaf": i}] for i, (name, _) in enumerate(leaves)]}
-    summarise = lambda: prepare(root, structure, leaves, backend, failure)  # noqa: E731
+    options = f"max_shard_size={limit} bytes"  # every rank plans the same files
+    summarise = lambda: prepare(root, structure, leaves, backend, failure, options)  # noqa: E731
     (_, summaries, _), seen = agree_on(backend, "fshard.save_safetensors", summarise, lambda out: out[0])
     check_same(backend, seen, summaries, leaves, what="fshard.save_safetensors")
     ranks = [f.rank for f in seen] if backend.spans_processes else _local_ranks(leaves)

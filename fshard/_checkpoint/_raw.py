@@ -246,6 +246,11 @@ def safetensors_tensor(files: Files, path: Path, name: str, header: tuple[int, d
         and len(cast("list[Any]", span)) == 2
         and all(type(v) is int for v in cast("list[Any]", span))
     )
+    code = rec.get("dtype")
+    if dtype is None and isinstance(code, str):  # a dtype that safetensors writes but fshard does not read
+        known = sorted(DTYPE_OF_CODE)
+        msg = f"{path}: tensor {name!r} has dtype {code!r}, which fshard does not read (known: {known})."
+        raise CheckpointError(msg)
     if dtype is None or not ok_shape or not ok_span:
         raise CheckpointError(f"{path}: the header entry of tensor {name!r} is malformed: {rec!r:.200}.")
     shape_t, (a, b) = tuple(cast("list[int]", shape)), cast("list[int]", span)
