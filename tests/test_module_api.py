@@ -666,6 +666,18 @@ def test_fully_sharded_replicates_what_is_too_small_to_split() -> None:
     assert [tuple(s.data.shape) for s in params["weight"].addressable_shards] == [(2, 3)] * 4
 
 
+@pytest.mark.parametrize("helper", [fshard.replicated, fshard.fully_sharded])
+def test_a_rule_helper_given_one_int_asks_for_the_ranks(helper: Any) -> None:
+    """fully_sharded(3) read as [3]: the whole model on rank 3, and no shard, nor error, on the others."""
+    name = helper.__name__
+    with pytest.raises(
+        fshard.SpecError, match=re.escape(f"{name}() takes a sequence of ranks, got 3: give list(range(3))")
+    ):
+        helper(3)
+    with pytest.raises(fshard.SpecError, match=re.escape(f"{name}() takes a sequence of ranks, got 'rank:1/cpu'")):
+        helper("rank:1/cpu")
+
+
 @pytest.mark.parametrize(
     ("rules", "message"),
     [

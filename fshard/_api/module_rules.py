@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -27,6 +28,7 @@ from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
 from fshard._layout.layout import Layout
+from fshard._layout.placement import Placement
 from fshard._layout.show import describe_layout
 from fshard._layout.specs import Chunk, Replicated, as_layout
 from fshard.backends import Backend
@@ -179,7 +181,7 @@ def replicated(ranks: Sequence[Any]) -> Callable[[str, torch.Tensor], Any]:
     >>> params["weight"].layout.is_fully_replicated
     True
     """
-    spec = Replicated(ranks)
+    spec = Replicated(_ranks(ranks, "replicated"))
     return lambda name, t: spec
 
 
@@ -198,7 +200,7 @@ def fully_sharded(ranks: Sequence[Any], dim: int = 0) -> Callable[[str, torch.Te
     >>> buffers["1.num_batches_tracked"].layout.is_fully_replicated
     True
     """
-    split = Chunk(dim, ranks)
+    split = Chunk(dim, _ranks(ranks, "fully_sharded"))
     whole = Replicated(split.placements)
     n = len(split.placements)
 
@@ -206,6 +208,19 @@ def fully_sharded(ranks: Sequence[Any], dim: int = 0) -> Callable[[str, torch.Te
         return split if -t.ndim <= dim < t.ndim and t.shape[dim] >= n else whole
 
     return rule
+
+
+def _ranks(ranks: Any, what: str) -> Any:
+    """``ranks`` of a rule helper, refused where it is one rank (an int reads as a count there, not as rank n)."""
+    if isinstance(ranks, (int, np.integer, str, Placement)):
+        msg = (
+            f"fshard.{what}() takes a sequence of ranks, got {ranks!r}: give list(range({ranks})) for that many "
+            f"ranks, or [{ranks!r}] for the one rank."
+            if isinstance(ranks, (int, np.integer)) and not isinstance(ranks, bool)
+            else f"fshard.{what}() takes a sequence of ranks, got {ranks!r}: give a list, e.g. [{ranks!r}]."
+        )
+        raise SpecError(msg)
+    return ranks
 
 
 @collective("shard_module")
