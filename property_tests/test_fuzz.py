@@ -797,10 +797,10 @@ def entries(base: Path) -> dict[str, Entry]:
                 flag("strict"),
             ),
         ),
-        "replicated": Entry(fshard.replicated, (Arg("ranks", one([0, 1], (0, 1), 3, "rank:0/cpu")),)),
+        "replicated": Entry(fshard.replicated, (Arg("ranks", one([0, 1], (0, 1), "rank:0/cpu")),)),
         "fully_sharded": Entry(
             lambda ranks, dim: fshard.shard_module(MODEL, fshard.fully_sharded(ranks, dim)),
-            (Arg("ranks", one([0, 1], (0, 1, 2), 3)), Arg("dim", one(0, 1, -1))),
+            (Arg("ranks", one([0, 1], (0, 1, 2), "rank:1/cpu")), Arg("dim", one(0, 1, -1))),
         ),
         "shard_module": Entry(
             fshard.shard_module,

@@ -674,8 +674,8 @@ def test_a_rule_helper_given_one_int_asks_for_the_ranks(helper: Any) -> None:
         fshard.SpecError, match=re.escape(f"{name}() takes a sequence of ranks, got 3: give list(range(3))")
     ):
         helper(3)
-    with pytest.raises(fshard.SpecError, match=re.escape(f"{name}() takes a sequence of ranks, got 'rank:1/cpu'")):
-        helper("rank:1/cpu")
+    params, _ = fshard.shard_module(torch.nn.Linear(4, 2), helper("rank:1/cpu"))  # one placement, named as one
+    assert params["weight"].layout.ranks == (1,)
 
 
 @pytest.mark.parametrize(

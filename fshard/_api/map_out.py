@@ -351,39 +351,33 @@ def _replica_conflict(
     row = int(bad[0])
     k = int(np.flatnonzero(blocks[row] != blocks[lead[row]])[0])
     a, b = kept[int(lead[row])], kept[row]
-    grouped = _block_ids(layouts[k], a, None) == _block_ids(layouts[k], b, None)
+    own = _ids_of(layouts[k], [a, b], None)
+    grouped = bool(own[0] == own[1])
     return k, a[0], b[0], grouped
 
 
 def _ids_of(lay: Layout, slots: Sequence[Slot], summed: Summed | None) -> np.ndarray:
     """Per slot, an id that two slots share exactly when argument ``lay`` gives them the same blocks.
 
-    Its own block's replica id; where the bodies summed (``summed``), with those of the blocks
-    of its placement's group, in order.
+    Its own block's replica id; where the bodies summed (``summed``), with those of the blocks at
+    the same block number of each placement of its placement's group, in the group's order (-1
+    where a placement has none there).
     """
-    rows = np.array([_block_ids(lay, slot, summed) for slot in slots], dtype=np.int64)
-    if not len(rows):
-        return np.zeros(0, dtype=np.int64)
-    return np.unique(rows.reshape(len(slots), -1), axis=0, return_inverse=True)[1].reshape(-1)
-
-
-def _block_ids(lay: Layout, slot: Slot, summed: Summed | None) -> tuple[int, ...]:
-    """The replica id of ``lay``'s block at ``slot``, then, where ``summed``, those of each placement of its group.
-
-    In the group's order, each at the same block number (-1 where a placement has none).
-    """
-    p, k = slot
     rid, where = replica_ids(lay), slots_of(lay)
 
-    def one(placement: Placement) -> int:
-        blocks = where.get(placement, ())
+    def one(p: Placement, k: int) -> int:
+        blocks = where.get(p, ())
         return int(rid[blocks[k]]) if k < len(blocks) else -1
 
     if summed is None:
-        return (one(p),)
+        return np.array([one(p, k) for p, k in slots], dtype=np.int64)
     mesh, placements, axes = summed
     groups, of = _psum_groups(mesh, placements, axes)
-    return (one(p), *(one(placements[m]) for m in groups[of[placements.index(p)]]))
+    index = {p: i for i, p in enumerate(placements)}
+    rows = [(one(p, k), *(one(placements[m], k) for m in groups[of[index[p]]])) for p, k in slots]
+    if not rows:
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(np.array(rows, dtype=np.int64), axis=0, return_inverse=True)[1].reshape(-1)
 
 
 def _mesh_axes(spec: Any, p: Placement, q: Placement) -> list[str]:

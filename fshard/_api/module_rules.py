@@ -28,7 +28,6 @@ from fshard._array.array import ShardedArray
 from fshard._errors import SpecError
 from fshard._exec.collective import collective
 from fshard._layout.layout import Layout
-from fshard._layout.placement import Placement
 from fshard._layout.show import describe_layout
 from fshard._layout.specs import Chunk, Replicated, as_layout
 from fshard.backends import Backend
@@ -211,13 +210,11 @@ def fully_sharded(ranks: Sequence[Any], dim: int = 0) -> Callable[[str, torch.Te
 
 
 def _ranks(ranks: Any, what: str) -> Any:
-    """``ranks`` of a rule helper, refused where it is one rank (an int reads as a count there, not as rank n)."""
-    if isinstance(ranks, (int, np.integer, str, Placement)):
+    """``ranks`` of a rule helper, refused where it is an int: ``fully_sharded(4)`` reads as four ranks, not rank 4."""
+    if isinstance(ranks, (int, np.integer)):
         msg = (
-            f"fshard.{what}() takes a sequence of ranks, got {ranks!r}: give list(range({ranks})) for that many "
+            f"fshard.{what}() takes a sequence of ranks, got {ranks!r}: give list(range({ranks!r})) for that many "
             f"ranks, or [{ranks!r}] for the one rank."
-            if isinstance(ranks, (int, np.integer)) and not isinstance(ranks, bool)
-            else f"fshard.{what}() takes a sequence of ranks, got {ranks!r}: give a list, e.g. [{ranks!r}]."
         )
         raise SpecError(msg)
     return ranks
