@@ -52,11 +52,11 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     usage = _varying.Usage()
     own = [t for a in arrays for t in a.addressable_data]
     # In one process, the closed-over tensors each rank's calls used, counted per rank, where a rank that used
-    # none would not join their sums in the backward across processes. (Where no argument records a gradient,
-    # the result's link tells ranks apart at its next movement, in one process too.)
+    # none would not join their sums in the backward across processes (below); and refused where no view of them
+    # can sum their gradient (a custom Function's input), as processes refuse them.
     # A C function (an operator's: ``operator.add``, ``torch.eq``) closes over nothing but the object it is bound to.
     counted = not (backend.spans_processes or torch.compiler.is_compiling() or _closes_over_nothing(fn))
-    counted = counted and torch.is_grad_enabled() and any(a.requires_grad for a in arrays)
+    counted = counted and torch.is_grad_enabled()
     closed_by_rank: dict[int, set[int]] | None = {} if counted else None
 
     def compute() -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
@@ -117,10 +117,12 @@ def map_same(fn: Callable[..., Any], arrays: Sequence[ShardedArray], pending: st
     # results' layouts or dtypes differ (design notes).
     tree, leaves = compute()
     metas = (describe_results(tree, [dict(zip(index, leaf)) for leaf in leaves]) or (None, []))[1]
-    if closed_by_rank is None:
-        refuse_closed(backend, first.layout, usage.closed, "map_local()")
-    else:  # what processes learn in the backward (a closed-over tensor's sum that some ranks do not join)
+    if closed_by_rank is not None and any(a.requires_grad for a in arrays):
+        # What processes learn in the backward (a closed-over tensor's sum that some ranks do not join).
         refuse_closed_apart(backend, first.layout, {r: len(ids) for r, ids in closed_by_rank.items()}, "map_local()")
+    else:  # where no argument records, the result's link tells ranks apart at its next movement, here as there
+        most = usage.closed if closed_by_rank is None else max(map(len, closed_by_rank.values()), default=0)
+        refuse_closed(backend, first.layout, most, "map_local()")  # one rank's count, as each process counts
     return results(tree, leaves, metas, set(), ())  # every rank holds blocks: no link
 
 

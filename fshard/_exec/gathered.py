@@ -267,10 +267,13 @@ class _PerShard(TorchFunctionMode):
             # is traced wrongly by torch 2.13).
             return func(*args, **(kwargs or {}))
         given = args
-        if _grad_enabled() and not _gradient_free(func):
-            args = self._swapped(args)
-            if kwargs:
-                kwargs = {k: self._swap_any(v) for k, v in kwargs.items()}
+        if _grad_enabled():
+            if not _gradient_free(func):
+                args = self._swapped(args)
+                if kwargs:
+                    kwargs = {k: self._swap_any(v) for k, v in kwargs.items()}
+        elif self.closed is not None:  # not recorded here, though the function records: what will record it later?
+            self._refuse_unsummed(args, kwargs)
         kwargs = kwargs or {}
         # The in-place check set aside where the call writes nothing.
         out = _readonly.call_if_pure(func, types, args, kwargs, given)
@@ -311,6 +314,37 @@ class _PerShard(TorchFunctionMode):
                     new = list(args)
                 new[i] = view
         return args if new is None else tuple(new)
+
+    @never_compiled
+    def _refuse_unsummed(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+        """Raises where a tensor whose gradient must sum over the ranks is used where no view of it can be.
+
+        A torch call that records nothing inside a function that records: under ``no_grad`` (nothing
+        to sum), or in the forward of a custom ``torch.autograd.Function`` or of a reentrant
+        ``torch.utils.checkpoint``, whose backward gives the tensor its gradient with no sum over
+        the ranks (the Function's node holds the tensor itself; the checkpoint's recomputation runs
+        in the backward, outside the function). So it is refused there, on every backend alike.
+        """
+        for a in (*args, *(kwargs or {}).values()):
+            for t in cast("Sequence[Any]", a) if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) and self._unsummed(t):
+                    where = _recorded_later(t)
+                    if where is not None:
+                        raise SpecError(_unsummed_message(t, where))
+
+    @never_compiled
+    def _unsummed(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a gathered or closed-over tensor whose gradient sums over the ranks (as ``_swap`` finds)."""
+        key = id(x)
+        if key in _LIVE_KEYS and _LIVE.get(key) is x:
+            return True
+        return (
+            x.requires_grad
+            and key not in self.own
+            and key not in _TAPPED_KEYS
+            and ((node := x.grad_fn) is None or node._sequence_nr() < self.since)  # pyright: ignore[reportPrivateUsage]  # older than the call
+            and _functorch.maybe_get_level(x) <= self.level
+        )
 
     @never_compiled
     def _swap_any(self, x: Any) -> Any:
@@ -361,6 +395,47 @@ class _PerShard(TorchFunctionMode):
             return x
         self.views[key] = view
         return view
+
+
+def _recorded_later(x: torch.Tensor) -> str | None:
+    """The custom Function whose forward takes ``x`` as an input, or the reentrant checkpoint, running now.
+
+    ``None`` where neither is (a ``no_grad`` block). Read from the call stack: a Function's
+    forward runs from ``Function.apply``, whose ``args`` hold its inputs.
+    """
+    checkpoint = sys.modules.get("torch.utils.checkpoint")  # not imported: no checkpoint runs
+    reentrant = getattr(checkpoint, "CheckpointFunction", None)
+    reentrant_code = reentrant.forward.__code__ if reentrant is not None else None
+    frame = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the one way to read the call stack
+    while frame is not None:
+        if frame.f_code is reentrant_code:
+            return "checkpoint"
+        if frame.f_code is _APPLY:
+            inputs = frame.f_locals.get("args", ())
+            if any(a is x for a in inputs):
+                return getattr(frame.f_locals.get("cls"), "__qualname__", "a custom Function")
+        frame = frame.f_back
+    return None
+
+
+_APPLY = vars(torch.autograd.Function)["apply"].__func__.__code__  # a custom Function's apply (a classmethod)
+
+
+def _unsummed_message(x: torch.Tensor, where: str) -> str:
+    what = f"a tensor of shape {tuple(x.shape)} from outside the function's arguments that requires grad"
+    if where == "checkpoint":
+        return (
+            f"A per-shard function (shard_map's or map_local's fn) used {what} inside torch.utils.checkpoint with "
+            "use_reentrant=True (torch's default where use_reentrant is not given): its backward recomputes "
+            "outside the function, where the tensor's gradient cannot sum over the ranks. Pass use_reentrant=False "
+            "to checkpoint(), or checkpoint the whole shard_map call."
+        )
+    return (
+        f"A per-shard function (shard_map's or map_local's fn) passed {what} to custom autograd Function {where}: "
+        "its backward gives the tensor a gradient that cannot sum over the ranks (the Function's node holds the "
+        "tensor itself). Pass the tensor to shard_map as an argument (a Replicated in_spec), or pass the Function "
+        "a view of it made in the function (w.view_as(w)), whose gradient sums."
+    )
 
 
 def _needs_grad(x: Any) -> bool:
