@@ -92,16 +92,32 @@ class Config:
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
 
 
+# Waits are given to torch in whole milliseconds, as a timedelta: less than one reads as no timeout at all, and
+# more than about 8.6e13 s is no timedelta. A bound well inside both.
+_SECONDS = (0.001, 1e12)
+
+
 def _check_seconds(name: str, value: Any) -> None:
     _check_positive(name, value, "seconds, such as 60.0")
+    low, high = _SECONDS
+    if not low <= value <= high:
+        msg = (
+            f"fshard setting {name}={value!r}: give from {low} s (torch waits in whole milliseconds; less reads "
+            f"as no timeout) to {high:.0e} s."
+        )
+        raise SpecError(msg)
 
 
 def _check_positive(name: str, value: Any, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         msg = f"fshard setting {name}={value!r} is a {type(value).__name__}: give a number of {unit}."
         raise TypeError(msg)
-    if not (math.isfinite(value) and value > 0):
-        raise SpecError(f"fshard setting {name}={value!r}: give a positive, finite number of {unit}.")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int past any float
+        finite = False
+    if not (finite and value > 0):
+        raise SpecError(f"fshard setting {name}={value!r:.40}: give a positive, finite number of {unit}.")
 
 
 _current = Config(check_collectives=parse_bool_env("FSHARD_CHECK", os.environ.get("FSHARD_CHECK")))

@@ -81,13 +81,30 @@ def test_check_timeout_defaults_to_a_minute_and_takes_positive_seconds():
         (float("inf"), ValueError, "check_timeout=inf: give a positive, finite"),
         ("60", TypeError, "check_timeout='60' is a str: give a number of seconds"),
         (True, TypeError, "check_timeout=True is a bool"),
+        # torch waits in whole milliseconds: 0.4 ms read as no timeout at all (a hang instead of the error)
+        (0.0004, ValueError, "check_timeout=0.0004: give from 0.001 s (torch waits in whole milliseconds"),
+        # past a timedelta: every collective raised Python's OverflowError
+        (1e15, ValueError, "check_timeout=1000000000000000.0: give from 0.001 s"),
+        (10**400, ValueError, "check_timeout=1000000000000000000000000000000000000000: give a positive, finite"),
     ],
-    ids=["zero", "negative", "nan", "inf", "string", "bool"],
+    ids=["zero", "negative", "nan", "inf", "string", "bool", "under-a-millisecond", "past-a-timedelta", "huge-int"],
 )
 def test_bad_timeouts_are_refused(value, error, message):
     with pytest.raises(error, match=re.escape(message)):
         fshard.config(check_timeout=value)
     assert fshard.config().check_timeout == 60.0
+    with pytest.raises(error, match=re.escape(message.replace("check_timeout", "timeout"))):
+        fshard.config(timeout=value)
+    assert fshard.config().timeout is None
+
+
+def test_the_bounds_of_a_timeout_are_taken():
+    old = fshard.config(timeout=0.001)
+    try:
+        assert fshard.config(timeout=1e12).timeout == 0.001  # config returns the settings before
+        assert fshard.config().timeout == 1e12
+    finally:
+        fshard.config(timeout=old.timeout)
 
 
 def test_unknown_settings_are_refused():

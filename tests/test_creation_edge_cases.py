@@ -128,6 +128,26 @@ def test_pending_max_and_min_fill_every_copy():
         assert torch.equal(fshard.gather(fshard.rand(spec, 2, seed=5)), want)
 
 
+@pytest.mark.parametrize(
+    ("op", "dtype"),
+    [("sum", torch.float8_e4m3fn), ("sum", torch.uint32), ("sum", torch.uint64), ("max", torch.uint16)],
+)
+def test_a_pending_reduction_torch_has_no_kernel_for_is_refused_when_made(op, dtype):
+    """It was made, and the first movement raised torch's NotImplementedError ("add_stub" not implemented)."""
+    name = {"sum": "add", "max": "maximum"}[op]
+    msg = f"A pending {op} of {dtype} values cannot be reduced: torch has no {name} for {dtype}."
+    with pytest.raises(fshard.SpecError, match=re.escape(msg)):
+        fshard.ones(fshard.Partial(fshard.Replicated(RANKS), op), 3, dtype=dtype)
+    fshard.ones(fshard.Chunk(0, RANKS), 3, dtype=dtype)  # nothing to reduce: made as before
+
+
+@pytest.mark.parametrize("make", [fshard.zeros, fshard.ones, fshard.rand, fshard.empty])
+def test_a_quantized_dtype_is_refused_naming_the_way(make):
+    """torch fills none of them: zeros raised torch's NotImplementedError, a pending sum an INTERNAL ASSERT."""
+    with pytest.raises(TypeError, match=re.escape("dtype=torch.qint8 is quantized, which fshard's creation")):
+        make(fshard.Chunk(0, RANKS), 3, dtype=torch.qint8)
+
+
 @pytest.mark.parametrize("make", [fshard.rand, fshard.randn])
 def test_random_values_are_the_same_for_every_spec_partial_ones_included(make):
     shape = (5, 3)

@@ -90,8 +90,20 @@ def _filled(layout: Layout) -> np.ndarray | None:
     return out
 
 
+_QUANTIZED = frozenset(
+    getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, name)
+)
+
+
 def check_dtype(dtype: Any) -> torch.dtype | None:
-    """``dtype`` itself (``None`` or a ``torch.dtype``), else ``TypeError``."""
+    """``dtype`` itself (``None`` or a ``torch.dtype`` that is not quantized), else ``TypeError``."""
+    if isinstance(dtype, torch.dtype) and dtype in _QUANTIZED:  # torch fills none of them (zeros, ones, rand)
+        msg = (
+            f"dtype={dtype} is quantized, which fshard's creation functions do not make: create the array in "
+            "torch.float32 and quantize its blocks, fshard.map_local(lambda t: torch.quantize_per_tensor(t, "
+            "scale, zero_point, dtype), x)."
+        )
+        raise TypeError(msg)
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r} ({type(dtype).__name__}).")

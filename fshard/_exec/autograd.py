@@ -649,11 +649,18 @@ def move(
 
 
 def check_orderable(op: str | None, dtype: torch.dtype) -> None:
-    """Refuses a pending max or min of complex values (they have no order), on every rank alike.
+    """Refuses a pending reduction that torch cannot compute for ``dtype``, on every rank alike.
+
+    Complex values have no order (``max``, ``min``); some dtypes have no kernel for the
+    reduction at all (float8 and uint16/32/64 no add, quantized ones neither): the reduction
+    would raise torch's own error at the first movement, on the ranks that reduce.
 
     Raises:
-        SpecError: ``op`` is ``"max"`` or ``"min"`` and ``dtype`` is complex.
+        SpecError: ``op`` is ``"max"`` or ``"min"`` and ``dtype`` is complex, or torch has no
+            kernel for ``op`` of ``dtype``.
     """
+    if op is None:
+        return
     if op in ("max", "min") and dtype.is_complex:
         msg = (
             f"A pending {op} of {dtype} values cannot be reduced: complex numbers have no order. "
@@ -661,6 +668,30 @@ def check_orderable(op: str | None, dtype: torch.dtype) -> None:
             "Partial), or use a pending sum."
         )
         raise SpecError(msg)
+    if _no_kernel(op, dtype):
+        msg = (
+            f"A pending {op} of {dtype} values cannot be reduced: torch has no {_REDUCERS[op].__name__} for "
+            f"{dtype}. Make the pending value in a dtype that has one (torch.float32, torch.bfloat16, "
+            "torch.int64, ...) and convert the reduced result."
+        )
+        raise SpecError(msg)
+
+
+_REDUCERS: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+@cached(64)
+def _no_kernel(op: str, dtype: torch.dtype) -> bool:
+    """Whether torch lacks ``op``'s elementwise reducer for ``dtype`` on the CPU (tried once, on one element)."""
+    reducer = _REDUCERS.get(op)
+    if reducer is None:
+        return False
+    try:
+        one = torch.zeros(1, dtype=dtype)
+        reducer(one, one)
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
 
 
 def move_summing(
