@@ -133,8 +133,8 @@ def config(**changes: Any) -> Config:
 
     Raises:
         TypeError: an unknown setting, or a value of the wrong type.
-        SpecError: a value out of range (a ``check_timeout``, ``timeout`` or ``bucket_cap_mb`` that is not
-            positive); a ``ValueError``.
+        SpecError: a value out of range (a ``check_timeout`` or ``timeout`` outside 0.001 to 1e12 seconds, a
+            ``bucket_cap_mb`` that is not positive and finite); a ``ValueError``.
 
     >>> import fshard
     >>> old = fshard.config(check_collectives=True, check_timeout=5.0)
