@@ -305,3 +305,31 @@ def test_copies_along_an_axis_that_psum_does_not_sum_over_are_accepted():
     )
     x = torch.arange(8.0).reshape(2, 4)
     assert torch.equal(fshard.gather(f(x)), x.sum(0) * x)
+
+
+def test_a_second_psum_over_another_axis_does_not_hide_the_first():
+    """The axes of every psum pooled into one set made one group of the whole mesh: the copies on ranks 0 and 1
+    (6 and 12) were accepted once the body also summed an unrelated value over "b"."""
+    mesh = fshard.Mesh((2, 2), axis_names=("a", "b"))
+    boxes = fshard.Layout((6, 3), [((0, 0), (2, 3), 0), ((0, 0), (2, 3), 1), ((2, 0), (2, 3), 2), ((4, 0), (2, 3), 3)])
+    f = fshard.shard_map(
+        lambda m, b: fshard.psum(b, "a") + 0 * m.sum() + 0 * fshard.psum(m, "b"),
+        in_specs=(fshard.Named(mesh, (None,)), boxes),
+        out_specs=boxes,
+    )
+    with pytest.raises(fshard.SpecError, match=re.escape("fn's psum over ('a',) and over ('b',) sums with them")):
+        f(torch.zeros(1), torch.arange(18.0).reshape(6, 3))
+
+
+def test_groups_are_compared_in_the_meshs_order_whatever_the_placements_order():
+    """Mesh ranks [[0, 1], [3, 2]]: the placements' order (0, 1, 2, 3, from the first argument) put rank 3's
+    group as (2, 3); in the mesh's order it is (3, 2), alike with (0, 1) position by position."""
+    mesh = fshard.Mesh((2, 2), axis_names=("a", "b"), ranks=[[0, 1], [3, 2]])
+    f = fshard.shard_map(
+        lambda s, t: fshard.psum(t, "b") * t + 0 * s.sum(),
+        in_specs=(fshard.Replicated([0, 1, 2, 3]), fshard.Named(mesh, (None, "b"))),
+        out_specs=fshard.Named(mesh, (None, "b")),
+    )
+    x = torch.arange(8.0).reshape(2, 4)
+    left, right = x[:, :2], x[:, 2:]
+    assert torch.equal(fshard.gather(f(torch.zeros(1), x)), (left + right).repeat(1, 2) * x)

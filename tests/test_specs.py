@@ -190,7 +190,7 @@ def test_mesh_is_a_hashable_value():
             {"shape": (2, 2), "axis_names": ("a", "a")},
             "Mesh of shape (2, 2) needs 2 distinct axis names, got ('a', 'a').",
         ),
-        ({"shape": (2,), "ranks": "ab"}, "got the string 'ab': give a list, e.g. ranks=['ab'] for one placement."),
+        ({"shape": (2,), "ranks": "ab"}, "got the string 'ab': give a list, e.g. ranks=[0, 1] or ranks=['rank:0/cpu'"),
     ],
     ids=["too-few-ranks", "too-many-ranks", "repeated-rank", "too-few-names", "repeated-name", "a-string"],
 )

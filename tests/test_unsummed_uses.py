@@ -110,6 +110,43 @@ def test_a_view_made_in_fn_a_non_reentrant_checkpoint_and_a_no_grad_use_sum_as_b
     assert _grad(case) == EXPECTED
 
 
+class Outer(torch.autograd.Function):
+    """A Function whose forward applies ``Mul`` to ``W``: the inner node records nothing (its forward runs under
+    no_grad), and torch gives ``W`` no gradient through it."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        return Mul.apply(a, W) * 0 + a
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+def _records_nothing(case: str) -> list[float]:
+    w = torch.tensor([1.5, -2.0], dtype=torch.float64, requires_grad=True)
+    rows = fshard.shard(torch.arange(8.0, dtype=torch.float64).reshape(4, 2), fshard.Chunk(0, R))
+
+    def under_no_grad(t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            s = Mul.apply(t, w).sum() + 1  # a metric through a custom kernel: nothing recorded
+        return t * w * (s / s)
+
+    bodies = {
+        "no_grad": under_no_grad,
+        "nested": lambda t: Outer.apply(t) * w,
+        "compiled": torch.compile(lambda t: t * w, backend="aot_eager"),  # a graph's Function holds w
+    }
+    fshard.gather(fshard.map_local(bodies[case], rows)).sum().backward()
+    assert w.grad is not None
+    return w.grad.tolist()
+
+
+@pytest.mark.parametrize("case", ["no_grad", "nested", "compiled"])
+def test_functions_that_record_nothing_and_compiled_graphs_are_not_refused(case: str) -> None:
+    assert _records_nothing(case) == EXPECTED
+
+
 def test_a_tensor_a_functions_forward_closes_over_gets_no_gradient_through_it_as_in_torch() -> None:
     """Not an input of the Function: nothing to refuse (its use outside the Function sums as usual)."""
     assert _grad("closed-in-forward") == EXPECTED
@@ -123,3 +160,5 @@ def test_on_gloo_the_same_uses_are_refused_on_every_rank_and_the_others_sum(dist
             assert phrase in got[1], (case, rank, got)
     for case in [*SUMMED, "closed-in-forward"]:
         assert dist_pool.run(_grad, case, timeout=60) == [EXPECTED] * 4, case
+    for case in ["no_grad", "nested"]:
+        assert dist_pool.run(_records_nothing, case, timeout=60) == [EXPECTED] * 4, case

@@ -270,8 +270,8 @@ def _lay_out(
 laid_out = cached(256)(_lay_out)
 
 
-# Where a call's bodies summed (``psum``): their mesh, their placements in body order, and the axes summed over.
-Summed = tuple[Mesh, tuple[Placement, ...], tuple[str, ...]]
+# Where a call's bodies summed (``psum``): their mesh, their placements in body order, and each psum's axes.
+Summed = tuple[Mesh, tuple[Placement, ...], tuple[tuple[str, ...], ...]]
 
 
 def check_replicas(
@@ -307,7 +307,8 @@ def check_replicas(
         else "use fshard.shard_map(..., check_vma=False) if fn returns equal results there"
     )
     gives = (
-        f"gives the placements that fn's psum over {summed[2]!r} sums with them different blocks"
+        f"gives the placements that fn's psum over {' and over '.join(map(repr, summed[2]))} sums with them "
+        "different blocks"
         if grouped and summed is not None
         else "gives those placements different blocks"
     )
@@ -357,11 +358,13 @@ def _replica_conflict(
 
 
 def _ids_of(lay: Layout, slots: Sequence[Slot], summed: Summed | None) -> np.ndarray:
-    """Per slot, an id that two slots share exactly when argument ``lay`` gives them the same blocks.
+    """Per slot, an id that two slots share where argument ``lay`` gives them blocks that give equal results.
 
-    Its own block's replica id; where the bodies summed (``summed``), with those of the blocks at
-    the same block number of each placement of its placement's group, in the group's order (-1
-    where a placement has none there).
+    Its own block's replica id. Where the bodies summed (``summed``), a psum over axes A gives
+    every placement of an A-group one sum of its members' values, in the mesh's order; so two
+    placements are alike where their own blocks are, and, for each A, the members of their
+    A-groups are alike, position by position. Refined until nothing splits: each round costs one
+    look at each placement per A.
     """
     rid, where = replica_ids(lay), slots_of(lay)
 
@@ -371,13 +374,36 @@ def _ids_of(lay: Layout, slots: Sequence[Slot], summed: Summed | None) -> np.nda
 
     if summed is None:
         return np.array([one(p, k) for p, k in slots], dtype=np.int64)
-    mesh, placements, axes = summed
-    groups, of = _psum_groups(mesh, placements, axes)
+    mesh, placements, sets = summed
     index = {p: i for i, p in enumerate(placements)}
-    rows = [(one(p, k), *(one(placements[m], k) for m in groups[of[index[p]]])) for p, k in slots]
-    if not rows:
-        return np.zeros(0, dtype=np.int64)
-    return np.unique(np.array(rows, dtype=np.int64), axis=0, return_inverse=True)[1].reshape(-1)
+    members = [_mesh_groups(mesh, placements, axes) for axes in sets]
+    out = np.zeros(len(slots), dtype=np.int64)
+    for k in sorted({k for _, k in slots}):  # a block number at a time (a psum's body is one per placement)
+        ids = np.unique(np.array([one(p, k) for p in placements], dtype=np.int64), return_inverse=True)[1]
+        while True:
+            columns = [ids.reshape(-1)]
+            for groups, of in members:
+                per_group = np.unique(ids[groups], axis=0, return_inverse=True)[1].reshape(-1)
+                columns.append(per_group[of])
+            refined = np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+            if refined.max(initial=-1) == ids.max(initial=-1):  # no class split: a fixed point
+                break
+            ids = refined
+        at = [i for i, (_, kk) in enumerate(slots) if kk == k]
+        out[at] = ids[[index[slots[i][0]] for i in at]]
+    return out
+
+
+@cached(256)
+def _mesh_groups(mesh: Mesh, placements: tuple[Placement, ...], axes: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The groups of a psum over ``axes``, a (groups, members) array of body indices in the mesh's order; each one's.
+
+    (The groups of one psum are all of one size: the mesh's extent along ``axes``.)
+    """
+    groups, of = _psum_groups(mesh, placements, axes)
+    flat = {p: i for i, p in enumerate(mesh.ranks)}
+    ordered = np.array([sorted(g, key=lambda b: flat[placements[b]]) for g in groups], dtype=np.int64)
+    return ordered.reshape(len(groups), -1), np.asarray(of, dtype=np.int64)
 
 
 def _mesh_axes(spec: Any, p: Placement, q: Placement) -> list[str]:

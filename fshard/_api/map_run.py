@@ -101,7 +101,7 @@ def run_per_slot(
     # In one process, the closed-over tensors each rank's bodies used, counted per rank (as each process counts).
     closed_by_rank: dict[int, set[int]] | None = None if backend.spans_processes else {}
     rank_of: dict[Slot, int] = {}
-    summed: set[str] = set()  # the mesh axes the bodies' psums summed over
+    summed: set[tuple[str, ...]] = set()  # the mesh axes of each psum of the bodies
 
     def context(slot: Slot | None) -> Any:
         if slot is None or closed_by_rank is None:
@@ -197,8 +197,8 @@ def run_per_slot(
     )
 
 
-def _summed_over(summed: set[str], reducing: Reducing | None, first: Layout) -> Summed | None:
-    """The body's mesh, placements and the axes its reductions summed over (``None`` where none did)."""
+def _summed_over(summed: set[tuple[str, ...]], reducing: Reducing | None, first: Layout) -> Summed | None:
+    """The body's mesh, placements and the axes of each of its reductions (``None`` where none reduced)."""
     if not summed or reducing is None:
         return None
     placements = tuple(positions(first))
@@ -286,7 +286,7 @@ def _bodies(
     layout: Layout,
     backend: Any,
     rank_of: Mapping[Slot, int],
-    summed: set[str],
+    summed: set[tuple[str, ...]],
 ) -> list[tuple[Slot, Any]]:
     """``fn`` on each slot's blocks: one after another, or in threads where a body reduces in one process.
 
@@ -294,7 +294,7 @@ def _bodies(
     (its rank's closed-over tensors counted apart); across processes, or in threads, in
     ``context(None)``. In one process each rank's bodies draw random numbers from a state of
     their own (``RankDraws``, by ``rank_of``, or by placement where they take turns in threads).
-    ``summed`` gets the mesh axes the bodies' reductions sum over.
+    ``summed`` gets the mesh axes of each reduction of the bodies.
     """
     apart = not backend.spans_processes
     if reducing is None:

@@ -275,10 +275,11 @@ def _init_state(opt: torch.optim.Optimizer) -> None:
                     opt.state.pop(p, None)
                 empty = [tuple(p.shape) for p in params if p.numel() == 0]
                 msg = (
-                    f"optimizer_state() cannot make the state of a {type(opt).__name__} that has not stepped: its "
-                    f"step divides by a parameter's size ({exc}), and shards of shapes {empty} are empty. Give the "
-                    "arrays a layout with no empty shard (fewer ranks than rows), or use an optimizer whose state "
-                    "is per element (AdamW, SGD, ...)."
+                    f"optimizer_state() cannot make the state of {type(opt).__name__}, which has not stepped: its "
+                    f"step divides by a parameter's size ({exc}), and shards of shapes {empty} are empty. An "
+                    "optimizer whose step does so keeps state per parameter, not per element (a factored second "
+                    "moment, as torch.optim.Adafactor keeps), which no layout can split: use one whose state is "
+                    "per element (AdamW, SGD, ...)."
                 )
                 raise SpecError(msg) from exc
     finally:

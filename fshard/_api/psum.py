@@ -74,7 +74,7 @@ def psum(x: torch.Tensor, axis: str | Sequence[str]) -> torch.Tensor:
     groups, of = groups_of(body.mesh, body.placements, axes)
     if all(len(g) == 1 for g in groups):
         return x
-    body.summed.update(axes)
+    body.summed.add(tuple(sorted(axes)))
     # The placements summed together must agree on these: the backward (and tangent) is a sum they all join.
     flags = (torch.is_grad_enabled() and x.requires_grad, fwAD.unpack_dual(x).tangent is not None)  # pyright: ignore[reportUnknownMemberType]
     if body.backend.spans_processes:

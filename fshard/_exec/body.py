@@ -79,9 +79,11 @@ class Body:
     mesh: Any
     backend: Any
     rendezvous: Rendezvous | None = None
-    # The mesh axes its reductions summed over (a set shared by the call's bodies): a result there may depend on
+    # The mesh axes of each of its reductions (a set shared by the call's bodies): a result there may depend on
     # the blocks of every placement summed with it, which the check of the results' copies then compares.
-    summed: set[str] = dataclasses.field(default_factory=lambda: set[str](), compare=False, hash=False)
+    summed: set[tuple[str, ...]] = dataclasses.field(
+        default_factory=lambda: set[tuple[str, ...]](), compare=False, hash=False
+    )
     # The counts of psums whose sums are on a device (NCCL): read when the body returns, not at each psum,
     # where reading them would make the CPU wait for the device (``AllReduce``).
     counts: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=lambda: [], compare=False, hash=False)

@@ -398,24 +398,40 @@ class _PerShard(TorchFunctionMode):
 
 
 def _recorded_later(x: torch.Tensor) -> str | None:
-    """The custom Function whose forward takes ``x`` as an input, or the reentrant checkpoint, running now.
+    """The custom Function whose forward takes ``x`` as an input and records, or the reentrant checkpoint, running now.
 
-    ``None`` where neither is (a ``no_grad`` block). Read from the call stack: a Function's
-    forward runs from ``Function.apply``, whose ``args`` hold its inputs.
+    ``None`` where neither is (a ``no_grad`` block, a Function applied under ``no_grad`` or
+    inside another's forward, whose node records nothing). Read from the call stack: a
+    Function's forward runs from ``Function.apply``, whose ``args`` hold its inputs, and its
+    ``ctx`` (where its forward takes one) has edges only where it records. Functions of torch's
+    own compiled graphs (TorchDynamo's, AOTAutograd's) are not the caller's: skipped.
     """
     checkpoint = sys.modules.get("torch.utils.checkpoint")  # not imported: no checkpoint runs
     reentrant = getattr(checkpoint, "CheckpointFunction", None)
     reentrant_code = reentrant.forward.__code__ if reentrant is not None else None
-    frame = sys._getframe(1)  # pyright: ignore[reportPrivateUsage]  # the one way to read the call stack
+    frame, inner = sys._getframe(1), None  # pyright: ignore[reportPrivateUsage]  # the one way to read the call stack
     while frame is not None:
-        if frame.f_code is reentrant_code:
+        if frame.f_code is reentrant_code and _records(frame.f_locals.get("ctx")):
             return "checkpoint"
         if frame.f_code is _APPLY:
+            cls = frame.f_locals.get("cls")
             inputs = frame.f_locals.get("args", ())
-            if any(a is x for a in inputs):
-                return getattr(frame.f_locals.get("cls"), "__qualname__", "a custom Function")
-        frame = frame.f_back
+            at = next((i for i, a in enumerate(inputs) if a is x), None)
+            ctx = inner.f_locals.get("ctx") if inner is not None else None  # the forward's frame is the one inside
+            if at is not None and not getattr(cls, "__module__", "").startswith("torch._") and _records(ctx, at):
+                return getattr(cls, "__qualname__", "a custom Function")
+        frame, inner = frame.f_back, frame
     return None
+
+
+def _records(ctx: Any, at: int | None = None) -> bool:
+    """Whether a Function's ``ctx`` records (an edge to input ``at``, or to any); ``True`` where there is no ctx."""
+    edges = getattr(ctx, "next_functions", None)
+    if edges is None:  # a forward without ctx (setup_context's kind): not known here, taken as recording
+        return True
+    if at is None:
+        return any(node is not None for node, _ in edges)
+    return at < len(edges) and edges[at][0] is not None
 
 
 _APPLY = vars(torch.autograd.Function)["apply"].__func__.__code__  # a custom Function's apply (a classmethod)

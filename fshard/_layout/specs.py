@@ -288,7 +288,7 @@ def _flat_ranks(ranks: Any) -> list[Any]:
     if isinstance(ranks, (str, bytes)):  # one placement's string, or a string read as many letters
         msg = (
             f"Mesh ranks= takes a list of placements (ints, Placements or strings like 'rank:0/cpu'), "
-            f"got the string {ranks!r}: give a list, e.g. ranks=[{ranks!r}] for one placement."
+            f"got the string {ranks!r}: give a list, e.g. ranks=[0, 1] or ranks=['rank:0/cpu', 'rank:1/cpu']."
         )
         raise SpecError(msg)
     try:
