@@ -12,6 +12,7 @@ import re
 import optree
 import pytest
 import torch
+import torch.distributed as dist
 
 import fshard
 
@@ -750,3 +751,29 @@ def test_results_are_not_compared_for_gradients_under_no_grad(dist_pool):
     """As the movements' headers: under no_grad no rank records a gradient through the call, whatever its blocks say."""
     assert _a_view_on_one_rank_under_no_grad() == [False, False, False, True]
     assert dist_pool.run(_a_view_on_one_rank_under_no_grad, timeout=60) == [[False], [False], [False], [True]]
+
+
+def _tensor_of_another_shape_on_rank_zero(kind: str) -> tuple[str, str]:
+    """Rank 0 passes a (4, 8) tensor, the others (4, 6): each shards its own."""
+    ranks = [0, 1, 2, 3]
+    t = torch.ones(4, 8) if dist.get_rank() == 0 else torch.ones(4, 6)
+    try:
+        if kind == "inferred":  # the results' shapes exchanged: the call blamed its result, and a global shape (4, 8)
+            y = fshard.shard_map(lambda b: b * 2, in_specs=fshard.Chunk(0, ranks), out_specs=fshard.Chunk(0, ranks))(t)
+        else:  # the outcome posted: the sum 26 of 8 + 6 * 3 ones came back with no error
+            y = fshard.shard_map(
+                lambda b: b.sum()[None],
+                in_specs=fshard.Chunk(0, ranks),
+                out_specs=fshard.Partial(fshard.Replicated(ranks)),
+            )(t)
+        return "ok", str(fshard.gather(y).tolist())
+    except fshard.CollectiveMismatchError as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("kind", ["inferred", "posted"])
+def test_a_tensor_argument_of_another_shape_on_one_rank_raises_on_every_rank(dist_pool, kind):
+    for rank, (error, msg) in enumerate(dist_pool.run(_tensor_of_another_shape_on_rank_zero, kind, timeout=60)):
+        assert error == "CollectiveMismatchError", (rank, msg)
+        assert "differ in the shapes and dtypes of its tensor arguments (pass the same tensor on every rank)" in msg
+        assert f"(this rank's: argument 0 (4, {8 if rank == 0 else 6}) torch.float32)" in msg

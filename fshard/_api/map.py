@@ -241,6 +241,7 @@ def named_shard_map(
         arrays: list[tuple[int, ShardedArray]] = []
         targets: list[Layout | None] = []  # where each array argument moves (None: a tensor, sharded there)
         extras: list[tuple[int, Any]] = []
+        tensors: list[str] = []  # each tensor argument's shape and dtype: every rank must pass the same tensor
         if (
             specs_key is not None
             and all(type(args[k]) is ShardedArray and args[k].backend is backend for k in given)
@@ -267,6 +268,7 @@ def named_shard_map(
             elif isinstance(a, torch.Tensor):
                 arrays.append((k, shard(a, spec, backend=backend)))
                 targets.append(None)
+                tensors.append(f"{_label(k)} {tuple(a.shape)} {a.dtype}")
             else:
                 msg = (
                     f"shard_map() argument {k} is a {type(a).__name__}: give a ShardedArray, a tensor or a "
@@ -300,10 +302,25 @@ def named_shard_map(
             grouped=True,
             reducing=reducing,
             regathered=regather and any(t is not None and t != a.layout for (_, a), t in zip(arrays, targets)),
-            form=form,
+            form=_with_tensors(form, tensors) if tensors and arrays[0][1].backend.spans_processes else form,
         )
 
+    def _label(k: int) -> str:
+        return f"argument {k}" if labels is None else repr(labels[k])
+
     return call
+
+
+def _with_tensors(form: tuple[str, str], tensors: Sequence[str]) -> tuple[str, str]:
+    """``form`` with the shapes and dtypes of the call's tensor arguments, which every rank must pass alike.
+
+    Each rank shards its own tensor: one of another shape would lay the others' blocks out
+    wrongly, and the call's results would be blamed.
+    """
+    what = "the shapes and dtypes of its tensor arguments (pass the same tensor on every rank)"
+    if form[0]:
+        return f"{form[0]}, or {what}", f"{form[1]}; {', '.join(tensors)}"
+    return what, ", ".join(tensors)
 
 
 @opaque  # layout arithmetic in numpy: run eagerly under torch.compile
