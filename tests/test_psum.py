@@ -321,9 +321,9 @@ def test_a_second_psum_over_another_axis_does_not_hide_the_first():
         f(torch.zeros(1), torch.arange(18.0).reshape(6, 3))
 
 
-def test_groups_are_compared_in_the_meshs_order_whatever_the_placements_order():
-    """Mesh ranks [[0, 1], [3, 2]]: the placements' order (0, 1, 2, 3, from the first argument) put rank 3's
-    group as (2, 3); in the mesh's order it is (3, 2), alike with (0, 1) position by position."""
+def test_groups_of_two_are_alike_in_either_order():
+    """Mesh ranks [[0, 1], [3, 2]]: in the placements' order (0, 1, 2, 3, from the first argument), which psum
+    adds in, rank 3's group is (2, 3), whose blocks are rank 0's group's swapped; a + b and b + a are one value."""
     mesh = fshard.Mesh((2, 2), axis_names=("a", "b"), ranks=[[0, 1], [3, 2]])
     f = fshard.shard_map(
         lambda s, t: fshard.psum(t, "b") * t + 0 * s.sum(),
@@ -333,3 +333,22 @@ def test_groups_are_compared_in_the_meshs_order_whatever_the_placements_order():
     x = torch.arange(8.0).reshape(2, 4)
     left, right = x[:, :2], x[:, 2:]
     assert torch.equal(fshard.gather(f(torch.zeros(1), x)), (left + right).repeat(1, 2) * x)
+
+
+def test_groups_of_three_added_in_another_order_are_not_taken_for_copies():
+    """Ranks [[0, 1, 2], [5, 4, 3]]: each row's sum over "b" adds the same three blocks, in placement order, so
+    1 + 1e16 - 1e16 on one row and 1 - 1e16 + 1e16 on the other (0.0 and 1.0): refused as copies along "a"."""
+    mesh = fshard.Mesh((2, 3), axis_names=("a", "b"), ranks=[[0, 1, 2], [5, 4, 3]])
+    specs = {
+        "in_specs": (fshard.Replicated(list(range(6))), fshard.Named(mesh, (None, "b"))),
+        "out_specs": fshard.Named(mesh, (None, "b")),
+    }
+    x = torch.tensor([[1.0, 1e16, -1e16]])
+
+    def body(s, t):
+        return fshard.psum(t, "b") + 0 * s.sum()
+
+    with pytest.raises(fshard.SpecError, match=re.escape("(or alike ones, added in another order)")):
+        fshard.shard_map(body, **specs)(torch.zeros(1), x)
+    y = fshard.shard_map(body, **specs, check_vma=False)(torch.zeros(1), x)  # trusted: the copies do disagree
+    assert sorted({s.data.item() for s in y.addressable_shards}) == [0.0, 1.0]

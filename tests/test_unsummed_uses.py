@@ -35,6 +35,21 @@ class Mul(torch.autograd.Function):
         return g * b, (g * a).sum(0)
 
 
+class ScaledMul(torch.autograd.Function):
+    """``Mul`` after a number: the tensors' positions among the inputs are not their edges' (one per tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, s: float, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.s = s
+        return a * b * s
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        return None, g * b * ctx.s, (g * a).sum(0) * ctx.s
+
+
 class Scaled(torch.autograd.Function):
     """A Function that closes over ``W`` in its forward, not an input: torch gives ``W`` no gradient through it."""
 
@@ -59,6 +74,8 @@ def _grad(case: str) -> Any:
     bodies = {
         "function": lambda t: Mul.apply(t, w),
         "function-of-a-view": lambda t: Mul.apply(t, w.view_as(w)),
+        "after-a-number": lambda t: ScaledMul.apply(1.0, t, w),
+        "by-keyword": lambda t: ScaledMul.apply(1.0, t, b=w),
         "reentrant": lambda t: checkpoint(lambda u: u * w, t, use_reentrant=True),
         "non-reentrant": lambda t: checkpoint(lambda u: u * w, t, use_reentrant=False),
     }
@@ -92,6 +109,8 @@ REFUSED = {
     "function": "passed a tensor of shape (2,) from outside the function's arguments that requires grad to custom "
     "autograd Function Mul",
     "gathered": "to custom autograd Function Mul",
+    "after-a-number": "to custom autograd Function ScaledMul",
+    "by-keyword": "to custom autograd Function ScaledMul",
     "function-in-shard_map": "to custom autograd Function Mul",
     "reentrant": "inside torch.utils.checkpoint with use_reentrant=True",
 }

@@ -124,7 +124,7 @@ def shard_map(
 
     A result is known to be equal on two placements only where every argument gives them
     the same block (copies of one box), and, where ``fn`` sums with ``psum``, gives the
-    placements summed with each of them the same blocks too, in the mesh's order: an
+    placements summed with each of them the same blocks too, in the order it adds them: an
     ``out_specs`` that makes such a result's copies replicas where an argument differs
     between them is refused, since the array would hold replicas that disagree (JAX's
     replication check).

@@ -308,7 +308,7 @@ def check_replicas(
     )
     gives = (
         f"gives the placements that fn's psum over {' and over '.join(map(repr, summed[2]))} sums with them "
-        "different blocks"
+        "different blocks (or alike ones, added in another order)"
         if grouped and summed is not None
         else "gives those placements different blocks"
     )
@@ -361,10 +361,10 @@ def _ids_of(lay: Layout, slots: Sequence[Slot], summed: Summed | None) -> np.nda
     """Per slot, an id that two slots share where argument ``lay`` gives them blocks that give equal results.
 
     Its own block's replica id. Where the bodies summed (``summed``), a psum over axes A gives
-    every placement of an A-group one sum of its members' values, in the mesh's order; so two
-    placements are alike where their own blocks are, and, for each A, the members of their
-    A-groups are alike, position by position. Refined until nothing splits: each round costs one
-    look at each placement per A.
+    every placement of an A-group one sum of its members' values, added in the group's order
+    (the placements'; two summands in either order); so two placements are alike where their
+    own blocks are, and, for each A, the members of their A-groups are alike, position by
+    position. Refined until nothing splits: each round costs one look at each placement per A.
     """
     rid, where = replica_ids(lay), slots_of(lay)
 
@@ -376,15 +376,17 @@ def _ids_of(lay: Layout, slots: Sequence[Slot], summed: Summed | None) -> np.nda
         return np.array([one(p, k) for p, k in slots], dtype=np.int64)
     mesh, placements, sets = summed
     index = {p: i for i, p in enumerate(placements)}
-    members = [_mesh_groups(mesh, placements, axes) for axes in sets]
+    members = [_sum_groups(mesh, placements, axes) for axes in sets]
     out = np.zeros(len(slots), dtype=np.int64)
     for k in sorted({k for _, k in slots}):  # a block number at a time (a psum's body is one per placement)
         ids = np.unique(np.array([one(p, k) for p in placements], dtype=np.int64), return_inverse=True)[1]
         while True:
             columns = [ids.reshape(-1)]
             for groups, of in members:
-                per_group = np.unique(ids[groups], axis=0, return_inverse=True)[1].reshape(-1)
-                columns.append(per_group[of])
+                rows = ids[groups]
+                if rows.shape[1] == 2:  # a + b and b + a are the same bits
+                    rows = np.sort(rows, axis=1)
+                columns.append(np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1)[of])
             refined = np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)[1].reshape(-1)
             if refined.max(initial=-1) == ids.max(initial=-1):  # no class split: a fixed point
                 break
@@ -395,15 +397,13 @@ def _ids_of(lay: Layout, slots: Sequence[Slot], summed: Summed | None) -> np.nda
 
 
 @cached(256)
-def _mesh_groups(mesh: Mesh, placements: tuple[Placement, ...], axes: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The groups of a psum over ``axes``, a (groups, members) array of body indices in the mesh's order; each one's.
+def _sum_groups(mesh: Mesh, placements: tuple[Placement, ...], axes: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The groups of a psum over ``axes``, a (groups, members) array of body indices in the order it adds them.
 
-    (The groups of one psum are all of one size: the mesh's extent along ``axes``.)
+    And each body index's group. (The groups of one psum are all of one size: the mesh's extent along ``axes``.)
     """
     groups, of = _psum_groups(mesh, placements, axes)
-    flat = {p: i for i, p in enumerate(mesh.ranks)}
-    ordered = np.array([sorted(g, key=lambda b: flat[placements[b]]) for g in groups], dtype=np.int64)
-    return ordered.reshape(len(groups), -1), np.asarray(of, dtype=np.int64)
+    return np.array(groups, dtype=np.int64).reshape(len(groups), -1), np.asarray(of, dtype=np.int64)
 
 
 def _mesh_axes(spec: Any, p: Placement, q: Placement) -> list[str]:

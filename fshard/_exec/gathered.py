@@ -414,24 +414,27 @@ def _recorded_later(x: torch.Tensor) -> str | None:
         if frame.f_code is reentrant_code and _records(frame.f_locals.get("ctx")):
             return "checkpoint"
         if frame.f_code is _APPLY:
-            cls = frame.f_locals.get("cls")
-            inputs = frame.f_locals.get("args", ())
-            at = next((i for i, a in enumerate(inputs) if a is x), None)
+            cls, found = frame.f_locals.get("cls"), frame.f_locals
+            inputs = (*found.get("args", ()), *found.get("kwargs", {}).values())
             ctx = inner.f_locals.get("ctx") if inner is not None else None  # the forward's frame is the one inside
-            if at is not None and not getattr(cls, "__module__", "").startswith("torch._") and _records(ctx, at):
+            if (
+                any(a is x for a in inputs)
+                and not getattr(cls, "__module__", "").startswith("torch._")  # a compiled graph's, not the caller's
+                and _records(ctx)
+            ):
                 return getattr(cls, "__qualname__", "a custom Function")
         frame, inner = frame.f_back, frame
     return None
 
 
-def _records(ctx: Any, at: int | None = None) -> bool:
-    """Whether a Function's ``ctx`` records (an edge to input ``at``, or to any); ``True`` where there is no ctx."""
+def _records(ctx: Any) -> bool:
+    """Whether a Function's ``ctx`` records (it has an edge: an input that requires grad, with grad enabled).
+
+    ``True`` where there is no ctx: a forward of ``setup_context``'s kind takes none, and
+    whether its node records is not known inside it.
+    """
     edges = getattr(ctx, "next_functions", None)
-    if edges is None:  # a forward without ctx (setup_context's kind): not known here, taken as recording
-        return True
-    if at is None:
-        return any(node is not None for node, _ in edges)
-    return at < len(edges) and edges[at][0] is not None
+    return edges is None or any(node is not None for node, _ in edges)
 
 
 _APPLY = vars(torch.autograd.Function)["apply"].__func__.__code__  # a custom Function's apply (a classmethod)
@@ -450,7 +453,8 @@ def _unsummed_message(x: torch.Tensor, where: str) -> str:
         f"A per-shard function (shard_map's or map_local's fn) passed {what} to custom autograd Function {where}: "
         "its backward gives the tensor a gradient that cannot sum over the ranks (the Function's node holds the "
         "tensor itself). Pass the tensor to shard_map as an argument (a Replicated in_spec), or pass the Function "
-        "a view of it made in the function (w.view_as(w)), whose gradient sums."
+        "a view of it made in the function (w.view_as(w)), whose gradient sums; where the Function runs under "
+        "torch.no_grad(), pass it w.detach()."
     )
 
 
