@@ -123,3 +123,8 @@ def test_quickstart_runs_under_torchrun():
     assert out.count("rand is layout-invariant: True") == 1  # only rank 0 prints
     assert "backend=torch_dist" in out
     assert "rows -> columns: 72 elements sent (minimum 72)" in out
+
+
+def test_launch_refuses_a_timeout_that_is_not_a_positive_number():
+    with pytest.raises(ValueError, match=r"launch\(\) needs a timeout of some seconds, a positive number, got None"):
+        launch(abs, 1, -3, timeout=None)

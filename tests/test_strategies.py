@@ -87,3 +87,59 @@ def test_partial_specs_draw_summands_with_replicas() -> None:
     spec = find(fst.partial_specs((4, 2)), lambda p: p.layout((4, 2)).terms is not None)
     assert spec.over is not None
     assert spec.layout((4, 2)).terms is not None
+
+
+@given(fst.values(torch.bfloat16))
+def test_bfloat16_values_are_what_bfloat16_holds(v: float) -> None:
+    """They were float32 draws (1/3 as 0.3333333432674408, float32 subnormals), which bfloat16 rounds."""
+    assert float(torch.tensor(v, dtype=torch.bfloat16)) == v
+
+
+def test_guillotine_empty_shards_may_be_empty_along_any_dim() -> None:
+    """Every empty shard had size 0 in dim 0."""
+    layout = find(fst.guillotine_layouts((3, 3)), lambda lay: any(m.sizes == (1, 0) for m in lay.shards))
+    assert any(m.sizes == (1, 0) for m in layout.shards)
+
+
+def _one(strategy: st.SearchStrategy) -> object:
+    return find(strategy, lambda _: True)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: fst.placements(0), "placements() needs world >= 1 (ranks 0 .. world-1), got 0."),
+        (lambda: fst.layouts((2,), world=0), "layouts() needs world >= 1"),
+        (lambda: _one(fst.guillotine_layouts((4,), max_replicas=0)), "needs max_replicas >= 1, got 0."),
+        (lambda: _one(fst.guillotine_layouts((4,), depth=-1)), "needs depth >= 0 (cuts of cuts), got -1."),
+        (lambda: fst.values(torch.uint16), "values() cannot draw dtype torch.uint16; use one of"),
+        (lambda: _one(fst.arrays((2,), dtype=st.just(torch.uint16))), "arrays() cannot fill dtype torch.uint16"),
+        (
+            lambda: _one(fst.arrays((4,), dtype=torch.uint8, elements=st.integers(-8, -1))),
+            "arrays() elements= drew a value that torch.uint8 cannot hold",
+        ),
+    ],
+    ids=[
+        "world-0",
+        "layouts-world-0",
+        "max-replicas-0",
+        "depth-negative",
+        "values-uint16",
+        "arrays-uint16",
+        "uint8-neg",
+    ],
+)
+def test_bad_parameters_raise_value_error_naming_them(make, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make()
+
+
+def test_one_dtype_is_a_list_of_one() -> None:
+    assert find(fst.dtypes(torch.float32), lambda d: True) == torch.float32
+
+
+@settings(max_examples=5)
+@given(fst.named_specs(2, world=1000))
+def test_named_specs_on_a_large_world_draw_only_their_meshs_ranks(spec: fshard.Named) -> None:
+    """A permutation of the whole world was drawn to take a few ranks: hypothesis's health check refused it."""
+    assert len(set(spec.mesh.ranks)) == len(spec.mesh.ranks) <= 1000

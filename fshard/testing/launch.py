@@ -102,6 +102,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120,
     Raises:
         RuntimeError: a rank raised; the message holds that rank's traceback.
         TimeoutError: the ranks did not all finish within ``timeout`` seconds.
+        ValueError: ``world`` below 1, or a ``timeout`` that is not a positive number.
 
     >>> from fshard.testing.launch import launch
     >>> launch(abs, 1, -3)
@@ -109,6 +110,8 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120,
     """
     if world < 1:
         raise ValueError(f"launch() needs world >= 1, got {world}.")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
+        raise ValueError(f"launch() needs a timeout of some seconds, a positive number, got {timeout!r}.")
     ctx = mp.get_context("spawn")
     port = free_port()
     procs: list[BaseProcess] = []

@@ -50,8 +50,14 @@ __all__ = [
 ]
 
 
+def _check_world(world: Any, what: str) -> None:
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{what} needs world >= 1 (ranks 0 .. world-1), got {world!r}.")
+
+
 def placements(world: int = 4, devices: Sequence[str] = ("cpu",)) -> st.SearchStrategy[Placement]:
     """Placements on ranks ``0 .. world-1`` and the given devices."""
+    _check_world(world, "placements()")
     return st.builds(Placement, st.integers(0, world - 1), st.sampled_from(tuple(devices)))
 
 
@@ -71,6 +77,7 @@ def chunk_specs(draw: st.DrawFn, ndim: int, world: int = 4) -> Chunk:
     """``Chunk`` specs over 1 to ``world + 2`` placements (a rank may hold several chunks)."""
     if ndim == 0:
         raise ValueError("chunk_specs needs ndim >= 1: a 0-D array has no dim to split.")
+    _check_world(world, "chunk_specs()")
     dim = draw(st.integers(-ndim, ndim - 1))
     ranks = draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world + 2))
     return Chunk(dim, ranks)
@@ -79,8 +86,10 @@ def chunk_specs(draw: st.DrawFn, ndim: int, world: int = 4) -> Chunk:
 @st.composite
 def named_specs(draw: st.DrawFn, ndim: int, world: int = 4) -> Named:
     """``Named`` specs on a random mesh of up to ``world`` distinct ranks (1-3 axes)."""
+    _check_world(world, "named_specs()")
     sides = draw(st.lists(st.integers(1, world), min_size=1, max_size=3).filter(lambda s: math.prod(s) <= world))
-    ranks = draw(st.permutations(range(world)))[: math.prod(sides)]
+    n = math.prod(sides)  # that many distinct ranks, in any order (a permutation of them all would be world long)
+    ranks = draw(st.lists(st.integers(0, world - 1), min_size=n, max_size=n, unique=True))
     mesh = Mesh(tuple(sides), ranks)
     axes = list(mesh.axis_names or ())
     partition: list[object] = []
@@ -120,15 +129,24 @@ def guillotine_layouts(
 ) -> Layout:
     """Random guillotine partitions of ``shape``: each box on 1 to ``max_replicas`` ranks, plus empty shards.
 
-    Empty shards (a zero side) may sit at any non-negative offset, as the layout rules allow.
+    Empty shards (a zero side, in any dim) may sit at any non-negative offset, as the layout rules allow.
+
+    Raises:
+        ValueError: ``world`` or ``max_replicas`` below 1, or ``depth`` below 0.
     """
+    _check_world(world, "guillotine_layouts()")
+    if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas < 1:  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
+        raise ValueError(f"guillotine_layouts() needs max_replicas >= 1, got {max_replicas!r}.")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
+        raise ValueError(f"guillotine_layouts() needs depth >= 0 (cuts of cuts), got {depth!r}.")
     shards: list[ShardMeta] = []
     for lo, hi in _split(draw, [0] * len(shape), list(shape), depth):
         size = tuple(b - a for a, b in zip(lo, hi))
         shards += [ShardMeta(tuple(lo), size, r) for r in draw(_rank_lists(world, 1, min(max_replicas, world)))]
     for _ in range(draw(st.integers(0, 2)) if empty and shape else 0):
         offsets = tuple(draw(st.integers(0, 2 * s + 1)) for s in shape)
-        sizes = (0, *(draw(st.sampled_from([0, 1])) for _ in shape[1:]))
+        zero = draw(st.integers(0, len(shape) - 1))  # the dim whose side is 0
+        sizes = tuple(0 if d == zero else draw(st.sampled_from([0, 1])) for d in range(len(shape)))
         shard = ShardMeta(offsets, sizes, draw(st.integers(0, world - 1)))
         if shard not in shards:
             shards.append(shard)
@@ -177,7 +195,11 @@ def partial_specs(draw: st.DrawFn, shape: tuple[int, ...], world: int = 4) -> Pa
 
 
 def layouts(shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]], world: int = 4) -> st.SearchStrategy[Layout]:
-    """Layouts of ``shape`` (a shape or a strategy of shapes) drawn from every kind of spec."""
+    """Layouts of ``shape`` (a shape or a strategy of shapes) drawn from every kind of ``specs``.
+
+    None is a pending reduction: ``partial_specs`` draws those.
+    """
+    _check_world(world, "layouts()")
     shape_st = shape if isinstance(shape, st.SearchStrategy) else st.just(tuple(shape))
     return shape_st.flatmap(lambda s: specs(s, world).map(lambda spec: spec.layout(s)))
 
@@ -216,6 +238,8 @@ def dtypes(include: Sequence[torch.dtype] = _DTYPES) -> st.SearchStrategy[torch.
     Raises:
         ValueError: ``include`` is empty or holds a dtype the array strategies cannot fill.
     """
+    if isinstance(include, torch.dtype):
+        include = (include,)  # one dtype, as dtypes(torch.float32) reads
     include = tuple(include)
     unknown = [d for d in include if d not in _NUMPY]
     if not include or unknown:
@@ -229,10 +253,18 @@ def values(dtype: torch.dtype) -> st.SearchStrategy[Any]:
 
     Floats (and complex numbers) take any finite magnitude the dtype holds, -0.0 and
     subnormals included; integers cover its whole range.
+
+    Raises:
+        ValueError: a dtype that ``dtypes()`` does not take.
     """
-    kind = _NUMPY[dtype]
+    kind = _NUMPY.get(dtype) if isinstance(dtype, torch.dtype) else None  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
+    if kind is None:
+        raise ValueError(f"values() cannot draw dtype {dtype!r}; use one of {sorted(map(str, _NUMPY))}.")
     if dtype == torch.bool:
         return st.booleans()
+    if dtype == torch.bfloat16:  # drawn as float32, then rounded to what bfloat16 holds
+        top = float(torch.finfo(dtype).max)
+        return st.floats(-top, top, allow_nan=False, width=32).map(_to_bfloat16)
     bits = np.dtype(kind).itemsize * 8
     if dtype.is_complex:
         top = float(torch.finfo(dtype).max)
@@ -244,22 +276,26 @@ def values(dtype: torch.dtype) -> st.SearchStrategy[Any]:
     return st.integers(int(info.min), int(info.max))
 
 
+def _to_bfloat16(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.bfloat16))
+
+
 def _tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype, elements: Any) -> torch.Tensor:
     kind = _NUMPY[dtype]
-    data = draw(hnp.arrays(kind, shape, elements=elements if elements is not None else values(dtype)))
+    try:
+        data = draw(hnp.arrays(kind, shape, elements=elements if elements is not None else values(dtype)))
+    except OverflowError as exc:  # numpy's, for a value of elements= that dtype cannot hold (-5 as uint8)
+        raise ValueError(f"arrays() elements= drew a value that {dtype} cannot hold ({exc}).") from exc
     # np.array copies into a fresh, writable, C-ordered array; a 0-D draw comes back a numpy scalar.
     # torch's stub leaves from_numpy's argument untyped.
     return torch.from_numpy(np.array(data, dtype=kind).reshape(shape)).to(dtype)  # pyright: ignore[reportUnknownMemberType]
 
 
 def _dtype(draw: st.DrawFn, dtype: DtypeLike) -> torch.dtype:
-    if dtype is None:
-        return draw(dtypes())
-    if isinstance(dtype, st.SearchStrategy):
-        return draw(dtype)
-    if dtype not in _NUMPY:
-        raise ValueError(f"arrays() cannot fill dtype {dtype}; use one of {sorted(map(str, _NUMPY))}.")
-    return dtype
+    got: Any = draw(dtypes()) if dtype is None else draw(dtype) if isinstance(dtype, st.SearchStrategy) else dtype
+    if not isinstance(got, torch.dtype) or got not in _NUMPY:
+        raise ValueError(f"arrays() cannot fill dtype {got!r}; use one of {sorted(map(str, _NUMPY))}.")
+    return got
 
 
 def _shape(draw: st.DrawFn, shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]] | None) -> tuple[int, ...]:
