@@ -51,12 +51,12 @@ class Config:
             yes/no or on/off in any case; unset or empty is off; anything else
             makes ``import fshard`` raise ``ValueError``).
         check_timeout: seconds that check mode lets ranks take to arrive at a
-            collective before it reports the ranks still missing; a positive,
-            finite number (default 60).
+            collective before it reports the ranks still missing; from 0.001 (torch
+            waits in whole milliseconds) to 1e12 (default 60).
         timeout: seconds that a rank waits for the others in each movement's
             collectives (``torch_dist``) before it raises ``CollectiveMismatchError``
             naming the operation and, where it knows them, the ranks that did not
-            arrive; a positive, finite number, or ``None`` (the default): the
+            arrive; from 0.001 to 1e12, or ``None`` (the default): the
             process group's own timeout (30 minutes unless set). The collective
             stays in flight after such an error, so the group cannot be used again.
         bucket_cap_mb: the size, in MiB, of the buckets in which ``shard_map`` sums the
@@ -67,7 +67,8 @@ class Config:
     Raises:
         TypeError: a setting of the wrong type (``check_collectives`` takes only a
             real ``bool``: the string ``"false"`` is refused, not read as true).
-        SpecError: ``check_timeout`` or ``timeout`` is not positive and finite (a ``ValueError``).
+        SpecError: ``check_timeout`` or ``timeout`` outside 0.001 to 1e12 seconds, or a
+            ``bucket_cap_mb`` that is not positive and finite (a ``ValueError``).
     """
 
     check_collectives: bool = False

@@ -777,3 +777,35 @@ def test_a_tensor_argument_of_another_shape_on_one_rank_raises_on_every_rank(dis
         assert error == "CollectiveMismatchError", (rank, msg)
         assert "differ in the shapes and dtypes of its tensor arguments (pass the same tensor on every rank)" in msg
         assert f"(this rank's: argument 0 (4, {8 if rank == 0 else 6}) torch.float32)" in msg
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * mask
+
+
+def _apply_module_with_a_mask_of_another_shape_on_rank_zero() -> str:
+    ranks = [0, 1, 2, 3]
+    torch.manual_seed(0)
+    model = _Masked()
+    params, buffers = fshard.shard_module(model, fshard.fully_sharded(ranks))
+    mask = torch.ones(1) if dist.get_rank() == 0 else torch.ones(3)
+    try:
+        x = fshard.shard(torch.randn(8, 6), fshard.Chunk(0, ranks))
+        out, _ = fshard.apply_module(model, params, buffers, x, mask)
+        return str(tuple(fshard.gather(out).shape))
+    except fshard.CollectiveMismatchError as e:
+        return str(e)
+
+
+def test_apply_module_names_both_things_its_ranks_must_agree_on_and_each_ranks_values(dist_pool):
+    """apply_module's own form (the buffers its forward updates) and the tensor arguments go in one digest."""
+    for rank, msg in enumerate(dist_pool.run(_apply_module_with_a_mask_of_another_shape_on_rank_zero, timeout=60)):
+        assert "differ in either the buffers the module's forward updates" in msg, (rank, msg)
+        assert "or the shapes and dtypes of its tensor arguments (pass the same tensor on every rank)" in msg
+        side = 1 if rank == 0 else 3
+        assert f"(this rank's: []; tensor arguments: forward argument 1 ({side},) torch.float32)" in msg

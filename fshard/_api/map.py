@@ -306,7 +306,7 @@ def named_shard_map(
         )
 
     def _label(k: int) -> str:
-        return f"argument {k}" if labels is None else repr(labels[k])
+        return f"argument {k}" if labels is None else str(labels[k])
 
     return call
 
@@ -318,8 +318,8 @@ def _with_tensors(form: tuple[str, str], tensors: Sequence[str]) -> tuple[str, s
     wrongly, and the call's results would be blamed.
     """
     what = "the shapes and dtypes of its tensor arguments (pass the same tensor on every rank)"
-    if form[0]:
-        return f"{form[0]}, or {what}", f"{form[1]}; {', '.join(tensors)}"
+    if form[0]:  # one digest for both: the ranks learn that one of them differs, each rank's text says which
+        return f"either {form[0]}, or {what}", f"{form[1]}; tensor arguments: {', '.join(tensors)}"
     return what, ", ".join(tensors)
 
 
