@@ -65,6 +65,12 @@ CODES = {
 
 
 DTYPES = {str(d).removeprefix("torch."): d for d in CODES}
+DTYPE_OF_CODE = {code: dtype for dtype, code in CODES.items()}  # a safetensors header's dtype code -> torch dtype
+
+
+def unread_dtype(code: object) -> str:
+    """What a reader says of a tensor whose safetensors dtype code fshard does not read."""
+    return f"has dtype {code!r}, which fshard does not read (known: {sorted(DTYPE_OF_CODE)})"
 
 
 SCALARS = (bool, int, float, str, type(None))

@@ -24,12 +24,11 @@ from typing import Any, cast
 import torch
 
 from fshard._base.alloc import contiguous_strides
-from fshard._checkpoint._format import CODES
+from fshard._checkpoint._format import DTYPE_OF_CODE, unread_dtype
 from fshard._errors import CheckpointError
 
 __all__ = [
     "BLOCK",
-    "DTYPE_OF_CODE",
     "Files",
     "Stored",
     "byte_view",
@@ -203,9 +202,6 @@ def stored_at(
     return Stored(path, start, dtype, shape, dims, neg, conj)
 
 
-# safetensors dtype code -> torch dtype (the inverse of _format.CODES).
-DTYPE_OF_CODE = {code: dtype for dtype, code in CODES.items()}
-
 # A safetensors header larger than this is refused (the format's own reader caps it at 100 MB).
 _MAX_HEADER = 100_000_000
 
@@ -248,9 +244,7 @@ def safetensors_tensor(files: Files, path: Path, name: str, header: tuple[int, d
     )
     code = rec.get("dtype")
     if dtype is None and isinstance(code, str):  # a dtype that safetensors writes but fshard does not read
-        known = sorted(DTYPE_OF_CODE)
-        msg = f"{path}: tensor {name!r} has dtype {code!r}, which fshard does not read (known: {known})."
-        raise CheckpointError(msg)
+        raise CheckpointError(f"{path}: tensor {name!r} {unread_dtype(code)}.")
     if dtype is None or not ok_shape or not ok_span:
         raise CheckpointError(f"{path}: the header entry of tensor {name!r} is malformed: {rec!r:.200}.")
     shape_t, (a, b) = tuple(cast("list[int]", shape)), cast("list[int]", span)

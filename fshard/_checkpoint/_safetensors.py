@@ -28,7 +28,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from fshard._checkpoint._format import CODES
+from fshard._checkpoint._format import DTYPE_OF_CODE, unread_dtype
 from fshard._errors import CheckpointError
 
 __all__ = ["MAX_HEADER", "Entry", "Header", "ReadCounters", "counters", "read_header"]
@@ -36,9 +36,6 @@ __all__ = ["MAX_HEADER", "Entry", "Header", "ReadCounters", "counters", "read_he
 
 # The safetensors library refuses larger headers (its MAX_HEADER_SIZE).
 MAX_HEADER = 100_000_000
-
-
-DTYPES = {code: dtype for dtype, code in CODES.items()}
 
 
 _FIELDS = {"dtype", "shape", "data_offsets"}
@@ -191,14 +188,14 @@ def _entry(path: Path, name: str, info: Any, start: int) -> Entry:
         got = sorted(info) if _is_dict(info) else type(info).__name__
         raise _fail(path, f"{where} is described by {got}, not exactly {sorted(_FIELDS)}")
     code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if not isinstance(code, str) or code not in DTYPES:
-        raise _fail(path, f"{where} has dtype {code!r}, which fshard does not read (known: {sorted(DTYPES)})")
+    if not isinstance(code, str) or code not in DTYPE_OF_CODE:
+        raise _fail(path, f"{where} {unread_dtype(code)}")
     if not _counts(shape):
         raise _fail(path, f"{where} has shape {shape!r}, not a list of non-negative ints")
     if not _counts(offsets, 2):
         raise _fail(path, f"{where} has data_offsets {offsets!r}, not two non-negative ints")
     begin, end = offsets
-    dtype, dims = DTYPES[code], tuple(shape)
+    dtype, dims = DTYPE_OF_CODE[code], tuple(shape)
     if begin > end:
         raise _fail(path, f"{where} has data_offsets [{begin}, {end}], which end before they begin")
     want = math.prod(dims) * dtype.itemsize

@@ -54,6 +54,7 @@ from fshard._layout.specs import whole
 from fshard._plan import plan
 from fshard._plan.direct import Plan
 from fshard.backends import Backend
+from fshard.backends._execution import accumulate
 
 __all__ = [
     "apply",
@@ -669,26 +670,21 @@ def check_orderable(op: str | None, dtype: torch.dtype) -> None:
         )
         raise SpecError(msg)
     if _no_kernel(op, dtype):
+        name = {"sum": "add", "max": "maximum", "min": "minimum"}.get(op, op)
         msg = (
-            f"A pending {op} of {dtype} values cannot be reduced: torch has no {_REDUCERS[op].__name__} for "
+            f"A pending {op} of {dtype} values cannot be reduced: torch has no {name} for "
             f"{dtype}. Make the pending value in a dtype that has one (torch.float32, torch.bfloat16, "
             "torch.int64, ...) and convert the reduced result."
         )
         raise SpecError(msg)
 
 
-_REDUCERS: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
-
-
 @cached(64)
 def _no_kernel(op: str, dtype: torch.dtype) -> bool:
-    """Whether torch lacks ``op``'s elementwise reducer for ``dtype`` on the CPU (tried once, on one element)."""
-    reducer = _REDUCERS.get(op)
-    if reducer is None:
-        return False
+    """Whether the backends' ``accumulate`` cannot combine ``op``'s values of ``dtype`` (tried once, on the CPU)."""
     try:
         one = torch.zeros(1, dtype=dtype)
-        reducer(one, one)
+        accumulate(op, one.clone(), one)
     except (NotImplementedError, RuntimeError):
         return True
     return False

@@ -334,14 +334,25 @@ class _PerShard(TorchFunctionMode):
 
     @never_compiled
     def _unsummed(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is a gathered or closed-over tensor whose gradient sums over the ranks (as ``_swap`` finds)."""
+        """Whether ``x`` is a gathered or closed-over tensor whose gradient sums over the ranks (as ``_swap`` finds).
+
+        A tensor gathered in one process (not live) counts as closed over here: its uses sum there.
+        """
         key = id(x)
         if key in _LIVE_KEYS and _LIVE.get(key) is x:
             return True
+        return key not in _TAPPED_KEYS and self._from_outside(x, key)
+
+    @never_compiled
+    def _from_outside(self, x: torch.Tensor, key: int) -> bool:
+        """Whether ``x`` (of id ``key``) needs a gradient and comes from outside the function.
+
+        No argument block, made before the call (an older autograd node, or none), at the
+        function's ``torch.func`` level or an outer one.
+        """
         return (
             x.requires_grad
             and key not in self.own
-            and key not in _TAPPED_KEYS
             and ((node := x.grad_fn) is None or node._sequence_nr() < self.since)  # pyright: ignore[reportPrivateUsage]  # older than the call
             and _functorch.maybe_get_level(x) <= self.level
         )
@@ -382,11 +393,8 @@ class _PerShard(TorchFunctionMode):
                 self.usage.keys.add(_KEYS[key])
         elif (
             self.closed is not None
-            and x.requires_grad
-            and key not in self.own
-            and ((node := x.grad_fn) is None or node._sequence_nr() < self.since)  # pyright: ignore[reportPrivateUsage]  # older than the call
+            and self._from_outside(x, key)
             and not (key in _GATHERED_KEYS and _GATHERED.get(key) is x)
-            and _functorch.maybe_get_level(x) <= self.level
         ):
             view = self.closed(x)
             if self.usage is not None:

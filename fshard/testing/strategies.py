@@ -50,9 +50,15 @@ __all__ = [
 ]
 
 
+def _at_least(what: str, name: str, value: Any, low: int, meaning: str = "") -> None:
+    """Raises ``ValueError`` unless ``value`` (a strategy's parameter ``name``) is an int of at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        said = f" ({meaning})" if meaning else ""
+        raise ValueError(f"{what} needs {name} >= {low}{said}, got {value!r}.")
+
+
 def _check_world(world: Any, what: str) -> None:
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"{what} needs world >= 1 (ranks 0 .. world-1), got {world!r}.")
+    _at_least(what, "world", world, 1, "ranks 0 .. world-1")
 
 
 def placements(world: int = 4, devices: Sequence[str] = ("cpu",)) -> st.SearchStrategy[Placement]:
@@ -135,10 +141,8 @@ def guillotine_layouts(
         ValueError: ``world`` or ``max_replicas`` below 1, or ``depth`` below 0.
     """
     _check_world(world, "guillotine_layouts()")
-    if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas < 1:  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
-        raise ValueError(f"guillotine_layouts() needs max_replicas >= 1, got {max_replicas!r}.")
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:  # pyright: ignore[reportUnnecessaryIsInstance]  # a caller's value
-        raise ValueError(f"guillotine_layouts() needs depth >= 0 (cuts of cuts), got {depth!r}.")
+    _at_least("guillotine_layouts()", "max_replicas", max_replicas, 1)
+    _at_least("guillotine_layouts()", "depth", depth, 0, "cuts of cuts")
     shards: list[ShardMeta] = []
     for lo, hi in _split(draw, [0] * len(shape), list(shape), depth):
         size = tuple(b - a for a, b in zip(lo, hi))
